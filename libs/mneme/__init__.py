@@ -1,0 +1,1 @@
+"""mneme: long-term memory for AI agents (shared package)."""

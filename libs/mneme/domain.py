@@ -1,0 +1,223 @@
+"""The memory model (DESIGN §1) as plain dataclasses. Imports no transport or store library.
+
+Times are timezone-aware UTC ``datetime`` values; stores keep them as epoch seconds
+(float). Ids are strings (uuid5 where derived, see :func:`derive_id`).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+#: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
+MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
+
+BANK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+WORLD = "world"
+EXPERIENCE = "experience"
+FACT_TYPES = (WORLD, EXPERIENCE)
+
+
+def derive_id(*parts: object) -> str:
+    """Deterministic id: uuid5 over ``parts`` joined by '/', e.g. (event_id, item, n)."""
+    return str(uuid.uuid5(MNEME_NAMESPACE, "/".join(str(p) for p in parts)))
+
+
+def utc(dt: datetime | None) -> datetime | None:
+    """Return ``dt`` as an aware UTC datetime (naive values are taken as UTC)."""
+    if dt is None:
+        return None
+    return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt.astimezone(timezone.utc)
+
+
+def to_epoch(dt: datetime | None) -> float | None:
+    """Aware datetime → epoch seconds (float), None stays None."""
+    return None if dt is None else utc(dt).timestamp()
+
+
+def from_epoch(ts: float | None) -> datetime | None:
+    """Epoch seconds → aware UTC datetime, None stays None."""
+    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class BankConfig:
+    """Per-bank configuration. Traits are 1..5; ``dedup_threshold`` is a cosine in [0, 1]."""
+
+    retain_mission: str = ""
+    observations_mission: str = ""
+    skepticism: int = 3
+    literalism: int = 3
+    empathy: int = 3
+    auto_consolidate: bool = True
+    dedup_threshold: float = 0.97
+    extraction_mode: str = "offline"
+
+
+@dataclass(frozen=True)
+class Bank:
+    """An isolated memory space; ``bank_id`` is a slug matching :data:`BANK_ID_RE`."""
+
+    bank_id: str
+    display_name: str = ""
+    config: BankConfig = field(default_factory=BankConfig)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class RetainItem:
+    """One item to retain. ``timestamp`` is when it was said/happened (UTC)."""
+
+    content: str
+    timestamp: datetime
+    context: str = ""
+    document_id: str = ""
+    tags: tuple[str, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EntityRef:
+    """A resolved entity mention: ``id`` is per bank, ``label`` a spaCy label or CONCEPT."""
+
+    id: str
+    name: str
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A directed link from a unit to ``target_id``; ``kind`` in entity/temporal/semantic/causal."""
+
+    target_id: str
+    kind: str
+    weight: float = 1.0
+
+
+@dataclass
+class Fact:
+    """A memory unit: one self-contained statement with its times, entities and vector.
+
+    ``occurred_start``/``occurred_end`` bound when it happened (coarse dates span the
+    whole period); ``mentioned_at`` is when it was told. ``embedding`` has the
+    embedder's dimension (384 for all-MiniLM-L6-v2).
+    """
+
+    id: str
+    bank_id: str
+    text: str
+    fact_type: str = WORLD
+    context: str = ""
+    occurred_start: datetime | None = None
+    occurred_end: datetime | None = None
+    mentioned_at: datetime | None = None
+    tags: tuple[str, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+    document_id: str = ""
+    chunk_id: str = ""
+    entities: list[EntityRef] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+    item_index: int = 0
+
+
+@dataclass(frozen=True)
+class TimeWindow:
+    """A closed time interval [start, end] in UTC; either end may be open (None)."""
+
+    start: datetime | None = None
+    end: datetime | None = None
+
+    def overlaps(self, start: datetime | None, end: datetime | None) -> bool:
+        """True when [start, end] (None = unbounded) intersects this window."""
+        s = start or end
+        e = end or start
+        if s is None:
+            return False
+        if self.end is not None and s > self.end:
+            return False
+        if self.start is not None and e < self.start:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Recall/list filters. ``tags_match`` in any, all, any_strict, all_strict, exact."""
+
+    types: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    tags_match: str = "any"
+    time_range: TimeWindow | None = None
+    document_id: str = ""
+
+
+@dataclass
+class Hit:
+    """One store hit: a unit id with the arm's raw score (higher is better)."""
+
+    id: str
+    score: float
+
+
+_ARTICLES = ("the ", "a ", "an ", "my ", "our ", "his ", "her ", "their ")
+
+
+def entity_key(name: str) -> str:
+    """Canonical key of an entity name, used for resolution within a bank: lowercased,
+    possessive "'s" and punctuation dropped, a leading article or possessive pronoun
+    removed, whitespace collapsed. Numbers are kept ("Room 101" ≠ "Room 102")."""
+    s = name.lower().replace("\u2019", "'")
+    s = re.sub(r"'s\b", "", s)
+    s = re.sub(r"[^\w\s-]", " ", s)
+    s = " ".join(s.split())
+    for a in _ARTICLES:
+        if s.startswith(a) and len(s) > len(a):
+            s = s[len(a):]
+            break
+    return s
+
+
+BUDGETS = ("low", "mid", "high")
+
+
+@dataclass(frozen=True)
+class RecallQuery:
+    """A recall request. ``max_tokens`` bounds the summed token counts of result texts;
+    ``budget`` (low/mid/high) sets how many candidates each arm fetches;
+    ``query_timestamp`` is "now" for relative expressions in the query."""
+
+    bank_id: str
+    query: str
+    query_timestamp: datetime
+    filters: Filters = field(default_factory=Filters)
+    budget: str = "mid"
+    max_tokens: int = 4096
+
+
+@dataclass
+class Scored:
+    """A recalled fact with why it was chosen: per-arm ``scores`` and 1-based ``ranks``
+    (keys semantic, keyword, graph, temporal; absent = arm did not return it), the fused
+    ``rrf`` score, the ``boost`` added, the ``final`` score and its text's ``tokens``."""
+
+    fact: Fact
+    scores: dict[str, float] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
+    rrf: float = 0.0
+    boost: float = 0.0
+    final: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class RecallOutcome:
+    """Recall results in order, their token total and the query's parsed time window."""
+
+    results: list[Scored]
+    total_tokens: int
+    time_window: TimeWindow | None = None
