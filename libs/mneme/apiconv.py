@@ -1,0 +1,99 @@
+"""Conversions between the gRPC API messages (``mneme.v1``) and the domain model."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from mneme.domain import (EXPERIENCE, WORLD, Bank, BankConfig, Fact, Filters, RetainItem,
+                          TimeWindow, utc)
+from mneme.errors import InvalidArgument
+from mneme.grpc_util import dt_to_ts, ts_to_dt
+from mneme.names import bank_name, memory_name
+from mneme.stores.catalog_sqlite import Operation
+from mneme.v1 import operations_pb2, recall_pb2, resources_pb2
+
+_TYPE_TO_PB = {WORLD: resources_pb2.WORLD, EXPERIENCE: resources_pb2.EXPERIENCE}
+_PB_TO_TYPE = {v: k for k, v in _TYPE_TO_PB.items()}
+_STATE = {"pending": operations_pb2.PENDING, "running": operations_pb2.RUNNING,
+          "succeeded": operations_pb2.SUCCEEDED, "failed": operations_pb2.FAILED}
+BUDGET = {recall_pb2.BUDGET_UNSPECIFIED: "mid", recall_pb2.LOW: "low",
+          recall_pb2.MID: "mid", recall_pb2.HIGH: "high"}
+TAGS_MATCH = {recall_pb2.TAGS_MATCH_UNSPECIFIED: "any", recall_pb2.ANY: "any",
+              recall_pb2.ALL: "all", recall_pb2.ANY_STRICT: "any_strict",
+              recall_pb2.ALL_STRICT: "all_strict", recall_pb2.EXACT: "exact"}
+
+
+def bank_config_from_api(c: resources_pb2.BankConfig) -> BankConfig:
+    """API config → domain; zero values mean the defaults (traits 3, threshold 0.97)."""
+    return BankConfig(
+        retain_mission=c.retain_mission, observations_mission=c.observations_mission,
+        skepticism=c.skepticism or 3, literalism=c.literalism or 3, empathy=c.empathy or 3,
+        auto_consolidate=c.auto_consolidate if c.HasField("auto_consolidate") else True,
+        dedup_threshold=c.dedup_threshold or 0.97, extraction_mode=c.extraction_mode or "offline")
+
+
+def bank_to_api(b: Bank) -> resources_pb2.Bank:
+    c = b.config
+    return resources_pb2.Bank(
+        name=bank_name(b.bank_id), display_name=b.display_name,
+        config=resources_pb2.BankConfig(
+            retain_mission=c.retain_mission, observations_mission=c.observations_mission,
+            skepticism=c.skepticism, literalism=c.literalism, empathy=c.empathy,
+            auto_consolidate=c.auto_consolidate, dedup_threshold=c.dedup_threshold,
+            extraction_mode=c.extraction_mode),
+        create_time=dt_to_ts(b.created_at), update_time=dt_to_ts(b.updated_at))
+
+
+def retain_items_from_api(items, now: datetime) -> list[RetainItem]:
+    """API items → domain; an unset timestamp means ``now`` (the request's arrival)."""
+    return [RetainItem(content=i.content, context=i.context,
+                       timestamp=ts_to_dt(i.timestamp) if i.HasField("timestamp") else utc(now),
+                       document_id=i.document_id, tags=tuple(i.tags), metadata=dict(i.metadata))
+            for i in items]
+
+
+def types_from_api(types, field: str = "types") -> tuple[str, ...]:
+    out = []
+    for n, t in enumerate(types):
+        if t not in _PB_TO_TYPE:
+            raise InvalidArgument(f"{field}[{n}]", "must be WORLD or EXPERIENCE")
+        out.append(_PB_TO_TYPE[t])
+    return tuple(out)
+
+
+def time_range_from_api(tr, field: str = "time_range") -> TimeWindow | None:
+    start, end = ts_to_dt(tr.start), ts_to_dt(tr.end)
+    if start is None and end is None:
+        return None
+    if start and end and start > end:
+        raise InvalidArgument(f"{field}.start", "must not be after end")
+    return TimeWindow(start, end)
+
+
+def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
+    if r.tags_match not in TAGS_MATCH:
+        raise InvalidArgument("tags_match", "unknown value")
+    return Filters(types=types_from_api(r.types), tags=tuple(r.tags),
+                   tags_match=TAGS_MATCH[r.tags_match],
+                   time_range=time_range_from_api(r.time_range) if r.HasField("time_range") else None,
+                   document_id=r.document_id)
+
+
+def memory_to_api(f: Fact) -> resources_pb2.Memory:
+    return resources_pb2.Memory(
+        name=memory_name(f.bank_id, f.id), id=f.id, text=f.text,
+        fact_type=_TYPE_TO_PB.get(f.fact_type, resources_pb2.FACT_TYPE_UNSPECIFIED),
+        context=f.context, occurred_start=dt_to_ts(f.occurred_start),
+        occurred_end=dt_to_ts(f.occurred_end), mentioned_at=dt_to_ts(f.mentioned_at),
+        tags=list(f.tags), metadata=dict(f.metadata), document_id=f.document_id,
+        chunk_id=f.chunk_id,
+        entities=[resources_pb2.EntityRef(id=e.id, name=e.name, label=e.label) for e in f.entities])
+
+
+def operation_to_api(o: Operation) -> operations_pb2.Operation:
+    return operations_pb2.Operation(
+        name=f"operations/{o.operation_id}", bank_id=o.bank_id, kind=o.kind,
+        state=_STATE.get(o.state, operations_pb2.OPERATION_STATE_UNSPECIFIED),
+        items_total=o.items_total, items_done=o.items_done, facts=o.facts, error=o.error,
+        create_time=dt_to_ts(datetime.fromtimestamp(o.created_at).astimezone()),
+        update_time=dt_to_ts(datetime.fromtimestamp(o.updated_at).astimezone()))

@@ -1,0 +1,135 @@
+"""The event bus: topic names, Kafka-compatible partitioning and event-log adapters.
+
+Topics (DESIGN §3), each keyed by ``bank_id`` so one bank's events stay in order:
+
+====================  =========================================================
+``mneme.intake.v1``   what users asked (banks, retains, deletions)
+``mneme.memory.v1``   what the system derived (facts, retractions)
+``mneme.progress.v1`` operation progress, projection watermarks
+``mneme.reflect.v1``  reflections (audit)
+``mneme.dlq.v1``      events that failed after retries, with the error
+====================  =========================================================
+
+Adapters are chosen by URL with :func:`open_event_log`; the embedded one is
+:class:`mneme.bus.sqlite_log.SqliteEventLog`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from mneme.ports import EventLog
+
+INTAKE = "mneme.intake.v1"
+MEMORY = "mneme.memory.v1"
+PROGRESS = "mneme.progress.v1"
+REFLECT = "mneme.reflect.v1"
+DLQ = "mneme.dlq.v1"
+
+ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ)
+
+#: Partitions of a topic a consumer or producer creates when it finds none
+#: (Kafka's ``auto.create.topics.enable`` with ``num.partitions``).
+DEFAULT_PARTITIONS = 4
+
+#: Default partition counts. The DLQ has one partition: it is low volume and read by
+#: humans, so one total order is more useful than parallelism.
+TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1}
+
+_M32 = 0xFFFFFFFF
+
+
+class StaleCommitError(RuntimeError):
+    """A consumer-group commit was refused because the group's stored offset is already
+    past it (or equal to it while records were to be produced): another consumer of the
+    group handled those records, and producing again would duplicate them. Nothing of
+    the commit was written; re-read the committed offset and carry on from there."""
+
+
+def murmur2(data: bytes) -> int:
+    """32-bit MurmurHash2 exactly as Kafka's Java client computes it, as a signed int.
+
+    Port of ``org.apache.kafka.common.utils.Utils.murmur2`` (seed ``0x9747b28c``,
+    m = ``0x5bd1e995``, r = 24, little-endian 4-byte blocks, fall-through tail). Java's
+    ``int`` arithmetic wraps at 32 bits and ``>>>`` is an unsigned shift, so here every
+    step is masked to 32 bits and the result converted to signed at the end.
+
+    Example: ``murmur2(b"21") == -973932308``.
+    """
+    length = len(data)
+    m = 0x5BD1E995
+    h = (0x9747B28C ^ length) & _M32
+    n4 = length // 4
+    for i in range(n4):
+        k = int.from_bytes(data[4 * i:4 * i + 4], "little")
+        k = (k * m) & _M32
+        k ^= k >> 24
+        k = (k * m) & _M32
+        h = (h * m) & _M32
+        h ^= k
+    tail = length & ~3
+    rest = length % 4
+    if rest == 3:
+        h ^= data[tail + 2] << 16
+    if rest >= 2:
+        h ^= data[tail + 1] << 8
+    if rest >= 1:
+        h ^= data[tail]
+        h = (h * m) & _M32
+    h ^= h >> 13
+    h = (h * m) & _M32
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def partition_for(key: str | bytes, partitions: int) -> int:
+    """Partition of ``key`` among ``partitions``: Kafka's default partitioner for keyed
+    records, ``toPositive(murmur2(utf8(key))) % partitions`` where ``toPositive(x) =
+    x & 0x7fffffff`` (``org.apache.kafka.clients.producer.internals.BuiltInPartitioner
+    .partitionForKey``). So the embedded log and a Kafka producer put a bank on the same
+    partition number.
+
+    Raises ValueError when ``partitions`` < 1.
+    """
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    data = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return (murmur2(data) & 0x7FFFFFFF) % partitions
+
+
+def default_partitions(topic: str) -> int:
+    """Partition count to create ``topic`` with: :data:`TOPIC_PARTITIONS` or
+    :data:`DEFAULT_PARTITIONS`."""
+    return TOPIC_PARTITIONS.get(topic, DEFAULT_PARTITIONS)
+
+
+def open_event_log(url: str) -> "EventLog":
+    """Open the event log named by ``url`` (``MNEME_BUS_URL``).
+
+    * ``sqlite:///abs/path/events.db`` → :class:`~mneme.bus.sqlite_log.SqliteEventLog`
+      on that file (created with its parent directories if missing).
+
+    Raises ValueError for an unknown scheme (naming it) or a sqlite URL without a path.
+    """
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme == "sqlite":
+        path = unquote(parsed.path)
+        if parsed.netloc or not path or path == "/":
+            raise ValueError(f"sqlite event log URL needs an absolute path, as in "
+                             f"sqlite:///var/lib/mneme/events.db; got {url!r}")
+        if path.startswith("//"):  # SQLAlchemy-style sqlite:////abs/path
+            path = path[1:]
+        from mneme.bus.sqlite_log import SqliteEventLog  # lazy: it imports this module
+
+        return SqliteEventLog(path)
+    raise ValueError(f"unknown event log URL scheme {scheme!r} in {url!r} "
+                     f"(supported: sqlite)")
+
+
+__all__ = [
+    "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "INTAKE", "MEMORY", "PROGRESS", "REFLECT",
+    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "murmur2", "open_event_log", "partition_for",
+]

@@ -1,0 +1,384 @@
+"""Consumer runner: one consumer group over a set of topics on an EventLog, in a thread.
+
+For each partition the runner reads a batch from the group's position, decodes each
+record (:func:`mneme.bus.codec.decode`), calls the handler, and commits the next offset
+together with every record the handler returned (``EventLog.commit``: one transaction
+on the embedded log, so effects on the log are exactly once). Records of one partition
+are handled strictly in offset order; partitions are visited round robin.
+
+Failure policy (per record):
+
+* unknown ``ce_type`` (``Envelope.message`` is None) → skipped, committed;
+* undecodable payload → dead-lettered at once (retrying cannot help);
+* handler raises → the batch prefix already handled is committed, then the record is
+  retried with exponential backoff (``max_attempts`` in all); if it still fails it is
+  dead-lettered: a copy goes to ``mneme.dlq.v1`` in the same transaction that commits
+  its offset, so one poison event never stops a partition.
+
+Dead-letter records keep the original key, value and headers (``ce_*``, ``content-type``,
+``traceparent``) and add ``dlq_topic``, ``dlq_partition``, ``dlq_offset``, ``dlq_group``,
+``dlq_attempts``, ``dlq_error`` ("ExcType: message"), ``dlq_traceback`` and ``dlq_time``.
+
+Handlers run again after a crash for records whose batch was not committed yet, so their
+side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Mapping, Sequence
+
+from google.protobuf.message import Message
+
+from mneme.bus import DLQ, StaleCommitError, default_partitions
+from mneme.bus.codec import Envelope, decode, format_time
+from mneme.ports import EventLog, OutRecord, Record
+
+log = logging.getLogger(__name__)
+
+#: ``handler(envelope, record) -> records to produce`` (None means none).
+Handler = Callable[[Envelope, Record], "Sequence[OutRecord] | None"]
+
+#: ``fn(message, envelope) -> records to produce``; what :class:`Dispatcher` calls.
+MessageHandler = Callable[[Message, Envelope], "Sequence[OutRecord] | None"]
+
+_ERROR_CHARS = 2000
+_TRACEBACK_CHARS = 8000
+
+
+class Dispatcher:
+    """Routes decoded events to one handler per message type; use it as a Consumer's
+    handler::
+
+        Dispatcher({events_pb2.RetainRequested: handle_retain,
+                    events_pb2.BankDeleted: handle_bank_deleted})
+
+    Each function is called as ``fn(message, envelope)`` and returns the records to
+    produce (or None). Types without a function are skipped (nothing produced), so a
+    service subscribes to a topic and handles only what concerns it.
+    """
+
+    def __init__(self, handlers: Mapping[type[Message], MessageHandler] | None = None) -> None:
+        self._handlers: dict[str, MessageHandler] = {}
+        for msg_type, fn in (handlers or {}).items():
+            self.register(msg_type, fn)
+
+    def register(self, message_type: type[Message], fn: MessageHandler) -> None:
+        """Route ``message_type`` to ``fn`` (replacing an earlier registration)."""
+        self._handlers[message_type.DESCRIPTOR.full_name] = fn
+
+    def handles(self, message_type: type[Message]) -> bool:
+        """True when ``message_type`` has a registered function."""
+        return message_type.DESCRIPTOR.full_name in self._handlers
+
+    def __call__(self, envelope: Envelope, record: Record) -> list[OutRecord]:
+        if envelope.message is None:
+            return []
+        fn = self._handlers.get(envelope.message.DESCRIPTOR.full_name)
+        if fn is None:
+            return []
+        return list(fn(envelope.message, envelope) or [])
+
+
+class Consumer:
+    """Runs consumer group ``group`` over ``topics`` of ``log`` in a background thread.
+
+    ``handler(envelope, record)`` returns the records to produce (see :data:`Handler`).
+    ``batch_size``: records read and committed at once per partition.
+    ``max_attempts``: handler calls per record before it is dead-lettered (>= 1);
+    retry *n* waits ``min(backoff * 2**(n-1), backoff_max)`` seconds.
+    ``idle_wait``: seconds to block waiting for appends when caught up (the log's
+    ``wait_for_append`` wakes it earlier; logs without one are polled at this period).
+
+    The consumer creates missing topics (and the DLQ) with
+    :func:`mneme.bus.default_partitions`. One Consumer per group per process: the
+    embedded log has no partition assignment, so two live consumers of one group would
+    both read every partition (the log's stale-commit check keeps their outputs from
+    being duplicated, at the cost of wasted work).
+    """
+
+    def __init__(self, log: EventLog, group: str, topics: Iterable[str], handler: Handler, *,
+                 batch_size: int = 100, max_attempts: int = 3, backoff: float = 0.05,
+                 backoff_max: float = 2.0, idle_wait: float = 1.0,
+                 dlq_topic: str = DLQ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.log = log
+        self.group = group
+        self.topics = tuple(dict.fromkeys(topics))
+        if not self.topics:
+            raise ValueError("a consumer needs at least one topic")
+        self.handler = handler
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.idle_wait = idle_wait
+        self.dlq_topic = dlq_topic
+        #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors.
+        self.stats = dict.fromkeys(
+            ("handled", "skipped", "dead_lettered", "retries", "stale_commits", "errors"), 0)
+        #: The last exception the run loop caught (log or commit failure), if any.
+        self.last_error: BaseException | None = None
+        self._positions: dict[tuple[str, int], int] = {}
+        self._busy = False           # a batch is being handled (wait_idle is not idle)
+        self._cond = threading.Condition()  # notified after every pass / commit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._topics_ready = False
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> "Consumer":
+        """Start the background thread (named ``consumer-<group>``); returns self.
+        Raises RuntimeError when already running."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"consumer {self.group!r} is already running")
+        self._stop.clear()
+        self._ensure_topics()
+        self._thread = threading.Thread(target=self._run, name=f"consumer-{self.group}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> bool:
+        """Ask the thread to stop after the record in hand, commit what it handled and
+        join it. A record waiting for a retry is abandoned uncommitted (it is handled
+        again on the next start). Returns True when the thread ended within ``timeout``
+        seconds."""
+        self._stop.set()
+        wake = getattr(self.log, "wake", None)
+        if wake is not None:
+            wake()
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    @property
+    def running(self) -> bool:
+        """True while the background thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> "Consumer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- progress ----------------------------------------------------------------
+
+    def assignments(self) -> list[tuple[str, int]]:
+        """Every (topic, partition) this consumer reads."""
+        return [(t, p) for t in self.topics for p in range(self.log.partitions(t))]
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Records not yet committed by the group, per (topic, partition):
+        end offset − committed offset (read from the log, so it counts other processes'
+        commits too)."""
+        return {(t, p): max(0, self.log.end_offset(t, p) - self.log.committed(self.group, t, p))
+                for t, p in self.assignments()}
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until the consumer has handled and committed everything up to the end
+        offsets of all its partitions as of each check; True when caught up, False after
+        ``timeout`` seconds. Useful in tests and after a replay."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._caught_up():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._cond:
+                self._cond.wait(min(remaining, 0.05))
+
+    def _caught_up(self) -> bool:
+        with self._cond:
+            if self._busy:
+                return False
+            positions = dict(self._positions)
+        for t, p in self.assignments():
+            pos = positions.get((t, p))
+            if pos is None:
+                pos = self.log.committed(self.group, t, p)
+            if pos < self.log.end_offset(t, p):
+                return False
+        return True
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def _ensure_topics(self) -> None:
+        if self._topics_ready:
+            return
+        for t in (*self.topics, self.dlq_topic):
+            if self.log.partitions(t) == 0:
+                self.log.ensure_topic(t, default_partitions(t))
+        self._topics_ready = True
+
+    def _run(self) -> None:
+        token_fn = getattr(self.log, "change_token", None)
+        wait_fn = getattr(self.log, "wait_for_append", None)
+        failures = 0
+        while not self._stop.is_set():
+            token = token_fn() if token_fn is not None else None
+            try:
+                n = self.run_once()
+                failures = 0
+            except Exception as exc:  # the log itself failed; keep the thread alive
+                failures += 1
+                self.stats["errors"] += 1
+                self.last_error = exc
+                log.exception("consumer %s: pass failed (%d in a row)", self.group, failures)
+                self._positions.clear()  # re-read committed offsets: the batch may be lost
+                self._stop.wait(min(self.backoff * 2 ** failures, self.backoff_max))
+                continue
+            if n == 0 and not self._stop.is_set():
+                if wait_fn is not None:
+                    wait_fn(self.idle_wait, token)
+                else:
+                    self._stop.wait(self.idle_wait)
+
+    def run_once(self) -> int:
+        """One pass: handle at most ``batch_size`` records of every partition. Returns
+        the number of records handled (including skipped and dead-lettered ones). Runs
+        in the caller's thread; do not call it while the background thread runs."""
+        self._ensure_topics()
+        total = 0
+        try:
+            for t, p in self.assignments():
+                if self._stop.is_set() and total:
+                    break
+                total += self._process(t, p)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+        return total
+
+    def _position(self, topic: str, partition: int) -> int:
+        pos = self._positions.get((topic, partition))
+        if pos is None:
+            pos = self.log.committed(self.group, topic, partition)
+            self._positions[(topic, partition)] = pos
+        return pos
+
+    def _process(self, topic: str, partition: int) -> int:
+        start = self._position(topic, partition)
+        records = self.log.read(topic, partition, start, self.batch_size)
+        if not records:
+            return 0
+        with self._cond:
+            self._busy = True
+        base = start                  # first offset not yet committed
+        next_off = start              # offset after the last handled record
+        outputs: list[OutRecord] = []
+        handled = 0
+        for rec in records:
+            try:
+                env = decode(rec)
+            except Exception as exc:  # corrupt payload: retries cannot help
+                outs = [self._dead_letter(rec, exc, attempts=0)]
+            else:
+                if env.message is None:
+                    self.stats["skipped"] += 1
+                    outs = []
+                else:
+                    try:
+                        outs = self._call(env, rec)
+                    except Exception as exc:
+                        # Commit the handled prefix first, so a crash or stop while this
+                        # record is retried loses none of the work before it.
+                        if next_off > base:
+                            if not self._commit(topic, partition, next_off, outputs):
+                                return handled
+                            base, outputs = next_off, []
+                        outs = self._retry(env, rec, exc)
+                        if outs is None:  # stop requested while backing off
+                            return handled
+            outputs.extend(outs)
+            next_off = rec.offset + 1
+            handled += 1
+            if self._stop.is_set():
+                break
+        if next_off > base:
+            self._commit(topic, partition, next_off, outputs)
+        return handled
+
+    def _call(self, env: Envelope, rec: Record) -> list[OutRecord]:
+        result = self.handler(env, rec)
+        outs = list(result or [])
+        for o in outs:  # a bad output must fail the handler, not the commit, forever
+            if not isinstance(o, OutRecord):
+                raise TypeError(f"handler returned {type(o).__name__}, expected OutRecord")
+            if not isinstance(o.key, str) or not isinstance(o.value, (bytes, bytearray)):
+                raise TypeError(f"handler returned a record with key {type(o.key).__name__}"
+                                f" and value {type(o.value).__name__} (need str, bytes)")
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in o.headers.items()):
+                raise TypeError("handler returned a record with non-str headers")
+        self.stats["handled"] += 1
+        return outs
+
+    def _retry(self, env: Envelope, rec: Record, exc: Exception) -> list[OutRecord] | None:
+        """Retry ``rec`` up to ``max_attempts`` in all; its outputs, a dead letter, or None
+        when stop was requested during a backoff."""
+        for attempt in range(2, self.max_attempts + 1):
+            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", self.group,
+                        rec.topic, rec.partition, rec.offset, attempt - 1, self.max_attempts,
+                        exc)
+            if self._stop.wait(min(self.backoff * 2 ** (attempt - 2), self.backoff_max)):
+                return None
+            self.stats["retries"] += 1
+            try:
+                return self._call(env, rec)
+            except Exception as again:
+                exc = again
+        return [self._dead_letter(rec, exc, attempts=self.max_attempts)]
+
+    def _dead_letter(self, rec: Record, exc: BaseException, attempts: int) -> OutRecord:
+        log.error("consumer %s: dead-lettering %s[%d]@%d after %d attempts: %r", self.group,
+                  rec.topic, rec.partition, rec.offset, attempts, exc)
+        self.stats["dead_lettered"] += 1
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        headers = dict(rec.headers)
+        headers.update({
+            "dlq_topic": rec.topic,
+            "dlq_partition": str(rec.partition),
+            "dlq_offset": str(rec.offset),
+            "dlq_group": self.group,
+            "dlq_attempts": str(attempts),
+            "dlq_error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS],
+            "dlq_traceback": tb[-_TRACEBACK_CHARS:],
+            "dlq_time": format_time(datetime.now(timezone.utc)),
+        })
+        return OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
+                         headers=headers)
+
+    def _commit(self, topic: str, partition: int, next_off: int,
+                outputs: Sequence[OutRecord]) -> bool:
+        """Commit ``next_off`` with ``outputs``; False when the log refused it as stale
+        (another consumer of the group got there first: carry on from its offset)."""
+        try:
+            self.log.commit(self.group, {(topic, partition): next_off}, produce=outputs)
+        except StaleCommitError as exc:
+            self.stats["stale_commits"] += 1
+            log.warning("consumer %s: %s; re-reading the committed offset", self.group, exc)
+            self._positions.pop((topic, partition), None)
+            return False
+        with self._cond:
+            self._positions[(topic, partition)] = next_off
+            self._cond.notify_all()
+        return True
+
+
+__all__ = ["Consumer", "Dispatcher", "Handler", "MessageHandler"]

@@ -1,0 +1,462 @@
+"""The embedded event log: Kafka's model (topics, partitions, offsets, consumer groups)
+in one SQLite file.
+
+Layout (schema version 1, ``PRAGMA user_version``)::
+
+    topics        (name PK, partitions)
+    records       (topic, partition, offset, key, value BLOB, headers JSON, timestamp)
+                  PRIMARY KEY (topic, partition, offset)
+    group_offsets (group, topic, partition, next_offset)
+                  PRIMARY KEY (group, topic, partition)
+
+Guarantees:
+
+* Offsets are dense per (topic, partition), starting at 0; one key always maps to one
+  partition (:func:`mneme.bus.partition_for`), so one key's records keep append order.
+* Durable: WAL journal with ``synchronous=FULL``, so an ``append``/``commit`` that
+  returned survives SIGKILL and power loss (the WAL is fsynced at every commit).
+* ``append`` is atomic for the whole batch; ``commit`` appends its ``produce`` records
+  and moves the group's offsets in one transaction (exactly-once for consumers whose
+  effects are all events on this log).
+* Safe for many threads (one writer connection behind a lock shared by every instance
+  on the same file in the process, plus one read connection per thread, so reads never
+  wait for an fsync) and for several processes on the same file (SQLite file locking:
+  writes take ``BEGIN IMMEDIATE``; a busy timeout waits out other writers). The file must
+  be on a local filesystem (WAL needs shared memory; not NFS).
+* Records are never deleted: there is no retention or compaction (out of scope); the
+  file grows with the history, which is what makes replay from offset 0 possible.
+
+Waiting without busy polling: :meth:`SqliteEventLog.wait_for_append` wakes on a
+``threading.Condition`` notified by appends in this process, and polls SQLite's
+``PRAGMA data_version`` (changes whenever another connection, in any process, commits)
+every ``poll_interval`` seconds for appends by other processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from mneme.bus import StaleCommitError, default_partitions, partition_for
+from mneme.ports import OutRecord, Record
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS topics (
+    name        TEXT PRIMARY KEY,
+    partitions  INTEGER NOT NULL CHECK (partitions > 0)
+);
+CREATE TABLE IF NOT EXISTS records (
+    topic       TEXT    NOT NULL,
+    "partition" INTEGER NOT NULL,
+    "offset"    INTEGER NOT NULL,
+    key         TEXT    NOT NULL,
+    value       BLOB    NOT NULL,
+    headers     TEXT    NOT NULL,
+    timestamp   REAL    NOT NULL,
+    PRIMARY KEY (topic, "partition", "offset")
+);
+CREATE TABLE IF NOT EXISTS group_offsets (
+    "group"     TEXT    NOT NULL,
+    topic       TEXT    NOT NULL,
+    "partition" INTEGER NOT NULL,
+    next_offset INTEGER NOT NULL,
+    PRIMARY KEY ("group", topic, "partition")
+);
+"""
+
+_END_SQL = 'SELECT MAX("offset") FROM records WHERE topic = ? AND "partition" = ?'
+_INSERT_SQL = ('INSERT INTO records (topic, "partition", "offset", key, value, headers, '
+               'timestamp) VALUES (?, ?, ?, ?, ?, ?, ?)')
+_READ_SQL = ('SELECT "offset", key, value, headers, timestamp FROM records '
+             'WHERE topic = ? AND "partition" = ? AND "offset" >= ? '
+             'ORDER BY "offset" LIMIT ?')
+
+
+class _Shared:
+    """State shared by every instance on one file in this process: the write lock (so
+    in-process writers queue on a lock instead of SQLite's sleeping busy handler) and the
+    append sequence waiters watch."""
+
+    def __init__(self) -> None:
+        self.write_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.seq = 0     # bumped after every committed append in this process
+        self.wakes = 0   # bumped by wake(), so a stopping consumer returns at once
+
+
+_SHARED: dict[str, _Shared] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_for(path: str) -> _Shared:
+    with _SHARED_LOCK:
+        return _SHARED.setdefault(path, _Shared())
+
+
+class SqliteEventLog:
+    """A durable partitioned append-only log with consumer-group offsets on one SQLite
+    file; implements :class:`mneme.ports.EventLog`.
+
+    ``path``: the database file (created with its parent directories if missing).
+    ``busy_timeout``: seconds a write waits for another process's write lock before
+    raising ``sqlite3.OperationalError`` ("database is locked").
+    ``poll_interval``: seconds between cross-process change checks in
+    :meth:`wait_for_append`.
+
+    Topics that are appended to before :meth:`ensure_topic` are created with
+    :func:`mneme.bus.default_partitions` (like Kafka's ``auto.create.topics.enable``).
+    Not fork-safe: open a new instance in a child process.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 30.0,
+                 poll_interval: float = 0.1) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.busy_timeout = busy_timeout
+        self.poll_interval = poll_interval
+        self._shared = _shared_for(os.path.realpath(self.path))
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._pcache: dict[str, int] = {}  # partition counts never change once created
+        self._closed = False
+        self._writer = self._connect()
+        self._init_schema()
+
+    # ---- connections -------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: autocommit; transactions are explicit BEGIN IMMEDIATE.
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
+                               check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        conn.execute("PRAGMA synchronous = FULL")
+        return conn
+
+    def _init_schema(self) -> None:
+        with self._shared.write_lock:
+            mode = self._writer.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise RuntimeError(f"{self.path}: could not enable WAL (journal_mode={mode})")
+            self._writer.execute("BEGIN IMMEDIATE")
+            try:
+                version = self._writer.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise RuntimeError(f"{self.path}: event log schema {version} is newer "
+                                       f"than this code ({SCHEMA_VERSION})")
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        self._writer.execute(stmt)
+                self._writer.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            except BaseException:
+                self._writer.execute("ROLLBACK")
+                raise
+            self._writer.execute("COMMIT")
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read connection (WAL readers see the last committed state and
+        never block on the writer)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            self._check_open()
+            conn = self._connect()
+            conn.execute("PRAGMA query_only = ON")
+            with self._readers_lock:
+                self._readers.append(conn)
+            self._local.conn = conn
+        return conn
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"event log {self.path} is closed")
+
+    @contextmanager
+    def _write_tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: the in-process lock, then SQLite's RESERVED lock
+        (BEGIN IMMEDIATE) so cross-process writers queue instead of deadlocking on a
+        read→write upgrade. Rolls back on any error."""
+        self._check_open()
+        with self._shared.write_lock:
+            conn = self._writer
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def _notify(self) -> None:
+        with self._shared.cond:
+            self._shared.seq += 1
+            self._shared.cond.notify_all()
+
+    # ---- topics ------------------------------------------------------------------
+
+    def ensure_topic(self, topic: str, partitions: int) -> None:
+        """Create ``topic`` with ``partitions`` partitions if it does not exist.
+
+        An existing topic keeps its partition count (changing it would move keys to
+        other partitions and break per-key order); a different request is logged.
+        Raises ValueError when ``partitions`` < 1 or ``topic`` is empty.
+        """
+        if not topic:
+            raise ValueError("topic name must not be empty")
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        with self._write_tx() as conn:
+            existing = self._topic_partitions(conn, topic)
+            if existing is None:
+                conn.execute("INSERT INTO topics (name, partitions) VALUES (?, ?)",
+                             (topic, partitions))
+                existing = partitions
+        if existing != partitions:
+            log.warning("topic %s exists with %d partitions; keeping them (asked for %d)",
+                        topic, existing, partitions)
+        self._pcache[topic] = existing
+
+    def partitions(self, topic: str) -> int:
+        """Partition count of ``topic``; 0 when the topic does not exist."""
+        n = self._pcache.get(topic)
+        if n is None:
+            n = self._topic_partitions(self._reader(), topic)
+            if n is None:
+                return 0
+            self._pcache[topic] = n
+        return n
+
+    def topics(self) -> dict[str, int]:
+        """Every topic with its partition count."""
+        rows = self._reader().execute("SELECT name, partitions FROM topics ORDER BY name")
+        return {name: n for name, n in rows.fetchall()}
+
+    @staticmethod
+    def _topic_partitions(conn: sqlite3.Connection, topic: str) -> int | None:
+        row = conn.execute("SELECT partitions FROM topics WHERE name = ?", (topic,)).fetchone()
+        return None if row is None else row[0]
+
+    # ---- append / read -----------------------------------------------------------
+
+    def append(self, records: Sequence[OutRecord]) -> list[Record]:
+        """Append ``records`` atomically (all or none) and durably (fsynced before
+        return); returns them in order with their partitions, offsets and the append
+        timestamp (epoch seconds, one value for the batch).
+
+        Raises TypeError for a record whose key is not ``str``, value not bytes or
+        headers not ``str`` → ``str``; ``sqlite3.OperationalError`` when another process
+        holds the write lock longer than ``busy_timeout``.
+        """
+        records = list(records)
+        if not records:
+            return []
+        created: dict[str, int] = {}
+        with self._write_tx() as conn:
+            out = self._append_tx(conn, records, created)
+        self._pcache.update(created)
+        self._notify()
+        return out
+
+    def _append_tx(self, conn: sqlite3.Connection, records: list[OutRecord],
+                   created: dict[str, int]) -> list[Record]:
+        now = time.time()
+        ends: dict[tuple[str, int], int] = {}
+        rows = []
+        out = []
+        for r in records:
+            headers = _check_record(r)
+            n = self._pcache.get(r.topic) or created.get(r.topic)
+            if n is None:
+                n = self._topic_partitions(conn, r.topic)
+                if n is None:
+                    n = default_partitions(r.topic)
+                    conn.execute("INSERT INTO topics (name, partitions) VALUES (?, ?)",
+                                 (r.topic, n))
+                created[r.topic] = n
+            p = partition_for(r.key, n)
+            tp = (r.topic, p)
+            off = ends.get(tp)
+            if off is None:
+                last = conn.execute(_END_SQL, tp).fetchone()[0]
+                off = 0 if last is None else last + 1
+            ends[tp] = off + 1
+            value = bytes(r.value)
+            rows.append((r.topic, p, off, r.key, value, json.dumps(headers), now))
+            out.append(Record(r.topic, p, off, r.key, value, headers, now))
+        conn.executemany(_INSERT_SQL, rows)
+        return out
+
+    def read(self, topic: str, partition: int, offset: int, limit: int = 100) -> list[Record]:
+        """Records of (``topic``, ``partition``) with offset >= ``offset``, in offset
+        order, at most ``limit``; [] past the end or for an unknown topic."""
+        if limit <= 0:
+            return []
+        rows = self._reader().execute(_READ_SQL, (topic, partition, offset, limit)).fetchall()
+        return [Record(topic, partition, off, key, value, json.loads(headers), ts)
+                for off, key, value, headers, ts in rows]
+
+    def end_offset(self, topic: str, partition: int) -> int:
+        """The offset the next record appended to (``topic``, ``partition``) will get
+        (the high watermark); 0 for an empty or unknown partition."""
+        last = self._reader().execute(_END_SQL, (topic, partition)).fetchone()[0]
+        return 0 if last is None else last + 1
+
+    # ---- consumer groups ---------------------------------------------------------
+
+    def committed(self, group: str, topic: str, partition: int) -> int:
+        """The next offset ``group`` will read on (``topic``, ``partition``); 0 when it
+        never committed there."""
+        row = self._reader().execute(
+            'SELECT next_offset FROM group_offsets WHERE "group" = ? AND topic = ? '
+            'AND "partition" = ?', (group, topic, partition)).fetchone()
+        return 0 if row is None else row[0]
+
+    def commit(self, group: str, offsets: dict[tuple[str, int], int],
+               produce: Sequence[OutRecord] = ()) -> list[Record]:
+        """Append ``produce`` and set ``group``'s next offsets to ``offsets``
+        ({(topic, partition): next offset}) in ONE transaction: either both happen or
+        neither (exactly-once for the embedded topology). Returns the produced records.
+
+        Offsets never move backwards (only :meth:`reset_group` does that): raises
+        :class:`mneme.bus.StaleCommitError`, writing nothing, when an offset is lower
+        than the stored one, or equal to it while ``produce`` is non-empty (those
+        records were already handled and their outputs produced). Raises ValueError for a
+        negative offset, TypeError as :meth:`append` does.
+        """
+        produce = list(produce)
+        for (topic, partition), off in offsets.items():
+            if off < 0:
+                raise ValueError(f"negative offset {off} for {topic}[{partition}]")
+        created: dict[str, int] = {}
+        with self._write_tx() as conn:
+            for (topic, partition), off in offsets.items():
+                row = conn.execute(
+                    'SELECT next_offset FROM group_offsets WHERE "group" = ? AND topic = ? '
+                    'AND "partition" = ?', (group, topic, partition)).fetchone()
+                if row is not None and (off < row[0] or (off == row[0] and produce)):
+                    raise StaleCommitError(
+                        f"group {group!r} is at offset {row[0]} on {topic}[{partition}]; "
+                        f"refusing commit of {off}" + (" with records" if produce else ""))
+            out = self._append_tx(conn, produce, created) if produce else []
+            conn.executemany(
+                'INSERT INTO group_offsets ("group", topic, "partition", next_offset) '
+                'VALUES (?, ?, ?, ?) ON CONFLICT ("group", topic, "partition") '
+                'DO UPDATE SET next_offset = excluded.next_offset',
+                [(group, t, p, off) for (t, p), off in offsets.items()])
+        self._pcache.update(created)
+        if out:
+            self._notify()
+        return out
+
+    def reset_group(self, group: str, topics: Sequence[str] | None = None) -> None:
+        """Forget ``group``'s offsets on ``topics`` (all topics when None), so it reads
+        them again from offset 0 (replay)."""
+        with self._write_tx() as conn:
+            if topics is None:
+                conn.execute('DELETE FROM group_offsets WHERE "group" = ?', (group,))
+            else:
+                conn.executemany('DELETE FROM group_offsets WHERE "group" = ? AND topic = ?',
+                                 [(group, t) for t in topics])
+
+    def group_offsets(self, group: str) -> dict[tuple[str, int], int]:
+        """Every committed next offset of ``group``: {(topic, partition): offset}."""
+        rows = self._reader().execute(
+            'SELECT topic, "partition", next_offset FROM group_offsets WHERE "group" = ?',
+            (group,)).fetchall()
+        return {(t, p): off for t, p, off in rows}
+
+    # ---- waiting -----------------------------------------------------------------
+
+    def change_token(self) -> tuple[int, int, int]:
+        """An opaque token of the log's state as this thread sees it; take it *before*
+        reading, then pass it to :meth:`wait_for_append` so an append that lands in
+        between is not missed. Thread-specific (it includes this thread's connection's
+        ``data_version``)."""
+        with self._shared.cond:
+            seq, wakes = self._shared.seq, self._shared.wakes
+        return seq, wakes, self._data_version()
+
+    def _data_version(self) -> int:
+        return self._reader().execute("PRAGMA data_version").fetchone()[0]
+
+    def wait_for_append(self, timeout: float,
+                        since: tuple[int, int, int] | None = None) -> bool:
+        """Block up to ``timeout`` seconds until something may have been appended since
+        ``since`` (a :meth:`change_token` of this thread; default: now). Returns True on
+        an append in this process (woken at once), a change by another process (seen
+        within ``poll_interval``) or :meth:`wake`; False on timeout. May return True
+        spuriously (e.g. after an offset commit): callers re-read and wait again."""
+        if since is None:
+            since = self.change_token()
+        seq0, wakes0, dv0 = since
+        deadline = time.monotonic() + timeout
+        cond = self._shared.cond
+        while True:
+            with cond:
+                if self._shared.seq != seq0 or self._shared.wakes != wakes0:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                cond.wait(min(remaining, self.poll_interval))
+                if self._shared.seq != seq0 or self._shared.wakes != wakes0:
+                    return True
+            if self._closed or self._data_version() != dv0:
+                return True
+
+    def wake(self) -> None:
+        """Wake every :meth:`wait_for_append` on this file in this process (used by a
+        consumer's ``stop``)."""
+        with self._shared.cond:
+            self._shared.wakes += 1
+            self._shared.cond.notify_all()
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every connection. Stop consumers first; later calls raise RuntimeError
+        (or ``sqlite3.ProgrammingError`` from a thread's closed connection)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wake()
+        with self._shared.write_lock:
+            self._writer.close()
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
+
+    def __enter__(self) -> "SqliteEventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SqliteEventLog({self.path!r})"
+
+
+def _check_record(r: OutRecord) -> dict[str, str]:
+    """Validate an OutRecord's types before it reaches SQLite; returns its headers."""
+    if not isinstance(r.topic, str) or not r.topic:
+        raise TypeError(f"record topic must be a non-empty str, got {r.topic!r}")
+    if not isinstance(r.key, str):
+        raise TypeError(f"record key must be str, got {type(r.key).__name__}")
+    if not isinstance(r.value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"record value must be bytes, got {type(r.value).__name__}")
+    headers = dict(r.headers)
+    for k, v in headers.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"record headers must be str -> str, got {k!r}: {v!r}")
+    return headers

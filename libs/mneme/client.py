@@ -1,0 +1,157 @@
+"""A small synchronous client SDK over mneme's gRPC API.
+
+    with MnemeClient("127.0.0.1:50051") as m:
+        m.upsert_bank("demo")
+        m.retain("demo", [{"content": "Alice: I moved to Lisbon last May",
+                           "timestamp": datetime(2024, 3, 1, tzinfo=timezone.utc)}])
+        for r in m.recall("demo", "Where does Alice live?").results: ...
+
+Errors are ``grpc.RpcError`` with the server's status code (INVALID_ARGUMENT carries
+``google.rpc.BadRequest`` field violations; see :func:`field_violations`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Iterable, Mapping
+
+import grpc
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2
+
+from mneme.grpc_util import dt_to_ts
+from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
+                      operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
+                      reflect_pb2_grpc, resources_pb2)
+
+BUDGETS = {"low": recall_pb2.LOW, "mid": recall_pb2.MID, "high": recall_pb2.HIGH}
+TAGS_MATCH = {"any": recall_pb2.ANY, "all": recall_pb2.ALL, "any_strict": recall_pb2.ANY_STRICT,
+              "all_strict": recall_pb2.ALL_STRICT, "exact": recall_pb2.EXACT}
+TYPES = {"world": resources_pb2.WORLD, "experience": resources_pb2.EXPERIENCE}
+
+
+def field_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
+    """The (field, description) pairs of an INVALID_ARGUMENT error, else []."""
+    status = rpc_status.from_call(err)
+    out = []
+    for d in status.details if status else []:
+        br = error_details_pb2.BadRequest()
+        if d.Unpack(br):
+            out += [(v.field, v.description) for v in br.field_violations]
+    return out
+
+
+def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
+    if isinstance(i, memory_pb2.RetainItem):
+        return i
+    ts = i.get("timestamp")
+    return memory_pb2.RetainItem(
+        content=i["content"], context=i.get("context", ""),
+        timestamp=dt_to_ts(ts) if isinstance(ts, datetime) else None,
+        document_id=i.get("document_id", ""), tags=list(i.get("tags", ())),
+        metadata={k: str(v) for k, v in (i.get("metadata") or {}).items()})
+
+
+class MnemeClient:
+    """Client of every mneme API on one address (``host:port``). ``timeout`` is the
+    default per-call deadline in seconds."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0):
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)])
+        self.timeout = timeout
+        self.banks = banks_pb2_grpc.BankServiceStub(self.channel)
+        self.memory = memory_pb2_grpc.MemoryServiceStub(self.channel)
+        self.recall_stub = recall_pb2_grpc.RecallServiceStub(self.channel)
+        self.reflect_stub = reflect_pb2_grpc.ReflectServiceStub(self.channel)
+        self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server accepts connections (raises grpc.FutureTimeoutError)."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    # banks
+    def upsert_bank(self, bank_id: str, display_name: str = "", **config) -> resources_pb2.Bank:
+        bank = resources_pb2.Bank(name=f"banks/{bank_id}", display_name=display_name,
+                                  config=resources_pb2.BankConfig(**config))
+        return self.banks.UpsertBank(banks_pb2.UpsertBankRequest(bank=bank), timeout=self.timeout)
+
+    def get_bank(self, bank_id: str) -> resources_pb2.Bank:
+        return self.banks.GetBank(banks_pb2.GetBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
+
+    def list_banks(self) -> list[resources_pb2.Bank]:
+        out, token = [], ""
+        while True:
+            r = self.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=100, page_token=token),
+                                     timeout=self.timeout)
+            out += r.banks
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def delete_bank(self, bank_id: str) -> None:
+        self.banks.DeleteBank(banks_pb2.DeleteBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
+
+    # memory
+    def retain(self, bank_id: str, items: Iterable[Mapping | memory_pb2.RetainItem],
+               async_: bool = False, timeout: float | None = None,
+               request_id: str = "") -> memory_pb2.RetainResponse:
+        """Retain items (dicts with content, timestamp, context, document_id, tags, metadata).
+        ``request_id`` makes retries idempotent."""
+        req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(i) for i in items],
+                                       request_id=request_id)
+        setattr(req, "async", async_)
+        return self.memory.Retain(req, timeout=timeout or self.timeout)
+
+    def delete_document(self, bank_id: str, document_id: str) -> operations_pb2.Operation:
+        return self.memory.DeleteDocument(memory_pb2.DeleteDocumentRequest(
+            parent=f"banks/{bank_id}", document_id=document_id), timeout=self.timeout)
+
+    def delete_memory(self, bank_id: str, memory_id: str) -> operations_pb2.Operation:
+        return self.memory.DeleteMemory(memory_pb2.DeleteMemoryRequest(
+            name=f"banks/{bank_id}/memories/{memory_id}"), timeout=self.timeout)
+
+    def get_memory(self, bank_id: str, memory_id: str) -> resources_pb2.Memory:
+        return self.recall_stub.GetMemory(memory_pb2.GetMemoryRequest(
+            name=f"banks/{bank_id}/memories/{memory_id}"), timeout=self.timeout)
+
+    def list_memories(self, bank_id: str, document_id: str = "", page_size: int = 500):
+        """Yield every memory of the bank (all pages)."""
+        token = ""
+        while True:
+            r = self.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
+                document_id=document_id), timeout=self.timeout)
+            yield from r.memories
+            token = r.next_page_token
+            if not token:
+                return
+
+    # recall / reflect
+    def recall(self, bank_id: str, query: str, *, max_tokens: int = 0, budget: str = "mid",
+               types: Iterable[str] = (), tags: Iterable[str] = (), tags_match: str = "any",
+               query_timestamp: datetime | None = None, document_id: str = "") -> recall_pb2.RecallResponse:
+        return self.recall_stub.Recall(recall_pb2.RecallRequest(
+            parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens, budget=BUDGETS[budget],
+            types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
+            query_timestamp=dt_to_ts(query_timestamp), document_id=document_id), timeout=self.timeout)
+
+    def reflect(self, bank_id: str, query: str, context: str = "",
+                budget: str = "mid") -> reflect_pb2.ReflectResponse:
+        return self.reflect_stub.Reflect(reflect_pb2.ReflectRequest(
+            parent=f"banks/{bank_id}", query=query, context=context, budget=BUDGETS[budget]),
+            timeout=self.timeout)
+
+    def get_operation(self, operation_id: str) -> operations_pb2.Operation:
+        return self.operations.GetOperation(operations_pb2.GetOperationRequest(
+            name=f"operations/{operation_id}"), timeout=self.timeout)

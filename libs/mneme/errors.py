@@ -1,0 +1,22 @@
+"""Errors handlers raise; transports map them to their status codes
+(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, DEADLINE_EXCEEDED)."""
+
+
+class MnemeError(Exception):
+    """Base of mneme's request errors."""
+
+
+class InvalidArgument(MnemeError, ValueError):
+    """A request field is invalid. ``violations`` is a list of (field path, description)."""
+
+    def __init__(self, field: str, description: str, *more: tuple[str, str]):
+        self.violations = [(field, description), *more]
+        super().__init__("; ".join(f"{f}: {d}" for f, d in self.violations))
+
+
+class NotFound(MnemeError):
+    """The named resource (bank, memory, operation) does not exist."""
+
+
+class DeadlineExceeded(MnemeError):
+    """The work was accepted but did not finish before the deadline; it goes on."""

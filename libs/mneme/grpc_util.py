@@ -1,0 +1,69 @@
+"""gRPC transport helpers: map mneme errors to statuses with google.rpc details, and
+convert times between protobuf Timestamps and aware datetimes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from datetime import datetime, timezone
+
+import grpc
+from google.protobuf import timestamp_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound
+
+log = logging.getLogger(__name__)
+
+
+def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
+           message: str, details=None):
+    status = status_pb2.Status(code=code, message=message)
+    if details is not None:
+        status.details.add().Pack(details)
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+def translate_errors(method):
+    """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
+    BadRequest listing the field violations; NotFound → NOT_FOUND; DeadlineExceeded →
+    DEADLINE_EXCEEDED; anything else → INTERNAL (logged)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except InvalidArgument as e:
+            br = error_details_pb2.BadRequest()
+            for f, d in e.violations:
+                br.field_violations.add(field=f, description=d)
+            _abort(context, code_pb2.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, str(e), br)
+        except NotFound as e:
+            _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
+        except DeadlineExceeded as e:
+            _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+
+    return wrapper
+
+
+def ts_to_dt(ts: timestamp_pb2.Timestamp | None) -> datetime | None:
+    """Protobuf Timestamp → aware UTC datetime; an unset (zero) Timestamp → None."""
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return ts.ToDatetime(tzinfo=timezone.utc)
+
+
+def dt_to_ts(dt: datetime | None) -> timestamp_pb2.Timestamp | None:
+    """Aware datetime → protobuf Timestamp (None stays None)."""
+    if dt is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(dt.astimezone(timezone.utc))
+    return ts
+
+
+def remaining(context: grpc.ServicerContext, default: float) -> float:
+    """Seconds left before the client's deadline, capped by ``default``."""
+    left = context.time_remaining()
+    return default if left is None else max(0.0, min(default, left))

@@ -1,0 +1,56 @@
+"""Resource names (Google API design guide): ``banks/{bank_id}``,
+``banks/{bank_id}/memories/{memory_id}``, ``operations/{operation_id}``."""
+
+from __future__ import annotations
+
+import uuid
+
+from mneme.domain import BANK_ID_RE
+from mneme.errors import InvalidArgument
+
+
+def bank_id_of(name: str, field: str = "parent") -> str:
+    """``banks/{bank_id}`` → bank_id. Raises InvalidArgument naming ``field``."""
+    if not name:
+        raise InvalidArgument(field, "required, e.g. 'banks/my-bank'")
+    parts = name.split("/")
+    if len(parts) != 2 or parts[0] != "banks":
+        raise InvalidArgument(field, f"must be 'banks/{{bank_id}}', got {name!r}")
+    check_bank_id(parts[1], field)
+    return parts[1]
+
+
+def check_bank_id(bank_id: str, field: str = "bank_id") -> str:
+    """Validate a bank slug: lowercase letters, digits, '-' and '_', 1..63 chars."""
+    if not BANK_ID_RE.match(bank_id or ""):
+        raise InvalidArgument(field, "bank id must match [a-z0-9][a-z0-9_-]{0,62}")
+    return bank_id
+
+
+def memory_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/memories/{memory_id}`` → (bank_id, memory_id)."""
+    parts = (name or "").split("/")
+    if len(parts) != 4 or parts[0] != "banks" or parts[2] != "memories" or not parts[3]:
+        raise InvalidArgument(field, "must be 'banks/{bank_id}/memories/{memory_id}'")
+    check_bank_id(parts[1], field)
+    try:
+        uuid.UUID(parts[3])
+    except ValueError:
+        raise InvalidArgument(field, "memory id must be a UUID") from None
+    return parts[1], parts[3]
+
+
+def operation_of(name: str, field: str = "name") -> str:
+    """``operations/{operation_id}`` (or a bare id) → operation_id."""
+    op = name.split("/", 1)[1] if name.startswith("operations/") else name
+    if not op:
+        raise InvalidArgument(field, "required, e.g. 'operations/{id}'")
+    return op
+
+
+def bank_name(bank_id: str) -> str:
+    return f"banks/{bank_id}"
+
+
+def memory_name(bank_id: str, memory_id: str) -> str:
+    return f"banks/{bank_id}/memories/{memory_id}"

@@ -1,0 +1,208 @@
+"""Retrieval math for recall (DESIGN §5): rank fusion, boosts, token-budget filling.
+
+Pure functions, no I/O. Scores live on the scale of Reciprocal Rank Fusion: one arm's
+vote for its top item is ``1 / (60 + 1)`` ≈ 0.0164 (:data:`RRF_UNIT`), and every boost
+here is a bounded fraction of that (all boosts together ≤ 0.3 × RRF_UNIT ≈ 0.0049), so a
+boost reorders near-ties but cannot outweigh an additional arm agreeing on an item unless
+that arm ranked it below ~140 (1/(60 + 140) = 0.005).
+
+Source: G. V. Cormack, C. L. A. Clarke, S. Büttcher, "Reciprocal Rank Fusion outperforms
+Condorcet and individual Rank Learning Methods", SIGIR 2009 — score(d) = Σ_r 1/(k + r(d)),
+ranks 1-based, k = 60 (the value the paper found robust across collections).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable, Mapping, Sequence
+
+from mneme.domain import Fact, Scored, TimeWindow, utc
+
+#: RRF's constant k from Cormack et al. (2009).
+RRF_K = 60
+
+#: One arm's vote for its rank-1 item under RRF with k = 60 (≈ 0.0164).
+RRF_UNIT = 1.0 / (RRF_K + 1)
+
+#: Caps of the boosts, as fractions of :data:`RRF_UNIT` (sum 0.3). The query's own time
+#: window is the strongest signal of the three (the user asked about that time); proof
+#: count says a belief is well supported; recency is weakest so old memories stay findable.
+RECENCY_WEIGHT = 0.05
+TEMPORAL_WEIGHT = 0.15
+PROOF_WEIGHT = 0.10
+
+#: Half-life of the recency boost. Long on purpose: a memory system must not bury a
+#: fact because it is a year old; recency only separates otherwise-equal candidates.
+RECENCY_HALF_LIFE_DAYS = 365.0
+
+#: proof_count at which the proof boost reaches half its cap (saturating curve).
+PROOF_HALF_COUNT = 3.0
+
+_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How hard recall searches: ``candidates`` per arm (the k asked of each store) and
+    ``hops`` of spreading activation in the graph arm."""
+
+    candidates: int
+    hops: int
+
+
+#: ``RecallQuery.budget`` → :class:`Budget`. Low keeps latency small (a chat turn); high
+#: digs for multi-hop evidence (reflect, benchmarks).
+BUDGETS: dict[str, Budget] = {
+    "low": Budget(candidates=20, hops=1),
+    "mid": Budget(candidates=60, hops=2),
+    "high": Budget(candidates=150, hops=3),
+}
+
+
+# ---- fusion -------------------------------------------------------------------------------
+
+
+def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K) -> list[tuple[str, float]]:
+    """Reciprocal Rank Fusion of ranked id lists.
+
+    ``rankings`` maps an arm name to its ids, best first (rank 1 = index 0); an id listed
+    twice in one arm counts once, at its better rank. Returns ``(id, score)`` best first,
+    where score(d) = Σ_arms 1 / (k + rank_arm(d)) over the arms that ranked d.
+
+    Ties (equal scores) are broken deterministically: better best single rank first, then
+    smaller id. Terms are summed in a fixed order (smallest rank first) so equal rank
+    multisets give bit-identical floats regardless of arm order.
+
+    Raises ValueError if ``k`` < 0. Source: Cormack, Clarke & Büttcher, SIGIR 2009.
+    """
+    if k < 0:
+        raise ValueError("k: must be >= 0")
+    ranks: dict[str, list[int]] = {}
+    for ids in rankings.values():
+        seen: set[str] = set()
+        for pos, doc in enumerate(ids, start=1):
+            if doc in seen:
+                continue
+            seen.add(doc)
+            ranks.setdefault(doc, []).append(pos)
+    fused = []
+    for doc, rs in ranks.items():
+        rs.sort()
+        score = math.fsum(1.0 / (k + r) for r in rs)
+        fused.append((doc, score, rs[0]))
+    fused.sort(key=lambda t: (-t[1], t[2], t[0]))
+    return [(doc, score) for doc, score, _ in fused]
+
+
+# ---- boosts -------------------------------------------------------------------------------
+
+
+def fact_span(fact: Fact) -> tuple[datetime, datetime] | None:
+    """When ``fact`` happened as a closed UTC interval: its occurred range, a missing end
+    taken from the other end, falling back to ``mentioned_at`` (what a speaker says is
+    usually about around when they say it). None when the fact has no time at all."""
+    start = fact.occurred_start or fact.occurred_end or fact.mentioned_at
+    end = fact.occurred_end or fact.occurred_start or fact.mentioned_at
+    if start is None or end is None:
+        return None
+    start, end = utc(start), utc(end)
+    return (start, end) if start <= end else (end, start)
+
+
+def recency_boost(fact: Fact, now: datetime) -> float:
+    """Boost in [0, RECENCY_WEIGHT × RRF_UNIT] decaying exponentially with the distance in
+    time between the fact and ``now`` (the query timestamp), half-life
+    :data:`RECENCY_HALF_LIFE_DAYS`. The fact's time is the end of its occurred range (the
+    latest moment it was true), else ``mentioned_at``; 0 when it has none. Distance is
+    absolute, so a planned event just after ``now`` counts as recent too."""
+    span = fact_span(fact)
+    if span is None:
+        return 0.0
+    age_days = abs((utc(now) - span[1]).total_seconds()) / _DAY
+    return RECENCY_WEIGHT * RRF_UNIT * 0.5 ** (age_days / RECENCY_HALF_LIFE_DAYS)
+
+
+def window_overlap(start: datetime, end: datetime, window: TimeWindow) -> float:
+    """Fraction in [0, 1] of [start, end] that lies inside ``window`` (open ends of the
+    window are unbounded). A point (start == end) scores 1 inside, 0 outside. A fact
+    spanning a whole year scores low for a one-week window: it is less specific."""
+    if not window.overlaps(start, end):
+        return 0.0
+    length = (end - start).total_seconds()
+    if length <= 0:
+        return 1.0
+    lo = max(start, utc(window.start)) if window.start is not None else start
+    hi = min(end, utc(window.end)) if window.end is not None else end
+    return max(0.0, min(1.0, (hi - lo).total_seconds() / length))
+
+
+def window_distance_days(start: datetime, end: datetime, window: TimeWindow) -> float:
+    """Gap in days between [start, end] and ``window``; 0 when they overlap."""
+    if window.overlaps(start, end):
+        return 0.0
+    if window.end is not None and start > utc(window.end):
+        return (start - utc(window.end)).total_seconds() / _DAY
+    return (utc(window.start) - end).total_seconds() / _DAY
+
+
+def temporal_proximity_boost(fact: Fact, window: TimeWindow | None) -> float:
+    """Boost in [0, TEMPORAL_WEIGHT × RRF_UNIT] for a fact close to the query's window.
+
+    Inside the window: half the cap plus half × the fraction of the fact's span inside it
+    (so specific facts beat broad ones). Outside: at most half the cap, halving for every
+    window-width (at least one day) of distance, so near misses ("the day after") still
+    get something. 0 when there is no window or the fact has no time.
+    """
+    if window is None:
+        return 0.0
+    span = fact_span(fact)
+    if span is None:
+        return 0.0
+    cap = TEMPORAL_WEIGHT * RRF_UNIT
+    inside = window_overlap(span[0], span[1], window)
+    if inside > 0.0 or window.overlaps(span[0], span[1]):
+        return cap * (0.5 + 0.5 * inside)
+    width_days = 1.0
+    if window.start is not None and window.end is not None:
+        width_days = max(1.0, (utc(window.end) - utc(window.start)).total_seconds() / _DAY)
+    gap = window_distance_days(span[0], span[1], window)
+    return cap * 0.5 * 0.5 ** (gap / width_days)
+
+
+def proof_boost(proof_count: int) -> float:
+    """Boost in [0, PROOF_WEIGHT × RRF_UNIT) for an observation backed by ``proof_count``
+    facts: saturating count / (count + PROOF_HALF_COUNT), so 3 proofs give half the cap and
+    evidence beyond ~10 adds little. 0 for count <= 0 (plain facts)."""
+    if proof_count <= 0:
+        return 0.0
+    return PROOF_WEIGHT * RRF_UNIT * proof_count / (proof_count + PROOF_HALF_COUNT)
+
+
+# ---- token budget -------------------------------------------------------------------------
+
+
+def fill_budget(items: Iterable[Scored], max_tokens: int, counter) -> tuple[list[Scored], int]:
+    """Greedily keep ``items`` in order while their texts fit into ``max_tokens``.
+
+    Each item's ``fact.text`` is counted with ``counter.count`` (a TokenCounter) and stored
+    in ``Scored.tokens``. An item that does not fit in what is left is skipped and filling
+    continues with later (possibly smaller) items; it stops once the budget is used up.
+    Returns (kept items in order, their token total ≤ max_tokens). ``max_tokens`` <= 0
+    keeps nothing.
+    """
+    kept: list[Scored] = []
+    total = 0
+    if max_tokens <= 0:
+        return kept, total
+    for item in items:
+        remaining = max_tokens - total
+        if remaining <= 0:
+            break
+        n = counter.count(item.fact.text)
+        item.tokens = n
+        if n <= remaining:
+            kept.append(item)
+            total += n
+    return kept, total

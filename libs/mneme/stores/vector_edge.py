@@ -1,0 +1,358 @@
+"""Vector store over Qdrant Edge (``qdrant-edge-py``): an in-process HNSW shard.
+
+One shard holds every bank; ``bank_id`` is a tenant-keyword payload field and every
+request is filtered by it. The payload carries the whole :class:`~mneme.domain.Fact`
+(see :func:`fact_to_payload`), so ``get``/``scroll`` hydrate facts without another store.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import threading
+import uuid
+from typing import Any, Sequence
+
+from qdrant_edge import (
+    CountRequest,
+    Distance,
+    EdgeConfig,
+    EdgeShard,
+    EdgeVectorParams,
+    FieldCondition,
+    Filter,
+    HasIdCondition,
+    IsEmptyCondition,
+    KeywordIndexParams,
+    MatchAny,
+    MatchExcept,
+    MatchValue,
+    PayloadSchemaType,
+    Point,
+    Query,
+    QueryRequest,
+    RangeFloat,
+    ScrollRequest,
+    UpdateOperation,
+)
+
+from mneme.domain import EntityRef, Fact, Filters, Hit, Link, from_epoch, to_epoch
+from mneme.stores.filters import TAGS_MATCH_MODES
+
+#: Payload fields with an index, so filters on them are pushed down cheaply.
+_KEYWORD_FIELDS = ("fact_type", "tags", "document_id")
+_FLOAT_FIELDS = ("occurred_start", "occurred_end")
+_SCROLL_BATCH = 256
+
+
+# ---- payload <-> Fact ---------------------------------------------------------------------
+
+
+def fact_to_payload(fact: Fact) -> dict[str, Any]:
+    """The Qdrant payload of ``fact``: every field but the embedding; times as epoch
+    seconds (float or None), tags as a list, entities/links as lists of dicts."""
+    return {
+        "id": fact.id,
+        "bank_id": fact.bank_id,
+        "text": fact.text,
+        "fact_type": fact.fact_type,
+        "context": fact.context,
+        "occurred_start": to_epoch(fact.occurred_start),
+        "occurred_end": to_epoch(fact.occurred_end),
+        "mentioned_at": to_epoch(fact.mentioned_at),
+        "tags": list(fact.tags),
+        "metadata": dict(fact.metadata),
+        "document_id": fact.document_id,
+        "chunk_id": fact.chunk_id,
+        "entities": [{"id": e.id, "name": e.name, "label": e.label} for e in fact.entities],
+        "links": [{"target_id": lk.target_id, "kind": lk.kind, "weight": float(lk.weight)}
+                  for lk in fact.links],
+        "item_index": int(fact.item_index),
+    }
+
+
+def payload_to_fact(payload: dict[str, Any], vector: Sequence[float] | None = None) -> Fact:
+    """Inverse of :func:`fact_to_payload`; ``vector`` becomes the embedding (else [])."""
+    return Fact(
+        id=payload["id"],
+        bank_id=payload["bank_id"],
+        text=payload.get("text", ""),
+        fact_type=payload.get("fact_type", "world"),
+        context=payload.get("context", ""),
+        occurred_start=from_epoch(payload.get("occurred_start")),
+        occurred_end=from_epoch(payload.get("occurred_end")),
+        mentioned_at=from_epoch(payload.get("mentioned_at")),
+        tags=tuple(payload.get("tags") or ()),
+        metadata={str(k): str(v) for k, v in (payload.get("metadata") or {}).items()},
+        document_id=payload.get("document_id", ""),
+        chunk_id=payload.get("chunk_id", ""),
+        entities=[EntityRef(e["id"], e.get("name", ""), e.get("label", ""))
+                  for e in payload.get("entities") or ()],
+        embedding=[float(x) for x in vector] if vector is not None else [],
+        links=[Link(lk["target_id"], lk.get("kind", ""), float(lk.get("weight", 1.0)))
+               for lk in payload.get("links") or ()],
+        item_index=int(payload.get("item_index", 0)),
+    )
+
+
+def point_id(fact_id: str) -> str:
+    """Qdrant point id of a fact id: the id itself when it is a UUID (canonical form),
+    else a uuid5 of it (Qdrant accepts only UUIDs and unsigned integers)."""
+    try:
+        return str(uuid.UUID(fact_id))
+    except ValueError:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, "mneme-fact:" + fact_id))
+
+
+# ---- filters ----------------------------------------------------------------------------------
+
+
+def _match(key: str, value: str) -> FieldCondition:
+    return FieldCondition(key, match=MatchValue(value))
+
+
+def qdrant_filter(bank_id: str, filters: Filters | None = None) -> Filter:
+    """The Qdrant filter for ``bank_id`` plus ``filters`` (same semantics as
+    :func:`mneme.stores.filters.fact_matches`, fully pushed down)."""
+    must: list[Any] = [_match("bank_id", bank_id)]
+    must_not: list[Any] = []
+    f = filters or Filters()
+    if f.types:
+        must.append(FieldCondition("fact_type", match=MatchAny(list(f.types))))
+    if f.document_id:
+        must.append(_match("document_id", f.document_id))
+    if f.tags_match not in TAGS_MATCH_MODES:
+        raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
+    tags = sorted(set(f.tags))
+    untagged = IsEmptyCondition("tags")
+    if f.tags_match == "exact":
+        if tags:
+            must.extend(_match("tags", t) for t in tags)
+            # "except T" matches a point holding any tag outside T
+            must_not.append(FieldCondition("tags", match=MatchExcept(tags)))
+        else:
+            must.append(untagged)
+    elif tags:
+        any_of = FieldCondition("tags", match=MatchAny(tags))
+        all_of = Filter(must=[_match("tags", t) for t in tags])
+        if f.tags_match == "any":
+            must.append(Filter(should=[any_of, untagged]))
+        elif f.tags_match == "all":
+            must.append(Filter(should=[all_of, untagged]))
+        elif f.tags_match == "any_strict":
+            must.append(any_of)
+        else:  # all_strict
+            must.append(all_of)
+    if f.time_range is not None:
+        must.extend(_overlap(to_epoch(f.time_range.start), to_epoch(f.time_range.end)))
+    return Filter(must=must, must_not=must_not or None)
+
+
+def _overlap(lo: float | None, hi: float | None) -> list[Any]:
+    """Conditions for [s, e] ∩ [lo, hi] ≠ ∅, where a missing s (or e) is taken from the
+    other end and a unit without any time never matches (TimeWindow.overlaps)."""
+    start, end = "occurred_start", "occurred_end"
+    conds: list[Any] = [Filter(should=[Filter(must_not=[IsEmptyCondition(start)]),
+                                       Filter(must_not=[IsEmptyCondition(end)])])]
+    if hi is not None:  # effective start <= hi
+        conds.append(Filter(should=[
+            FieldCondition(start, range=RangeFloat(lte=hi)),
+            Filter(must=[IsEmptyCondition(start), FieldCondition(end, range=RangeFloat(lte=hi))]),
+        ]))
+    if lo is not None:  # effective end >= lo
+        conds.append(Filter(should=[
+            FieldCondition(end, range=RangeFloat(gte=lo)),
+            Filter(must=[IsEmptyCondition(end), FieldCondition(start, range=RangeFloat(gte=lo))]),
+        ]))
+    return conds
+
+
+# ---- the store --------------------------------------------------------------------------------
+
+
+class EdgeVectorStore:
+    """:class:`mneme.ports.VectorStore` over one Qdrant Edge shard in ``path``.
+
+    ``dim`` is the embedding dimension (384 for all-MiniLM-L6-v2); distance is cosine, so
+    stored vectors come back L2-normalised. The shard is created when ``path`` holds none
+    and loaded otherwise; every write is flushed before it returns, so acknowledged data
+    survives a crash. All methods are serialised by one lock (thread-safe).
+    """
+
+    def __init__(self, path: str, dim: int) -> None:
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.path = os.path.abspath(path)
+        self.dim = dim
+        self._lock = threading.RLock()
+        self._shard: EdgeShard | None = self._open()
+
+    # -- lifecycle --
+
+    def _config(self) -> EdgeConfig:
+        return EdgeConfig(vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine))
+
+    def _open(self) -> EdgeShard:
+        if os.path.exists(os.path.join(self.path, "edge_config.json")):
+            # passing the config makes Edge check the stored vectors have our dimension
+            try:
+                shard = EdgeShard.load(self.path, self._config())
+            except Exception as e:  # the binding raises a bare Exception
+                if "ncompatible" in str(e):
+                    raise ValueError(f"shard at {self.path} does not fit dim={self.dim}: {e}") from e
+                raise
+        else:
+            os.makedirs(self.path, exist_ok=True)
+            shard = EdgeShard.create(self.path, self._config())
+        have = set(shard.info().payload_schema)
+        if "bank_id" not in have:
+            shard.update(UpdateOperation.create_field_index(
+                "bank_id", KeywordIndexParams(is_tenant=True)))
+        for name in _KEYWORD_FIELDS:
+            if name not in have:
+                shard.update(UpdateOperation.create_field_index(name, PayloadSchemaType.Keyword))
+        for name in _FLOAT_FIELDS:
+            if name not in have:
+                shard.update(UpdateOperation.create_field_index(name, PayloadSchemaType.Float))
+        shard.flush()
+        return shard
+
+    @property
+    def shard(self) -> EdgeShard:
+        if self._shard is None:
+            raise RuntimeError("EdgeVectorStore is closed")
+        return self._shard
+
+    def close(self) -> None:
+        """Flush and release the shard; further calls raise RuntimeError."""
+        with self._lock:
+            if self._shard is not None:
+                self._shard.flush()
+                self._shard.close()
+                self._shard = None
+
+    def reset(self) -> None:
+        """Drop every bank's points (the shard directory is recreated empty)."""
+        with self._lock:
+            self.close()
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._shard = self._open()
+
+    # -- writes --
+
+    def upsert(self, facts: Sequence[Fact]) -> None:
+        """Insert or replace ``facts`` by id. Each needs an embedding of ``dim`` floats
+        (ValueError otherwise, before anything is written)."""
+        points = []
+        for fact in facts:
+            if len(fact.embedding) != self.dim:
+                raise ValueError(f"fact {fact.id}: embedding has {len(fact.embedding)} "
+                                 f"dimensions, the store expects {self.dim}")
+            points.append(Point(point_id(fact.id), [float(x) for x in fact.embedding],
+                                fact_to_payload(fact)))
+        if not points:
+            return
+        with self._lock:
+            self.shard.update(UpdateOperation.upsert_points(points))
+            self.shard.flush()
+
+    def delete(self, bank_id: str, ids: Sequence[str]) -> None:
+        """Delete the bank's facts with these ids (ids of other banks are left alone)."""
+        if not ids:
+            return
+        flt = Filter(must=[_match("bank_id", bank_id),
+                           HasIdCondition({point_id(i) for i in ids})])
+        with self._lock:
+            self.shard.update(UpdateOperation.delete_points_by_filter(flt))
+            self.shard.flush()
+
+    def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
+        """Delete the bank's facts of ``document_id`` (all of the bank when None);
+        returns the deleted fact ids."""
+        flt = qdrant_filter(bank_id, Filters(document_id=document_id) if document_id else None)
+        with self._lock:
+            ids = [p["id"] for p in self._scan(flt, payload=["id"])]
+            if ids:
+                self.shard.update(UpdateOperation.delete_points_by_filter(flt))
+                self.shard.flush()
+        return ids
+
+    # -- reads --
+
+    def search(self, bank_id: str, vector: Sequence[float], k: int,
+               filters: Filters | None = None) -> list[Hit]:
+        """kNN (HNSW, cosine) within the bank, best first; ``Hit.score`` is the cosine
+        similarity in [-1, 1]. ValueError when ``vector`` has the wrong dimension."""
+        if k <= 0:
+            return []
+        if len(vector) != self.dim:
+            raise ValueError(f"query vector has {len(vector)} dimensions, expected {self.dim}")
+        req = QueryRequest(limit=k, query=Query.Nearest([float(x) for x in vector]),
+                           filter=qdrant_filter(bank_id, filters),
+                           with_payload=["id"], with_vector=False)
+        with self._lock:
+            points = self.shard.query(req)
+        return [Hit(p.payload["id"], float(p.score)) for p in points]
+
+    def get(self, bank_id: str, ids: Sequence[str], with_vectors: bool = False) -> list[Fact]:
+        """The bank's facts with these ids, in the order asked; unknown ids, ids of other
+        banks and repeats are skipped. Embeddings only when ``with_vectors``."""
+        if not ids:
+            return []
+        with self._lock:
+            records = self.shard.retrieve(list({point_id(i) for i in ids}),
+                                          with_payload=True, with_vector=with_vectors)
+        by_id = {r.payload["id"]: r for r in records
+                 if r.payload and r.payload.get("bank_id") == bank_id}
+        out, seen = [], set()
+        for i in ids:
+            r = by_id.get(i)
+            if r is not None and i not in seen:
+                seen.add(i)
+                out.append(payload_to_fact(r.payload, r.vector if with_vectors else None))
+        return out
+
+    def scroll(self, bank_id: str, limit: int, after: str | None = None,
+               filters: Filters | None = None) -> tuple[list[Fact], str | None]:
+        """One page of at most ``limit`` facts of the bank matching ``filters``, in point-id
+        order; returns (page, cursor), cursor None on the last page. Pass the cursor back
+        as ``after`` for the next page; ValueError for a cursor this store did not make."""
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        req = ScrollRequest(offset=_decode_cursor(after) if after else None, limit=limit,
+                            filter=qdrant_filter(bank_id, filters), with_payload=True,
+                            with_vector=False)
+        with self._lock:
+            records, nxt = self.shard.scroll(req)
+        page = [payload_to_fact(r.payload) for r in records]
+        return page, (_encode_cursor(str(nxt)) if nxt is not None else None)
+
+    def count(self, bank_id: str) -> int:
+        """Number of facts in the bank (exact)."""
+        with self._lock:
+            return int(self.shard.count(CountRequest(filter=qdrant_filter(bank_id), exact=True)))
+
+    def _scan(self, flt: Filter, payload: list[str]) -> list[dict[str, Any]]:
+        """Every matching point's (partial) payload; caller holds the lock."""
+        out: list[dict[str, Any]] = []
+        offset = None
+        while True:
+            records, offset = self.shard.scroll(ScrollRequest(
+                offset=offset, limit=_SCROLL_BATCH, filter=flt, with_payload=payload,
+                with_vector=False))
+            out.extend(r.payload for r in records)
+            if offset is None:
+                return out
+
+
+def _encode_cursor(pid: str) -> str:
+    return base64.urlsafe_b64encode(pid.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> str:
+    try:
+        pid = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        return str(uuid.UUID(pid))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid scroll cursor {cursor!r}") from e

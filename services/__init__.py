@@ -1,0 +1,1 @@
+"""mneme services: one package per service (handlers, gRPC servicers, __main__)."""

@@ -1,0 +1,73 @@
+"""extraction's handler: one intake event → memory events.
+
+Derived events carry everything a projection needs (text, times, entities, the
+embedding and its model name), so replaying ``mneme.memory.v1`` never calls a model.
+Event ids derive from the causing event's id, so redelivery yields identical events.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mneme.bus import codec
+from mneme.domain import derive_id
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import Embedder, OutRecord, Record
+
+GROUP = "extraction"
+SOURCE = "mneme/extraction"
+log = logging.getLogger(__name__)
+
+
+def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
+                  resolver=None) -> list[OutRecord]:
+    """RetainRequested → FactsExtracted; DocumentDeleteRequested, MemoryDeleteRequested,
+    BankDeleted → FactsRetracted (routed through here so they stay ordered after the
+    bank's earlier facts). Other intake events produce nothing."""
+    m = env.message
+
+    def out(msg, n: str) -> OutRecord:
+        return codec.encode(msg, bank_id=m.bank_id, source=SOURCE,
+                            event_id=derive_id(env.id, n), traceparent=env.traceparent)
+
+    if isinstance(m, ev.RetainRequested):
+        # Fact ids derive from the operation, so a retried request (same request_id,
+        # hence same operation) or a redelivered event yields the same ids.
+        return [out(extract(m, m.operation_id, extractor, embedder), "facts")]
+    if isinstance(m, ev.DocumentDeleteRequested):
+        return [out(ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                                      document_id=m.document_id), "retract")]
+    if isinstance(m, ev.MemoryDeleteRequested):
+        return [out(ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                                      memory_ids=[m.memory_id]), "retract")]
+    if isinstance(m, ev.BankDeleted):
+        if resolver is not None:
+            resolver.forget(m.bank_id)
+        return [out(ev.FactsRetracted(bank_id=m.bank_id, bank_deleted=True), "retract")]
+    return []
+
+
+def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder) -> ev.FactsExtracted:
+    """Extract and embed every item of a retain request. An item that fails is recorded
+    in ``failures`` with its reason; the others still yield facts."""
+    items = [codec.retain_item_from_pb(i) for i in m.items]
+    failures: list[ev.ItemFailure] = []
+    try:
+        facts = extractor.extract_many(m.bank_id, items, source_id)
+    except Exception:  # one bad item must not sink the batch: retry item by item
+        log.exception("batch extraction failed; retrying per item")
+        facts = []
+        for i, item in enumerate(items):
+            try:
+                facts.extend(extractor.extract(m.bank_id, item, i, source_id))
+            except Exception as e:
+                failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
+    if facts:
+        vectors = embedder.embed([f.text for f in facts])
+        for f, v in zip(facts, vectors):
+            f.embedding = list(v)
+    docs = sorted({i.document_id for i in items if i.document_id})
+    return ev.FactsExtracted(
+        bank_id=m.bank_id, operation_id=m.operation_id,
+        facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
+        replaced_document_ids=docs, items_total=len(items), failures=failures)

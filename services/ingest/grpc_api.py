@@ -1,0 +1,123 @@
+"""ingest's gRPC servicers: BankService, MemoryService (writes), OperationService.
+They translate messages and call :class:`services.ingest.handlers.Ingest`."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime, timezone
+
+from google.protobuf import empty_pb2
+
+from mneme import apiconv
+from mneme.errors import InvalidArgument
+from mneme.grpc_util import remaining, translate_errors
+from mneme.names import bank_id_of, memory_of, operation_of
+from mneme.v1 import banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc
+from mneme.v1 import operations_pb2, operations_pb2_grpc
+from services.ingest.handlers import Ingest
+
+
+def _page(page_size: int, page_token: str) -> tuple[int, str]:
+    if page_size < 0:
+        raise InvalidArgument("page_size", "must not be negative")
+    try:
+        token = base64.urlsafe_b64decode(page_token.encode()).decode() if page_token else ""
+    except Exception:
+        raise InvalidArgument("page_token", "not a token this API returned") from None
+    return min(page_size or 100, 1000), token
+
+
+def _token(s: str) -> str:
+    return base64.urlsafe_b64encode(s.encode()).decode() if s else ""
+
+
+class BankServicer(banks_pb2_grpc.BankServiceServicer):
+    def __init__(self, ingest: Ingest):
+        self.ingest = ingest
+
+    @translate_errors
+    def UpsertBank(self, request, context):
+        if not request.HasField("bank"):
+            raise InvalidArgument("bank", "required")
+        bank_id = bank_id_of(request.bank.name, "bank.name")
+        bank = self.ingest.upsert_bank(bank_id, request.bank.display_name,
+                                       apiconv.bank_config_from_api(request.bank.config),
+                                       timeout=remaining(context, 30.0))
+        return apiconv.bank_to_api(bank)
+
+    @translate_errors
+    def GetBank(self, request, context):
+        return apiconv.bank_to_api(self.ingest.require_bank(bank_id_of(request.name, "name")))
+
+    @translate_errors
+    def ListBanks(self, request, context):
+        size, after = _page(request.page_size, request.page_token)
+        banks = self.ingest.catalog.list_banks(size + 1, after)
+        more = len(banks) > size
+        banks = banks[:size]
+        return banks_pb2.ListBanksResponse(
+            banks=[apiconv.bank_to_api(b) for b in banks],
+            next_page_token=_token(banks[-1].bank_id) if more else "")
+
+    @translate_errors
+    def DeleteBank(self, request, context):
+        self.ingest.delete_bank(bank_id_of(request.name, "name"), timeout=remaining(context, 30.0))
+        return empty_pb2.Empty()
+
+
+class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
+    def __init__(self, ingest: Ingest):
+        self.ingest = ingest
+
+    @translate_errors
+    def Retain(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        items = apiconv.retain_items_from_api(request.items, datetime.now(timezone.utc))
+        op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
+                                timeout=remaining(context, self.ingest.retain_timeout_s),
+                                request_id=request.request_id)
+        return memory_pb2.RetainResponse(operation=apiconv.operation_to_api(op),
+                                         memory_ids=op.memory_ids)
+
+    @translate_errors
+    def DeleteDocument(self, request, context):
+        op = self.ingest.delete_document(bank_id_of(request.parent), request.document_id,
+                                         timeout=remaining(context, self.ingest.retain_timeout_s))
+        return apiconv.operation_to_api(op)
+
+    @translate_errors
+    def DeleteMemory(self, request, context):
+        bank_id, memory_id = memory_of(request.name)
+        op = self.ingest.delete_memory(bank_id, memory_id,
+                                       timeout=remaining(context, self.ingest.retain_timeout_s))
+        return apiconv.operation_to_api(op)
+
+
+class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
+    def __init__(self, ingest: Ingest):
+        self.ingest = ingest
+
+    @translate_errors
+    def GetOperation(self, request, context):
+        return apiconv.operation_to_api(self.ingest.get_operation(operation_of(request.name)))
+
+    @translate_errors
+    def ListOperations(self, request, context):
+        bank_id = bank_id_of(request.parent) if request.parent else ""
+        size, token = _page(request.page_size, request.page_token)
+        offset = int(token) if token.isdigit() else 0
+        ops = self.ingest.catalog.list_operations(bank_id, size + 1, offset)
+        more = len(ops) > size
+        return operations_pb2.ListOperationsResponse(
+            operations=[apiconv.operation_to_api(o) for o in ops[:size]],
+            next_page_token=_token(str(offset + size)) if more else "")
+
+
+def register(server, ingest: Ingest) -> list[str]:
+    """Add ingest's servicers to ``server``; returns their full service names."""
+    banks_pb2_grpc.add_BankServiceServicer_to_server(BankServicer(ingest), server)
+    memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(ingest), server)
+    operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(ingest), server)
+    return [banks_pb2.DESCRIPTOR.services_by_name["BankService"].full_name,
+            memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name,
+            operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name]

@@ -1,0 +1,188 @@
+"""ingest's handlers: the write commands (validate, append to the intake topic, wait
+for read-your-writes) and the catalog projection of intake and progress events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, Sequence
+
+from mneme.bus import codec
+from mneme.domain import Bank, BankConfig, RetainItem, derive_id
+from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound
+from mneme.events.v1 import events_pb2 as ev
+from mneme.names import check_bank_id
+from mneme.ports import EventLog, OutRecord, Record
+from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
+
+GROUP = "ingest"
+SOURCE = "mneme/ingest"
+MAX_ITEMS = 10_000
+MAX_CONTENT_CHARS = 200_000
+
+
+def _at(env) -> float:
+    t = env.time
+    if isinstance(t, datetime):
+        return t.timestamp()
+    if isinstance(t, str) and t:
+        return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    return time.time()
+
+
+# ---- projection --------------------------------------------------------------------------
+
+
+def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutRecord]:
+    """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
+    m, at = env.message, _at(env)
+    if isinstance(m, ev.BankUpserted):
+        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(m.config), at)
+    elif isinstance(m, ev.BankDeleted):
+        catalog.delete_bank(m.bank_id)
+    elif isinstance(m, ev.RetainRequested):
+        catalog.put_operation(Operation(m.operation_id, m.bank_id, "retain",
+                                        items_total=len(m.items), created_at=at, updated_at=at))
+    elif isinstance(m, ev.DocumentDeleteRequested):
+        catalog.put_operation(Operation(m.operation_id, m.bank_id, "delete_document",
+                                        created_at=at, updated_at=at))
+    elif isinstance(m, ev.MemoryDeleteRequested):
+        catalog.put_operation(Operation(m.operation_id, m.bank_id, "delete_memory",
+                                        created_at=at, updated_at=at))
+    elif isinstance(m, ev.OperationProgress):
+        catalog.update_operation(Operation(
+            m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
+            m.error, list(m.memory_ids), created_at=at, updated_at=at))
+    return []
+
+
+# ---- commands ----------------------------------------------------------------------------
+
+
+@dataclass
+class Ingest:
+    """The write side. ``log`` is the event log, ``catalog`` the ingest projection,
+    ``retain_timeout_s`` the default deadline of sync work (seconds)."""
+
+    log: EventLog
+    catalog: SqliteCatalog
+    retain_timeout_s: float = 600.0
+    poll_s: float = 0.01
+
+    def _append(self, msg, bank_id: str) -> Record:
+        return self.log.append([codec.encode(msg, bank_id=bank_id, source=SOURCE)])[0]
+
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{what} not finished within {timeout:.1f}s; it goes on")
+            time.sleep(self.poll_s)
+
+    def _wait_projected(self, rec: Record, timeout: float) -> None:
+        """Read-your-writes on the catalog: wait until the ingest group consumed ``rec``."""
+        self._wait(lambda: self.log.committed(GROUP, rec.topic, rec.partition) > rec.offset,
+                   timeout, "catalog projection")
+
+    def require_bank(self, bank_id: str) -> Bank:
+        bank = self.catalog.get_bank(bank_id)
+        if bank is None:
+            raise NotFound(f"bank {bank_id!r} not found")
+        return bank
+
+    def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig,
+                    timeout: float | None = None) -> Bank:
+        """Create or update a bank; returns it as projected."""
+        check_bank_id(bank_id, "bank.name")
+        _check_config(config)
+        rec = self._append(ev.BankUpserted(bank_id=bank_id, display_name=display_name,
+                                           config=codec.bank_config_to_pb(config)), bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.require_bank(bank_id)
+
+    def delete_bank(self, bank_id: str, timeout: float | None = None) -> None:
+        """Delete a bank; its memories are retracted from every store asynchronously."""
+        self.require_bank(bank_id)
+        rec = self._append(ev.BankDeleted(bank_id=bank_id), bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+
+    def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
+               timeout: float | None = None, request_id: str = "") -> Operation:
+        """Append one RetainRequested for ``items``. With ``wait`` (sync), return once
+        search has indexed the facts (operation terminal) or raise DeadlineExceeded.
+        A ``request_id`` makes the call idempotent: the operation id derives from it,
+        a known operation is not appended again, and fact ids derive from the operation."""
+        self.require_bank(bank_id)
+        _check_items(items)
+        if len(request_id) > 200:
+            raise InvalidArgument("request_id", "at most 200 characters")
+        op_id = derive_id("retain", bank_id, request_id) if request_id else str(uuid.uuid4())
+        if request_id and (known := self.catalog.get_operation(op_id)) is not None:
+            return self._finish(op_id, None, bank_id, "retain", known.items_total, wait, timeout)
+        msg = ev.RetainRequested(bank_id=bank_id, operation_id=op_id,
+                                 items=[codec.retain_item_to_pb(i) for i in items])
+        rec = self._append(msg, bank_id)
+        return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
+
+    def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
+                        timeout: float | None = None) -> Operation:
+        self.require_bank(bank_id)
+        if not document_id:
+            raise InvalidArgument("document_id", "required")
+        op_id = str(uuid.uuid4())
+        rec = self._append(ev.DocumentDeleteRequested(
+            bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
+        return self._finish(op_id, rec, bank_id, "delete_document", 0, wait, timeout)
+
+    def delete_memory(self, bank_id: str, memory_id: str, wait: bool = True,
+                      timeout: float | None = None) -> Operation:
+        self.require_bank(bank_id)
+        op_id = str(uuid.uuid4())
+        rec = self._append(ev.MemoryDeleteRequested(
+            bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
+        return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
+
+    def _finish(self, op_id, rec, bank_id, kind, total, wait, timeout) -> Operation:
+        timeout = timeout or self.retain_timeout_s
+        if wait:
+            self._wait(lambda: (o := self.catalog.get_operation(op_id)) is not None and o.done,
+                       timeout, f"operation {op_id}")
+            return self.catalog.get_operation(op_id)
+        # Async: acknowledged once durable on the log; the catalog may lag a moment.
+        now = (rec.timestamp if rec else 0) or time.time()
+        return self.catalog.get_operation(op_id) or Operation(
+            op_id, bank_id, kind, "pending", items_total=total, created_at=now, updated_at=now)
+
+    def get_operation(self, operation_id: str) -> Operation:
+        op = self.catalog.get_operation(operation_id)
+        if op is None:
+            raise NotFound(f"operation {operation_id!r} not found")
+        return op
+
+
+def _check_config(c: BankConfig) -> None:
+    for f in ("skepticism", "literalism", "empathy"):
+        v = getattr(c, f)
+        if not 1 <= v <= 5:
+            raise InvalidArgument(f"bank.config.{f}", "must be between 1 and 5")
+    if not 0.0 < c.dedup_threshold <= 1.0:
+        raise InvalidArgument("bank.config.dedup_threshold", "must be in (0, 1]")
+    if c.extraction_mode not in ("offline", "llm"):
+        raise InvalidArgument("bank.config.extraction_mode", "must be 'offline' or 'llm'")
+
+
+def _check_items(items: Sequence[RetainItem]) -> None:
+    if not items:
+        raise InvalidArgument("items", "at least one item is required")
+    if len(items) > MAX_ITEMS:
+        raise InvalidArgument("items", f"at most {MAX_ITEMS} items per request")
+    for i, it in enumerate(items):
+        if not it.content or not it.content.strip():
+            raise InvalidArgument(f"items[{i}].content", "must not be empty")
+        if len(it.content) > MAX_CONTENT_CHARS:
+            raise InvalidArgument(f"items[{i}].content", f"at most {MAX_CONTENT_CHARS} characters")
+        for j, t in enumerate(it.tags):
+            if not t or len(t) > 200:
+                raise InvalidArgument(f"items[{i}].tags[{j}]", "must be 1..200 characters")

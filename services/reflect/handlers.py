@@ -1,0 +1,70 @@
+"""reflect's handler. Offline (no LLM) it is extractive: it recalls, keeps the memories
+that best cover the question, and quotes them with their dates; ``extractive`` is set so
+callers never mistake it for reasoning."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Callable
+
+from mneme.domain import Filters, RecallOutcome, RecallQuery
+from mneme.errors import InvalidArgument
+
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP = frozenset("""a an the and or but of to in on at for with by from is are was were be been
+do does did what when where who whom which why how i you he she it we they me my your his her
+its our their this that these those there have has had not no yes about as into than then so
+would could should can will just any some""".split())
+
+
+@dataclass
+class Reflection:
+    """A reflect answer: ``text``, the memory ids it is based on, ``extractive`` flag."""
+
+    text: str
+    based_on: list[str] = field(default_factory=list)
+    extractive: bool = True
+
+
+def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: datetime,
+                    recall: Callable[[RecallQuery], RecallOutcome], max_quotes: int = 5) -> Reflection:
+    """Extractive reflect: recall (``budget``), rerank the head by how many of the
+    question's content words each memory covers, and quote the best ``max_quotes``.
+    Raises InvalidArgument for an empty query."""
+    if not query or not query.strip():
+        raise InvalidArgument("query", "must not be empty")
+    outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
+                                 filters=Filters(), budget=budget, max_tokens=2048))
+    if not outcome.results:
+        return Reflection("I have no memories that answer this (extractive answer, no language "
+                          "model configured).", [], True)
+    terms = {w for w in _WORD.findall((query + " " + context).lower()) if w not in _STOP}
+    ranked = sorted(enumerate(outcome.results),
+                    key=lambda p: (-_coverage(p[1].fact.text, terms), p[0]))[:max_quotes]
+    ranked.sort(key=lambda p: p[0])  # keep recall order among the chosen ones
+    lines = []
+    for _, s in ranked:
+        f = s.fact
+        when = f.occurred_start or f.mentioned_at
+        date = f" ({when:%d %B %Y})" if when else ""
+        lines.append(f"- {f.text.strip()}{date}")
+    text = ("Extractive answer (no language model configured); the most relevant memories:\n"
+            + "\n".join(lines))
+    return Reflection(text, [s.fact.id for _, s in ranked], True)
+
+
+def _coverage(text: str, terms: set[str]) -> int:
+    words = set(_WORD.findall(text.lower()))
+    return len(terms & words)
+
+
+def record_reflection(bank_id: str, query: str, r: Reflection):
+    """The ``ReflectionRecorded`` event (topic ``mneme.reflect.v1``, for audit)."""
+    from mneme.bus import codec
+    from mneme.events.v1 import events_pb2 as ev
+
+    return codec.encode(ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
+                                              based_on=r.based_on, extractive=r.extractive),
+                        bank_id=bank_id, source="mneme/reflect")

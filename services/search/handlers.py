@@ -1,0 +1,71 @@
+"""search's projection handler: memory events → upserts and deletes in the three
+stores, then an OperationProgress event (read-your-writes for sync retain).
+
+Upserts are idempotent by fact id, so a redelivered event changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mneme.bus import codec
+from mneme.domain import derive_id
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import GraphStore, OutRecord, Record, TextStore, VectorStore
+
+GROUP = "search"
+SOURCE = "mneme/search"
+
+
+@dataclass
+class Projections:
+    """The three search projections, written together."""
+
+    vectors: VectorStore
+    text: TextStore
+    graph: GraphStore
+
+    def all(self):
+        return (self.vectors, self.text, self.graph)
+
+    def reset(self) -> None:
+        for s in self.all():
+            s.reset()
+
+
+def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecord]:
+    """Apply FactsExtracted / FactsRetracted to every store; emit the operation's progress."""
+    m = env.message
+    if isinstance(m, ev.FactsExtracted):
+        for doc in m.replaced_document_ids:
+            for s in stores.all():
+                s.delete_where(m.bank_id, doc)
+        facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
+        if facts:
+            for s in stores.all():
+                s.upsert(facts)
+        failed = {f.item_index for f in m.failures}
+        state = "failed" if failed and len(failed) == m.items_total else "succeeded"
+        progress = ev.OperationProgress(
+            bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
+            items_total=m.items_total, items_done=m.items_total, facts=len(facts),
+            error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
+            memory_ids=[f.id for f in facts])
+    elif isinstance(m, ev.FactsRetracted):
+        if m.bank_deleted:
+            for s in stores.all():
+                s.delete_where(m.bank_id, None)
+        if m.document_id:
+            for s in stores.all():
+                s.delete_where(m.bank_id, m.document_id)
+        if m.memory_ids:
+            for s in stores.all():
+                s.delete(m.bank_id, list(m.memory_ids))
+        if not m.operation_id:
+            return []
+        kind = "delete_document" if m.document_id else "delete_memory"
+        progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                        kind=kind, state="succeeded")
+    else:
+        return []
+    return [codec.encode(progress, bank_id=m.bank_id, source=SOURCE,
+                         event_id=derive_id(env.id, "progress"), traceparent=env.traceparent)]

@@ -1,0 +1,35 @@
+"""search's read API: get and list memories (from the vector store's payloads)."""
+
+from __future__ import annotations
+
+import base64
+
+from mneme.domain import Fact, Filters
+from mneme.errors import InvalidArgument, NotFound
+from mneme.ports import VectorStore
+
+MAX_PAGE = 1000
+
+
+def get_memory(vectors: VectorStore, bank_id: str, memory_id: str) -> Fact:
+    """The memory, or NotFound."""
+    got = vectors.get(bank_id, [memory_id])
+    if not got:
+        raise NotFound(f"memory {memory_id!r} not found in bank {bank_id!r}")
+    return got[0]
+
+
+def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token: str,
+                  filters: Filters | None = None) -> tuple[list[Fact], str]:
+    """One page of the bank's memories in a stable order and the next page token
+    ('' at the end). ``page_size`` 0 means 100; at most 1000."""
+    if page_size < 0:
+        raise InvalidArgument("page_size", "must not be negative")
+    size = min(page_size or 100, MAX_PAGE)
+    try:
+        after = base64.urlsafe_b64decode(page_token.encode()).decode() if page_token else None
+    except Exception:
+        raise InvalidArgument("page_token", "not a token this API returned") from None
+    facts, nxt = vectors.scroll(bank_id, size, after, filters)
+    token = base64.urlsafe_b64encode(nxt.encode()).decode() if nxt else ""
+    return facts, token

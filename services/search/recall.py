@@ -1,0 +1,228 @@
+"""Recall (DESIGN §5): four retrieval arms, rank fusion, boosts, token budget.
+
+Arms, all scoped to the query's bank and filters:
+
+- semantic — kNN over fact embeddings (``VectorStore.search``), score = cosine;
+- keyword — BM25 over fact text (``TextStore.search``), score = BM25;
+- graph — spreading activation (``GraphStore.spread``) from the top semantic and keyword
+  hits (seeds) and from the units mentioning the query's entities, so units that share
+  entities or links with the best hits are found even when their own text does not match
+  (multi-hop); score = activation;
+- temporal — when the query names a time ("last week"), the units whose occurred range
+  overlaps that window, ranked by (1 + cosine)/2 × the fraction of the unit's span inside
+  the window.
+
+The arms are fused with Reciprocal Rank Fusion (k = 60, Cormack et al. SIGIR 2009), the
+candidates hydrated from the vector store (the payload source), re-checked against the
+filters, boosted (recency, temporal proximity, proof count; see ``mneme.retrieval``) and
+filled greedily into ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
+
+from mneme.domain import (
+    BANK_ID_RE, Fact, Filters, Hit, RecallOutcome, RecallQuery, Scored, TimeWindow, utc,
+)
+from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
+from mneme.retrieval import (
+    BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, recency_boost,
+    temporal_proximity_boost, window_overlap, rrf,
+)
+
+ARMS = ("semantic", "keyword", "graph", "temporal")
+
+#: Default token budget when the request leaves ``max_tokens`` at 0.
+DEFAULT_MAX_TOKENS = 4096
+
+#: How many of each of the semantic and keyword arms' top hits seed the graph arm.
+GRAPH_SEEDS = 10
+
+TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _default_executor() -> Executor:
+    """A process-wide pool for the arms. Arm tasks never wait on each other (the caller
+    sequences the phases), so sharing one pool between concurrent recalls cannot deadlock."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mneme-recall")
+        return _pool
+
+
+def validate(q: RecallQuery) -> None:
+    """Raise ValueError("<field>: <problem>") for an invalid request (→ INVALID_ARGUMENT)."""
+    if not BANK_ID_RE.match(q.bank_id or ""):
+        raise ValueError("bank_id: must be a slug of lowercase letters, digits, '-' or '_'")
+    if not (q.query or "").strip():
+        raise ValueError("query: must not be empty")
+    if q.budget not in BUDGETS:
+        raise ValueError(f"budget: must be one of {', '.join(BUDGETS)}")
+    if q.max_tokens < 0:
+        raise ValueError("max_tokens: must be >= 0")
+    if q.query_timestamp is None:
+        raise ValueError("query_timestamp: must be set")
+    mode = q.filters.tags_match or "any"
+    if mode not in TAGS_MATCH_MODES:
+        raise ValueError(f"filters.tags_match: must be one of {', '.join(TAGS_MATCH_MODES)}")
+
+
+def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: GraphStore,
+           embedder: Embedder, analyzer: QueryAnalyzer, tokens: TokenCounter,
+           executor: Executor | None = None) -> RecallOutcome:
+    """Recall the bank's facts that matter for ``q.query``, best first, within
+    ``q.max_tokens`` (0 → :data:`DEFAULT_MAX_TOKENS`) tokens of fact text.
+
+    Each result carries per-arm raw ``scores`` and 1-based ``ranks`` (keys in
+    :data:`ARMS`), the fused ``rrf`` score, the ``boost`` and the ``final`` score. The
+    outcome also returns the time window parsed from the query (None if none).
+
+    ``executor`` runs the arms concurrently (default: a shared module pool); tasks never
+    block on each other, but do not pass the pool that is running this call if it can be
+    saturated by callers. Raises ValueError("<field>: ...") for invalid requests; store
+    errors propagate.
+    """
+    validate(q)
+    from mneme.stores.filters import fact_matches  # lazy: adapters are optional at import
+
+    ex = executor or _default_executor()
+    budget = BUDGETS[q.budget]
+    n = budget.candidates
+    filters = q.filters
+    if not filters.tags_match:
+        filters = replace(filters, tags_match="any")
+    now = utc(q.query_timestamp)
+
+    # Phase 1: everything that depends only on the query.
+    f_vec = ex.submit(lambda: embedder.embed([q.query])[0])
+    f_kw = ex.submit(text.search, q.bank_id, q.query, n, filters)
+    f_ents = ex.submit(_query_entities, graph, analyzer, q.bank_id, q.query)
+    f_win = ex.submit(analyzer.time_window, q.query, now)
+
+    # Phase 2: the vector arms (need the query embedding and the window).
+    vec = f_vec.result()
+    window = f_win.result()
+    f_sem = ex.submit(vectors.search, q.bank_id, vec, n, filters)
+    f_tmp = ex.submit(_temporal_arm, vectors, q.bank_id, vec, n, filters, window)
+
+    # Phase 3: graph, seeded by the best semantic and keyword hits (runs here, alongside
+    # the temporal arm).
+    semantic, keyword, entity_ids = f_sem.result(), f_kw.result(), f_ents.result()
+    seeds = _seeds(semantic, keyword)
+    graph_hits: list[Hit] = []
+    if seeds or entity_ids:
+        graph_hits = graph.spread(q.bank_id, seeds, entity_ids, n, budget.hops)
+    temporal = f_tmp.result()
+
+    arms = {"semantic": semantic, "keyword": keyword, "graph": graph_hits, "temporal": temporal}
+    rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
+    fused = rrf(rankings, k=RRF_K)
+    if not fused:
+        return RecallOutcome(results=[], total_tokens=0, time_window=window)
+
+    # arm → id → (1-based rank, raw score); the first (best) occurrence wins, as in rrf().
+    per_arm: dict[str, dict[str, tuple[int, float]]] = {}
+    for arm, hits in arms.items():
+        index = per_arm[arm] = {}
+        for rank, h in enumerate(hits, start=1):
+            index.setdefault(h.id, (rank, h.score))
+    facts = {f.id: f for f in vectors.get(q.bank_id, [doc for doc, _ in fused])}
+    results: list[Scored] = []
+    for doc, score in fused:
+        fact = facts.get(doc)
+        # Stores may not push every filter down (and a stale index may name a deleted
+        # unit), so the hydrated payload is the final word; never leak another bank.
+        if fact is None or fact.bank_id != q.bank_id or not fact_matches(fact, filters):
+            continue
+        s = Scored(fact=fact, rrf=score)
+        for arm, index in per_arm.items():
+            if doc in index:
+                s.ranks[arm], s.scores[arm] = index[doc]
+        s.boost = (recency_boost(fact, now) + temporal_proximity_boost(fact, window)
+                   + proof_boost(_proof_count(fact)))
+        s.final = s.rrf + s.boost
+        results.append(s)
+    # Stable sort: equal finals keep RRF's deterministic order.
+    results.sort(key=lambda s: -s.final)
+    kept, total = fill_budget(results, q.max_tokens or DEFAULT_MAX_TOKENS, tokens)
+    return RecallOutcome(results=kept, total_tokens=total, time_window=window)
+
+
+# ---- arms ---------------------------------------------------------------------------------
+
+
+def _query_entities(graph: GraphStore, analyzer: QueryAnalyzer, bank_id: str,
+                    query: str) -> list[str]:
+    """Ids of the bank's entities the query mentions (by canonical key)."""
+    keys = analyzer.entity_keys(query)
+    if not keys:
+        return []
+    return [e.id for e in graph.find_entities(bank_id, keys)]
+
+
+def _seeds(semantic: list[Hit], keyword: list[Hit]) -> dict[str, float]:
+    """Seed activations for the graph arm from the top :data:`GRAPH_SEEDS` hits of each
+    arm: 1.0 at rank 1 falling linearly to 0.55 at rank 10 (rank, not raw score, because
+    cosine and BM25 are on different scales); a unit in both arms keeps the higher value."""
+    seeds: dict[str, float] = {}
+    for hits in (semantic, keyword):
+        for rank, h in enumerate(hits[:GRAPH_SEEDS], start=1):
+            a = 1.0 - 0.05 * (rank - 1)
+            seeds[h.id] = max(seeds.get(h.id, 0.0), a)
+    return seeds
+
+
+def _intersect(a: TimeWindow | None, b: TimeWindow) -> TimeWindow | None:
+    """Intersection of two windows (None bounds are open); None when empty."""
+    if a is None:
+        return b
+    starts = [utc(t) for t in (a.start, b.start) if t is not None]
+    ends = [utc(t) for t in (a.end, b.end) if t is not None]
+    w = TimeWindow(start=max(starts) if starts else None, end=min(ends) if ends else None)
+    if w.start is not None and w.end is not None and w.start > w.end:
+        return None
+    return w
+
+
+def _temporal_arm(vectors: VectorStore, bank_id: str, vec: list[float], n: int,
+                  filters: Filters, window: TimeWindow | None) -> list[Hit]:
+    """Units whose time overlaps ``window`` (intersected with any time filter of the
+    request), ranked by (1 + cosine)/2 × fraction of the unit's span inside the window: relevant
+    and specific to that time first. Empty when the query names no time."""
+    if window is None:
+        return []
+    w = _intersect(filters.time_range, window)
+    if w is None:
+        return []
+    hits = vectors.search(bank_id, vec, n, replace(filters, time_range=w))
+    if not hits:
+        return []
+    # The store's time filter may be coarser than ours (or absent): check each unit's span.
+    by_id = {f.id: f for f in vectors.get(bank_id, [h.id for h in hits])}
+    scored: list[Hit] = []
+    for h in hits:
+        fact = by_id.get(h.id)
+        span = fact_span(fact) if fact is not None else None
+        if span is None or not w.overlaps(*span):
+            continue
+        inside = window_overlap(span[0], span[1], w)
+        # Cosine in [-1, 1] mapped to [0, 1] so the product orders sensibly; a unit that
+        # only touches the window's edge keeps a tiny positive score.
+        scored.append(Hit(id=h.id, score=(1.0 + h.score) / 2.0 * max(inside, 1e-3)))
+    scored.sort(key=lambda h: -h.score)
+    return scored
+
+
+def _proof_count(fact: Fact) -> int:
+    """An observation's ``proof_count`` from its metadata (plain facts have none → 0)."""
+    try:
+        return int(fact.metadata.get("proof_count", 0))
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,71 @@
+"""Start and stop a real ``mneme up`` process for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from mneme.client import MnemeClient
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def conversation_file() -> Path:
+    """The shared LoCoMo dev split if present, else the conversation shipped in examples/."""
+    shared = ROOT.parent / "shared" / "data" / "locomo" / "locomo_dev.json"
+    return shared if shared.exists() else ROOT / "examples" / "locomo" / "conv-26.json"
+
+
+class Server:
+    """A ``mneme up`` subprocess on ``data_dir``; ``address`` is host:port."""
+
+    def __init__(self, data_dir: Path, port: int | None = None):
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / f"{data_dir.name}-server.log"
+
+    def start(self, timeout: float = 180) -> "Server":
+        mneme = Path(sys.executable).with_name("mneme")
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [str(mneme), "up", "--data-dir", str(self.data_dir), "--address", self.address],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        with MnemeClient(self.address) as m:
+            try:
+                m.wait_ready(timeout=timeout)
+            except Exception:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
+        return self
+
+    def client(self, timeout: float = 600) -> MnemeClient:
+        return MnemeClient(self.address, timeout=timeout)
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None

@@ -1,0 +1,193 @@
+"""Retrieval math: RRF (Cormack et al. 2009), boosts, greedy token-budget fill."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from mneme.domain import Fact, Scored, TimeWindow
+from mneme.retrieval import (
+    BUDGETS, PROOF_WEIGHT, RECENCY_WEIGHT, RRF_UNIT, TEMPORAL_WEIGHT, fill_budget,
+    proof_boost, recency_boost, rrf, temporal_proximity_boost, window_overlap,
+)
+
+NOW = datetime(2024, 6, 15, 12, 0, tzinfo=timezone.utc)
+
+
+# ---- rrf ----------------------------------------------------------------------------------
+
+
+def test_rrf_hand_computed():
+    fused = dict(rrf({"a": ["x", "y", "z"], "b": ["y", "w"]}, k=60))
+    assert fused["x"] == pytest.approx(1 / 61)
+    assert fused["y"] == pytest.approx(1 / 62 + 1 / 61)
+    assert fused["z"] == pytest.approx(1 / 63)
+    assert fused["w"] == pytest.approx(1 / 62)
+    order = [d for d, _ in rrf({"a": ["x", "y", "z"], "b": ["y", "w"]})]
+    assert order == ["y", "x", "w", "z"]
+
+
+def test_two_arm_agreement_beats_single_first_place():
+    # "b" is third in two arms; "a" first in one arm only: 2/63 > 1/61.
+    fused = rrf({"s": ["a", "c", "b"], "k": ["d", "e", "b"]})
+    assert fused[0][0] == "b"
+    assert fused[0][1] == pytest.approx(2 / 63)
+
+
+def test_k_sets_agreement_versus_first_place():
+    # "b" is 40th in two arms. At k=60 agreement wins: 2/100 = 0.02 > 1/61 ≈ 0.0164.
+    # At k=0 a first place (1/1) beats two 40th places (2/40).
+    s = ["s0"] + [f"s{i}" for i in range(1, 39)] + ["b"]
+    k = ["a"] + [f"k{i}" for i in range(1, 39)] + ["b"]
+    assert rrf({"s": s, "k": k})[0][0] == "b"
+    assert rrf({"s": s, "k": k}, k=0)[0][0] == "a"  # tie with s0 (both 1/1), id order
+
+
+def test_k_matters():
+    rankings = {"s": ["a", "b"], "k": ["c", "b"]}
+    lo, hi = dict(rrf(rankings, k=0)), dict(rrf(rankings, k=60))
+    assert lo["a"] == pytest.approx(1.0) and lo["b"] == pytest.approx(1.0)
+    assert hi["b"] > hi["a"]
+    with pytest.raises(ValueError, match="^k:"):
+        rrf(rankings, k=-1)
+
+
+def test_rrf_ties_are_deterministic():
+    # a/b/c each first in one arm: equal score, broken by id; arm order is irrelevant.
+    r1 = rrf({"x": ["b"], "y": ["c"], "z": ["a"]})
+    r2 = rrf({"z": ["a"], "y": ["c"], "x": ["b"]})
+    assert [d for d, _ in r1] == ["a", "b", "c"] == [d for d, _ in r2]
+    assert r1 == r2
+    # Equal sums, different best ranks: (1, 3) → 1/61 + 1/63 vs (2, 2) → 2/62 differ, but
+    # ranks (1, 4) in arms x/y vs (4, 1) in y/x are the same multiset: bit-equal scores.
+    r = rrf({"x": ["p", "q0", "q1", "q"], "y": ["q", "p0", "p1", "p"]})
+    scores = dict(r)
+    assert scores["p"] == scores["q"]
+    assert [d for d, _ in r][:2] == ["p", "q"]
+
+
+def test_rrf_tie_broken_by_best_single_rank_before_id():
+    # "z" at ranks (1, -) and "a" at rank (2, -)+(…) with exactly equal score is rare;
+    # construct equality with k=0: a at ranks 2 and 2 (0.5+0.5=1.0), z at rank 1 (1.0).
+    r = rrf({"x": ["z", "a"], "y": ["q", "a"]}, k=0)
+    scores = dict(r)
+    assert scores["a"] == scores["z"] == 1.0
+    order = [d for d, _ in r]
+    assert order.index("z") < order.index("a")  # best single rank 1 beats 2, despite id
+
+
+def test_rrf_duplicates_and_empty():
+    assert rrf({}) == []
+    assert rrf({"s": [], "k": []}) == []
+    fused = dict(rrf({"s": ["a", "a", "b"]}))
+    assert fused["a"] == pytest.approx(1 / 61)
+    assert fused["b"] == pytest.approx(1 / 63)  # positions are kept, duplicates skipped
+
+
+def test_budgets_grow():
+    assert set(BUDGETS) == {"low", "mid", "high"}
+    assert BUDGETS["low"].candidates < BUDGETS["mid"].candidates < BUDGETS["high"].candidates
+    assert BUDGETS["low"].hops <= BUDGETS["mid"].hops <= BUDGETS["high"].hops
+
+
+# ---- boosts -------------------------------------------------------------------------------
+
+
+def _fact(start=None, end=None, mentioned=None, **kw) -> Fact:
+    return Fact(id=kw.pop("id", "f"), bank_id="b", text=kw.pop("text", "x"),
+                occurred_start=start, occurred_end=end, mentioned_at=mentioned, **kw)
+
+
+def test_boosts_are_bounded_by_a_fraction_of_one_rrf_vote():
+    assert RECENCY_WEIGHT + TEMPORAL_WEIGHT + PROOF_WEIGHT <= 0.3 + 1e-12
+    # All boosts maxed stay below one more arm's vote anywhere in a mid-budget list.
+    assert (RECENCY_WEIGHT + TEMPORAL_WEIGHT + PROOF_WEIGHT) * RRF_UNIT < 1 / (60 + 60)
+    f = _fact(NOW, NOW)
+    assert 0 < recency_boost(f, NOW) <= RECENCY_WEIGHT * RRF_UNIT
+    w = TimeWindow(NOW - timedelta(days=1), NOW + timedelta(days=1))
+    assert 0 < temporal_proximity_boost(f, w) <= TEMPORAL_WEIGHT * RRF_UNIT
+    assert temporal_proximity_boost(f, w) == pytest.approx(TEMPORAL_WEIGHT * RRF_UNIT)
+    for n in (1, 3, 10, 10_000):
+        assert 0 < proof_boost(n) < PROOF_WEIGHT * RRF_UNIT
+
+
+def test_recency_is_monotonic_and_long_lived():
+    ages = [0, 1, 30, 365, 3650]
+    boosts = [recency_boost(_fact(NOW - timedelta(days=d)), NOW) for d in ages]
+    assert boosts == sorted(boosts, reverse=True) and len(set(boosts)) == len(boosts)
+    # Half-life of a year: a year-old fact keeps half its boost.
+    assert boosts[3] == pytest.approx(boosts[0] / 2)
+    assert recency_boost(_fact(), NOW) == 0.0  # no time at all
+    # Falls back to mentioned_at; uses the end of an occurred range.
+    assert recency_boost(_fact(mentioned=NOW), NOW) == pytest.approx(boosts[0])
+    ranged = _fact(NOW - timedelta(days=3650), NOW)
+    assert recency_boost(ranged, NOW) == pytest.approx(boosts[0])
+
+
+def test_temporal_proximity_monotonic():
+    w = TimeWindow(NOW - timedelta(days=7), NOW)
+    inside = temporal_proximity_boost(_fact(NOW - timedelta(days=3)), w)
+    near = temporal_proximity_boost(_fact(NOW - timedelta(days=8)), w)
+    far = temporal_proximity_boost(_fact(NOW - timedelta(days=60)), w)
+    assert inside > near > far > 0
+    # A broad fact that only partly overlaps the window is less specific.
+    broad = _fact(NOW - timedelta(days=365), NOW)
+    assert near < temporal_proximity_boost(broad, w) < inside
+    assert temporal_proximity_boost(_fact(NOW), None) == 0.0
+    assert temporal_proximity_boost(_fact(), w) == 0.0
+    # Open-ended windows work.
+    assert temporal_proximity_boost(_fact(NOW), TimeWindow(start=NOW - timedelta(days=1))) > 0
+
+
+def test_window_overlap_fraction():
+    w = TimeWindow(NOW - timedelta(days=10), NOW)
+    assert window_overlap(NOW - timedelta(days=5), NOW - timedelta(days=5), w) == 1.0
+    assert window_overlap(NOW - timedelta(days=20), NOW, w) == pytest.approx(0.5)
+    assert window_overlap(NOW + timedelta(days=1), NOW + timedelta(days=2), w) == 0.0
+
+
+def test_proof_boost_monotonic_saturating():
+    vals = [proof_boost(n) for n in (0, 1, 2, 3, 10, 100)]
+    assert vals[0] == 0.0 and proof_boost(-5) == 0.0
+    assert vals == sorted(vals) and len(set(vals)) == len(vals)
+    assert proof_boost(3) == pytest.approx(PROOF_WEIGHT * RRF_UNIT / 2)
+
+
+# ---- fill_budget --------------------------------------------------------------------------
+
+
+class WordCounter:
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+def _items(*sizes: int) -> list[Scored]:
+    return [Scored(fact=_fact(id=f"f{i}", text=" ".join(["w"] * n)))
+            for i, n in enumerate(sizes)]
+
+
+def test_fill_exact_sums():
+    kept, total = fill_budget(_items(3, 4, 5), 12, WordCounter())
+    assert [s.fact.id for s in kept] == ["f0", "f1", "f2"]
+    assert total == 12 and [s.tokens for s in kept] == [3, 4, 5]
+
+
+def test_fill_skips_too_big_and_continues():
+    kept, total = fill_budget(_items(5, 10, 2, 4, 1), 8, WordCounter())
+    assert [s.fact.id for s in kept] == ["f0", "f2", "f4"]
+    assert total == 8
+
+
+def test_fill_stops_when_exhausted():
+    items = _items(4, 4, 0)
+    kept, total = fill_budget(items, 8, WordCounter())
+    assert [s.fact.id for s in kept] == ["f0", "f1"] and total == 8
+
+
+def test_fill_zero_budget_and_oversized():
+    assert fill_budget(_items(1, 2), 0, WordCounter()) == ([], 0)
+    assert fill_budget(_items(1), -3, WordCounter()) == ([], 0)
+    kept, total = fill_budget(_items(50), 10, WordCounter())
+    assert kept == [] and total == 0
+    assert fill_budget([], 100, WordCounter()) == ([], 0)
