@@ -39,7 +39,7 @@ def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutR
     """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
     m, at = env.message, _at(env)
     if isinstance(m, ev.BankUpserted):
-        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(m.config), at)
+        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(m.config if m.HasField("config") else None), at)
     elif isinstance(m, ev.BankDeleted):
         catalog.delete_bank(m.bank_id)
     elif isinstance(m, ev.RetainRequested):

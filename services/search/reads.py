@@ -30,6 +30,9 @@ def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token
         after = base64.urlsafe_b64decode(page_token.encode()).decode() if page_token else None
     except Exception:
         raise InvalidArgument("page_token", "not a token this API returned") from None
-    facts, nxt = vectors.scroll(bank_id, size, after, filters)
+    try:
+        facts, nxt = vectors.scroll(bank_id, size, after, filters)
+    except ValueError:  # a well-formed token the store did not issue
+        raise InvalidArgument("page_token", "not a token this API returned") from None
     token = base64.urlsafe_b64encode(nxt.encode()).decode() if nxt else ""
     return facts, token

@@ -195,7 +195,9 @@ def _temporal_arm(vectors: VectorStore, bank_id: str, vec: list[float], n: int,
                   filters: Filters, window: TimeWindow | None) -> list[Hit]:
     """Units whose time overlaps ``window`` (intersected with any time filter of the
     request), ranked by (1 + cosine)/2 × fraction of the unit's span inside the window: relevant
-    and specific to that time first. Empty when the query names no time."""
+    and specific to that time first. Empty when the query names no time. Candidates
+    come from the store's time filter, which (like ``fact_matches``) looks at occurred
+    times only: a unit known only by ``mentioned_at`` is not a temporal candidate."""
     if window is None:
         return []
     w = _intersect(filters.time_range, window)

@@ -16,6 +16,7 @@ Adapters are chosen by URL with :func:`open_event_log`; the embedded one is
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
@@ -95,7 +96,12 @@ def partition_for(key: str | bytes, partitions: int) -> int:
     """
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
-    data = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return _partition(key if isinstance(key, str) else bytes(key), partitions)
+
+
+@lru_cache(maxsize=65536)  # keys are bank ids, few and hot; murmur2 in Python is ~5 µs
+def _partition(key: str | bytes, partitions: int) -> int:
+    data = key.encode("utf-8") if isinstance(key, str) else key
     return (murmur2(data) & 0x7FFFFFFF) % partitions
 
 
@@ -131,5 +137,6 @@ def open_event_log(url: str) -> "EventLog":
 
 __all__ = [
     "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "INTAKE", "MEMORY", "PROGRESS", "REFLECT",
-    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "murmur2", "open_event_log", "partition_for",
+    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "murmur2", "open_event_log",
+    "partition_for",
 ]

@@ -18,6 +18,8 @@ Failure policy (per record):
 Dead-letter records keep the original key, value and headers (``ce_*``, ``content-type``,
 ``traceparent``) and add ``dlq_topic``, ``dlq_partition``, ``dlq_offset``, ``dlq_group``,
 ``dlq_attempts``, ``dlq_error`` ("ExcType: message"), ``dlq_traceback`` and ``dlq_time``.
+(``dlq_attempts`` is 0 for undecodable records.) A record that fails while being read
+*from* the DLQ is logged and dropped instead, so a DLQ reader cannot loop.
 
 Handlers run again after a crash for records whose batch was not committed yet, so their
 side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
@@ -240,7 +242,8 @@ class Consumer:
                 self.stats["errors"] += 1
                 self.last_error = exc
                 log.exception("consumer %s: pass failed (%d in a row)", self.group, failures)
-                self._positions.clear()  # re-read committed offsets: the batch may be lost
+                with self._cond:  # re-read committed offsets: the batch may be lost
+                    self._positions.clear()
                 self._stop.wait(min(self.backoff * 2 ** failures, self.backoff_max))
                 continue
             if n == 0 and not self._stop.is_set():
@@ -270,7 +273,8 @@ class Consumer:
         pos = self._positions.get((topic, partition))
         if pos is None:
             pos = self.log.committed(self.group, topic, partition)
-            self._positions[(topic, partition)] = pos
+            with self._cond:
+                self._positions[(topic, partition)] = pos
         return pos
 
     def _process(self, topic: str, partition: int) -> int:
@@ -288,7 +292,7 @@ class Consumer:
             try:
                 env = decode(rec)
             except Exception as exc:  # corrupt payload: retries cannot help
-                outs = [self._dead_letter(rec, exc, attempts=0)]
+                outs = self._dead_letter(rec, exc, attempts=0)
             else:
                 if env.message is None:
                     self.stats["skipped"] += 1
@@ -343,12 +347,18 @@ class Consumer:
                 return self._call(env, rec)
             except Exception as again:
                 exc = again
-        return [self._dead_letter(rec, exc, attempts=self.max_attempts)]
+        return self._dead_letter(rec, exc, attempts=self.max_attempts)
 
-    def _dead_letter(self, rec: Record, exc: BaseException, attempts: int) -> OutRecord:
+    def _dead_letter(self, rec: Record, exc: BaseException, attempts: int) -> list[OutRecord]:
+        """The DLQ copy of ``rec`` (a one-element list); [] for a record read from the
+        DLQ itself, so a failing DLQ reader cannot feed the DLQ forever."""
+        self.stats["dead_lettered"] += 1
+        if rec.topic == self.dlq_topic:
+            log.error("consumer %s: dropping dead letter %s[%d]@%d after %d attempts: %r",
+                      self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
+            return []
         log.error("consumer %s: dead-lettering %s[%d]@%d after %d attempts: %r", self.group,
                   rec.topic, rec.partition, rec.offset, attempts, exc)
-        self.stats["dead_lettered"] += 1
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         headers = dict(rec.headers)
         headers.update({
@@ -361,8 +371,8 @@ class Consumer:
             "dlq_traceback": tb[-_TRACEBACK_CHARS:],
             "dlq_time": format_time(datetime.now(timezone.utc)),
         })
-        return OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
-                         headers=headers)
+        return [OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
+                          headers=headers)]
 
     def _commit(self, topic: str, partition: int, next_off: int,
                 outputs: Sequence[OutRecord]) -> bool:
@@ -373,7 +383,8 @@ class Consumer:
         except StaleCommitError as exc:
             self.stats["stale_commits"] += 1
             log.warning("consumer %s: %s; re-reading the committed offset", self.group, exc)
-            self._positions.pop((topic, partition), None)
+            with self._cond:
+                self._positions.pop((topic, partition), None)
             return False
         with self._cond:
             self._positions[(topic, partition)] = next_off

@@ -63,3 +63,10 @@ def fact_matches(fact: Fact, filters: Filters | None) -> bool:
             fact.occurred_start, fact.occurred_end):
         return False
     return True
+
+
+def check_document_id(document_id: str | None) -> None:
+    """Guard of ``delete_where``: None means the whole bank, so an empty string (a
+    missing id that slipped through) must not silently widen to it. ValueError for ""."""
+    if document_id is not None and not document_id:
+        raise ValueError("document_id must be non-empty, or None for the whole bank")

@@ -1,0 +1,187 @@
+"""The one Cypher query set of the graph store, shared by the FalkorDB and Neo4j adapters.
+
+Kept to the dialect both speak: parameters (``$name``), ``UNWIND`` batches, ``MERGE`` on
+our own ids, epoch-second numbers for times (no ``datetime()``), no ``elementId()``, no
+``EXISTS {}`` subqueries (counts via ``OPTIONAL MATCH`` … ``count()`` instead), and an
+explicit ``u <> v`` where a pattern could come back to the node it started from.
+Only the index DDL differs per backend.
+
+Model::
+
+    (:Unit {id, bank_id, document_id, fact_type, occurred_start, occurred_end, stub})
+    (:Entity {id, bank_id, name, key, label, aliases})
+    (:Unit)-[:MENTIONS]->(:Entity)
+    (:Unit)-[:LINK {kind, weight}]->(:Unit)
+
+A ``stub`` Unit is a link target whose fact has not arrived (or was deleted while other
+units still link to it); it is never counted or returned. ``Entity.key`` is
+``mneme.domain.entity_key`` of the latest name, ``aliases`` every key it has had.
+"""
+
+# ---- index DDL, per backend -----------------------------------------------------------------
+
+#: FalkorDB: one range index per property; re-creating one raises "already indexed".
+FALKOR_INDEXES = (
+    "CREATE INDEX FOR (n:Unit) ON (n.id)",
+    "CREATE INDEX FOR (n:Unit) ON (n.bank_id)",
+    "CREATE INDEX FOR (e:Entity) ON (e.id)",
+    "CREATE INDEX FOR (e:Entity) ON (e.bank_id)",
+    "CREATE INDEX FOR (e:Entity) ON (e.key)",
+)
+
+#: Neo4j 5: composite indexes, idempotent.
+NEO4J_INDEXES = (
+    "CREATE INDEX unit_bank_id IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.id)",
+    "CREATE INDEX unit_bank_doc IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.document_id)",
+    "CREATE INDEX entity_bank_id IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.id)",
+    "CREATE INDEX entity_bank_key IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.key)",
+)
+
+# ---- writes (all scoped by $bank_id) -----------------------------------------------------
+
+#: $units: [{id, document_id, fact_type, occurred_start, occurred_end}]
+UPSERT_UNITS = """
+UNWIND $units AS u
+MERGE (n:Unit {bank_id: $bank_id, id: u.id})
+SET n.document_id = u.document_id, n.fact_type = u.fact_type,
+    n.occurred_start = u.occurred_start, n.occurred_end = u.occurred_end,
+    n.stub = false
+"""
+
+#: Entities the units $ids mention now (candidates for orphan cleanup).
+UNIT_ENTITIES = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
+RETURN DISTINCT e.id AS entity_id
+"""
+
+#: Units the units $ids link to now (stub candidates for orphan cleanup).
+UNIT_LINK_TARGETS = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})-[:LINK]->(m:Unit)
+RETURN DISTINCT m.id AS unit_id
+"""
+
+#: Drop the outgoing MENTIONS and LINK edges of $ids (an upsert then re-creates them).
+CLEAR_UNIT_EDGES = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})-[r:MENTIONS|LINK]->()
+DELETE r
+"""
+
+#: $rows: [{unit_id, entity_id, name, key, label}]
+MERGE_MENTIONS = """
+UNWIND $rows AS r
+MATCH (n:Unit {bank_id: $bank_id, id: r.unit_id})
+MERGE (e:Entity {bank_id: $bank_id, id: r.entity_id})
+SET e.name = r.name, e.key = r.key, e.label = r.label,
+    e.aliases = CASE WHEN e.aliases IS NULL THEN [r.key]
+                     WHEN r.key IN e.aliases THEN e.aliases
+                     ELSE e.aliases + r.key END
+MERGE (n)-[:MENTIONS]->(e)
+"""
+
+#: $rows: [{source_id, target_id, kind, weight}]; a missing target becomes a stub Unit.
+MERGE_LINKS = """
+UNWIND $rows AS r
+MATCH (n:Unit {bank_id: $bank_id, id: r.source_id})
+MERGE (m:Unit {bank_id: $bank_id, id: r.target_id})
+ON CREATE SET m.stub = true
+MERGE (n)-[l:LINK {kind: r.kind}]->(m)
+SET l.weight = r.weight
+"""
+
+#: Turn deleted units into stubs (their incoming links stay for a later re-upsert).
+MARK_STUBS = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})
+SET n.stub = true, n.document_id = null, n.fact_type = null,
+    n.occurred_start = null, n.occurred_end = null
+"""
+
+#: Delete stubs among $ids that no unit links to any more.
+DELETE_ORPHAN_STUBS = """
+UNWIND $ids AS uid
+MATCH (s:Unit {bank_id: $bank_id, id: uid})
+WHERE s.stub = true
+OPTIONAL MATCH (s)<-[l:LINK]-(:Unit)
+WITH s, count(l) AS links
+WHERE links = 0
+DETACH DELETE s
+"""
+
+#: Delete entities among $entity_ids that no unit mentions any more.
+DELETE_ORPHAN_ENTITIES = """
+UNWIND $entity_ids AS eid
+MATCH (e:Entity {bank_id: $bank_id, id: eid})
+OPTIONAL MATCH (e)<-[m:MENTIONS]-(:Unit)
+WITH e, count(m) AS mentions
+WHERE mentions = 0
+DETACH DELETE e
+"""
+
+#: Ids of the bank's (non-stub) units of $document_id.
+UNITS_OF_DOCUMENT = """
+MATCH (n:Unit {bank_id: $bank_id, document_id: $document_id})
+WHERE n.stub = false
+RETURN n.id AS unit_id
+"""
+
+DELETE_BANK_UNITS = "MATCH (n:Unit {bank_id: $bank_id}) DETACH DELETE n"
+DELETE_BANK_ENTITIES = "MATCH (e:Entity {bank_id: $bank_id}) DETACH DELETE e"
+DELETE_ALL = "MATCH (n) DETACH DELETE n"
+
+# ---- reads ---------------------------------------------------------------------------------
+
+COUNT_UNITS = """
+MATCH (n:Unit {bank_id: $bank_id})
+WHERE n.stub = false
+RETURN count(n) AS units
+"""
+
+#: Entities whose current key or any former key is in $keys.
+FIND_ENTITIES = """
+MATCH (e:Entity {bank_id: $bank_id})
+WHERE e.key IN $keys OR any(a IN coalesce(e.aliases, []) WHERE a IN $keys)
+RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key
+"""
+
+#: Which of $ids are live units of the bank (spreading-activation seeds).
+EXISTING_UNITS = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})
+WHERE n.stub = false
+RETURN n.id AS unit_id
+"""
+
+#: Units mentioning $entity_ids: per entity its degree (all mentioning units) and the
+#: $fanout most recent of them, so a hub entity cannot flood a hop.
+ENTITY_UNITS = """
+UNWIND $entity_ids AS eid
+MATCH (e:Entity {bank_id: $bank_id, id: eid})<-[:MENTIONS]-(v:Unit)
+WITH e, v ORDER BY coalesce(v.occurred_start, 0) DESC, v.id
+WITH e, count(v) AS degree, collect(v.id) AS units
+RETURN e.id AS entity_id, degree, units[0..$fanout] AS units
+"""
+
+#: One entity hop from the frontier $ids: per shared entity, which frontier units
+#: mention it (sources), its degree and up to $fanout mentioning units (may include
+#: the sources themselves; the caller skips those).
+ENTITY_NEIGHBOURS = """
+UNWIND $ids AS uid
+MATCH (u:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
+WITH e, collect(DISTINCT uid) AS sources
+MATCH (e)<-[:MENTIONS]-(v:Unit)
+WITH e, sources, v ORDER BY coalesce(v.occurred_start, 0) DESC, v.id
+WITH e, sources, count(v) AS degree, collect(v.id) AS units
+RETURN e.id AS entity_id, sources, degree, units[0..$fanout] AS units
+"""
+
+#: One link hop from the frontier $ids, in either direction (a causal or temporal link
+#: relates both ends), to live units only.
+LINK_NEIGHBOURS = """
+UNWIND $ids AS uid
+MATCH (u:Unit {bank_id: $bank_id, id: uid})-[l:LINK]-(v:Unit)
+WHERE u <> v AND v.stub = false
+RETURN uid AS source_id, v.id AS unit_id, l.kind AS kind, l.weight AS weight
+"""

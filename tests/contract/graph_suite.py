@@ -1,0 +1,195 @@
+"""Contract of :class:`mneme.ports.GraphStore`, written once; subclass per adapter and
+implement ``make_store(path)`` (same path → same data, for reopen tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mneme.domain import EntityRef, Fact, Link, entity_key
+
+ALICE = EntityRef("e-alice", "Alice", "PERSON")
+BOB = EntityRef("e-bob", "the Bob's", "PERSON")
+LYON = EntityRef("e-lyon", "Lyon", "GPE")
+PIANO = EntityRef("e-piano", "piano", "CONCEPT")
+
+
+def unit(uid, bank_id="a", entities=(), links=(), document_id="") -> Fact:
+    return Fact(id=uid, bank_id=bank_id, text=f"text of {uid}", entities=list(entities),
+                links=list(links), document_id=document_id)
+
+
+def chain(bank_id="a") -> list[Fact]:
+    """u1 -Alice- u2 -Bob- u3 -Lyon- u4, and u5 alone."""
+    return [unit("u1", bank_id, [ALICE]), unit("u2", bank_id, [ALICE, BOB]),
+            unit("u3", bank_id, [BOB, LYON]), unit("u4", bank_id, [LYON]),
+            unit("u5", bank_id)]
+
+
+def ids(hits):
+    return [h.id for h in hits]
+
+
+class GraphStoreSuite:
+    """Shared tests."""
+
+    def make_store(self, path):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        s = self.make_store(tmp_path)
+        yield s
+        s.close()
+
+    # -- units and entities --
+
+    def test_upsert_is_idempotent(self, store):
+        store.upsert(chain())
+        store.upsert(chain())
+        assert store.count("a") == 5
+        assert len(store.find_entities("a", ["alice", "bob", "lyon"])) == 3
+
+    def test_find_entities_by_canonical_key(self, store):
+        store.upsert(chain())
+        assert entity_key(BOB.name) == "bob"
+        assert store.find_entities("a", ["bob"]) == [BOB]
+        assert store.find_entities("a", ["lyon", "alice", "nobody"]) == [LYON, ALICE]
+        assert store.find_entities("a", []) == []
+
+    def test_entity_keeps_former_names_as_aliases(self, store):
+        store.upsert([unit("u1", entities=[BOB])])
+        robert = dataclasses.replace(BOB, name="Robert")
+        store.upsert([unit("u2", entities=[robert])])
+        assert [e.id for e in store.find_entities("a", ["bob"])] == [BOB.id]
+        assert store.find_entities("a", ["robert"]) == [robert]
+
+    def test_reupsert_replaces_mentions_and_drops_orphans(self, store):
+        store.upsert([unit("u1", entities=[ALICE, PIANO]), unit("u2", entities=[ALICE])])
+        store.upsert([unit("u1", entities=[LYON])])
+        assert store.find_entities("a", ["piano"]) == []
+        assert store.find_entities("a", ["alice", "lyon"]) == [ALICE, LYON]
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10)) == ["u1"]
+
+    def test_delete_removes_unmentioned_entities_only(self, store):
+        store.upsert(chain())
+        store.delete("a", ["u2"])
+        assert store.count("a") == 4
+        assert store.find_entities("a", ["alice", "bob"]) == [ALICE, BOB]
+        store.delete("a", ["u3", "unknown"])
+        assert store.find_entities("a", ["alice", "bob", "lyon"]) == [ALICE, LYON]
+        store.delete("a", [])
+        assert store.count("a") == 3
+
+    def test_delete_where_document_and_bank(self, store):
+        store.upsert([unit("u1", entities=[ALICE], document_id="d1"),
+                      unit("u2", entities=[ALICE, BOB], document_id="d2"),
+                      unit("u3", entities=[PIANO], document_id="d1")] + chain("b"))
+        store.delete_where("a", "d1")
+        assert store.count("a") == 1
+        assert store.find_entities("a", ["alice", "bob", "piano"]) == [ALICE, BOB]
+        store.delete_where("a")
+        assert store.count("a") == 0
+        assert store.find_entities("a", ["alice", "bob"]) == []
+        assert store.count("b") == 5 and len(store.find_entities("b", ["alice"])) == 1
+
+    def test_delete_where_rejects_empty_document_id(self, store):
+        store.upsert(chain())
+        with pytest.raises(ValueError):
+            store.delete_where("a", "")
+        assert store.count("a") == 5
+
+    # -- spreading activation --
+
+    def test_spread_follows_shared_entities_with_hop_decay(self, store):
+        store.upsert(chain())
+        hits = store.spread("a", {"u1": 1.0}, [], k=10, hops=2, decay=0.5)
+        assert ids(hits) == ["u1", "u2", "u3"]
+        assert [h.score for h in hits] == pytest.approx([1.0, 0.5, 0.25])
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10, hops=3)) == ["u1", "u2", "u3", "u4"]
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10, hops=0)) == ["u1"]
+
+    def test_spread_returns_k_best_and_keeps_seed_activation(self, store):
+        store.upsert(chain())
+        hits = store.spread("a", {"u1": 0.8, "u4": 0.3}, [], k=2, hops=2)
+        assert ids(hits) == ["u1", "u2"]
+        assert hits[0].score == pytest.approx(0.8)
+        assert store.spread("a", {"u1": 1.0}, [], k=0) == []
+
+    def test_spread_from_query_entities(self, store):
+        store.upsert(chain())
+        hits = store.spread("a", {}, [LYON.id], k=10, hops=1)
+        assert set(ids(hits[:2])) == {"u3", "u4"}
+        assert ids(hits[2:]) == ["u2"]
+        assert hits[2].score < hits[1].score
+        assert store.spread("a", {}, ["no-such-entity"], k=10) == []
+
+    def test_spread_follows_links_both_ways_by_weight(self, store):
+        store.upsert([unit("u1", links=[Link("u2", "causal", 0.8), Link("u3", "temporal", 0.2)]),
+                      unit("u2"), unit("u3")])
+        hits = store.spread("a", {"u1": 1.0}, [], k=10, hops=1, decay=0.5)
+        assert ids(hits) == ["u1", "u2", "u3"]
+        assert [h.score for h in hits] == pytest.approx([1.0, 0.4, 0.1])
+        back = store.spread("a", {"u2": 1.0}, [], k=10, hops=1)
+        assert ids(back) == ["u2", "u1"]
+
+    def test_link_to_a_missing_unit_is_filled_when_it_arrives(self, store):
+        store.upsert([unit("u1", links=[Link("u9", "causal", 1.0)])])
+        assert store.count("a") == 1
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10)) == ["u1"]
+        store.upsert([unit("u9")])
+        assert store.count("a") == 2
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10)) == ["u1", "u9"]
+        store.delete("a", ["u9"])  # still linked from u1: never returned, not counted
+        assert store.count("a") == 1
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10)) == ["u1"]
+        store.upsert([unit("u9")])  # and the link is back when it returns
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10)) == ["u1", "u9"]
+
+    def test_hub_entities_pass_less_activation(self, store):
+        hub = EntityRef("e-hub", "Paris", "GPE")
+        rare = EntityRef("e-rare", "Zanzibar", "GPE")
+        store.upsert([unit("src", entities=[hub, rare]), unit("r", entities=[rare])]
+                     + [unit(f"h{i:02d}", entities=[hub]) for i in range(30)])
+        hits = store.spread("a", {"src": 1.0}, [], k=5, hops=1)
+        assert ids(hits)[:2] == ["src", "r"]
+        assert hits[1].score == pytest.approx(0.5)
+        assert all(h.score < 0.5 for h in hits[2:])
+
+    def test_bank_isolation(self, store):
+        store.upsert(chain("a"))
+        other = [unit("b1", "b", [ALICE, LYON]), unit("b2", "b", [LYON]),
+                 unit("b3", "b", links=[Link("u1", "causal", 1.0)])]
+        store.upsert(other)
+        reached = store.spread("a", {"u1": 1.0, "b1": 1.0}, [ALICE.id, LYON.id], k=50, hops=3)
+        assert set(ids(reached)) == {"u1", "u2", "u3", "u4"}
+        assert ids(store.spread("b", {"b3": 1.0}, [], k=50, hops=3)) == ["b3"]
+        assert store.count("a") == 5 and store.count("b") == 3
+        assert store.find_entities("b", ["bob"]) == []
+        store.delete("b", ["u1", "u2"])
+        store.delete_where("b")
+        assert store.count("a") == 5 and len(store.find_entities("a", ["alice"])) == 1
+
+    # -- lifecycle --
+
+    def test_persists_across_reopen(self, tmp_path):
+        s = self.make_store(tmp_path)
+        s.upsert(chain())
+        s.delete("a", ["u5"])
+        s.close()
+        s2 = self.make_store(tmp_path)
+        try:
+            assert s2.count("a") == 4
+            assert s2.find_entities("a", ["bob"]) == [BOB]
+            assert ids(s2.spread("a", {"u1": 1.0}, [], k=10)) == ["u1", "u2", "u3"]
+        finally:
+            s2.close()
+
+    def test_reset_drops_every_bank(self, store):
+        store.upsert(chain("a") + chain("b"))
+        store.reset()
+        assert store.count("a") == store.count("b") == 0
+        assert store.find_entities("a", ["alice"]) == []
+        store.upsert(chain("a"))
+        assert store.count("a") == 5

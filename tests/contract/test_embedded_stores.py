@@ -1,0 +1,222 @@
+"""The embedded adapters (Qdrant Edge, Tantivy, falkordblite) against the shared store
+contracts, plus what is specific to them: URL dispatch, durability, concurrency."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from .corpus import DIM, corpus
+from .graph_suite import GraphStoreSuite, unit
+from mneme.domain import EntityRef
+from mneme.stores import open_graph_store, open_text_store, open_vector_store
+from mneme.stores.graph_falkor import FalkorGraphStore, hub_damping
+from mneme.stores.text_tantivy import TantivyTextStore
+from mneme.stores.vector_edge import EdgeVectorStore
+from .text_suite import TextStoreSuite
+from .vector_suite import VectorStoreSuite
+
+
+def crash_after_writes(open_store: str) -> None:
+    """Run ``open_store`` (binds ``s``) in a child process that writes 5 corpus facts of
+    bank "a", deletes one, and is SIGKILLed right after the calls return."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path[:0] = {sys.path!r}
+        from tests.contract.corpus import corpus, DIM
+        from mneme.stores import open_graph_store, open_text_store, open_vector_store
+        {open_store}
+        s.upsert(corpus(n=5))
+        s.delete("a", [corpus(n=5)[0].id])
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+
+
+class TestEdgeVectorStore(VectorStoreSuite):
+    def make_store(self, path):
+        return open_vector_store(f"edge://{path}/vectors", DIM)
+
+    def test_opened_by_url_is_edge(self, store):
+        assert isinstance(store, EdgeVectorStore)
+
+    def test_reopen_with_another_dimension_fails(self, tmp_path):
+        self.make_store(tmp_path).close()
+        with pytest.raises(ValueError, match="dim"):
+            EdgeVectorStore(str(tmp_path / "vectors"), DIM + 1)
+
+    def test_bad_cursor_is_rejected(self, store):
+        with pytest.raises(ValueError, match="cursor"):
+            store.scroll("a", 5, after="not-a-cursor")
+
+    def test_acknowledged_writes_survive_sigkill(self, tmp_path):
+        url = f"edge://{tmp_path}/vectors"
+        crash_after_writes(f"s = open_vector_store({url!r}, DIM)")
+        s = open_vector_store(url, DIM)
+        try:
+            assert s.count("a") == 4
+        finally:
+            s.close()
+
+    def test_optimize_builds_the_index_and_keeps_results(self, store):
+        facts = corpus(n=30)
+        store.upsert(facts)
+        before = store.search("a", facts[7].embedding, k=5)
+        assert isinstance(store.optimize(), bool)
+        after = store.search("a", facts[7].embedding, k=5)
+        assert [h.id for h in after] == [h.id for h in before] and after[0].id == facts[7].id
+
+    def test_concurrent_upserts_and_searches(self, store):
+        facts = corpus(n=40)
+        errors = []
+
+        def work(part):
+            try:
+                store.upsert(part)
+                store.search("a", part[0].embedding, k=3)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(facts[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and store.count("a") == 40
+
+
+class TestTantivyTextStore(TextStoreSuite):
+    def make_store(self, path):
+        return open_text_store(f"tantivy://{path}/text")
+
+    def test_opened_by_url_is_tantivy(self, store):
+        assert isinstance(store, TantivyTextStore)
+
+    def test_query_terms_are_stemmed_without_stop_words(self, store):
+        assert store.query_terms("What is the PAINTING of paintings?") == ["what", "paint"]
+
+    def test_acknowledged_writes_survive_sigkill(self, tmp_path):
+        url = f"tantivy://{tmp_path}/text"
+        crash_after_writes(f"s = open_text_store({url!r})")
+        s = open_text_store(url)  # the dead writer's lock is released with its process
+        try:
+            assert s.count("a") == 4 and len(s.search("a", "memory", k=10)) == 4
+            s.upsert(corpus(n=6))
+            assert s.count("a") == 6
+        finally:
+            s.close()
+
+    def test_concurrent_upserts(self, store):
+        facts = corpus(n=20)
+        threads = [threading.Thread(target=store.upsert, args=(facts[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert store.count("a") == 20
+
+
+class TestFalkorGraphStore(GraphStoreSuite):
+    def make_store(self, path):
+        return open_graph_store(f"falkordblite://{path}/graph/graph.db")
+
+    def test_opened_by_url_is_falkor(self, store):
+        assert isinstance(store, FalkorGraphStore)
+
+    def test_hub_fanout_is_capped(self, tmp_path):
+        s = FalkorGraphStore(str(tmp_path / "g.db"), fanout=5)
+        try:
+            hub = EntityRef("e-hub", "Paris", "GPE")
+            s.upsert([unit(f"h{i:02d}", entities=[hub]) for i in range(20)])
+            hits = s.spread("a", {"h00": 1.0}, [], k=50, hops=1)
+            assert 1 < len(hits) <= 1 + 5
+            assert len(s.spread("a", {}, [hub.id], k=50, hops=0)) == 5
+        finally:
+            s.close()
+
+    def test_acknowledged_writes_survive_sigkill(self, tmp_path):
+        url = f"falkordblite://{tmp_path}/graph/graph.db"
+        crash_after_writes(f"s = open_graph_store({url!r})")
+        s = open_graph_store(url)  # re-attaches to the orphaned server, or replays the AOF
+        try:
+            assert s.count("a") == 4
+        finally:
+            s.close()
+
+    def test_concurrent_upserts_and_spreads(self, store):
+        hub = EntityRef("e-hub", "Paris", "GPE")
+        errors = []
+
+        def work(n):
+            try:
+                store.upsert([unit(f"t{n}-{i}", entities=[hub]) for i in range(10)])
+                store.spread("a", {f"t{n}-0": 1.0}, [hub.id], k=5)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and store.count("a") == 40
+
+    def test_hub_damping_curve(self):
+        assert hub_damping(2) == 1.0 and hub_damping(1) == 1.0
+        assert 0.5 < hub_damping(10) < 0.6
+        assert hub_damping(100) < hub_damping(10) < hub_damping(3)
+
+    def test_close_is_quick_and_idempotent(self, tmp_path):
+        import time
+        s = self.make_store(tmp_path)
+        t = time.monotonic()
+        s.close()
+        s.close()
+        assert time.monotonic() - t < 2.0
+        with pytest.raises(RuntimeError):
+            s.count("a")
+
+
+@pytest.mark.parametrize("opener, url", [
+    (lambda u: open_vector_store(u, DIM), "qdrant-cloud://x/y"),
+    (open_text_store, "elastic:///tmp/x"),
+    (open_graph_store, "neo5j://host:7687"),
+    (open_graph_store, "tantivy:///tmp/x"),
+])
+def test_unknown_scheme_names_the_url(opener, url):
+    with pytest.raises(ValueError, match=url.split(":")[0]):
+        opener(url)
+
+
+@pytest.mark.parametrize("url", ["edge://relative/path", "edge:relative", "edge:///"])
+def test_store_urls_need_an_absolute_path(url):
+    with pytest.raises(ValueError, match="absolute"):
+        open_vector_store(url, DIM)
+
+
+def test_sqlalchemy_style_four_slash_urls_are_absolute(tmp_path):
+    from mneme.stores import _local_path
+    assert _local_path(f"tantivy:///{tmp_path}/text") == f"{tmp_path}/text"
+    assert _local_path(f"edge://{tmp_path}/v") == f"{tmp_path}/v"
+
+
+def test_graph_server_shared_by_two_stores_outlives_the_first_close(tmp_path):
+    url = f"falkordblite://{tmp_path}/g.db"
+    first = open_graph_store(url)
+    second = open_graph_store(url)  # attaches to the running server of the same file
+    try:
+        first.upsert([unit("u1", entities=[EntityRef("e1", "Ann")])])
+        first.close()
+        assert second.count("a") == 1
+    finally:
+        second.close()
+    third = open_graph_store(url)
+    try:
+        assert third.count("a") == 1
+    finally:
+        third.close()

@@ -1,0 +1,51 @@
+"""The catalog projection and resource-name parsing."""
+
+import pytest
+
+from mneme.domain import BankConfig
+from mneme.errors import InvalidArgument
+from mneme.names import bank_id_of, memory_of, operation_of
+from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
+
+
+def test_bank_upsert_is_idempotent_and_paged(tmp_path):
+    c = SqliteCatalog(str(tmp_path / "c.db"))
+    for b in ("b", "a", "c"):
+        c.upsert_bank(b, b.upper(), BankConfig(), 1.0)
+    c.upsert_bank("a", "renamed", BankConfig(skepticism=5), 2.0)
+    assert [b.bank_id for b in c.list_banks(2)] == ["a", "b"]
+    assert [b.bank_id for b in c.list_banks(2, after="b")] == ["c"]
+    a = c.get_bank("a")
+    assert a.display_name == "renamed" and a.config.skepticism == 5
+    assert a.created_at.timestamp() == 1.0 and a.updated_at.timestamp() == 2.0
+    c.delete_bank("a")
+    assert c.get_bank("a") is None
+    c.close()
+    assert [b.bank_id for b in SqliteCatalog(str(tmp_path / "c.db")).list_banks(10)] == ["b", "c"]
+
+
+def test_operation_progress_never_reverts_a_terminal_state(tmp_path):
+    c = SqliteCatalog(":memory:")
+    c.put_operation(Operation("op", "b", "retain", items_total=3, created_at=1, updated_at=1))
+    c.put_operation(Operation("op", "b", "retain", items_total=3, created_at=9, updated_at=9))
+    assert c.get_operation("op").created_at == 1  # redelivered request keeps the first
+    c.update_operation(Operation("op", "b", "retain", "succeeded", 3, 3, 7, created_at=2, updated_at=2))
+    c.update_operation(Operation("op", "b", "retain", "running", 3, 1, created_at=3, updated_at=3))
+    op = c.get_operation("op")
+    assert op.state == "succeeded" and op.facts == 7 and op.created_at == 1
+
+
+@pytest.mark.parametrize("name", ["", "bank/x", "banks/", "banks/UPPER", "banks/a/b", "banks/-x"])
+def test_bad_bank_names_name_the_field(name):
+    with pytest.raises(InvalidArgument) as e:
+        bank_id_of(name, "parent")
+    assert e.value.violations[0][0] == "parent"
+
+
+def test_names_parse():
+    assert bank_id_of("banks/conv-26") == "conv-26"
+    mid = "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"
+    assert memory_of(f"banks/b1/memories/{mid}") == ("b1", mid)
+    with pytest.raises(InvalidArgument):
+        memory_of("banks/b1/memories/not-a-uuid")
+    assert operation_of("operations/abc") == "abc"

