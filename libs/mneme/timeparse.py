@@ -12,11 +12,16 @@ and the window spans the whole period the expression names:
     "since 2016"      -> 2016-01-01 ... the reference itself
 
 The recogniser is a set of small regular-expression rules (this module) rather than
-``dateparser.search_dates`` alone: ``search_dates`` returns points, not periods, and it
-matches ordinary words ("May I ask", "We", "now", "second") and misreads "the 90s" as
-90 seconds. ``dateparser`` is still used where it is reliable: parsing session date strings
-(:func:`parse_session_datetime`) and as a gated fallback for date strings the rules do not
-know (e.g. "on the 5th"), accepted only when the matched text carries a strong date cue.
+``dateparser.search_dates``: ``search_dates`` returns points, not periods, and on LoCoMo
+turns it matches ordinary words ("May I ask", "We", "now", "am a second year", "my 18th
+birthday") and reads "the 90s" as 90 seconds ago; its ``REQUIRE_PARTS`` gate loses real
+dates ("on the 5th"). ``dateparser.parse`` is used where it is reliable: session date strings
+in formats the fixed patterns do not know (:func:`parse_session_datetime`).
+
+Ambiguous direction (a bare "Saturday", "in May", "the summer") resolves to the most recent
+past occurrence, or to the next one when the sentence speaks about the future ("will",
+"going to", "'ll", "plans for", a present progressive), like dateparser's
+``PREFER_DATES_FROM='past'`` with a tense cue.
 
 Day boundaries are UTC days: the reference is converted to UTC first (LoCoMo and most chat
 logs carry no zone, so naive times are taken as UTC).
@@ -136,6 +141,8 @@ _MONTH_ANY = r"(?:january|february|march|april|may|june|july|august|september|oc
 _WEEKDAYS = {"monday": 0, "tuesday": 1, "wednesday": 2, "thursday": 3, "friday": 4,
              "saturday": 5, "sunday": 6}
 _WD = r"(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)"
+_WD_ABBR = {"mon": 0, "tue": 1, "tues": 1, "wed": 2, "thu": 3, "thur": 3, "thurs": 3, "fri": 4,
+            "sat": 5, "sun": 6}
 _YEAR = r"(?:1[5-9]\d\d|20\d\d|2100)"
 _NUMWORDS = {
     "a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6,
@@ -145,14 +152,15 @@ _NUMWORDS = {
 }
 # Vague quantities become (min, max) counts; the window spans the whole spread.
 _FUZZY = {"couple": (2, 3), "few": (2, 5), "several": (3, 7), "many": (5, 20),
-          "number": (3, 10)}
-_NUM = (r"(?P<num>\d{1,3}|a\s+couple(?:\s+of)?|couple\s+of|a\s+few|few|several|many|"
-        r"a\s+number\s+of|an?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
+          "number": (3, 10), "some": (2, 6)}
+_APPROX = r"(?:(?:about|around|almost|nearly|roughly|over|like|just|only|maybe)\s+)?"
+_NUM = (_APPROX + r"(?P<num>\d{1,3}|a\s+couple(?:\s+of)?|couple\s+of|a\s+few|few|several|many|"
+        r"a\s+number\s+of|some|an?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|"
         r"twelve|thirteen|fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|"
         r"thirty|forty|fifty)")
-_UNITS = {"day": "day", "days": "day", "week": "week", "weeks": "week", "month": "month",
-          "months": "month", "year": "year", "years": "year", "decade": "decade",
-          "decades": "decade"}
+_UNITS = {"day": "day", "days": "day", "weekend": "weekend", "weekends": "weekend",
+          "week": "week", "weeks": "week", "month": "month", "months": "month",
+          "year": "year", "years": "year", "decade": "decade", "decades": "decade"}
 _SEASONS = {"spring": 3, "summer": 6, "fall": 9, "autumn": 9, "winter": 12}
 _DECADE_WORDS = {"twenties": 20, "thirties": 30, "forties": 40, "fifties": 50,
                  "sixties": 60, "seventies": 70, "eighties": 80, "nineties": 90}
@@ -161,11 +169,24 @@ _DECADE_WORDS = {"twenties": 20, "thirties": 30, "forties": 40, "fifties": 50,
 _PREP = {"in", "since", "during", "until", "till", "by", "from", "through", "throughout",
          "of", "around", "before", "after", "early", "late", "mid", "to", "between",
          "and", "on", "at", "for", "over", "this", "last", "next", "past", "circa",
-         "year", "about", "into", "end", "beginning", "start", "middle"}
+         "year", "into", "end", "beginning", "start", "middle"}
+_MONTH_PREP = {"in", "since", "during", "until", "till", "by", "from", "through", "throughout",
+               "of", "around", "before", "after", "early", "late", "mid", "between", "into",
+               "end", "beginning", "start", "middle"}
+_MONTH_PREP_STRONG = {"in", "since", "during", "until", "till", "through", "throughout", "of",
+                      "early", "late", "mid", "from", "between"}
+_YEAR_PREP = {"in", "since", "during", "until", "till", "by", "from", "through", "throughout",
+              "of", "around", "before", "after", "early", "late", "mid", "circa", "year",
+              "between", "into", "end", "beginning", "start", "middle"}
 _FUTURE = re.compile(
     r"\b(?:will|shall|gonna|going\s+to|plan(?:s|ning|ned)?\s+to|hope\s+to|want\s+to|wanna|"
     r"can't\s+wait|cannot\s+wait|looking\s+forward|upcoming|coming\s+up|soon|intend|"
-    r"scheduled|would\s+like\s+to)\b|'ll\b|\u2019ll\b",
+    r"scheduled|would\s+like\s+to|plans?\s+for)\b|['\u2019]ll\b|"
+    # a present progressive ("we're going camping on Saturday"), not an -ing adjective
+    r"(?:\b(?:am|are|is)\s+|['\u2019](?:m|re)\s+)(?!(?:amazing|interesting|exciting|boring|"
+    r"inspiring|relaxing|annoying|charming|stunning|surprising|thrilling|rewarding|challenging|"
+    r"refreshing|touching|heartwarming|fascinating|nothing|something|anything|everything|"
+    r"missing|outstanding|loving|caring|willing|lacking)\b)\w+ing\b",
     re.I,
 )
 _SENT_END = re.compile(r"[.!?\n]")
@@ -196,8 +217,9 @@ def _prev_word(text: str, a: int) -> str:
 
 
 # ---- rules -------------------------------------------------------------------------------
-# Each rule: (pattern, handler). A handler gets (match, text, reference date, reference
-# datetime) and returns (window, granularity, relative) or None to reject the match.
+# Each rule: (pattern, handler). A handler gets (match, context) and returns
+# (window, granularity, relative[, (start, end) of the mention if not the whole match])
+# or None to reject the match.
 
 
 class _Ctx:
@@ -222,7 +244,7 @@ def _r_iso(m, c):
 
 
 def _r_numeric(m, c):
-    a, b, y = int(m["a"]), int(m["b"]), int(m["y"])
+    a, b, y = (int(m["a"]), int(m["b"]), int(m["y"])) if m["a"] else (int(m["a2"]), int(m["b2"]), int(m["y2"]))
     if y < 100:
         y += 2000 if y <= (c.day.year % 100) + 5 else 1900
     mo, d = (b, a) if a > 12 else (a, b)  # US order unless the first part cannot be a month
@@ -267,10 +289,15 @@ def _r_month(m, c):
     word = m["mon"]
     mo = _MONTHS[word.lower()]
     rel = (m["rel"] or "").lower()
-    if not rel and _prev_word(c.text, m.start()) not in _PREP:
-        return None  # "May I ask", "we march", "June said"
-    if not rel and word.islower() and word.lower() in ("may", "march"):
-        return None
+    if not rel:
+        prev = _prev_word(c.text, m.start())
+        strong = prev in _MONTH_PREP and (word[0].isupper() or prev in _MONTH_PREP_STRONG)
+        # "from May to July": the second month of a range
+        ranged = word[0].isupper() and re.search(
+            rf"\b{_MONTH_FULL}\s+(?:to|and|through|until|till|-|\u2013)\s+$",
+            c.text[max(0, m.start() - 25):m.start()], re.I)
+        if not (strong or ranged):
+            return None  # "May I ask", "we march", "June said", "and may I add"
     y = c.day.year
     if rel == "last" or rel == "past":
         y = y if mo < c.day.month else y - 1
@@ -283,23 +310,25 @@ def _r_month(m, c):
     return _month(y, mo), "month", True
 
 
+def _r_year_range(m, c):
+    y1, y2 = int(m["y1"]), int(m["y2"])
+    if y2 < 100:
+        y2 += (y1 // 100) * 100
+    sep = m["sep"].strip().lower()
+    if len(m["y2"]) == 2 and sep not in ("-", "\u2013", "\u2014"):
+        return None  # "2015 to 20 people"
+    if y2 <= y1 or (sep == "and" and not m["from"]):
+        return None  # "in 2015 and 2018" names two years, not a range
+    return _year(y1, y2), "range", False
+
+
 def _r_year(m, c):
-    y1 = int(m["y1"])
-    if m["y2"]:
-        y2 = int(m["y2"])
-        if y2 < 100:
-            y2 += (y1 // 100) * 100
-        if y2 <= y1:
-            return None
-        return _year(y1, y2), "range", False
-    if m["between"]:
-        return None
     prev = _prev_word(c.text, m.start())
-    if prev not in _PREP or prev in ("and", "to", "at", "for", "over", "this", "last", "next"):
+    if prev not in _YEAR_PREP:
         return None  # a bare number: "2015 people", "for 2000 dollars"
     if re.match(r"\s*(?:%|dollars|people|km|miles|euros|\$)", c.text[m.end():], re.I):
         return None
-    return _year(y1), "year", False
+    return _year(int(m["y"])), "year", False
 
 
 def _r_decade(m, c):
@@ -310,12 +339,15 @@ def _r_decade(m, c):
         if base == 2000 and 2000 + d > c.day.year:
             base = 1900
         start = base + d
+    elif len(g) == 5 and g.endswith("00s") and int(g[:4]) < 2000:  # "the 1900s": the century
+        return _year(int(g[:4]), int(g[:4]) + 99), "decade", False
     elif len(g) == 5:  # 1990s
         start = int(g[:4])
     else:  # 90s
         d = int(g[:2])
         start = 2000 + d if 2000 + d <= c.day.year else 1900 + d
-    if len(g) != 5 and not m["the"]:
+    the = m["the"] or re.search(r"\bthe\s+(?:early|late|mid)[\s-]*$", c.text[max(0, m.start() - 12):m.start()], re.I)
+    if len(g) != 5 and not the:
         return None  # "in my 20s" is an age, not a decade
     return _year(start, start + 9), "decade", len(g) != 5
 
@@ -347,34 +379,33 @@ def _r_period(m, c):
     if the and rel in ("last", "past") and re.match(r"\s+of\b", c.text[m.end():]):
         return None  # "the last week of May"
     d = c.day
+    if unit == "weekend":
+        if rel in ("last", "past", "previous", "this past"):
+            off = -1  # the most recent weekend that is over (or the one before, on a weekend)
+        elif rel in ("this", "current"):
+            off = 0
+        elif rel == "coming":
+            off = 0 if d.weekday() < 5 else 1
+        else:  # next, following
+            off = 1
+        return _weekend(c, off), "weekend", True
     if the and rel in ("past", "last", "next", "coming"):  # rolling: "the past week"
         sign = 1 if rel in ("next", "coming") else -1
-        if unit == "weekend":
-            return _weekend(c, -1 if d.weekday() < 5 else -1) if sign < 0 else _weekend(c, 0 if d.weekday() < 5 else 1), "weekend", True
-        if unit in ("week", "day"):
+        if unit == "week":
             other = d + timedelta(days=sign * 7)
         elif unit == "month":
             y, mo = _add_months(d.year, d.month, sign)
             other = date(y, mo, min(d.day, calendar.monthrange(y, mo)[1]))
         elif unit == "year":
-            other = date(d.year + sign, d.month, 28 if (d.month, d.day) == (2, 29) else d.day)
+            other = date(d.year + sign, d.month, min(d.day, 28) if d.month == 2 else d.day)
         else:  # decade
             other = date(d.year + 10 * sign, d.month, min(d.day, 28))
         lo, hi = (other, d) if sign < 0 else (d, other)
         return day_window(lo, hi), "range", True
     off = {"last": -1, "past": -1, "previous": -1, "this past": -1, "this": 0,
-           "current": 0, "next": 1, "coming": 1 if unit != "weekend" else 0,
-           "following": 1}[rel]
+           "current": 0, "next": 1, "coming": 1, "following": 1}[rel]
     if unit == "week":
         return _week(d + timedelta(days=7 * off)), "week", True
-    if unit == "weekend":
-        if off < 0 and d.weekday() >= 5 and rel != "this past":
-            off = -1  # "last weekend" said on a Sunday: the one before
-        elif off < 0 and d.weekday() >= 5:
-            off = 0 if d.weekday() == 6 else -1
-        if rel == "coming" and d.weekday() >= 5:
-            off = 1
-        return _weekend(c, off), "weekend", True
     if unit == "month":
         y, mo = _add_months(d.year, d.month, off)
         return _month(y, mo), "month", True
@@ -386,8 +417,8 @@ def _r_period(m, c):
 
 def _r_bare_weekend(m, c):
     d = c.day
-    if m["pre"].lower() == "this":
-        off = 0
+    if m["pre"].lower() == "for":
+        off = 0  # "plans for the weekend": the current week's
     elif d.weekday() >= 5:
         off = 0  # said during a weekend: this one
     elif c.future(m) or d.weekday() >= 3:
@@ -398,8 +429,11 @@ def _r_bare_weekend(m, c):
 
 
 def _r_weekday(m, c):
-    wd = _WEEKDAYS[m["wd"].lower()]
+    w = m["wd"].lower().rstrip(".")
     rel = " ".join((m["rel"] or "").lower().split())
+    if w in _WD_ABBR and (not rel or m["plural"]):
+        return None  # "sat", "sun", "wed" alone are ordinary words
+    wd = _WEEKDAYS.get(w, _WD_ABBR.get(w))
     if m["plural"]:
         return None  # "on Mondays": a habit, not a date
     if not rel and not m["wd"][0].isupper():
@@ -427,6 +461,8 @@ def _r_ago(m, c):
     if unit == "day":
         a, b = _shift_days(d, -hi_n), _shift_days(d, -lo_n)
         return (day_window(a, b), "day" if lo_n == hi_n else "fuzzy", True) if a and b else None
+    if unit == "weekend":
+        return TimeWindow(_weekend(c, -hi_n).start, _weekend(c, -lo_n).end), "weekend" if lo_n == hi_n else "fuzzy", True
     if unit == "week":
         a, b = _shift_days(d, -7 * hi_n), _shift_days(d, -7 * lo_n)
         if not (a and b):
@@ -484,8 +520,52 @@ def _r_past_n(m, c):
     return (day_window(a, d), "range", True) if a else None
 
 
+def _r_next_n(m, c):
+    """"the next few months", "the coming weeks": a rolling window starting at the reference."""
+    _, hi_n = _num(m["num"] or "few")
+    unit = _UNITS[m["unit"].lower()]
+    d = c.day
+    if unit == "day":
+        b = _shift_days(d, hi_n)
+    elif unit == "week":
+        b = _shift_days(d, 7 * hi_n)
+    elif unit == "month":
+        y, mo = _add_months(d.year, d.month, hi_n)
+        b = date(y, mo, min(d.day, calendar.monthrange(y, mo)[1]))
+    else:
+        k = 10 if unit == "decade" else 1
+        b = date(d.year + k * hi_n, d.month, min(d.day, 28)) if d.year + k * hi_n < 9000 else None
+    return (day_window(d, b), "range", True) if b else None
+
+
+_PERFECT = re.compile(r"\b(?:have|has|had)\b|['\u2019]ve\b", re.I)
+
+
+def _r_ongoing(m, c):
+    """"I've had them for 3 years (now)": ongoing for N units up to the reference. Only
+    with "now" or a perfect tense -- "I lived there for 3 years" does not end now."""
+    if not (m["now"] or _PERFECT.search(_sentence(c.text, m.start(), m.end()))):
+        return None
+    return _r_past_n(m, c)
+
+
+def _r_had_a_weekend(m, c):
+    """"I had a quiet weekend", "been a busy week": the weekend just past / the past 7 days.
+    Only the word "weekend"/"week" is the mention."""
+    d = c.day
+    if m["unit"].lower() == "weekend":
+        w, gran = _weekend(c, 0 if d.weekday() >= 5 else -1), "weekend"
+    else:
+        w, gran = day_window(d - timedelta(days=7), d), "range"
+    return w, gran, True, (m.start("unit"), m.end("unit"))
+
+
 def _r_other_day(m, c):
     return day_window(c.day - timedelta(days=7), c.day - timedelta(days=1)), "fuzzy", True
+
+
+_SEASON_PREP = {"in", "during", "over", "since", "until", "till", "through", "throughout",
+                "this", "last", "next", "early", "late", "mid", "all", "before", "after", "by"}
 
 
 def _season_window(season: str, y: int) -> TimeWindow:
@@ -501,25 +581,21 @@ def _r_season(m, c):
     rel = (m["rel"] or "").lower()
     if m["y"]:
         return _season_window(season, int(m["y"])), "season", False
-    if not rel and _prev_word(c.text, m.start()) not in _PREP | {"the", "all"}:
-        return None
-    if not rel and not m["the"] and _prev_word(c.text, m.start()) not in ("in", "during", "over", "since", "until", "this", "last", "next", "early", "late", "mid", "all"):
-        return None  # "summer camp", "I love winter"
+    prev = _prev_word(c.text, m.start())
+    if not rel and not (prev in _SEASON_PREP or (m["the"] and prev in _PREP | {"all"})):
+        return None  # "summer camp", "I love winter", "the fall of Rome"
     ref = c.ref
     cands = [_season_window(season, y) for y in range(c.day.year - 2, c.day.year + 2)]
     current = next((w for w in cands if w.start <= ref <= w.end), None)
     past = [w for w in cands if w.end < ref]
     future = [w for w in cands if w.start > ref]
     if rel == "this":
-        w = current or (future[0] if c.future(m) or not past else past[-1])
-        # "this summer" in the same calendar year
-        same_year = [x for x in cands if x.start.year == c.day.year]
-        w = current or (same_year[0] if same_year else w)
+        w = current or next(x for x in cands if x.start.year == c.day.year)
     elif rel in ("last", "past"):
         w = past[-1]
     elif rel in ("next", "coming"):
         w = future[0]
-    else:
+    else:  # "in the summer": the current one, else the coming one for plans, else the last
         w = current or (future[0] if c.future(m) else past[-1])
     return w, "season", True
 
@@ -582,25 +658,58 @@ def _r_part_of_period(m, c):
     unit = m["unit"].lower()
     base = {"week": _week(c.day), "month": _month(c.day.year, c.day.month),
             "year": _year(c.day.year)}[unit]
-    return _part(base, part), "range", True
+    return _part(base, part, unit), "range", True
 
 
-def _part(w: TimeWindow, part: str) -> TimeWindow:
-    """Thirds of a window: early/beginning/start, mid/middle, late/end."""
+def _part(w: TimeWindow, part: str, gran: str) -> TimeWindow:
+    """Early/mid/late part of a period: years by months (Jan–Apr, May–Aug, Sep–Dec),
+    months by days (1–10, 11–20, 21–end), decades by years (0–3, 4–6, 7–9), anything
+    else by thirds of its days."""
+    p = part.lower().rstrip("-")
+    k = 0 if p in ("early", "beginning", "start") else 1 if p in ("mid", "middle") else 2
     a, b = w.start.date(), w.end.date()
+    if gran == "year" and a.year == b.year:
+        return _months(a.year, 1 + 4 * k, a.year, 4 + 4 * k)
+    if gran == "month":
+        lo = (1, 11, 21)[k]
+        hi = (10, 20, b.day)[k]
+        return day_window(a.replace(day=lo), a.replace(day=hi))
+    if gran == "decade":
+        lo, hi = ((0, 3), (4, 6), (7, 9))[k]
+        return _year(a.year + lo, a.year + hi)
     n = (b - a).days + 1
     third = max(1, n // 3)
-    p = part.lower().rstrip("-")
-    if p in ("early", "beginning", "start"):
+    if k == 0:
         return day_window(a, a + timedelta(days=third - 1))
-    if p in ("mid", "middle"):
+    if k == 1:
         return day_window(a + timedelta(days=third), b - timedelta(days=third))
     return day_window(b - timedelta(days=third - 1), b)
 
 
+def _r_ordinal_day(m, c):
+    """"on the 5th", "the 21st of last month": a day of the current (or named) month."""
+    d = int(m["d"])
+    rel = (m["rel"] or "").lower()
+    if not rel and not m["on"]:
+        return None
+    y, mo = c.day.year, c.day.month
+    if rel:
+        y, mo = _add_months(y, mo, {"last": -1, "this": 0, "next": 1}[rel])
+    elif c.future(m):
+        if d < c.day.day:
+            y, mo = _add_months(y, mo, 1)
+    elif d > c.day.day:
+        y, mo = _add_months(y, mo, -1)
+    try:
+        return day_window(date(y, mo, d)), "day", True
+    except ValueError:
+        return None
+
+
 _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(r"\b(?P<y>\d{4})-(?P<m>\d{2})-(?P<d>\d{2})\b"), _r_iso),
-    (re.compile(r"\b(?P<a>\d{1,2})[/.](?P<b>\d{1,2})[/.](?P<y>\d{4}|\d{2})\b"), _r_numeric),
+    (re.compile(r"\b(?P<a>\d{1,2})/(?P<b>\d{1,2})/(?P<y>\d{4}|\d{2})\b|\b(?P<a2>\d{1,2})\.(?P<b2>\d{1,2})\.(?P<y2>\d{4})\b"),
+     _r_numeric),
     (re.compile(
         rf"\b(?:(?:{_WD}),?\s+)?(?:the\s+)?(?P<d>[0-3]?\d)(?:st|nd|rd|th)?\s+(?:of\s+)?"
         rf"(?P<mon>{_MONTH_ANY})\b\.?(?:,?\s+(?P<y>{_YEAR})\b)?", re.I), _r_day_month),
@@ -611,10 +720,11 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(rf"\b(?P<mon>{_MONTH_ANY})\.?,?\s+(?:of\s+)?(?P<y>{_YEAR})\b", re.I), _r_month_year),
     (re.compile(rf"\b(?:(?P<rel>last|next|this|coming|past)\s+)?(?P<mon>{_MONTH_FULL})\b", re.I), _r_month),
     (re.compile(
-        rf"\b(?:(?P<between>between|from)\s+)?(?P<y1>{_YEAR})(?:\s*(?:-|\u2013|\u2014|to|until|till|through|and)\s*"
-        rf"(?P<y2>{_YEAR}|\d\d)\b)?\b(?!\s*-\s*\d)", re.I), _r_year),
+        rf"\b(?:(?P<from>between|from)\s+)?(?P<y1>{_YEAR})(?P<sep>\s*(?:-|\u2013|\u2014)\s*|\s+(?:to|until|till|through|and)\s+)"
+        rf"(?P<y2>{_YEAR}|\d\d)\b", re.I), _r_year_range),
+    (re.compile(rf"\b(?P<y>{_YEAR})\b(?!\s*[-/.]\s*\d)", re.I), _r_year),
     (re.compile(
-        r"\b(?P<the>the\s+)?(?:early\s+|late\s+|mid-?)?(?P<dec>(?:1[5-9]|20)\d0s|['\u2019]?\d0s|"
+        r"\b(?P<the>the\s+)?(?P<dec>(?:1[5-9]|20)\d0s|['\u2019]?\d0s|"
         r"twenties|thirties|forties|fifties|sixties|seventies|eighties|nineties)\b", re.I), _r_decade),
     (re.compile(
         r"\b(?:the\s+day\s+before\s+yesterday|the\s+day\s+after\s+tomorrow|"
@@ -623,17 +733,24 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(
         r"\b(?P<the>the\s+)?(?P<rel>this\s+past|last|this|next|past|coming|previous|current|following)"
         r"\s+(?P<unit>week|weekend|month|year|decade)\b", re.I), _r_period),
-    (re.compile(r"\b(?P<pre>over|on|at|during|for|this)\s+the\s+weekend\b|\b(?P<pre2>this)\s+weekend\b", re.I),
-     lambda m, c: _r_bare_weekend(_Pre(m), c)),
+    (re.compile(r"\b(?P<pre>over|on|at|during|for)\s+the\s+weekend\b", re.I), _r_bare_weekend),
     (re.compile(
-        rf"\b(?:(?P<rel>this\s+past|last|next|this|coming|past|on)\s+)?(?P<wd>{_WD})(?P<plural>s)?"
+        rf"\b(?:(?P<rel>this\s+past|last|next|this|coming|past|on)\s+)?(?P<wd>{_WD}|(?:mon|tues?|wed|thu(?:rs?)?|fri|sat|sun)\b\.?)(?P<plural>s)?"
         r"(?:\s+(?:morning|afternoon|evening|night))?\b", re.I), _r_weekday),
-    (re.compile(rf"\b{_NUM}\s+(?P<unit>days?|weeks?|months?|years?|decades?)\s+(?:ago|back)\b", re.I), _r_ago),
+    (re.compile(rf"\b{_NUM}\s+(?P<unit>days?|weekends?|weeks?|months?|years?|decades?)\s+(?:ago|back)\b", re.I), _r_ago),
     (re.compile(rf"\bin\s+(?:(?:about|around|roughly|another)\s+)?{_NUM}\s+(?P<unit>days?|weeks?|months?|years?)\b"
                 r"(?P<fromnow>\s+from\s+now)?", re.I), _r_in_future),
     (re.compile(rf"\b{_NUM}\s+(?P<unit>days?|weeks?|months?|years?)\s+(?P<fromnow>from\s+now)\b", re.I), _r_in_future),
     (re.compile(rf"\bthe\s+(?:past|last|previous)\s+{_NUM}\s+(?P<unit>days|weeks|months|years|decades)\b", re.I), _r_past_n),
+    (re.compile(rf"\bthe\s+(?:next|coming|following)\s+(?:{_NUM}\s+)?(?P<unit>days|weeks|months|years)\b", re.I), _r_next_n),
+    (re.compile(rf"\bfor\s+(?:the\s+)?(?:(?:past|last)\s+)?{_NUM}\s+(?P<unit>days?|weeks?|months?|years?|decades?)"
+                r"(?P<now>\s+now)?\b", re.I), _r_ongoing),
     (re.compile(r"\bthe\s+other\s+day\b", re.I), _r_other_day),
+    (re.compile(r"\b(?:had|spent|was|been|what)\s+(?:a|an|such\s+a|my|our)\s+(?:[a-z-]+\s+){0,3}?"
+                r"(?P<unit>weekend|week)\b(?!\s+(?:of|before|after|later|earlier|ago|from))", re.I), _r_had_a_weekend),
+    (re.compile(r"\b(?P<on>on\s+)?the\s+(?P<d>[0-3]?\d)(?:st|nd|rd|th)\b(?:\s+of\s+(?P<rel>last|this|next)\s+month\b)?"
+                r"(?!\s+(?:floor|time|grade|place|anniversary|birthday|day|week|month|year|century|street|"
+                r"avenue|row|round|attempt|edition|generation|of))", re.I), _r_ordinal_day),
     (re.compile(
         rf"\b(?:(?P<rel>last|this|next|past|coming)\s+|(?P<the>the\s+))?(?P<season>spring|summer|fall|autumn|winter)"
         rf"(?:\s+(?:of\s+)?(?P<y>{_YEAR})\b)?\b", re.I), _r_season),
@@ -644,24 +761,6 @@ _RULES: list[tuple[re.Pattern, object]] = [
     (re.compile(r"\b(?:the\s+)?(?P<part>beginning|start|middle|end)\s+of\s+(?:the|this)\s+(?P<unit>week|month|year)\b",
                 re.I), _r_part_of_period),
 ]
-
-
-class _Pre:
-    """Adapts the two alternatives of the bare-weekend rule to one ``pre`` group."""
-
-    def __init__(self, m: re.Match):
-        self._m = m
-
-    def __getitem__(self, k):
-        if k == "pre":
-            return self._m["pre"] or self._m["pre2"]
-        return self._m[k]
-
-    def start(self):
-        return self._m.start()
-
-    def end(self):
-        return self._m.end()
 
 
 # ---- post-processing: modifiers and ranges --------------------------------------------------
@@ -678,9 +777,9 @@ def _apply_modifiers(text: str, ms: list[TimeMention], ref: datetime) -> list[Ti
     for t in ms:
         before = text[max(0, t.start - 30):t.start]
         pm = _PART_BEFORE.search(before)
-        if pm and t.granularity in ("month", "year", "season", "decade", "week") and "-" not in t.text[:1]:
+        if pm and t.granularity in ("month", "year", "season", "decade", "week"):
             a = t.start - (len(before) - pm.start("part"))
-            t = TimeMention(text[a:t.end], a, t.end, _part(t.window, pm["part"].split()[0]),
+            t = TimeMention(text[a:t.end], a, t.end, _part(t.window, pm["part"].split()[0], t.granularity),
                             "range", t.relative)
         om = _OPEN_BEFORE.search(text[max(0, t.start - 20):t.start])
         if om:
@@ -726,44 +825,6 @@ def _apply_modifiers(text: str, ms: list[TimeMention], ref: datetime) -> list[Ti
     return merged
 
 
-# ---- dateparser fallback -----------------------------------------------------------------
-
-_FALLBACK_CUE = re.compile(r"\b(?:the\s+)?\d{1,2}(?:st|nd|rd|th)\b", re.I)
-
-
-def _fallback(text: str, ref: datetime, taken: list[tuple[int, int]]) -> list[TimeMention]:
-    """``dateparser.search_dates`` for strings the rules do not cover ("on the 5th").
-    Only runs when an uncovered ordinal day is present, and only keeps matches that
-    contain that cue: search_dates alone is too eager (it matches "We", "now", "may")."""
-    cues = [m for m in _FALLBACK_CUE.finditer(text)
-            if not any(a <= m.start() < b for a, b in taken)]
-    if not cues:
-        return []
-    from dateparser.search import search_dates  # lazy: ~0.3 s import
-
-    naive_ref = ref.replace(tzinfo=None)
-    try:
-        found = search_dates(text, languages=["en"], settings={
-            "RELATIVE_BASE": naive_ref, "PREFER_DATES_FROM": "past",
-            "RETURN_AS_TIMEZONE_AWARE": False, "REQUIRE_PARTS": ["day"],
-        }) or []
-    except Exception:  # dateparser raises assorted errors on odd input; the rules already ran
-        return []
-    out: list[TimeMention] = []
-    pos = 0
-    for s, dt in found:
-        i = text.find(s, pos)
-        if i < 0:
-            continue
-        pos = i + len(s)
-        if not any(i <= c.start() < i + len(s) for c in cues):
-            continue
-        if any(i < b and a < i + len(s) for a, b in taken):
-            continue
-        out.append(TimeMention(s, i, i + len(s), day_window(dt.date()), "day", True))
-    return out
-
-
 # ---- public API ---------------------------------------------------------------------------
 
 
@@ -786,14 +847,14 @@ def parse_when(text: str, reference: datetime) -> list[TimeMention]:
                 r = None
             if r is None:
                 continue
-            w, gran, rel = r
-            cands.append(TimeMention(m[0], m.start(), m.end(), w, gran, rel))
+            w, gran, rel = r[:3]
+            a, b = r[3] if len(r) > 3 else (m.start(), m.end())
+            cands.append(TimeMention(text[a:b], a, b, w, gran, rel))
     cands.sort(key=lambda t: (-(t.end - t.start), t.start))
     picked: list[TimeMention] = []
     for t in cands:
         if all(t.end <= p.start or t.start >= p.end for p in picked):
             picked.append(t)
-    picked += _fallback(text, ref, [(p.start, p.end) for p in picked])
     picked.sort(key=lambda t: t.start)
     return _apply_modifiers(text, picked, ref)
 

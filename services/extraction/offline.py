@@ -1,0 +1,348 @@
+"""Offline fact extraction (no LLM): retain items → self-contained facts with speakers,
+entities, times and links.
+
+What one item becomes:
+- **Segments.** A chat turn "Speaker: text" (or ``metadata["speaker"]``) is one segment
+  attributed to the speaker; a transcript with one "Name: ..." per line gives one segment
+  per line; other text is split into paragraphs.
+- **Sentences → facts.** spaCy splits each segment into sentences. Pure pleasantries
+  ("Hey Mel!", "Good to see you!", "What's up with you?": no content word) are dropped,
+  unless that would leave the item without any fact. The rest are grouped into facts of
+  whole sentences: a short turn (≤ 4 sentences, ≤ 80 words) stays one fact; longer text is
+  cut into groups of up to 3 sentences / ~60 words. A fact keeps its speaker prefix so it
+  stands alone ("Melanie: I'm swamped with the kids & work."); an image caption
+  (``metadata["blip_caption"]``, ``"image_caption"`` or ``"caption"``) is appended to the
+  item's last fact as "[shares a photo: …]".
+- **Type.** ``experience`` when the speaker is the agent itself ("assistant", "agent",
+  "AI", "bot", or ``metadata["speaker_role"]`` in agent/assistant), else ``world``.
+- **Times.** ``mentioned_at`` is the item's timestamp. ``occurred_start/end`` is the
+  window of the fact's first time expression, resolved against the item's timestamp by
+  :mod:`mneme.timeparse` ("yesterday" in a turn of 8 May 2023 → all of 7 May 2023). When
+  the fact names no time, both default to the whole day of the item's timestamp: the
+  event was told then, and "today or shortly before" is the best offline evidence there
+  is -- a temporal query for that day should find it. Relative expressions are also
+  annotated in the text with their resolved dates ("yesterday (7 May 2023)") so that the
+  fact stays true when read later (turn off with ``annotate_times=False``).
+- **Entities.** The speaker (PERSON) first, then the NER entities and noun-phrase
+  concepts of the fact's sentences and caption (:func:`mneme.nlp.entity_mentions`),
+  resolved per bank by :class:`~services.extraction.resolver.EntityResolver`.
+- **Links.** ``temporal`` (weight 1.0) from each fact to the previous fact of the same item;
+  ``causal`` (weight 1.0) when a fact starts with a causal connective ("because", "so I",
+  "that's why", "therefore", "as a result") -- to the previous fact of the item, or, for
+  the first fact of an item, to the last fact of the item before it in the same request.
+  With ``link_adjacent=True`` (default) the first fact of an item also gets a ``temporal``
+  link (weight 0.5) to the last fact of the previous item of the same request when both
+  belong to the same document and were said within a day: consecutive turns of one
+  conversation (a question and its answer) belong together.
+- **Ids.** Fact n of item i: ``derive_id(source_id, i, n)``; its chunk:
+  ``derive_id(source_id, i, "chunk", n)`` (every fact is its own chunk here).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Sequence
+
+from mneme import nlp as _nlp
+from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, utc
+from mneme.timeparse import day_window, parse_when
+from services.extraction.resolver import EntityResolver
+
+__all__ = ["OfflineExtractor", "AGENT_SPEAKERS"]
+
+#: Speaker names (lowercase) that mean the agent itself → ``experience`` facts.
+AGENT_SPEAKERS = frozenset({"assistant", "agent", "ai", "bot", "ai assistant"})
+_AGENT_ROLES = frozenset({"agent", "assistant", "ai"})
+_ROLE_WORDS = frozenset({"user", "assistant", "agent", "ai", "system", "human", "bot"})
+# Words that end in a colon but do not name a speaker.
+_NOT_SPEAKERS = frozenset("""
+note notes update summary q a question answer title subject todo warning important reminder
+tip tips example edit ps re fyi source date time location http https step steps result
+results conclusion caution info tldr ingredients total name address phone email
+""".split())
+_SPEAKER_RE = re.compile(r"^[ \t]*([A-Za-z][\w.'\u2019-]*(?: [A-Za-z][\w.'\u2019-]*){0,3})[ \t]*:[ \t]+(?=\S)")
+_CAPTION_KEYS = ("blip_caption", "image_caption", "caption")
+_CAUSAL_RE = re.compile(
+    r"^\W*(?:because\b|therefore\b|thus\b|hence\b|consequently\b|as\s+a\s+result\b|"
+    r"(?:that|this|which)(?:'s|\u2019s|\s+is|\s+was)\s+why\b|(?:that|this)\s+is\s+because\b|"
+    r"because\s+of\s+(?:that|this)\b|so,|so\s+(?:i|we|he|she|they|you|my|our|now|then|"
+    r"that's|that\u2019s|it)\b)", re.I)
+# Words that carry no content in a sentence: greetings, thanks, small talk. A sentence
+# with nothing but these, stop words, punctuation and vocatives is a pleasantry.
+_PLEASANTRY = frozenset("""
+hey hi hello thanks thank good great cool wow awesome amazing nice glad see bye lol haha
+yeah yes yep yup ok okay sure congrats congratulations totally really new talk soon later
+care take catch chat chatting hear pleasure welcome sound sounds fun agree absolutely
+definitely exactly true right love lovely happy appreciate luck cheers proud hope well
+go going be do have get doing up fantastic wonderful incredible sweet kind thoughtful
+oh omg wish best miss missed cute beautiful nice interesting exciting excited stuff
+thing things lot lots guy guys buddy friend dear man way awesome impressive inspiring
+tell share know sorry hear hearing keep posted look looks like feel feels mean means
+""".split())
+_GREETING = frozenset({"hey", "hi", "hello", "thanks", "thank", "bye", "congrats", "wow",
+                       "oh", "yep", "yeah", "yes", "sure", "congratulations", "dear", "hiya"})
+
+_WORDS_PER_FACT = 60
+_SENTENCES_PER_FACT = 3
+_SHORT_ITEM_WORDS = 80
+_SHORT_ITEM_SENTENCES = 4
+
+
+@dataclass
+class _Segment:
+    item_pos: int  # position of the item in the request
+    speaker: str | None
+    text: str
+
+
+@dataclass
+class _Chunk:
+    speaker: str | None
+    sentences: list  # spaCy Spans
+    text: str = ""
+    caption: str = ""
+    caption_doc: object = None
+    links: list[Link] = field(default_factory=list)
+    causal: bool = False
+
+
+def _speaker_of(line: str) -> tuple[str | None, str]:
+    """("Caroline", "I went ...") for "Caroline: I went ..."; (None, line) otherwise."""
+    m = _SPEAKER_RE.match(line)
+    if not m:
+        return None, line
+    name = m.group(1).strip()
+    words = name.split()
+    if any(w.lower().strip(".") in _NOT_SPEAKERS for w in words):
+        return None, line
+    # a role ("user", "assistant") or a name in title case ("Caroline", "Dr. Ann Lee");
+    # "Meeting notes: ..." is a heading, not a speaker
+    if not (name.lower() in _ROLE_WORDS or all(w[0].isupper() for w in words)):
+        return None, line
+    if line[m.end():].startswith("//"):
+        return None, line  # a URL scheme
+    return name, line[m.end():]
+
+
+def _segments(pos: int, item: RetainItem) -> list[_Segment]:
+    text = item.content.strip()
+    if not text:
+        return []
+    meta_speaker = (item.metadata or {}).get("speaker", "").strip()
+    if meta_speaker:
+        if text.lower().startswith(meta_speaker.lower() + ":"):
+            text = text[len(meta_speaker) + 1:].strip()
+        return [_Segment(pos, meta_speaker, text)]
+    lines = text.splitlines()
+    parsed = [_speaker_of(ln) for ln in lines]
+    if any(s for s, _ in parsed):
+        segs: list[_Segment] = []
+        for spk, body in parsed:
+            if spk is not None or not segs:
+                segs.append(_Segment(pos, spk, body.strip()))
+            elif body.strip():
+                segs[-1].text += "\n" + body.strip()
+        return [s for s in segs if s.text]
+    # plain text: paragraphs, so no fact spans a paragraph break
+    paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    return [_Segment(pos, None, p) for p in paras]
+
+
+def _is_agent(speaker: str | None, item: RetainItem) -> bool:
+    role = (item.metadata or {}).get("speaker_role", "").strip().lower()
+    if role:
+        return role in _AGENT_ROLES
+    return bool(speaker) and speaker.strip().lower() in AGENT_SPEAKERS
+
+
+def _caption(item: RetainItem) -> str:
+    meta = item.metadata or {}
+    for k in _CAPTION_KEYS:
+        c = (meta.get(k) or "").strip()
+        if c:
+            # "a photo of a dog ..." → "a dog ...": the prefix repeats "[shares a photo"
+            return re.sub(r"^(?:a|an)\s+(?:photo|picture|image|pic)\s+of\s+", "", c, flags=re.I)
+    return ""
+
+
+def _is_pleasantry(sent, names: set[str]) -> bool:
+    """True when the sentence has no content word (see ``_PLEASANTRY``)."""
+    greeting = any(t.lower_ in _GREETING or t.pos_ == "INTJ" for t in sent)
+    for t in sent:
+        if t.is_punct or t.is_space or t.is_stop or not t.text.strip():
+            continue
+        low, lemma = t.lower_, t.lemma_.lower()
+        if low in _PLEASANTRY or lemma in _PLEASANTRY or t.pos_ in ("INTJ", "PRON", "DET",
+                                                                   "AUX", "PART", "CCONJ",
+                                                                   "SCONJ", "ADP", "SYM"):
+            continue
+        if t.pos_ == "PROPN" and (greeting or low in names or any(n.startswith(low) for n in names)):
+            continue  # a vocative: "Thanks, Mel!"
+        if t.pos_ == "ADV" and not t.is_alpha:
+            continue
+        return False
+    return True
+
+
+def _group(sents: list) -> list[list]:
+    """Sentences → groups of whole sentences (see the module docs for the sizes)."""
+    words = [len(s.text.split()) for s in sents]
+    if len(sents) <= _SHORT_ITEM_SENTENCES and sum(words) <= _SHORT_ITEM_WORDS:
+        return [sents] if sents else []
+    groups: list[list] = []
+    cur: list = []
+    n = 0
+    for s, w in zip(sents, words):
+        if cur and (len(cur) >= _SENTENCES_PER_FACT or n + w > _WORDS_PER_FACT):
+            groups.append(cur)
+            cur, n = [], 0
+        cur.append(s)
+        n += w
+    if cur:
+        if groups and n < 8:
+            groups[-1].extend(cur)  # a short tail reads better with what precedes it
+        else:
+            groups.append(cur)
+    return groups
+
+
+class OfflineExtractor:
+    """:class:`mneme.ports.Extractor` without an LLM (see the module docs).
+
+    ``resolver``: the per-bank :class:`EntityResolver` (default: a memory-only one);
+    ``annotate_times``: append resolved dates to relative time expressions in fact text;
+    ``link_adjacent``: link consecutive items of one request (see the module docs).
+    Thread-safe as far as its collaborators are (spaCy calls are serialised by
+    :mod:`mneme.nlp`, the resolver locks itself).
+    """
+
+    def __init__(self, resolver: EntityResolver | None = None, annotate_times: bool = True,
+                 link_adjacent: bool = True):
+        self.resolver = resolver or EntityResolver()
+        self.annotate_times = annotate_times
+        self.link_adjacent = link_adjacent
+
+    def extract(self, bank_id: str, item: RetainItem, item_index: int,
+                source_id: str) -> list[Fact]:
+        """Facts of one item (no embeddings); ids ``derive_id(source_id, item_index, n)``."""
+        return self.extract_many(bank_id, [item], source_id, first_index=item_index)
+
+    def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+                     first_index: int = 0) -> list[Fact]:
+        """Facts of all ``items`` of one request, in item order; item k has index
+        ``first_index + k``. All texts go through spaCy in one ``nlp.pipe`` call and all
+        entities through one resolver transaction. Every item with non-blank content
+        yields at least one fact; blank items yield none."""
+        segs_by_item = [_segments(k, it) for k, it in enumerate(items)]
+        captions = [_caption(it) for it in items]
+        all_segs = [s for segs in segs_by_item for s in segs]
+        speakers = list(dict.fromkeys(s.speaker for s in all_segs if s.speaker))
+        names = {n.lower() for sp in speakers for n in sp.split()}
+        texts = [s.text for s in all_segs] + [c for c in captions if c]
+        docs = _nlp.parse_many(texts)
+        seg_docs = dict(zip(map(id, all_segs), docs[:len(all_segs)]))
+        cap_docs = iter(docs[len(all_segs):])
+        cap_doc = [next(cap_docs) if c else None for c in captions]
+
+        # Speakers first, so the full name "Melanie" becomes canonical before a later
+        # "Mel" in the text can claim it (the resolver then makes "Mel" an alias).
+        if speakers:
+            self.resolver.resolve(bank_id, [(s, "PERSON") for s in speakers])
+
+        per_item: list[list[_Chunk]] = []
+        for k, (item, segs) in enumerate(zip(items, segs_by_item)):
+            chunks: list[_Chunk] = []
+            fallback: list[_Chunk] = []
+            for seg in segs:
+                doc = seg_docs[id(seg)]
+                sents = [s for s in doc.sents if s.text.strip()]
+                kept = [s for s in sents if not _is_pleasantry(s, names)]
+                chunks += [_Chunk(seg.speaker, g) for g in _group(kept)]
+                if sents:
+                    fallback.append(_Chunk(seg.speaker, sents))
+            if captions[k]:
+                if not chunks and fallback:
+                    chunks = [fallback[-1]]  # "Look at this!" + a photo is content
+                elif not chunks:  # only a photo
+                    chunks = [_Chunk((item.metadata or {}).get("speaker") or None, [])]
+                chunks[-1].caption = captions[k]
+                chunks[-1].caption_doc = cap_doc[k]
+            if not chunks and fallback:
+                chunks = fallback  # never lose an item: keep its small talk
+            per_item.append(chunks)
+
+        facts: list[Fact] = []
+        mention_lists: list[list[tuple[str, str]]] = []
+        prev_last: tuple[RetainItem, str] | None = None
+        for k, (item, chunks) in enumerate(zip(items, per_item)):
+            idx = first_index + k
+            ts = utc(item.timestamp)
+            default = day_window(ts)
+            item_facts: list[Fact] = []
+            for n, ch in enumerate(chunks):
+                text, window = self._text_and_time(ch, ts)
+                fid = derive_id(source_id, idx, n)
+                meta = dict(item.metadata or {})
+                if ch.speaker:
+                    meta.setdefault("speaker", ch.speaker)
+                links: list[Link] = []
+                causal = bool(ch.sentences) and bool(_CAUSAL_RE.match(ch.sentences[0].text))
+                if item_facts:
+                    links.append(Link(item_facts[-1].id, "temporal", 1.0))
+                    if causal:
+                        links.append(Link(item_facts[-1].id, "causal", 1.0))
+                elif prev_last is not None:
+                    p_item, p_id = prev_last
+                    if causal:
+                        links.append(Link(p_id, "causal", 1.0))
+                    if self.link_adjacent and p_item.document_id == item.document_id and \
+                            abs(utc(p_item.timestamp) - ts) <= timedelta(days=1):
+                        links.append(Link(p_id, "temporal", 0.5))
+                f = Fact(
+                    id=fid, bank_id=bank_id, text=text,
+                    fact_type=EXPERIENCE if _is_agent(ch.speaker, item) else WORLD,
+                    context=item.context,
+                    occurred_start=window.start if window else default.start,
+                    occurred_end=window.end if window else default.end,
+                    mentioned_at=ts, tags=tuple(item.tags), metadata=meta,
+                    document_id=item.document_id, chunk_id=derive_id(source_id, idx, "chunk", n),
+                    links=links, item_index=idx)
+                item_facts.append(f)
+                mentions: list[tuple[str, str]] = []
+                if ch.speaker:
+                    mentions.append((ch.speaker, "PERSON"))
+                for s in ch.sentences:
+                    mentions += _nlp.entity_mentions(s)
+                if ch.caption_doc is not None:
+                    mentions += _nlp.entity_mentions(ch.caption_doc)
+                mention_lists.append(mentions)
+            facts += item_facts
+            if item_facts:
+                prev_last = (item, item_facts[-1].id)
+
+        for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
+            f.entities = refs
+        return facts
+
+    def _text_and_time(self, ch: _Chunk, ts: datetime):
+        """Fact text (speaker prefix, annotated times, caption) and the window of its
+        first time expression (None when it names no time)."""
+        parts: list[str] = []
+        window = None
+        for s in ch.sentences:
+            st = s.text.strip()
+            mentions = parse_when(st, ts)
+            if mentions and window is None:
+                window = mentions[0].window
+            if self.annotate_times:
+                for m in reversed(mentions):
+                    if m.relative and m.describe():
+                        st = f"{st[:m.end]} ({m.describe()}){st[m.end:]}"
+            parts.append(st)
+        body = " ".join(parts)
+        if ch.caption:
+            body = f"{body} [shares a photo: {ch.caption}]".strip()
+        text = f"{ch.speaker}: {body}" if ch.speaker else body
+        return text, window
