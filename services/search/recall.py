@@ -122,6 +122,9 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     temporal = f_tmp.result()
 
     arms = {"semantic": semantic, "keyword": keyword, "graph": graph_hits, "temporal": temporal}
+    # Ties broken by id: a store's order among equal scores may depend on its write
+    # history, and replay must reproduce the same ranking.
+    arms = {arm: sorted(hits, key=lambda h: (-round(h.score, 6), h.id)) for arm, hits in arms.items()}
     rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
     fused = rrf(rankings, k=RRF_K)
     if not fused:

@@ -21,6 +21,9 @@ def test_sigkill_during_bulk_retain_loses_nothing_acknowledged(tmp_path):
     # small sync retains of a few turns each, so the kill lands between and inside them
     items = [i for s in locomo.sessions(conv) for i in s.items][:240]
     batches = [items[n:n + 4] for n in range(0, len(items), 4)]
+    for n, b in enumerate(batches):  # a document per batch: re-retaining a document replaces it
+        for item in b:
+            item["document_id"] = f"batch-{n}"
     server = Server(tmp_path / "data").start()
     acked: list[list[dict]] = []
     errors: list[Exception] = []

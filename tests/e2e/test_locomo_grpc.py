@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,8 @@ CONV = "conv-26"
 # conv-26 alone: BM25 over raw turns gives 0.540 evidence recall@10 (data README); the
 # floor sits below what mneme measures (see README) and above BM25's.
 RECALL10_FLOOR = 0.55
+# A fixed "now": the recency boost depends on it, so comparisons across runs pin it.
+NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)
 
 
 def _conv(sample_id: str) -> dict:
@@ -90,7 +93,6 @@ def test_results_carry_per_arm_scores_and_fit_the_budget(server):
 
 
 def test_temporal_arm_uses_query_timestamp(server):
-    from datetime import datetime, timezone
     with server.client() as m:
         # session 1 is 8 May 2023; "yesterday" relative to 9 May 2023 is the 8th
         r = m.recall(CONV, "What did Caroline talk about yesterday?",
@@ -165,8 +167,9 @@ def test_delete_document_then_replay(server, tmp_path):
         for q in queries + ["charity race for mental health"]:
             r = m.recall(CONV, q, max_tokens=8192, budget="high")
             assert not gone & {x.memory.id for x in r.results}
-        before = {q: [(x.memory.id, round(x.scores.final, 9)) for x in
-                      m.recall(CONV, q, max_tokens=2048).results] for q in queries}
+        before = {q: [(x.memory.id, x.scores.final) for x in
+                      m.recall(CONV, q, max_tokens=2048, query_timestamp=NOW).results]
+                  for q in queries}
     server.stop()
 
     # all three stores, read directly: nothing of the deleted document is left
@@ -196,7 +199,8 @@ def test_delete_document_then_replay(server, tmp_path):
     assert out.returncode == 0, out.stderr
     server.start()
     with server.client() as m:
-        after = {q: [(x.memory.id, round(x.scores.final, 9)) for x in
-                     m.recall(CONV, q, max_tokens=2048).results] for q in queries}
+        after = {q: [(x.memory.id, x.scores.final) for x in
+                     m.recall(CONV, q, max_tokens=2048, query_timestamp=NOW).results]
+                 for q in queries}
         assert list(m.list_memories(CONV, document_id=doc)) == []
     assert after == before

@@ -209,9 +209,13 @@ class TantivyTextStore:
                                      self._scoped(bank_id, filters), 0.0))])
         with self._lock:
             searcher = self._index.searcher()
-            hits = searcher.search(q, limit=k).hits
-            return [Hit(searcher.doc(addr).get_first("id"), float(score))
-                    for score, addr in hits]
+            # Tantivy orders equal scores by segment address, which depends on commit
+            # history; fetch some slack and break ties by id so a rebuilt index (replay)
+            # ranks exactly as the original did.
+            hits = searcher.search(q, limit=k + 32).hits
+            out = [Hit(searcher.doc(addr).get_first("id"), float(score)) for score, addr in hits]
+        out.sort(key=lambda h: (-round(h.score, 5), h.id))
+        return out[:k]
 
     def count(self, bank_id: str) -> int:
         """Number of the bank's indexed facts."""
