@@ -168,28 +168,29 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
 def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
     """Rebuild every projection from the log: reset the search stores and the catalog,
     rewind their consumer groups to offset 0 and consume to the end. No model is
-    called (derived events carry the facts and embeddings). ``progress(done, total)``
-    is called as records are consumed. Returns {"records": n, "facts": n}."""
-    from services.ingest.handlers import GROUP as INGEST
-    from services.search.handlers import GROUP as SEARCH
-
+    called (derived events carry the facts and embeddings) and nothing is appended:
+    the progress events the projections would emit are already on the log.
+    ``progress(done, total)`` is called as records are consumed. Returns
+    {"records": n}. Raises DataDirLocked while a server uses the data directory."""
     app = bootstrap(settings)
     try:
         app.stores.reset()
         app.catalog.reset()
-        app.log.reset_group(SEARCH, [MEMORY])
-        app.log.reset_group(INGEST, [INTAKE, PROGRESS])
-        total = sum(app.log.end_offset(t, p) for t in (MEMORY, INTAKE, PROGRESS)
-                    for p in range(app.log.partitions(t)))
-        app.start(groups=(SEARCH, INGEST))
-        import time
-        while True:
-            lag = sum(sum(app.consumers[g].lag().values()) for g in (SEARCH, INGEST))
-            if progress:
-                progress(total - lag, total)
-            if lag == 0 and app.wait_idle(0.1):
-                break
-            time.sleep(0.2)
-        return {"records": total}
+        groups = {name: c for name, c in app.consumers.items() if name in ("search", "ingest")}
+        total = 0
+        for name, c in groups.items():
+            app.log.reset_group(name, c.topics)
+            total += sum(app.log.end_offset(t, p) for t, p in c.assignments())
+        done = 0
+        for name, c in groups.items():
+            handler = c.handler
+            c.handler = lambda env, rec, h=handler: (h(env, rec), [])[1]  # project only
+            while n := c.run_once():
+                done += n
+                if progress:
+                    progress(done, total)
+        if progress:
+            progress(total, total)
+        return {"records": done}
     finally:
         app.close()
