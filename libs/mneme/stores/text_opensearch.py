@@ -1,0 +1,286 @@
+"""BM25 text store over OpenSearch (``opensearch-py``), the production twin of
+:mod:`mneme.stores.text_tantivy`.
+
+One index holds every bank. Its settings and mappings are installed as an index template
+(so an index re-created by an operator or by auto-creation gets them too) and given
+explicitly when the store creates the index: ``text`` is analysed with the built-in
+``english`` analyzer (standard tokenizer, lowercase, English stop words, Porter stemmer);
+the filter fields are ``keyword``/numeric and queried in filter context, so they never
+change ``Hit.score``, which is the pure BM25 score. Documents are routed by ``bank_id``
+(one bank's documents share a shard) and their ``_id`` is ``"{bank_id}:{fact_id}"``.
+
+The user's text only ever goes into a ``match`` query (no query-string syntax, so nothing
+raises on odd input), capped to :data:`MAX_QUERY_WORDS` words / :data:`MAX_QUERY_CHARS`
+characters to stay under OpenSearch's 1024-clause limit. Writes use
+``refresh=wait_for`` (``refresh=true`` for delete-by-query), so they are searchable
+on return.
+
+URLs: ``http(s)://[user:password@]host[:9200][/prefix][?index=…&verify_certs=0]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from opensearchpy import OpenSearch
+from opensearchpy.exceptions import NotFoundError, RequestError
+
+from mneme.domain import Fact, Filters, Hit, to_epoch
+from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
+
+INDEX = "mneme-facts"
+#: Query text beyond this many words / characters is ignored (like Tantivy's 64 terms);
+#: 1024 characters make at most ~512 tokens, under the default max_clause_count of 1024.
+MAX_QUERY_WORDS = 64
+MAX_QUERY_CHARS = 1024
+#: Extra hits fetched so ties can be broken by id (see ``search``).
+_TIE_SLACK = 32
+_MAX_WINDOW = 10_000  # index.max_result_window default
+
+MAPPINGS: dict[str, Any] = {
+    "dynamic": "strict",  # a typo'd field fails loudly instead of growing the mapping
+    "_source": {"enabled": True},
+    "properties": {
+        "id": {"type": "keyword"},
+        "bank_id": {"type": "keyword"},
+        "text": {"type": "text", "analyzer": "english"},
+        "fact_type": {"type": "keyword"},
+        "document_id": {"type": "keyword"},
+        "tags": {"type": "keyword"},
+        "n_tags": {"type": "integer"},  # distinct tags: 0 selects untagged, n for "exact"
+        # effective bounds: a missing end is taken from the other (TimeWindow.overlaps)
+        "occurred_start": {"type": "double"},
+        "occurred_end": {"type": "double"},
+    },
+}
+SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1}}
+
+
+def parse_opensearch_url(url: str) -> dict[str, Any]:
+    """Keyword arguments of :class:`OpenSearchTextStore` for
+    ``http(s)://[user:password@]host[:port][/prefix][?index=name&verify_certs=0|1]`` (port 9200
+    when absent). ValueError for another scheme, no host or an unknown parameter."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an OpenSearch URL (http(s)://host:9200): {url!r}")
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = set(query) - {"index", "verify_certs"}
+    if unknown:
+        raise ValueError(f"text store URL {url!r}: unknown parameter(s) {sorted(unknown)}")
+    host: dict[str, Any] = {"host": parts.hostname, "port": parts.port or 9200,
+                            "scheme": scheme}
+    if parts.path.strip("/"):  # OpenSearch behind a reverse proxy under a path
+        host["url_prefix"] = "/" + parts.path.strip("/")
+    out: dict[str, Any] = {"hosts": [host]}
+    if parts.username:
+        out["http_auth"] = (unquote(parts.username), unquote(parts.password or ""))
+    if query.get("index"):
+        out["index"] = query["index"]
+    if scheme == "https":
+        out["verify_certs"] = query.get("verify_certs", "1").lower() not in ("0", "false", "no")
+    return out
+
+
+def clip_query(text: str) -> str:
+    """The part of free ``text`` that is searched: at most :data:`MAX_QUERY_CHARS`
+    characters and :data:`MAX_QUERY_WORDS` distinct whitespace-separated words."""
+    words = list(dict.fromkeys(text[:MAX_QUERY_CHARS].split()))
+    return " ".join(words[:MAX_QUERY_WORDS])
+
+
+def filter_clauses(bank_id: str, filters: Filters | None) -> list[dict[str, Any]]:
+    """Filter-context clauses for the bank and ``filters``: every field pushed down, with
+    the semantics of :func:`mneme.stores.filters.fact_matches` (``exact`` tags via
+    ``n_tags``; untagged units via ``n_tags = 0``). ValueError for an unknown mode."""
+    f = filters or Filters()
+    clauses: list[dict[str, Any]] = [{"term": {"bank_id": bank_id}}]
+    if f.types:
+        clauses.append({"terms": {"fact_type": list(f.types)}})
+    if f.document_id:
+        clauses.append({"term": {"document_id": f.document_id}})
+    if f.tags_match not in TAGS_MATCH_MODES:
+        raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
+    tags = sorted(set(f.tags))
+    untagged = {"term": {"n_tags": 0}}
+    all_of = [{"term": {"tags": t}} for t in tags]
+    if f.tags_match == "exact":
+        clauses.extend(all_of)
+        clauses.append({"term": {"n_tags": len(tags)}})
+    elif tags:
+        any_of = {"terms": {"tags": tags}}
+        if f.tags_match == "any":
+            clauses.append(_either(any_of, untagged))
+        elif f.tags_match == "all":
+            clauses.append(_either({"bool": {"filter": all_of}}, untagged))
+        elif f.tags_match == "any_strict":
+            clauses.append(any_of)
+        else:  # all_strict
+            clauses.extend(all_of)
+    if f.time_range is not None:
+        lo, hi = to_epoch(f.time_range.start), to_epoch(f.time_range.end)
+        # a unit without times has neither field, so it never matches a time range
+        clauses.append({"exists": {"field": "occurred_start"}})
+        if hi is not None:
+            clauses.append({"range": {"occurred_start": {"lte": hi}}})
+        if lo is not None:
+            clauses.append({"range": {"occurred_end": {"gte": lo}}})
+    return clauses
+
+
+def _either(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {"bool": {"should": [a, b], "minimum_should_match": 1}}
+
+
+def fact_document(fact: Fact) -> dict[str, Any]:
+    """The indexed ``_source`` of ``fact`` (times as effective epoch-second bounds,
+    absent when the fact has none)."""
+    tags = sorted(set(fact.tags))
+    doc: dict[str, Any] = {"id": fact.id, "bank_id": fact.bank_id, "text": fact.text,
+                           "fact_type": fact.fact_type, "document_id": fact.document_id,
+                           "tags": tags, "n_tags": len(tags)}
+    start, end = to_epoch(fact.occurred_start), to_epoch(fact.occurred_end)
+    if start is not None or end is not None:
+        doc["occurred_start"] = start if start is not None else end
+        doc["occurred_end"] = end if end is not None else start
+    return doc
+
+
+class OpenSearchTextStore:
+    """:class:`mneme.ports.TextStore` over one OpenSearch index (``index``), reached at
+    ``hosts`` (opensearch-py host dicts) or through a ready ``client``.
+
+    The template and the index are created when missing (a concurrent creator is
+    tolerated). Errors of the cluster surface as ``opensearchpy`` exceptions
+    (``ConnectionError``, ``TransportError``); a bulk write with failed items raises
+    RuntimeError naming the first failure. Thread-safe (the client pools connections).
+    """
+
+    def __init__(self, *, hosts: list[dict[str, Any]] | None = None, index: str = INDEX,
+                 http_auth: tuple[str, str] | None = None, verify_certs: bool = True,
+                 client: OpenSearch | None = None, timeout: float = 30.0) -> None:
+        if (hosts is None) == (client is None):
+            raise ValueError("give exactly one of hosts or client")
+        self.index = index
+        self._client: OpenSearch | None = client or OpenSearch(
+            hosts=hosts, http_auth=http_auth, verify_certs=verify_certs, timeout=timeout,
+            use_ssl=any(h.get("scheme") == "https" for h in hosts or ()))
+        try:
+            self._ensure_index()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_url(cls, url: str) -> "OpenSearchTextStore":
+        """The store for a URL of :func:`parse_opensearch_url`'s form."""
+        return cls(**parse_opensearch_url(url))
+
+    @property
+    def client(self) -> OpenSearch:
+        if self._client is None:
+            raise RuntimeError("OpenSearchTextStore is closed")
+        return self._client
+
+    # -- lifecycle --
+
+    def _ensure_index(self) -> None:
+        c = self.client
+        c.indices.put_index_template(name=self.index, body={
+            "index_patterns": [self.index],
+            "template": {"settings": SETTINGS, "mappings": MAPPINGS}})
+        if c.indices.exists(index=self.index):
+            return
+        try:
+            c.indices.create(index=self.index, body={"settings": SETTINGS, "mappings": MAPPINGS})
+        except RequestError as e:
+            if e.error != "resource_already_exists_exception":  # else a concurrent creator
+                raise
+
+    def close(self) -> None:
+        """Close the client's connections; further calls raise RuntimeError. Idempotent."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.close()
+
+    def reset(self) -> None:
+        """Delete every bank's documents: the index is dropped and created afresh."""
+        try:
+            self.client.indices.delete(index=self.index)
+        except NotFoundError:
+            pass
+        self._ensure_index()
+
+    # -- writes --
+
+    def _doc_id(self, bank_id: str, fact_id: str) -> str:
+        return f"{bank_id}:{fact_id}"  # bank ids hold no ':' (BANK_ID_RE)
+
+    def _bulk(self, ops: list[dict[str, Any]]) -> None:
+        if not ops:
+            return
+        resp = self.client.bulk(body=ops, refresh="wait_for")
+        if resp.get("errors"):
+            for item in resp["items"]:
+                (action, result), = item.items()
+                # deleting an id that is not there is fine (idempotent deletes)
+                if result.get("status", 200) >= 300 and not (
+                        action == "delete" and result.get("status") == 404):
+                    raise RuntimeError(f"OpenSearch bulk {action} of {result.get('_id')} "
+                                       f"failed: {result.get('error')}")
+
+    def upsert(self, facts: Sequence[Fact]) -> None:
+        """Index ``facts``, replacing any earlier version of the same (bank_id, id);
+        searchable on return."""
+        ops: list[dict[str, Any]] = []
+        for fact in {(f.bank_id, f.id): f for f in facts}.values():
+            ops.append({"index": {"_index": self.index, "routing": fact.bank_id,
+                                  "_id": self._doc_id(fact.bank_id, fact.id)}})
+            ops.append(fact_document(fact))
+        self._bulk(ops)
+
+    def delete(self, bank_id: str, ids: Sequence[str]) -> None:
+        """Remove the bank's documents with these fact ids (unknown ids are ignored)."""
+        self._bulk([{"delete": {"_index": self.index, "routing": bank_id,
+                                "_id": self._doc_id(bank_id, i)}}
+                    for i in dict.fromkeys(ids)])
+
+    def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
+        """Remove the bank's documents of ``document_id`` (all of the bank when None)
+        with one delete-by-query. ValueError for "" (never means "the whole bank")."""
+        check_document_id(document_id)
+        filters = Filters(document_id=document_id) if document_id else None
+        self.client.delete_by_query(
+            index=self.index, routing=bank_id, refresh=True, conflicts="proceed",
+            body={"query": {"bool": {"filter": filter_clauses(bank_id, filters)}}})
+
+    # -- reads --
+
+    def search(self, bank_id: str, query: str, k: int,
+               filters: Filters | None = None) -> list[Hit]:
+        """BM25 over the bank's fact texts, best first (``Hit.score`` = BM25; filters do
+        not change it). Any text is accepted; one with no indexable term → []."""
+        text = clip_query(query)
+        if k <= 0 or not text:
+            return []
+        body = {
+            "query": {"bool": {
+                "must": [{"match": {"text": {"query": text, "operator": "or"}}}],
+                "filter": filter_clauses(bank_id, filters)}},
+            "size": min(k + _TIE_SLACK, _MAX_WINDOW),
+            "_source": ["id"],
+            "track_total_hits": False,
+        }
+        resp = self.client.search(index=self.index, routing=bank_id, body=body)
+        out = [Hit(h["_source"]["id"], float(h["_score"])) for h in resp["hits"]["hits"]]
+        # Equal scores come back in segment order, which depends on write history; break
+        # ties by id (as the Tantivy adapter does) so a rebuilt index ranks the same.
+        out.sort(key=lambda h: (-round(h.score, 5), h.id))
+        return out[:k]
+
+    def count(self, bank_id: str) -> int:
+        """Number of the bank's indexed facts."""
+        resp = self.client.count(index=self.index, routing=bank_id, body={
+            "query": {"bool": {"filter": [{"term": {"bank_id": bank_id}}]}}})
+        return int(resp["count"])
