@@ -1,7 +1,15 @@
-"""The composition root (``bootstrap``): wires adapters into the services' handlers once.
+"""The composition root: wires adapters into the services' handlers once.
 
-The embedded topology (``mneme up``) runs every service in one process over the
-embedded event log and stores, and serves every gRPC API on one port.
+:class:`Root` opens what the settings name (event log, stores, models), lazily and at
+most once; one builder per service (:data:`BUILDERS`) turns a Root into that service's
+:class:`ServiceParts` (consumer groups and gRPC servicers). Two topologies use them:
+
+* embedded (``mneme up``, :func:`bootstrap`): ingest, extraction and search (and reflect,
+  calling search in process) in one process over the embedded log and stores, every
+  gRPC API on one port;
+* distributed (``mneme serve <service>``, ``python -m services.<service>``,
+  :func:`run_service`): one service per process over Kafka (``MNEME_BUS_URL=kafka://…``),
+  each with its own data directory for local state, gRPC health and readiness.
 """
 
 from __future__ import annotations
@@ -10,24 +18,30 @@ import fcntl
 import functools
 import logging
 import os
+import signal
+import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mneme.bus import (DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, default_partitions,
-                       open_event_log)
-from mneme.bus.consumer import Consumer, Dispatcher
+from mneme.bus import DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, default_partitions, open_event_log
+from mneme.bus.consumer import Consumer
 from mneme.config import Settings
-from mneme.stores import open_graph_store, open_text_store, open_vector_store
-from mneme.stores.catalog_sqlite import SqliteCatalog
+from mneme.errors import Unavailable
 
 log = logging.getLogger("mneme")
 
 TOPICS = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ)
+SERVICES = ("ingest", "extraction", "search", "reflect", "consolidation")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _path(url: str) -> str:
@@ -36,69 +50,6 @@ def _path(url: str) -> str:
 
 class DataDirLocked(RuntimeError):
     """Another process holds the data directory (the embedded stores are single-process)."""
-
-
-@dataclass
-class Embedded:
-    """Every service of mneme in one process. Build with :func:`bootstrap`; ``start()``
-    runs the consumers, ``serve()`` the gRPC server; ``close()`` stops both."""
-
-    settings: Settings
-    log: object
-    catalog: SqliteCatalog
-    stores: object
-    ingest: object
-    recall: object
-    reflect: object
-    consumers: dict = field(default_factory=dict)
-    server: grpc.Server | None = None
-    _lock_fd: int | None = None
-
-    def start(self, groups: tuple[str, ...] | None = None) -> None:
-        for name, c in self.consumers.items():
-            if groups is None or name in groups:
-                c.start()
-
-    def wait_idle(self, timeout: float = 600.0) -> bool:
-        return all(c.wait_idle(timeout) for c in self.consumers.values())
-
-    def serve(self, address: str | None = None) -> int:
-        """Start the gRPC server (every API, health, reflection); returns the bound port."""
-        from services.ingest import grpc_api as ingest_api
-        from services.reflect import grpc_api as reflect_api
-        from services.search import grpc_api as search_api
-
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.settings.grpc_workers),
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
-        exists = lambda bank_id: self.catalog.get_bank(bank_id) is not None  # noqa: E731
-        names = ingest_api.register(server, self.ingest)
-        names += search_api.register(server, search_api.RecallServicer(
-            self.recall, self.stores.vectors, exists))
-        names += reflect_api.register(server, reflect_api.ReflectServicer(self.reflect, exists))
-        health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        for n in names + [""]:
-            health_servicer.set(n, health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(address or self.settings.grpc_address)
-        if port == 0:
-            raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
-        server.start()
-        self.server = server
-        return port
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop(grace=5).wait()
-        for c in self.consumers.values():
-            c.stop(timeout=30)
-        for s in self.stores.all():
-            s.close()
-        self.catalog.close()
-        self.log.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
 
 
 def _lock(data_dir: Path) -> int:
@@ -112,85 +63,528 @@ def _lock(data_dir: Path) -> int:
     return fd
 
 
-def bootstrap(settings: Settings | None = None) -> Embedded:
-    """Open every adapter named by ``settings`` and wire the handlers (nothing runs yet).
-    Raises DataDirLocked when another process uses the data directory."""
-    from mneme.embedding import default_embedder, default_token_counter
-    from mneme.nlp import QueryAnalyzer
-    from services.extraction.handlers import GROUP as EXTRACTION, handle_intake
+# ---- the composition root ---------------------------------------------------------------
+
+
+class Root:
+    """Settings plus every adapter they name, opened on first use and closed by
+    :meth:`close` (in reverse order of opening). Locks ``settings.data_dir`` (raises
+    DataDirLocked when another process holds it). Opening the event log connects to the
+    broker for a Kafka URL (ConnectionError after ``kafka_connect_timeout_s``)."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.data_dir = self.settings.data_dir.resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = _lock(self.data_dir)
+        self._closers: list[Callable[[], None]] = []
+
+    def _opened(self, obj, close: Callable[[], None] | None = None):
+        self._closers.append(close or obj.close)
+        return obj
+
+    @property
+    def distributed(self) -> bool:
+        """True when the event log is Kafka (one service per process)."""
+        return self.settings.url("bus").lower().startswith("kafka:")
+
+    @cached_property
+    def log(self):
+        """The event log, with mneme's topics created."""
+        st = self.settings
+        event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
+        for t in TOPICS:
+            event_log.ensure_topic(t, 1 if t == DLQ else st.partitions or default_partitions(t))
+        return event_log
+
+    @cached_property
+    def catalog(self):
+        """The local catalog (banks, operations): ingest's projection, or search's bank
+        list in the distributed topology."""
+        from mneme.stores.catalog_sqlite import SqliteCatalog
+        return self._opened(SqliteCatalog(_path(self.settings.url("catalog"))))
+
+    @cached_property
+    def embedder(self):
+        from mneme.embedding import default_embedder
+        return default_embedder()
+
+    @cached_property
+    def stores(self):
+        """search's three projections (vector, text, graph), by URL."""
+        from mneme.stores import open_graph_store, open_text_store, open_vector_store
+        from services.search.handlers import Projections
+        st = self.settings
+        stores = Projections(open_vector_store(st.url("vector"), dim=self.embedder.dim),
+                             open_text_store(st.url("text")), open_graph_store(st.url("graph")))
+        return self._opened(stores, lambda: [s.close() for s in stores.all()])
+
+    @cached_property
+    def resolver(self):
+        from services.extraction.resolver import EntityResolver
+        return EntityResolver(path=str(self.data_dir / "entities.db"))
+
+    def consumer(self, group: str, topics, handler) -> Consumer:
+        """A consumer of ``group`` on this root's log (not started)."""
+        return Consumer(self.log, group, topics, handler)
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception:  # keep closing the others
+                log.exception("closing an adapter failed")
+        self._closers.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+@dataclass
+class ServiceParts:
+    """What one service contributes to a process: its consumer groups (by group name),
+    a ``register(server) -> [service names]`` for its gRPC servicers (None: no API),
+    the objects the servicers call (``api``), and readiness checks beyond the broker."""
+
+    name: str
+    consumers: dict[str, Consumer] = field(default_factory=dict)
+    register: Callable[[grpc.Server], list[str]] | None = None
+    api: dict = field(default_factory=dict)
+    checks: list[Callable[[], bool]] = field(default_factory=list)
+
+
+def build_ingest(root: Root) -> ServiceParts:
+    """ingest: the write API and its catalog projection (group ``ingest`` over intake
+    and progress). Sync retains wait for progress events in the catalog."""
+    from services.ingest import grpc_api
+    from services.ingest.handlers import GROUP, Ingest, project_catalog
+
+    ingest = Ingest(root.log, root.catalog, root.settings.retain_timeout_s)
+    return ServiceParts(
+        "ingest", {GROUP: root.consumer(GROUP, [INTAKE, PROGRESS],
+                                        functools.partial(project_catalog, catalog=root.catalog))},
+        lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
+
+
+def build_extraction(root: Root) -> ServiceParts:
+    """extraction: group ``extraction`` over intake → facts on ``mneme.memory.v1``."""
+    from services.extraction.handlers import GROUP, handle_intake
     from services.extraction.offline import OfflineExtractor
-    from services.extraction.resolver import EntityResolver
-    from services.ingest.handlers import GROUP as INGEST, Ingest, project_catalog
-    from services.reflect.handlers import reflect_offline, record_reflection
-    from services.search.handlers import GROUP as SEARCH, Projections, project_memory
+
+    handler = functools.partial(handle_intake, extractor=OfflineExtractor(resolver=root.resolver),
+                                embedder=root.embedder, resolver=root.resolver)
+    return ServiceParts("extraction", {GROUP: root.consumer(GROUP, [INTAKE], handler)})
+
+
+def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -> ServiceParts:
+    """search: group ``search`` over memory → the three projections (+ progress), and
+    the Recall / memory read API. Without ``bank_exists`` (distributed topology) search
+    keeps its own bank catalog, group ``search-catalog`` over intake."""
+    from mneme.embedding import default_token_counter
+    from mneme.nlp import QueryAnalyzer
+    from services.search import grpc_api
+    from services.search.handlers import CATALOG_GROUP, GROUP, project_banks, project_memory
     from services.search.recall import recall
 
-    settings = settings or Settings()
-    data_dir = settings.data_dir.resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lock_fd = _lock(data_dir)
-
-    event_log = open_event_log(settings.url("bus"))
-    for t in TOPICS:
-        event_log.ensure_topic(t, 1 if t == DLQ else settings.partitions or default_partitions(t))
-    catalog = SqliteCatalog(_path(settings.url("catalog")))
-    embedder = default_embedder()
-    stores = Projections(open_vector_store(settings.url("vector"), dim=embedder.dim),
-                         open_text_store(settings.url("text")),
-                         open_graph_store(settings.url("graph")))
-    resolver = EntityResolver(path=str(data_dir / "entities.db"))
-    extractor = OfflineExtractor(resolver=resolver)
-    ingest = Ingest(event_log, catalog, settings.retain_timeout_s)
+    stores = root.stores
     pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="recall")
+    root._opened(pool, lambda: pool.shutdown(wait=False))
     recall_fn = functools.partial(recall, vectors=stores.vectors, text=stores.text,
-                                  graph=stores.graph, embedder=embedder, analyzer=QueryAnalyzer(),
-                                  tokens=default_token_counter(), executor=pool)
+                                  graph=stores.graph, embedder=root.embedder,
+                                  analyzer=QueryAnalyzer(), tokens=default_token_counter(),
+                                  executor=pool)
+    consumers = {GROUP: root.consumer(GROUP, [MEMORY],
+                                      functools.partial(project_memory, stores=stores))}
+    if bank_exists is None:
+        catalog = root.catalog
+        banks = root.consumer(CATALOG_GROUP, [INTAKE],
+                              functools.partial(project_banks, catalog=catalog))
+        consumers[CATALOG_GROUP] = banks
+
+        def bank_exists(bank_id: str) -> bool:
+            if catalog.get_bank(bank_id) is not None:
+                return True
+            # A bank created a moment ago may not be projected here yet: catch up briefly.
+            return banks.wait_idle(2.0) and catalog.get_bank(bank_id) is not None
+
+    servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
+    return ServiceParts("search", consumers, lambda server: grpc_api.register(server, servicer),
+                        {"recall": recall_fn, "bank_exists": bank_exists})
+
+
+def build_reflect(root: Root, recall: Callable | None = None,
+                  bank_exists: Callable[[str], bool] | None = None) -> ServiceParts:
+    """reflect: the Reflect API. ``recall`` is search's in process (embedded) or, when
+    None, a gRPC client of ``MNEME_SEARCH_ADDRESS`` (which then also answers NOT_FOUND
+    for unknown banks). Reflections are appended to ``mneme.reflect.v1``."""
+    from services.reflect import grpc_api
+    from services.reflect.handlers import record_reflection, reflect_offline
+
+    checks = []
+    if recall is None:
+        from services.reflect.remote import RemoteRecall
+        if not root.settings.search_address:
+            raise ValueError("reflect needs MNEME_SEARCH_ADDRESS (the search service) "
+                             "in the distributed topology")
+        remote = root._opened(RemoteRecall(root.settings.search_address))
+        recall, checks = remote, [remote.ping]
+    exists = bank_exists or (lambda bank_id: True)  # remote: search answers NOT_FOUND
+    event_log = root.log
 
     def reflect_fn(bank_id, query, context, budget, now):
-        r = reflect_offline(bank_id, query, context, budget, now, recall_fn)
+        r = reflect_offline(bank_id, query, context, budget, now, recall)
         event_log.append([record_reflection(bank_id, query, r)])
         return r
 
-    consumers = {
-        INGEST: Consumer(event_log, INGEST, [INTAKE, PROGRESS],
-                         functools.partial(project_catalog, catalog=catalog)),
-        EXTRACTION: Consumer(event_log, EXTRACTION, [INTAKE],
-                             functools.partial(handle_intake, extractor=extractor,
-                                               embedder=embedder, resolver=resolver)),
-        SEARCH: Consumer(event_log, SEARCH, [MEMORY],
-                         functools.partial(project_memory, stores=stores)),
-    }
-    return Embedded(settings=settings, log=event_log, catalog=catalog, stores=stores,
-                    ingest=ingest, recall=recall_fn, reflect=reflect_fn, consumers=consumers,
-                    _lock_fd=lock_fd)
+    servicer = grpc_api.ReflectServicer(reflect_fn, exists)
+    return ServiceParts("reflect", {}, lambda server: grpc_api.register(server, servicer),
+                        {"reflect": reflect_fn}, checks)
+
+
+def build_consolidation(root: Root) -> ServiceParts:
+    """consolidation: group ``consolidation`` over memory and intake. It has no
+    observation logic yet (a later issue); its handler produces nothing."""
+    from services.consolidation.handlers import GROUP, handle
+    return ServiceParts("consolidation", {GROUP: root.consumer(GROUP, [MEMORY, INTAKE], handle)})
+
+
+BUILDERS: dict[str, Callable[[Root], ServiceParts]] = {
+    "ingest": build_ingest, "extraction": build_extraction, "search": build_search,
+    "reflect": build_reflect, "consolidation": build_consolidation,
+}
+
+
+def _grpc_server(settings: Settings) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
+                       options=[("grpc.max_receive_message_length", 64 << 20),
+                                ("grpc.max_send_message_length", 64 << 20)])
+
+
+def _add_health(server: grpc.Server, names: list[str], status) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for n in names + [""]:
+        servicer.set(n, status)
+    reflection.enable_server_reflection(
+        names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+# ---- embedded topology --------------------------------------------------------------------
+
+
+@dataclass
+class Embedded:
+    """Every service of mneme in one process. Build with :func:`bootstrap`; ``start()``
+    runs the consumers, ``serve()`` the gRPC server; ``close()`` stops both."""
+
+    settings: Settings
+    log: object
+    catalog: object
+    stores: object
+    ingest: object
+    recall: object
+    reflect: object
+    consumers: dict = field(default_factory=dict)
+    server: grpc.Server | None = None
+    root: Root | None = None
+    parts: list[ServiceParts] = field(default_factory=list)
+
+    def start(self, groups: tuple[str, ...] | None = None) -> None:
+        for name, c in self.consumers.items():
+            if groups is None or name in groups:
+                c.start()
+
+    def wait_idle(self, timeout: float = 600.0) -> bool:
+        return all(c.wait_idle(timeout) for c in self.consumers.values())
+
+    def serve(self, address: str | None = None) -> int:
+        """Start the gRPC server (every API, health, reflection); returns the bound port."""
+        server = _grpc_server(self.settings)
+        names = [n for p in self.parts if p.register for n in p.register(server)]
+        _add_health(server, names, _SERVING)
+        port = server.add_insecure_port(address or self.settings.grpc_address)
+        if port == 0:
+            raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
+        server.start()
+        self.server = server
+        return port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=5).wait()
+        for c in self.consumers.values():
+            c.stop(timeout=30)
+        if self.root is not None:
+            self.root.close()
+
+
+def bootstrap(settings: Settings | None = None) -> Embedded:
+    """The embedded topology: open every adapter named by ``settings`` and wire ingest,
+    extraction, search and reflect into one process (nothing runs yet). Raises
+    DataDirLocked when another process uses the data directory."""
+    root = Root(settings)
+    try:
+        ingest = build_ingest(root)
+        exists = lambda bank_id: root.catalog.get_bank(bank_id) is not None  # noqa: E731
+        search = build_search(root, bank_exists=exists)
+        reflect = build_reflect(root, recall=search.api["recall"], bank_exists=exists)
+        parts = [ingest, build_extraction(root), search, reflect]
+    except BaseException:
+        root.close()
+        raise
+    consumers = {g: c for p in parts for g, c in p.consumers.items()}
+    return Embedded(settings=root.settings, log=root.log, catalog=root.catalog,
+                    stores=root.stores, ingest=ingest.api["ingest"], recall=search.api["recall"],
+                    reflect=reflect.api["reflect"], consumers=consumers, root=root, parts=parts)
+
+
+# ---- replay ---------------------------------------------------------------------------------
+
+
+def _drain(consumers: dict[str, Consumer], progress, total: int) -> int:
+    """Run ``consumers`` in this thread, projecting only (their outputs are already on
+    the log), until each has consumed its partitions to the end."""
+    done = 0
+    for c in consumers.values():
+        handler = c.handler
+        c.handler = lambda env, rec, h=handler: (h(env, rec), [])[1]  # project only
+        try:
+            while True:
+                n = c.run_once()
+                done += n
+                if progress and n:
+                    progress(done, max(total, done))
+                if n == 0:
+                    if c._caught_up():
+                        break
+                    c.member.wait(0.2, c.member.token())  # Kafka: the group join, fetches
+        finally:
+            c.leave()
+    return done
 
 
 def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
-    """Rebuild every projection from the log: reset the search stores and the catalog,
-    rewind their consumer groups to offset 0 and consume to the end. No model is
-    called (derived events carry the facts and embeddings) and nothing is appended:
-    the progress events the projections would emit are already on the log.
-    ``progress(done, total)`` is called as records are consumed. Returns
-    {"records": n}. Raises DataDirLocked while a server uses the data directory."""
-    app = bootstrap(settings)
+    """Rebuild projections from the log; no model is called (derived events carry the
+    facts and embeddings) and nothing is appended (the progress events the projections
+    would emit are already on the log). ``progress(done, total)`` is called as records
+    are consumed. Returns {"records": n}.
+
+    * Embedded (sqlite bus): the search stores and the catalog of the (stopped) server's
+      data dir; groups ``search`` and ``ingest``. Raises DataDirLocked while a server
+      uses the data directory.
+    * Distributed (kafka bus): the search service's projections (the stores its
+      ``MNEME_*_URL``s name) and its bank catalog, groups ``search`` and
+      ``search-catalog``, reset to offset 0. Stop the search processes first: Kafka
+      refuses to reset a group with active members (StaleCommitError)."""
+    root = Root(settings)
     try:
-        app.stores.reset()
-        app.catalog.reset()
-        groups = {name: c for name, c in app.consumers.items() if name in ("search", "ingest")}
+        if root.distributed:
+            parts = build_search(root)
+        else:
+            parts = build_ingest(root)
+            parts.consumers.update(build_search(root, bank_exists=lambda b: True).consumers)
+        root.stores.reset()
+        root.catalog.reset()
+        groups = {g: c for g, c in parts.consumers.items()
+                  if g in ("search", "ingest", "search-catalog")}
         total = 0
         for name, c in groups.items():
-            app.log.reset_group(name, c.topics)
-            total += sum(app.log.end_offset(t, p) for t, p in c.assignments())
-        done = 0
-        for name, c in groups.items():
-            handler = c.handler
-            c.handler = lambda env, rec, h=handler: (h(env, rec), [])[1]  # project only
-            while n := c.run_once():
-                done += n
-                if progress:
-                    progress(done, total)
+            root.log.reset_group(name, c.topics)
+            total += sum(root.log.end_offset(t, p) for t in c.topics
+                         for p in range(root.log.partitions(t)))
+        done = _drain(groups, progress, total)
         if progress:
             progress(total, total)
         return {"records": done}
     finally:
-        app.close()
+        root.close()
+
+
+# ---- distributed topology: one service per process ---------------------------------------
+
+
+class _Pending:
+    """Stands in for a service object until the process is ready: every use raises
+    :class:`mneme.errors.Unavailable` (gRPC UNAVAILABLE), so early calls fail fast."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._target = None
+
+    def set(self, target) -> None:
+        self._target = target
+
+    def _get(self):
+        if self._target is None:
+            raise Unavailable(f"{self._what} is starting (broker or stores not reachable yet)")
+        return self._target
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._get()(*args, **kwargs)
+
+
+class ServiceProcess:
+    """One service in its own process (distributed topology).
+
+    Lifecycle: :meth:`start` binds gRPC at once with health NOT_SERVING and the
+    service's API answering UNAVAILABLE, connects to the broker and opens the stores
+    (retrying until they answer or :meth:`stop` is called), starts the consumer groups
+    and turns health SERVING. A monitor thread re-checks the broker (and, for reflect,
+    search) every ``health_interval_s`` and flips health accordingly. :meth:`stop`
+    (SIGTERM) turns health NOT_SERVING, stops accepting gRPC calls and lets in-flight
+    ones finish for ``shutdown_grace_s``, then stops each consumer after the record in
+    hand (committing what it handled, leaving the group) and closes the adapters.
+    """
+
+    def __init__(self, name: str, settings: Settings | None = None) -> None:
+        if name not in BUILDERS:
+            raise ValueError(f"unknown service {name!r} (one of {', '.join(SERVICES)})")
+        self.name = name
+        self.settings = settings or Settings()
+        self.root: Root | None = None
+        self.parts: ServiceParts | None = None
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._health: health.HealthServicer | None = None
+        self._names: list[str] = []
+
+    def _set_health(self, status) -> None:
+        if self._health is not None:
+            for n in self._names + [""]:
+                self._health.set(n, status)
+
+    def bind(self) -> int:
+        """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
+        self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
+                                                           "exists", "reflect")}
+        server = _grpc_server(self.settings)
+        p = self._pending
+        if self.name == "ingest":
+            from services.ingest import grpc_api
+            self._names = grpc_api.register(server, p["ingest"])
+        elif self.name == "search":
+            from services.search import grpc_api
+            self._names = grpc_api.register(server, grpc_api.RecallServicer(
+                p["recall"], p["vectors"], p["exists"]))
+        elif self.name == "reflect":
+            from services.reflect import grpc_api
+            self._names = grpc_api.register(server, grpc_api.ReflectServicer(
+                p["reflect"], lambda bank_id: True))
+        self._health = _add_health(server, self._names, _NOT_SERVING)
+        self.port = server.add_insecure_port(self.settings.grpc_address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {self.settings.grpc_address}")
+        server.start()
+        self.server = server
+        return self.port
+
+    def start(self) -> None:
+        """Bind, connect (retrying), build, start the consumers, report SERVING.
+        Returns early (not ready) when :meth:`stop` is called meanwhile."""
+        if self.server is None:
+            self.bind()
+        while not self._stop.is_set():
+            root = Root(self.settings)  # DataDirLocked is fatal
+            try:
+                self.parts = BUILDERS[self.name](root)
+                root.log  # connect now (the builders of API-only services may not)
+                break
+            except ValueError:  # configuration errors are fatal
+                root.close()
+                raise
+            except Exception as exc:  # broker or store not reachable: retry
+                root.close()
+                log.warning("%s: dependencies not reachable yet (%r); retrying", self.name, exc)
+                self._stop.wait(2.0)
+        else:
+            return
+        self.root = root
+        api, p = self.parts.api, self._pending
+        if "ingest" in api:
+            p["ingest"].set(api["ingest"])
+        if "recall" in api:
+            p["recall"].set(api["recall"])
+            p["vectors"].set(root.stores.vectors)
+            p["exists"].set(api["bank_exists"])
+        if "reflect" in api:
+            p["reflect"].set(api["reflect"])
+        for c in self.parts.consumers.values():
+            c.start()
+        self._set_health(_SERVING)
+        self.ready.set()
+        threading.Thread(target=self._monitor, name="health", daemon=True).start()
+        log.info("%s is ready on port %d (groups: %s)", self.name, self.port,
+                 ", ".join(self.parts.consumers) or "none")
+
+    def _healthy(self) -> bool:
+        ping = getattr(self.root.log, "ping", None)
+        ok = ping() if ping is not None else True
+        return ok and all(check() for check in self.parts.checks)
+
+    def _monitor(self) -> None:
+        serving = True
+        while not self._stop.wait(self.settings.health_interval_s):
+            ok = self._healthy()
+            if ok != serving and not self._stop.is_set():
+                log.warning("%s: dependencies %s", self.name, "back" if ok else "unreachable")
+                self._set_health(_SERVING if ok else _NOT_SERVING)
+                serving = ok
+
+    def stop(self) -> None:
+        """Graceful shutdown (see the class docstring). Idempotent."""
+        if self._stop.is_set() and self.server is None:
+            return
+        self._stop.set()
+        self._set_health(_NOT_SERVING)
+        if self.server is not None:
+            self.server.stop(grace=self.settings.shutdown_grace_s).wait()
+            self.server = None
+        if self.parts is not None:
+            for c in self.parts.consumers.values():
+                c.stop(timeout=30)
+        if self.root is not None:
+            self.root.close()
+            self.root = None
+
+
+def run_service(name: str, settings: Settings | None = None) -> None:
+    """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
+    proc = ServiceProcess(name, settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    proc.bind()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            proc.start()
+        except BaseException as exc:  # fatal (configuration, data dir locked)
+            log.exception("%s: cannot start", name)
+            failed.append(exc)
+            stop.set()
+
+    starter = threading.Thread(target=start, name="start", daemon=True)
+    starter.start()
+    stop.wait()
+    log.info("%s: stopping (drain, commit, close)", name)
+    proc.stop()
+    starter.join(5)
+    if failed:
+        raise SystemExit(1)
+
+
+def main_service(name: str) -> None:
+    """Entry point of ``python -m services.<name>``: logging, settings from MNEME_*."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    run_service(name)

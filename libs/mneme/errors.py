@@ -20,3 +20,8 @@ class NotFound(MnemeError):
 
 class DeadlineExceeded(MnemeError):
     """The work was accepted but did not finish before the deadline; it goes on."""
+
+
+class Unavailable(MnemeError):
+    """The service cannot answer now (starting, or a dependency such as the broker or
+    another service is unreachable); the client may retry."""

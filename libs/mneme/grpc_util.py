@@ -12,7 +12,7 @@ from google.protobuf import timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound
+from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
 def translate_errors(method):
     """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
     BadRequest listing the field violations; NotFound → NOT_FOUND; DeadlineExceeded →
-    DEADLINE_EXCEEDED; anything else → INTERNAL (logged)."""
+    DEADLINE_EXCEEDED; Unavailable → UNAVAILABLE; anything else → INTERNAL (logged)."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
@@ -43,6 +43,8 @@ def translate_errors(method):
             _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
         except DeadlineExceeded as e:
             _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except Unavailable as e:
+            _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
 
     return wrapper
 

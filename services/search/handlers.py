@@ -69,3 +69,21 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
         return []
     return [codec.encode(progress, bank_id=m.bank_id, source=SOURCE,
                          event_id=derive_id(env.id, "progress"), traceparent=env.traceparent)]
+
+
+CATALOG_GROUP = "search-catalog"
+
+
+def project_banks(env, record: Record, *, catalog) -> list[OutRecord]:
+    """search's own bank catalog (distributed topology): BankUpserted / BankDeleted of
+    ``mneme.intake.v1`` into ``catalog`` (a :class:`mneme.stores.catalog_sqlite.
+    SqliteCatalog`), so Recall answers NOT_FOUND for unknown banks without asking ingest.
+    Idempotent; returns no events."""
+    m = env.message
+    if isinstance(m, ev.BankUpserted):
+        at = env.time.timestamp() if env.time else record.timestamp
+        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(
+            m.config if m.HasField("config") else None), at)
+    elif isinstance(m, ev.BankDeleted):
+        catalog.delete_bank(m.bank_id)
+    return []

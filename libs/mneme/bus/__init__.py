@@ -111,13 +111,19 @@ def default_partitions(topic: str) -> int:
     return TOPIC_PARTITIONS.get(topic, DEFAULT_PARTITIONS)
 
 
-def open_event_log(url: str) -> "EventLog":
+def open_event_log(url: str, **kafka_options) -> "EventLog":
     """Open the event log named by ``url`` (``MNEME_BUS_URL``).
 
     * ``sqlite:///abs/path/events.db`` → :class:`~mneme.bus.sqlite_log.SqliteEventLog`
       on that file (created with its parent directories if missing).
+    * ``kafka://host:port[,host:port][?option=value]`` →
+      :class:`~mneme.bus.kafka_log.KafkaEventLog` (connects, retrying for
+      ``connect_timeout_s``); ``kafka_options`` (fields of
+      :class:`~mneme.bus.kafka_log.KafkaOptions`, None = default) override the query.
+      The sqlite log ignores them.
 
-    Raises ValueError for an unknown scheme (naming it) or a sqlite URL without a path.
+    Raises ValueError for an unknown scheme (naming it) or a malformed URL;
+    ConnectionError when no Kafka broker answers.
     """
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
@@ -131,8 +137,12 @@ def open_event_log(url: str) -> "EventLog":
         from mneme.bus.sqlite_log import SqliteEventLog  # lazy: it imports this module
 
         return SqliteEventLog(path)
+    if scheme == "kafka":
+        from mneme.bus.kafka_log import open_kafka  # lazy: aiokafka only when used
+
+        return open_kafka(url, **kafka_options)
     raise ValueError(f"unknown event log URL scheme {scheme!r} in {url!r} "
-                     f"(supported: sqlite)")
+                     f"(supported: sqlite, kafka)")
 
 
 __all__ = [

@@ -23,10 +23,17 @@ Dead-letter records keep the original key, value and headers (``ce_*``, ``conten
 
 Handlers run again after a crash for records whose batch was not committed yet, so their
 side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
+
+Partition assignment: the runner asks a *group member* which partitions it reads, where
+to read and how to commit. A log with a ``join(group, topics, on_revoked)`` method (the
+Kafka log) makes this process a member of the consumer group, and Kafka assigns the
+partitions, so several processes of one service share the work; any other log (the
+embedded SQLite log) gets :class:`LogMember`: every partition, offsets on the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -86,6 +93,55 @@ class Dispatcher:
         return list(fn(envelope.message, envelope) or [])
 
 
+class LogMember:
+    """Group membership on a log without partition assignment (the embedded log): the
+    member reads every partition of ``topics`` and commits with ``EventLog.commit``
+    (one transaction with the outputs there). See :class:`mneme.bus.kafka_log.
+    KafkaGroupMember` for the Kafka one; both have these methods."""
+
+    assigned = True
+
+    def __init__(self, log_: EventLog, group: str, topics: Sequence[str]) -> None:
+        self.log, self.group, self.topics = log_, group, tuple(topics)
+
+    def assignments(self) -> list[tuple[str, int]]:
+        """Every (topic, partition) of the topics."""
+        return [(t, p) for t in self.topics for p in range(self.log.partitions(t))]
+
+    def owns(self, topic: str, partition: int) -> bool:
+        return True
+
+    def batch(self):
+        return contextlib.nullcontext()
+
+    def read(self, topic: str, partition: int, offset: int, limit: int) -> list[Record]:
+        return self.log.read(topic, partition, offset, limit)
+
+    def token(self):
+        """A change token to pass to :meth:`wait` (taken before a pass reads)."""
+        fn = getattr(self.log, "change_token", None)
+        return fn() if fn is not None else None
+
+    def wait(self, timeout: float, token=None, stop: threading.Event | None = None) -> bool:
+        """Block up to ``timeout`` seconds for an append (polling when the log cannot
+        signal one)."""
+        fn = getattr(self.log, "wait_for_append", None)
+        if fn is not None:
+            return fn(timeout, token)
+        (stop or threading.Event()).wait(timeout)
+        return False
+
+    def committed(self, topic: str, partition: int) -> int:
+        return self.log.committed(self.group, topic, partition)
+
+    def commit(self, offsets: dict[tuple[str, int], int],
+               produce: Sequence[OutRecord] = ()) -> list[Record]:
+        return self.log.commit(self.group, offsets, produce=produce)
+
+    def close(self) -> None:
+        pass
+
+
 class Consumer:
     """Runs consumer group ``group`` over ``topics`` of ``log`` in a background thread.
 
@@ -97,10 +153,11 @@ class Consumer:
     ``wait_for_append`` wakes it earlier; logs without one are polled at this period).
 
     The consumer creates missing topics (and the DLQ) with
-    :func:`mneme.bus.default_partitions`. One Consumer per group per process: the
-    embedded log has no partition assignment, so two live consumers of one group would
-    both read every partition (the log's stale-commit check keeps their outputs from
-    being duplicated, at the cost of wasted work).
+    :func:`mneme.bus.default_partitions`. One Consumer per group per process. On Kafka
+    the group's partitions are spread over the processes running it (see the module
+    docstring); the embedded log has no partition assignment, so two live consumers of
+    one group would both read every partition (the log's stale-commit check keeps their
+    outputs from being duplicated, at the cost of wasted work).
     """
 
     def __init__(self, log: EventLog, group: str, topics: Iterable[str], handler: Handler, *,
@@ -134,6 +191,32 @@ class Consumer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._topics_ready = False
+        self._member = None
+
+    # ---- membership --------------------------------------------------------------
+
+    @property
+    def member(self):
+        """This consumer's group member (joins the group on first use)."""
+        if self._member is None:
+            self._ensure_topics()
+            join = getattr(self.log, "join", None)
+            self._member = (join(self.group, self.topics, on_revoked=self._on_revoked)
+                            if join is not None else LogMember(self.log, self.group, self.topics))
+        return self._member
+
+    def _on_revoked(self, partitions: list[tuple[str, int]]) -> None:
+        # Another member may move these partitions on: re-read the committed offset if
+        # they come back.
+        with self._cond:
+            for tp in partitions:
+                self._positions.pop(tp, None)
+
+    def leave(self) -> None:
+        """Leave the consumer group (the Kafka member's partitions move at once)."""
+        member, self._member = self._member, None
+        if member is not None:
+            member.close()
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -144,6 +227,7 @@ class Consumer:
             raise RuntimeError(f"consumer {self.group!r} is already running")
         self._stop.clear()
         self._ensure_topics()
+        self.member  # join the group now, so the assignment starts before the first pass
         self._thread = threading.Thread(target=self._run, name=f"consumer-{self.group}",
                                         daemon=True)
         self._thread.start()
@@ -160,11 +244,13 @@ class Consumer:
             wake()
         thread = self._thread
         if thread is None:
+            self.leave()
             return True
         thread.join(timeout)
         if thread.is_alive():
             return False
         self._thread = None
+        self.leave()
         return True
 
     @property
@@ -181,15 +267,17 @@ class Consumer:
     # ---- progress ----------------------------------------------------------------
 
     def assignments(self) -> list[tuple[str, int]]:
-        """Every (topic, partition) this consumer reads."""
-        return [(t, p) for t in self.topics for p in range(self.log.partitions(t))]
+        """The (topic, partition)s this consumer reads now: every partition on the
+        embedded log; the group's current assignment to this process on Kafka."""
+        return self.member.assignments()
 
     def lag(self) -> dict[tuple[str, int], int]:
-        """Records not yet committed by the group, per (topic, partition):
-        end offset − committed offset (read from the log, so it counts other processes'
-        commits too)."""
-        return {(t, p): max(0, self.log.end_offset(t, p) - self.log.committed(self.group, t, p))
-                for t, p in self.assignments()}
+        """Records not yet committed by the group, per (topic, partition) of every
+        partition of its topics (not only this process's): end offset − committed
+        offset, read from the log, so other processes' commits count too."""
+        tps = [(t, p) for t in self.topics for p in range(self.log.partitions(t))]
+        ends = _end_offsets(self.log, tps)
+        return {tp: max(0, ends[tp] - self.log.committed(self.group, *tp)) for tp in tps}
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until the consumer has handled and committed everything up to the end
@@ -206,15 +294,20 @@ class Consumer:
                 self._cond.wait(min(remaining, 0.05))
 
     def _caught_up(self) -> bool:
+        member = self.member
+        if not member.assigned:  # Kafka: no assignment yet, nothing is known
+            return False
         with self._cond:
             if self._busy:
                 return False
             positions = dict(self._positions)
-        for t, p in self.assignments():
+        tps = member.assignments()
+        ends = _end_offsets(self.log, tps)
+        for t, p in tps:
             pos = positions.get((t, p))
             if pos is None:
-                pos = self.log.committed(self.group, t, p)
-            if pos < self.log.end_offset(t, p):
+                pos = member.committed(t, p)
+            if pos < ends[(t, p)]:
                 return False
         return True
 
@@ -229,11 +322,10 @@ class Consumer:
         self._topics_ready = True
 
     def _run(self) -> None:
-        token_fn = getattr(self.log, "change_token", None)
-        wait_fn = getattr(self.log, "wait_for_append", None)
+        member = self.member
         failures = 0
         while not self._stop.is_set():
-            token = token_fn() if token_fn is not None else None
+            token = member.token()
             try:
                 n = self.run_once()
                 failures = 0
@@ -247,10 +339,11 @@ class Consumer:
                 self._stop.wait(min(self.backoff * 2 ** failures, self.backoff_max))
                 continue
             if n == 0 and not self._stop.is_set():
-                if wait_fn is not None:
-                    wait_fn(self.idle_wait, token)
-                else:
-                    self._stop.wait(self.idle_wait)
+                try:
+                    member.wait(self.idle_wait, token, self._stop)
+                except Exception as exc:  # broker unreachable: back off, keep going
+                    self.last_error = exc
+                    self._stop.wait(self.backoff_max)
 
     def run_once(self) -> int:
         """One pass: handle at most ``batch_size`` records of every partition. Returns
@@ -259,7 +352,7 @@ class Consumer:
         self._ensure_topics()
         total = 0
         try:
-            for t, p in self.assignments():
+            for t, p in self.member.assignments():
                 if self._stop.is_set() and total:
                     break
                 total += self._process(t, p)
@@ -272,14 +365,21 @@ class Consumer:
     def _position(self, topic: str, partition: int) -> int:
         pos = self._positions.get((topic, partition))
         if pos is None:
-            pos = self.log.committed(self.group, topic, partition)
+            pos = self.member.committed(topic, partition)
             with self._cond:
                 self._positions[(topic, partition)] = pos
         return pos
 
     def _process(self, topic: str, partition: int) -> int:
+        member = self.member
+        with member.batch():  # a rebalance waits until this batch is committed
+            if not member.owns(topic, partition):
+                return 0
+            return self._process_owned(member, topic, partition)
+
+    def _process_owned(self, member, topic: str, partition: int) -> int:
         start = self._position(topic, partition)
-        records = self.log.read(topic, partition, start, self.batch_size)
+        records = member.read(topic, partition, start, self.batch_size)
         if not records:
             return 0
         with self._cond:
@@ -379,7 +479,7 @@ class Consumer:
         """Commit ``next_off`` with ``outputs``; False when the log refused it as stale
         (another consumer of the group got there first: carry on from its offset)."""
         try:
-            self.log.commit(self.group, {(topic, partition): next_off}, produce=outputs)
+            self.member.commit({(topic, partition): next_off}, produce=outputs)
         except StaleCommitError as exc:
             self.stats["stale_commits"] += 1
             log.warning("consumer %s: %s; re-reading the committed offset", self.group, exc)
@@ -392,4 +492,12 @@ class Consumer:
         return True
 
 
-__all__ = ["Consumer", "Dispatcher", "Handler", "MessageHandler"]
+def _end_offsets(log_: EventLog, tps: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """End offsets of ``tps``, in one round when the log can (Kafka)."""
+    fn = getattr(log_, "end_offsets", None)
+    if fn is not None:
+        return fn(tps)
+    return {tp: log_.end_offset(*tp) for tp in tps}
+
+
+__all__ = ["Consumer", "Dispatcher", "Handler", "LogMember", "MessageHandler"]

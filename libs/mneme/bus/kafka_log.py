@@ -1,0 +1,627 @@
+"""The Kafka event log: :class:`mneme.ports.EventLog` over Apache Kafka with aiokafka.
+
+What it maps to in the Kafka protocol:
+
+* topics are created with the admin client (CreateTopics) with their partition counts
+  and ``replication_factor``; an existing topic keeps its partitions (a warning is
+  logged when they differ, as the embedded log does);
+* ``append`` produces with ``acks=all`` (the record is in every in-sync replica when the
+  call returns) to the partition :func:`mneme.bus.partition_for` picks, which is Kafka's
+  own default partitioner, so the embedded log and Kafka agree on a bank's partition.
+  A multi-record append is *not* atomic (no transactions): on failure some records may be
+  on the log; callers retry with the same deterministic event ids;
+* headers are the CloudEvents Kafka binding's binary mode (``ce_*``, ``content-type``)
+  plus W3C ``traceparent``; Kafka headers are bytes, so values are UTF-8 encoded here and
+  decoded on read (mneme's headers are ``str``; non-UTF-8 bytes are decoded with
+  replacement);
+* ``end_offset`` is the partition's high watermark as reported by a Fetch response
+  (``highwater()``); ``committed``/``commit`` are OffsetFetch/OffsetCommit of the group;
+* :meth:`KafkaEventLog.join` makes this process a member of a consumer group
+  (JoinGroup/SyncGroup via ``subscribe``): Kafka assigns the partitions, and a
+  :class:`KafkaGroupMember` commits as that member. :class:`mneme.bus.consumer.Consumer`
+  uses it, so a service scales by starting more processes.
+
+Delivery: a consumer stores its effects, then produces its outputs, then commits the
+offsets — at least once; consumers are idempotent (deterministic ids, upserts), so the
+effects are exactly once (DESIGN §3).
+
+aiokafka is asyncio; the port is synchronous and thread-safe, so each instance runs one
+event loop in a daemon thread and the sync methods submit coroutines to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+from urllib.parse import parse_qs, urlsplit
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
+                             TopicAlreadyExistsError)
+
+from mneme.bus import ALL_TOPICS, StaleCommitError, default_partitions, partition_for
+from mneme.ports import OutRecord, Record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KafkaOptions:
+    """Client settings. Durations are milliseconds, as in Kafka's client configs.
+
+    The defaults are Kafka's production defaults; tests against a single local broker
+    lower ``session_timeout_ms``/``heartbeat_interval_ms`` so group joins take ~1 s.
+    ``enable_idempotence`` needs a broker with the idempotent producer (Apache Kafka has
+    it; the ``tansu`` test broker does not). ``connect_timeout_s``: how long the
+    constructor retries an unreachable broker before raising ConnectionError.
+    """
+
+    client_id: str = "mneme"
+    replication_factor: int = 1
+    session_timeout_ms: int = 45_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 300_000
+    request_timeout_ms: int = 30_000
+    enable_idempotence: bool = True
+    connect_timeout_s: float = 60.0
+
+
+def parse_kafka_url(url: str) -> tuple[str, dict[str, str]]:
+    """``kafka://host:port[,host:port][?option=value]`` → (bootstrap servers, options).
+
+    Raises ValueError when no host is given."""
+    parts = urlsplit(url)
+    servers = parts.netloc
+    if not servers or not all(s.strip() for s in servers.split(",")):
+        raise ValueError(f"kafka URL needs host:port[,host:port], as in kafka://kafka:9092; "
+                         f"got {url!r}")
+    return servers, {k: v[-1] for k, v in parse_qs(parts.query).items()}
+
+
+def _headers_out(headers: dict[str, str]) -> list[tuple[str, bytes]]:
+    return [(k, v.encode("utf-8")) for k, v in headers.items()]
+
+
+def _headers_in(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
+    return {k: (v or b"").decode("utf-8", "replace") for k, v in headers or ()}
+
+
+def _record(msg) -> Record:
+    """aiokafka ConsumerRecord → Record (timestamp ms → epoch seconds)."""
+    key = msg.key.decode("utf-8", "replace") if msg.key is not None else ""
+    return Record(msg.topic, msg.partition, msg.offset, key, bytes(msg.value or b""),
+                  _headers_in(msg.headers), (msg.timestamp or 0) / 1000.0)
+
+
+class _LoopThread:
+    """One asyncio loop in a daemon thread; ``run`` submits a coroutine and waits."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("blocking call from the Kafka loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class KafkaEventLog:
+    """An :class:`mneme.ports.EventLog` on Kafka brokers ``bootstrap_servers``
+    ("host:port[,host:port]"). Connects in the constructor, retrying for
+    ``options.connect_timeout_s`` seconds; raises ConnectionError if no broker answers.
+    Thread-safe. Close it (after the members) to leave groups and flush the producer."""
+
+    def __init__(self, bootstrap_servers: str, options: KafkaOptions | None = None) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.options = options or KafkaOptions()
+        self._loop = _LoopThread(f"kafka-{self.options.client_id}")
+        self._pcache: dict[str, int] = {}
+        self._groups: dict[str, AIOKafkaConsumer] = {}   # offset queries/simple commits
+        self._members: dict[str, "KafkaGroupMember"] = {}
+        self._closed = False
+        try:
+            self._loop.run(self._connect())
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    # ---- connection --------------------------------------------------------------
+
+    def _common(self) -> dict:
+        return dict(bootstrap_servers=self.bootstrap_servers, client_id=self.options.client_id,
+                    request_timeout_ms=self.options.request_timeout_ms)
+
+    async def _connect(self) -> None:
+        self._lock = asyncio.Lock()         # serialises the reader / probe consumers
+        deadline = time.monotonic() + self.options.connect_timeout_s
+        while True:
+            try:
+                self._meta = AIOKafkaClient(**self._common())
+                await self._meta.bootstrap()
+                break
+            except KafkaError as exc:
+                await self._meta.close()
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"no Kafka broker at {self.bootstrap_servers} "
+                                          f"after {self.options.connect_timeout_s:.0f}s: "
+                                          f"{exc}") from exc
+                await asyncio.sleep(0.5)
+        self._admin = AIOKafkaAdminClient(**self._common())
+        await self._admin.start()
+        self._producer = AIOKafkaProducer(
+            **self._common(), acks="all", enable_idempotence=self.options.enable_idempotence,
+            linger_ms=0)
+        await self._producer.start()
+        # No group: used for read() and end_offset() with manual assignment.
+        self._reader = AIOKafkaConsumer(**self._common(), enable_auto_commit=False,
+                                        auto_offset_reset="earliest", fetch_max_wait_ms=10)
+        await self._reader.start()
+        self._reader_next: dict[TopicPartition, int] = {}
+
+    def ping(self, timeout: float = 5.0) -> bool:
+        """True when a broker answers a metadata request within ``timeout`` seconds."""
+        if self._closed:
+            return False
+        try:
+            self._loop.run(self._meta.fetch_all_metadata(), timeout)
+            return True
+        except Exception:
+            return False
+
+    # ---- topics ------------------------------------------------------------------
+
+    def ensure_topic(self, topic: str, partitions: int) -> None:
+        """Create ``topic`` with ``partitions`` partitions (replication factor from the
+        options) unless it exists; waits until the brokers' metadata shows it.
+        Raises ValueError for an empty name or ``partitions`` < 1."""
+        if not topic:
+            raise ValueError("topic name must not be empty")
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        self._loop.run(self._ensure_topic(topic, partitions))
+
+    async def _ensure_topic(self, topic: str, partitions: int) -> int:
+        existing = await self._partitions(topic)
+        if not existing:
+            resp = await self._admin.create_topics(
+                [NewTopic(topic, partitions, self.options.replication_factor)])
+            for _, code, message in resp.topic_errors:
+                if code not in (0, TopicAlreadyExistsError.errno):
+                    raise KafkaError(f"creating topic {topic}: error {code} {message}")
+            for _ in range(100):  # creation is asynchronous on the brokers
+                existing = await self._partitions(topic, refresh=True)
+                if existing:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise KafkaError(f"topic {topic} did not appear in the metadata")
+        if existing != partitions:
+            log.warning("topic %s exists with %d partitions; keeping them (asked for %d)",
+                        topic, existing, partitions)
+        return existing
+
+    async def _partitions(self, topic: str, refresh: bool = False) -> int:
+        n = self._pcache.get(topic)
+        if n is None or refresh:
+            # A metadata request for *all* topics never auto-creates one.
+            md = await self._meta.fetch_all_metadata()
+            n = len(md.partitions_for_topic(topic) or ())
+            if n:
+                self._pcache[topic] = n
+        return n
+
+    def partitions(self, topic: str) -> int:
+        """Partition count of ``topic``; 0 when it does not exist."""
+        n = self._pcache.get(topic)
+        return n if n else self._loop.run(self._partitions(topic, refresh=True))
+
+    # ---- append / read -----------------------------------------------------------
+
+    def append(self, records: Sequence[OutRecord]) -> list[Record]:
+        """Produce ``records`` with acks=all and wait for every acknowledgement; returns
+        them with partition, offset and broker timestamp (epoch seconds). Missing topics
+        are created with :func:`mneme.bus.default_partitions`. Not atomic across records
+        (see the module docstring). Raises TypeError for a malformed record,
+        ``aiokafka.errors.KafkaError`` when the brokers refuse or time out."""
+        records = list(records)
+        for r in records:
+            _check(r)
+        if not records:
+            return []
+        return self._loop.run(self._append(records))
+
+    async def _append(self, records: list[OutRecord]) -> list[Record]:
+        futures = []
+        for r in records:
+            n = await self._partitions(r.topic) or await self._ensure_topic(
+                r.topic, default_partitions(r.topic))
+            p = partition_for(r.key, n)
+            futures.append(await self._producer.send(
+                r.topic, bytes(r.value), key=r.key.encode("utf-8"), partition=p,
+                headers=_headers_out(r.headers)))
+        out = []
+        for r, fut in zip(records, futures):
+            md = await fut
+            ts = md.timestamp / 1000.0 if md.timestamp and md.timestamp > 0 else time.time()
+            out.append(Record(r.topic, md.partition, md.offset, r.key, bytes(r.value),
+                              dict(r.headers), ts))
+        return out
+
+    def read(self, topic: str, partition: int, offset: int, limit: int = 100,
+             timeout: float = 5.0) -> list[Record]:
+        """Up to ``limit`` records of (``topic``, ``partition``) from ``offset``, in order;
+        [] at the end (or after ``timeout`` seconds without a fetch answer)."""
+        if limit <= 0:
+            return []
+        return self._loop.run(self._read(TopicPartition(topic, partition), offset, limit,
+                                         timeout))
+
+    async def _read(self, tp: TopicPartition, offset: int, limit: int,
+                    timeout: float) -> list[Record]:
+        async with self._lock:
+            c = self._reader
+            if tp not in c.assignment():
+                c.assign([tp])
+                self._reader_next = {}
+            if self._reader_next.get(tp) != offset:
+                c.seek(tp, offset)
+                self._reader_next[tp] = offset
+            deadline = time.monotonic() + timeout
+            while True:
+                got = (await c.getmany(tp, timeout_ms=50, max_records=limit)).get(tp, [])
+                if got:
+                    self._reader_next[tp] = got[-1].offset + 1
+                    return [_record(m) for m in got]
+                hw = c.highwater(tp)
+                if (hw is not None and hw <= offset) or time.monotonic() > deadline:
+                    return []
+
+    def end_offset(self, topic: str, partition: int) -> int:
+        """The high watermark of (``topic``, ``partition``): the offset the next record
+        will get, as the last Fetch response reported it (0 for an unknown topic)."""
+        return self.end_offsets([(topic, partition)])[(topic, partition)]
+
+    def end_offsets(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """High watermarks of several partitions with one fetch round."""
+        tps = [TopicPartition(t, p) for t, p in partitions]
+        return self._loop.run(self._end_offsets(tps)) if tps else {}
+
+    async def _end_offsets(self, tps: list[TopicPartition]) -> dict[tuple[str, int], int]:
+        # The high watermark is read from a Fetch response rather than ListOffsets:
+        # it is what consumers see, and some Kafka-protocol brokers answer ListOffsets
+        # LATEST with the last batch's base offset.
+        known = [tp for tp in tps if await self._partitions(tp.topic) > tp.partition]
+        out = {(tp.topic, tp.partition): 0 for tp in tps}
+        if not known:
+            return out
+        async with self._lock:
+            c = self._reader
+            c.assign(known)  # fresh partition states: highwater() is None until a fetch
+            self._reader_next = {}
+            try:
+                starts = await c.end_offsets(known)
+            except KafkaError:
+                starts = {}
+            for tp in known:
+                c.seek(tp, starts.get(tp, 0))
+            deadline = time.monotonic() + 10.0
+            while any(c.highwater(tp) is None for tp in known):
+                if time.monotonic() > deadline:
+                    raise KafkaError("no fetch answer for the high watermarks")
+                await c.getmany(*known, timeout_ms=20, max_records=1)
+            for tp in known:
+                out[(tp.topic, tp.partition)] = c.highwater(tp)
+        return out
+
+    # ---- consumer groups ---------------------------------------------------------
+
+    async def _group_client(self, group: str) -> AIOKafkaConsumer:
+        c = self._groups.get(group)
+        if c is None:  # never subscribes, so it never joins the group
+            c = AIOKafkaConsumer(**self._common(), group_id=group, enable_auto_commit=False)
+            await c.start()
+            self._groups[group] = c
+        return c
+
+    def committed(self, group: str, topic: str, partition: int) -> int:
+        """``group``'s committed next offset on (``topic``, ``partition``) (OffsetFetch);
+        0 when it never committed there."""
+        return self._loop.run(self._committed(group, TopicPartition(topic, partition)))
+
+    async def _committed(self, group: str, tp: TopicPartition) -> int:
+        c = await self._group_client(group)
+        off = await c.committed(tp)
+        return 0 if off is None or off < 0 else off
+
+    def commit(self, group: str, offsets: dict[tuple[str, int], int],
+               produce: Sequence[OutRecord] = ()) -> list[Record]:
+        """Produce ``produce`` (acks=all), *then* commit ``offsets`` for ``group``: at
+        least once. A member of ``group`` in this process commits as that member;
+        otherwise this is a "simple" commit, which Kafka accepts only while the group
+        has no active members. Raises :class:`mneme.bus.StaleCommitError` when Kafka
+        refuses the commit (a rebalance moved the partitions; the outputs are already
+        produced and will be produced again by the new owner, with the same ids)."""
+        out = self.append(produce)
+        member = self._members.get(group)
+        if member is not None:
+            member._commit_offsets(offsets)
+        else:
+            self._loop.run(self._simple_commit(group, offsets))
+        return out
+
+    async def _simple_commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
+        if not offsets:
+            return
+        c = await self._group_client(group)
+        tps = {TopicPartition(t, p): off for (t, p), off in offsets.items()}
+        c.assign(list(tps))
+        try:
+            await c.commit(tps)
+        except (CommitFailedError, IllegalStateError) as exc:
+            raise StaleCommitError(f"group {group!r} refused the commit (is it running? "
+                                   f"stop its consumers first): {exc}") from exc
+
+    def reset_group(self, group: str, topics: Sequence[str] | None = None) -> None:
+        """Set ``group``'s offsets on every partition of ``topics`` (default: mneme's
+        topics) to 0, so it re-reads from the beginning (replay). Kafka accepts this only
+        while the group has no active members: raises StaleCommitError otherwise."""
+        offsets = {}
+        for t in topics if topics is not None else ALL_TOPICS:
+            for p in range(self.partitions(t)):
+                offsets[(t, p)] = 0
+        self._loop.run(self._simple_commit(group, offsets))
+
+    def group_offsets(self, group: str, topics: Iterable[str] = ALL_TOPICS
+                      ) -> dict[tuple[str, int], int]:
+        """``group``'s committed next offsets on every partition of ``topics``."""
+        return {(t, p): self.committed(group, t, p)
+                for t in topics for p in range(self.partitions(t))}
+
+    def lag(self, group: str, topics: Iterable[str]) -> dict[tuple[str, int], int]:
+        """High watermark − committed offset per partition of ``topics`` for ``group``."""
+        tps = [(t, p) for t in topics for p in range(self.partitions(t))]
+        ends = self.end_offsets(tps)
+        return {tp: max(0, ends[tp] - self.committed(group, *tp)) for tp in tps}
+
+    def join(self, group: str, topics: Sequence[str],
+             on_revoked: Callable[[list[tuple[str, int]]], None] | None = None
+             ) -> "KafkaGroupMember":
+        """Become a member of consumer group ``group`` subscribed to ``topics``; Kafka
+        assigns the partitions. ``on_revoked(partitions)`` is called (from the Kafka
+        loop thread) when partitions are taken away. One member per group per instance."""
+        if group in self._members:
+            raise RuntimeError(f"already a member of group {group!r}")
+        member = KafkaGroupMember(self, group, list(topics), on_revoked)
+        self._members[group] = member
+        return member
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave every group, flush the producer and close the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        for m in list(self._members.values()):
+            m.close()
+
+        async def _close() -> None:
+            for c in [*self._groups.values(), self._reader]:
+                with contextlib.suppress(Exception):
+                    await c.stop()
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+            with contextlib.suppress(Exception):
+                await self._admin.close()
+            with contextlib.suppress(Exception):
+                await self._meta.close()
+        try:
+            self._loop.run(_close(), 30)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> "KafkaEventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KafkaEventLog({self.bootstrap_servers!r})"
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, member: "KafkaGroupMember") -> None:
+        self.member = member
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self.member._revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        self.member._assigned.set()
+
+
+class KafkaGroupMember:
+    """This process's membership in one consumer group (see :meth:`KafkaEventLog.join`).
+
+    The :class:`mneme.bus.consumer.Consumer` runner calls, from its thread:
+    :meth:`assignments`, :meth:`read`, :meth:`wait`, :meth:`committed`,
+    :meth:`commit`, and wraps each handle-then-commit step in :meth:`batch`. Before a
+    rebalance takes partitions away, the revocation listener waits for the batch in hand
+    to be handled and committed ("commit before revocation"), then drops what was
+    fetched for the revoked partitions.
+    """
+
+    def __init__(self, log_: KafkaEventLog, group: str, topics: list[str],
+                 on_revoked: Callable[[list[tuple[str, int]]], None] | None) -> None:
+        self.log = log_
+        self.group = group
+        self.topics = topics
+        self.on_revoked = on_revoked
+        self._batch_lock = threading.Lock()
+        self._buffers: dict[TopicPartition, list] = {}
+        self._next: dict[TopicPartition, int] = {}
+        self._closed = False
+        o = log_.options
+        self._assigned = asyncio.Event()  # created here, used on the loop (py3.10+: no loop binding)
+
+        async def _start() -> None:  # aiokafka objects must be created on their loop
+            self._consumer = AIOKafkaConsumer(
+                **log_._common(), group_id=group, enable_auto_commit=False,
+                auto_offset_reset="earliest", session_timeout_ms=o.session_timeout_ms,
+                heartbeat_interval_ms=o.heartbeat_interval_ms,
+                max_poll_interval_ms=o.max_poll_interval_ms)
+            await self._consumer.start()
+            self._consumer.subscribe(topics, listener=_Listener(self))
+        log_._loop.run(_start())
+
+    @property
+    def assigned(self) -> bool:
+        """True once Kafka has assigned this member its partitions at least once."""
+        return self._assigned.is_set()
+
+    def assignments(self) -> list[tuple[str, int]]:
+        """The (topic, partition)s Kafka currently assigns to this member, sorted."""
+        return sorted((tp.topic, tp.partition) for tp in self._consumer.assignment())
+
+    def owns(self, topic: str, partition: int) -> bool:
+        return TopicPartition(topic, partition) in self._consumer.assignment()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold off revocation while a batch is handled and committed."""
+        with self._batch_lock:
+            yield
+
+    async def _revoked(self, revoked) -> None:
+        # Wait (without blocking the loop: the runner's commit needs it) for the batch
+        # in hand, then forget what was fetched for the partitions that leave.
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._batch_lock.acquire)
+        try:
+            for tp in revoked:
+                self._buffers.pop(tp, None)
+                self._next.pop(tp, None)
+            if self.on_revoked is not None and revoked:
+                self.on_revoked([(tp.topic, tp.partition) for tp in revoked])
+        finally:
+            self._batch_lock.release()
+
+    def read(self, topic: str, partition: int, offset: int, limit: int) -> list[Record]:
+        """Up to ``limit`` fetched records of an assigned partition from ``offset``
+        (seeking there first if the member's position differs); [] when none is buffered
+        or the partition is not assigned. Never waits for the broker."""
+        return self.log._loop.run(self._read(TopicPartition(topic, partition), offset, limit))
+
+    async def _read(self, tp: TopicPartition, offset: int, limit: int) -> list[Record]:
+        c = self._consumer
+        if tp not in c.assignment():
+            return []
+        if self._next.get(tp) != offset:
+            c.seek(tp, offset)
+            self._buffers.pop(tp, None)
+            self._next[tp] = offset
+        buf = self._buffers.get(tp)
+        if not buf:
+            buf = (await c.getmany(tp, timeout_ms=0, max_records=limit)).get(tp, [])
+        got, rest = buf[:limit], buf[limit:]
+        self._buffers[tp] = rest
+        if got:  # after an out-of-range reset the first offset may be > offset
+            self._next[tp] = got[-1].offset + 1
+        return [_record(m) for m in got]
+
+    def token(self) -> None:
+        """No change token on Kafka (:meth:`wait` fetches); for the runner's protocol."""
+        return None
+
+    def wait(self, timeout: float, token=None, stop: threading.Event | None = None,
+             max_records: int = 500) -> bool:
+        """Block up to ``timeout`` seconds for records on any assigned partition (this is
+        also when the group's heartbeat/rebalance makes progress); they are kept for
+        :meth:`read`. True when something arrived."""
+        return self.log._loop.run(self._wait(timeout, max_records))
+
+    async def _wait(self, timeout: float, max_records: int) -> bool:
+        data = await self._consumer.getmany(timeout_ms=int(timeout * 1000),
+                                            max_records=max_records)
+        for tp, msgs in data.items():
+            if tp in self._consumer.assignment():
+                self._buffers.setdefault(tp, []).extend(msgs)
+        return bool(data)
+
+    def committed(self, topic: str, partition: int) -> int:
+        """The group's committed next offset (0 when none)."""
+        return self.log.committed(self.group, topic, partition)
+
+    def commit(self, offsets: dict[tuple[str, int], int],
+               produce: Sequence[OutRecord] = ()) -> list[Record]:
+        """Produce ``produce``, then commit ``offsets`` as this member (at least once).
+        Raises StaleCommitError when Kafka refuses the commit (partition revoked)."""
+        out = self.log.append(produce)
+        self._commit_offsets(offsets)
+        return out
+
+    def _commit_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+        if not offsets:
+            return
+        tps = {TopicPartition(t, p): off for (t, p), off in offsets.items()}
+        try:
+            self.log._loop.run(self._consumer.commit(tps))
+        except (CommitFailedError, IllegalStateError) as exc:
+            raise StaleCommitError(f"group {self.group!r}: commit refused "
+                                   f"(rebalanced?): {exc}") from exc
+
+    def close(self) -> None:
+        """Leave the group (LeaveGroup, so the partitions move at once)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.log._members.pop(self.group, None)
+        with contextlib.suppress(Exception):
+            self.log._loop.run(self._consumer.stop(), 30)
+
+
+def _check(r: OutRecord) -> None:
+    if not isinstance(r.topic, str) or not r.topic:
+        raise TypeError(f"record topic must be a non-empty str, got {r.topic!r}")
+    if not isinstance(r.key, str):
+        raise TypeError(f"record key must be str, got {type(r.key).__name__}")
+    if not isinstance(r.value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"record value must be bytes, got {type(r.value).__name__}")
+    for k, v in r.headers.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"record headers must be str -> str, got {k!r}: {v!r}")
+
+
+def open_kafka(url: str, **overrides) -> KafkaEventLog:
+    """A :class:`KafkaEventLog` for ``kafka://host:port[,host:port][?opt=value]``.
+    Options (query string or keyword ``overrides``, the latter winning) are the fields of
+    :class:`KafkaOptions`. Raises ValueError for a bad URL or unknown option."""
+    servers, query = parse_kafka_url(url)
+    fields = KafkaOptions.__dataclass_fields__
+    opts: dict = {}
+    for k, v in {**query, **{k: v for k, v in overrides.items() if v is not None}}.items():
+        if k not in fields:
+            raise ValueError(f"unknown kafka option {k!r} (known: {', '.join(fields)})")
+        kind = fields[k].type
+        if isinstance(v, str) and kind in ("int", "float", "bool"):
+            v = (v.lower() in ("1", "true", "yes")) if kind == "bool" else \
+                (int(v) if kind == "int" else float(v))
+        opts[k] = v
+    return KafkaEventLog(servers, KafkaOptions(**opts))
+
+
+__all__ = ["KafkaEventLog", "KafkaGroupMember", "KafkaOptions", "open_kafka", "parse_kafka_url"]

@@ -1,0 +1,230 @@
+"""The distributed topology end to end: the five services as separate OS processes
+(``mneme serve <service>``) on a Kafka-protocol broker (tansu), compared with the
+embedded topology (``mneme up``) on the same input; SIGKILL of extraction and search
+mid-stream; a poison event; an external consumer decoding every topic from offset 0;
+replay of the search projections.
+
+The tests share one broker and one cluster and run in file order (each builds on the
+log the previous ones left)."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from mneme import locomo
+from mneme.bus import ALL_TOPICS, DLQ, INTAKE, MEMORY, PROGRESS, codec
+from mneme.client import MnemeClient
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import OutRecord, Record
+from tests.e2e.server import Server, conversation_file
+from tests.integration.cluster import Cluster
+from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
+
+pytestmark = pytest.mark.slow
+
+BANK = "conv-26"
+SESSIONS = 3
+NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now"
+QUERIES = ["When did Caroline go to the LGBTQ support group?", "What did Melanie paint?",
+           "What is Caroline's identity?", "When did Melanie run a charity race?",
+           "What does Caroline want to research?"]
+GROUPS = {"ingest": (INTAKE, PROGRESS), "extraction": (INTAKE,), "search": (MEMORY,),
+          "search-catalog": (INTAKE,), "consolidation": (MEMORY, INTAKE)}
+
+
+def _sessions():
+    conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26")
+    return locomo.sessions(conv)[:SESSIONS]
+
+
+def _retain_conversation(m: MnemeClient) -> None:
+    m.upsert_bank(BANK, display_name="LoCoMo conv-26")
+    for n, s in enumerate(_sessions()):
+        r = m.retain(BANK, s.items, request_id=f"session-{n}")
+        assert r.operation.state == 3, r.operation  # SUCCEEDED: read-your-writes
+
+
+def _recall(address: str) -> dict[str, list[str]]:
+    with MnemeClient(address) as m:
+        return {q: [x.memory.id for x in m.recall(BANK, q, max_tokens=2048,
+                                                   query_timestamp=NOW).results]
+                for q in QUERIES}
+
+
+def _lag(log, groups=GROUPS) -> dict[str, int]:
+    return {g: sum(log.lag(g, topics).values()) for g, topics in groups.items()}
+
+
+def _wait_lag_zero(log, timeout: float = 90) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lag = _lag(log)
+        if not any(lag.values()) or time.monotonic() > deadline:
+            return lag
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def bus(tansu):
+    from mneme.bus import open_event_log
+    log = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
+    yield log
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tansu, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tansu.url).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def embedded_results(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("embedded") / "data").start()
+    try:
+        with server.client() as m:
+            _retain_conversation(m)
+        return _recall(server.address)
+    finally:
+        server.stop()
+
+
+def test_separate_processes_recall_like_the_embedded_topology(cluster, embedded_results, bus):
+    with MnemeClient(cluster.address["ingest"]) as m:
+        _retain_conversation(m)
+        # sync retain returned only after search indexed the facts (other process)
+        assert m.get_bank(BANK).display_name == "LoCoMo conv-26"
+    distributed = _recall(cluster.address["search"])
+    assert all(distributed.values())
+    assert distributed == embedded_results
+    with MnemeClient(cluster.address["search"]) as s:
+        turns = {i["metadata"]["dia_id"] for sess in _sessions() for i in sess.items}
+        got = {d for mem in s.list_memories(BANK) for d in mem.metadata["dia_id"].split(",")}
+        assert got == turns
+    with MnemeClient(cluster.address["reflect"]) as r:  # reflect → search over gRPC
+        a = r.reflect(BANK, "What did Melanie paint?")
+        assert a.extractive and a.based_on
+    assert not any(_wait_lag_zero(bus).values())
+
+
+def test_sigkill_extraction_and_search_mid_stream(cluster, bus):
+    items = [i for s in locomo.sessions(next(
+        c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26"))
+        for i in s.items][:120]
+    batches = [items[n:n + 2] for n in range(0, len(items), 2)]
+    for n, b in enumerate(batches):  # a document per batch: re-retaining a document replaces it
+        for item in b:
+            item["document_id"] = f"batch-{n}"
+    acked: list[str] = []
+    errors: list[Exception] = []
+
+    def writer():
+        with MnemeClient(cluster.address["ingest"], timeout=60) as m:
+            m.upsert_bank("crash")
+            for n, b in enumerate(batches):  # async: acknowledged once durable on the log
+                try:
+                    r = m.retain("crash", b, request_id=f"b{n}", async_=True)
+                except Exception as e:  # pragma: no cover - ingest is never killed
+                    errors.append(e)
+                    return
+                acked.append(r.operation.name.split("/", 1)[1])
+                time.sleep(0.02)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while len(acked) < 15 and t.is_alive():
+        time.sleep(0.05)
+    cluster.kill("extraction")
+    cluster.kill("search")
+    t.join(120)
+    assert not errors and len(acked) == len(batches)
+    cluster.start("extraction", "search")
+    lag = _wait_lag_zero(bus, 150)
+    assert not any(lag.values()), lag
+    with MnemeClient(cluster.address["ingest"]) as m:
+        states = collections.Counter(m.get_operation(op).state for op in acked)
+    assert states == {3: len(acked)}  # every acknowledged retain succeeded
+    with MnemeClient(cluster.address["search"]) as s:
+        mems = list(s.list_memories("crash"))
+    per_turn = collections.Counter(x.metadata["dia_id"] for x in mems)
+    texts = collections.Counter((x.metadata["dia_id"], x.text) for x in mems)
+    assert {i["metadata"]["dia_id"] for i in items} <= set(per_turn)
+    assert not [k for k, n in texts.items() if n > 1]  # no fact indexed twice
+    assert len({x.id for x in mems}) == len(mems)
+
+
+def test_external_consumer_decodes_every_topic_from_offset_zero(tansu):
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    async def read_all() -> dict[str, int]:
+        c = AIOKafkaConsumer(bootstrap_servers=tansu.bootstrap, enable_auto_commit=False)
+        await c.start()
+        try:
+            tps = [TopicPartition(t, p) for t in ALL_TOPICS
+                   for p in sorted(c.partitions_for_topic(t) or ())]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            counts: dict[str, int] = collections.Counter()
+            idle = 0
+            while idle < 3:
+                batch = await c.getmany(timeout_ms=500)
+                idle = 0 if batch else idle + 1
+                for msgs in batch.values():
+                    for msg in msgs:
+                        rec = Record(msg.topic, msg.partition, msg.offset, msg.key.decode(),
+                                     msg.value, {k: v.decode() for k, v in msg.headers})
+                        env = codec.decode(rec)  # raises on anything undecodable
+                        assert env.message is not None, env.type
+                        assert rec.headers["ce_specversion"] == "1.0" and env.id
+                        counts[msg.topic] += 1
+            return counts
+        finally:
+            await c.stop()
+
+    counts = asyncio.run(read_all())
+    assert counts[INTAKE] and counts[MEMORY] and counts[PROGRESS] and counts["mneme.reflect.v1"]
+
+
+def test_poison_event_goes_to_the_dlq_and_the_partition_keeps_flowing(cluster, bus):
+    good = codec.encode(ev.RetainRequested(bank_id="crash"), bank_id="crash", source="test")
+    garbage = b"\xff\xfe\x00 not a protobuf"
+    [poison] = bus.append([OutRecord(INTAKE, "crash", garbage, good.headers)])
+    with MnemeClient(cluster.address["ingest"], timeout=60) as m:
+        r = m.retain("crash", [{"content": "Caroline: the poison did not stop me."}],
+                     request_id="after-poison")
+        assert r.operation.state == 3 and r.memory_ids
+    deadline = time.monotonic() + 30
+    while True:
+        dead = [d for d in bus.read(DLQ, 0, 0, 1000)
+                if d.headers.get("dlq_offset") == str(poison.offset)
+                and d.headers.get("dlq_partition") == str(poison.partition)]
+        groups = {d.headers["dlq_group"] for d in dead}
+        if {"extraction", "ingest"} <= groups or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {"extraction", "ingest"} <= groups
+    d = next(d for d in dead if d.headers["dlq_group"] == "extraction")
+    assert d.value == garbage and d.headers["dlq_topic"] == INTAKE
+    assert "DecodeError" in d.headers["dlq_error"]
+    assert not any(_wait_lag_zero(bus).values())
+
+
+def test_replay_rebuilds_the_search_projections(cluster, bus):
+    before = _recall(cluster.address["search"])
+    cluster.stop("search")
+    out = subprocess.run([mneme_bin(), "replay"], env=cluster.env("search"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _lag(bus, {"search": (MEMORY,), "search-catalog": (INTAKE,)}) == {
+        "search": 0, "search-catalog": 0}
+    cluster.start("search")
+    assert _recall(cluster.address["search"]) == before

@@ -1,0 +1,141 @@
+"""KafkaEventLog against a real Kafka-protocol broker (tansu): the EventLog port's
+behaviour, CloudEvents headers, consumer groups that really split partitions, and the
+DLQ keeping a partition flowing."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from mneme.bus import codec, partition_for
+from mneme.bus.consumer import Consumer
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import OutRecord
+
+
+def _topic() -> str:
+    return f"test.{uuid.uuid4().hex[:8]}"
+
+
+def _event(topic: str, bank: str, n: int, traceparent: str | None = None) -> OutRecord:
+    rec = codec.encode(ev.MemoryDeleteRequested(bank_id=bank, memory_id=str(n)), bank_id=bank,
+                       source="test", traceparent=traceparent)
+    return OutRecord(topic, rec.key, rec.value, rec.headers)
+
+
+def test_append_read_offsets_headers_and_groups(kafka_log):
+    t = _topic()
+    kafka_log.ensure_topic(t, 3)
+    kafka_log.ensure_topic(t, 5)  # keeps its 3 partitions
+    assert kafka_log.partitions(t) == 3 and kafka_log.partitions(_topic()) == 0
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    out = kafka_log.append([_event(t, "bank-a", i, tp) for i in range(5)])
+    p = partition_for("bank-a", 3)
+    assert [(r.partition, r.offset) for r in out] == [(p, i) for i in range(5)]
+    assert kafka_log.end_offset(t, p) == 5
+    assert all(kafka_log.end_offset(t, q) == 0 for q in range(3) if q != p)
+    recs = kafka_log.read(t, p, 2, limit=2)
+    assert [r.offset for r in recs] == [2, 3]
+    env = codec.decode(recs[0])
+    assert env.traceparent == tp and env.message.memory_id == "2"
+    assert recs[0].headers["ce_specversion"] == "1.0" and recs[0].key == "bank-a"
+    assert kafka_log.read(t, p, 5) == []
+    # group offsets: simple commits while the group has no members
+    g = f"g-{uuid.uuid4().hex[:6]}"
+    assert kafka_log.committed(g, t, p) == 0
+    produced = kafka_log.commit(g, {(t, p): 4}, produce=[_event(t, "bank-a", 99)])
+    assert produced[0].offset == 5 and kafka_log.committed(g, t, p) == 4
+    kafka_log.reset_group(g, [t])
+    assert kafka_log.committed(g, t, p) == 0
+
+
+def test_two_members_split_the_partitions_and_poison_goes_to_the_dlq(kafka_log, tansu):
+    from mneme.bus import open_event_log
+    from tests.integration.conftest import KAFKA_TEST_OPTIONS
+
+    t, dlq, g = _topic(), _topic(), f"g-{uuid.uuid4().hex[:6]}"
+    kafka_log.ensure_topic(t, 4)
+    kafka_log.ensure_topic(dlq, 1)
+    banks = [f"bank-{i}" for i in range(12)]
+    kafka_log.append([_event(t, b, n) for n in range(5) for b in banks])
+    poison = _event(t, "bank-0", 0)
+    kafka_log.append([OutRecord(t, "bank-0", b"\xff\xfe garbage", poison.headers)])
+    kafka_log.append([_event(t, "bank-0", 100)])  # after the poison, same partition
+    seen: dict[str, list] = {"a": [], "b": []}
+    lock = threading.Lock()
+
+    def handler(name):
+        def h(env, rec):
+            with lock:
+                seen[name].append((rec.partition, rec.offset))
+            return []
+        return h
+
+    other = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
+    a = Consumer(kafka_log, g, [t], handler("a"), dlq_topic=dlq, idle_wait=0.2).start()
+    b = Consumer(other, g, [t], handler("b"), dlq_topic=dlq, idle_wait=0.2).start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pa, pb = set(a.assignments()), set(b.assignments())
+            if pa and pb and sum(a.lag().values()) == 0:
+                break
+            time.sleep(0.2)
+        assert pa and pb and not pa & pb and pa | pb == {(t, q) for q in range(4)}
+        assert sum(a.lag().values()) == 0
+    finally:
+        a.stop()
+        b.stop()
+        other.close()
+    handled = seen["a"] + seen["b"]
+    assert len(set(handled)) == 12 * 5 + 1  # every good record; the poison is not handled
+    [dead] = kafka_log.read(dlq, 0, 0)
+    assert dead.value == b"\xff\xfe garbage" and dead.headers["dlq_topic"] == t
+    assert "DecodeError" in dead.headers["dlq_error"] and dead.headers["dlq_group"] == g
+
+
+def test_service_is_not_serving_until_the_broker_answers(tmp_path, tansu):
+    """Readiness: gRPC health NOT_SERVING (and the API UNAVAILABLE) while the broker is
+    unreachable; SERVING once it answers; NOT_SERVING again after SIGTERM-style stop."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mneme.bootstrap import ServiceProcess
+    from mneme.client import MnemeClient
+    from mneme.config import Settings
+    from tests.integration.conftest import free_port
+
+    def status(address: str) -> int:
+        with grpc.insecure_channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2).status
+
+    address = f"127.0.0.1:{free_port()}"
+    settings = Settings(data_dir=tmp_path / "ingest", grpc_address=address,
+                        bus_url=f"kafka://127.0.0.1:{free_port()}", kafka_connect_timeout_s=0.5,
+                        kafka_enable_idempotence=False, shutdown_grace_s=0.5)
+    down = ServiceProcess("ingest", settings)
+    down.bind()
+    t = threading.Thread(target=down.start, daemon=True)
+    t.start()
+    try:
+        time.sleep(1.0)
+        assert status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with MnemeClient(address, timeout=5) as m, pytest.raises(grpc.RpcError) as e:
+            m.get_bank("anything")
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        down.stop()
+        t.join(10)
+    up = ServiceProcess("ingest", settings.model_copy(update={
+        "bus_url": tansu.url, "kafka_session_timeout_ms": 2000,
+        "kafka_heartbeat_interval_ms": 300}))
+    up.bind()
+    try:
+        up.start()
+        assert status(address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        up.stop()
