@@ -1,0 +1,543 @@
+"""The LLM gateway: every model call of mneme goes through :class:`LlmGateway`.
+
+It adds what litellm leaves to the caller: the model of each operation (see
+:mod:`mneme.llm.settings`), structured output by JSON schema with re-asking on
+malformed/truncated replies, a per-attempt timeout, retries with exponential backoff and
+jitter on 429/408/5xx, timeouts and connection errors (honouring ``Retry-After`` up to
+the backoff cap), a process-wide concurrency limit, and token/cost accounting returned
+with every result (:class:`Usage`) so callers can put it on the events they produce.
+
+litellm is imported on first use (it takes seconds and reads the network for its price
+list unless ``LITELLM_LOCAL_MODEL_COST_MAP`` is set, which :func:`load_litellm` does), so
+a process without a configured model never imports it. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from mneme.llm.jsonout import JsonOutputError, parse_json, validate
+from mneme.llm.metrics import METRICS
+from mneme.llm.settings import Endpoint, LlmSettings
+
+log = logging.getLogger("mneme.llm")
+
+_litellm = None
+_litellm_lock = threading.Lock()
+
+
+def load_litellm():
+    """Import and configure litellm once (local price map, no debug banners, no
+    callbacks). Slow (~5–20 s): call it only on an LLM path."""
+    global _litellm
+    with _litellm_lock:
+        if _litellm is None:
+            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+            import litellm
+
+            litellm.suppress_debug_info = True
+            # The gateway logs failures itself (with the retry decision); litellm's own
+            # error lines would duplicate them.
+            logging.getLogger("LiteLLM").setLevel(logging.CRITICAL)
+            _litellm = litellm
+        return _litellm
+
+
+# ---- results and errors --------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    """What calls cost: ``calls`` HTTP attempts that got an answer (``failed_calls``
+    those that did not), ``input_tokens``/``output_tokens`` as the provider reported them,
+    ``cost_usd`` from litellm's price map (0 for unpriced models such as local ones),
+    ``latency_s`` summed wall time of the attempts. ``model`` is the litellm model string
+    (models joined by "," when a sum mixes them)."""
+
+    model: str = ""
+    calls: int = 0
+    failed_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    latency_s: float = 0.0
+
+    def add(self, other: "Usage") -> "Usage":
+        """Add ``other`` into this one (in place); returns self."""
+        models = [m for m in (self.model.split(",") + other.model.split(",")) if m]
+        self.model = ",".join(dict.fromkeys(models))
+        self.calls += other.calls
+        self.failed_calls += other.failed_calls
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cost_usd += other.cost_usd
+        self.latency_s += other.latency_s
+        return self
+
+    def as_metadata(self, prefix: str = "llm.") -> dict[str, str]:
+        """String map for event metadata / headers: model, calls, input_tokens,
+        output_tokens, cost_usd (6 decimals)."""
+        return {f"{prefix}model": self.model, f"{prefix}calls": str(self.calls),
+                f"{prefix}input_tokens": str(self.input_tokens),
+                f"{prefix}output_tokens": str(self.output_tokens),
+                f"{prefix}cost_usd": f"{self.cost_usd:.6f}"}
+
+
+@dataclass
+class ToolCall:
+    """A function call the model asked for; ``arguments`` is the raw JSON text."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def args(self) -> dict:
+        """The arguments as a dict ({} when they are not a JSON object)."""
+        try:
+            v = parse_json(self.arguments or "{}")
+        except JsonOutputError:
+            return {}
+        return v if isinstance(v, dict) else {}
+
+
+@dataclass
+class Completion:
+    """One chat completion: ``text`` (may be empty with tool calls), ``finish_reason``
+    (stop, length, tool_calls, ...), ``tool_calls`` and the ``usage`` of every attempt
+    it took."""
+
+    text: str
+    finish_reason: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    def message(self) -> dict:
+        """This reply as an assistant message to continue the conversation with."""
+        m: dict = {"role": "assistant", "content": self.text or None}
+        if self.tool_calls:
+            m["tool_calls"] = [{"id": t.id, "type": "function",
+                                "function": {"name": t.name, "arguments": t.arguments}}
+                               for t in self.tool_calls]
+        return m
+
+
+@dataclass
+class JsonResult:
+    """A parsed, schema-valid structured reply, the usage of all attempts, and how many
+    attempts (model calls) it took."""
+
+    value: object
+    usage: Usage
+    attempts: int
+
+
+class LlmError(Exception):
+    """A model call failed. ``reason`` is a short machine-readable code (see the
+    subclasses); ``usage`` what the failed attempts cost."""
+
+    reason = "error"
+
+    def __init__(self, message: str, reason: str | None = None, usage: Usage | None = None):
+        super().__init__(message)
+        if reason:
+            self.reason = reason
+        self.usage = usage or Usage()
+
+
+class LlmNotConfigured(LlmError):
+    reason = "not_configured"
+
+
+class LlmUnavailable(LlmError):
+    """Transient failures outlasted the retries: reason ``rate_limited``, ``timeout`` or
+    ``unavailable`` (5xx, connection refused)."""
+
+    reason = "unavailable"
+
+
+class LlmRequestError(LlmError):
+    """The provider rejected the request (4xx other than 408/429): reason ``rejected``,
+    ``auth`` or ``context_window``. Not retried."""
+
+    reason = "rejected"
+
+
+class LlmOutputError(LlmError):
+    """The model's reply stayed unusable after re-asking: reason ``malformed`` (not
+    JSON), ``schema`` (JSON not matching the schema) or ``truncated`` (hit the token cap)."""
+
+    reason = "malformed"
+
+
+def _classify(exc: Exception) -> tuple[str, bool]:
+    """(reason, retryable) of an exception litellm raised."""
+    name = type(exc).__name__
+    code = getattr(exc, "status_code", None)
+    if name in ("Timeout", "APITimeoutError") or code == 408:
+        return "timeout", True
+    if code == 429 or name == "RateLimitError":
+        return "rate_limited", True
+    if name == "ContextWindowExceededError":
+        return "context_window", False
+    if name in ("AuthenticationError", "PermissionDeniedError") or code in (401, 403):
+        return "auth", False
+    text = str(exc).lower()
+    if "api key" in text and ("required" in text or "missing" in text):
+        return "auth", False  # a missing key surfaces as a connection error: not transient
+    if isinstance(code, int) and code >= 500:
+        return "unavailable", True
+    if name in ("APIConnectionError", "ServiceUnavailableError", "InternalServerError",
+                "BadGatewayError", "MidStreamFallbackError"):
+        return "unavailable", True  # no HTTP answer at all: the server is down or unreachable
+    module = type(exc).__module__.split(".")[0]
+    if code is None and module in ("litellm", "openai", "httpx", "httpcore"):
+        return "unavailable", True  # a transport error without a status
+    return "rejected", False  # 4xx, or a bug: retrying would not help
+
+
+def _retry_after(exc: Exception) -> float | None:
+    resp = getattr(exc, "response", None)
+    headers = getattr(resp, "headers", None)
+    if not headers:
+        return None
+    try:
+        return float(headers.get("retry-after"))
+    except (TypeError, ValueError):
+        return None
+
+
+# ---- the gateway ---------------------------------------------------------------------------
+
+
+class LlmGateway:
+    """Model calls per operation (retain, reflect, consolidation, rerank) with the
+    settings' timeouts, retries, concurrency limit and accounting (see the module docs).
+
+    ``sleep`` is injectable so tests need not wait out real backoffs."""
+
+    def __init__(self, settings: LlmSettings | None = None, sleep=time.sleep):
+        self.settings = settings or LlmSettings()
+        self._sem = threading.BoundedSemaphore(self.settings.llm_max_concurrency)
+        self._sleep = sleep
+
+    # ---- configuration ---------------------------------------------------------------
+
+    def endpoint(self, operation: str) -> Endpoint | None:
+        return self.settings.endpoint(operation)
+
+    def configured(self, operation: str) -> bool:
+        """True when ``operation`` has a model (never imports litellm)."""
+        return self.settings.endpoint(operation) is not None
+
+    def _require(self, operation: str) -> Endpoint:
+        ep = self.settings.endpoint(operation)
+        if ep is None:
+            raise LlmNotConfigured(f"no model configured for {operation} "
+                                   f"(MNEME_{operation.upper()}_LLM_MODEL or MNEME_LLM_MODEL)")
+        return ep
+
+    # ---- the retry loop --------------------------------------------------------------
+
+    def _call(self, operation: str, ep: Endpoint, fn, timeout: float | None = None,
+              hold: bool = True):
+        """Run ``fn(timeout)`` (one HTTP attempt) under the semaphore (``hold=False``: the
+        caller holds it), retrying transient failures with exponential backoff. Returns
+        (result, usage of the attempts without tokens). Raises LlmUnavailable /
+        LlmRequestError."""
+        st = self.settings
+        timeout = timeout or st.llm_timeout_s
+        usage = Usage(model=ep.model)
+        attempt = 0
+        while True:
+            t0 = time.monotonic()
+            try:
+                if hold:
+                    with self._sem:
+                        result = fn(timeout)
+                else:
+                    result = fn(timeout)
+                usage.calls += 1
+                usage.latency_s += time.monotonic() - t0
+                return result, usage
+            except Exception as exc:  # litellm maps every provider error to its own classes
+                usage.failed_calls += 1
+                usage.latency_s += time.monotonic() - t0
+                reason, retryable = _classify(exc)
+                if not retryable or attempt >= st.llm_max_retries:
+                    METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
+                                outcome="error")
+                    msg = f"{operation} call to {ep.model} failed ({reason}) after " \
+                          f"{attempt + 1} attempt(s): {type(exc).__name__}: {str(exc)[:300]}"
+                    log.warning(msg)
+                    cls = LlmUnavailable if retryable else LlmRequestError
+                    raise cls(msg, reason, usage) from exc
+                backoff = min(st.llm_backoff_max_s, st.llm_backoff_s * 2 ** attempt)
+                backoff *= random.uniform(0.8, 1.2)  # jitter: retries of many workers spread out
+                hinted = _retry_after(exc)
+                if hinted is not None:
+                    backoff = min(st.llm_backoff_max_s, max(backoff, hinted))
+                METRICS.add("mneme.llm.retries", operation=operation, reason=reason)
+                log.info("%s call to %s: %s, retry %d in %.1fs", operation, ep.model, reason,
+                         attempt + 1, backoff)
+                self._sleep(backoff)
+                attempt += 1
+
+    def _account(self, operation: str, ep: Endpoint, usage: Usage, response) -> None:
+        """Fill tokens and cost of ``response`` into ``usage`` and the metrics."""
+        u = getattr(response, "usage", None)
+        usage.input_tokens += int(getattr(u, "prompt_tokens", 0) or 0)
+        usage.output_tokens += int(getattr(u, "completion_tokens", 0) or 0)
+        cost = 0.0
+        try:
+            cost = float(load_litellm().completion_cost(completion_response=response) or 0.0)
+        except Exception:  # unpriced model (local server, stub): cost unknown → 0
+            cost = 0.0
+        usage.cost_usd += cost
+        METRICS.add("mneme.llm.requests", operation=operation, model=ep.model, outcome="ok")
+        METRICS.add("mneme.llm.tokens", usage.input_tokens, operation=operation, model=ep.model,
+                    direction="input")
+        METRICS.add("mneme.llm.tokens", usage.output_tokens, operation=operation, model=ep.model,
+                    direction="output")
+        METRICS.add("mneme.llm.cost", cost, operation=operation, model=ep.model)
+
+    def _kwargs(self, ep: Endpoint, messages, tools, tool_choice, response_schema, schema_name,
+                strict, max_tokens, temperature) -> dict:
+        kw: dict = {"model": ep.model, "messages": messages,
+                    "max_tokens": max_tokens or self.settings.llm_max_output_tokens,
+                    # our retry loop is the only one: no hidden SDK retries under it
+                    "num_retries": 0, "max_retries": 0, "drop_params": True}
+        if ep.base_url:
+            kw["api_base"] = ep.base_url
+        if ep.api_key:
+            kw["api_key"] = ep.api_key
+        if temperature is not None:
+            kw["temperature"] = temperature
+        if tools:
+            kw["tools"] = tools
+            if tool_choice:
+                kw["tool_choice"] = tool_choice
+        mode = self.settings.llm_json_mode
+        if response_schema is not None and mode == "schema":
+            kw["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": schema_name, "schema": response_schema, "strict": strict}}
+        elif response_schema is not None and mode == "object":
+            kw["response_format"] = {"type": "json_object"}
+        return kw
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def complete(self, operation: str, messages: list[dict], *, tools: list[dict] | None = None,
+                 tool_choice: str | None = None, response_schema: dict | None = None,
+                 schema_name: str = "output", strict: bool = True, max_tokens: int | None = None,
+                 temperature: float | None = None, timeout: float | None = None) -> Completion:
+        """One chat completion (retried on transient errors). ``messages`` are OpenAI-style
+        dicts; ``tools`` OpenAI function specs; ``response_schema`` asks for JSON output by
+        the settings' ``llm_json_mode`` (the reply is *not* parsed here: see
+        :meth:`complete_json`). Raises LlmNotConfigured, LlmUnavailable, LlmRequestError."""
+        ep = self._require(operation)
+        kw = self._kwargs(ep, messages, tools, tool_choice, response_schema, schema_name, strict,
+                          max_tokens, temperature)
+        litellm = load_litellm()
+        resp, usage = self._call(operation, ep, lambda t: litellm.completion(timeout=t, **kw),
+                                 timeout)
+        self._account(operation, ep, usage, resp)
+        choice = resp.choices[0]
+        msg = choice.message
+        calls = [ToolCall(tc.id or f"call_{i}", tc.function.name, tc.function.arguments or "{}")
+                 for i, tc in enumerate(getattr(msg, "tool_calls", None) or [])]
+        return Completion(msg.content or "", choice.finish_reason or "stop", calls, usage)
+
+    def stream(self, operation: str, messages: list[dict], *, tools: list[dict] | None = None,
+               tool_choice: str | None = None, max_tokens: int | None = None,
+               temperature: float | None = None,
+               timeout: float | None = None) -> Iterator["str | Completion"]:
+        """Streaming chat completion: yields text deltas (str) as they arrive and, last,
+        the assembled :class:`Completion` (tool calls merged from their deltas, usage from
+        the final chunk). Transient errors are retried only until the first delta arrived;
+        after that they raise LlmUnavailable (a partial answer cannot be taken back)."""
+        ep = self._require(operation)
+        kw = self._kwargs(ep, messages, tools, tool_choice, None, "", True, max_tokens, temperature)
+        kw.update(stream=True, stream_options={"include_usage": True})
+        litellm = load_litellm()
+        with self._sem:  # held while the stream is read: it occupies the server as long
+            yield from self._stream(operation, ep, litellm, kw, timeout)
+
+    def _stream(self, operation, ep, litellm, kw, timeout):
+        stream, usage = self._call(operation, ep, lambda t: litellm.completion(timeout=t, **kw),
+                                   timeout, hold=False)
+        text: list[str] = []
+        calls: dict[int, dict] = {}
+        finish = "stop"
+        last_usage = None
+        try:
+            for chunk in stream:
+                if getattr(chunk, "usage", None) is not None:
+                    last_usage = chunk
+                for choice in chunk.choices or []:
+                    delta = choice.delta
+                    if getattr(delta, "content", None):
+                        text.append(delta.content)
+                        yield delta.content
+                    for tc in getattr(delta, "tool_calls", None) or []:
+                        c = calls.setdefault(tc.index or 0, {"id": "", "name": "", "arguments": ""})
+                        c["id"] = tc.id or c["id"]
+                        if tc.function is not None:
+                            if tc.function.name and not c["name"]:
+                                c["name"] = tc.function.name
+                            c["arguments"] += tc.function.arguments or ""
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+        except Exception as exc:
+            reason, _ = _classify(exc)
+            METRICS.add("mneme.llm.requests", operation=operation, model=ep.model, outcome="error")
+            raise LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): {exc}",
+                                 reason, usage) from exc
+        if last_usage is not None:
+            self._account(operation, ep, usage, last_usage)
+        tool_calls = [ToolCall(c["id"] or f"call_{i}", c["name"], c["arguments"] or "{}")
+                      for i, c in sorted(calls.items())]
+        yield Completion("".join(text), finish, tool_calls, usage)
+
+    def complete_json(self, operation: str, messages: list[dict], schema: dict, *,
+                      check_schema: dict | None = None, schema_name: str = "output",
+                      strict: bool = True,
+                      max_tokens: int | None = None, temperature: float | None = 0.0,
+                      timeout: float | None = None) -> JsonResult:
+        """A reply that parses as JSON and validates against ``schema``. Lenient parsing
+        repairs fences, surrounding prose, trailing commas and missing final brackets
+        (:func:`mneme.llm.jsonout.parse_json`); otherwise the model is re-asked up to
+        ``llm_json_retries`` times, told what was wrong. ``check_schema`` (default
+        ``schema``) is what the reply is validated against locally: callers pass a laxer
+        one when they normalise missing optional fields themselves, since models without
+        schema-constrained decoding often leave them out. A truncated reply (finish_reason
+        ``length``) is re-asked with twice the token cap (up to ``llm_max_output_tokens``).
+        Raises LlmOutputError (reason malformed/schema/truncated, with the usage of all
+        attempts) and the errors of :meth:`complete`."""
+        cap = self.settings.llm_max_output_tokens
+        limit = min(max_tokens or cap, cap)
+        usage = Usage()
+        convo = list(messages)
+        reason, detail = "malformed", ""
+        attempts = 1 + self.settings.llm_json_retries
+        for attempt in range(1, attempts + 1):
+            try:
+                c = self.complete(operation, convo, response_schema=schema, schema_name=schema_name,
+                                  strict=strict, max_tokens=limit, temperature=temperature,
+                                  timeout=timeout)
+            except LlmError as e:
+                e.usage = usage.add(e.usage)
+                raise
+            usage.add(c.usage)
+            if c.truncated:
+                reason, detail = "truncated", f"reply cut off at the {limit}-token limit"
+                METRICS.add("mneme.llm.output_errors", operation=operation, reason=reason)
+                if limit >= cap:
+                    break  # the same cap would cut it off again: let the caller split the input
+                limit = min(cap, limit * 2)
+                continue
+            try:
+                value = parse_json(c.text)
+                validate(value, schema if check_schema is None else check_schema)
+                return JsonResult(value, usage, attempt)
+            except JsonOutputError as e:
+                reason, detail = e.reason, str(e)
+                METRICS.add("mneme.llm.output_errors", operation=operation, reason=reason)
+                log.info("%s: unusable reply (%s: %s), attempt %d/%d", operation, reason, detail,
+                         attempt, attempts)
+                convo = list(messages) + [
+                    {"role": "assistant", "content": (c.text or "")[:4000]},
+                    {"role": "user", "content": f"Your reply was not usable: {detail}. Reply again "
+                                                "with only the JSON object, matching the schema exactly."}]
+        raise LlmOutputError(f"{operation}: {detail}", reason, usage)
+
+    def rerank(self, query: str, documents: list[str], *, top_n: int | None = None) -> tuple[list[tuple[int, float]], Usage]:
+        """Cross-encoder scores of ``documents`` for ``query`` through ``litellm.rerank``:
+        ``[(document index, relevance score)]`` best first, and the usage (rerank reports
+        tokens only). Uses ``rerank_timeout_s`` and the same retries (fewer are wise on a
+        hot path: set ``MNEME_LLM_MAX_RETRIES``). Raises LlmNotConfigured / LlmUnavailable /
+        LlmRequestError."""
+        ep = self._require("rerank")
+        litellm = load_litellm()
+        kw: dict = {"model": ep.model, "query": query, "documents": documents,
+                    "top_n": top_n or len(documents), "return_documents": False}
+        if ep.base_url:
+            kw["api_base"] = ep.base_url
+        if ep.api_key:
+            kw["api_key"] = ep.api_key
+        resp, usage = self._call("rerank", ep, lambda t: litellm.rerank(timeout=t, **kw),
+                                 self.settings.rerank_timeout_s)
+        results = []
+        for r in getattr(resp, "results", None) or []:
+            get = r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None))
+            results.append((int(get("index")), float(get("relevance_score") or 0.0)))
+        meta = getattr(resp, "meta", None) or {}
+        tokens = ((meta.get("tokens") or {}).get("input_tokens") if isinstance(meta, dict) else 0) or 0
+        usage.input_tokens += int(tokens)
+        METRICS.add("mneme.llm.requests", operation="rerank", model=ep.model, outcome="ok")
+        METRICS.add("mneme.llm.tokens", usage.input_tokens, operation="rerank", model=ep.model,
+                    direction="input")
+        results.sort(key=lambda p: -p[1])
+        return results, usage
+
+    # ---- connectivity --------------------------------------------------------------------
+
+    def check(self, operations: tuple[str, ...] | None = None) -> list["Connectivity"]:
+        """Probe each configured operation's model with one tiny call (no retries):
+        a one-word chat completion, or a two-document rerank. ``operations`` default: every
+        configured one. Never raises; see :class:`Connectivity`."""
+        ops = operations or tuple(o for o in ("retain", "reflect", "consolidation", "rerank")
+                                  if self.configured(o))
+        out = []
+        for op in ops:
+            ep = self.settings.endpoint(op)
+            if ep is None:
+                out.append(Connectivity(op, "", False, 0.0, "no model configured"))
+                continue
+            probe = LlmGateway(self.settings.model_copy(update={"llm_max_retries": 0}), self._sleep)
+            t0 = time.monotonic()
+            try:
+                if op == "rerank":
+                    probe.rerank("ping", ["ping", "pong"])
+                else:
+                    probe.complete(op, [{"role": "user", "content": "Reply with the single word OK."}],
+                                   max_tokens=5, timeout=min(30.0, self.settings.llm_timeout_s))
+                out.append(Connectivity(op, ep.model, True, time.monotonic() - t0, ""))
+            except LlmError as e:
+                out.append(Connectivity(op, ep.model, False, time.monotonic() - t0, str(e)))
+        return out
+
+
+@dataclass
+class Connectivity:
+    """Result of :meth:`LlmGateway.check` for one operation: ``ok``, the round trip in
+    seconds, and the error when not ok."""
+
+    operation: str
+    model: str
+    ok: bool
+    latency_s: float
+    error: str = ""
+
+
+def tool_spec(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    """An OpenAI function-tool spec."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties, "required": required,
+                       "additionalProperties": False}}}
+
+
+def dumps(obj) -> str:
+    """Compact JSON for prompts (keeps non-ASCII readable)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

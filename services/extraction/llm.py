@@ -1,0 +1,598 @@
+"""Fact extraction with a language model (``MNEME_RETAIN_LLM_MODEL`` / ``MNEME_LLM_MODEL``).
+
+Same interface as :class:`~services.extraction.offline.OfflineExtractor`
+(:class:`mneme.ports.Extractor` plus ``extract_many``); what one item becomes:
+
+- **Chunks.** An item longer than ``MNEME_RETAIN_LLM_CHUNK_CHARS`` is cut at paragraph,
+  then sentence boundaries; each chunk is one structured call (items of one request run
+  concurrently, bounded by the gateway). Facts of a chunk share its ``chunk_id``
+  (``derive_id(source_id, i, "chunk", c)``); fact n of item i is ``derive_id(source_id, i, n)``,
+  numbered across the item's chunks.
+- **Prompt.** The model gets the item's timestamp (ISO and in words), speaker, context and
+  the bank's ``retain_mission``, and returns ``{"facts": [{text, fact_type, occurred_start,
+  occurred_end, entities, caused_by}]}`` (:data:`FACTS_SCHEMA`): self-contained facts with
+  relative time expressions replaced by absolute dates, ``world``/``experience``, the
+  period the fact happened in, its entities, and the indices of facts that caused it.
+- **Times.** ``occurred_*`` are ISO dates at any granularity; a coarse date spans its whole
+  period ("2015" → 2015-01-01 00:00 … 2015-12-31 23:59:59.999999 UTC; "2023-05" → all of
+  May). A fact without a usable time falls back to the first time expression in its text
+  (:func:`mneme.timeparse.parse_when`, resolved against the item's timestamp), then to the
+  whole day of the item's timestamp (as offline). ``mentioned_at`` is the item's timestamp.
+  Relative expressions the model left in the text are annotated with their dates, as offline.
+- **Entities** go through the bank's :class:`EntityResolver` in item order (deterministic
+  whatever order the concurrent calls finish in); the item's speaker is a PERSON mention of
+  the facts that name them.
+- **Links.** ``causal`` (1.0) from a fact to each fact it was ``caused_by``; ``temporal``
+  (1.0) to the previous fact of the item, and (0.5) from an item's first fact to the last
+  fact of the previous item of the same document said within a day (as offline).
+- **Failures.** Transport errors are retried by the gateway; malformed, schema-invalid or
+  truncated replies are repaired or re-asked, and a chunk still truncated is split in two
+  (twice at most). What still fails makes the *item* fail with
+  :class:`ItemExtractionFailed` (``reason``: malformed, schema, truncated, timeout,
+  rate_limited, unavailable, rejected, auth, context_window, not_configured); the other
+  items keep their facts (:class:`ExtractionIncomplete`). An item the model finds nothing
+  in (or blank content) yields no facts and is counted as ``no_facts`` — never confused
+  with a failure.
+
+After a call, :meth:`LlmExtractor.report` gives the request's per-item outcomes and the
+token/cost usage, for the handler to put on ``FactsExtracted``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone
+from typing import Callable, Sequence
+
+from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
+from mneme.llm.gateway import LlmError, LlmGateway, Usage
+from mneme.llm.metrics import METRICS
+from mneme.timeparse import day_window, parse_when
+from services.extraction.resolver import EntityResolver
+
+__all__ = ["LlmExtractor", "BankModeExtractor", "ItemExtractionFailed", "ExtractionIncomplete",
+           "ExtractionReport", "FACTS_SCHEMA", "SYSTEM_PROMPT"]
+
+#: What the model must return (OpenAI strict-mode compatible: every property required,
+#: no additional properties, nullable dates).
+FACTS_SCHEMA: dict = {
+    "type": "object", "additionalProperties": False, "required": ["facts"],
+    "properties": {"facts": {"type": "array", "items": {
+        "type": "object", "additionalProperties": False,
+        "required": ["text", "fact_type", "occurred_start", "occurred_end", "entities", "caused_by"],
+        "properties": {
+            "text": {"type": "string"},
+            "fact_type": {"type": "string", "enum": ["world", "experience"]},
+            "occurred_start": {"type": ["string", "null"]},
+            "occurred_end": {"type": ["string", "null"]},
+            "entities": {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "required": ["name", "type"],
+                "properties": {"name": {"type": "string"}, "type": {"type": "string"}}}},
+            "caused_by": {"type": "array", "items": {"type": "integer"}},
+        }}}},
+}
+
+#: What a reply is validated against locally: only what cannot be defaulted. Models
+#: without constrained decoding often drop optional keys; normalising beats re-asking.
+_CHECK_SCHEMA: dict = {
+    "type": "object", "required": ["facts"],
+    "properties": {"facts": {"type": "array", "items": {
+        "type": "object", "required": ["text"],
+        "properties": {"text": {"type": "string"}}}}},
+}
+
+SYSTEM_PROMPT = """\
+You extract long-term memories for an AI agent from one piece of text: a conversation \
+turn, a message or part of a document. Reply with JSON only: {"facts": [...]}, where each fact has:
+
+- "text": one self-contained statement that is understandable years later without the \
+source. Name people instead of pronouns ("Caroline", not "she" or "the user" when the \
+name is known); keep names, numbers, places, reasons and feelings exactly as stated. Put \
+closely related details of one event into one fact; separate events are separate facts.
+- Replace every relative time expression ("yesterday", "last March", "two weeks ago", \
+"next Friday", "this year") in the text with the absolute date or period it means, \
+resolved against the time the text was written (given with the text), e.g. written on \
+8 May 2023, "yesterday" becomes "on 7 May 2023" and "last year" becomes "in 2022".
+- "fact_type": "experience" for what the AI agent/assistant itself did, tried, said or \
+learned (written in the first person: "I recommended ..."); "world" for everything else \
+(the world, the user and other people, including their preferences, opinions and plans).
+- "occurred_start" and "occurred_end": when the fact happened or holds, as ISO 8601 \
+dates "YYYY-MM-DD", or coarser "YYYY-MM" or "YYYY" when only the month or year is known \
+(a coarse date stands for its whole period), resolved against the time the text was \
+written; null when the text gives no clue. One day: the same date twice. "In 2015": \
+"2015" and "2015". Use the writing date only when the fact happened then ("today", "just \
+now", an ongoing situation being reported).
+- "entities": the people, places, organizations, things and events the fact mentions: \
+{"name": as written (full name when known), "type": person | place | organization | \
+thing | event | concept}.
+- "caused_by": the 0-based indices of other facts in your list that caused or explain \
+this one (an explicit reason: "because", "so", "that's why", "after ... she decided"); \
+[] when none.
+
+Skip greetings, small talk, filler and questions that state nothing. If nothing in the \
+text is worth remembering, reply {"facts": []}."""
+
+_LABELS = {"person": "PERSON", "people": "PERSON", "place": "GPE", "location": "GPE",
+           "city": "GPE", "country": "GPE", "organization": "ORG", "organisation": "ORG",
+           "company": "ORG", "org": "ORG", "event": "EVENT", "thing": "PRODUCT",
+           "product": "PRODUCT", "object": "PRODUCT", "work": "WORK_OF_ART",
+           "concept": "CONCEPT", "other": "CONCEPT"}
+_ISO = re.compile(r"^\s*(\d{4})(?:-(\d{1,2})(?:-(\d{1,2})(?:[T ](\d{1,2}):(\d{2})(?::(\d{2})(?:\.\d+)?)?"
+                  r"\s*(Z|[+-]\d{2}:?\d{2})?)?)?)?\s*$")
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+")
+_MAX_SPLITS = 2  # a still-truncated chunk is halved at most twice (→ quarters)
+_MIN_SPLIT_CHARS = 200
+
+
+class ItemExtractionFailed(Exception):
+    """One item could not be extracted. ``reason`` is a short code (see the module docs),
+    ``detail`` the last error, ``usage`` what the attempts cost."""
+
+    def __init__(self, item_index: int, reason: str, detail: str, usage: Usage | None = None):
+        super().__init__(f"{reason}: {detail}")
+        self.item_index, self.reason, self.detail = item_index, reason, detail
+        self.usage = usage or Usage()
+
+
+class ExtractionIncomplete(Exception):
+    """Some items of a request failed. ``facts``: the facts of the items that succeeded
+    (item order); ``failures``: item index → :class:`ItemExtractionFailed`.
+    ``handlers.extract`` treats it as any batch error and asks again item by item, which
+    is served from the extractor's cache without new model calls."""
+
+    def __init__(self, facts: list[Fact], failures: dict[int, ItemExtractionFailed]):
+        super().__init__(f"{len(failures)} item(s) failed: " + "; ".join(
+            f"item {i}: {f}" for i, f in sorted(failures.items())))
+        self.facts, self.failures = facts, failures
+
+
+@dataclass
+class ExtractionReport:
+    """Per-request outcome: ``items_total``; ``no_fact_items`` (indices of items that
+    yielded nothing); ``failures`` (index → "reason: detail"); ``usage`` summed over the
+    request's model calls (cache hits cost nothing)."""
+
+    items_total: int = 0
+    no_fact_items: list[int] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass
+class _Draft:
+    text: str
+    fact_type: str
+    start: datetime | None
+    end: datetime | None
+    mentions: list[tuple[str, str]]
+    caused_by: list[int]  # indices into the item's drafts
+    chunk_no: int
+
+
+@dataclass
+class _ItemResult:
+    facts: list[Fact] | None = None
+    failure: ItemExtractionFailed | None = None
+
+
+# ---- time ----------------------------------------------------------------------------------
+
+
+def _period(value: object) -> tuple[datetime, datetime] | None:
+    """An ISO date/time at any granularity → the UTC period it names; None if unusable."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    m = _ISO.match(value)
+    if not m:
+        return None
+    y, mo, d, hh, mm, ss, tz = m.groups()
+    try:
+        year = int(y)
+        if not 1000 <= year <= 2200:
+            return None
+        if mo is None:
+            return (datetime(year, 1, 1, tzinfo=timezone.utc),
+                    day_window(date(year, 12, 31)).end)
+        month = int(mo)
+        if d is None:
+            nxt = date(year + (month == 12), month % 12 + 1, 1)
+            return (datetime(year, month, 1, tzinfo=timezone.utc),
+                    day_window(nxt - timedelta(days=1)).end)
+        day = date(year, month, int(d))
+        if hh is None:
+            w = day_window(day)
+            return w.start, w.end
+        dt = datetime.fromisoformat(f"{day.isoformat()}T{int(hh):02d}:{mm}:{ss or '00'}"
+                                    f"{(tz or '+00:00').replace('Z', '+00:00')}")
+        return utc(dt), utc(dt)
+    except ValueError:
+        return None
+
+
+def _window(start: object, end: object) -> tuple[datetime | None, datetime | None]:
+    """occurred_start/end from the model's values: start of the start's period, end of
+    the end's period (a lone date spans its own period); swapped when reversed."""
+    ps, pe = _period(start), _period(end)
+    if ps is None and pe is None:
+        return None, None
+    if ps is None:
+        return None, pe[1]
+    if pe is None:
+        pe = ps
+    s, e = ps[0], pe[1]
+    if e < s:
+        s, e = pe[0], ps[1]
+    return s, e
+
+
+def _annotate(text: str, ts: datetime) -> str:
+    """Append resolved dates to relative time expressions the model left in ``text``
+    (not to ones already followed by a parenthesis)."""
+    for m in reversed(parse_when(text, ts)):
+        if m.relative and m.describe() and not text[m.end:].lstrip().startswith("("):
+            text = f"{text[:m.end]} ({m.describe()}){text[m.end:]}"
+    return text
+
+
+# ---- text ----------------------------------------------------------------------------------
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """``text`` cut into chunks of at most ``max_chars`` characters: whole paragraphs
+    packed greedily, a long paragraph by sentences, a long sentence at whitespace."""
+    text = text.strip()
+    if len(text) <= max_chars:
+        return [text] if text else []
+    pieces: list[str] = []
+    for para in re.split(r"\n\s*\n", text):
+        para = para.strip()
+        if not para:
+            continue
+        if len(para) <= max_chars:
+            pieces.append(para)
+            continue
+        for sent in _SENT_SPLIT.split(para):
+            while len(sent) > max_chars:
+                cut = sent.rfind(" ", 0, max_chars)
+                cut = cut if cut > max_chars // 2 else max_chars
+                pieces.append(sent[:cut].strip())
+                sent = sent[cut:].strip()
+            if sent:
+                pieces.append(sent)
+    chunks: list[str] = []
+    for p in pieces:
+        sep = "\n\n" if "\n" in p or (chunks and chunks[-1].endswith("\n")) else " "
+        if chunks and len(chunks[-1]) + len(sep) + len(p) <= max_chars:
+            chunks[-1] = chunks[-1] + sep + p
+        else:
+            chunks.append(p)
+    return chunks
+
+
+def _halves(text: str) -> list[str] | None:
+    """``text`` split in two at the paragraph or sentence boundary nearest its middle;
+    None when it is too short or has no boundary."""
+    if len(text) < _MIN_SPLIT_CHARS:
+        return None
+    mid = len(text) // 2
+    cuts = [m.end() for m in re.finditer(r"\n\s*\n|(?<=[.!?])\s+", text)]
+    cuts = [c for c in cuts if 0 < c < len(text)]
+    if not cuts:
+        return None
+    cut = min(cuts, key=lambda c: abs(c - mid))
+    parts = [text[:cut].strip(), text[cut:].strip()]
+    return parts if all(parts) else None
+
+
+# ---- the extractor ---------------------------------------------------------------------------
+
+
+class LlmExtractor:
+    """:class:`mneme.ports.Extractor` with a language model (see the module docs).
+
+    ``gateway``: its ``retain`` endpoint does the work; ``resolver``: the per-bank entity
+    resolver (default: memory-only); ``bank_config(bank_id)``: the bank's config (for
+    ``retain_mission``; None or a missing bank → no mission); ``annotate_times`` as offline;
+    ``cache_size``: how many items' outcomes are kept so that asking again for an item of
+    a recent request (the handler's per-item retry, a redelivered event) costs no new
+    model call. Thread-safe.
+    """
+
+    def __init__(self, gateway: LlmGateway, resolver: EntityResolver | None = None,
+                 bank_config: Callable[[str], BankConfig | None] | None = None,
+                 annotate_times: bool = True, link_adjacent: bool = True, cache_size: int = 512):
+        self.gateway = gateway
+        self.resolver = resolver or EntityResolver()
+        self.bank_config = bank_config or (lambda bank_id: None)
+        self.annotate_times = annotate_times
+        self.link_adjacent = link_adjacent
+        self._cache: OrderedDict[tuple, _ItemResult] = OrderedDict()
+        self._cache_size = cache_size
+        self._reports: OrderedDict[str, ExtractionReport] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ---- public API --------------------------------------------------------------------
+
+    def extract(self, bank_id: str, item: RetainItem, item_index: int,
+                source_id: str) -> list[Fact]:
+        """Facts of one item; ids ``derive_id(source_id, item_index, n)``. Raises
+        :class:`ItemExtractionFailed` when the item cannot be extracted."""
+        try:
+            return self.extract_many(bank_id, [item], source_id, first_index=item_index)
+        except ExtractionIncomplete as e:
+            raise e.failures[item_index] from None
+
+    def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+                     first_index: int = 0) -> list[Fact]:
+        """Facts of all ``items`` of one request, in item order (item k has index
+        ``first_index + k``). Raises :class:`ExtractionIncomplete` (with the facts of
+        the items that succeeded) when any item failed."""
+        mission = (self.bank_config(bank_id) or BankConfig()).retain_mission.strip()
+        keys = [(bank_id, source_id, first_index + k, hash(it.content), hash(it.timestamp))
+                for k, it in enumerate(items)]
+        report = ExtractionReport(items_total=len(items))
+        results: list[_ItemResult | None] = []
+        with self._lock:
+            for key in keys:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                results.append(hit)
+        todo = [k for k, r in enumerate(results) if r is None]
+        drafts: dict[int, list[_Draft]] = {}
+        if todo:
+            def run(k: int):
+                return self._drafts(items[k], first_index + k, mission)
+            if len(todo) == 1:
+                outs = [self._guard(run, todo[0])]
+            else:
+                outs = list(self._executor().map(lambda k: self._guard(run, k), todo))
+            for k, (ds, usage, failure) in zip(todo, outs):
+                report.usage.add(usage)
+                if failure is not None:
+                    results[k] = _ItemResult(failure=failure)
+                else:
+                    drafts[k] = ds
+            # Resolve all new items' entities in item order, in one transaction: the
+            # outcome must not depend on which concurrent call finished first.
+            order = sorted(drafts)
+            mention_lists = [d.mentions for k in order for d in drafts[k]]
+            refs = iter(self.resolver.resolve_many(bank_id, mention_lists) if mention_lists else [])
+            for k in order:
+                results[k] = _ItemResult(facts=self._facts(bank_id, items[k], first_index + k,
+                                                           source_id, drafts[k], refs))
+            for k in todo:
+                r = results[k]
+                METRICS.add("mneme.retain.documents", outcome="failed" if r.failure else
+                            "no_facts" if not r.facts else "extracted")
+            with self._lock:
+                for k in todo:
+                    self._cache[keys[k]] = results[k]
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+
+        facts: list[Fact] = []
+        failures: dict[int, ItemExtractionFailed] = {}
+        prev: tuple[RetainItem, Fact] | None = None
+        for k, (item, r) in enumerate(zip(items, results)):
+            idx = first_index + k
+            if r.failure is not None:
+                failures[idx] = r.failure
+                report.failures[idx] = str(r.failure)
+                prev = None
+                continue
+            if not r.facts:
+                report.no_fact_items.append(idx)
+                continue
+            item_facts = [_copy(f) for f in r.facts]  # cached facts stay pristine
+            if self.link_adjacent and prev is not None:
+                p_item, p_fact = prev
+                if p_item.document_id == item.document_id and \
+                        abs(utc(p_item.timestamp) - utc(item.timestamp)) <= timedelta(days=1):
+                    item_facts[0].links.append(Link(p_fact.id, "temporal", 0.5))
+            facts += item_facts
+            prev = (item, item_facts[-1])
+        with self._lock:
+            self._reports[source_id] = report
+            while len(self._reports) > 64:
+                self._reports.popitem(last=False)
+        if failures:
+            raise ExtractionIncomplete(facts, failures)
+        return facts
+
+    def report(self, source_id: str) -> ExtractionReport | None:
+        """The outcome of the latest ``extract_many`` for ``source_id`` (removed once
+        read); None when there was none."""
+        with self._lock:
+            return self._reports.pop(source_id, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    # ---- one item --------------------------------------------------------------------
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.gateway.settings.llm_max_concurrency,
+                                                thread_name_prefix="llm-extract")
+            return self._pool
+
+    @staticmethod
+    def _guard(run, k):
+        try:
+            ds, usage = run(k)
+            return ds, usage, None
+        except ItemExtractionFailed as f:
+            return None, f.usage, f
+
+    def _drafts(self, item: RetainItem, idx: int, mission: str) -> tuple[list[_Draft], Usage]:
+        """The item's facts before entity resolution, and the usage of its calls. Raises
+        ItemExtractionFailed."""
+        usage = Usage()
+        text = (item.content or "").strip()
+        if not text:
+            return [], usage
+        chunks = split_text(text, self.gateway.settings.retain_llm_chunk_chars)
+        drafts: list[_Draft] = []
+        for c, chunk in enumerate(chunks):
+            part = (c + 1, len(chunks)) if len(chunks) > 1 else None
+            for raw in self._ask(item, idx, chunk, part, mission, usage, _MAX_SPLITS):
+                base = len(drafts)
+                for fact in raw:
+                    d = self._draft(fact, item, c)
+                    if d is None:
+                        continue
+                    d.caused_by = [base + j for j in d.caused_by]
+                    drafts.append(d)
+        # caused_by indices were relative to one reply; keep only ones that exist
+        for n, d in enumerate(drafts):
+            d.caused_by = [j for j in dict.fromkeys(d.caused_by) if 0 <= j < len(drafts) and j != n]
+        return drafts, usage
+
+    def _ask(self, item: RetainItem, idx: int, chunk: str, part, mission: str, usage: Usage,
+             splits_left: int) -> list[list[dict]]:
+        """The model's fact lists for ``chunk`` (one list per call: a truncated chunk is
+        halved and asked again). Raises ItemExtractionFailed."""
+        try:
+            res = self.gateway.complete_json("retain", self._messages(item, chunk, part, mission),
+                                             FACTS_SCHEMA, check_schema=_CHECK_SCHEMA,
+                                             schema_name="facts", temperature=0.0)
+        except LlmError as e:
+            usage.add(e.usage)
+            halves = _halves(chunk) if e.reason in ("truncated", "context_window") else None
+            if halves and splits_left > 0:
+                out: list[list[dict]] = []
+                for h in halves:
+                    out += self._ask(item, idx, h, part, mission, usage, splits_left - 1)
+                return out
+            raise ItemExtractionFailed(idx, e.reason, str(e), usage) from e
+        usage.add(res.usage)
+        facts = res.value.get("facts") if isinstance(res.value, dict) else None
+        return [[f for f in facts or [] if isinstance(f, dict)]]
+
+    def _messages(self, item: RetainItem, chunk: str, part, mission: str) -> list[dict]:
+        ts = utc(item.timestamp)
+        lines = [f"Written at: {ts.isoformat().replace('+00:00', 'Z')} "
+                 f"({ts:%A}, {ts.day} {ts:%B %Y})"]
+        meta = item.metadata or {}
+        if meta.get("speaker"):
+            role = meta.get("speaker_role", "")
+            lines.append(f"Speaker: {meta['speaker']}" + (f" ({role})" if role else ""))
+        if item.context:
+            lines.append(f"Context: {item.context}")
+        caption = next((meta[k] for k in ("blip_caption", "image_caption", "caption") if meta.get(k)), "")
+        if caption:
+            lines.append(f"Shared image: {caption}")
+        if part:
+            lines.append(f"This is part {part[0]} of {part[1]} of a longer text.")
+        lines.append(f'Text:\n"""\n{chunk}\n"""')
+        system = SYSTEM_PROMPT
+        if mission:
+            system += ("\n\nThis memory bank's mission (what to focus on and what to leave out): "
+                       + mission)
+        return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(lines)}]
+
+    def _draft(self, fact: dict, item: RetainItem, chunk_no: int) -> _Draft | None:
+        text = fact.get("text")
+        if not isinstance(text, str) or not text.strip():
+            return None
+        ts = utc(item.timestamp)
+        text = " ".join(text.split())
+        if self.annotate_times:
+            text = _annotate(text, ts)
+        start, end = _window(fact.get("occurred_start"), fact.get("occurred_end"))
+        if start is None and end is None:
+            found = parse_when(text, ts)
+            w = found[0].window if found else day_window(ts)
+            start, end = w.start, w.end
+        ftype = fact.get("fact_type")
+        mentions: list[tuple[str, str]] = []
+        speaker = ((item.metadata or {}).get("speaker") or "").strip()
+        if speaker and speaker.split()[0].lower() in text.lower():
+            mentions.append((speaker, "PERSON"))
+        for e in fact.get("entities") or []:
+            if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"].strip():
+                label = _LABELS.get(str(e.get("type") or "").strip().lower(), "CONCEPT")
+                mentions.append((e["name"].strip(), label))
+        causes = [j for j in (fact.get("caused_by") or []) if isinstance(j, int) and not isinstance(j, bool)]
+        return _Draft(text, ftype if ftype in (WORLD, EXPERIENCE) else WORLD, start, end,
+                      mentions, causes, chunk_no)
+
+    def _facts(self, bank_id: str, item: RetainItem, idx: int, source_id: str,
+               drafts: list[_Draft], refs) -> list[Fact]:
+        ts = utc(item.timestamp)
+        model = self.gateway.endpoint("retain").model if self.gateway.configured("retain") else ""
+        ids = [derive_id(source_id, idx, n) for n in range(len(drafts))]
+        facts: list[Fact] = []
+        for n, d in enumerate(drafts):
+            meta = dict(item.metadata or {})
+            meta["extracted_by"] = model
+            links = [Link(ids[j], "causal", 1.0) for j in d.caused_by]
+            if n > 0:
+                links.append(Link(ids[n - 1], "temporal", 1.0))
+            facts.append(Fact(
+                id=ids[n], bank_id=bank_id, text=d.text, fact_type=d.fact_type,
+                context=item.context, occurred_start=d.start, occurred_end=d.end,
+                mentioned_at=ts, tags=tuple(item.tags), metadata=meta,
+                document_id=item.document_id, chunk_id=derive_id(source_id, idx, "chunk", d.chunk_no),
+                entities=list(next(refs)), links=links, item_index=idx))
+        return facts
+
+
+def _copy(f: Fact) -> Fact:
+    from dataclasses import replace
+    return replace(f, links=list(f.links), entities=list(f.entities), metadata=dict(f.metadata),
+                   embedding=list(f.embedding))
+
+
+class BankModeExtractor:
+    """Chooses the extractor per bank by ``BankConfig.extraction_mode``: ``llm`` → the
+    LLM extractor, ``offline`` → the offline one, ``""``/``auto`` → the LLM extractor when
+    a retain model is configured, else offline. A bank asking for ``llm`` on a server with
+    no model gets offline extraction (logged once per bank, counted as
+    ``mneme.retain.llm_unavailable_fallback``): retained text must still become memories.
+
+    ``llm`` may be None (no model configured: everything is offline and litellm is never
+    imported). Same interface as the extractors, plus :meth:`report`."""
+
+    def __init__(self, offline, llm: LlmExtractor | None,
+                 bank_config: Callable[[str], BankConfig | None] | None = None):
+        self.offline, self.llm = offline, llm
+        self.bank_config = bank_config or (lambda bank_id: None)
+        self._warned: set[str] = set()
+
+    def for_bank(self, bank_id: str):
+        """The extractor ``bank_id`` uses now."""
+        cfg = self.bank_config(bank_id)
+        mode = (cfg.extraction_mode if cfg is not None else "").strip().lower()
+        have_llm = self.llm is not None and self.llm.gateway.configured("retain")
+        if mode == "offline":
+            return self.offline
+        if mode == "llm" and not have_llm:
+            if bank_id not in self._warned:
+                self._warned.add(bank_id)
+                import logging
+                logging.getLogger(__name__).warning(
+                    "bank %s asks for LLM extraction but no model is configured "
+                    "(MNEME_RETAIN_LLM_MODEL / MNEME_LLM_MODEL): extracting offline", bank_id)
+            METRICS.add("mneme.retain.llm_unavailable_fallback")
+            return self.offline
+        return self.llm if have_llm else self.offline
+
+    def extract(self, bank_id: str, item: RetainItem, item_index: int, source_id: str) -> list[Fact]:
+        return self.for_bank(bank_id).extract(bank_id, item, item_index, source_id)
+
+    def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+                     first_index: int = 0) -> list[Fact]:
+        return self.for_bank(bank_id).extract_many(bank_id, items, source_id, first_index=first_index)
+
+    def report(self, source_id: str) -> ExtractionReport | None:
+        return self.llm.report(source_id) if self.llm is not None else None

@@ -1,0 +1,231 @@
+"""LLM fact extraction over real HTTP against the stub: scripted replies become facts
+with absolute times, entities and causal links; malformed, truncated, slow and
+rate-limited replies are retried, then recorded as item failures by the extraction
+handler without losing the other items."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from mneme.bus import codec
+from mneme.domain import EXPERIENCE, WORLD, BankConfig, RetainItem, derive_id
+from mneme.events.v1 import events_pb2 as ev
+from mneme.llm import METRICS
+from services.extraction import handlers
+from services.extraction.llm import (ExtractionIncomplete, ItemExtractionFailed, LlmExtractor,
+                                     split_text)
+from tests.llm.conftest import make_gateway
+from tests.llm.stub import chat, delay, status
+
+UTC = timezone.utc
+TS = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)  # a Monday
+
+
+def fact(text, ftype="world", start=None, end=None, entities=(), caused_by=()):
+    return {"text": text, "fact_type": ftype, "occurred_start": start, "occurred_end": end,
+            "entities": [{"name": n, "type": t} for n, t in entities], "caused_by": list(caused_by)}
+
+
+class FakeEmbedder:
+    model_name, dim = "fake-embedder", 3
+
+    def embed(self, texts):
+        return [[1.0, 0.0, 0.0] for _ in texts]
+
+
+def extractor(gw, mission="", **kw):
+    return LlmExtractor(gw, bank_config=lambda b: BankConfig(retain_mission=mission), **kw)
+
+
+def test_scripted_reply_becomes_facts_with_times_entities_and_causal_links(stub, gateway):
+    stub.on("chat", chat({"facts": [
+        fact("Caroline went to an LGBTQ support group on 7 May 2023.", start="2023-05-07",
+             end="2023-05-07", entities=[("Caroline", "person"), ("LGBTQ support group", "event")]),
+        fact("Caroline decided to pursue counseling after the support group on 7 May 2023.",
+             start="2023-05-07", entities=[("Caroline", "person")], caused_by=[0]),
+        fact("Caroline moved from Sweden in 2015.", start="2015", end="2015",
+             entities=[("Caroline", "person"), ("Sweden", "place")]),
+        fact("Caroline is studying psychology.", entities=[("Caroline", "person")]),
+        fact("I recommended a book on counseling to Caroline.", ftype="experience",
+             start="2023-05", entities=[("Caroline", "person")]),
+    ]}))
+    item = RetainItem("Caroline: I went to a LGBTQ support group yesterday and it made me want "
+                      "to pursue counseling! I moved from Sweden in 2015 ...", TS,
+                      context="chat with Caroline", document_id="conv-1",
+                      tags=("chat",), metadata={"speaker": "Caroline"})
+    facts = extractor(gateway, mission="Remember the user's life events.").extract_many(
+        "bank", [item], "op-1")
+
+    assert [f.id for f in facts] == [derive_id("op-1", 0, n) for n in range(5)]
+    f0, f1, f2, f3, f4 = facts
+    assert f0.text == "Caroline went to an LGBTQ support group on 7 May 2023."
+    day = (datetime(2023, 5, 7, tzinfo=UTC), datetime(2023, 5, 7, 23, 59, 59, 999999, tzinfo=UTC))
+    assert (f0.occurred_start, f0.occurred_end) == day
+    assert (f1.occurred_start, f1.occurred_end) == day  # a lone start spans its own period
+    assert (f2.occurred_start, f2.occurred_end) == (
+        datetime(2015, 1, 1, tzinfo=UTC), datetime(2015, 12, 31, 23, 59, 59, 999999, tzinfo=UTC))
+    # no time from the model or in the text: the day it was told (as offline)
+    assert (f3.occurred_start, f3.occurred_end) == (
+        datetime(2023, 5, 8, tzinfo=UTC), datetime(2023, 5, 8, 23, 59, 59, 999999, tzinfo=UTC))
+    assert (f4.occurred_start, f4.occurred_end) == (
+        datetime(2023, 5, 1, tzinfo=UTC), datetime(2023, 5, 31, 23, 59, 59, 999999, tzinfo=UTC))
+    assert all(f.mentioned_at == TS for f in facts)
+    assert [f.fact_type for f in facts] == [WORLD] * 4 + [EXPERIENCE]
+    # entities resolved per bank: one Caroline everywhere, labels mapped
+    caroline = {e.id for f in facts for e in f.entities if e.name == "Caroline"}
+    assert len(caroline) == 1
+    assert {(e.name, e.label) for e in f2.entities} == {("Caroline", "PERSON"), ("Sweden", "GPE")}
+    # links: effect → cause, and each fact to the previous one of the item
+    assert ("causal", f0.id) in {(l.kind, l.target_id) for l in f1.links}
+    assert ("temporal", f1.id) in {(l.kind, l.target_id) for l in f2.links}
+    assert not any(l.kind == "causal" for l in f0.links)
+    # item fields carried over
+    assert {f.chunk_id for f in facts} == {derive_id("op-1", 0, "chunk", 0)}
+    assert all(f.document_id == "conv-1" and f.tags == ("chat",) and f.context == "chat with Caroline"
+               for f in facts)
+    assert f0.metadata["speaker"] == "Caroline" and f0.metadata["extracted_by"] == "openai/stub-model"
+
+    (req,) = stub.chat_requests()
+    system, user = req.messages[0]["content"], req.messages[1]["content"]
+    assert "Remember the user's life events." in system  # the bank's retain_mission steers it
+    assert "Written at: 2023-05-08T13:56:00Z (Monday, 8 May 2023)" in user
+    assert "Speaker: Caroline" in user and "Context: chat with Caroline" in user
+    assert req.body["response_format"]["json_schema"]["name"] == "facts"
+    assert req.body["temperature"] == 0.0
+    assert METRICS.get("mneme.retain.documents", outcome="extracted") == 1
+
+
+def test_relative_expressions_left_in_the_text_are_annotated(stub, gateway):
+    stub.on("chat", chat({"facts": [fact("Melanie ran a charity race last Saturday.")]}))
+    (f,) = extractor(gateway).extract_many("bank", [RetainItem("Melanie: I ran ...", TS)], "op")
+    assert f.text == "Melanie ran a charity race last Saturday (6 May 2023)."
+    # the window comes from the text's time expression when the model gave none
+    assert f.occurred_start == datetime(2023, 5, 6, tzinfo=UTC)
+
+
+def test_handler_records_failures_and_keeps_the_other_items(stub):
+    """Item 1 is malformed every time, item 2 rate-limited past the retries, item 3 times
+    out: each is an ItemFailure with its reason; items 0 and 4 keep their facts."""
+    gw = make_gateway(stub, llm_timeout_s=0.3, llm_max_retries=1, llm_json_retries=1)
+    stub.on("chat", chat({"facts": [fact("Alice adopted a cat named Miso.")]}), match="ITEM-ZERO")
+    stub.on("chat", chat("{facts: [oops"), chat("still { not json"), match="ITEM-ONE")
+    stub.on("chat", status(429), status(429), match="ITEM-TWO")
+    stub.on("chat", delay(1.0), delay(1.0), match="ITEM-THREE")
+    stub.on("chat", chat({"facts": [fact("Bob runs marathons.")]}), match="ITEM-FOUR")
+    names = ["ZERO", "ONE", "TWO", "THREE", "FOUR"]
+    m = ev.RetainRequested(bank_id="bank", operation_id="op-9", items=[
+        codec.retain_item_to_pb(RetainItem(f"ITEM-{n} something worth remembering", TS,
+                                           document_id=f"doc-{n}")) for n in names])
+    ex = extractor(gw)
+    out = handlers.extract(m, "op-9", ex, FakeEmbedder())
+
+    assert out.items_total == 5
+    assert [pb.text for pb in out.facts] == ["Alice adopted a cat named Miso.", "Bob runs marathons."]
+    assert [pb.item_index for pb in out.facts] == [0, 4]
+    assert [pb.id for pb in out.facts] == [derive_id("op-9", 0, 0), derive_id("op-9", 4, 0)]
+    assert all(len(pb.embedding) == 3 for pb in out.facts)
+    fails = {f.item_index: f.error for f in out.failures}
+    assert set(fails) == {1, 2, 3}
+    assert fails[1].startswith("ItemExtractionFailed: malformed")
+    assert fails[2].startswith("ItemExtractionFailed: rate_limited")
+    assert fails[3].startswith("ItemExtractionFailed: timeout")
+    # the handler's per-item pass is served from the cache: no request was sent twice
+    per_item = {n: sum(f"ITEM-{n}" in r.raw for r in stub.chat_requests()) for n in names}
+    assert per_item == {"ZERO": 1, "ONE": 2, "TWO": 2, "THREE": 2, "FOUR": 1}
+    assert METRICS.get("mneme.retain.documents", outcome="failed") == 3
+    assert METRICS.get("mneme.retain.documents", outcome="extracted") == 2
+
+
+def test_failure_is_a_specific_exception_with_usage(stub):
+    gw = make_gateway(stub, llm_json_retries=0)
+    stub.on("chat", chat("nope", prompt_tokens=50))
+    with pytest.raises(ItemExtractionFailed) as e:
+        extractor(gw).extract("bank", RetainItem("x y z", TS), 3, "op")
+    assert e.value.item_index == 3 and e.value.reason == "malformed"
+    assert e.value.usage.input_tokens == 50
+
+
+def test_a_truncated_chunk_is_split_and_asked_again(stub):
+    gw = make_gateway(stub, llm_max_output_tokens=256)
+    first = "Dana planted tomatoes in the garden this spring. " * 3
+    second = "Dana also built a greenhouse for winter vegetables. " * 3
+    text = (first + "\n\n" + second).strip()
+    stub.on("chat", chat('{"facts": [{"text": "Dana pla', finish_reason="length"), match="tomatoes")
+    stub.on("chat", chat({"facts": [fact("Dana planted tomatoes in spring 2023.")]}), match="tomatoes")
+    stub.on("chat", chat({"facts": [fact("Dana built a greenhouse.")]}), match="greenhouse")
+    ex = extractor(gw)
+    facts = ex.extract_many("bank", [RetainItem(text, TS)], "op")
+    assert [f.text for f in facts] == ["Dana planted tomatoes in spring 2023.", "Dana built a greenhouse."]
+    reqs = stub.chat_requests()
+    assert len(reqs) == 3 and "greenhouse" not in reqs[1].text() and "tomatoes" not in reqs[2].text()
+    assert ex.report("op").usage.calls == 3
+
+
+def test_truncated_beyond_splitting_fails_the_item(stub, gateway):
+    stub.on("chat", *[chat('{"facts": [', finish_reason="length")] * 3)
+    with pytest.raises(ExtractionIncomplete) as e:
+        extractor(gateway).extract_many("bank", [RetainItem("Short text.", TS)], "op")
+    assert e.value.failures[0].reason == "truncated" and e.value.facts == []
+
+
+def test_no_facts_is_counted_not_failed(stub, gateway):
+    stub.on("chat", chat({"facts": []}))
+    ex = extractor(gateway)
+    items = [RetainItem("Thanks, bye!", TS), RetainItem("   ", TS)]
+    assert ex.extract_many("bank", items, "op") == []
+    report = ex.report("op")
+    assert report.no_fact_items == [0, 1] and report.failures == {}
+    assert len(stub.chat_requests()) == 1  # blank content costs no call
+    assert METRICS.get("mneme.retain.documents", outcome="no_facts") == 2
+    m = ev.RetainRequested(bank_id="bank", operation_id="op2",
+                           items=[codec.retain_item_to_pb(RetainItem("Thanks again!", TS))])
+    stub.on("chat", chat({"facts": []}))
+    out = handlers.extract(m, "op2", ex, FakeEmbedder())
+    assert list(out.facts) == [] and list(out.failures) == [] and out.items_total == 1
+
+
+def test_long_items_are_chunked_and_ids_run_across_chunks(stub):
+    gw = make_gateway(stub, retain_llm_chunk_chars=500)
+    paras = [f"Paragraph {n}: " + "Erin talked about her trip to Lisbon. " * 8 for n in range(3)]
+    stub.on("chat", chat({"facts": [fact("Erin visited Lisbon."), fact("Erin liked it.", caused_by=[0])]}))
+    stub.on("chat", chat({"facts": [fact("Erin ate pastel de nata.")]}))
+    stub.on("chat", chat({"facts": [fact("Erin flew home.")]}))
+    facts = extractor(gw).extract_many("bank", [RetainItem("\n\n".join(paras), TS)], "op")
+    reqs = stub.chat_requests()
+    assert len(reqs) == 3 and "part 2 of 3" in reqs[1].text()
+    assert [f.id for f in facts] == [derive_id("op", 0, n) for n in range(4)]
+    assert [f.chunk_id for f in facts] == [derive_id("op", 0, "chunk", c) for c in (0, 0, 1, 2)]
+    assert ("causal", facts[0].id) in {(l.kind, l.target_id) for l in facts[1].links}
+
+
+def test_split_text_respects_the_limit():
+    text = "\n\n".join(["word " * 50] * 5) + "\n\n" + "x" * 900
+    chunks = split_text(text, 400)
+    assert all(len(c) <= 400 for c in chunks) and "".join(chunks).replace(" ", "").replace("\n", "") \
+        == text.replace(" ", "").replace("\n", "")
+
+
+class FakeOffline:
+    def __init__(self):
+        self.calls = 0
+
+    def extract_many(self, bank_id, items, source_id, first_index=0):
+        self.calls += 1
+        return []
+
+
+def test_extraction_mode_per_bank(stub, gateway):
+    from services.extraction.llm import BankModeExtractor
+
+    modes = {"a": "offline", "b": "llm", "c": ""}
+    offline = FakeOffline()
+    router = BankModeExtractor(offline, extractor(gateway),
+                               bank_config=lambda b: BankConfig(extraction_mode=modes[b]) if b in modes else None)
+    assert router.for_bank("a") is offline
+    assert router.for_bank("b") is router.llm and router.for_bank("c") is router.llm
+    assert router.for_bank("unknown") is router.llm
+    no_model = BankModeExtractor(offline, None, bank_config=lambda b: BankConfig(extraction_mode="llm"))
+    assert no_model.for_bank("b") is offline
+    assert METRICS.get("mneme.retain.llm_unavailable_fallback") == 1
