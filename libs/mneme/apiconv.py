@@ -29,7 +29,7 @@ def bank_config_from_api(c: resources_pb2.BankConfig) -> BankConfig:
         retain_mission=c.retain_mission, observations_mission=c.observations_mission,
         skepticism=c.skepticism or 3, literalism=c.literalism or 3, empathy=c.empathy or 3,
         auto_consolidate=c.auto_consolidate if c.HasField("auto_consolidate") else True,
-        dedup_threshold=c.dedup_threshold or 0.97, extraction_mode=c.extraction_mode or "offline")
+        dedup_threshold=c.dedup_threshold or 0.97, extraction_mode=c.extraction_mode or "auto")
 
 
 def bank_to_api(b: Bank) -> resources_pb2.Bank:

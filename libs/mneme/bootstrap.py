@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from mneme.bus import DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, default_partitions, open_event_log
 from mneme.bus.consumer import Consumer
 from mneme.config import Settings
-from mneme.errors import Unavailable
+from mneme.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("mneme")
 
@@ -124,6 +124,17 @@ class Root:
         from services.extraction.resolver import EntityResolver
         return EntityResolver(path=str(self.data_dir / "entities.db"))
 
+    @cached_property
+    def llm(self):
+        """The LLM gateway (``MNEME_LLM_*``); litellm is imported only on a first call."""
+        from mneme.llm import LlmGateway, LlmSettings
+        return LlmGateway(LlmSettings())
+
+    def bank_config(self, bank_id: str):
+        """The bank's config from this process's catalog, or None when unknown here."""
+        bank = self.catalog.get_bank(bank_id)
+        return bank.config if bank is not None else None
+
     def consumer(self, group: str, topics, handler) -> Consumer:
         """A consumer of ``group`` on this root's log (not started)."""
         return Consumer(self.log, group, topics, handler)
@@ -159,7 +170,7 @@ def build_ingest(root: Root) -> ServiceParts:
     from services.ingest import grpc_api
     from services.ingest.handlers import GROUP, Ingest, project_catalog
 
-    ingest = Ingest(root.log, root.catalog, root.settings.retain_timeout_s)
+    ingest = Ingest(root.log, root.catalog, root.settings.retain_timeout_s, llm=root.llm)
     return ServiceParts(
         "ingest", {GROUP: root.consumer(GROUP, [INTAKE, PROGRESS],
                                         functools.partial(project_catalog, catalog=root.catalog))},
@@ -167,12 +178,23 @@ def build_ingest(root: Root) -> ServiceParts:
 
 
 def build_extraction(root: Root) -> ServiceParts:
-    """extraction: group ``extraction`` over intake → facts on ``mneme.memory.v1``."""
+    """extraction: group ``extraction`` over intake → facts on ``mneme.memory.v1``.
+    Each bank's ``extraction_mode`` picks the LLM extractor (when a retain model is
+    configured) or the offline one; in the distributed topology extraction projects
+    bank configs into its own catalog from the same intake partition."""
     from services.extraction.handlers import GROUP, handle_intake
+    from services.extraction.llm import BankModeExtractor, LlmExtractor
     from services.extraction.offline import OfflineExtractor
 
-    handler = functools.partial(handle_intake, extractor=OfflineExtractor(resolver=root.resolver),
-                                embedder=root.embedder, resolver=root.resolver)
+    llm = None
+    if root.llm.configured("retain"):
+        llm = root._opened(LlmExtractor(root.llm, resolver=root.resolver,
+                                        bank_config=root.bank_config))
+    extractor = BankModeExtractor(OfflineExtractor(resolver=root.resolver), llm,
+                                  bank_config=root.bank_config)
+    handler = functools.partial(handle_intake, extractor=extractor, embedder=root.embedder,
+                                resolver=root.resolver,
+                                catalog=root.catalog if root.distributed else None)
     return ServiceParts("extraction", {GROUP: root.consumer(GROUP, [INTAKE], handler)})
 
 
@@ -218,6 +240,7 @@ def build_reflect(root: Root, recall: Callable | None = None,
     None, a gRPC client of ``MNEME_SEARCH_ADDRESS`` (which then also answers NOT_FOUND
     for unknown banks). Reflections are appended to ``mneme.reflect.v1``."""
     from services.reflect import grpc_api
+    from services.reflect.agent import Done, ReflectAgent
     from services.reflect.handlers import record_reflection, reflect_offline
 
     checks = []
@@ -231,14 +254,35 @@ def build_reflect(root: Root, recall: Callable | None = None,
     exists = bank_exists or (lambda bank_id: True)  # remote: search answers NOT_FOUND
     event_log = root.log
 
-    def reflect_fn(bank_id, query, context, budget, now):
-        r = reflect_offline(bank_id, query, context, budget, now, recall)
+    agent = None
+    if root.llm.configured("reflect"):
+        from mneme.embedding import default_token_counter
+        # Bank traits: from this process's catalog when it has one (embedded); the
+        # distributed reflect process has none, so traits default to 3/3/3.
+        agent = ReflectAgent(root.llm, recall, bank_config=root.bank_config if bank_exists else None,
+                             tokens=default_token_counter())
+
+    def reflect_fn(bank_id, query, context, budget, now, response_schema=None):
+        if agent is None and response_schema is not None:
+            raise InvalidArgument("response_schema", "needs a reflect model "
+                                  "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
+        r = (agent(bank_id, query, context, budget, now, response_schema) if agent
+             else reflect_offline(bank_id, query, context, budget, now, recall))
         event_log.append([record_reflection(bank_id, query, r)])
         return r
 
-    servicer = grpc_api.ReflectServicer(reflect_fn, exists)
+    def reflect_stream(bank_id, query, context, budget, now, response_schema=None):
+        if agent is None:
+            yield Done(reflect_fn(bank_id, query, context, budget, now, response_schema))
+            return
+        for event in agent.stream(bank_id, query, context, budget, now, response_schema):
+            if isinstance(event, Done):
+                event_log.append([record_reflection(bank_id, query, event.reflection)])
+            yield event
+
+    servicer = grpc_api.ReflectServicer(reflect_fn, exists, stream=reflect_stream)
     return ServiceParts("reflect", {}, lambda server: grpc_api.register(server, servicer),
-                        {"reflect": reflect_fn}, checks)
+                        {"reflect": reflect_fn, "reflect_stream": reflect_stream}, checks)
 
 
 def build_consolidation(root: Root) -> ServiceParts:
@@ -464,7 +508,8 @@ class ServiceProcess:
     def bind(self) -> int:
         """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
         self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
-                                                           "exists", "reflect")}
+                                                           "exists", "reflect", "reflect_stream",
+                                                           )}
         server = _grpc_server(self.settings)
         p = self._pending
         if self.name == "ingest":
@@ -477,7 +522,7 @@ class ServiceProcess:
         elif self.name == "reflect":
             from services.reflect import grpc_api
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
-                p["reflect"], lambda bank_id: True))
+                p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]))
         self._health = _add_health(server, self._names, _NOT_SERVING)
         self.port = server.add_insecure_port(self.settings.grpc_address)
         if self.port == 0:
@@ -516,6 +561,7 @@ class ServiceProcess:
             p["exists"].set(api["bank_exists"])
         if "reflect" in api:
             p["reflect"].set(api["reflect"])
+            p["reflect_stream"].set(api["reflect_stream"])
         for c in self.parts.consumers.values():
             c.start()
         self._set_health(_SERVING)

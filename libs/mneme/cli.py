@@ -113,9 +113,9 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
 
 
 @app.command()
-def banks(action: str = typer.Argument("list", help="list | create | get | delete"),
+def banks(action: str = typer.Argument("list", help="list | create | get | delete | check-llm"),
           bank_id: Optional[str] = typer.Argument(None), address: str = AddressOpt):
-    """List, create, show or delete banks."""
+    """List, create, show or delete banks, or check the language models a bank uses."""
     with _client(address) as m:
         try:
             if action == "list":
@@ -124,11 +124,21 @@ def banks(action: str = typer.Argument("list", help="list | create | get | delet
                     t.add_row(b.name.split("/", 1)[1], b.display_name,
                               b.create_time.ToDatetime().isoformat(timespec="seconds"))
                 Console().print(t)
+            elif action == "check-llm" and bank_id:
+                r = m.check_llm(bank_id)
+                print(f"extraction: {r.extraction}")
+                for c in r.checks:
+                    state = "ok" if c.ok else f"FAILED: {c.error}"
+                    print(f"  {c.operation:<13} {c.model:<40} {state} ({c.latency_s:.2f}s)")
+                if not r.checks:
+                    print("  no language model configured: offline extraction, extractive reflect")
+                if any(not c.ok for c in r.checks):
+                    raise typer.Exit(1)
             elif action in ("create", "get", "delete") and bank_id:
                 b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
                 print(b if b is not None else f"deleted {bank_id}")
             else:
-                console.print("usage: mneme banks [list | create ID | get ID | delete ID]")
+                console.print("usage: mneme banks [list | create ID | get ID | delete ID | check-llm ID]")
                 raise typer.Exit(2)
         except grpc.RpcError as e:
             _fail(e)

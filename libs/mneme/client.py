@@ -102,6 +102,11 @@ class MnemeClient:
     def delete_bank(self, bank_id: str) -> None:
         self.banks.DeleteBank(banks_pb2.DeleteBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
 
+    def check_llm(self, bank_id: str) -> banks_pb2.CheckLlmResponse:
+        """Probe the language models the bank would use (empty checks: offline)."""
+        return self.banks.CheckLlm(banks_pb2.CheckLlmRequest(name=f"banks/{bank_id}"),
+                                   timeout=self.timeout)
+
     # memory
     def retain(self, bank_id: str, items: Iterable[Mapping | memory_pb2.RetainItem],
                async_: bool = False, timeout: float | None = None,
@@ -146,11 +151,26 @@ class MnemeClient:
             types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
             query_timestamp=dt_to_ts(query_timestamp), document_id=document_id), timeout=self.timeout)
 
-    def reflect(self, bank_id: str, query: str, context: str = "",
-                budget: str = "mid") -> reflect_pb2.ReflectResponse:
-        return self.reflect_stub.Reflect(reflect_pb2.ReflectRequest(
-            parent=f"banks/{bank_id}", query=query, context=context, budget=BUDGETS[budget]),
-            timeout=self.timeout)
+    def _reflect_request(self, bank_id, query, context, budget, response_schema):
+        req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
+                                         context=context, budget=BUDGETS[budget])
+        if response_schema is not None:
+            from google.protobuf import json_format
+            json_format.ParseDict(response_schema, req.response_schema)
+        return req
+
+    def reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
+                response_schema: dict | None = None) -> reflect_pb2.ReflectResponse:
+        """Answer ``query`` from the bank; ``response_schema`` (a JSON schema dict) asks
+        for structured output as well (needs a reflect model on the server)."""
+        return self.reflect_stub.Reflect(self._reflect_request(
+            bank_id, query, context, budget, response_schema), timeout=self.timeout)
+
+    def stream_reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
+                       response_schema: dict | None = None):
+        """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response."""
+        yield from self.reflect_stub.StreamReflect(self._reflect_request(
+            bank_id, query, context, budget, response_schema), timeout=self.timeout)
 
     def get_operation(self, operation_id: str) -> operations_pb2.Operation:
         return self.operations.GetOperation(operations_pb2.GetOperationRequest(

@@ -54,7 +54,7 @@ class BankConfig:
     empathy: int = 3
     auto_consolidate: bool = True
     dedup_threshold: float = 0.97
-    extraction_mode: str = "offline"
+    extraction_mode: str = "auto"  # auto: the LLM when a retain model is configured
 
 
 @dataclass(frozen=True)

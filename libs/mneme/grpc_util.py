@@ -34,19 +34,28 @@ def translate_errors(method):
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except InvalidArgument as e:
-            br = error_details_pb2.BadRequest()
-            for f, d in e.violations:
-                br.field_violations.add(field=f, description=d)
-            _abort(context, code_pb2.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, str(e), br)
-        except NotFound as e:
-            _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
-        except DeadlineExceeded as e:
-            _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except Unavailable as e:
-            _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
+        except (InvalidArgument, NotFound, DeadlineExceeded, Unavailable) as e:
+            abort_for(context, e)
 
     return wrapper
+
+
+def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
+    """Abort the call with the status of mneme error ``e`` (see :func:`translate_errors`);
+    re-raises anything that is not a mneme request error."""
+    if isinstance(e, InvalidArgument):
+        br = error_details_pb2.BadRequest()
+        for f, d in e.violations:
+            br.field_violations.add(field=f, description=d)
+        _abort(context, code_pb2.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, str(e), br)
+    elif isinstance(e, NotFound):
+        _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
+    elif isinstance(e, DeadlineExceeded):
+        _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    elif isinstance(e, Unavailable):
+        _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
+    else:
+        raise e
 
 
 def ts_to_dt(ts: timestamp_pb2.Timestamp | None) -> datetime | None:

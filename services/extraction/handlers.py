@@ -13,6 +13,7 @@ from mneme.bus import codec
 from mneme.domain import derive_id
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Embedder, OutRecord, Record
+from services.extraction.llm import ExtractionIncomplete
 
 GROUP = "extraction"
 SOURCE = "mneme/extraction"
@@ -20,11 +21,16 @@ log = logging.getLogger(__name__)
 
 
 def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
-                  resolver=None) -> list[OutRecord]:
+                  resolver=None, catalog=None) -> list[OutRecord]:
     """RetainRequested → FactsExtracted; DocumentDeleteRequested, MemoryDeleteRequested,
     BankDeleted → FactsRetracted (routed through here so they stay ordered after the
-    bank's earlier facts). Other intake events produce nothing."""
+    bank's earlier facts). With a ``catalog`` (distributed topology) bank upserts and
+    deletes are projected into it, so the bank's extraction mode and mission are known
+    before its retains (same partition, same order). Other intake events produce nothing."""
     m = env.message
+    if catalog is not None and isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
+        from services.search.handlers import project_banks
+        project_banks(env, record, catalog=catalog)
 
     def out(msg, n: str) -> OutRecord:
         return codec.encode(msg, bank_id=m.bank_id, source=SOURCE,
@@ -54,6 +60,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     failures: list[ev.ItemFailure] = []
     try:
         facts = extractor.extract_many(m.bank_id, items, source_id)
+    except ExtractionIncomplete as e:  # per-item outcomes are known: no second pass
+        facts = e.facts
+        failures = [ev.ItemFailure(item_index=i, error=str(f), reason=f.reason)
+                    for i, f in sorted(e.failures.items())]
     except Exception:  # one bad item must not sink the batch: retry item by item
         log.exception("batch extraction failed; retrying per item")
         facts = []
@@ -63,11 +73,22 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
             except Exception as e:
                 failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
     if facts:
-        vectors = embedder.embed([f.text for f in facts])
+        # An extractor may embed a fact with context its text leaves out (a short reply
+        # with the turn it answers); the vector travels in the event, so replay reuses it.
+        texts_for = getattr(extractor, "embedding_texts", None)
+        vectors = embedder.embed(texts_for(facts) if texts_for else [f.text for f in facts])
         for f, v in zip(facts, vectors):
             f.embedding = list(v)
     docs = sorted({i.document_id for i in items if i.document_id})
+    report = getattr(extractor, "report", lambda _: None)(source_id)
+    usage = None
+    if report is not None and report.usage.calls:
+        u = report.usage
+        usage = ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
+                            input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                            cost_usd=u.cost_usd)
     return ev.FactsExtracted(
         bank_id=m.bank_id, operation_id=m.operation_id,
         facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
-        replaced_document_ids=docs, items_total=len(items), failures=failures)
+        replaced_document_ids=docs, items_total=len(items), failures=failures,
+        no_fact_items=report.no_fact_items if report is not None else [], llm_usage=usage)

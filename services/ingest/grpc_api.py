@@ -65,6 +65,15 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         return empty_pb2.Empty()
 
 
+    @translate_errors
+    def CheckLlm(self, request, context):
+        extraction, checks = self.ingest.check_llm(bank_id_of(request.name, "name"))
+        return banks_pb2.CheckLlmResponse(extraction=extraction, checks=[
+            banks_pb2.CheckLlmResponse.Check(operation=c.operation, model=c.model, ok=c.ok,
+                                             latency_s=c.latency_s, error=c.error)
+            for c in checks])
+
+
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     def __init__(self, ingest: Ingest):
         self.ingest = ingest

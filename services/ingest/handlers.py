@@ -70,6 +70,7 @@ class Ingest:
     catalog: SqliteCatalog
     retain_timeout_s: float = 600.0
     poll_s: float = 0.01
+    llm: object = None  # mneme.llm.LlmGateway, for check_llm
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=SOURCE)])[0]
@@ -155,6 +156,19 @@ class Ingest:
         return self.catalog.get_operation(op_id) or Operation(
             op_id, bank_id, kind, "pending", items_total=total, created_at=now, updated_at=now)
 
+    def check_llm(self, bank_id: str) -> tuple[str, list]:
+        """Probe the models this bank would use (one tiny call each, no retries). Returns
+        (extraction: "llm" or "offline", [mneme.llm.gateway.Connectivity])."""
+        bank = self.require_bank(bank_id)
+        gw = self.llm
+        if gw is None:
+            return "offline", []
+        mode = bank.config.extraction_mode
+        extraction = "llm" if mode != "offline" and gw.configured("retain") else "offline"
+        ops = tuple(op for op in ("retain", "reflect", "consolidation", "rerank")
+                    if gw.configured(op) and (op != "retain" or extraction == "llm"))
+        return extraction, gw.check(ops) if ops else []
+
     def get_operation(self, operation_id: str) -> Operation:
         op = self.catalog.get_operation(operation_id)
         if op is None:
@@ -169,8 +183,8 @@ def _check_config(c: BankConfig) -> None:
             raise InvalidArgument(f"bank.config.{f}", "must be between 1 and 5")
     if not 0.0 < c.dedup_threshold <= 1.0:
         raise InvalidArgument("bank.config.dedup_threshold", "must be in (0, 1]")
-    if c.extraction_mode not in ("offline", "llm"):
-        raise InvalidArgument("bank.config.extraction_mode", "must be 'offline' or 'llm'")
+    if c.extraction_mode not in ("auto", "offline", "llm"):
+        raise InvalidArgument("bank.config.extraction_mode", "must be 'auto', 'offline' or 'llm'")
 
 
 def _check_items(items: Sequence[RetainItem]) -> None:

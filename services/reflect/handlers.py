@@ -65,6 +65,13 @@ def record_reflection(bank_id: str, query: str, r: Reflection):
     from mneme.bus import codec
     from mneme.events.v1 import events_pb2 as ev
 
-    return codec.encode(ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
-                                              based_on=r.based_on, extractive=r.extractive),
-                        bank_id=bank_id, source="mneme/reflect")
+    msg = ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
+                                based_on=r.based_on, extractive=r.extractive,
+                                tools_called=getattr(r, "tools_called", []),
+                                dropped_citations=len(getattr(r, "dropped_citations", [])))
+    u = getattr(r, "usage", None)
+    if u is not None and u.calls:
+        msg.llm_usage.CopyFrom(ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
+                                           input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                                           cost_usd=u.cost_usd))
+    return codec.encode(msg, bank_id=bank_id, source="mneme/reflect")

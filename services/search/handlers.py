@@ -49,7 +49,7 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
             bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
             items_total=m.items_total, items_done=m.items_total, facts=len(facts),
             error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
-            memory_ids=[f.id for f in facts])
+            memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items))
     elif isinstance(m, ev.FactsRetracted):
         if m.bank_deleted:
             for s in stores.all():

@@ -29,8 +29,9 @@ def conversation_file() -> Path:
 class Server:
     """A ``mneme up`` subprocess on ``data_dir``; ``address`` is host:port."""
 
-    def __init__(self, data_dir: Path, port: int | None = None):
+    def __init__(self, data_dir: Path, port: int | None = None, env: dict | None = None):
         self.data_dir = data_dir
+        self.env = env or {}
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -41,7 +42,7 @@ class Server:
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [str(mneme), "up", "--data-dir", str(self.data_dir), "--address", self.address],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", **self.env})
         with MnemeClient(self.address) as m:
             try:
                 m.wait_ready(timeout=timeout)

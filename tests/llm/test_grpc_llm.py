@@ -1,0 +1,103 @@
+"""The whole path with a language model configured: a real ``mneme up`` process talks
+over HTTP to the local OpenAI-compatible stub. Retain → LLM extraction → facts with the
+model's times; Reflect → the tool loop through search's recall, an invented id dropped;
+StreamReflect; CheckLlm."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import grpc
+import pytest
+
+from mneme.client import field_violations
+from tests.e2e.server import Server
+from tests.llm.conftest import MODEL
+from tests.llm.stub import chat
+
+TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
+
+
+def call(name, query):
+    return {"name": name, "arguments": {"query": query}}
+
+
+@pytest.fixture
+def server(stub, tmp_path):
+    s = Server(tmp_path / "data", env={
+        "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
+        "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "10",
+        "MNEME_LLM_MAX_RETRIES": "1", "MNEME_LLM_BACKOFF_S": "0.05"}).start()
+    yield s
+    s.stop()
+
+
+def test_retain_and_reflect_through_a_model(stub, server):
+    stub.on("chat", chat({"facts": [
+        {"text": "Caroline went to an LGBTQ support group on 7 May 2023.", "fact_type": "world",
+         "occurred_start": "2023-05-07", "occurred_end": "2023-05-07",
+         "entities": [{"name": "Caroline", "type": "person"}], "caused_by": []},
+        {"text": "Caroline moved from Sweden in 2015.", "fact_type": "world",
+         "occurred_start": "2015", "occurred_end": "2015",
+         "entities": [{"name": "Caroline", "type": "person"},
+                      {"name": "Sweden", "type": "place"}], "caused_by": []}]}),
+        match="support group yesterday")
+    with server.client() as m:
+        m.upsert_bank("llm")
+        r = m.retain("llm", [{"content": "Caroline: I went to a LGBTQ support group yesterday. "
+                                         "I moved from Sweden in 2015.", "timestamp": TS}])
+        assert r.operation.state == 3 and r.operation.facts == 2
+        mems = {x.text: x for x in m.list_memories("llm")}
+        sweden = mems["Caroline moved from Sweden in 2015."]
+        assert sweden.occurred_start.ToDatetime().date().isoformat() == "2015-01-01"
+        assert sweden.occurred_end.ToDatetime().date().isoformat() == "2015-12-31"
+        assert "Sweden" in {e.name for e in sweden.entities}
+        prompt = stub.chat_requests()[0].messages
+        assert any("2023-05-08" in str(msg.get("content")) for msg in prompt)
+
+        stub.on("chat", chat(None, tool_calls=[call("search_mental_models", "Caroline origin")]),
+                chat(None, tool_calls=[call("search_observations", "Caroline origin")]),
+                chat(None, tool_calls=[call("recall", "Caroline moved from")]),
+                chat("Caroline moved from Sweden in 2015 [m1] and is 34 [m9]."),
+                match="Where did Caroline")
+        a = m.reflect("llm", "Where did Caroline move from?")
+        assert not a.extractive
+        assert sweden.id in a.based_on and len(a.based_on) == 1
+        assert "[m9]" not in a.text and list(a.dropped_citations) == ["m9"]
+
+        stub.on("chat", chat(None, tool_calls=[call("recall", "support group")]),
+                chat("She went on 7 May 2023 [m1]."), match="When did Caroline")
+        events = list(m.stream_reflect("llm", "When did Caroline go to the support group?"))
+        kinds = [e.WhichOneof("event") for e in events]
+        assert kinds[0] == "tool_call" and kinds[-1] == "done"
+        assert events[0].tool_call.name == "recall"
+        assert "7 May 2023" in events[-1].done.text
+
+        stub.on("chat", chat("OK"), match="single word OK")
+        check = m.check_llm("llm")
+        assert check.extraction == "llm"
+        assert [c.operation for c in check.checks][:1] == ["retain"] and check.checks[0].ok
+
+
+def test_model_failure_is_recorded_not_lost(stub, server):
+    # no scripted reply: the stub answers 500 → retried, then the item is a failure
+    with server.client() as m:
+        m.upsert_bank("broken")
+        r = m.retain("broken", [{"content": "Bob: I adopted a cat.", "timestamp": TS}])
+        assert r.operation.state == 4  # FAILED, with the reason
+        assert "items[0]" in r.operation.error
+        ops = m.get_operation(r.operation.name.split("/", 1)[1])
+        assert ops.state == 4 and ops.items_total == 1
+
+
+def test_response_schema_needs_a_model(tmp_path):
+    s = Server(tmp_path / "offline").start()
+    try:
+        with s.client() as m:
+            m.upsert_bank("b")
+            with pytest.raises(grpc.RpcError) as e:
+                m.reflect("b", "anything", response_schema={"type": "object"})
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field_violations(e.value)[0][0] == "response_schema"
+    finally:
+        s.stop()
