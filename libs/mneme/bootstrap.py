@@ -4,8 +4,8 @@
 most once; one builder per service (:data:`BUILDERS`) turns a Root into that service's
 :class:`ServiceParts` (consumer groups and gRPC servicers). Two topologies use them:
 
-* embedded (``mneme up``, :func:`bootstrap`): ingest, extraction and search (and reflect,
-  calling search in process) in one process over the embedded log and stores, every
+* embedded (``mneme up``, :func:`bootstrap`): ingest, extraction, search, consolidation
+  (and reflect, calling search in process) in one process over the embedded log and stores, every
   gRPC API on one port;
 * distributed (``mneme serve <service>``, ``python -m services.<service>``,
   :func:`run_service`): one service per process over Kafka (``MNEME_BUS_URL=kafka://…``),
@@ -31,14 +31,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mneme.bus import DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, default_partitions, open_event_log
+from mneme.bus import (AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, default_partitions,
+                       open_event_log)
 from mneme.bus.consumer import Consumer
 from mneme.config import Settings
 from mneme.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("mneme")
 
-TOPICS = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ)
+TOPICS = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
 SERVICES = ("ingest", "extraction", "search", "reflect", "consolidation")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -94,7 +95,8 @@ class Root:
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
         for t in TOPICS:
-            event_log.ensure_topic(t, 1 if t == DLQ else st.partitions or default_partitions(t))
+            event_log.ensure_topic(t, 1 if t in (DLQ, AUDIT)
+                                   else st.partitions or default_partitions(t))
         return event_log
 
     @cached_property
@@ -211,10 +213,12 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     stores = root.stores
     pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="recall")
     root._opened(pool, lambda: pool.shutdown(wait=False))
-    recall_fn = functools.partial(recall, vectors=stores.vectors, text=stores.text,
-                                  graph=stores.graph, embedder=root.embedder,
-                                  analyzer=QueryAnalyzer(), tokens=default_token_counter(),
-                                  executor=pool)
+    from services.search.observations import with_default_types
+    # Observations are units too: recall returns them only when `types` asks for them.
+    recall_fn = with_default_types(functools.partial(
+        recall, vectors=stores.vectors, text=stores.text, graph=stores.graph,
+        embedder=root.embedder, analyzer=QueryAnalyzer(), tokens=default_token_counter(),
+        executor=pool))
     consumers = {GROUP: root.consumer(GROUP, [MEMORY],
                                       functools.partial(project_memory, stores=stores))}
     if bank_exists is None:
@@ -259,8 +263,12 @@ def build_reflect(root: Root, recall: Callable | None = None,
         from mneme.embedding import default_token_counter
         # Bank traits: from this process's catalog when it has one (embedded); the
         # distributed reflect process has none, so traits default to 3/3/3.
+        from services.search.observations import observation_search
+        # Observations through search's recall in process (embedded); the distributed
+        # reflect has none yet (its remote recall speaks facts only).
         agent = ReflectAgent(root.llm, recall, bank_config=root.bank_config if bank_exists else None,
-                             tokens=default_token_counter())
+                             tokens=default_token_counter(),
+                             **({"observations": observation_search(recall)} if bank_exists else {}))
 
     def reflect_fn(bank_id, query, context, budget, now, response_schema=None):
         if agent is None and response_schema is not None:
@@ -285,11 +293,22 @@ def build_reflect(root: Root, recall: Callable | None = None,
                         {"reflect": reflect_fn, "reflect_stream": reflect_stream}, checks)
 
 
-def build_consolidation(root: Root) -> ServiceParts:
-    """consolidation: group ``consolidation`` over memory and intake. It has no
-    observation logic yet (a later issue); its handler produces nothing."""
-    from services.consolidation.handlers import GROUP, handle
-    return ServiceParts("consolidation", {GROUP: root.consumer(GROUP, [MEMORY, INTAKE], handle)})
+def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
+    """consolidation: group ``consolidation`` over memory and intake → ObservationsChanged.
+    Its projection is ``<data_dir>/observations.db``; bank configs come from the embedded
+    catalog, or (distributed) from its own catalog projected from intake. Decisions use
+    the "consolidation" model when one is configured, else the offline rules.
+    ``decide=False`` (replay) only rebuilds the projection."""
+    from services.consolidation.handlers import GROUP, Consolidator, handle
+    from services.consolidation.store import ObservationStore
+
+    store = root._opened(ObservationStore(str(root.data_dir / "observations.db")))
+    consolidator = Consolidator(store, root.bank_config, embedder=root.embedder if decide else None,
+                                llm=root.llm if decide else None,
+                                catalog=root.catalog if root.distributed else None)
+    handler = functools.partial(handle, consolidator=consolidator, decide=decide)
+    return ServiceParts("consolidation", {GROUP: root.consumer(GROUP, [MEMORY, INTAKE], handler)},
+                        api={"observations": store})
 
 
 BUILDERS: dict[str, Callable[[Root], ServiceParts]] = {
@@ -298,10 +317,58 @@ BUILDERS: dict[str, Callable[[Root], ServiceParts]] = {
 }
 
 
-def _grpc_server(settings: Settings) -> grpc.Server:
+def _guard(settings: Settings):
+    """The gRPC auth interceptor of ``MNEME_AUTH_MODE`` (see :mod:`mneme.auth`); its
+    ``audit`` is set once the event log is open (:func:`_audit_to`)."""
+    from mneme import auth
+    keys = (auth.KeyStore(auth.default_keys_file(settings))
+            if settings.auth_mode != "open" else None)
+    return auth.AuthInterceptor(settings.auth_mode, keys)
+
+
+def _audit_to(event_log) -> Callable:
+    """Append AuditRecorded messages to ``mneme.audit.v1`` (key: the bank, or "_")."""
+    from mneme.bus import codec
+
+    def append(msg) -> None:
+        event_log.append([codec.encode(msg, bank_id=msg.bank_id or "_", source="mneme/auth")])
+    return append
+
+
+def _grpc_server(settings: Settings, guard=None) -> grpc.Server:
+    """A gRPC server with the tracing interceptor (spans, ``rpc.server.duration``) and,
+    inside it, ``guard`` (authentication, authorisation, audit)."""
+    from mneme import telemetry
+    interceptors = [telemetry.TracingInterceptor()] + ([guard] if guard is not None else [])
     return grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
+                       interceptors=interceptors,
                        options=[("grpc.max_receive_message_length", 64 << 20),
                                 ("grpc.max_send_message_length", 64 << 20)])
+
+
+def _bind(server: grpc.Server, address: str, settings: Settings) -> int:
+    """Listen on ``address``: TLS requiring a client certificate for ``mtls``, plaintext
+    otherwise. Returns the port (0 when it cannot bind)."""
+    if settings.auth_mode != "mtls":
+        return server.add_insecure_port(address)
+    if not (settings.tls_cert and settings.tls_key and settings.tls_client_ca):
+        raise ValueError("MNEME_AUTH_MODE=mtls needs MNEME_TLS_CERT, MNEME_TLS_KEY and "
+                         "MNEME_TLS_CLIENT_CA")
+    read = lambda p: Path(p).read_bytes()  # noqa: E731
+    creds = grpc.ssl_server_credentials([(read(settings.tls_key), read(settings.tls_cert))],
+                                        root_certificates=read(settings.tls_client_ca),
+                                        require_client_auth=True)
+    return server.add_secure_port(address, creds)
+
+
+def setup_telemetry(service_name: str, settings: Settings) -> dict:
+    """OpenTelemetry for this process (:func:`mneme.telemetry.setup`): the Prometheus
+    endpoint on ``MNEME_METRICS_PORT`` at the gRPC listen host (all interfaces for a
+    wildcard address)."""
+    from mneme import telemetry
+    host = settings.grpc_address.rsplit(":", 1)[0].strip("[]")
+    host = "0.0.0.0" if host in ("", "::", "0.0.0.0", "*") else host
+    return telemetry.setup(service_name, metrics_port=settings.metrics_port, metrics_host=host)
 
 
 def _add_health(server: grpc.Server, names: list[str], status) -> health.HealthServicer:
@@ -344,10 +411,12 @@ class Embedded:
 
     def serve(self, address: str | None = None) -> int:
         """Start the gRPC server (every API, health, reflection); returns the bound port."""
-        server = _grpc_server(self.settings)
+        guard = _guard(self.settings)
+        guard.audit = _audit_to(self.log)
+        server = _grpc_server(self.settings, guard)
         names = [n for p in self.parts if p.register for n in p.register(server)]
         _add_health(server, names, _SERVING)
-        port = server.add_insecure_port(address or self.settings.grpc_address)
+        port = _bind(server, address or self.settings.grpc_address, self.settings)
         if port == 0:
             raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
         server.start()
@@ -373,11 +442,12 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
         exists = lambda bank_id: root.catalog.get_bank(bank_id) is not None  # noqa: E731
         search = build_search(root, bank_exists=exists)
         reflect = build_reflect(root, recall=search.api["recall"], bank_exists=exists)
-        parts = [ingest, build_extraction(root), search, reflect]
+        parts = [ingest, build_extraction(root), search, reflect, build_consolidation(root)]
     except BaseException:
         root.close()
         raise
     consumers = {g: c for p in parts for g, c in p.consumers.items()}
+    ingest.api["ingest"].stores = root.stores  # GetBankStats counts facts and entities
     return Embedded(settings=root.settings, log=root.log, catalog=root.catalog,
                     stores=root.stores, ingest=ingest.api["ingest"], recall=search.api["recall"],
                     reflect=reflect.api["reflect"], consumers=consumers, root=root, parts=parts)
@@ -414,8 +484,9 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
     would emit are already on the log). ``progress(done, total)`` is called as records
     are consumed. Returns {"records": n}.
 
-    * Embedded (sqlite bus): the search stores and the catalog of the (stopped) server's
-      data dir; groups ``search`` and ``ingest``. Raises DataDirLocked while a server
+    * Embedded (sqlite bus): the search stores (observations included), the catalog and
+      consolidation's observation projection of the (stopped) server's data dir; groups
+      ``search``, ``ingest`` and ``consolidation`` (projection only). Raises DataDirLocked while a server
       uses the data directory.
     * Distributed (kafka bus): the search service's projections (the stores its
       ``MNEME_*_URL``s name) and its bank catalog, groups ``search`` and
@@ -428,10 +499,14 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
         else:
             parts = build_ingest(root)
             parts.consumers.update(build_search(root, bank_exists=lambda b: True).consumers)
+            # consolidation's projection: recorded decisions only, no model
+            cons = build_consolidation(root, decide=False)
+            parts.consumers.update(cons.consumers)
+            cons.api["observations"].reset()
         root.stores.reset()
         root.catalog.reset()
         groups = {g: c for g, c in parts.consumers.items()
-                  if g in ("search", "ingest", "search-catalog")}
+                  if g in ("search", "ingest", "search-catalog", "consolidation")}
         total = 0
         for name, c in groups.items():
             root.log.reset_group(name, c.topics)
@@ -510,7 +585,8 @@ class ServiceProcess:
         self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
                                                            "exists", "reflect", "reflect_stream",
                                                            )}
-        server = _grpc_server(self.settings)
+        self._guard = _guard(self.settings)
+        server = _grpc_server(self.settings, self._guard)
         p = self._pending
         if self.name == "ingest":
             from services.ingest import grpc_api
@@ -524,7 +600,7 @@ class ServiceProcess:
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
                 p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]))
         self._health = _add_health(server, self._names, _NOT_SERVING)
-        self.port = server.add_insecure_port(self.settings.grpc_address)
+        self.port = _bind(server, self.settings.grpc_address, self.settings)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.settings.grpc_address}")
         server.start()
@@ -552,6 +628,7 @@ class ServiceProcess:
         else:
             return
         self.root = root
+        self._guard.audit = _audit_to(root.log)
         api, p = self.parts.api, self._pending
         if "ingest" in api:
             p["ingest"].set(api["ingest"])
@@ -604,6 +681,7 @@ class ServiceProcess:
 def run_service(name: str, settings: Settings | None = None) -> None:
     """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
     proc = ServiceProcess(name, settings)
+    setup_telemetry(f"mneme-{name}", proc.settings)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

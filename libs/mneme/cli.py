@@ -34,6 +34,14 @@ ADDRESS = os.environ.get("MNEME_ADDRESS", "127.0.0.1:50051")
 AddressOpt = typer.Option(ADDRESS, "--address", "-a", help="gRPC address of a running server")
 
 
+@app.callback()
+def _options(api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="MNEME_API_KEY",
+        help="API key sent to the server (MNEME_AUTH_MODE=api_key)")) -> None:
+    if api_key:
+        os.environ["MNEME_API_KEY"] = api_key
+
+
 def _client(address: str):
     from mneme.client import MnemeClient
     return MnemeClient(address)
@@ -67,16 +75,23 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     if address:
         overrides["grpc_address"] = address
     settings = Settings(**overrides)
+    from mneme.bootstrap import setup_telemetry
     try:
         node = bootstrap(settings)
     except DataDirLocked as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(1)
+    tele = setup_telemetry("mneme", settings)
     node.start()
     port = node.serve()
     host = settings.grpc_address.rsplit(":", 1)[0]
+    security = {"open": "no authentication (MNEME_AUTH_MODE=open): loopback use only",
+                "api_key": "API keys required (MNEME_AUTH_MODE=api_key)",
+                "mtls": "client certificates required (MNEME_AUTH_MODE=mtls)"}
+    metrics = (f"; metrics on port {tele['metrics_port']}" if tele["metrics_port"] else "")
     console.print(f"mneme is up on {host}:{port} (data in {settings.data_dir.resolve()}); "
-                  "no authentication: loopback use only. Ctrl-C stops it.")
+                  f"{security.get(settings.auth_mode, settings.auth_mode)}{metrics}. "
+                  "Ctrl-C stops it.")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -113,9 +128,11 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
 
 
 @app.command()
-def banks(action: str = typer.Argument("list", help="list | create | get | delete | check-llm"),
+def banks(action: str = typer.Argument("list", help="list | create | get | delete | check-llm | stats"),
           bank_id: Optional[str] = typer.Argument(None), address: str = AddressOpt):
     """List, create, show or delete banks, or check the language models a bank uses."""
+    if action == "stats" and bank_id:
+        return _bank_stats(bank_id, address)
     with _client(address) as m:
         try:
             if action == "list":
@@ -138,7 +155,7 @@ def banks(action: str = typer.Argument("list", help="list | create | get | delet
                 b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
                 print(b if b is not None else f"deleted {bank_id}")
             else:
-                console.print("usage: mneme banks [list | create ID | get ID | delete ID | check-llm ID]")
+                console.print("usage: mneme banks [list | create ID | get ID | delete ID | check-llm ID | stats ID]")
                 raise typer.Exit(2)
         except grpc.RpcError as e:
             _fail(e)
@@ -248,6 +265,57 @@ def import_locomo(file: Path, conversation: List[str] = typer.Option([], "--conv
                 _fail(e)
 
 
+@app.command()
+def keys(action: str = typer.Argument("list", help="create | list | revoke"),
+         key_id: Optional[str] = typer.Argument(None, help="revoke: the key id"),
+         bank: List[str] = typer.Option([], "--bank", "-b", help="bank id, repeatable; * for all"),
+         scope: str = typer.Option("read", "--scope", help="read | write"),
+         subject: str = typer.Option("", "--subject", help="mTLS: client certificate CN"),
+         data_dir: Path = typer.Option(None, "--data-dir", "-d")):
+    """Manage API keys (MNEME_API_KEYS_FILE, default $MNEME_DATA_DIR/api_keys.json): only
+    their hashes are stored; `create` prints the key once. A running server picks up
+    changes to the file at once."""
+    from mneme.auth import KeyStore, default_keys_file
+    from mneme.config import Settings
+    store = KeyStore(default_keys_file(Settings(**({"data_dir": data_dir} if data_dir else {}))))
+    if action == "create":
+        try:
+            key_id, key = store.add(bank, scope, subject)
+        except ValueError as e:
+            console.print(f"[red]{e}[/red]")
+            raise typer.Exit(2)
+        console.print(f"created key {key_id} ({scope} on {', '.join(sorted(set(bank)))}) in "
+                      f"{store.path}; it is shown only now:")
+        print(key)
+    elif action == "list":
+        t = Table("id", "scope", "banks", "subject", "created")
+        for e in store.entries():
+            t.add_row(e.get("id", ""), e.get("scope", ""), ", ".join(e.get("banks", [])),
+                      e.get("subject", ""), e.get("created", ""))
+        Console().print(t)
+    elif action == "revoke" and key_id:
+        if not store.revoke(key_id):
+            console.print(f"[red]no key {key_id}[/red]")
+            raise typer.Exit(1)
+        console.print(f"revoked {key_id}")
+    else:
+        console.print("usage: mneme keys [list | create --bank B --scope read|write | revoke ID]")
+        raise typer.Exit(2)
+
+
+@app.command()
+def reconsolidate(bank: str, address: str = AddressOpt):
+    """Re-derive BANK's observations from its facts with the current configuration (a
+    running server; new ObservationsChanged events supersede the old ones)."""
+    try:
+        with _client(address) as m:
+            op = m.consolidate(bank, reconsolidate=True)
+            n = sum(1 for _ in m.list_observations(bank))
+        console.print(f"reconsolidated {bank}: {_state(op.state)}, {n} observations")
+    except grpc.RpcError as e:
+        _fail(e)
+
+
 @app.command("replay")
 def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     """Rebuild every projection (vectors, text, graph, catalog) from the event log of a
@@ -273,6 +341,122 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
             console.print(f"[red]stop the search processes first: {e}[/red]")
             raise typer.Exit(1)
     console.print(f"replayed {stats['records']} records")
+
+
+@app.command()
+def operations(bank: Optional[str] = typer.Option(None, "--bank", "-b", help="one bank; default every bank"),
+               limit: int = typer.Option(50, help="at most this many"), address: str = AddressOpt):
+    """List operations (retains, deletions, …) with their status and progress."""
+    t = Table("operation", "bank", "kind", "state", "items", "facts", "updated", "error")
+    with _client(address) as m:
+        try:
+            for n, op in enumerate(m.list_operations(bank or "")):
+                if n >= limit:
+                    break
+                t.add_row(op.name.split("/", 1)[-1], op.bank_id, op.kind, _state(op.state),
+                          f"{op.items_done}/{op.items_total}", str(op.facts),
+                          op.update_time.ToDatetime().isoformat(timespec="seconds"), op.error)
+        except grpc.RpcError as e:
+            _fail(e)
+    Console().print(t)
+
+
+def _bank_stats(bank_id: str, address: str) -> None:
+    with _client(address) as m:
+        try:
+            s = m.bank_stats(bank_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    known = lambda n: str(n) if n >= 0 else "n/a (not on this server)"  # noqa: E731
+    print(f"bank {bank_id}")
+    print(f"  facts         {known(s.facts)}")
+    print(f"  observations  {known(s.observations)}")
+    print(f"  entities      {known(s.entities)}")
+    print(f"  operations    {s.operations} ({s.pending_operations} pending)")
+    print(f"  pending records (consumer lag on the bank's partition): {s.pending_records}")
+    for lag in s.lag:
+        print(f"    {lag.group:<15} {lag.topic}[{lag.partition}]  {lag.lag}")
+
+
+topics_app = typer.Typer(help="The event log's topics.", no_args_is_help=True)
+app.add_typer(topics_app, name="topics")
+
+
+@topics_app.command("create")
+def topics_create():
+    """Create every mneme topic on the event log of MNEME_BUS_URL (partitions:
+    MNEME_PARTITIONS; Kafka replication: MNEME_KAFKA_REPLICATION_FACTOR). Existing topics
+    are left alone. Used by the Helm chart's topics Job."""
+    from mneme.bootstrap import TOPICS, Root
+    root = Root()
+    try:
+        event_log = root.log  # ensures every topic
+        for t in TOPICS:
+            print(f"{t}\t{event_log.partitions(t)} partitions")
+    finally:
+        root.close()
+
+
+dlq_app = typer.Typer(help="The dead-letter topic (mneme.dlq.v1): inspect and re-publish.",
+                      no_args_is_help=True)
+app.add_typer(dlq_app, name="dlq")
+
+
+def _dlq_records(event_log, start: int = 0):
+    from mneme.bus import DLQ
+    for p in range(event_log.partitions(DLQ)):
+        offset = start
+        while True:
+            batch = event_log.read(DLQ, p, offset, 100)
+            if not batch:
+                break
+            yield from batch
+            offset = batch[-1].offset + 1
+
+
+@dlq_app.command("list")
+def dlq_list(start: int = typer.Option(0, help="first DLQ offset")):
+    """Dead letters on MNEME_BUS_URL: offset, source topic/partition/offset, group, error."""
+    from mneme.bootstrap import Root
+    root = Root()
+    try:
+        t = Table("offset", "bank", "type", "from", "group", "attempts", "error")
+        for r in _dlq_records(root.log, start):
+            h = dict(r.headers)
+            t.add_row(str(r.offset), r.key, h.get("ce_type", ""),
+                      f"{h.get('dlq_topic')}[{h.get('dlq_partition')}]@{h.get('dlq_offset')}",
+                      h.get("dlq_group", ""), h.get("dlq_attempts", ""), h.get("dlq_error", ""))
+        Console().print(t)
+    finally:
+        root.close()
+
+
+@dlq_app.command("replay")
+def dlq_replay(offset: List[int] = typer.Option([], "--offset", help="DLQ offsets; default all from --start"),
+               start: int = typer.Option(0, help="first DLQ offset"),
+               dry_run: bool = typer.Option(False, "--dry-run")):
+    """Re-publish dead letters to the topic they came from (dlq_* headers removed, the
+    CloudEvents headers and payload unchanged). Every group on that topic sees them again;
+    handlers are idempotent (deterministic ids), so that is safe. Fix the cause first."""
+    from mneme.bootstrap import Root
+    from mneme.ports import OutRecord
+    root = Root()
+    try:
+        out = []
+        for r in _dlq_records(root.log, start):
+            if offset and r.offset not in offset:
+                continue
+            h = {k: v for k, v in dict(r.headers).items() if not k.startswith("dlq_")}
+            topic = dict(r.headers).get("dlq_topic")
+            if not topic:
+                continue
+            out.append(OutRecord(topic=topic, key=r.key, value=bytes(r.value), headers=h))
+            print(f"dlq@{r.offset} → {topic} ({h.get('ce_type', '?')}, bank {r.key})")
+        if out and not dry_run:
+            root.log.append(out)
+        console.print(f"{'would re-publish' if dry_run else 're-published'} {len(out)} records")
+    finally:
+        root.close()
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from mneme.grpc_util import dt_to_ts
+from mneme.v1 import observations_pb2, observations_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
                       reflect_pb2_grpc, resources_pb2)
@@ -27,7 +28,20 @@ from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, op
 BUDGETS = {"low": recall_pb2.LOW, "mid": recall_pb2.MID, "high": recall_pb2.HIGH}
 TAGS_MATCH = {"any": recall_pb2.ANY, "all": recall_pb2.ALL, "any_strict": recall_pb2.ANY_STRICT,
               "all_strict": recall_pb2.ALL_STRICT, "exact": recall_pb2.EXACT}
-TYPES = {"world": resources_pb2.WORLD, "experience": resources_pb2.EXPERIENCE}
+TYPES = {"world": resources_pb2.WORLD, "experience": resources_pb2.EXPERIENCE,
+         "observation": resources_pb2.OBSERVATION}
+SCOPE_MODES = {"exact": resources_pb2.ObservationScopes.EXACT,
+               "per_tag": resources_pb2.ObservationScopes.PER_TAG,
+               "combined": resources_pb2.ObservationScopes.COMBINED,
+               "shared": resources_pb2.ObservationScopes.SHARED,
+               "explicit": resources_pb2.ObservationScopes.EXPLICIT}
+
+
+def observation_scopes(mode: str, scopes: Iterable[Iterable[str]] = ()) -> resources_pb2.ObservationScopes:
+    """``mode`` in exact, per_tag, combined, shared, explicit (with ``scopes``: tag lists)."""
+    return resources_pb2.ObservationScopes(
+        mode=SCOPE_MODES[mode],
+        scopes=[resources_pb2.ObservationScopes.Scope(tags=list(t)) for t in scopes])
 
 
 def field_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
@@ -52,20 +66,66 @@ def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
         metadata={k: str(v) for k, v in (i.get("metadata") or {}).items()})
 
 
+class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` (when a key is given) and the current span's
+    ``traceparent`` to every call."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self.api_key = api_key
+
+    def _details(self, d):
+        from mneme import telemetry
+        md = list(d.metadata or ())
+        if self.api_key:
+            md.append(("authorization", f"Bearer {self.api_key}"))
+        md.extend(telemetry.inject({}).items())
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _Details(
+            d.method, d.timeout, md, d.credentials, getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = (credentials, wait_for_ready,
+                                                                   compression)
+
+
+def api_channel(address: str, options=(), api_key: str | None = None) -> grpc.Channel:
+    """A channel to ``address`` carrying ``api_key`` (default ``$MNEME_API_KEY``) and trace
+    context on every call."""
+    import os
+    key = api_key if api_key is not None else os.environ.get("MNEME_API_KEY") or None
+    return grpc.intercept_channel(grpc.insecure_channel(address, options=list(options)),
+                                  _CallMetadata(key))
+
+
 class MnemeClient:
     """Client of every mneme API on one address (``host:port``). ``timeout`` is the
-    default per-call deadline in seconds."""
+    default per-call deadline in seconds; ``api_key`` (default ``$MNEME_API_KEY``) is sent
+    as ``authorization: Bearer <key>`` on every call."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0):
-        self.channel = grpc.insecure_channel(address, options=[
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0,
+                 api_key: str | None = None):
+        import os
+        self._raw = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20)])
+        key = api_key if api_key is not None else os.environ.get("MNEME_API_KEY") or None
+        self.channel = grpc.intercept_channel(self._raw, _CallMetadata(key))
         self.timeout = timeout
         self.banks = banks_pb2_grpc.BankServiceStub(self.channel)
         self.memory = memory_pb2_grpc.MemoryServiceStub(self.channel)
         self.recall_stub = recall_pb2_grpc.RecallServiceStub(self.channel)
         self.reflect_stub = reflect_pb2_grpc.ReflectServiceStub(self.channel)
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
+        self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
 
     def __enter__(self):
         return self
@@ -74,11 +134,11 @@ class MnemeClient:
         self.close()
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw.close()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server accepts connections (raises grpc.FutureTimeoutError)."""
-        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        grpc.channel_ready_future(self._raw).result(timeout=timeout)
 
     # banks
     def upsert_bank(self, bank_id: str, display_name: str = "", **config) -> resources_pb2.Bank:
@@ -107,14 +167,34 @@ class MnemeClient:
         return self.banks.CheckLlm(banks_pb2.CheckLlmRequest(name=f"banks/{bank_id}"),
                                    timeout=self.timeout)
 
+    def bank_stats(self, bank_id: str) -> banks_pb2.BankStats:
+        """Facts, observations, entities and pending work (operations, consumer lag)."""
+        return self.banks.GetBankStats(banks_pb2.GetBankStatsRequest(name=f"banks/{bank_id}"),
+                                       timeout=self.timeout)
+
+    def list_operations(self, bank_id: str = "", page_size: int = 100):
+        """Yield operations (newest first per the catalog), of one bank or of every bank."""
+        token = ""
+        while True:
+            r = self.operations.ListOperations(operations_pb2.ListOperationsRequest(
+                parent=f"banks/{bank_id}" if bank_id else "", page_size=page_size,
+                page_token=token), timeout=self.timeout)
+            yield from r.operations
+            token = r.next_page_token
+            if not token:
+                return
+
     # memory
     def retain(self, bank_id: str, items: Iterable[Mapping | memory_pb2.RetainItem],
                async_: bool = False, timeout: float | None = None,
-               request_id: str = "") -> memory_pb2.RetainResponse:
+               request_id: str = "",
+               observation_scopes: resources_pb2.ObservationScopes | None = None
+               ) -> memory_pb2.RetainResponse:
         """Retain items (dicts with content, timestamp, context, document_id, tags, metadata).
-        ``request_id`` makes retries idempotent."""
+        ``request_id`` makes retries idempotent; ``observation_scopes`` (see
+        :func:`observation_scopes`) picks the scopes the facts consolidate into."""
         req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(i) for i in items],
-                                       request_id=request_id)
+                                       request_id=request_id, observation_scopes=observation_scopes)
         setattr(req, "async", async_)
         return self.memory.Retain(req, timeout=timeout or self.timeout)
 
@@ -150,6 +230,45 @@ class MnemeClient:
             parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens, budget=BUDGETS[budget],
             types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
             query_timestamp=dt_to_ts(query_timestamp), document_id=document_id), timeout=self.timeout)
+
+    # observations
+    def consolidate(self, bank_id: str, scopes: resources_pb2.ObservationScopes | None = None,
+                    reconsolidate: bool = False) -> operations_pb2.Operation:
+        """Consolidate pending facts (or re-derive all, ``reconsolidate``); waits."""
+        return self.memory.Consolidate(memory_pb2.ConsolidateRequest(
+            parent=f"banks/{bank_id}", observation_scopes=scopes, reconsolidate=reconsolidate),
+            timeout=self.timeout)
+
+    def clear_observations(self, bank_id: str, memory_id: str = "") -> operations_pb2.Operation:
+        return self.memory.ClearObservations(memory_pb2.ClearObservationsRequest(
+            parent=f"banks/{bank_id}", memory_id=memory_id), timeout=self.timeout)
+
+    def list_observations(self, bank_id: str, scope: Iterable[str] | None = None,
+                          page_size: int = 500):
+        """Every observation (of one exact scope when ``scope`` is not None), paged."""
+        token = ""
+        while True:
+            r = self.observations.ListObservations(observations_pb2.ListObservationsRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
+                scope=list(scope or ()), has_scope=scope is not None), timeout=self.timeout)
+            yield from r.observations
+            token = r.next_page_token
+            if not token:
+                return
+
+    def list_observation_scopes(self, bank_id: str, page_size: int = 100) -> list:
+        out, token = [], ""
+        while True:
+            r = self.observations.ListObservationScopes(observations_pb2.ListObservationScopesRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token), timeout=self.timeout)
+            out += list(r.scopes)
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def get_observation(self, bank_id: str, observation_id: str) -> resources_pb2.Observation:
+        return self.observations.GetObservation(observations_pb2.GetObservationRequest(
+            name=f"banks/{bank_id}/observations/{observation_id}"), timeout=self.timeout)
 
     def _reflect_request(self, bank_id, query, context, budget, response_schema):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,

@@ -51,6 +51,19 @@ class Settings(BaseSettings):
     kafka_connect_timeout_s: float = Field(
         default=60.0, description="How long to retry an unreachable broker at startup")
 
+    # ---- security and telemetry (mneme.auth, mneme.telemetry) ------------------------
+    auth_mode: str = Field(
+        default="open", description="open | api_key | mtls: how gRPC callers are identified")
+    api_keys_file: str = Field(
+        default="", description="Hashed API keys and their scopes (default "
+                                "$MNEME_DATA_DIR/api_keys.json; `mneme keys create`)")
+    tls_cert: str = Field(default="", description="Server certificate (PEM) for mtls")
+    tls_key: str = Field(default="", description="Server private key (PEM) for mtls")
+    tls_client_ca: str = Field(default="", description="CA (PEM) that signs client "
+                                                       "certificates for mtls")
+    metrics_port: int = Field(
+        default=9464, description="Prometheus scrape endpoint port (0: off)")
+
     def kafka_options(self) -> dict:
         """The ``kafka_*`` settings as :class:`mneme.bus.kafka_log.KafkaOptions` fields."""
         return {"replication_factor": self.kafka_replication_factor,

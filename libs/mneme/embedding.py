@@ -124,7 +124,10 @@ class OnnxEmbedder:
         Raises FileNotFoundError if the model or tokenizer package is missing."""
         if not texts:
             return []
-        return self.embed_array(texts).tolist()
+        from mneme import telemetry
+        with telemetry.span("embedding", telemetry.SpanKind.CLIENT, mneme__embedding__model=getattr(
+                self, "model_name", ""), mneme__embedding__texts=len(texts)):
+            return self.embed_array(texts).tolist()
 
     def embed_array(self, texts: Sequence[str]) -> np.ndarray:
         """Like :meth:`embed`, as a float32 array of shape (len(texts), dim)."""

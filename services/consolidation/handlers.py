@@ -1,16 +1,267 @@
-"""consolidation's handler. Observation logic (deduplicated beliefs with evidence) is
-not built yet (a later issue): the consolidation process runs its consumer group over
-``mneme.memory.v1`` and ``mneme.intake.v1`` so its offsets, lag and scaling are real,
-but this handler produces nothing."""
+"""consolidation's handler: facts → observation decisions → ``ObservationsChanged``.
+
+Consumes ``mneme.memory.v1`` (FactsExtracted, FactsRetracted, ConsolidationScheduled and
+its own ObservationsChanged) and ``mneme.intake.v1`` (bank upserts/deletes, projected into
+its own catalog in the distributed topology). Its state is :class:`ObservationStore`, a
+projection of those events alone: every decision is expressed as an ObservationsChanged
+(full observation states, consolidated / reset fact ids) that is applied to the store at
+once (so the next fact sees it) and again, as a no-op, when it comes back from the log.
+Replay (``decide=False``) applies the recorded events and decides nothing — no model.
+
+Lifecycle: a retracted memory (deleted memory or document, replaced document) deletes the
+observations it supported and resets their other sources to pending; with
+``auto_consolidate`` they are re-derived in the same event. With ``auto_consolidate`` off,
+new facts stay pending and the observations of their scopes are marked ``stale`` until a
+Consolidate request. Event ids derive from the causing event (redelivery → same ids).
+"""
 
 from __future__ import annotations
 
+import logging
+from datetime import datetime, timezone
+from typing import Callable
+
+from mneme.bus import codec
+from mneme.domain import BankConfig, derive_id
+from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
+from services.consolidation import engine
+from services.consolidation.store import ObservationStore
 
 GROUP = "consolidation"
 SOURCE = "mneme/consolidation"
+log = logging.getLogger(__name__)
+
+#: Triggers whose ObservationsChanged completes a Consolidate / ClearObservations
+#: operation (search reports it done once projected: read-your-writes).
+REQUEST_TRIGGERS = ("consolidate", "reconsolidate", "clear", "clear_memory")
 
 
-def handle(env, record: Record) -> list[OutRecord]:
-    """Consume one memory or intake event; no observations yet, so no events."""
-    return []
+class Consolidator:
+    """Decisions for one process. ``bank_config(bank_id)`` → BankConfig or None
+    (defaults); ``embedder`` embeds model-written texts; ``llm`` is the gateway or None
+    (offline); ``catalog`` (distributed) receives bank upserts from intake."""
+
+    def __init__(self, store: ObservationStore, bank_config: Callable[[str], BankConfig | None],
+                 embedder=None, llm=None, catalog=None):
+        self.store, self.bank_config = store, bank_config
+        self.embedder, self.llm, self.catalog = embedder, llm, catalog
+
+    def _config(self, bank_id: str) -> BankConfig:
+        return self.bank_config(bank_id) or BankConfig()
+
+    # ---- entry point ------------------------------------------------------------------
+
+    def handle(self, env, record: Record, decide: bool = True) -> list[OutRecord]:
+        """One event → the events it causes (none when ``decide`` is False: replay)."""
+        m = env.message
+        if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
+            if self.catalog is not None:
+                from services.search.handlers import project_banks
+                project_banks(env, record, catalog=self.catalog)
+            return []
+        if isinstance(m, ev.ObservationsChanged):
+            self.store.apply(m)
+            return []
+        at = env.time or datetime.fromtimestamp(record.timestamp or 0, tz=timezone.utc)
+        change = ev.ObservationsChanged(bank_id=getattr(m, "bank_id", ""),
+                                        operation_id=getattr(m, "operation_id", ""),
+                                        decided_by="offline")
+        if isinstance(m, ev.FactsExtracted):
+            for doc in m.replaced_document_ids:
+                ids = self.store.fact_ids_of_document(m.bank_id, doc)
+                new_ids = {f.id for f in m.facts}
+                gone = [i for i in ids if i not in new_ids]
+                if decide:
+                    self._retract(m.bank_id, gone, change, at, env.id)
+                self.store.delete_facts(m.bank_id, gone)
+            tags = {t for f in m.facts for t in f.tags}
+            spec = m.observation_scopes if m.HasField("observation_scopes") else None
+            self.store.add_facts(m.bank_id, [(f, engine.scopes_for(f.tags, spec, tags))
+                                             for f in m.facts])
+            if not decide:
+                return []
+            change.trigger = "auto"
+            ids = [f.id for f in m.facts] + list(change.reset_memory_ids)
+            if self._config(m.bank_id).auto_consolidate:
+                self._consolidate(m.bank_id, self.store.facts(m.bank_id, ids, pending=True),
+                                  change, at, env.id)
+            else:
+                self._mark_stale(m.bank_id, [s for f in m.facts for s in
+                                             engine.scopes_for(f.tags, spec, tags)], change, at)
+        elif isinstance(m, ev.FactsRetracted):
+            if m.bank_deleted:
+                self.store.delete_bank(m.bank_id)
+                return []
+            ids = list(m.memory_ids)
+            if m.document_id:
+                ids += self.store.fact_ids_of_document(m.bank_id, m.document_id)
+            if decide:
+                change.trigger = "retract"
+                self._retract(m.bank_id, ids, change, at, env.id)
+                if self._config(m.bank_id).auto_consolidate:
+                    self._consolidate(m.bank_id, self.store.facts(
+                        m.bank_id, change.reset_memory_ids, pending=True), change, at, env.id)
+            self.store.delete_facts(m.bank_id, ids)
+        elif isinstance(m, ev.ConsolidationScheduled):
+            if not decide:
+                return []
+            self._request(m, change, at, env.id)
+        else:
+            return []
+        if not (change.observations or change.consolidated_memory_ids or change.reset_memory_ids
+                or change.trigger in REQUEST_TRIGGERS):
+            return []
+        self.store.apply(change)
+        return [codec.encode(change, bank_id=change.bank_id, source=SOURCE,
+                             event_id=derive_id(env.id, "observations"), time=at,
+                             traceparent=env.traceparent)]
+
+    # ---- decisions --------------------------------------------------------------------
+
+    def _put(self, change: ev.ObservationsChanged, obs: ev.Observation) -> None:
+        for i, o in enumerate(change.observations):
+            if o.id == obs.id:
+                change.observations[i].CopyFrom(obs)
+                return
+        change.observations.append(obs)
+
+    def _retract(self, bank_id: str, ids, change, at: datetime, cause: str) -> None:
+        """Delete the observations whose evidence cites ``ids``; reset their other sources."""
+        gone = set(ids)
+        if not gone:
+            return
+        reset: set[str] = set()
+        for o in self.store.observations(bank_id).values():
+            cited = {e.memory_id for e in o.evidence}
+            if cited & gone:
+                new = engine.next_state(o, at)
+                new.deleted = True
+                new.history.add(text=o.text, at=new.updated_at, reason="evidence retracted")
+                self._put(change, new)
+                reset |= cited - gone
+        have = set(change.reset_memory_ids)
+        change.reset_memory_ids.extend(sorted(reset - have))
+        # Apply now: the re-derivation below must see the deletions and pending sources.
+        self.store.apply(ev.ObservationsChanged(bank_id=bank_id, observations=change.observations,
+                                                reset_memory_ids=change.reset_memory_ids))
+
+    def _mark_stale(self, bank_id: str, scopes, change, at: datetime) -> None:
+        keys = {engine.scope_key(s) for s in scopes}
+        for o in self.store.observations(bank_id).values():
+            if engine.scope_key(o.scope) in keys and not o.stale:
+                new = engine.next_state(o, at)
+                new.updated_at.CopyFrom(o.updated_at)  # stale is not a revision
+                new.stale = True
+                self._put(change, new)
+
+    def _consolidate(self, bank_id: str, facts, change, at: datetime, cause: str,
+                     only_scopes: set[str] | None = None) -> None:
+        """Consolidate ``facts`` [(ev.Fact, scopes)] into their scopes' observations."""
+        if not facts:
+            return
+        cfg = self._config(bank_id)
+        by_scope: dict[str, tuple[list[str], list[ev.Fact]]] = {}
+        for f, scopes in facts:
+            for s in scopes:
+                k = engine.scope_key(s)
+                if only_scopes is None or k in only_scopes:
+                    by_scope.setdefault(k, (sorted(set(s)), []))[1].append(f)
+        done: set[str] = set()
+        model = getattr(self.embedder, "model_name", "")
+        for k in sorted(by_scope):
+            scope, scope_facts = by_scope[k]
+            current = self.store.observations(bank_id, scope)
+            for o in change.observations:  # this event's earlier decisions win
+                if engine.scope_key(o.scope) == k:
+                    if o.deleted:
+                        current.pop(o.id, None)
+                    else:
+                        current[o.id] = o
+            touched: list[str] = []
+            if self.llm is not None and self.llm.configured("consolidation"):
+                try:
+                    touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause, cfg)
+                    change.decided_by = "llm"
+                except Exception as e:  # the model failed: decide offline, say so in the log
+                    log.warning("consolidation model failed (%r); deciding offline", e)
+                    touched = []
+                    self._offline(scope, scope_facts, current, change, at, cause, model, touched)
+            else:
+                self._offline(scope, scope_facts, current, change, at, cause, model, touched)
+            for o in engine.reconcile(current, touched, cfg.dedup_threshold, at):
+                self._put(change, o)
+            for o in current.values():  # the scope is consolidated now: nothing is stale
+                if o.stale and not o.deleted:
+                    new = engine.next_state(o, at)
+                    new.updated_at.CopyFrom(o.updated_at)
+                    self._put(change, new)
+            done |= {f.id for f in scope_facts}
+        have = set(change.consolidated_memory_ids)
+        change.consolidated_memory_ids.extend(sorted(done - have))
+
+    def _offline(self, scope, facts, current, change, at, cause, model, touched) -> None:
+        for f in facts:
+            new = engine.decide_offline(f, scope, current, at, cause, model)
+            if new is not None:
+                current[new.id] = new
+                self._put(change, new)
+                touched.append(new.id)
+
+    def _llm(self, bank_id, scope, facts, current, change, at, cause, cfg) -> list[str]:
+        from services.consolidation import llm as llm_decide
+        texts = {f.id: f.text for f in facts}
+        shown = llm_decide.nearest(facts, current)
+        for o in shown:
+            for f, _ in self.store.facts(bank_id, [e.memory_id for e in o.evidence]):
+                texts[f.id] = f.text
+        changed, usage = llm_decide.decide(
+            self.llm, facts, scope, current, texts, at, f"{cause}/{engine.scope_key(scope)}",
+            self.embedder.embed, getattr(self.embedder, "model_name", ""),
+            cfg.observations_mission)
+        u = change.llm_usage
+        u.model = usage.model or u.model
+        u.calls += usage.calls
+        u.input_tokens += usage.input_tokens
+        u.output_tokens += usage.output_tokens
+        u.cost_usd += usage.cost_usd
+        for o in changed:
+            if o.deleted:
+                current.pop(o.id, None)
+            else:
+                current[o.id] = o
+            self._put(change, o)
+        return [o.id for o in changed if not o.deleted]
+
+    def _request(self, m: ev.ConsolidationScheduled, change, at: datetime, cause: str) -> None:
+        change.trigger = m.action or "consolidate"
+        bank = m.bank_id
+        if m.action in ("reconsolidate", "clear"):
+            live = self.store.observations(bank)
+            for o in live.values():
+                new = engine.next_state(o, at)
+                new.deleted = True
+                new.history.add(text=o.text, at=new.updated_at, reason=f"{m.action} requested")
+                self._put(change, new)
+            change.reset_memory_ids.extend(f.id for f, _ in self.store.facts(bank))
+            self.store.apply(ev.ObservationsChanged(bank_id=bank, observations=change.observations,
+                                                    reset_memory_ids=change.reset_memory_ids))
+            if m.action == "reconsolidate":
+                self._consolidate(bank, self.store.facts(bank, pending=True), change, at, cause)
+        elif m.action == "clear_memory":
+            self._retract(bank, [m.memory_id], change, at, cause)
+            if m.memory_id not in change.reset_memory_ids:
+                change.reset_memory_ids.append(m.memory_id)
+            ids = list(change.reset_memory_ids)
+            self.store.apply(ev.ObservationsChanged(bank_id=bank, reset_memory_ids=[m.memory_id]))
+            self._consolidate(bank, self.store.facts(bank, ids, pending=True), change, at, cause)
+        else:
+            only = None
+            if m.HasField("observation_scopes") and m.observation_scopes.scopes:
+                only = {engine.scope_key(s.tags) for s in m.observation_scopes.scopes}
+            self._consolidate(bank, self.store.facts(bank, pending=True), change, at, cause, only)
+
+
+def handle(env, record: Record, *, consolidator: Consolidator, decide: bool = True) -> list[OutRecord]:
+    """The consumer's entry point (see :meth:`Consolidator.handle`)."""
+    return consolidator.handle(env, record, decide=decide)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from mneme import telemetry
 from mneme.bus import codec
 from mneme.domain import derive_id
 from mneme.events.v1 import events_pb2 as ev
@@ -23,9 +24,9 @@ log = logging.getLogger(__name__)
 def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
                   resolver=None, catalog=None) -> list[OutRecord]:
     """RetainRequested → FactsExtracted; DocumentDeleteRequested, MemoryDeleteRequested,
-    BankDeleted → FactsRetracted (routed through here so they stay ordered after the
-    bank's earlier facts). With a ``catalog`` (distributed topology) bank upserts and
-    deletes are projected into it, so the bank's extraction mode and mission are known
+    BankDeleted → FactsRetracted; ConsolidationRequested → ConsolidationScheduled (routed
+    through here so they stay ordered after the bank's earlier facts). With a ``catalog``
+    (distributed topology) bank upserts and deletes are projected into it, so the bank's extraction mode and mission are known
     before its retains (same partition, same order). Other intake events produce nothing."""
     m = env.message
     if catalog is not None and isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
@@ -39,7 +40,16 @@ def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
     if isinstance(m, ev.RetainRequested):
         # Fact ids derive from the operation, so a retried request (same request_id,
         # hence same operation) or a redelivered event yields the same ids.
-        return [out(extract(m, m.operation_id, extractor, embedder), "facts")]
+        facts = extract(m, m.operation_id, extractor, embedder)
+        if m.HasField("observation_scopes"):
+            facts.observation_scopes.CopyFrom(m.observation_scopes)
+        return [out(facts, "facts")]
+    if isinstance(m, ev.ConsolidationRequested):
+        # Through here (like deletions) so consolidation sees it after the bank's facts.
+        return [out(ev.ConsolidationScheduled(
+            bank_id=m.bank_id, operation_id=m.operation_id, action=m.action,
+            observation_scopes=m.observation_scopes if m.HasField("observation_scopes") else None,
+            memory_id=m.memory_id), "consolidation")]
     if isinstance(m, ev.DocumentDeleteRequested):
         return [out(ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
                                       document_id=m.document_id), "retract")]
@@ -59,10 +69,12 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     items = [codec.retain_item_from_pb(i) for i in m.items]
     failures: list[ev.ItemFailure] = []
     try:
-        facts = extractor.extract_many(m.bank_id, items, source_id)
+        with telemetry.span("extraction.extract", mneme__bank_id=m.bank_id,
+                            mneme__items=len(items), mneme__extractor=type(extractor).__name__):
+            facts = extractor.extract_many(m.bank_id, items, source_id)
     except ExtractionIncomplete as e:  # per-item outcomes are known: no second pass
         facts = e.facts
-        failures = [ev.ItemFailure(item_index=i, error=str(f), reason=f.reason)
+        failures = [ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
                     for i, f in sorted(e.failures.items())]
     except Exception:  # one bad item must not sink the batch: retry item by item
         log.exception("batch extraction failed; retrying per item")
@@ -75,12 +87,18 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     if facts:
         # An extractor may embed a fact with context its text leaves out (a short reply
         # with the turn it answers); the vector travels in the event, so replay reuses it.
-        texts_for = getattr(extractor, "embedding_texts", None)
+        # (A per-bank-mode extractor answers for the extractor this bank used.)
+        used = extractor.for_bank(m.bank_id) if hasattr(extractor, "for_bank") else extractor
+        texts_for = getattr(used, "embedding_texts", None)
         vectors = embedder.embed(texts_for(facts) if texts_for else [f.text for f in facts])
         for f, v in zip(facts, vectors):
             f.embedding = list(v)
     docs = sorted({i.document_id for i in items if i.document_id})
     report = getattr(extractor, "report", lambda _: None)(source_id)
+    failed = {f.item_index for f in failures}
+    no_facts = set(report.no_fact_items if report is not None else []) - failed
+    telemetry.count_retain_documents(len(items) - len(failed) - len(no_facts), len(no_facts),
+                                     len(failed))
     usage = None
     if report is not None and report.usage.calls:
         u = report.usage

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 from google.protobuf import empty_pb2
 
-from mneme import apiconv
+from mneme import apiconv, auth
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import remaining, translate_errors
 from mneme.names import bank_id_of, memory_of, operation_of
@@ -73,6 +73,20 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
                                              latency_s=c.latency_s, error=c.error)
             for c in checks])
 
+    @translate_errors
+    def GetBankStats(self, request, context):
+        from services.ingest.stats import bank_stats
+        bank_id = bank_id_of(request.name, "name")
+        self.ingest.require_bank(bank_id)  # NOT_FOUND for an unknown bank
+        st = bank_stats(bank_id, log=self.ingest.log, catalog=self.ingest.catalog,
+                        stores=getattr(self.ingest, "stores", None))
+        lag = [banks_pb2.ConsumerLag(group=g, topic=t, partition=p, lag=n)
+               for g, t, p, n in st["lag"]]
+        return banks_pb2.BankStats(
+            name=f"banks/{bank_id}", facts=st["facts"], observations=st["observations"],
+            entities=st["entities"], pending_operations=st["pending_operations"],
+            operations=st["operations"], lag=lag, pending_records=sum(x.lag for x in lag))
+
 
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     def __init__(self, ingest: Ingest):
@@ -84,7 +98,10 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         items = apiconv.retain_items_from_api(request.items, datetime.now(timezone.utc))
         op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
                                 timeout=remaining(context, self.ingest.retain_timeout_s),
-                                request_id=request.request_id)
+                                request_id=request.request_id,
+                                observation_scopes=apiconv.observation_scopes_from_api(
+                                    request.observation_scopes)
+                                if request.HasField("observation_scopes") else None)
         return memory_pb2.RetainResponse(operation=apiconv.operation_to_api(op),
                                          memory_ids=op.memory_ids)
 
@@ -102,13 +119,36 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         return apiconv.operation_to_api(op)
 
 
+    @translate_errors
+    def Consolidate(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        scopes = (apiconv.observation_scopes_from_api(request.observation_scopes)
+                  if request.HasField("observation_scopes") else None)
+        op = self.ingest.consolidate(bank_id, "reconsolidate" if request.reconsolidate else "consolidate",
+                                     scopes, wait=not getattr(request, "async"),
+                                     timeout=remaining(context, self.ingest.retain_timeout_s))
+        return apiconv.operation_to_api(op)
+
+    @translate_errors
+    def ClearObservations(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        if request.memory_id:
+            memory_of(f"banks/{bank_id}/memories/{request.memory_id}", "memory_id")
+        op = self.ingest.consolidate(bank_id, "clear_memory" if request.memory_id else "clear",
+                                     memory_id=request.memory_id, wait=not getattr(request, "async"),
+                                     timeout=remaining(context, self.ingest.retain_timeout_s))
+        return apiconv.operation_to_api(op)
+
+
 class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
     def __init__(self, ingest: Ingest):
         self.ingest = ingest
 
     @translate_errors
     def GetOperation(self, request, context):
-        return apiconv.operation_to_api(self.ingest.get_operation(operation_of(request.name)))
+        op = self.ingest.get_operation(operation_of(request.name))
+        auth.require(op.bank_id, auth.READ)  # the key must cover the operation's bank
+        return apiconv.operation_to_api(op)
 
     @translate_errors
     def ListOperations(self, request, context):

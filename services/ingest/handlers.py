@@ -51,6 +51,9 @@ def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutR
     elif isinstance(m, ev.MemoryDeleteRequested):
         catalog.put_operation(Operation(m.operation_id, m.bank_id, "delete_memory",
                                         created_at=at, updated_at=at))
+    elif isinstance(m, ev.ConsolidationRequested):
+        catalog.put_operation(Operation(m.operation_id, m.bank_id, "consolidate",
+                                        created_at=at, updated_at=at))
     elif isinstance(m, ev.OperationProgress):
         catalog.update_operation(Operation(
             m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
@@ -110,7 +113,8 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
 
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
-               timeout: float | None = None, request_id: str = "") -> Operation:
+               timeout: float | None = None, request_id: str = "",
+               observation_scopes: ev.ObservationScopes | None = None) -> Operation:
         """Append one RetainRequested for ``items``. With ``wait`` (sync), return once
         search has indexed the facts (operation terminal) or raise DeadlineExceeded.
         A ``request_id`` makes the call idempotent: the operation id derives from it,
@@ -123,7 +127,8 @@ class Ingest:
         if request_id and (known := self.catalog.get_operation(op_id)) is not None:
             return self._finish(op_id, None, bank_id, "retain", known.items_total, wait, timeout)
         msg = ev.RetainRequested(bank_id=bank_id, operation_id=op_id,
-                                 items=[codec.retain_item_to_pb(i) for i in items])
+                                 items=[codec.retain_item_to_pb(i) for i in items],
+                                 observation_scopes=observation_scopes)
         rec = self._append(msg, bank_id)
         return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
 
@@ -144,6 +149,23 @@ class Ingest:
         rec = self._append(ev.MemoryDeleteRequested(
             bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
+
+    def consolidate(self, bank_id: str, action: str = "consolidate",
+                    observation_scopes: ev.ObservationScopes | None = None, memory_id: str = "",
+                    wait: bool = True, timeout: float | None = None) -> Operation:
+        """Append a ConsolidationRequested (``action``: consolidate, reconsolidate, clear,
+        clear_memory). With ``wait``, return once search has projected the resulting
+        observations (operation kind "consolidate" succeeded) or raise DeadlineExceeded."""
+        self.require_bank(bank_id)
+        if action not in ("consolidate", "reconsolidate", "clear", "clear_memory"):
+            raise InvalidArgument("action", "unknown consolidation action")
+        if action == "clear_memory" and not memory_id:
+            raise InvalidArgument("memory_id", "required")
+        op_id = str(uuid.uuid4())
+        rec = self._append(ev.ConsolidationRequested(
+            bank_id=bank_id, operation_id=op_id, action=action,
+            observation_scopes=observation_scopes, memory_id=memory_id), bank_id)
+        return self._finish(op_id, rec, bank_id, "consolidate", 0, wait, timeout)
 
     def _finish(self, op_id, rec, bank_id, kind, total, wait, timeout) -> Operation:
         timeout = timeout or self.retain_timeout_s

@@ -32,7 +32,9 @@ class RemoteRecall:
     anything else (search down) → Unavailable. ``timeout``: seconds per call."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
-        self.channel = grpc.insecure_channel(address)
+        from mneme.client import api_channel
+        # MNEME_API_KEY: reflect's own key for search when search checks keys.
+        self.channel = api_channel(address)
         self.stub = recall_pb2_grpc.RecallServiceStub(self.channel)
         self.timeout = timeout
 

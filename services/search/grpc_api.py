@@ -1,4 +1,5 @@
-"""search's gRPC servicer: Recall, GetMemory, ListMemories."""
+"""search's gRPC servicers: RecallService (Recall, GetMemory, ListMemories) and
+ObservationService (ListObservationScopes, ListObservations, GetObservation)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import dt_to_ts, translate_errors, ts_to_dt
 from mneme.names import bank_id_of, memory_of
 from mneme.ports import VectorStore
-from mneme.v1 import memory_pb2, recall_pb2, recall_pb2_grpc
-from services.search import reads
+from mneme.v1 import memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2, recall_pb2_grpc
+from services.search import observations, reads
 
 _ARMS = ("semantic", "keyword", "graph", "temporal")
 
@@ -73,13 +74,50 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
     @translate_errors
     def ListMemories(self, request, context):
         bank_id = self._bank(request.parent)
-        filters = Filters(types=apiconv.types_from_api(request.types), document_id=request.document_id)
+        filters = Filters(types=apiconv.types_from_api(request.types) or observations.DEFAULT_TYPES,
+                          document_id=request.document_id)
         facts, token = reads.list_memories(self.vectors, bank_id, request.page_size,
                                            request.page_token, filters)
         return memory_pb2.ListMemoriesResponse(memories=[apiconv.memory_to_api(f) for f in facts],
                                                next_page_token=token)
 
 
+class ObservationServicer(observations_pb2_grpc.ObservationServiceServicer):
+    """Observation reads from the vector store (see :mod:`services.search.observations`)."""
+
+    def __init__(self, recall_servicer: RecallServicer):
+        self.rs = recall_servicer
+
+    @translate_errors
+    def ListObservationScopes(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        scopes, token = observations.list_scopes(self.rs.vectors, bank_id, request.page_size,
+                                                 request.page_token)
+        return observations_pb2.ListObservationScopesResponse(
+            scopes=[observations_pb2.ObservationScope(tags=t, observations=n) for t, n in scopes],
+            next_page_token=token)
+
+    @translate_errors
+    def ListObservations(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        obs, token = observations.list_observations(
+            self.rs.vectors, bank_id, request.page_size, request.page_token,
+            list(request.scope) if request.has_scope or request.scope else None)
+        return observations_pb2.ListObservationsResponse(
+            observations=[observations.to_api(o) for o in obs], next_page_token=token)
+
+    @translate_errors
+    def GetObservation(self, request, context):
+        parts = (request.name or "").split("/")
+        if len(parts) != 4 or parts[0] != "banks" or parts[2] != "observations" or not parts[3]:
+            raise InvalidArgument("name", "must be 'banks/{bank_id}/observations/{observation_id}'")
+        bank_id = self.rs._bank(f"banks/{parts[1]}", "name")
+        return observations.to_api(observations.get_observation(self.rs.vectors, bank_id, parts[3]))
+
+
 def register(server, servicer: RecallServicer) -> list[str]:
     recall_pb2_grpc.add_RecallServiceServicer_to_server(servicer, server)
-    return [recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name]
+    observations_pb2_grpc.add_ObservationServiceServicer_to_server(
+        ObservationServicer(servicer), server)
+    return [recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name,
+            observations_pb2.DESCRIPTOR.services_by_name["ObservationService"].full_name]

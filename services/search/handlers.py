@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mneme import telemetry
 from mneme.bus import codec
 from mneme.domain import derive_id
 from mneme.events.v1 import events_pb2 as ev
@@ -27,21 +28,31 @@ class Projections:
     def all(self):
         return (self.vectors, self.text, self.graph)
 
+    def each(self, op: str, bank_id: str):
+        """(store, span) for every store: one ``store.<op>`` span around each write."""
+        for kind, s in (("vector", self.vectors), ("text", self.text), ("graph", self.graph)):
+            with telemetry.span(f"store.{op} {kind}", mneme__store=kind,
+                                mneme__store_class=type(s).__name__, mneme__bank_id=bank_id):
+                yield s
+
     def reset(self) -> None:
         for s in self.all():
             s.reset()
 
 
 def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecord]:
-    """Apply FactsExtracted / FactsRetracted to every store; emit the operation's progress."""
+    """Apply FactsExtracted / FactsRetracted to every store, ObservationsChanged to the
+    vector store (observations are units with fact_type "observation"); emit the
+    operation's progress (for ObservationsChanged only when it completes a Consolidate /
+    ClearObservations request)."""
     m = env.message
     if isinstance(m, ev.FactsExtracted):
         for doc in m.replaced_document_ids:
-            for s in stores.all():
+            for s in stores.each("delete", m.bank_id):
                 s.delete_where(m.bank_id, doc)
         facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
         if facts:
-            for s in stores.all():
+            for s in stores.each("upsert", m.bank_id):
                 s.upsert(facts)
         failed = {f.item_index for f in m.failures}
         state = "failed" if failed and len(failed) == m.items_total else "succeeded"
@@ -52,19 +63,27 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
             memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items))
     elif isinstance(m, ev.FactsRetracted):
         if m.bank_deleted:
-            for s in stores.all():
+            for s in stores.each("delete", m.bank_id):
                 s.delete_where(m.bank_id, None)
         if m.document_id:
-            for s in stores.all():
+            for s in stores.each("delete", m.bank_id):
                 s.delete_where(m.bank_id, m.document_id)
         if m.memory_ids:
-            for s in stores.all():
+            for s in stores.each("delete", m.bank_id):
                 s.delete(m.bank_id, list(m.memory_ids))
         if not m.operation_id:
             return []
         kind = "delete_document" if m.document_id else "delete_memory"
         progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                         kind=kind, state="succeeded")
+    elif isinstance(m, ev.ObservationsChanged):
+        from services.search.observations import project_observations
+        project_observations(m, stores.vectors)
+        from services.consolidation.handlers import REQUEST_TRIGGERS
+        if not (m.operation_id and m.trigger in REQUEST_TRIGGERS):
+            return []
+        progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                        kind="consolidate", state="succeeded")
     else:
         return []
     return [codec.encode(progress, bank_id=m.bank_id, source=SOURCE,

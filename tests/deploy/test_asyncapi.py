@@ -99,7 +99,7 @@ def test_topology_matches_the_codec():
     assert produced == set(TOPIC_OF_TYPE), "every event type has a producer"
 
 
-def test_topology_matches_the_services_wiring():
+def test_topology_matches_the_services_wiring(tmp_path):
     """Each service's consumer groups and their topics, as mneme.bootstrap builds them
     for the distributed topology, are the ones the document describes."""
     from unittest import mock
@@ -116,6 +116,7 @@ def test_topology_matches_the_services_wiring():
     for service in bootstrap.SERVICES:
         root = FakeRoot()
         root.settings.search_address = "search:50051"
+        root.data_dir = tmp_path  # builders may put local state under it
         with mock.patch("services.reflect.remote.RemoteRecall", mock.MagicMock()), \
                 mock.patch("services.extraction.offline.OfflineExtractor", mock.MagicMock()), \
                 mock.patch("mneme.nlp.QueryAnalyzer", mock.MagicMock()), \

@@ -31,7 +31,8 @@ class Server:
 
     def __init__(self, data_dir: Path, port: int | None = None, env: dict | None = None):
         self.data_dir = data_dir
-        self.env = env or {}
+        # No Prometheus endpoint unless a test asks for one (parallel servers, one port).
+        self.env = {"MNEME_METRICS_PORT": "0", **(env or {})}
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

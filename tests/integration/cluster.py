@@ -30,7 +30,8 @@ class Cluster:
                 "MNEME_BUS_URL": self.bus_url, "MNEME_DATA_DIR": str(self.root / service),
                 "MNEME_GRPC_ADDRESS": self.address[service],
                 "MNEME_SEARCH_ADDRESS": self.address["search"],
-                "MNEME_SHUTDOWN_GRACE_S": "2", "MNEME_HEALTH_INTERVAL_S": "1"}
+                "MNEME_SHUTDOWN_GRACE_S": "2", "MNEME_HEALTH_INTERVAL_S": "1",
+                "MNEME_METRICS_PORT": "0"}
 
     def start(self, *services: str, timeout: float = 120) -> "Cluster":
         services = services or SERVICES

@@ -43,7 +43,8 @@ def test_retain_and_reflect_through_a_model(stub, server):
                       {"name": "Sweden", "type": "place"}], "caused_by": []}]}),
         match="support group yesterday")
     with server.client() as m:
-        m.upsert_bank("llm")
+        # no observations: the scripted citation [m1] must be the fact recall shows
+        m.upsert_bank("llm", auto_consolidate=False)
         r = m.retain("llm", [{"content": "Caroline: I went to a LGBTQ support group yesterday. "
                                          "I moved from Sweden in 2015.", "timestamp": TS}])
         assert r.operation.state == 3 and r.operation.facts == 2

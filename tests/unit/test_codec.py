@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from mneme.bus import INTAKE, MEMORY, PROGRESS, REFLECT
+from mneme.bus import AUDIT, INTAKE, MEMORY, PROGRESS, REFLECT
 from mneme.bus import codec
 from mneme.domain import BankConfig, EntityRef, Fact, Link, RetainItem, derive_id
 from mneme.events.v1 import events_pb2 as ev
@@ -62,6 +62,19 @@ def sample_events() -> list:
                              memory_ids=["m1"]),
         ev.ReflectionRecorded(bank_id="b1", query="why?", answer="because", based_on=["m1"],
                               extractive=True),
+        ev.AuditRecorded(method="/mneme.v1.BankService/DeleteBank", bank_id="b1",
+                         principal="key:k1", access="write", outcome="allowed", status="OK",
+                         peer="ipv4:127.0.0.1:5000"),
+        ev.ConsolidationRequested(bank_id="b1", operation_id="op4", action="consolidate",
+                                  observation_scopes=ev.ObservationScopes(
+                                      mode="explicit", scopes=[ev.ScopeTags(tags=["a"])])),
+        ev.ConsolidationScheduled(bank_id="b1", operation_id="op4", action="clear_memory",
+                                  memory_id="m1"),
+        ev.ObservationsChanged(bank_id="b1", operation_id="op4", trigger="consolidate",
+                               consolidated_memory_ids=["m1"], observations=[ev.Observation(
+                                   id="o1", text="Alice likes tea", scope=["a"], proof_count=1,
+                                   evidence=[ev.Evidence(memory_id="m1", quote="likes tea")],
+                                   embedding=[0.5, 0.25], version=2)]),
     ]
 
 
@@ -70,6 +83,9 @@ EXPECTED_TOPIC = {
     "DocumentDeleteRequested": INTAKE, "MemoryDeleteRequested": INTAKE,
     "FactsExtracted": MEMORY, "FactsRetracted": MEMORY,
     "OperationProgress": PROGRESS, "ReflectionRecorded": REFLECT,
+    "AuditRecorded": AUDIT,
+    "ConsolidationRequested": INTAKE, "ConsolidationScheduled": MEMORY,
+    "ObservationsChanged": MEMORY,
 }
 
 
@@ -92,7 +108,8 @@ def test_every_event_type_round_trips(msg):
 
 
 def test_topic_map_covers_every_top_level_event():
-    nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure"}
+    nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure", "LlmUsage",
+              "ObservationScopes", "ScopeTags", "Evidence", "ObservationRevision", "Observation"}
     names = set(ev.DESCRIPTOR.message_types_by_name) - nested
     assert {t.removeprefix(codec.TYPE_PREFIX) for t in codec.TOPIC_OF_TYPE} == names
     assert set(EXPECTED_TOPIC) == names

@@ -8,6 +8,7 @@ Topics (DESIGN §3), each keyed by ``bank_id`` so one bank's events stay in orde
 ``mneme.progress.v1`` operation progress, projection watermarks
 ``mneme.reflect.v1``  reflections (audit)
 ``mneme.dlq.v1``      events that failed after retries, with the error
+``mneme.audit.v1``    bank deletions, key use and refused requests (audit)
 ====================  =========================================================
 
 Adapters are chosen by URL with :func:`open_event_log`; the embedded one is
@@ -28,8 +29,9 @@ MEMORY = "mneme.memory.v1"
 PROGRESS = "mneme.progress.v1"
 REFLECT = "mneme.reflect.v1"
 DLQ = "mneme.dlq.v1"
+AUDIT = "mneme.audit.v1"
 
-ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ)
+ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
 
 #: Partitions of a topic a consumer or producer creates when it finds none
 #: (Kafka's ``auto.create.topics.enable`` with ``num.partitions``).
@@ -37,7 +39,8 @@ DEFAULT_PARTITIONS = 4
 
 #: Default partition counts. The DLQ has one partition: it is low volume and read by
 #: humans, so one total order is more useful than parallelism.
-TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1}
+TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1,
+                                   AUDIT: 1}
 
 _M32 = 0xFFFFFFFF
 

@@ -38,7 +38,8 @@ from faststream import FastStream
 from faststream.kafka import KafkaBroker
 from faststream.specification import AsyncAPI
 
-from mneme.bus import ALL_TOPICS, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, TOPIC_PARTITIONS
+from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT,
+                       TOPIC_PARTITIONS)
 from mneme.bus.codec import CONTENT_TYPE, SPECVERSION, TOPIC_OF_TYPE, TYPE_PREFIX
 from mneme.events.v1 import events_pb2
 
@@ -48,8 +49,9 @@ SERVER = "kafka:9092"
 PROTO_FILE = "proto/mneme/events/v1/events.proto"
 
 _INTAKE_ALL = ("BankUpserted", "BankDeleted", "RetainRequested", "DocumentDeleteRequested",
-               "MemoryDeleteRequested")
-_MEMORY_ALL = ("FactsExtracted", "FactsRetracted")
+               "MemoryDeleteRequested", "ConsolidationRequested")
+_MEMORY_ALL = ("FactsExtracted", "FactsRetracted", "ConsolidationScheduled",
+               "ObservationsChanged")
 
 #: Per service: its consumer groups (group → topic → the event types it acts on; it skips
 #: the others) and what it produces (topic → event types), as :mod:`mneme.bootstrap` wires
@@ -57,28 +59,31 @@ _MEMORY_ALL = ("FactsExtracted", "FactsRetracted")
 TOPOLOGY: dict[str, dict[str, dict]] = {
     "ingest": {
         "groups": {"ingest": {INTAKE: _INTAKE_ALL, PROGRESS: ("OperationProgress",)}},
-        "produces": {INTAKE: _INTAKE_ALL},
+        "produces": {INTAKE: _INTAKE_ALL, AUDIT: ("AuditRecorded",)},
     },
     "extraction": {
         "groups": {"extraction": {INTAKE: ("RetainRequested", "DocumentDeleteRequested",
-                                           "MemoryDeleteRequested", "BankDeleted")}},
-        "produces": {MEMORY: _MEMORY_ALL},
+                                           "MemoryDeleteRequested", "BankDeleted",
+                                           "ConsolidationRequested")}},
+        "produces": {MEMORY: ("FactsExtracted", "FactsRetracted", "ConsolidationScheduled")},
     },
     "search": {
-        "groups": {"search": {MEMORY: _MEMORY_ALL},
+        "groups": {"search": {MEMORY: ("FactsExtracted", "FactsRetracted",
+                                       "ObservationsChanged")},
                    # search's own bank catalog (NOT_FOUND for unknown banks)
                    "search-catalog": {INTAKE: ("BankUpserted", "BankDeleted")}},
-        "produces": {PROGRESS: ("OperationProgress",)},
+        "produces": {PROGRESS: ("OperationProgress",), AUDIT: ("AuditRecorded",)},
     },
     "reflect": {
         "groups": {},
-        "produces": {REFLECT: ("ReflectionRecorded",)},
+        "produces": {REFLECT: ("ReflectionRecorded",), AUDIT: ("AuditRecorded",)},
     },
     "consolidation": {
-        # Observations are their own issue: the group reads both topics (real offsets,
-        # lag and scaling) and produces nothing yet.
-        "groups": {"consolidation": {MEMORY: (), INTAKE: ()}},
-        "produces": {},
+        # Bank configs come from intake (distributed: its own catalog); facts, retractions
+        # and consolidation commands from memory, where its own decisions also return
+        # (they rebuild its observation projection on replay).
+        "groups": {"consolidation": {MEMORY: _MEMORY_ALL, INTAKE: ("BankUpserted", "BankDeleted")}},
+        "produces": {MEMORY: ("ObservationsChanged",), PROGRESS: ("OperationProgress",)},
     },
 }
 
@@ -94,11 +99,15 @@ def consumed_types(group: str, topic: str) -> tuple[str, ...]:
 
 
 TOPIC_DESCRIPTIONS = {
-    INTAKE: "What users asked: bank upserts and deletes, retains, deletions.",
+    INTAKE: "What users asked: bank upserts and deletes, retains, deletions, consolidation "
+            "requests.",
     MEMORY: "What the system derived: extracted facts (with entities, times, links and "
-            "embedding vectors) and retractions.",
+            "embedding vectors), retractions, scheduled consolidations and observation "
+            "changes (full observation state).",
     PROGRESS: "Operation progress and projection watermarks (read-your-writes).",
     REFLECT: "Reflections, for audit.",
+    AUDIT: "Audit trail of the gRPC APIs: bank deletions, writes made with an API key and "
+           "requests refused (no key, or a key without the bank or the write scope).",
     DLQ: "Records that failed after retries: the original key, value and headers, plus "
          "`dlq_*` headers naming the source topic, partition, offset, consumer group and "
          "the error.",

@@ -36,7 +36,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from mneme.bus import INTAKE, MEMORY, PROGRESS, REFLECT
+from mneme import telemetry
+from mneme.bus import AUDIT, INTAKE, MEMORY, PROGRESS, REFLECT
 from mneme.domain import BankConfig, EntityRef, Fact, Link, RetainItem, utc
 from mneme.events.v1 import events_pb2
 from mneme.ports import OutRecord, Record
@@ -50,10 +51,13 @@ TOPIC_OF_TYPE: dict[str, str] = {
     TYPE_PREFIX + m.DESCRIPTOR.name: topic
     for topic, messages in (
         (INTAKE, (events_pb2.BankUpserted, events_pb2.BankDeleted, events_pb2.RetainRequested,
-                  events_pb2.DocumentDeleteRequested, events_pb2.MemoryDeleteRequested)),
-        (MEMORY, (events_pb2.FactsExtracted, events_pb2.FactsRetracted)),
+                  events_pb2.DocumentDeleteRequested, events_pb2.MemoryDeleteRequested,
+                  events_pb2.ConsolidationRequested)),
+        (MEMORY, (events_pb2.FactsExtracted, events_pb2.FactsRetracted,
+                  events_pb2.ConsolidationScheduled, events_pb2.ObservationsChanged)),
         (PROGRESS, (events_pb2.OperationProgress,)),
         (REFLECT, (events_pb2.ReflectionRecorded,)),
+        (AUDIT, (events_pb2.AuditRecorded,)),
     )
     for m in messages
 }
@@ -129,6 +133,9 @@ def encode(event_msg: Message, *, bank_id: str, source: str, event_id: str | Non
         "ce_subject": bank_id,
         "content-type": CONTENT_TYPE,
     }
+    # Inside a span (the gRPC call, the consumer's span of the causing record) the event
+    # continues that span's trace; otherwise the given context is passed on as it is.
+    traceparent = telemetry.current_traceparent() or traceparent
     if traceparent:
         headers["traceparent"] = traceparent
     return OutRecord(topic=topic, key=bank_id, value=event_msg.SerializeToString(),

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from google.protobuf.message import Message
 
+from mneme import telemetry
 from mneme.bus import DLQ, StaleCommitError, default_partitions
 from mneme.bus.codec import Envelope, decode, format_time
 from mneme.ports import EventLog, OutRecord, Record
@@ -192,6 +193,7 @@ class Consumer:
         self._thread: threading.Thread | None = None
         self._topics_ready = False
         self._member = None
+        telemetry.track_consumer(self)  # mneme.consumer.lag while it runs
 
     # ---- membership --------------------------------------------------------------
 
@@ -420,7 +422,10 @@ class Consumer:
         return handled
 
     def _call(self, env: Envelope, rec: Record) -> list[OutRecord]:
-        result = self.handler(env, rec)
+        # A span per record, child of the record's traceparent: what the handler appends
+        # (its outputs, encoded inside the span) carries this span's context onwards.
+        with telemetry.consume_span(self.group, rec, env):
+            result = self.handler(env, rec)
         outs = list(result or [])
         for o in outs:  # a bad output must fail the handler, not the commit, forever
             if not isinstance(o, OutRecord):
@@ -453,6 +458,7 @@ class Consumer:
         """The DLQ copy of ``rec`` (a one-element list); [] for a record read from the
         DLQ itself, so a failing DLQ reader cannot feed the DLQ forever."""
         self.stats["dead_lettered"] += 1
+        telemetry.count_dead_letter(self.group, rec.topic)
         if rec.topic == self.dlq_topic:
             log.error("consumer %s: dropping dead letter %s[%d]@%d after %d attempts: %r",
                       self.group, rec.topic, rec.partition, rec.offset, attempts, exc)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from mneme import telemetry
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.llm.settings import Endpoint, LlmSettings
@@ -262,11 +263,15 @@ class LlmGateway:
         while True:
             t0 = time.monotonic()
             try:
-                if hold:
-                    with self._sem:
+                with telemetry.span(f"llm {operation}", telemetry.SpanKind.CLIENT,
+                                    gen_ai__operation__name=operation,
+                                    gen_ai__request__model=ep.model,
+                                    mneme__llm__attempt=attempt + 1):
+                    if hold:
+                        with self._sem:
+                            result = fn(timeout)
+                    else:
                         result = fn(timeout)
-                else:
-                    result = fn(timeout)
                 usage.calls += 1
                 usage.latency_s += time.monotonic() - t0
                 return result, usage

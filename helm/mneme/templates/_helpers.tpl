@@ -1,0 +1,171 @@
+{{/* Names and labels of the mneme chart. */}}
+
+{{- define "mneme.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "mneme.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mneme.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Common labels. */}}
+{{- define "mneme.labels" -}}
+helm.sh/chart: {{ include "mneme.chart" . }}
+app.kubernetes.io/name: {{ include "mneme.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mneme
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "ingest"). */}}
+{{- define "mneme.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mneme.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "mneme.componentLabels" -}}
+helm.sh/chart: {{ include "mneme.chart" .root }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: mneme
+{{ include "mneme.selectorLabels" . }}
+{{- end -}}
+
+{{/* Name of one component's objects: <fullname>-<component>. */}}
+{{- define "mneme.componentName" -}}
+{{- printf "%s-%s" (include "mneme.fullname" .root) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "mneme.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "mneme.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mneme.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "mneme.secretName" -}}
+{{- default (include "mneme.fullname" .) .Values.existingSecret -}}
+{{- end -}}
+
+{{- define "mneme.authSecretName" -}}
+{{- default (printf "%s-auth" (include "mneme.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "mneme.authEnabled" -}}
+{{- if or .Values.auth.apiKeys .Values.auth.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* Dependency URLs: the bundled StatefulSet's when enabled, else the external one. */}}
+{{- define "mneme.kafkaUrl" -}}
+{{- if .Values.kafka.enabled -}}
+{{- printf "kafka://%s-kafka:9092" (include "mneme.fullname" .) -}}
+{{- else -}}
+{{- required "externalKafka.url is required (or kafka.enabled=true)" .Values.externalKafka.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mneme.qdrantUrl" -}}
+{{- if .Values.qdrant.enabled -}}
+{{- printf "http://%s-qdrant:6333" (include "mneme.fullname" .) -}}
+{{- else -}}
+{{- required "externalQdrant.url is required (or qdrant.enabled=true)" .Values.externalQdrant.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mneme.opensearchUrl" -}}
+{{- if .Values.opensearch.enabled -}}
+{{- printf "http://%s-opensearch:9200" (include "mneme.fullname" .) -}}
+{{- else -}}
+{{- required "externalOpenSearch.url is required (or opensearch.enabled=true)" .Values.externalOpenSearch.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "mneme.neo4jUrl" -}}
+{{- if .Values.neo4j.enabled -}}
+{{- printf "bolt://neo4j:%s@%s-neo4j:7687" (.Values.neo4j.password | urlquery) (include "mneme.fullname" .) -}}
+{{- else if .Values.externalNeo4j.password -}}
+{{- printf "bolt://%s:%s@%s" (.Values.externalNeo4j.user | urlquery) (.Values.externalNeo4j.password | urlquery) .Values.externalNeo4j.host -}}
+{{- else -}}
+{{- printf "bolt://%s" .Values.externalNeo4j.host -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod-level parts every mneme container shares: env sources and mounts. */}}
+{{- define "mneme.envFrom" -}}
+- configMapRef:
+    name: {{ include "mneme.fullname" . }}
+- secretRef:
+    name: {{ include "mneme.secretName" . }}
+{{- end -}}
+
+{{- define "mneme.checksums" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
+{{- end -}}
+
+{{/* Volumes every mneme pod has besides its data dir: /tmp and the API-keys file. */}}
+{{- define "mneme.commonVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if include "mneme.authEnabled" . }}
+- name: auth
+  secret:
+    secretName: {{ include "mneme.authSecretName" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "mneme.commonMounts" -}}
+- name: data
+  mountPath: /var/lib/mneme
+- name: tmp
+  mountPath: /tmp
+{{- if include "mneme.authEnabled" . }}
+- name: auth
+  mountPath: /etc/mneme/auth
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by Deployments and Jobs. */}}
+{{- define "mneme.podCommon" -}}
+serviceAccountName: {{ include "mneme.serviceAccountName" . }}
+automountServiceAccountToken: {{ .Values.serviceAccount.automountToken }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,276 @@
+"""Observation decisions without a model (DESIGN §1 Observation, issue 5).
+
+Pure functions over ``mneme.events.v1`` messages: a fact (``ev.Fact``, with its
+embedding and entities) is compared with the observations (``ev.Observation``) of its
+scope and either reinforces one, revises one, creates one, or is left alone. Every
+decision returns new observation *states* (version + 1); the caller emits them as
+``ObservationsChanged`` and never mutates a stored state in place.
+
+Offline thresholds (cosine of all-MiniLM-L6-v2 vectors, measured on LoCoMo turns and the
+issue's examples; paraphrases of one statement score 0.75–0.95, different statements
+about the same person 0.3–0.6):
+
+* :data:`REINFORCE_SIM` 0.80 — a compatible fact at or above it reinforces the nearest
+  observation (evidence appended, text kept);
+* :data:`REVISE_SIM` 0.70 — a fact at or above it that *conflicts* (a different number,
+  a flipped negation) with an observation sharing its named entities revises it: the new
+  text replaces the old, the old text goes to ``history`` ("was …, now …");
+* below both: a new observation.
+
+"Compatible" (:func:`compatible`): same numbers, same polarity, same proper names. The
+same test keeps near-duplicates apart in :func:`reconcile` (bank ``dedup_threshold``).
+Counts are never computed: text only ever comes from a source fact (offline) or from
+the model with :func:`invented_numbers` rejecting numbers no source states.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Iterable, Sequence
+
+import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from mneme.domain import derive_id
+from mneme.events.v1 import events_pb2 as ev
+
+REINFORCE_SIM = 0.80
+REVISE_SIM = 0.70
+#: Facts shorter than this (in words) or questions are not beliefs: left alone.
+MIN_WORDS = 3
+#: Longest evidence quote (characters); quotes are verbatim substrings of the memory.
+MAX_QUOTE = 300
+
+_NUM_WORDS = {"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+              "ten", "eleven", "twelve", "dozen", "hundred", "thousand", "million",
+              "once", "twice", "first", "second", "third"}
+_NEG = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without",
+        "cannot", "n't", "dont", "doesnt", "didnt", "isnt", "wasnt", "arent", "werent",
+        "wont", "hasnt", "havent", "hadnt", "anymore", "longer"}
+_NOT_NAMES = {"I", "The", "A", "An", "My", "We", "She", "He", "It", "They", "This", "That",
+              "Yes", "No", "Oh", "Wow", "Thanks", "Hey", "Hi", "So", "But", "And", "Our",
+              "Your", "You", "His", "Her", "Their", "Its", "What", "When", "Where", "Why",
+              "How", "Who", "Also", "Now", "Then", "Well", "Sure", "Yeah", "Just", "In",
+              "On", "At", "For", "Of", "As", "If", "Is", "Was", "Do", "Did", "Not", "Was"}
+
+
+def scope_key(tags: Iterable[str]) -> str:
+    """Canonical key of a scope (a tag set): JSON of the sorted, deduplicated tags."""
+    return json.dumps(sorted(set(tags)))
+
+
+def scopes_for(fact_tags: Sequence[str], spec: ev.ObservationScopes | None,
+               all_tags: Iterable[str] = ()) -> list[list[str]]:
+    """The scopes (sorted tag lists) a fact with ``fact_tags`` consolidates into under
+    ``spec`` (see ``ev.ObservationScopes.mode``); ``all_tags`` are the tags of every
+    fact of the request (for "combined"). Unknown modes act as "exact"."""
+    mode = spec.mode if spec is not None else ""
+    if mode == "shared":
+        return [[]]
+    if mode == "per_tag":
+        return [[t] for t in sorted(set(fact_tags))] or [[]]
+    if mode == "combined":
+        return [sorted(set(all_tags))]
+    if mode == "explicit" and spec.scopes:
+        out = {scope_key(s.tags): sorted(set(s.tags)) for s in spec.scopes}
+        return [out[k] for k in sorted(out)]
+    return [sorted(set(fact_tags))]
+
+
+# ---- text signatures -------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[A-Za-z0-9']+", text)
+
+
+def numbers(text: str) -> set[str]:
+    """Numbers a text states: digit runs and number words (lowercased)."""
+    out = set(re.findall(r"\d+(?:\.\d+)?", text))
+    out |= {w.lower() for w in _words(text) if w.lower() in _NUM_WORDS}
+    return out
+
+
+def negated(text: str) -> bool:
+    """Whether the text contains a negation ("not", "never", "n't", "no longer", …)."""
+    low = text.lower().replace("\u2019", "'")
+    if "n't" in low:
+        return True
+    return any(w in _NEG for w in re.findall(r"[a-z']+", low))
+
+
+def proper_names(text: str) -> set[str]:
+    """Capitalised words that are not sentence-starting function words (a cheap named-
+    entity signature that needs no model and is deterministic)."""
+    return {w for w in re.findall(r"\b[A-Z][a-zA-Z]+\b", text) if w not in _NOT_NAMES}
+
+
+def compatible(a: str, b: str) -> bool:
+    """Two texts may describe one belief: same numbers, same polarity, same names.
+    Texts that differ in a number, a negation or a named entity are kept apart."""
+    return (numbers(a) == numbers(b) and negated(a) == negated(b)
+            and proper_names(a) == proper_names(b))
+
+
+def invented_numbers(text: str, sources: Iterable[str]) -> set[str]:
+    """Numbers in ``text`` that no source states (the model computed or guessed them)."""
+    stated: set[str] = set()
+    for s in sources:
+        stated |= numbers(s)
+    return numbers(text) - stated
+
+
+def quote_of(memory_text: str) -> str:
+    """The evidence quote of a memory: its first sentence, at most :data:`MAX_QUOTE`
+    characters — always a verbatim substring of ``memory_text``."""
+    t = memory_text.strip()
+    m = re.search(r"(?<=[.!?])\s", t)
+    q = t[:m.start()] if m and m.start() >= 20 else t
+    return q[:MAX_QUOTE]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine of two vectors (0.0 when either is empty or zero)."""
+    if not len(a) or not len(b) or len(a) != len(b):
+        return 0.0
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    na, nb = float(np.linalg.norm(x)), float(np.linalg.norm(y))
+    return float(x @ y) / (na * nb) if na and nb else 0.0
+
+
+def worth_keeping(fact: ev.Fact) -> bool:
+    """Offline default rule of what is worth an observation: a statement (not a
+    question) of at least :data:`MIN_WORDS` words."""
+    text = fact.text.strip()
+    return len(_words(text)) >= MIN_WORDS and not text.endswith("?")
+
+
+# ---- state changes ---------------------------------------------------------------------
+
+
+def _ts(at: datetime) -> Timestamp:
+    t = Timestamp()
+    t.FromDatetime(at)
+    return t
+
+
+def _names_overlap(fact: ev.Fact, obs: ev.Observation) -> bool:
+    a = {e.id for e in fact.entities if e.label != "CONCEPT"}
+    b = {e.id for e in obs.entities if e.label != "CONCEPT"}
+    return not a or not b or bool(a & b)
+
+
+def next_state(obs: ev.Observation, at: datetime) -> ev.Observation:
+    """A copy of ``obs`` as the next version, stamped ``updated_at = at``."""
+    new = ev.Observation()
+    new.CopyFrom(obs)
+    new.version = obs.version + 1
+    new.updated_at.CopyFrom(_ts(at))
+    new.stale = False
+    return new
+
+
+def add_evidence(obs: ev.Observation, memory_id: str, quote: str) -> None:
+    """Append evidence (skipping an identical pair) and recount ``proof_count`` as the
+    number of distinct source memories."""
+    if not any(e.memory_id == memory_id and e.quote == quote for e in obs.evidence):
+        obs.evidence.add(memory_id=memory_id, quote=quote)
+    obs.proof_count = len({e.memory_id for e in obs.evidence})
+
+
+def add_entities(obs: ev.Observation, entities) -> None:
+    have = {e.id for e in obs.entities}
+    for e in entities:
+        if e.id not in have:
+            obs.entities.add(id=e.id, name=e.name, label=e.label)
+            have.add(e.id)
+
+
+def revise(obs: ev.Observation, text: str, at: datetime, reason: str) -> None:
+    """Replace the text, keeping the old one in ``history`` (never a silent overwrite)."""
+    if text == obs.text:
+        return
+    obs.history.add(text=obs.text, at=_ts(at), reason=reason)
+    obs.text = text
+
+
+def create(fact: ev.Fact, scope: list[str], at: datetime, cause: str, model: str,
+           text: str | None = None, embedding: Sequence[float] | None = None) -> ev.Observation:
+    """A new observation backed by ``fact``; its id derives from the causing event
+    (``cause``), the fact and the scope, so redelivery and replay give the same id."""
+    obs = ev.Observation(
+        id=derive_id(cause, "observation", fact.id, scope_key(scope)), text=text or fact.text,
+        scope=scope, created_at=_ts(at), updated_at=_ts(at), version=1,
+        embedding=list(embedding if embedding is not None else fact.embedding),
+        embedding_model=model)
+    add_evidence(obs, fact.id, quote_of(fact.text))
+    add_entities(obs, fact.entities)
+    return obs
+
+
+def decide_offline(fact: ev.Fact, scope: list[str], current: dict[str, ev.Observation],
+                   at: datetime, cause: str, model: str) -> ev.Observation | None:
+    """The offline decision for one fact in one scope; ``current`` (id → state, this
+    scope, not deleted) is read, not changed. Returns the new or changed observation, or
+    None when the fact is left alone."""
+    if not worth_keeping(fact):
+        return None
+    best, best_sim = None, -1.0
+    for obs in sorted(current.values(), key=lambda o: o.id):
+        sim = cosine(fact.embedding, obs.embedding)
+        if sim > best_sim:
+            best, best_sim = obs, sim
+    if best is not None and _names_overlap(fact, best):
+        same = compatible(fact.text, best.text)
+        if same and best_sim >= REINFORCE_SIM:
+            new = next_state(best, at)
+            add_evidence(new, fact.id, quote_of(fact.text))
+            add_entities(new, fact.entities)
+            return new
+        if (not same and best_sim >= REVISE_SIM
+                and proper_names(fact.text) == proper_names(best.text)):
+            # A change of state ("2 dogs" → "a dog named Rex", "likes" → "no longer likes"):
+            # the newer fact's words become the text; the old ones stay in history.
+            new = next_state(best, at)
+            revise(new, fact.text, at, f"was: {best.text} — now: {fact.text}")
+            new.embedding[:] = list(fact.embedding)
+            add_evidence(new, fact.id, quote_of(fact.text))
+            add_entities(new, fact.entities)
+            return new
+    return create(fact, scope, at, cause, model)
+
+
+def reconcile(scope_obs: dict[str, ev.Observation], touched: Iterable[str], threshold: float,
+              at: datetime) -> list[ev.Observation]:
+    """Near-duplicate reconciliation in one scope: each touched observation is merged
+    with every other live one at or above ``threshold`` (cosine; 1.0 disables) that is
+    :func:`compatible` — the older (created_at, then id) survives with the evidence of
+    both folded in; the other is deleted with a history note. Returns the changed states
+    (``scope_obs`` is updated with them)."""
+    if threshold >= 1.0:
+        return []
+    changed: dict[str, ev.Observation] = {}
+    for tid in sorted(set(touched)):
+        a = scope_obs.get(tid)
+        if a is None or a.deleted:
+            continue
+        for bid in sorted(scope_obs):
+            b = scope_obs[bid]
+            if bid == a.id or b.deleted or a.deleted:
+                continue
+            if cosine(a.embedding, b.embedding) < threshold or not compatible(a.text, b.text):
+                continue
+            keep, drop = sorted((a, b), key=lambda o: (o.created_at.ToNanoseconds(), o.id))
+            survivor = changed.get(keep.id) or next_state(keep, at)
+            for e in drop.evidence:
+                add_evidence(survivor, e.memory_id, e.quote)
+            add_entities(survivor, drop.entities)
+            gone = changed.get(drop.id) or next_state(drop, at)
+            gone.deleted = True
+            gone.history.add(text=drop.text, at=_ts(at), reason=f"merged into {keep.id}")
+            changed[keep.id], changed[drop.id] = survivor, gone
+            scope_obs[keep.id], scope_obs[drop.id] = survivor, gone
+            a = scope_obs[tid]
+    return [changed[k] for k in sorted(changed)]

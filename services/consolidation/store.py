@@ -1,0 +1,141 @@
+"""consolidation's own projection (SQLite, ``<data_dir>/observations.db``): the facts it
+has seen (with their scopes and whether they are consolidated) and the current state of
+every observation. Rebuilt on replay from ``FactsExtracted`` / ``FactsRetracted`` /
+``ObservationsChanged`` alone (no model), so it matches what the live service held.
+
+Observation states are stored as deterministic protobuf bytes (``ev.Observation``);
+:meth:`apply` keeps the highest ``version`` of each, so re-applying an event it already
+applied (its own decision coming back from the log, a redelivery) changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from typing import Iterable
+
+from mneme.events.v1 import events_pb2 as ev
+from services.consolidation.engine import scope_key
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS facts (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, seq INTEGER NOT NULL, document_id TEXT NOT NULL,
+  scopes TEXT NOT NULL, consolidated INTEGER NOT NULL DEFAULT 0, data BLOB NOT NULL,
+  PRIMARY KEY (bank_id, id));
+CREATE INDEX IF NOT EXISTS facts_doc ON facts (bank_id, document_id);
+CREATE TABLE IF NOT EXISTS observations (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, scope TEXT NOT NULL, version INTEGER NOT NULL,
+  deleted INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (bank_id, id));
+CREATE INDEX IF NOT EXISTS obs_scope ON observations (bank_id, scope);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+class ObservationStore:
+    """The projection in one SQLite file (``path``; ":memory:" in tests). Thread-safe."""
+
+    def __init__(self, path: str):
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def reset(self) -> None:
+        """Forget everything (replay rebuilds it)."""
+        with self._lock:
+            self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters;")
+
+    # ---- facts --------------------------------------------------------------------------
+
+    def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
+        """Record facts (pending) with their scopes; a known fact keeps its state."""
+        with self._lock:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM facts").fetchone()[0]
+            for f, scopes in facts:
+                seq += 1
+                self._db.execute(
+                    "INSERT OR IGNORE INTO facts VALUES (?,?,?,?,?,0,?)",
+                    (bank_id, f.id, seq, f.document_id, json.dumps(scopes),
+                     f.SerializeToString(deterministic=True)))
+
+    def facts(self, bank_id: str, ids: Iterable[str] | None = None, pending: bool = False
+              ) -> list[tuple[ev.Fact, list[list[str]]]]:
+        """Facts (in arrival order) with their scopes: those of ``ids``, or all (only the
+        unconsolidated ones with ``pending``)."""
+        q = "SELECT data, scopes, id FROM facts WHERE bank_id=?"
+        args: list = [bank_id]
+        if pending:
+            q += " AND consolidated=0"
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY seq", args).fetchall()
+        want = set(ids) if ids is not None else None
+        return [(ev.Fact.FromString(d), json.loads(s)) for d, s, i in rows
+                if want is None or i in want]
+
+    def fact_ids_of_document(self, bank_id: str, document_id: str) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT id FROM facts WHERE bank_id=? AND document_id=? ORDER BY seq",
+                (bank_id, document_id))]
+
+    def delete_facts(self, bank_id: str, ids: Iterable[str]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM facts WHERE bank_id=? AND id=?",
+                                 [(bank_id, i) for i in ids])
+
+    def delete_bank(self, bank_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM facts WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
+
+    def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
+        self._db.executemany("UPDATE facts SET consolidated=? WHERE bank_id=? AND id=?",
+                             [(consolidated, bank_id, i) for i in ids])
+
+    # ---- observations -------------------------------------------------------------------
+
+    def observations(self, bank_id: str, scope: list[str] | None = None,
+                     include_deleted: bool = False) -> dict[str, ev.Observation]:
+        """id → state of the bank's observations (of one scope), live ones unless
+        ``include_deleted``."""
+        q, args = "SELECT data FROM observations WHERE bank_id=?", [bank_id]
+        if scope is not None:
+            q += " AND scope=?"
+            args.append(scope_key(scope))
+        if not include_deleted:
+            q += " AND deleted=0"
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY id", args).fetchall()
+        return {o.id: o for o in (ev.Observation.FromString(r[0]) for r in rows)}
+
+    def apply(self, m: ev.ObservationsChanged) -> None:
+        """Apply one ObservationsChanged: upsert each state whose version is newer than
+        the stored one; mark consolidated and reset facts. Idempotent."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for o in m.observations:
+                    row = self._db.execute("SELECT version FROM observations WHERE bank_id=? AND id=?",
+                                           (m.bank_id, o.id)).fetchone()
+                    if row is not None and row[0] >= o.version:
+                        continue
+                    self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
+                                     (m.bank_id, o.id, scope_key(o.scope), o.version,
+                                      int(o.deleted), o.SerializeToString(deterministic=True)))
+                self._mark(m.bank_id, m.reset_memory_ids, 0)
+                self._mark(m.bank_id, m.consolidated_memory_ids, 1)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def dump(self, bank_id: str) -> list[bytes]:
+        """Every observation state of the bank (deleted included) as bytes, by id: what
+        replay must reproduce byte for byte."""
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT data FROM observations WHERE bank_id=? ORDER BY id", (bank_id,))]

@@ -1,0 +1,75 @@
+"""Bank statistics (``BankService.GetBankStats``, ``mneme banks stats BANK``).
+
+* facts, observations, entities: counted in search's projections when this process has
+  them (the embedded topology); -1 when it does not (the distributed ingest process holds
+  only the catalog: ask the embedded server, or read the stores directly).
+* pending work: the operations of the bank not yet terminal (catalog), and the records
+  every consumer group has not yet committed on the bank's partition of its topics
+  (events are keyed by bank, so one partition holds all of a bank's events; other banks
+  sharing the partition count too, so it is an upper bound).
+"""
+
+from __future__ import annotations
+
+from mneme.bus import INTAKE, MEMORY, PROGRESS, partition_for
+
+# consumer group → the topics it follows (services/*/handlers.py)
+GROUPS = {"ingest": (INTAKE, PROGRESS), "extraction": (INTAKE,), "search": (MEMORY,),
+          "search-catalog": (INTAKE,), "consolidation": (MEMORY, INTAKE)}
+COUNT_ENTITIES = "MATCH (e:Entity {bank_id: $bank_id}) RETURN count(e) AS entities"
+
+
+def _count_entities(graph, bank_id: str) -> int:
+    count = getattr(graph, "count_entities", None)
+    if count is not None:
+        return int(count(bank_id))
+    read = getattr(graph, "_read", None)
+    if read is None:
+        return -1
+    with graph._lock:
+        return int(read(lambda run: [r[0] for r in run(COUNT_ENTITIES, {"bank_id": bank_id})])[0])
+
+
+def _count_observations(vectors, bank_id: str) -> int:
+    """Observations in the vector store (units with fact_type ``observation``, see
+    ``services.search.observations``), counted by paging through them."""
+    from mneme.domain import Filters
+    n, after = 0, None
+    while True:
+        page, after = vectors.scroll(bank_id, 1000, after, Filters(types=("observation",)))
+        n += len(page)
+        if not after:
+            return n
+
+
+def consumer_lag(log, bank_id: str, groups=GROUPS) -> list[tuple[str, str, int, int]]:
+    """(group, topic, partition, records not yet committed) on the bank's partition of
+    each topic the group follows. Groups that never committed count from offset 0."""
+    out = []
+    for group, topics in groups.items():
+        for topic in topics:
+            p = partition_for(bank_id, log.partitions(topic))
+            lag = max(0, log.end_offset(topic, p) - log.committed(group, topic, p))
+            out.append((group, topic, p, lag))
+    return out
+
+
+def bank_stats(bank_id: str, *, log, catalog, stores=None) -> dict:
+    """The bank's statistics as a dict (see the module docstring)."""
+    stats = {"facts": -1, "observations": -1, "entities": -1}
+    if stores is not None:
+        stats["observations"] = _count_observations(stores.vectors, bank_id)
+        # the vector store holds the observations too
+        stats["facts"] = int(stores.vectors.count(bank_id)) - stats["observations"]
+        stats["entities"] = _count_entities(stores.graph, bank_id)
+    ops, offset = [], 0
+    while True:
+        page = catalog.list_operations(bank_id, 500, offset)
+        ops += page
+        offset += len(page)
+        if len(page) < 500:
+            break
+    stats["pending_operations"] = sum(1 for o in ops if not o.done)
+    stats["operations"] = len(ops)
+    stats["lag"] = consumer_lag(log, bank_id)
+    return stats

@@ -1,0 +1,180 @@
+"""Observations in search: their projection and read API.
+
+Where observations live: consolidation decides and owns its working projection
+(``services.consolidation.store``); search projects every ``ObservationsChanged`` into
+the **vector store only**, as units with ``fact_type="observation"``, ``tags`` = the
+scope, and the rest of the state in ``metadata`` (string values):
+
+* ``proof_count`` — decimal; ``stale`` — "true"/"false"; ``version`` — decimal;
+* ``evidence`` — JSON ``[{"memory_id", "quote"}]``; ``history`` — JSON
+  ``[{"text", "at" (RFC 3339), "reason"}]``; ``created_at`` / ``updated_at`` — RFC 3339.
+
+Not in the text or graph stores: BM25 statistics and entity links of the facts stay as
+they were without observations, so fact recall is unchanged by consolidation (recall of
+observations runs on the semantic and temporal arms). Recall and ListMemories leave
+observations out unless ``types`` asks for them (:func:`with_default_types`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import replace
+from datetime import timezone
+from typing import Callable
+
+from mneme.bus import codec
+from mneme.domain import EXPERIENCE, WORLD, EntityRef, Fact, Filters
+from mneme.errors import InvalidArgument, NotFound
+from mneme.events.v1 import events_pb2 as ev
+from mneme.grpc_util import dt_to_ts
+from mneme.ports import VectorStore
+from mneme.v1 import resources_pb2
+
+OBSERVATION = "observation"
+#: What recall and ListMemories return when ``types`` is empty.
+DEFAULT_TYPES = (WORLD, EXPERIENCE)
+
+
+def _iso(ts) -> str:
+    return codec.format_time(ts.ToDatetime()) if ts.seconds or ts.nanos else ""
+
+
+def observation_fact(bank_id: str, o: ev.Observation) -> Fact:
+    """An observation state as the unit search stores (see the module docstring)."""
+    return Fact(
+        id=o.id, bank_id=bank_id, text=o.text, fact_type=OBSERVATION, tags=tuple(o.scope),
+        mentioned_at=o.updated_at.ToDatetime(tzinfo=timezone.utc)
+        if o.HasField("updated_at") else None,
+        metadata={
+            "proof_count": str(o.proof_count), "stale": "true" if o.stale else "false",
+            "version": str(o.version), "created_at": _iso(o.created_at),
+            "updated_at": _iso(o.updated_at),
+            "evidence": json.dumps([{"memory_id": e.memory_id, "quote": e.quote}
+                                    for e in o.evidence], ensure_ascii=False),
+            "history": json.dumps([{"text": h.text, "at": _iso(h.at), "reason": h.reason}
+                                   for h in o.history], ensure_ascii=False)},
+        entities=[EntityRef(e.id, e.name, e.label) for e in o.entities],
+        embedding=list(o.embedding))
+
+
+def project_observations(m: ev.ObservationsChanged, vectors: VectorStore) -> None:
+    """Apply one ObservationsChanged to the vector store (idempotent: upsert by id,
+    delete of deleted ones)."""
+    gone = [o.id for o in m.observations if o.deleted]
+    live = [observation_fact(m.bank_id, o) for o in m.observations if not o.deleted]
+    if gone:
+        vectors.delete(m.bank_id, gone)
+    if live:
+        vectors.upsert(live)
+
+
+def with_default_types(recall: Callable) -> Callable:
+    """Wrap a recall function so an empty ``types`` filter means world + experience
+    (observations are asked for explicitly)."""
+    def wrapped(q):
+        if not q.filters.types:
+            q = replace(q, filters=replace(q.filters, types=DEFAULT_TYPES))
+        return recall(q)
+    return wrapped
+
+
+def observation_search(recall: Callable) -> Callable:
+    """reflect's ``search_observations`` port over search's recall: up to ``limit``
+    observations for a query, best first, as ``services.reflect.agent.Memory`` (kind
+    "observation"); a stale one says so in its text, so the model weighs newer facts."""
+    from mneme.domain import RecallQuery
+    from services.reflect.agent import Memory
+
+    def search(bank_id, query, now, limit):
+        out = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
+                                 filters=Filters(types=(OBSERVATION,)), max_tokens=2048))
+        return [Memory(s.fact.id, s.fact.text + (" (stale: newer facts are not consolidated yet)"
+                                                 if s.fact.metadata.get("stale") == "true" else ""),
+                       "observation", when=s.fact.mentioned_at)
+                for s in out.results[:limit]]
+    return search
+
+
+# ---- API ---------------------------------------------------------------------------------
+
+
+def _ts(s: str):
+    from datetime import datetime
+    return dt_to_ts(datetime.fromisoformat(s.replace("Z", "+00:00"))) if s else None
+
+
+def to_api(f: Fact) -> resources_pb2.Observation:
+    """A stored observation unit → the API resource."""
+    md = f.metadata
+    return resources_pb2.Observation(
+        name=f"banks/{f.bank_id}/observations/{f.id}", id=f.id, text=f.text, scope=list(f.tags),
+        evidence=[resources_pb2.Evidence(memory=f"banks/{f.bank_id}/memories/{e['memory_id']}",
+                                         memory_id=e["memory_id"], quote=e["quote"])
+                  for e in json.loads(md.get("evidence") or "[]")],
+        proof_count=int(md.get("proof_count") or 0),
+        history=[resources_pb2.ObservationRevision(text=h["text"], time=_ts(h["at"]),
+                                                   reason=h["reason"])
+                 for h in json.loads(md.get("history") or "[]")],
+        create_time=_ts(md.get("created_at", "")), update_time=_ts(md.get("updated_at", "")),
+        stale=md.get("stale") == "true")
+
+
+def _all(vectors: VectorStore, bank_id: str, filters: Filters) -> list[Fact]:
+    out, after = [], None
+    while True:
+        page, after = vectors.scroll(bank_id, 1000, after, filters)
+        out += page
+        if not after:
+            return out
+
+
+def _offset(token: str) -> int:
+    try:
+        return int(base64.urlsafe_b64decode(token.encode()).decode()) if token else 0
+    except Exception:
+        raise InvalidArgument("page_token", "not a token this API returned") from None
+
+
+def _size(page_size: int) -> int:
+    if page_size < 0:
+        raise InvalidArgument("page_size", "must not be negative")
+    return min(page_size or 100, 1000)
+
+
+def _token(n: int) -> str:
+    return base64.urlsafe_b64encode(str(n).encode()).decode()
+
+
+def list_scopes(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
+                ) -> tuple[list[tuple[list[str], int]], str]:
+    """[(scope tags, observation count)] ordered by scope (JSON of the sorted tags), one
+    page, and the next page token ('' at the end)."""
+    size, start = _size(page_size), _offset(page_token)
+    counts: dict[str, int] = {}
+    for f in _all(vectors, bank_id, Filters(types=(OBSERVATION,))):
+        k = json.dumps(sorted(f.tags))
+        counts[k] = counts.get(k, 0) + 1
+    keys = sorted(counts)
+    page = keys[start:start + size]
+    nxt = _token(start + size) if start + size < len(keys) else ""
+    return [(json.loads(k), counts[k]) for k in page], nxt
+
+
+def list_observations(vectors: VectorStore, bank_id: str, page_size: int, page_token: str,
+                      scope: list[str] | None = None) -> tuple[list[Fact], str]:
+    """One page of observations ordered by id (of one exact scope when ``scope`` is not
+    None; [] is the global scope) and the next page token."""
+    size, start = _size(page_size), _offset(page_token)
+    f = Filters(types=(OBSERVATION,), tags=tuple(scope or ()), tags_match="exact") \
+        if scope is not None else Filters(types=(OBSERVATION,))
+    obs = sorted(_all(vectors, bank_id, f), key=lambda x: x.id)
+    nxt = _token(start + size) if start + size < len(obs) else ""
+    return obs[start:start + size], nxt
+
+
+def get_observation(vectors: VectorStore, bank_id: str, observation_id: str) -> Fact:
+    got = vectors.get(bank_id, [observation_id])
+    if not got or got[0].fact_type != OBSERVATION:
+        raise NotFound(f"observation {observation_id!r} not found in bank {bank_id!r}")
+    return got[0]

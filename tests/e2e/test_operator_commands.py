@@ -1,0 +1,51 @@
+"""Operator commands over gRPC: BankService.GetBankStats (`mneme banks stats`) and
+`mneme operations`, against an embedded server in this process."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from mneme.bootstrap import bootstrap
+from mneme.cli import app
+from mneme.client import MnemeClient
+from mneme.config import Settings
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    node = bootstrap(Settings(data_dir=tmp_path_factory.mktemp("ops")))
+    node.start()
+    port = node.serve("127.0.0.1:0")
+    yield f"127.0.0.1:{port}"
+    node.close()
+
+
+def test_bank_stats_and_operations(server):
+    with MnemeClient(server, timeout=120) as m:
+        m.upsert_bank("ops")
+        r = m.retain("ops", [{"content": "Alice moved to Lisbon in May 2023. She works at Acme.",
+                              "timestamp": datetime(2024, 3, 1, tzinfo=timezone.utc)}])
+        s = m.bank_stats("ops")
+        assert s.name == "banks/ops"
+        assert s.facts == len(r.memory_ids) > 0
+        assert s.observations >= 0 and s.entities > 0
+        assert s.operations >= 1 and s.pending_operations == 0
+        assert {x.group for x in s.lag} >= {"ingest", "extraction", "search"}
+        assert s.pending_records == sum(x.lag for x in s.lag)
+        ops = list(m.list_operations("ops"))
+        assert r.operation.name in {o.name for o in ops}
+        with pytest.raises(grpc.RpcError) as e:
+            m.bank_stats("nope")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["banks", "stats", "ops", "-a", server])
+    assert out.exit_code == 0, out.output
+    assert "facts" in out.output and "pending records" in out.output
+    out = runner.invoke(app, ["operations", "--bank", "ops", "-a", server])
+    assert out.exit_code == 0, out.output
+    assert "succeeded" in out.output

@@ -1,0 +1,262 @@
+"""Observations (issue 5): offline decisions, the model path (a scripted gateway),
+near-duplicate reconciliation, scopes, retraction, auto_consolidate off, and replay of the
+consolidation projection from the recorded events alone."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from mneme.bus import MEMORY
+from mneme.bus.codec import Envelope, event_type
+from mneme.domain import BankConfig, derive_id
+from mneme.events.v1 import events_pb2 as ev
+from mneme.llm.gateway import JsonResult, Usage
+from mneme.ports import Record
+from services.consolidation import engine
+from services.consolidation.handlers import Consolidator
+from services.consolidation.store import ObservationStore
+
+T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from mneme.embedding import default_embedder
+    return default_embedder()
+
+
+class Harness:
+    """A Consolidator on an in-memory store; ``log`` keeps every event (in and out) in
+    order, as the memory topic would."""
+
+    def __init__(self, embedder, config: BankConfig | None = None, llm=None):
+        self.embedder, self.config = embedder, config or BankConfig()
+        self.store = ObservationStore(":memory:")
+        self.c = Consolidator(self.store, lambda b: self.config, embedder=embedder, llm=llm)
+        self.log: list[tuple[str, object, datetime]] = []
+        self.n = 0
+
+    def send(self, msg, decide: bool = True):
+        self.n += 1
+        eid, at = derive_id("test", self.n), T0 + timedelta(minutes=self.n)
+        self.log.append((eid, msg, at))
+        out = self.c.handle(_env(eid, msg, at), _rec(self.n), decide=decide)
+        for o in out:
+            m = ev.ObservationsChanged.FromString(o.value)
+            self.n += 1
+            self.log.append((o.headers["ce_id"], m, at))
+            self.c.handle(_env(o.headers["ce_id"], m, at), _rec(self.n))  # comes back: no-op
+        return [ev.ObservationsChanged.FromString(o.value) for o in out]
+
+    def facts(self, *texts, tags=(), doc="", entities=(), scopes=None):
+        vecs = self.embedder.embed(list(texts))
+        fs = [ev.Fact(id=derive_id("fact", t, doc), text=t, tags=list(tags), document_id=doc,
+                      embedding=v, entities=[ev.Entity(id=e, name=e, label="PERSON") for e in entities])
+              for t, v in zip(texts, vecs)]
+        m = ev.FactsExtracted(bank_id="b", operation_id="op", facts=fs)
+        if scopes is not None:
+            m.observation_scopes.CopyFrom(scopes)
+        return m
+
+    def live(self):
+        return list(self.store.observations("b").values())
+
+
+def _env(eid, msg, at):
+    return Envelope(id=eid, type=event_type(msg), source="test", time=at, subject="b",
+                    traceparent=None, message=msg)
+
+
+def _rec(n):
+    return Record(MEMORY, 0, n, "b", b"")
+
+
+def _check_evidence(h: Harness):
+    texts = {f.id: f.text for f, _ in h.store.facts("b")}
+    for o in h.live():
+        assert o.proof_count == len({e.memory_id for e in o.evidence})
+        for e in o.evidence:
+            assert e.quote and e.quote in texts[e.memory_id]
+
+
+def test_paraphrase_reinforces_with_verbatim_quotes(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", "Alice really enjoys mountain hiking.",
+                   "Bob repaired his old bicycle on Sunday."))
+    obs = h.live()
+    assert len(obs) == 2
+    hiking = next(o for o in obs if "hiking" in o.text)
+    assert hiking.proof_count == 2 and len(hiking.history) == 0
+    _check_evidence(h)
+
+
+def test_two_dogs_then_rex_never_counts_three(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("I have 2 dogs."))
+    h.send(h.facts("I have a dog named Rex."))
+    texts = [o.text for o in h.live()]
+    assert texts and not any("3" in t or "three" in t.lower() for t in texts)
+    _check_evidence(h)
+
+
+def test_changed_preference_keeps_history(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice likes coffee.", entities=["alice"]))
+    h.send(h.facts("Alice prefers tea now, not coffee.", entities=["alice"]))
+    (o,) = h.live()
+    assert o.text == "Alice prefers tea now, not coffee."
+    assert [r.text for r in o.history] == ["Alice likes coffee."]
+    assert "was: Alice likes coffee." in o.history[0].reason
+    assert o.proof_count == 2
+    _check_evidence(h)
+
+
+def test_retraction_deletes_supported_observations_and_rederives(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", doc="d1"))
+    h.send(h.facts("Alice really enjoys mountain hiking.", doc="d2"))
+    (o,) = h.live()
+    assert o.proof_count == 2
+    gone = {f.id for f, _ in h.store.facts("b") if f.document_id == "d1"}
+    h.send(ev.FactsRetracted(bank_id="b", operation_id="del", document_id="d1"))
+    obs = h.live()
+    assert len(obs) == 1 and obs[0].id != o.id  # re-derived from the remaining source
+    assert not gone & {e.memory_id for x in obs for e in x.evidence}
+    assert obs[0].proof_count == 1
+    assert h.store.observations("b", include_deleted=True)[o.id].deleted
+
+
+def test_replay_rebuilds_identical_projection(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", "Alice likes coffee.", doc="d1"))
+    h.send(h.facts("Alice really enjoys mountain hiking.", "Alice prefers tea now, not coffee.",
+                   doc="d2"))
+    h.send(ev.FactsRetracted(bank_id="b", memory_ids=[h.store.facts("b")[0][0].id]))
+    h.send(ev.ConsolidationScheduled(bank_id="b", operation_id="c1", action="reconsolidate"))
+    live = h.store.dump("b")
+    r = Harness(embedder)
+    r.c.embedder = r.c.llm = None  # replay needs no model
+    for eid, msg, at in h.log:
+        r.n += 1
+        assert r.c.handle(_env(eid, msg, at), _rec(r.n), decide=False) == []
+    assert r.store.dump("b") == live
+    assert [f.id for f, _ in r.store.facts("b", pending=True)] == \
+        [f.id for f, _ in h.store.facts("b", pending=True)]
+
+
+def test_near_duplicates_merge_and_a_negated_twin_stays_apart():
+    v = [1.0, 0.0, 0.0]
+    w = [0.99, 0.141, 0.0]  # cosine 0.99 with v
+
+    def obs(i, text, vec, mid, minute):
+        o = ev.Observation(id=i, text=text, embedding=vec, version=1, proof_count=1)
+        o.created_at.FromDatetime(T0 + timedelta(minutes=minute))
+        o.evidence.add(memory_id=mid, quote=text)
+        return o
+
+    scope = {"a": obs("a", "Alice likes jazz.", v, "m1", 1),
+             "b": obs("b", "Alice likes jazz music.", w, "m2", 2),
+             "c": obs("c", "Alice does not like jazz.", w, "m3", 3)}
+    changed = {o.id: o for o in engine.reconcile(scope, ["b", "c"], 0.97, T0)}
+    assert changed["b"].deleted and changed["a"].proof_count == 2
+    assert {e.memory_id for e in changed["a"].evidence} == {"m1", "m2"}
+    assert "c" not in changed  # negation: kept apart
+    assert engine.reconcile(dict(scope), ["b"], 1.0, T0) == []  # 1.0 disables
+    assert not engine.compatible("Alice has 2 cats.", "Alice has 3 cats.")
+    assert not engine.compatible("Alice met Bob.", "Alice met Carol.")
+
+
+def test_scopes(embedder):
+    S = ev.ObservationScopes
+    assert engine.scopes_for(["b", "a"], None) == [["a", "b"]]
+    assert engine.scopes_for(["b", "a"], S(mode="per_tag")) == [["a"], ["b"]]
+    assert engine.scopes_for(["a"], S(mode="shared")) == [[]]
+    assert engine.scopes_for(["a"], S(mode="combined"), {"a", "c"}) == [["a", "c"]]
+    assert engine.scopes_for(["a"], S(mode="explicit", scopes=[ev.ScopeTags(tags=["x"])])) == [["x"]]
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", tags=["alice", "trip"],
+                   scopes=S(mode="per_tag")))
+    assert sorted(tuple(o.scope) for o in h.live()) == [("alice",), ("trip",)]
+
+
+def test_auto_consolidate_off_marks_stale_until_consolidated(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains."))
+    h.config = BankConfig(auto_consolidate=False)
+    h.send(h.facts("Alice really enjoys mountain hiking."))
+    (o,) = h.live()
+    assert o.stale and o.proof_count == 1
+    assert len(h.store.facts("b", pending=True)) == 1
+    (ch,) = h.send(ev.ConsolidationScheduled(bank_id="b", operation_id="c", action="consolidate"))
+    assert ch.trigger == "consolidate"
+    (o,) = h.live()
+    assert not o.stale and o.proof_count == 2
+
+
+class ScriptedGateway:
+    """Stands in for LlmGateway: answers complete_json from a list of actions."""
+
+    def __init__(self, *replies):
+        self.replies, self.calls = list(replies), []
+
+    def configured(self, op):
+        return op == "consolidation"
+
+    def complete_json(self, op, messages, schema, **kw):
+        self.calls.append(messages)
+        return JsonResult({"actions": self.replies.pop(0)}, Usage(model="stub", calls=1), 1)
+
+
+def test_model_path_history_and_no_computation(embedder):
+    h = Harness(embedder)
+    gw = ScriptedGateway()
+    h.c.llm = gw
+    f1 = h.facts("Alice: I have 2 dogs.")
+    gw.replies.append([{"action": "create", "observation_id": "", "text": "Alice has 2 dogs.",
+                        "evidence": [{"memory_id": f1.facts[0].id, "quote": "I have 2 dogs"}],
+                        "reason": "new"}])
+    h.send(f1)
+    (o,) = h.live()
+    assert o.text == "Alice has 2 dogs." and o.evidence[0].quote == "I have 2 dogs"
+    f2 = h.facts("Alice: I have a dog named Rex.")
+    gw.replies.append([{"action": "update", "observation_id": o.id, "text": "Alice has 3 dogs.",
+                        "evidence": [{"memory_id": f2.facts[0].id, "quote": "not in the text"}],
+                        "reason": "added"}])
+    h.send(f2)
+    (o2,) = h.live()
+    assert o2.text == "Alice has 2 dogs."  # the computed count is refused
+    assert o2.proof_count == 2
+    _check_evidence(h)  # the invalid quote was replaced by a verbatim one
+    f3 = h.facts("Alice: Sadly I gave my dogs away, I have no dogs now.")
+    gw.replies.append([{"action": "update", "observation_id": o.id,
+                        "text": "Alice was a dog owner, now has no dogs.",
+                        "evidence": [{"memory_id": f3.facts[0].id, "quote": "I have no dogs now"}],
+                        "reason": "was: has 2 dogs, now: no dogs"}])
+    (ch,) = h.send(f3)
+    assert ch.decided_by == "llm" and ch.llm_usage.calls == 1
+    (o3,) = h.live()
+    assert o3.text.startswith("Alice was a dog owner")
+    assert [r.text for r in o3.history] == ["Alice has 2 dogs."]
+    assert "Alice has 2 dogs." in gw.calls[-1][1]["content"]
+    # the bank's mission replaces the default rules
+    h.config = BankConfig(observations_mission="Only keep facts about pets.")
+    gw.replies.append([])
+    h.send(h.facts("Alice: The weather is nice today."))
+    assert "Only keep facts about pets." in gw.calls[-1][0]["content"]
+
+
+def test_reflect_observation_port_marks_stale():
+    from mneme.domain import Fact, RecallOutcome, Scored
+    from services.search.observations import observation_search
+    seen = []
+
+    def recall(q):
+        seen.append(q.filters.types)
+        return RecallOutcome([Scored(Fact("o1", "b", "Alice likes tea.", fact_type="observation",
+                                          metadata={"stale": "true"}))], 5)
+
+    (mem,) = observation_search(recall)("b", "tea", T0, 10)
+    assert seen == [("observation",)]
+    assert mem.kind == "observation" and mem.text.startswith("Alice likes tea. (stale")
