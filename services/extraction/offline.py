@@ -50,7 +50,7 @@ from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, u
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
-__all__ = ["OfflineExtractor", "AGENT_SPEAKERS"]
+__all__ = ["OfflineExtractor", "AGENT_SPEAKERS", "embedding_texts"]
 
 #: Speaker names (lowercase) that mean the agent itself → ``experience`` facts.
 AGENT_SPEAKERS = frozenset({"assistant", "agent", "ai", "bot", "ai assistant"})
@@ -83,6 +83,11 @@ tell share know sorry hear hearing keep posted look looks like feel feels mean m
 """.split())
 _GREETING = frozenset({"hey", "hi", "hello", "thanks", "thank", "bye", "congrats", "wow",
                        "oh", "yep", "yeah", "yes", "sure", "congratulations", "dear", "hiya"})
+
+#: A fact of fewer words than this is embedded with the turn it answers (see
+#: :func:`embedding_texts`); the context itself is cut to ``_CONTEXT_WORDS`` words.
+_SHORT_REPLY_WORDS = 12
+_CONTEXT_WORDS = 40
 
 _WORDS_PER_FACT = 60
 _SENTENCES_PER_FACT = 3
@@ -326,6 +331,11 @@ class OfflineExtractor:
             f.entities = refs
         return facts
 
+    @staticmethod
+    def embedding_texts(facts: Sequence[Fact]) -> list[str]:
+        """See :func:`embedding_texts`."""
+        return embedding_texts(facts)
+
     def _text_and_time(self, ch: _Chunk, ts: datetime):
         """Fact text (speaker prefix, annotated times, caption) and the window of its
         first time expression (None when it names no time)."""
@@ -346,3 +356,34 @@ class OfflineExtractor:
             body = f"{body} [shares a photo: {ch.caption}]".strip()
         text = f"{ch.speaker}: {body}" if ch.speaker else body
         return text, window
+
+
+def _body_words(text: str) -> int:
+    """Words of a fact's own statement: without its "Speaker:" prefix and photo caption."""
+    body = re.sub(r"\[shares a photo:[^\]]*\]\s*$", "", text)
+    _, body = _speaker_of(body)
+    return len(body.split())
+
+
+def embedding_texts(facts: Sequence[Fact]) -> list[str]:
+    """The text to embed for each of ``facts`` (one request's facts, in order).
+
+    A short reply ("Melanie: Yeah, I painted that lake sunrise last year!") means little on
+    its own, so a fact of fewer than ``_SHORT_REPLY_WORDS`` words that starts an item
+    linked to the previous turn (the ``temporal`` 0.5 link of ``link_adjacent``) is
+    embedded together with that turn: "<fact> (in reply to <previous fact>)". The fact's
+    text is unchanged; only its vector carries the context (and replay reuses it, as
+    derived events carry their embeddings). Every other fact embeds its own text."""
+    by_id = {f.id: f for f in facts}
+    out: list[str] = []
+    for f in facts:
+        text = f.text
+        prev = next((by_id[lk.target_id] for lk in f.links
+                     if lk.kind == "temporal" and lk.weight < 1.0 and lk.target_id in by_id),
+                    None)
+        if prev is not None and _body_words(f.text) < _SHORT_REPLY_WORDS:
+            ctx = prev.text.split()
+            ctx_text = " ".join(ctx[:_CONTEXT_WORDS]) + (" …" if len(ctx) > _CONTEXT_WORDS else "")
+            text = f"{f.text} (in reply to {ctx_text})"
+        out.append(text)
+    return out

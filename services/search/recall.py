@@ -12,10 +12,12 @@ Arms, all scoped to the query's bank and filters:
   overlaps that window, ranked by (1 + cosine)/2 × the fraction of the unit's span inside
   the window.
 
-The arms are fused with Reciprocal Rank Fusion (k = 60, Cormack et al. SIGIR 2009), the
-candidates hydrated from the vector store (the payload source), re-checked against the
-filters, boosted (recency, temporal proximity, proof count; see ``mneme.retrieval``) and
-filled greedily into ``max_tokens``.
+The arms are fused with Reciprocal Rank Fusion (Cormack et al. SIGIR 2009; k =
+``mneme.retrieval.RRF_K``), the candidates hydrated from the vector store (the payload
+source), re-checked against the filters, the fused score of facts that only ask a question
+halved (``mneme.retrieval.is_question``: a question shares its words with the query but
+states nothing), boosted (recency, temporal proximity, proof count; see
+``mneme.retrieval``) and filled greedily into ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mneme.domain import (
 )
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
-    BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, recency_boost,
+    BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, question_factor, recency_boost,
     temporal_proximity_boost, window_overlap, rrf,
 )
 
@@ -82,7 +84,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
 
     Each result carries per-arm raw ``scores`` and 1-based ``ranks`` (keys in
     :data:`ARMS`), the fused ``rrf`` score, the ``boost`` and the ``final`` score. The
-    outcome also returns the time window parsed from the query (None if none).
+    outcome also returns the time window parsed from the query (None if none). ``rrf`` is
+    the fused score times ``question_factor`` (0.5 for a fact that only asks).
 
     ``executor`` runs the arms concurrently (default: a shared module pool); tasks never
     block on each other, but do not pass the pool that is running this call if it can be
@@ -144,7 +147,7 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         # unit), so the hydrated payload is the final word; never leak another bank.
         if fact is None or fact.bank_id != q.bank_id or not fact_matches(fact, filters):
             continue
-        s = Scored(fact=fact, rrf=score)
+        s = Scored(fact=fact, rrf=score * question_factor(fact))
         for arm, index in per_arm.items():
             if doc in index:
                 s.ranks[arm], s.scores[arm] = index[doc]

@@ -249,3 +249,74 @@ def test_query_analyzer():
     w = qa.time_window("what did I do last week?", now)
     assert (w.start, w.end.date()) == (datetime(2023, 5, 1, tzinfo=UTC), (now - timedelta(days=1)).date())
     assert qa.time_window("What is Melanie's favorite book?", now) is None
+
+
+def test_short_replies_are_embedded_with_the_turn_they_answer():
+    from services.extraction.offline import embedding_texts
+
+    ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    items = [RetainItem(c, ts, document_id="d") for c in (
+        "Mia: Did you finish the pottery class you signed up for in spring?",
+        "Leo: Yes, it was great!",
+        "Leo: The final project was a blue ceramic bowl with a spiral glaze that took me "
+        "three full weekends to get right and I'm keeping it on my desk.")]
+    facts = OfflineExtractor().extract_many("b", items, "op")
+    texts = embedding_texts(facts)
+    assert len(texts) == len(facts) == 3
+    assert texts[0] == facts[0].text  # no previous turn
+    assert texts[1] == f"{facts[1].text} (in reply to {facts[0].text})"
+    assert texts[2] == facts[2].text  # long enough to stand alone
+    assert [f.text for f in facts][1] == "Leo: Yes, it was great!"  # the text itself is unchanged
+    # another document (or a single item) has no context to borrow
+    alone = OfflineExtractor().extract_many("b", items[1:2], "op2")
+    assert embedding_texts(alone) == [alone[0].text]
+
+
+def test_the_handler_embeds_the_extractors_embedding_texts():
+    from mneme.bus import codec
+    from mneme.events.v1 import events_pb2 as ev
+    from services.extraction.handlers import extract
+
+    class Recorder:
+        model_name, dim = "rec", 1
+
+        def __init__(self):
+            self.seen = []
+
+        def embed(self, texts):
+            self.seen += list(texts)
+            return [[0.0] for _ in texts]
+
+    ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    items = [RetainItem("Mia: Where did you go camping last summer?", ts, document_id="d"),
+             RetainItem("Leo: The mountains!", ts, document_id="d")]
+    m = ev.RetainRequested(bank_id="b", operation_id="op",
+                           items=[codec.retain_item_to_pb(i) for i in items])
+    rec = Recorder()
+    out = extract(m, "op", OfflineExtractor(), rec)
+    assert rec.seen[1].startswith("Leo: The mountains! (in reply to Mia: Where did you go")
+    assert [f.text for f in out.facts][1] == "Leo: The mountains!"
+
+
+def test_a_bank_mode_extractor_embeds_with_the_offline_extractors_texts():
+    from mneme.bus import codec
+    from mneme.events.v1 import events_pb2 as ev
+    from services.extraction.handlers import extract
+    from services.extraction.llm import BankModeExtractor
+
+    seen = []
+
+    class Recorder:
+        model_name, dim = "rec", 1
+
+        def embed(self, texts):
+            seen.extend(texts)
+            return [[0.0] for _ in texts]
+
+    ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    items = [RetainItem("Mia: Where did you go camping last summer?", ts, document_id="d"),
+             RetainItem("Leo: The mountains!", ts, document_id="d")]
+    m = ev.RetainRequested(bank_id="b", operation_id="op",
+                           items=[codec.retain_item_to_pb(i) for i in items])
+    extract(m, "op", BankModeExtractor(OfflineExtractor(), None), Recorder())
+    assert seen[1].startswith("Leo: The mountains! (in reply to Mia:")

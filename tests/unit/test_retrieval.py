@@ -8,8 +8,9 @@ import pytest
 
 from mneme.domain import Fact, Scored, TimeWindow
 from mneme.retrieval import (
-    BUDGETS, PROOF_WEIGHT, RECENCY_WEIGHT, RRF_UNIT, TEMPORAL_WEIGHT, fill_budget,
-    proof_boost, recency_boost, rrf, temporal_proximity_boost, window_overlap,
+    BUDGETS, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT, RRF_K, RRF_UNIT, TEMPORAL_WEIGHT,
+    fill_budget, is_question, proof_boost, question_factor, recency_boost, rrf,
+    temporal_proximity_boost, window_overlap,
 )
 
 NOW = datetime(2024, 6, 15, 12, 0, tzinfo=timezone.utc)
@@ -29,10 +30,10 @@ def test_rrf_hand_computed():
 
 
 def test_two_arm_agreement_beats_single_first_place():
-    # "b" is third in two arms; "a" first in one arm only: 2/63 > 1/61.
+    # "b" is third in two arms; "a" first in one arm only: 2/(k+3) > 1/(k+1).
     fused = rrf({"s": ["a", "c", "b"], "k": ["d", "e", "b"]})
     assert fused[0][0] == "b"
-    assert fused[0][1] == pytest.approx(2 / 63)
+    assert fused[0][1] == pytest.approx(2 / (RRF_K + 3))
 
 
 def test_k_sets_agreement_versus_first_place():
@@ -40,7 +41,7 @@ def test_k_sets_agreement_versus_first_place():
     # At k=0 a first place (1/1) beats two 40th places (2/40).
     s = ["s0"] + [f"s{i}" for i in range(1, 39)] + ["b"]
     k = ["a"] + [f"k{i}" for i in range(1, 39)] + ["b"]
-    assert rrf({"s": s, "k": k})[0][0] == "b"
+    assert rrf({"s": s, "k": k}, k=60)[0][0] == "b"
     assert rrf({"s": s, "k": k}, k=0)[0][0] == "a"  # tie with s0 (both 1/1), id order
 
 
@@ -81,8 +82,8 @@ def test_rrf_duplicates_and_empty():
     assert rrf({}) == []
     assert rrf({"s": [], "k": []}) == []
     fused = dict(rrf({"s": ["a", "a", "b"]}))
-    assert fused["a"] == pytest.approx(1 / 61)
-    assert fused["b"] == pytest.approx(1 / 63)  # positions are kept, duplicates skipped
+    assert fused["a"] == pytest.approx(1 / (RRF_K + 1))
+    assert fused["b"] == pytest.approx(1 / (RRF_K + 3))  # positions are kept, duplicates skipped
 
 
 def test_budgets_grow():
@@ -102,7 +103,7 @@ def _fact(start=None, end=None, mentioned=None, **kw) -> Fact:
 def test_boosts_are_bounded_by_a_fraction_of_one_rrf_vote():
     assert RECENCY_WEIGHT + TEMPORAL_WEIGHT + PROOF_WEIGHT <= 0.3 + 1e-12
     # All boosts maxed stay below one more arm's vote anywhere in a mid-budget list.
-    assert (RECENCY_WEIGHT + TEMPORAL_WEIGHT + PROOF_WEIGHT) * RRF_UNIT < 1 / (60 + 60)
+    assert (RECENCY_WEIGHT + TEMPORAL_WEIGHT + PROOF_WEIGHT) * RRF_UNIT < 1 / (RRF_K + 60)
     f = _fact(NOW, NOW)
     assert 0 < recency_boost(f, NOW) <= RECENCY_WEIGHT * RRF_UNIT
     w = TimeWindow(NOW - timedelta(days=1), NOW + timedelta(days=1))
@@ -191,3 +192,26 @@ def test_fill_zero_budget_and_oversized():
     kept, total = fill_budget(_items(50), 10, WordCounter())
     assert kept == [] and total == 0
     assert fill_budget([], 100, WordCounter()) == ([], 0)
+
+
+# ---- questions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, asks", [
+    ("Melanie: What inspired it?", True),
+    ("What kind of books do you have? Any favourites?", True),
+    ('Caroline: Did you read "Becoming"?', True),
+    ("Mia: Where was this taken? [shares a photo: a beach at sunset]", True),
+    ("Melanie: I painted a lake sunrise. Do you like it?", False),
+    ("Caroline: I went to a support group yesterday.", False),
+    ("Leo: Wow!", False),
+    ("", False),
+    ("Note: what a day.", False),
+])
+def test_is_question(text, asks):
+    assert is_question(text) is asks
+
+
+def test_question_factor():
+    assert question_factor(_fact(text="Mia: What did you paint?")) == QUESTION_WEIGHT < 1
+    assert question_factor(_fact(text="Mia: I painted a horse.")) == 1.0

@@ -2,8 +2,8 @@
 
 Queries are never parsed with Tantivy's query language: the user's text is run through
 the same analysis as the indexed text (simple tokenizer, lowercase, English Snowball
-stemmer — Tantivy's ``en_stem``) minus English stop words, and the resulting terms are
-OR-ed as term queries. Filters become non-scoring boolean clauses, so ``Hit.score`` is
+stemmer — Tantivy's ``en_stem``) minus English stop words and the question and function
+words of :data:`QUERY_STOP_WORDS`, and the resulting terms are OR-ed as term queries. Filters become non-scoring boolean clauses, so ``Hit.score`` is
 the pure BM25 score. Term statistics (IDF, average length) are index-wide, not per bank.
 """
 
@@ -51,13 +51,31 @@ def _schema() -> tantivy.Schema:
     return sb.build()
 
 
+#: Words dropped from queries on top of Tantivy's (Lucene's short) English stop list:
+#: question words, auxiliaries, pronouns and other function words. A question's "what
+#: did she ..." matches nearly every text, so as query terms these only add noise to
+#: BM25; the indexed text keeps them (this filters queries only).
+QUERY_STOP_WORDS = tuple("""
+what when where which who whom whose why how whats did does do done doing is are was were
+am be been being has have had having can could would should will shall may might must
+i me my mine myself you your yours yourself he him his himself she her hers herself it
+its itself we us our ours ourselves they them their theirs themselves
+a an the and or but if so than then that this these those there here
+of in on at to by as for with from about into over after before during up down out off
+any some all both each other such own same too very also just again ever still yet
+not no nor only one ones
+""".split())
+
+
 def _query_analyzer() -> tantivy.TextAnalyzer:
-    """``en_stem`` (simple, remove_long(40), lowercase, stemmer) plus a stop-word filter
-    placed before stemming, as the stop list holds unstemmed words."""
+    """``en_stem`` (simple, remove_long(40), lowercase, stemmer) plus stop-word filters
+    placed before stemming, as the stop lists hold unstemmed words: Tantivy's English
+    list and :data:`QUERY_STOP_WORDS`."""
     return (TextAnalyzerBuilder(Tokenizer.simple())
             .filter(TokenFilter.remove_long(40))
             .filter(TokenFilter.lowercase())
             .filter(TokenFilter.stopword("english"))
+            .filter(TokenFilter.custom_stopword(list(QUERY_STOP_WORDS)))
             .filter(TokenFilter.stemmer("english"))
             .build())
 
