@@ -215,10 +215,14 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     root._opened(pool, lambda: pool.shutdown(wait=False))
     from services.search.observations import with_default_types
     # Observations are units too: recall returns them only when `types` asks for them.
+    reranker = None
+    if root.llm.configured("rerank"):  # cross-encoder over the fused head
+        from mneme.llm.rerank import Reranker
+        reranker = Reranker(root.llm)
     recall_fn = with_default_types(functools.partial(
         recall, vectors=stores.vectors, text=stores.text, graph=stores.graph,
         embedder=root.embedder, analyzer=QueryAnalyzer(), tokens=default_token_counter(),
-        executor=pool))
+        executor=pool, reranker=reranker))
     consumers = {GROUP: root.consumer(GROUP, [MEMORY],
                                       functools.partial(project_memory, stores=stores))}
     if bank_exists is None:

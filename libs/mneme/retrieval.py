@@ -242,3 +242,19 @@ def fill_budget(items: Iterable[Scored], max_tokens: int, counter) -> tuple[list
             kept.append(item)
             total += n
     return kept, total
+
+
+#: Words dropped from keyword (BM25) queries on top of the engines' short English stop
+#: lists (Lucene's): question words, auxiliaries, pronouns and other function words. A question's "what
+#: did she ..." matches nearly every text, so as query terms these only add noise to
+#: BM25; the indexed text keeps them (this filters queries only).
+QUERY_STOP_WORDS = tuple("""
+what when where which who whom whose why how whats did does do done doing is are was were
+am be been being has have had having can could would should will shall may might must
+i me my mine myself you your yours yourself he him his himself she her hers herself it
+its itself we us our ours ourselves they them their theirs themselves
+a an the and or but if so than then that this these those there here
+of in on at to by as for with from about into over after before during up down out off
+any some all both each other such own same too very also just again ever still yet
+not no nor only one ones
+""".split())

@@ -15,7 +15,7 @@ from mneme.ports import VectorStore
 from mneme.v1 import memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2, recall_pb2_grpc
 from services.search import observations, reads
 
-_ARMS = ("semantic", "keyword", "graph", "temporal")
+_ARMS = ("semantic", "keyword", "graph", "temporal", "rerank")
 
 
 def scores_to_api(s) -> recall_pb2.ArmScores:

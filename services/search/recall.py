@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
+from typing import Callable
 
 from mneme.domain import (
     BANK_ID_RE, Fact, Filters, Hit, RecallOutcome, RecallQuery, Scored, TimeWindow, utc,
@@ -78,7 +79,8 @@ def validate(q: RecallQuery) -> None:
 
 def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: GraphStore,
            embedder: Embedder, analyzer: QueryAnalyzer, tokens: TokenCounter,
-           executor: Executor | None = None) -> RecallOutcome:
+           executor: Executor | None = None,
+           reranker: Callable[[str, list[Scored]], list[Scored]] | None = None) -> RecallOutcome:
     """Recall the bank's facts that matter for ``q.query``, best first, within
     ``q.max_tokens`` (0 → :data:`DEFAULT_MAX_TOKENS`) tokens of fact text.
 
@@ -157,6 +159,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         results.append(s)
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
+    if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
+        results = reranker(q.query, results)
     kept, total = fill_budget(results, q.max_tokens or DEFAULT_MAX_TOKENS, tokens)
     return RecallOutcome(results=kept, total_tokens=total, time_window=window)
 

@@ -13,7 +13,7 @@ import pytest
 from mneme.client import field_violations
 from tests.e2e.server import Server
 from tests.llm.conftest import MODEL
-from tests.llm.stub import chat
+from tests.llm.stub import chat, rerank_reply
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 
@@ -100,5 +100,31 @@ def test_response_schema_needs_a_model(tmp_path):
                 m.reflect("b", "anything", response_schema={"type": "object"})
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field_violations(e.value)[0][0] == "response_schema"
+    finally:
+        s.stop()
+
+
+def test_recall_reranks_the_fused_head(stub, tmp_path):
+    """With MNEME_RERANK_MODEL set, Recall reorders the fused head by the cross-encoder's
+    scores and reports its rank; offline extraction keeps the test to one HTTP route."""
+    s = Server(tmp_path / "rr", env={
+        "MNEME_RERANK_MODEL": "hosted_vllm/stub-reranker", "MNEME_RERANK_BASE_URL": stub.root_url,
+        "MNEME_RERANK_HEAD": "3", "MNEME_LLM_MAX_RETRIES": "0"}).start()
+    try:
+        with s.client() as m:
+            m.upsert_bank("rr", auto_consolidate=False)
+            m.retain("rr", [{"content": f"Ann: my {pet} is called {name}.", "timestamp": TS,
+                             "document_id": name}
+                            for pet, name in (("dog", "Rex"), ("cat", "Tom"), ("fish", "Bubbles"))])
+            # unscripted, the stub answers 500: the fusion order stands
+            first = m.recall("rr", "what is the pet called", budget="low").results
+            plain = [x.memory.text for x in first]
+            assert len(plain) == 3 and not any(x.scores.rerank_rank for x in first)
+            stub.on("rerank", rerank_reply([0.1, 0.2, 0.9]))  # the fused third is best
+            r = m.recall("rr", "what is the pet called", budget="low")
+            assert [x.memory.text for x in r.results] == [plain[2], plain[1], plain[0]]
+            assert r.results[0].scores.rerank_rank == 1 and r.results[0].scores.rerank == 0.9
+            req = [q for q in stub.requests if "rerank" in q.path][-1]
+            assert req.body["documents"] == plain
     finally:
         s.stop()

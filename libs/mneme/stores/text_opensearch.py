@@ -20,6 +20,8 @@ URLs: ``http(s)://[user:password@]host[:9200][/prefix][?index=…&verify_certs=0
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -27,6 +29,7 @@ from opensearchpy import OpenSearch
 from opensearchpy.exceptions import NotFoundError, RequestError
 
 from mneme.domain import Fact, Filters, Hit, to_epoch
+from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 
 INDEX = "mneme-facts"
@@ -81,6 +84,9 @@ def parse_opensearch_url(url: str) -> dict[str, Any]:
     if scheme == "https":
         out["verify_certs"] = query.get("verify_certs", "1").lower() not in ("0", "false", "no")
     return out
+
+
+_QUERY_STOP = frozenset(QUERY_STOP_WORDS)
 
 
 def clip_query(text: str) -> str:
@@ -261,7 +267,10 @@ class OpenSearchTextStore:
                filters: Filters | None = None) -> list[Hit]:
         """BM25 over the bank's fact texts, best first (``Hit.score`` = BM25; filters do
         not change it). Any text is accepted; one with no indexable term → []."""
-        text = clip_query(query)
+        # Question and function words only add noise to BM25 (see QUERY_STOP_WORDS); the
+        # Tantivy adapter drops the same ones in its query analyzer.
+        text = clip_query(" ".join(w for w in re.findall(r"\w+", query)
+                                   if w.lower() not in _QUERY_STOP))
         if k <= 0 or not text:
             return []
         body = {

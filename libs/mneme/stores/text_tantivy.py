@@ -27,6 +27,7 @@ from tantivy import (
 )
 
 from mneme.domain import Fact, Filters, Hit, to_epoch
+from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 
 #: Most distinct query terms used; the rest of a very long query is ignored.
@@ -49,22 +50,6 @@ def _schema() -> tantivy.Schema:
     sb.add_float_field("occurred_start", indexed=True, fast=True)
     sb.add_float_field("occurred_end", indexed=True, fast=True)
     return sb.build()
-
-
-#: Words dropped from queries on top of Tantivy's (Lucene's short) English stop list:
-#: question words, auxiliaries, pronouns and other function words. A question's "what
-#: did she ..." matches nearly every text, so as query terms these only add noise to
-#: BM25; the indexed text keeps them (this filters queries only).
-QUERY_STOP_WORDS = tuple("""
-what when where which who whom whose why how whats did does do done doing is are was were
-am be been being has have had having can could would should will shall may might must
-i me my mine myself you your yours yourself he him his himself she her hers herself it
-its itself we us our ours ourselves they them their theirs themselves
-a an the and or but if so than then that this these those there here
-of in on at to by as for with from about into over after before during up down out off
-any some all both each other such own same too very also just again ever still yet
-not no nor only one ones
-""".split())
 
 
 def _query_analyzer() -> tantivy.TextAnalyzer:
