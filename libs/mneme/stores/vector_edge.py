@@ -322,15 +322,7 @@ class EdgeVectorStore:
         with self._lock:
             records = self.shard.retrieve(list({point_id(i) for i in ids}),
                                           with_payload=True, with_vector=with_vectors)
-        by_id = {r.payload["id"]: r for r in records
-                 if r.payload and r.payload.get("bank_id") == bank_id}
-        out, seen = [], set()
-        for i in ids:
-            r = by_id.get(i)
-            if r is not None and i not in seen:
-                seen.add(i)
-                out.append(payload_to_fact(r.payload, r.vector if with_vectors else None))
-        return out
+        return facts_in_order(records, ids, bank_id, with_vectors)
 
     def scroll(self, bank_id: str, limit: int, after: str | None = None,
                filters: Filters | None = None) -> tuple[list[Fact], str | None]:
@@ -375,3 +367,17 @@ def _decode_cursor(cursor: str) -> str:
         return str(uuid.UUID(pid))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"invalid scroll cursor {cursor!r}") from e
+
+
+def facts_in_order(records, ids: Sequence[str], bank_id: str, with_vectors: bool) -> list[Fact]:
+    """Retrieved point records (``.payload``, ``.vector``) → the bank's facts in the order
+    of ``ids``, each once; records of another bank are dropped (ids are global)."""
+    by_id = {r.payload["id"]: r for r in records
+             if r.payload and r.payload.get("bank_id") == bank_id}
+    out, seen = [], set()
+    for i in ids:
+        r = by_id.get(i)
+        if r is not None and i not in seen:
+            seen.add(i)
+            out.append(payload_to_fact(r.payload, r.vector if with_vectors else None))
+    return out

@@ -36,6 +36,7 @@ from mneme.stores.vector_edge import (
     _decode_cursor,
     _encode_cursor,
     fact_to_payload,
+    facts_in_order,
     payload_to_fact,
     point_id,
 )
@@ -334,15 +335,7 @@ class QdrantVectorStore:
         with self._lock:
             records = self.client.retrieve(self.collection, ids=sorted({point_id(i) for i in ids}),
                                            with_payload=True, with_vectors=with_vectors)
-        by_id = {r.payload["id"]: r for r in records
-                 if r.payload and r.payload.get("bank_id") == bank_id}
-        out, seen = [], set()
-        for i in ids:
-            r = by_id.get(i)
-            if r is not None and i not in seen:
-                seen.add(i)
-                out.append(payload_to_fact(r.payload, r.vector if with_vectors else None))
-        return out
+        return facts_in_order(records, ids, bank_id, with_vectors)
 
     def scroll(self, bank_id: str, limit: int, after: str | None = None,
                filters: Filters | None = None) -> tuple[list[Fact], str | None]:
