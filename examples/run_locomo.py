@@ -38,7 +38,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", help="default: a fresh temporary directory")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
-    ap.add_argument("--questions", type=int, default=6)
+    ap.add_argument("--questions", type=int, default=8, help="questions to show (a quarter per category)")
     args = ap.parse_args()
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="mneme-run-"))
     port = free_port()
