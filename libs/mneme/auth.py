@@ -49,6 +49,7 @@ import grpc
 
 from mneme import telemetry
 from mneme.errors import InvalidArgument
+from mneme.grpc_util import wrap_handler
 from mneme.names import bank_id_of, memory_of
 
 log = logging.getLogger(__name__)
@@ -297,9 +298,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 code = _code(context, "OK")
             self.after(method, checked, context, code)
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
+        def wrap(inner, streaming: bool):
             def unary(request, context):
                 checked, token = before(request, context)
                 code = "OK"
@@ -314,17 +313,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 finally:
                     after(checked, token, context, code)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_s = handler.unary_stream
-
             def stream(request, context):
                 checked, token = before(request, context)
                 code = "OK"
                 try:
-                    yield from inner_s(request, context)
+                    yield from inner(request, context)
                 except PermissionDenied as e:
                     code = "PERMISSION_DENIED"
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
@@ -334,10 +327,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 finally:
                     after(checked, token, context, code)
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return handler  # client/bidi streaming: not used by mneme's APIs
+            return stream if streaming else unary
+
+        return wrap_handler(handler, wrap)
 
     def _identify(self, md: dict, context) -> Principal | None:
         if self.mode == "open":

@@ -78,3 +78,19 @@ def remaining(context: grpc.ServicerContext, default: float) -> float:
     """Seconds left before the client's deadline, capped by ``default``."""
     left = context.time_remaining()
     return default if left is None else max(0.0, min(default, left))
+
+
+def wrap_handler(handler, wrap):
+    """Return a copy of a unary-unary or unary-stream RPC method handler whose behaviour
+    is ``wrap(behaviour, streaming)`` (a function of ``(request, context)``; a generator
+    when ``streaming``). Other handler kinds (unused by mneme's APIs) pass unchanged.
+    Shared by the server interceptors (tracing, auth)."""
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap(handler.unary_unary, False), request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap(handler.unary_stream, True), request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    return handler

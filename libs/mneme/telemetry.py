@@ -329,7 +329,7 @@ class TracingInterceptor:
 
 
 def _wrap(handler, full: str, service: str, method: str, md: dict):
-    import grpc
+    from mneme.grpc_util import wrap_handler
 
     def start():
         ctx = context_from(md.get("traceparent"), md.get("tracestate"))
@@ -347,9 +347,7 @@ def _wrap(handler, full: str, service: str, method: str, md: dict):
             s.set_status(Status(StatusCode.ERROR, code))
         record_rpc(service, method, code, time.perf_counter() - t0)
 
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
-
+    def wrap(inner, streaming: bool):
         def unary(request, context):
             t0, exc = time.perf_counter(), None
             with start() as s:
@@ -361,27 +359,20 @@ def _wrap(handler, full: str, service: str, method: str, md: dict):
                 finally:
                     finish(s, context, t0, exc)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-    if handler.unary_stream is not None:
-        inner_s = handler.unary_stream
-
         def stream(request, context):
             t0, exc = time.perf_counter(), None
             with start() as s:
                 try:
-                    yield from inner_s(request, context)
+                    yield from inner(request, context)
                 except BaseException as e:
                     exc = e
                     raise
                 finally:
                     finish(s, context, t0, exc)
 
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-    return handler  # client/bidi streaming: not used by mneme's APIs
+        return stream if streaming else unary
+
+    return wrap_handler(handler, wrap)
 
 
 __all__ = ["TracingInterceptor", "consume_span", "context_from", "count_auth",
