@@ -152,7 +152,7 @@ class TestOpenSearchTextStore(TextStoreSuite):
     def test_index_has_english_text_and_keyword_filters(self, store):
         mapping = store.client.indices.get_mapping(index=store.index)[store.index]["mappings"]
         props = mapping["properties"]
-        assert props["text"] == {"type": "text", "analyzer": "english"}
+        assert props["text"] == {"type": "text", "analyzer": "mneme_text"}  # english + CJK bigrams
         assert {props[f]["type"] for f in ("bank_id", "fact_type", "document_id", "tags")} == {
             "keyword"}
         template = store.client.indices.get_index_template(name=store.index)

@@ -152,3 +152,35 @@ class TextStoreSuite:
         assert store.search("b", "beta", k=5) == []
         store.upsert([fact(3, "gamma")])
         assert store.count("a") == 1
+
+    # -- text without spaces (issue 9 item 9): CJK runs are indexed as character bigrams --
+
+    CJK_FACTS = [
+        (1, "我昨天在北京吃了烤鸭。"),
+        (2, "他下周要去上海出差，然后回北京。"),
+        (3, "東京で寿司を食べました。"),
+        (4, "毎朝コーヒーを飲みます。"),
+        (5, "나는 서울에서 김치를 먹었다."),
+        (6, "I bought an iPhone在深圳, and she paints landscapes。"),
+        (7, "An English sentence about Beijing duck."),
+    ]
+
+    @pytest.mark.parametrize("query, expected", [
+        ("北京", [1, 2]), ("烤鸭", [1]), ("上海出差", [2]), ("吃了烤鸭", [1]),  # Chinese
+        ("寿司", [3]), ("東京", [3]), ("コーヒー", [4]), ("飲みます", [4]),  # Japanese
+        ("서울", [5]), ("김치", [5]), ("서울에서", [5]),  # Korean
+        ("深圳", [6]), ("iPhone", [6]), ("painting", [6]),  # mixed CJK + Latin
+        ("北京 duck", [1, 2, 7]),
+        ("南京", []), ("大阪", []), ("부산", []),  # bigrams that occur nowhere
+    ])
+    def test_cjk_text_is_found_by_a_short_keyword(self, store, query, expected):
+        store.upsert([fact(i, t) for i, t in self.CJK_FACTS])
+        got = {h.id for h in store.search("a", query, k=10)}
+        assert got == {fid("a", "text", i) for i in expected}, query
+
+    def test_cjk_keyword_ranks_the_sentence_that_holds_it_first(self, store):
+        store.upsert([fact(i, t) for i, t in self.CJK_FACTS])
+        hits = store.search("a", "他下周去上海", k=10)
+        assert hits and hits[0].id == fid("a", "text", 2)
+        # full-width Latin is folded like the indexed text
+        assert [h.id for h in store.search("a", "ｉＰｈｏｎｅ", k=5)] == [fid("a", "text", 6)]

@@ -3,9 +3,17 @@
 
 One index holds every bank. Its settings and mappings are installed as an index template
 (so an index re-created by an operator or by auto-creation gets them too) and given
-explicitly when the store creates the index: ``text`` is analysed with the built-in
-``english`` analyzer (standard tokenizer, lowercase, English stop words, Porter stemmer);
-the filter fields are ``keyword``/numeric and queried in filter context, so they never
+explicitly when the store creates the index: ``text`` is analysed with
+:data:`ANALYZER` -- the built-in ``english`` analyzer's chain (standard tokenizer,
+possessive stemmer, lowercase, English stop words, Porter stemmer) with ``cjk_width`` and
+``cjk_bigram`` added -- after the client has segmented it with :func:`mneme.cjk.segment`
+(CJK runs as space-separated character bigrams, other text unchanged). The standard
+tokenizer splits a Han bigram into its two characters and ``cjk_bigram`` joins them again,
+so every CJK token is the bigram the Tantivy adapter indexes, on OpenSearch and on test
+stand-ins whose ``cjk_bigram`` skips Hangul or Katakana alike. An index created before
+(``english`` analyzer) keeps working for Latin-script text; a warning says that
+``mneme replay`` (which drops and recreates the index) makes its CJK text searchable. The
+filter fields are ``keyword``/numeric and queried in filter context, so they never
 change ``Hit.score``, which is the pure BM25 score. Documents are routed by ``bank_id``
 (one bank's documents share a shard) and their ``_id`` is ``"{bank_id}:{fact_id}"``.
 
@@ -20,6 +28,7 @@ URLs: ``http(s)://[user:password@]host[:9200][/prefix][?index=…&verify_certs=0
 
 from __future__ import annotations
 
+import logging
 import re
 
 from typing import Any, Sequence
@@ -28,6 +37,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from opensearchpy import OpenSearch
 from opensearchpy.exceptions import NotFoundError, RequestError
 
+from mneme.cjk import segment
 from mneme.domain import Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
@@ -40,6 +50,10 @@ MAX_QUERY_CHARS = 1024
 #: Extra hits fetched so ties can be broken by id (see ``search``).
 _TIE_SLACK = 32
 _MAX_WINDOW = 10_000  # index.max_result_window default
+log = logging.getLogger(__name__)
+
+#: Name of the text analyzer defined in :data:`SETTINGS`.
+ANALYZER = "mneme_text"
 
 MAPPINGS: dict[str, Any] = {
     "dynamic": "strict",  # a typo'd field fails loudly instead of growing the mapping
@@ -47,7 +61,7 @@ MAPPINGS: dict[str, Any] = {
     "properties": {
         "id": {"type": "keyword"},
         "bank_id": {"type": "keyword"},
-        "text": {"type": "text", "analyzer": "english"},
+        "text": {"type": "text", "analyzer": ANALYZER},
         "fact_type": {"type": "keyword"},
         "document_id": {"type": "keyword"},
         "tags": {"type": "keyword"},
@@ -57,7 +71,17 @@ MAPPINGS: dict[str, Any] = {
         "occurred_end": {"type": "double"},
     },
 }
-SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1}}
+SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1}, "analysis": {
+    "filter": {
+        "mneme_possessive": {"type": "stemmer", "language": "possessive_english"},
+        "mneme_stop": {"type": "stop", "stopwords": "_english_"},
+        "mneme_stem": {"type": "stemmer", "language": "english"},
+    },
+    "analyzer": {ANALYZER: {
+        "type": "custom", "tokenizer": "standard",
+        "filter": ["cjk_width", "mneme_possessive", "lowercase", "cjk_bigram", "mneme_stop",
+                   "mneme_stem"]}},
+}}
 
 
 def parse_opensearch_url(url: str) -> dict[str, Any]:
@@ -140,10 +164,10 @@ def _either(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def fact_document(fact: Fact) -> dict[str, Any]:
-    """The indexed ``_source`` of ``fact`` (times as effective epoch-second bounds,
-    absent when the fact has none)."""
+    """The indexed ``_source`` of ``fact``: its text segmented (:func:`mneme.cjk.segment`),
+    times as effective epoch-second bounds (absent when the fact has none)."""
     tags = sorted(set(fact.tags))
-    doc: dict[str, Any] = {"id": fact.id, "bank_id": fact.bank_id, "text": fact.text,
+    doc: dict[str, Any] = {"id": fact.id, "bank_id": fact.bank_id, "text": segment(fact.text),
                            "fact_type": fact.fact_type, "document_id": fact.document_id,
                            "tags": tags, "n_tags": len(tags)}
     start, end = to_epoch(fact.occurred_start), to_epoch(fact.occurred_end)
@@ -197,12 +221,27 @@ class OpenSearchTextStore:
             "index_patterns": [self.index],
             "template": {"settings": SETTINGS, "mappings": MAPPINGS}})
         if c.indices.exists(index=self.index):
+            self._check_analyzer()
             return
         try:
             c.indices.create(index=self.index, body={"settings": SETTINGS, "mappings": MAPPINGS})
         except RequestError as e:
             if e.error != "resource_already_exists_exception":  # else a concurrent creator
                 raise
+
+    def _check_analyzer(self) -> None:
+        """Warn when an existing index analyses ``text`` otherwise than :data:`MAPPINGS`
+        (an index created before CJK segmentation): see the module docs."""
+        try:
+            props = self.client.indices.get_mapping(index=self.index)[self.index][
+                "mappings"].get("properties", {})
+        except (KeyError, NotFoundError):
+            return
+        got = props.get("text", {}).get("analyzer", "standard")
+        if got != ANALYZER:
+            log.warning("OpenSearch index %s analyses text with %r, not %r: CJK text is "
+                        "not found by keyword until `mneme replay` recreates the index",
+                        self.index, got, ANALYZER)
 
     def close(self) -> None:
         """Close the client's connections; further calls raise RuntimeError. Idempotent."""
@@ -269,7 +308,7 @@ class OpenSearchTextStore:
         not change it). Any text is accepted; one with no indexable term → []."""
         # Question and function words only add noise to BM25 (see QUERY_STOP_WORDS); the
         # Tantivy adapter drops the same ones in its query analyzer.
-        text = clip_query(" ".join(w for w in re.findall(r"\w+", query)
+        text = clip_query(" ".join(w for w in re.findall(r"\w+", segment(query))
                                    if w.lower() not in _QUERY_STOP))
         if k <= 0 or not text:
             return []

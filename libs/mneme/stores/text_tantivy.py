@@ -1,14 +1,24 @@
 """BM25 text store over Tantivy (``tantivy``), one index directory for every bank.
 
-Queries are never parsed with Tantivy's query language: the user's text is run through
-the same analysis as the indexed text (simple tokenizer, lowercase, English Snowball
-stemmer — Tantivy's ``en_stem``) minus English stop words and the question and function
-words of :data:`QUERY_STOP_WORDS`, and the resulting terms are OR-ed as term queries. Filters become non-scoring boolean clauses, so ``Hit.score`` is
-the pure BM25 score. Term statistics (IDF, average length) are index-wide, not per bank.
+Text is segmented before analysis by :func:`mneme.cjk.segment` (CJK runs become
+overlapping character bigrams, other text is unchanged), then analysed by Tantivy's
+``en_stem`` (simple tokenizer, lowercase, English Snowball stemmer). Queries are never
+parsed with Tantivy's query language: the user's text goes through the same segmentation
+and analysis minus English stop words and the question and function words of
+:data:`QUERY_STOP_WORDS`, and the resulting terms are OR-ed as term queries. Filters become
+non-scoring boolean clauses, so ``Hit.score`` is the pure BM25 score. Term statistics
+(IDF, average length) are index-wide, not per bank.
+
+The schema is unchanged by segmentation, so an index written before it opens as before
+and its Latin-script text is searched as before; CJK text it holds was indexed as whole
+runs and is found by keyword only after ``mneme replay`` rebuilds the index. The file
+:data:`VERSION_FILE` in the index directory records the analysis version; opening an
+index without it (or with an older one) logs that warning once and records the version.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any, Sequence
@@ -26,6 +36,7 @@ from tantivy import (
     Tokenizer,
 )
 
+from mneme.cjk import segment
 from mneme.domain import Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
@@ -34,6 +45,10 @@ from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 MAX_QUERY_TERMS = 64
 _WRITER_HEAP = 32_000_000
 _KEY_SEP = "\x1f"  # joins bank_id and id into the unique document key
+#: Version of the text analysis (2: CJK bigram segmentation), kept in VERSION_FILE.
+ANALYSIS_VERSION = 2
+VERSION_FILE = "mneme-analysis-version"
+log = logging.getLogger(__name__)
 
 
 def _schema() -> tantivy.Schema:
@@ -80,8 +95,29 @@ class TantivyTextStore:
         self._schema = _schema()
         self._index = Index(self._schema, path=self.path, reuse=True)
         self._writer: tantivy.IndexWriter | None = self._index.writer(_WRITER_HEAP, 1)
+        self._check_version()
         self._analyzer = _query_analyzer()
         self._lock = threading.RLock()
+
+    def _check_version(self) -> None:
+        """Warn when the index holds documents analysed by an older version (see the
+        module docs), then record the current version."""
+        marker = os.path.join(self.path, VERSION_FILE)
+        try:
+            with open(marker) as f:
+                version = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            version = 0
+        if version >= ANALYSIS_VERSION:
+            return
+        if self._index.searcher().num_docs:
+            log.warning("text index %s was written by text analysis v%d (now v%d): CJK "
+                        "text indexed before is not found by keyword until `mneme replay` "
+                        "rebuilds the index; other text is unaffected", self.path, version,
+                        ANALYSIS_VERSION)
+        with open(marker + ".tmp", "w") as f:
+            f.write(f"{ANALYSIS_VERSION}\n")
+        os.replace(marker + ".tmp", marker)
 
     @property
     def writer(self) -> tantivy.IndexWriter:
@@ -143,9 +179,9 @@ class TantivyTextStore:
                                     for c in self._filter_clauses(bank_id, filters)])
 
     def query_terms(self, text: str) -> list[str]:
-        """The distinct index terms of free ``text`` (stemmed, no stop words), in order,
-        at most :data:`MAX_QUERY_TERMS`."""
-        terms = list(dict.fromkeys(self._analyzer.analyze(text)))
+        """The distinct index terms of free ``text`` (CJK bigrams, stemmed words, no stop
+        words), in order, at most :data:`MAX_QUERY_TERMS`."""
+        terms = list(dict.fromkeys(self._analyzer.analyze(segment(text))))
         return terms[:MAX_QUERY_TERMS]
 
     # -- TextStore --
@@ -168,7 +204,7 @@ class TantivyTextStore:
         doc.add_text("key", key)
         doc.add_text("id", fact.id)
         doc.add_text("bank_id", fact.bank_id)
-        doc.add_text("text", fact.text)
+        doc.add_text("text", segment(fact.text))
         doc.add_text("fact_type", fact.fact_type)
         doc.add_text("document_id", fact.document_id)
         tags = sorted(set(fact.tags))
