@@ -578,3 +578,151 @@ def test_failing_dlq_reader_does_not_feed_the_dlq(elog):
         pass
     assert len(all_records(elog, DLQ)) == 1 and c.stats["dead_lettered"] == 1
     assert sum(c.lag().values()) == 0
+
+
+# ---- dead letters fail their operation (issue 9, item 3) ------------------------------
+
+def test_dead_letter_of_an_operation_event_fails_the_operation_in_the_same_commit(elog):
+    def handler(env, record):
+        raise RuntimeError("graph store refused the text")
+
+    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
+    facts = ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=2,
+                              facts=[ev.Fact(id="f1", text="x")])
+    no_op = ev.FactsRetracted(bank_id="b1", memory_ids=["m"])  # no operation: no progress
+    elog.append([encode(facts, bank_id="b1", source="t"), encode(no_op, bank_id="b1", source="t")])
+    with c:
+        assert c.wait_idle(10)
+    assert len(all_records(elog, DLQ)) == 2
+    progress = [decode(r) for r in all_records(elog, PROGRESS)]
+    assert len(progress) == 1
+    p = progress[0].message
+    assert (p.bank_id, p.operation_id, p.kind, p.state) == ("b1", "op1", "retain", "failed")
+    assert "graph store refused the text" in p.error and "search" in p.error
+    assert p.items_total == 2 and list(p.memory_ids) == ["f1"]
+    # the DLQ copy and the progress were written together with the offset commit
+    dlq_ts = {r.timestamp for r in all_records(elog, DLQ)}
+    assert progress and all_records(elog, PROGRESS)[0].timestamp in dlq_ts
+
+
+def test_a_failing_progress_event_is_dead_lettered_without_more_progress(elog):
+    c = Consumer(elog, "ingest", [PROGRESS], lambda env, rec: 1 / 0, max_attempts=1)
+    elog.append([encode(ev.OperationProgress(bank_id="b1", operation_id="op1", kind="retain",
+                                             state="succeeded"), bank_id="b1", source="t")])
+    c.run_once()
+    assert len(all_records(elog, DLQ)) == 1 and len(all_records(elog, PROGRESS)) == 1
+
+
+# ---- log integrity (issue 9, item 5) ---------------------------------------------------
+
+def _filled(path: str, n: int = 3000) -> int:
+    log = SqliteEventLog(path)
+    for i in range(0, n, 500):
+        log.append([rec(INTAKE, f"b{j % 7}", b"v" * 300) for j in range(i, i + 500)])
+    log.commit("g", {(INTAKE, 0): 7})
+    log.close()
+    import os
+    return os.path.getsize(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate_half", "truncate_page", "garbage", "zeros",
+                                    "header"])
+def test_a_damaged_log_refuses_to_open_naming_the_file_and_the_remedy(path, damage):
+    import os
+
+    from mneme.bus.sqlite_log import LogDamaged
+    size = _filled(path)
+    if damage == "truncate_half":
+        os.truncate(path, size // 2)
+    elif damage == "truncate_page":
+        os.truncate(path, size - 4096)
+    else:
+        with open(path, "r+b") as f:
+            if damage == "header":
+                f.write(b"garbage garbage!")
+            else:
+                f.seek(0, 2)
+                f.write(os.urandom(5000) if damage == "garbage" else b"\0" * 8192)
+    with pytest.raises(LogDamaged) as e:
+        SqliteEventLog(path)
+    msg = str(e.value)
+    assert path in msg and "mneme log recover" in msg and "backup" in msg
+
+
+def test_an_intact_log_opens_after_a_kill_with_frames_in_the_wal(path):
+    import os
+    _filled(path, 500)
+    # a writer killed with frames in its WAL: the file is shorter than the WAL says
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(bus.__file__.rsplit('/mneme/', 1)[0])!r})
+        from mneme.bus.sqlite_log import SqliteEventLog
+        from mneme.ports import OutRecord
+        log = SqliteEventLog({path!r})
+        log._writer.execute("PRAGMA wal_autocheckpoint = 0")
+        for i in range(20):
+            log.append([OutRecord("{INTAKE}", "k", b"x" * 4000, {{}}) for _ in range(50)])
+        os.kill(os.getpid(), 9)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=False)
+    assert os.path.getsize(path + "-wal") > 4096
+    log = SqliteEventLog(path)
+    try:
+        assert assert_dense(log, INTAKE) == 1500 and log.check() is None
+    finally:
+        log.close()
+
+
+def test_damage_while_open_fails_fast_and_consumers_back_off(path):
+    import os
+
+    from mneme.bus.sqlite_log import LogDamaged
+    _filled(path, 1000)
+    log = SqliteEventLog(path)
+    calls = []
+    c = Consumer(log, "g2", [INTAKE], lambda env, rec: calls.append(1), backoff=0.05,
+                 error_backoff_max=0.4)
+    try:
+        c.start()
+        assert c.wait_idle(10) and c.stats["errors"] == 0
+        calls.clear()
+        assert log.check() is None
+        with open(path, "ab") as f:
+            f.write(os.urandom(3000))
+        assert "bytes appended" in log.check()
+        t = time.monotonic()
+        with pytest.raises(LogDamaged):
+            log.append([rec(INTAKE, "b", "x")])
+        with pytest.raises(LogDamaged):
+            log.read(INTAKE, 0, 0)
+        assert time.monotonic() - t < 0.1
+        log.wake()
+        time.sleep(2.0)
+        # 0.1, 0.2, 0.4, 0.4, …: a handful of passes in two seconds, not a spin
+        assert 3 <= c.stats["errors"] <= 8, c.stats
+        assert isinstance(c.last_error, LogDamaged) and not calls
+    finally:
+        c.stop(5)
+        log.close()
+
+
+def test_sqlite_corruption_seen_by_a_query_marks_the_log_damaged(path, monkeypatch):
+    import sqlite3
+
+    from mneme.bus.sqlite_log import LogDamaged
+    log = SqliteEventLog(path)
+    try:
+        log.append([rec(INTAKE, "b", "x")])
+
+        class Broken:
+            def execute(self, *a):
+                raise sqlite3.DatabaseError("database disk image is malformed")
+        monkeypatch.setattr(log, "_reader", lambda: Broken())
+        with pytest.raises(LogDamaged):
+            log.read(INTAKE, 0, 0)
+        monkeypatch.undo()
+        assert "malformed" in log.check()
+        with pytest.raises(LogDamaged):  # stays damaged: writes fail at once
+            log.append([rec(INTAKE, "b", "y")])
+    finally:
+        log.close()

@@ -15,6 +15,16 @@ Failure policy (per record):
   dead-lettered: a copy goes to ``mneme.dlq.v1`` in the same transaction that commits
   its offset, so one poison event never stops a partition.
 
+A dead-lettered event that belongs to an operation (its message has ``bank_id`` and
+``operation_id``; see :func:`operation_failed`) also fails that operation: an
+``OperationProgress(state="failed", error=…)`` is produced on ``mneme.progress.v1`` in the
+same commit as the DLQ copy, so a sync retain returns FAILED at once instead of waiting
+for its deadline, and replay (which re-reads progress) shows the same state.
+
+When the log itself fails (a read or commit raises, e.g. the embedded log is damaged),
+the runner backs off exponentially up to ``error_backoff_max`` seconds and logs the
+failure once per streak (then every tenth time), rather than spinning.
+
 Dead-letter records keep the original key, value and headers (``ce_*``, ``content-type``,
 ``traceparent``) and add ``dlq_topic``, ``dlq_partition``, ``dlq_offset``, ``dlq_group``,
 ``dlq_attempts``, ``dlq_error`` ("ExcType: message"), ``dlq_traceback`` and ``dlq_time``.
@@ -45,7 +55,8 @@ from google.protobuf.message import Message
 
 from mneme import telemetry
 from mneme.bus import DLQ, StaleCommitError, default_partitions
-from mneme.bus.codec import Envelope, decode, format_time
+from mneme.bus.codec import Envelope, decode, encode, format_time
+from mneme.domain import derive_id
 from mneme.ports import EventLog, OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -58,6 +69,62 @@ MessageHandler = Callable[[Message, Envelope], "Sequence[OutRecord] | None"]
 
 _ERROR_CHARS = 2000
 _TRACEBACK_CHARS = 8000
+
+
+def _retract_kind(m: Message) -> str | None:
+    if m.document_id:
+        return "delete_document"
+    return "delete_memory" if m.memory_ids else None
+
+
+def _observations_kind(m: Message) -> str | None:
+    # "auto" / "retract" decisions follow an operation that already finished (a retain,
+    # a deletion): failing to project them does not undo that operation.
+    return "consolidate" if m.trigger not in ("", "auto", "retract") else None
+
+
+#: Operation kind of each event type that belongs to an operation (message name → kind
+#: or a function of the message giving the kind, None for "not an operation's work").
+OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
+    "RetainRequested": "retain",
+    "FactsExtracted": "retain",
+    "DocumentDeleteRequested": "delete_document",
+    "MemoryDeleteRequested": "delete_memory",
+    "ConsolidationRequested": "consolidate",
+    "ConsolidationScheduled": "consolidate",
+    "FactsRetracted": _retract_kind,
+    "ObservationsChanged": _observations_kind,
+}
+
+
+def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
+    """The ``OperationProgress(state="failed")`` record that fails the operation
+    ``env``'s message belongs to, or None when it belongs to none (no ``bank_id`` /
+    ``operation_id``, a type not in :data:`OPERATION_KINDS`, or progress itself, which
+    would loop). ``error`` is the failure as users should see it; ``group`` the consumer
+    group that gave up (named in the error, and part of the deterministic event id, so
+    a redelivered dead letter yields the same progress event)."""
+    m = env.message
+    if m is None:
+        return None
+    bank_id, op_id = getattr(m, "bank_id", ""), getattr(m, "operation_id", "")
+    kind = OPERATION_KINDS.get(m.DESCRIPTOR.name)
+    if callable(kind):
+        kind = kind(m)
+    if not (bank_id and op_id and kind):
+        return None
+    from mneme.events.v1 import events_pb2 as ev  # lazy: keeps the runner proto-agnostic
+
+    total = (m.items_total if m.DESCRIPTOR.name == "FactsExtracted"
+             else len(m.items) if m.DESCRIPTOR.name == "RetainRequested" else 0)
+    facts = [f.id for f in m.facts] if m.DESCRIPTOR.name == "FactsExtracted" else []
+    progress = ev.OperationProgress(
+        bank_id=bank_id, operation_id=op_id, kind=kind, state="failed",
+        items_total=total, items_done=total, facts=len(facts), memory_ids=facts,
+        error=f"{group} could not process {m.DESCRIPTOR.name}: {error}"[:_ERROR_CHARS])
+    return encode(progress, bank_id=bank_id, source=f"mneme/{group}",
+                  event_id=derive_id(env.id, "dead-letter", group),
+                  traceparent=env.traceparent)
 
 
 class Dispatcher:
@@ -152,6 +219,8 @@ class Consumer:
     retry *n* waits ``min(backoff * 2**(n-1), backoff_max)`` seconds.
     ``idle_wait``: seconds to block waiting for appends when caught up (the log's
     ``wait_for_append`` wakes it earlier; logs without one are polled at this period).
+    ``error_backoff_max``: cap in seconds of the exponential backoff after the log itself
+    fails (n failures in a row wait ``min(backoff * 2**n, error_backoff_max)``).
 
     The consumer creates missing topics (and the DLQ) with
     :func:`mneme.bus.default_partitions`. One Consumer per group per process. On Kafka
@@ -164,7 +233,7 @@ class Consumer:
     def __init__(self, log: EventLog, group: str, topics: Iterable[str], handler: Handler, *,
                  batch_size: int = 100, max_attempts: int = 3, backoff: float = 0.05,
                  backoff_max: float = 2.0, idle_wait: float = 1.0,
-                 dlq_topic: str = DLQ) -> None:
+                 dlq_topic: str = DLQ, error_backoff_max: float = 30.0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_attempts < 1:
@@ -181,6 +250,7 @@ class Consumer:
         self.backoff_max = backoff_max
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
+        self.error_backoff_max = error_backoff_max
         #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors.
         self.stats = dict.fromkeys(
             ("handled", "skipped", "dead_lettered", "retries", "stale_commits", "errors"), 0)
@@ -327,18 +397,27 @@ class Consumer:
         member = self.member
         failures = 0
         while not self._stop.is_set():
-            token = member.token()
+            token = None
             try:
+                token = member.token()
                 n = self.run_once()
+                if failures:
+                    log.warning("consumer %s: the log answers again after %d failures",
+                                self.group, failures)
                 failures = 0
             except Exception as exc:  # the log itself failed; keep the thread alive
                 failures += 1
                 self.stats["errors"] += 1
                 self.last_error = exc
-                log.exception("consumer %s: pass failed (%d in a row)", self.group, failures)
+                delay = min(self.backoff * 2 ** failures, self.error_backoff_max)
+                if failures == 1:
+                    log.exception("consumer %s: pass failed; backing off", self.group)
+                elif failures % 10 == 0:  # a damaged log: say so now and then, not always
+                    log.error("consumer %s: pass failed (%d in a row, next try in %.1fs): %s",
+                              self.group, failures, delay, exc)
                 with self._cond:  # re-read committed offsets: the batch may be lost
                     self._positions.clear()
-                self._stop.wait(min(self.backoff * 2 ** failures, self.backoff_max))
+                self._stop.wait(delay)
                 continue
             if n == 0 and not self._stop.is_set():
                 try:
@@ -394,7 +473,7 @@ class Consumer:
             try:
                 env = decode(rec)
             except Exception as exc:  # corrupt payload: retries cannot help
-                outs = self._dead_letter(rec, exc, attempts=0)
+                outs = self._dead_letter(rec, exc, attempts=0, env=None)
             else:
                 if env.message is None:
                     self.stats["skipped"] += 1
@@ -452,11 +531,13 @@ class Consumer:
                 return self._call(env, rec)
             except Exception as again:
                 exc = again
-        return self._dead_letter(rec, exc, attempts=self.max_attempts)
+        return self._dead_letter(rec, exc, attempts=self.max_attempts, env=env)
 
-    def _dead_letter(self, rec: Record, exc: BaseException, attempts: int) -> list[OutRecord]:
-        """The DLQ copy of ``rec`` (a one-element list); [] for a record read from the
-        DLQ itself, so a failing DLQ reader cannot feed the DLQ forever."""
+    def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,
+                     env: Envelope | None) -> list[OutRecord]:
+        """The DLQ copy of ``rec`` plus, when its event belongs to an operation, the
+        progress event failing it (:func:`operation_failed`); [] for a record read from
+        the DLQ itself, so a failing DLQ reader cannot feed the DLQ forever."""
         self.stats["dead_lettered"] += 1
         telemetry.count_dead_letter(self.group, rec.topic)
         if rec.topic == self.dlq_topic:
@@ -477,8 +558,15 @@ class Consumer:
             "dlq_traceback": tb[-_TRACEBACK_CHARS:],
             "dlq_time": format_time(datetime.now(timezone.utc)),
         })
-        return [OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
-                          headers=headers)]
+        out = [OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
+                         headers=headers)]
+        failed = None
+        if env is not None:
+            try:
+                failed = operation_failed(env, f"{type(exc).__name__}: {exc}", self.group)
+            except Exception:  # never let the failure report stop the dead letter
+                log.exception("consumer %s: cannot build the failed progress", self.group)
+        return out + ([failed] if failed is not None else [])
 
     def _commit(self, topic: str, partition: int, next_off: int,
                 outputs: Sequence[OutRecord]) -> bool:
@@ -506,4 +594,5 @@ def _end_offsets(log_: EventLog, tps: list[tuple[str, int]]) -> dict[tuple[str, 
     return {tp: log_.end_offset(*tp) for tp in tps}
 
 
-__all__ = ["Consumer", "Dispatcher", "Handler", "LogMember", "MessageHandler"]
+__all__ = ["Consumer", "Dispatcher", "Handler", "LogMember", "MessageHandler",
+           "OPERATION_KINDS", "operation_failed"]

@@ -26,6 +26,16 @@ Guarantees:
 * Records are never deleted: there is no retention or compaction (out of scope); the
   file grows with the history, which is what makes replay from offset 0 possible.
 
+Integrity: opening checks the file (:func:`check_file`: the SQLite header, the file size
+against the page count the header records, then ``PRAGMA quick_check``; about 40 ms per
+50 MB with a warm page cache; ``integrity_check`` would also cross-check the index and costs
+twice that) and raises :class:`LogDamaged` rather than serve a truncated or garbled log.
+A log that becomes damaged while open (SQLite reports SQLITE_CORRUPT / SQLITE_NOTADB, or
+:meth:`SqliteEventLog.check` finds the file changed under it) stays damaged: every later
+call raises :class:`LogDamaged` at once (gRPC UNAVAILABLE), so writers fail fast instead of
+waiting on consumers that cannot read. ``mneme log recover`` (:func:`recover`) copies every
+readable record into a new file.
+
 Waiting without busy polling: :meth:`SqliteEventLog.wait_for_append` wakes on a
 ``threading.Condition`` notified by appends in this process, and polls SQLite's
 ``PRAGMA data_version`` (changes whenever another connection, in any process, commits)
@@ -34,6 +44,7 @@ every ``poll_interval`` seconds for appends by other processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -41,9 +52,11 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from mneme.bus import StaleCommitError, default_partitions, partition_for
+from mneme.errors import Unavailable
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -82,6 +95,139 @@ _READ_SQL = ('SELECT "offset", key, value, headers, timestamp FROM records '
              'ORDER BY "offset" LIMIT ?')
 
 
+_MAGIC = b"SQLite format 3\x00"
+#: SQLite result codes that mean the file itself is damaged (primary codes).
+_DAMAGE_CODES = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+class LogDamaged(Unavailable):
+    """The event log file is damaged (truncated, garbage appended or overwritten, or SQLite
+    found a malformed page). ``path`` is the file, ``problem`` what was found. The message
+    says what to do: stop mneme, restore the file from a backup, or run ``mneme log
+    recover`` (which keeps every intact record). Subclass of
+    :class:`mneme.errors.Unavailable`, so the gRPC API answers UNAVAILABLE."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path, self.problem = path, problem
+        data_dir = os.path.dirname(path) or "."
+        super().__init__(
+            f"event log {path} is damaged: {problem}. Stop mneme, then restore the file "
+            f"from a backup or run `mneme log recover --data-dir {data_dir}` (copies every "
+            f"intact record into a new log and keeps the damaged file beside it)")
+
+
+def _is_damage(exc: BaseException) -> bool:
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _DAMAGE_CODES
+    text = str(exc)
+    return "malformed" in text or "not a database" in text
+
+
+def _wal_frames(path: str) -> bool:
+    """True when ``path``'s WAL file holds frames (more than its 32-byte header)."""
+    try:
+        return os.path.getsize(path + "-wal") > 32
+    except OSError:
+        return False
+
+
+def header_problem(path: str, min_size: int = 0) -> str | None:
+    """What is wrong with the SQLite file at ``path`` judged from its header and size
+    alone (reads 100 bytes; no SQLite call), or None when it looks whole. A missing or
+    empty file is whole (a new log). While the WAL holds no frames the main file is
+    exactly ``page count × page size`` bytes (SQLite truncates it so at every full
+    checkpoint), so a shorter file was truncated and a longer one has bytes appended.
+    With frames in the WAL the main file may legitimately lag the header, so only these
+    hold: its size is a whole number of pages, and at least ``min_size`` bytes (the size
+    last seen; the log never shrinks: no auto-vacuum, no VACUUM)."""
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            return None
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except FileNotFoundError:
+        return None
+    if len(head) < 100 or not head.startswith(_MAGIC):
+        return (f"not an SQLite database (file of {size} bytes without the SQLite header; "
+                "overwritten or truncated)")
+    page_size = int.from_bytes(head[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    if page_size < 512 or page_size & (page_size - 1):
+        return f"invalid page size {page_size} in the header"
+    change_counter = int.from_bytes(head[24:28], "big")
+    pages = int.from_bytes(head[28:32], "big")
+    valid_for = int.from_bytes(head[92:96], "big")
+    if size < min_size:
+        return f"truncated: the file shrank from {min_size} to {size} bytes while open"
+    if size % page_size:
+        return (f"{size} bytes is not a whole number of {page_size}-byte pages (truncated, "
+                "or bytes appended)")
+    if _wal_frames(path) or pages == 0 or valid_for != change_counter:
+        return None
+    expected = pages * page_size
+    if size < expected:
+        return (f"truncated: the file has {size} bytes, its header records {pages} pages "
+                f"of {page_size} bytes ({expected} bytes)")
+    if size > expected:
+        return (f"{size - expected} bytes after its last page (the header records {pages} "
+                f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
+    return None
+
+
+def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
+    """Full open-time check of the log file at ``path``: :func:`header_problem`, then
+    (on ``conn``, or a connection of its own) a checkpoint so the WAL's frames reach the
+    main file, the header check again, and ``PRAGMA quick_check`` (every page and record
+    of every table: O(file size)). Returns a description of the damage or None."""
+    problem = header_problem(path)
+    if problem or not os.path.exists(path):
+        return problem
+    own = conn is None
+    try:
+        if own:
+            conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        if _wal_frames(path):
+            # busy (another process reading) leaves frames behind; the header check then
+            # cannot judge the size, and quick_check still reads every page
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            problem = header_problem(path)
+            if problem:
+                return problem
+        rows = [r[0] for r in conn.execute("PRAGMA quick_check(20)").fetchall()]
+        if rows != ["ok"]:
+            return "SQLite quick_check: " + "; ".join(rows)
+    except sqlite3.DatabaseError as e:
+        if _is_damage(e):
+            return f"SQLite: {e}"
+        raise
+    finally:
+        if own and conn is not None:
+            conn.close()
+    return None
+
+
+def _guarded(method):
+    """Fail fast once the log is known to be damaged; mark it damaged (and raise
+    :class:`LogDamaged`) when SQLite reports a corrupt file."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.damage is not None:
+            raise LogDamaged(self.path, self.damage)
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                raise
+            self._mark_damaged(f"SQLite: {e}")
+            raise LogDamaged(self.path, self.damage) from e
+    return wrapper
+
+
 class _Shared:
     """State shared by every instance on one file in this process: the write lock (so
     in-process writers queue on a lock instead of SQLite's sleeping busy handler) and the
@@ -113,13 +259,16 @@ class SqliteEventLog:
     ``poll_interval``: seconds between cross-process change checks in
     :meth:`wait_for_append`.
 
+    ``check``: run :func:`check_file` on open (raises :class:`LogDamaged`); off only
+    for tools that must read a damaged file (:func:`recover`).
+
     Topics that are appended to before :meth:`ensure_topic` are created with
     :func:`mneme.bus.default_partitions` (like Kafka's ``auto.create.topics.enable``).
     Not fork-safe: open a new instance in a child process.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout: float = 30.0,
-                 poll_interval: float = 0.1) -> None:
+                 poll_interval: float = 0.1, check: bool = True) -> None:
         self.path = os.path.abspath(os.fspath(path))
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self.busy_timeout = busy_timeout
@@ -130,8 +279,26 @@ class SqliteEventLog:
         self._readers_lock = threading.Lock()
         self._pcache: dict[str, int] = {}  # partition counts never change once created
         self._closed = False
-        self._writer = self._connect()
-        self._init_schema()
+        #: What is wrong with the file once damage was seen (None while whole).
+        self.damage: str | None = None
+        self._size = 0  # main file size after our last commit (it never shrinks)
+        if check:
+            problem = header_problem(self.path)  # before SQLite touches the file
+            if problem:
+                raise LogDamaged(self.path, problem)
+        try:
+            self._writer = self._connect()
+            if check:
+                problem = check_file(self.path, self._writer)
+                if problem:
+                    self._writer.close()
+                    raise LogDamaged(self.path, problem)
+            self._init_schema()
+            self._size = os.path.getsize(self.path)
+        except sqlite3.DatabaseError as e:
+            if not _is_damage(e):
+                raise
+            raise LogDamaged(self.path, f"SQLite: {e}") from e
 
     # ---- connections -------------------------------------------------------------
 
@@ -176,6 +343,25 @@ class SqliteEventLog:
             self._local.conn = conn
         return conn
 
+    def _mark_damaged(self, problem: str) -> None:
+        if self.damage is None:
+            self.damage = problem
+            log.error("event log %s is damaged: %s", self.path, problem)
+            self.wake()  # waiting consumers see it at once
+
+    def check(self) -> str | None:
+        """Cheap health probe (a stat and a 100-byte read): the recorded damage, or what
+        :func:`header_problem` finds now (then the log is marked damaged for good); None
+        while the file looks whole. Takes the write lock, so this process's checkpoints
+        (which run inside commits) cannot race the size check. Damage a probe cannot see
+        (bytes overwritten in the middle) is still caught when SQLite reads the page."""
+        if self.damage is None and not self._closed:
+            with self._shared.write_lock:
+                problem = header_problem(self.path, self._size)
+            if problem:
+                self._mark_damaged(problem)
+        return self.damage
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"event log {self.path} is closed")
@@ -196,6 +382,8 @@ class SqliteEventLog:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            # a checkpoint (run by COMMIT) is the only legitimate change of the main file
+            self._size = os.path.getsize(self.path)
 
     def _notify(self) -> None:
         with self._shared.cond:
@@ -204,6 +392,7 @@ class SqliteEventLog:
 
     # ---- topics ------------------------------------------------------------------
 
+    @_guarded
     def ensure_topic(self, topic: str, partitions: int) -> None:
         """Create ``topic`` with ``partitions`` partitions if it does not exist.
 
@@ -226,6 +415,7 @@ class SqliteEventLog:
                         topic, existing, partitions)
         self._pcache[topic] = existing
 
+    @_guarded
     def partitions(self, topic: str) -> int:
         """Partition count of ``topic``; 0 when the topic does not exist."""
         n = self._pcache.get(topic)
@@ -236,6 +426,7 @@ class SqliteEventLog:
             self._pcache[topic] = n
         return n
 
+    @_guarded
     def topics(self) -> dict[str, int]:
         """Every topic with its partition count."""
         rows = self._reader().execute("SELECT name, partitions FROM topics ORDER BY name")
@@ -248,6 +439,7 @@ class SqliteEventLog:
 
     # ---- append / read -----------------------------------------------------------
 
+    @_guarded
     def append(self, records: Sequence[OutRecord]) -> list[Record]:
         """Append ``records`` atomically (all or none) and durably (fsynced before
         return); returns them in order with their partitions, offsets and the append
@@ -296,6 +488,7 @@ class SqliteEventLog:
         conn.executemany(_INSERT_SQL, rows)
         return out
 
+    @_guarded
     def read(self, topic: str, partition: int, offset: int, limit: int = 100) -> list[Record]:
         """Records of (``topic``, ``partition``) with offset >= ``offset``, in offset
         order, at most ``limit``; [] past the end or for an unknown topic."""
@@ -305,6 +498,7 @@ class SqliteEventLog:
         return [Record(topic, partition, off, key, value, json.loads(headers), ts)
                 for off, key, value, headers, ts in rows]
 
+    @_guarded
     def end_offset(self, topic: str, partition: int) -> int:
         """The offset the next record appended to (``topic``, ``partition``) will get
         (the high watermark); 0 for an empty or unknown partition."""
@@ -313,6 +507,7 @@ class SqliteEventLog:
 
     # ---- consumer groups ---------------------------------------------------------
 
+    @_guarded
     def committed(self, group: str, topic: str, partition: int) -> int:
         """The next offset ``group`` will read on (``topic``, ``partition``); 0 when it
         never committed there."""
@@ -321,6 +516,7 @@ class SqliteEventLog:
             'AND "partition" = ?', (group, topic, partition)).fetchone()
         return 0 if row is None else row[0]
 
+    @_guarded
     def commit(self, group: str, offsets: dict[tuple[str, int], int],
                produce: Sequence[OutRecord] = ()) -> list[Record]:
         """Append ``produce`` and set ``group``'s next offsets to ``offsets``
@@ -358,6 +554,7 @@ class SqliteEventLog:
             self._notify()
         return out
 
+    @_guarded
     def reset_group(self, group: str, topics: Sequence[str] | None = None) -> None:
         """Forget ``group``'s offsets on ``topics`` (all topics when None), so it reads
         them again from offset 0 (replay)."""
@@ -368,6 +565,7 @@ class SqliteEventLog:
                 conn.executemany('DELETE FROM group_offsets WHERE "group" = ? AND topic = ?',
                                  [(group, t) for t in topics])
 
+    @_guarded
     def group_offsets(self, group: str) -> dict[tuple[str, int], int]:
         """Every committed next offset of ``group``: {(topic, partition): offset}."""
         rows = self._reader().execute(
@@ -377,6 +575,7 @@ class SqliteEventLog:
 
     # ---- waiting -----------------------------------------------------------------
 
+    @_guarded
     def change_token(self) -> tuple[int, int, int]:
         """An opaque token of the log's state as this thread sees it; take it *before*
         reading, then pass it to :meth:`wait_for_append` so an append that lands in
@@ -389,6 +588,7 @@ class SqliteEventLog:
     def _data_version(self) -> int:
         return self._reader().execute("PRAGMA data_version").fetchone()[0]
 
+    @_guarded
     def wait_for_append(self, timeout: float,
                         since: tuple[int, int, int] | None = None) -> bool:
         """Block up to ``timeout`` seconds until something may have been appended since
@@ -411,7 +611,7 @@ class SqliteEventLog:
                 cond.wait(min(remaining, self.poll_interval))
                 if self._shared.seq != seq0 or self._shared.wakes != wakes0:
                     return True
-            if self._closed or self._data_version() != dv0:
+            if self._closed or self.damage is not None or self._data_version() != dv0:
                 return True
 
     def wake(self) -> None:
