@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from mneme.domain import (EXPERIENCE, WORLD, Bank, BankConfig, Fact, Filters, RetainItem,
-                          TimeWindow, utc)
+                          TimeWindow, from_epoch, utc)
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, ts_to_dt
 from mneme.names import bank_name, memory_name
@@ -46,11 +46,19 @@ def bank_to_api(b: Bank) -> resources_pb2.Bank:
 
 
 def retain_items_from_api(items, now: datetime) -> list[RetainItem]:
-    """API items → domain; an unset timestamp means ``now`` (the request's arrival)."""
-    return [RetainItem(content=i.content, context=i.context,
-                       timestamp=ts_to_dt(i.timestamp) if i.HasField("timestamp") else utc(now),
-                       document_id=i.document_id, tags=tuple(i.tags), metadata=dict(i.metadata))
-            for i in items]
+    """API items → domain; an unset timestamp means ``now`` (the request's arrival). An
+    unrepresentable timestamp (refused per item by the limits) is taken as ``now`` here:
+    that item is never extracted."""
+    out = []
+    for n, i in enumerate(items):
+        try:
+            ts = ts_to_dt(i.timestamp, f"items[{n}].timestamp") if i.HasField("timestamp") else None
+        except InvalidArgument:
+            ts = None
+        out.append(RetainItem(content=i.content, context=i.context, timestamp=ts or utc(now),
+                              document_id=i.document_id, tags=tuple(i.tags),
+                              metadata=dict(i.metadata)))
+    return out
 
 
 def types_from_api(types, field: str = "types") -> tuple[str, ...]:
@@ -63,7 +71,7 @@ def types_from_api(types, field: str = "types") -> tuple[str, ...]:
 
 
 def time_range_from_api(tr, field: str = "time_range") -> TimeWindow | None:
-    start, end = ts_to_dt(tr.start), ts_to_dt(tr.end)
+    start, end = ts_to_dt(tr.start, f"{field}.start"), ts_to_dt(tr.end, f"{field}.end")
     if start is None and end is None:
         return None
     if start and end and start > end:
@@ -96,8 +104,9 @@ def operation_to_api(o: Operation) -> operations_pb2.Operation:
         name=f"operations/{o.operation_id}", bank_id=o.bank_id, kind=o.kind,
         state=_STATE.get(o.state, operations_pb2.OPERATION_STATE_UNSPECIFIED),
         items_total=o.items_total, items_done=o.items_done, facts=o.facts, error=o.error,
-        create_time=dt_to_ts(datetime.fromtimestamp(o.created_at).astimezone()),
-        update_time=dt_to_ts(datetime.fromtimestamp(o.updated_at).astimezone()))
+        create_time=dt_to_ts(from_epoch(o.created_at)), update_time=dt_to_ts(from_epoch(o.updated_at)),
+        item_errors=[operations_pb2.ItemError(item_index=i, field=f, error=e)
+                     for i, f, e in o.item_errors])
 
 
 _SCOPE_MODES = {resources_pb2.ObservationScopes.MODE_UNSPECIFIED: "",

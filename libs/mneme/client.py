@@ -142,9 +142,26 @@ class MnemeClient:
 
     # banks
     def upsert_bank(self, bank_id: str, display_name: str = "", **config) -> resources_pb2.Bank:
+        """Create the bank, or REPLACE the name and whole config of an existing one
+        (fields not given take their defaults). To change some fields and keep the
+        others, use :meth:`update_bank`."""
         bank = resources_pb2.Bank(name=f"banks/{bank_id}", display_name=display_name,
                                   config=resources_pb2.BankConfig(**config))
         return self.banks.UpsertBank(banks_pb2.UpsertBankRequest(bank=bank), timeout=self.timeout)
+
+    def update_bank(self, bank_id: str, display_name: str | None = None,
+                    **config) -> resources_pb2.Bank:
+        """Change only the given fields of an existing bank (UpdateBank with an
+        ``update_mask`` of exactly those fields): ``display_name`` and/or BankConfig fields
+        as keywords, e.g. ``update_bank("b", retain_mission="...")``. NOT_FOUND for an
+        unknown bank."""
+        from google.protobuf import field_mask_pb2
+        paths = (["display_name"] if display_name is not None else []) + [
+            f"config.{k}" for k in config]
+        bank = resources_pb2.Bank(name=f"banks/{bank_id}", display_name=display_name or "",
+                                  config=resources_pb2.BankConfig(**config))
+        return self.banks.UpdateBank(banks_pb2.UpdateBankRequest(
+            bank=bank, update_mask=field_mask_pb2.FieldMask(paths=paths)), timeout=self.timeout)
 
     def get_bank(self, bank_id: str) -> resources_pb2.Bank:
         return self.banks.GetBank(banks_pb2.GetBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
@@ -270,26 +287,33 @@ class MnemeClient:
         return self.observations.GetObservation(observations_pb2.GetObservationRequest(
             name=f"banks/{bank_id}/observations/{observation_id}"), timeout=self.timeout)
 
-    def _reflect_request(self, bank_id, query, context, budget, response_schema):
+    def _reflect_request(self, bank_id, query, context, budget, response_schema,
+                         query_timestamp=None):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
-                                         context=context, budget=BUDGETS[budget])
+                                         context=context, budget=BUDGETS[budget],
+                                         query_timestamp=dt_to_ts(query_timestamp))
         if response_schema is not None:
             from google.protobuf import json_format
             json_format.ParseDict(response_schema, req.response_schema)
         return req
 
     def reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
-                response_schema: dict | None = None) -> reflect_pb2.ReflectResponse:
+                response_schema: dict | None = None,
+                query_timestamp: datetime | None = None) -> reflect_pb2.ReflectResponse:
         """Answer ``query`` from the bank; ``response_schema`` (a JSON schema dict) asks
-        for structured output as well (needs a reflect model on the server)."""
+        for structured output as well (needs a reflect model on the server);
+        ``query_timestamp`` is "now" for relative questions (default: the server's clock)."""
         return self.reflect_stub.Reflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema), timeout=self.timeout)
+            bank_id, query, context, budget, response_schema, query_timestamp),
+            timeout=self.timeout)
 
     def stream_reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
-                       response_schema: dict | None = None):
+                       response_schema: dict | None = None,
+                       query_timestamp: datetime | None = None):
         """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response."""
         yield from self.reflect_stub.StreamReflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema), timeout=self.timeout)
+            bank_id, query, context, budget, response_schema, query_timestamp),
+            timeout=self.timeout)
 
     def get_operation(self, operation_id: str) -> operations_pb2.Operation:
         return self.operations.GetOperation(operations_pb2.GetOperationRequest(

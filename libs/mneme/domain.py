@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 #: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
 MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
 
-BANK_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+#: A bank id; always use ``fullmatch`` (``$`` would accept a trailing newline).
+BANK_ID_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 
 WORLD = "world"
 EXPERIENCE = "experience"
@@ -33,14 +34,42 @@ def utc(dt: datetime | None) -> datetime | None:
     return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt.astimezone(timezone.utc)
 
 
+#: The representable time range (protobuf Timestamp, RFC 3339, Python ``datetime``):
+#: 0001-01-01T00:00:00Z … 9999-12-31T23:59:59.999999Z, as epoch seconds.
+MIN_EPOCH = -62135596800.0
+MAX_EPOCH = 253402300799.999
+MIN_TIME = datetime(1, 1, 1, tzinfo=timezone.utc)
+MAX_TIME = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=timezone.utc)
+
+
+def clamp_time(dt: datetime | None) -> datetime | None:
+    """``dt`` as aware UTC, clamped into [:data:`MIN_TIME`, :data:`MAX_TIME`] (the last
+    millisecond of 9999 is kept clear of the edge: epoch floats round up past it)."""
+    if dt is None:
+        return None
+    dt = utc(dt)
+    return MAX_TIME if dt > MAX_TIME else dt
+
+
 def to_epoch(dt: datetime | None) -> float | None:
-    """Aware datetime → epoch seconds (float), None stays None."""
-    return None if dt is None else utc(dt).timestamp()
+    """Aware datetime → epoch seconds (float, clamped to the representable range),
+    None stays None."""
+    return None if dt is None else min(max(utc(dt).timestamp(), MIN_EPOCH), MAX_EPOCH)
 
 
 def from_epoch(ts: float | None) -> datetime | None:
-    """Epoch seconds → aware UTC datetime, None stays None."""
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
+    """Epoch seconds → aware UTC datetime, None stays None. Never raises for a number:
+    values outside the representable range (e.g. a float that rounded past the end of
+    year 9999 in an older store) are clamped, so no stored unit can make a read fail."""
+    if ts is None:
+        return None
+    try:
+        ts = float(ts)
+    except (TypeError, ValueError):
+        return None
+    if ts != ts:  # NaN
+        return None
+    return datetime.fromtimestamp(min(max(ts, MIN_EPOCH), MAX_EPOCH), tz=timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -59,13 +88,17 @@ class BankConfig:
 
 @dataclass(frozen=True)
 class Bank:
-    """An isolated memory space; ``bank_id`` is a slug matching :data:`BANK_ID_RE`."""
+    """An isolated memory space; ``bank_id`` is a slug matching :data:`BANK_ID_RE`.
+    ``incarnation`` identifies this life of the bank (the id of the event that created
+    it): a bank deleted and created again is a new incarnation, so its operations and
+    idempotency keys start afresh."""
 
     bank_id: str
     display_name: str = ""
     config: BankConfig = field(default_factory=BankConfig)
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -189,7 +222,9 @@ BUDGETS = ("low", "mid", "high")
 class RecallQuery:
     """A recall request. ``max_tokens`` bounds the summed token counts of result texts;
     ``budget`` (low/mid/high) sets how many candidates each arm fetches;
-    ``query_timestamp`` is "now" for relative expressions in the query."""
+    ``query_timestamp`` is "now" for relative expressions in the query; ``deadline``
+    (a :class:`mneme.deadline.Deadline`, None: none) stops the work when the caller
+    stops waiting."""
 
     bank_id: str
     query: str
@@ -197,6 +232,7 @@ class RecallQuery:
     filters: Filters = field(default_factory=Filters)
     budget: str = "mid"
     max_tokens: int = 4096
+    deadline: object = field(default=None, compare=False)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Errors handlers raise; transports map them to their status codes
-(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, DEADLINE_EXCEEDED)."""
+(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, DEADLINE_EXCEEDED, CANCELLED)."""
 
 
 class MnemeError(Exception):
@@ -20,6 +20,10 @@ class NotFound(MnemeError):
 
 class DeadlineExceeded(MnemeError):
     """The work was accepted but did not finish before the deadline; it goes on."""
+
+
+class Cancelled(MnemeError):
+    """The caller cancelled the request; its work was stopped."""
 
 
 class Unavailable(MnemeError):

@@ -12,7 +12,8 @@ from google.protobuf import timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from mneme.domain import clamp_time
+from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,17 @@ def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
 def translate_errors(method):
     """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
     BadRequest listing the field violations; NotFound → NOT_FOUND; DeadlineExceeded →
-    DEADLINE_EXCEEDED; Unavailable → UNAVAILABLE; anything else → INTERNAL (logged)."""
+    DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; anything else →
+    UNKNOWN (logged by gRPC). The call's deadline is :func:`mneme.deadline.current` while
+    the method runs."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
+        from mneme import deadline
         try:
-            return method(self, request, context)
-        except (InvalidArgument, NotFound, DeadlineExceeded, Unavailable) as e:
+            with deadline.bind(call_deadline(context)):  # deadline.current() in the work
+                return method(self, request, context)
+        except (InvalidArgument, NotFound, DeadlineExceeded, Cancelled, Unavailable) as e:
             abort_for(context, e)
 
     return wrapper
@@ -52,26 +57,42 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
     elif isinstance(e, DeadlineExceeded):
         _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    elif isinstance(e, Cancelled):
+        _abort(context, code_pb2.CANCELLED, grpc.StatusCode.CANCELLED, str(e))
     elif isinstance(e, Unavailable):
         _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
     else:
         raise e
 
 
-def ts_to_dt(ts: timestamp_pb2.Timestamp | None) -> datetime | None:
-    """Protobuf Timestamp → aware UTC datetime; an unset (zero) Timestamp → None."""
+def ts_to_dt(ts: timestamp_pb2.Timestamp | None, field: str = "timestamp") -> datetime | None:
+    """Protobuf Timestamp → aware UTC datetime; an unset (zero) Timestamp → None.
+    Raises InvalidArgument naming ``field`` for a value outside 0001-01-01 … 9999-12-31
+    or with nanos outside [0, 1e9) (see :func:`mneme.limits.timestamp_violation`)."""
     if ts is None or (ts.seconds == 0 and ts.nanos == 0):
         return None
+    from mneme.limits import timestamp_violation
+    problem = timestamp_violation(ts)
+    if problem:
+        raise InvalidArgument(field, problem)
     return ts.ToDatetime(tzinfo=timezone.utc)
 
 
 def dt_to_ts(dt: datetime | None) -> timestamp_pb2.Timestamp | None:
-    """Aware datetime → protobuf Timestamp (None stays None)."""
+    """Aware datetime → protobuf Timestamp (None stays None), clamped into the
+    representable range so a response never fails to serialise."""
     if dt is None:
         return None
     ts = timestamp_pb2.Timestamp()
-    ts.FromDatetime(dt.astimezone(timezone.utc))
+    ts.FromDatetime(clamp_time(dt))
     return ts
+
+
+def call_deadline(context: grpc.ServicerContext):
+    """The call's :class:`mneme.deadline.Deadline`: the client's deadline (if any) and
+    cancellation (``context.is_active``)."""
+    from mneme.deadline import Deadline
+    return Deadline.after(context.time_remaining(), context.is_active)
 
 
 def remaining(context: grpc.ServicerContext, default: float) -> float:
@@ -94,3 +115,41 @@ def wrap_handler(handler, wrap):
             wrap(handler.unary_stream, True), request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
     return handler
+
+
+class ValidationInterceptor(grpc.ServerInterceptor):
+    """Checks every request of a ``mneme.v1`` method against :mod:`mneme.limits` before
+    the servicer runs: violations → INVALID_ARGUMENT with a ``BadRequest`` naming each
+    field. Violations inside one item of a request in :data:`mneme.limits.PER_ITEM` are
+    left to the method (the item fails alone). Other services (health, reflection)
+    pass unchecked."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith("/mneme.v1."):
+            return handler
+        from mneme import limits
+
+        def wrap(behaviour, streaming):
+            def violations(request):
+                found = limits.check(request)
+                if request.DESCRIPTOR.full_name in limits.PER_ITEM:
+                    found, _ = limits.split_items(found)
+                return found
+
+            if streaming:
+                def checked_stream(request, context):
+                    found = violations(request)
+                    if found:
+                        abort_for(context, InvalidArgument(*found[0], *found[1:]))
+                    yield from behaviour(request, context)
+                return checked_stream
+
+            def checked(request, context):
+                found = violations(request)
+                if found:
+                    abort_for(context, InvalidArgument(*found[0], *found[1:]))
+                return behaviour(request, context)
+            return checked
+
+        return wrap_handler(handler, wrap)

@@ -22,7 +22,7 @@ def bank_id_of(name: str, field: str = "parent") -> str:
 
 def check_bank_id(bank_id: str, field: str = "bank_id") -> str:
     """Validate a bank slug: lowercase letters, digits, '-' and '_', 1..63 chars."""
-    if not BANK_ID_RE.match(bank_id or ""):
+    if not BANK_ID_RE.fullmatch(bank_id or ""):
         raise InvalidArgument(field, "bank id must match [a-z0-9][a-z0-9_-]{0,62}")
     return bank_id
 
@@ -33,19 +33,37 @@ def memory_of(name: str, field: str = "name") -> tuple[str, str]:
     if len(parts) != 4 or parts[0] != "banks" or parts[2] != "memories" or not parts[3]:
         raise InvalidArgument(field, "must be 'banks/{bank_id}/memories/{memory_id}'")
     check_bank_id(parts[1], field)
+    return parts[1], check_uuid(parts[3], field, "memory id")
+
+
+def check_uuid(value: str, field: str, what: str = "id") -> str:
+    """Validate a canonical UUID (lowercase, hyphenated: what mneme issues); returns it.
+    Raises InvalidArgument naming ``field``."""
     try:
-        uuid.UUID(parts[3])
-    except ValueError:
-        raise InvalidArgument(field, "memory id must be a UUID") from None
-    return parts[1], parts[3]
+        ok = str(uuid.UUID(value)) == value
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise InvalidArgument(field, f"{what} must be a UUID such as "
+                              "'0b6e9c52-5d1f-4f0e-9a43-6d6e656d6500'")
+    return value
+
+
+def observation_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/observations/{observation_id}`` → (bank_id, observation_id)."""
+    parts = (name or "").split("/")
+    if len(parts) != 4 or parts[0] != "banks" or parts[2] != "observations" or not parts[3]:
+        raise InvalidArgument(field, "must be 'banks/{bank_id}/observations/{observation_id}'")
+    check_bank_id(parts[1], field)
+    return parts[1], check_uuid(parts[3], field, "observation id")
 
 
 def operation_of(name: str, field: str = "name") -> str:
-    """``operations/{operation_id}`` (or a bare id) → operation_id."""
+    """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID)."""
     op = name.split("/", 1)[1] if name.startswith("operations/") else name
     if not op:
         raise InvalidArgument(field, "required, e.g. 'operations/{id}'")
-    return op
+    return check_uuid(op, field, "operation id")
 
 
 def bank_name(bank_id: str) -> str:

@@ -65,8 +65,58 @@ def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
 
 def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder) -> ev.FactsExtracted:
     """Extract and embed every item of a retain request. An item that fails is recorded
-    in ``failures`` with its reason; the others still yield facts."""
-    items = [codec.retain_item_from_pb(i) for i in m.items]
+    in ``failures`` with its reason; the others still yield facts. Items ingest refused
+    (``rejected_items``, empty placeholders) are not extracted and fail with ingest's
+    error; the extractor sees the other items in order, and the item indexes of facts,
+    failures and no-fact items are mapped back to the request's."""
+    rejected = {r.item_index: r for r in m.rejected_items}
+    keep = [i for i in range(len(m.items)) if i not in rejected]
+    items = [codec.retain_item_from_pb(m.items[i]) for i in keep]
+    failures: list[ev.ItemFailure] = []
+    if not items:
+        facts = []
+    else:
+        facts, failures = _extract_items(m, items, source_id, extractor)
+    report = getattr(extractor, "report", lambda _: None)(source_id) if items else None
+    for f in facts:
+        f.item_index = keep[f.item_index]
+    for f in failures:
+        f.item_index = keep[f.item_index]
+    failures = sorted([*failures, *(ev.ItemFailure(item_index=i, error=r.error, field=r.field,
+                                                   reason=r.reason or "rejected")
+                                    for i, r in rejected.items())],
+                      key=lambda f: f.item_index)
+    no_fact_items = [keep[i] for i in (report.no_fact_items if report is not None else [])]
+    if facts:
+        # An extractor may embed a fact with context its text leaves out (a short reply
+        # with the turn it answers); the vector travels in the event, so replay reuses it.
+        # (A per-bank-mode extractor answers for the extractor this bank used.)
+        used = extractor.for_bank(m.bank_id) if hasattr(extractor, "for_bank") else extractor
+        texts_for = getattr(used, "embedding_texts", None)
+        vectors = embedder.embed(texts_for(facts) if texts_for else [f.text for f in facts])
+        for f, v in zip(facts, vectors):
+            f.embedding = list(v)
+    docs = sorted({i.document_id for i in items if i.document_id})
+    failed = {f.item_index for f in failures}
+    no_facts = set(no_fact_items) - failed
+    telemetry.count_retain_documents(len(m.items) - len(failed) - len(no_facts), len(no_facts),
+                                     len(failed))
+    usage = None
+    if report is not None and report.usage.calls:
+        u = report.usage
+        usage = ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
+                            input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                            cost_usd=u.cost_usd)
+    return ev.FactsExtracted(
+        bank_id=m.bank_id, operation_id=m.operation_id,
+        facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
+        replaced_document_ids=docs, items_total=len(m.items), failures=failures,
+        no_fact_items=no_fact_items, llm_usage=usage)
+
+
+def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
+                   extractor) -> tuple[list, list[ev.ItemFailure]]:
+    """(facts, failures) of ``items``, indexes local to ``items``."""
     failures: list[ev.ItemFailure] = []
     try:
         with telemetry.span("extraction.extract", mneme__bank_id=m.bank_id,
@@ -84,29 +134,4 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
                 facts.extend(extractor.extract(m.bank_id, item, i, source_id))
             except Exception as e:
                 failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
-    if facts:
-        # An extractor may embed a fact with context its text leaves out (a short reply
-        # with the turn it answers); the vector travels in the event, so replay reuses it.
-        # (A per-bank-mode extractor answers for the extractor this bank used.)
-        used = extractor.for_bank(m.bank_id) if hasattr(extractor, "for_bank") else extractor
-        texts_for = getattr(used, "embedding_texts", None)
-        vectors = embedder.embed(texts_for(facts) if texts_for else [f.text for f in facts])
-        for f, v in zip(facts, vectors):
-            f.embedding = list(v)
-    docs = sorted({i.document_id for i in items if i.document_id})
-    report = getattr(extractor, "report", lambda _: None)(source_id)
-    failed = {f.item_index for f in failures}
-    no_facts = set(report.no_fact_items if report is not None else []) - failed
-    telemetry.count_retain_documents(len(items) - len(failed) - len(no_facts), len(no_facts),
-                                     len(failed))
-    usage = None
-    if report is not None and report.usage.calls:
-        u = report.usage
-        usage = ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
-                            input_tokens=u.input_tokens, output_tokens=u.output_tokens,
-                            cost_usd=u.cost_usd)
-    return ev.FactsExtracted(
-        bank_id=m.bank_id, operation_id=m.operation_id,
-        facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
-        replaced_document_ids=docs, items_total=len(items), failures=failures,
-        no_fact_items=report.no_fact_items if report is not None else [], llm_usage=usage)
+    return facts, failures

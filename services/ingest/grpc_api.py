@@ -3,32 +3,17 @@ They translate messages and call :class:`services.ingest.handlers.Ingest`."""
 
 from __future__ import annotations
 
-import base64
 from datetime import datetime, timezone
 
 from google.protobuf import empty_pb2
 
-from mneme import apiconv, auth
+from mneme import apiconv, auth, limits, paging
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import remaining, translate_errors
 from mneme.names import bank_id_of, memory_of, operation_of
 from mneme.v1 import banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc
 from mneme.v1 import operations_pb2, operations_pb2_grpc
 from services.ingest.handlers import Ingest
-
-
-def _page(page_size: int, page_token: str) -> tuple[int, str]:
-    if page_size < 0:
-        raise InvalidArgument("page_size", "must not be negative")
-    try:
-        token = base64.urlsafe_b64decode(page_token.encode()).decode() if page_token else ""
-    except Exception:
-        raise InvalidArgument("page_token", "not a token this API returned") from None
-    return min(page_size or 100, 1000), token
-
-
-def _token(s: str) -> str:
-    return base64.urlsafe_b64encode(s.encode()).decode() if s else ""
 
 
 class BankServicer(banks_pb2_grpc.BankServiceServicer):
@@ -46,18 +31,30 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         return apiconv.bank_to_api(bank)
 
     @translate_errors
+    def UpdateBank(self, request, context):
+        if not request.HasField("bank"):
+            raise InvalidArgument("bank", "required")
+        bank_id = bank_id_of(request.bank.name, "bank.name")
+        bank = self.ingest.update_bank(bank_id, request.bank.display_name,
+                                       apiconv.bank_config_from_api(request.bank.config),
+                                       list(request.update_mask.paths),
+                                       timeout=remaining(context, 30.0))
+        return apiconv.bank_to_api(bank)
+
+    @translate_errors
     def GetBank(self, request, context):
         return apiconv.bank_to_api(self.ingest.require_bank(bank_id_of(request.name, "name")))
 
     @translate_errors
     def ListBanks(self, request, context):
-        size, after = _page(request.page_size, request.page_token)
+        size = paging.page_size(request.page_size)
+        after = paging.decode_token(request.page_token, "banks") or ""
         banks = self.ingest.catalog.list_banks(size + 1, after)
         more = len(banks) > size
         banks = banks[:size]
         return banks_pb2.ListBanksResponse(
             banks=[apiconv.bank_to_api(b) for b in banks],
-            next_page_token=_token(banks[-1].bank_id) if more else "")
+            next_page_token=paging.encode_token("banks", banks[-1].bank_id) if more else "")
 
     @translate_errors
     def DeleteBank(self, request, context):
@@ -79,7 +76,8 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         bank_id = bank_id_of(request.name, "name")
         self.ingest.require_bank(bank_id)  # NOT_FOUND for an unknown bank
         st = bank_stats(bank_id, log=self.ingest.log, catalog=self.ingest.catalog,
-                        stores=getattr(self.ingest, "stores", None))
+                        stores=getattr(self.ingest, "stores", None),
+                        groups=getattr(self.ingest, "groups", None))
         lag = [banks_pb2.ConsumerLag(group=g, topic=t, partition=p, lag=n)
                for g, t, p, n in st["lag"]]
         return banks_pb2.BankStats(
@@ -96,7 +94,10 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     def Retain(self, request, context):
         bank_id = bank_id_of(request.parent)
         items = apiconv.retain_items_from_api(request.items, datetime.now(timezone.utc))
+        # Items over a limit fail alone (the interceptor left them to this method).
+        _, rejected = limits.split_items(limits.check(request))
         op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
+                                rejected=rejected,
                                 timeout=remaining(context, self.ingest.retain_timeout_s),
                                 request_id=request.request_id,
                                 observation_scopes=apiconv.observation_scopes_from_api(
@@ -153,13 +154,15 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
     @translate_errors
     def ListOperations(self, request, context):
         bank_id = bank_id_of(request.parent) if request.parent else ""
-        size, token = _page(request.page_size, request.page_token)
-        offset = int(token) if token.isdigit() else 0
+        size = paging.page_size(request.page_size)
+        # The token is bound to its parent: another bank's token is refused.
+        kind = f"operations:{bank_id}"
+        offset = paging.decode_token(request.page_token, kind, int) or 0
         ops = self.ingest.catalog.list_operations(bank_id, size + 1, offset)
         more = len(ops) > size
         return operations_pb2.ListOperationsResponse(
             operations=[apiconv.operation_to_api(o) for o in ops[:size]],
-            next_page_token=_token(str(offset + size)) if more else "")
+            next_page_token=paging.encode_token(kind, offset + size) if more else "")
 
 
 def register(server, ingest: Ingest) -> list[str]:

@@ -5,22 +5,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Callable, Sequence
 
 from mneme.bus import codec
 from mneme.domain import Bank, BankConfig, RetainItem, derive_id
-from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound
+from mneme.deadline import current as current_deadline
+from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
+from mneme.limits import limits
 from mneme.names import check_bank_id
 from mneme.ports import EventLog, OutRecord, Record
 from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
 
 GROUP = "ingest"
 SOURCE = "mneme/ingest"
-MAX_ITEMS = 10_000
-MAX_CONTENT_CHARS = 200_000
+
+#: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
+CONFIG_FIELDS = tuple(BankConfig.__dataclass_fields__)
+MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 
 
 def _at(env) -> float:
@@ -39,7 +43,9 @@ def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutR
     """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
     m, at = env.message, _at(env)
     if isinstance(m, ev.BankUpserted):
-        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(m.config if m.HasField("config") else None), at)
+        catalog.upsert_bank(m.bank_id, m.display_name,
+                            codec.bank_config_from_pb(m.config if m.HasField("config") else None),
+                            at, incarnation=env.id, mask=tuple(m.update_mask))
     elif isinstance(m, ev.BankDeleted):
         catalog.delete_bank(m.bank_id)
     elif isinstance(m, ev.RetainRequested):
@@ -57,7 +63,8 @@ def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutR
     elif isinstance(m, ev.OperationProgress):
         catalog.update_operation(Operation(
             m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
-            m.error, list(m.memory_ids), created_at=at, updated_at=at))
+            m.error, list(m.memory_ids), created_at=at, updated_at=at,
+            item_errors=[(f.item_index, f.field, f.error) for f in m.failures]))
     return []
 
 
@@ -80,9 +87,12 @@ class Ingest:
 
     def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
+        call = current_deadline()
         while not done():
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"{what} not finished within {timeout:.1f}s; it goes on")
+            if call.cancelled():  # the caller went away: stop waiting (the work goes on)
+                raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
             time.sleep(self.poll_s)
 
     def _wait_projected(self, rec: Record, timeout: float) -> None:
@@ -106,6 +116,34 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_bank(bank_id)
 
+    def update_bank(self, bank_id: str, display_name: str, config: BankConfig,
+                    mask: Sequence[str], timeout: float | None = None) -> Bank:
+        """Change the fields of an existing bank named in ``mask`` (paths relative to the
+        bank: "display_name", "config", "config.<field>"; empty or "*" = all); returns the
+        bank as projected. NotFound for an unknown bank; InvalidArgument for an unknown
+        path or an invalid value of a masked field."""
+        current = self.require_bank(bank_id)
+        paths: list[str] = []
+        for i, p in enumerate(mask):
+            if p == "*":
+                paths.extend(MASK_PATHS)
+            elif p == "config":
+                paths.extend(f"config.{f}" for f in CONFIG_FIELDS)
+            elif p in MASK_PATHS:
+                paths.append(p)
+            else:
+                raise InvalidArgument(f"update_mask.paths[{i}]",
+                                      f"unknown field {p!r}; one of {', '.join(MASK_PATHS)}")
+        paths = list(dict.fromkeys(paths or MASK_PATHS))
+        changed = {p[7:]: getattr(config, p[7:]) for p in paths if p.startswith("config.")}
+        merged = replace(current.config, **changed)
+        _check_config(merged)
+        rec = self._append(ev.BankUpserted(bank_id=bank_id, display_name=display_name,
+                                           config=codec.bank_config_to_pb(merged),
+                                           update_mask=paths), bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.require_bank(bank_id)
+
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> None:
         """Delete a bank; its memories are retracted from every store asynchronously."""
         self.require_bank(bank_id)
@@ -114,21 +152,37 @@ class Ingest:
 
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
                timeout: float | None = None, request_id: str = "",
-               observation_scopes: ev.ObservationScopes | None = None) -> Operation:
+               observation_scopes: ev.ObservationScopes | None = None,
+               rejected: dict[int, list[tuple[str, str]]] | None = None) -> Operation:
         """Append one RetainRequested for ``items``. With ``wait`` (sync), return once
         search has indexed the facts (operation terminal) or raise DeadlineExceeded.
-        A ``request_id`` makes the call idempotent: the operation id derives from it,
-        a known operation is not appended again, and fact ids derive from the operation."""
-        self.require_bank(bank_id)
-        _check_items(items)
-        if len(request_id) > 200:
-            raise InvalidArgument("request_id", "at most 200 characters")
-        op_id = derive_id("retain", bank_id, request_id) if request_id else str(uuid.uuid4())
+
+        Items that break a rule (empty content, or the transport's limit violations in
+        ``rejected``: index → [(field, description)]) fail alone: they travel as empty
+        placeholders with their errors (``rejected_items``) and the operation lists them
+        in ``item_errors``; the others are stored. When every item is bad the request is
+        refused (InvalidArgument naming each field) and nothing is appended.
+
+        A ``request_id`` makes the call idempotent within this incarnation of the bank:
+        the operation id derives from (bank incarnation, request_id), a known operation is
+        not appended again, and fact ids derive from the operation."""
+        bank = self.require_bank(bank_id)
+        bad = _check_items(items, dict(rejected or {}))
+        if len(bad) == len(items):
+            violations = [v for i in sorted(bad) for v in bad[i]]
+            raise InvalidArgument(*violations[0], *violations[1:])
+        # Banks projected before incarnations existed keep their old keys.
+        scope = (bank_id, bank.incarnation) if bank.incarnation else (bank_id,)
+        op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
         if request_id and (known := self.catalog.get_operation(op_id)) is not None:
             return self._finish(op_id, None, bank_id, "retain", known.items_total, wait, timeout)
-        msg = ev.RetainRequested(bank_id=bank_id, operation_id=op_id,
-                                 items=[codec.retain_item_to_pb(i) for i in items],
-                                 observation_scopes=observation_scopes)
+        msg = ev.RetainRequested(
+            bank_id=bank_id, operation_id=op_id,
+            items=[ev.RetainItem() if i in bad else codec.retain_item_to_pb(it)
+                   for i, it in enumerate(items)],
+            observation_scopes=observation_scopes,
+            rejected_items=[ev.ItemFailure(item_index=i, field=f, error=d, reason="rejected")
+                            for i in sorted(bad) for f, d in bad[i][:1]])
         rec = self._append(msg, bank_id)
         return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
 
@@ -209,16 +263,25 @@ def _check_config(c: BankConfig) -> None:
         raise InvalidArgument("bank.config.extraction_mode", "must be 'auto', 'offline' or 'llm'")
 
 
-def _check_items(items: Sequence[RetainItem]) -> None:
+def _check_items(items: Sequence[RetainItem],
+                 bad: dict[int, list[tuple[str, str]]]) -> dict[int, list[tuple[str, str]]]:
+    """The items that fail alone (index → violations): ``bad`` (the transport's limit
+    violations) plus the domain rules (content required, tags non-empty). Raises
+    InvalidArgument when the request itself is wrong (no items, too many)."""
     if not items:
         raise InvalidArgument("items", "at least one item is required")
-    if len(items) > MAX_ITEMS:
-        raise InvalidArgument("items", f"at most {MAX_ITEMS} items per request")
+    lim = limits()
+    if len(items) > lim.items:
+        raise InvalidArgument("items", f"at most {lim.items} items per request")
     for i, it in enumerate(items):
+        found = []
         if not it.content or not it.content.strip():
-            raise InvalidArgument(f"items[{i}].content", "must not be empty")
-        if len(it.content) > MAX_CONTENT_CHARS:
-            raise InvalidArgument(f"items[{i}].content", f"at most {MAX_CONTENT_CHARS} characters")
+            found.append((f"items[{i}].content", "must not be empty"))
+        elif len(it.content) > lim.content_chars:
+            found.append((f"items[{i}].content", f"at most {lim.content_chars} characters"))
         for j, t in enumerate(it.tags):
-            if not t or len(t) > 200:
-                raise InvalidArgument(f"items[{i}].tags[{j}]", "must be 1..200 characters")
+            if not t.strip():
+                found.append((f"items[{i}].tags[{j}]", "must not be empty"))
+        if found:
+            bad.setdefault(i, []).extend(found)
+    return bad

@@ -54,8 +54,10 @@ def consumer_lag(log, bank_id: str, groups=GROUPS) -> list[tuple[str, str, int, 
     return out
 
 
-def bank_stats(bank_id: str, *, log, catalog, stores=None) -> dict:
-    """The bank's statistics as a dict (see the module docstring)."""
+def bank_stats(bank_id: str, *, log, catalog, stores=None, groups=None) -> dict:
+    """The bank's statistics as a dict (see the module docstring). ``groups`` (group →
+    topics) are the consumer groups whose lag counts: those that run in the topology
+    (the embedded server runs no ``search-catalog``); default :data:`GROUPS`."""
     stats = {"facts": -1, "observations": -1, "entities": -1}
     if stores is not None:
         stats["observations"] = _count_observations(stores.vectors, bank_id)
@@ -71,5 +73,5 @@ def bank_stats(bank_id: str, *, log, catalog, stores=None) -> dict:
             break
     stats["pending_operations"] = sum(1 for o in ops if not o.done)
     stats["operations"] = len(ops)
-    stats["lag"] = consumer_lag(log, bank_id)
+    stats["lag"] = consumer_lag(log, bank_id, GROUPS if groups is None else groups)
     return stats

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Iterator, Protocol, Sequence
 
+from mneme.deadline import current as current_deadline
 from mneme.domain import BankConfig, Filters, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
 from mneme.llm.gateway import Completion, LlmError, LlmGateway, Usage, tool_spec
@@ -365,6 +366,7 @@ class ReflectAgent:
         it = 0
         try:
             while it < self.max_iterations:
+                current_deadline().check("reflect")  # stop when the caller stops waiting
                 it += 1
                 last = it == self.max_iterations or ctx.exhausted
                 grounded = "recall" in called or bool(ctx.by_ref)
@@ -479,6 +481,7 @@ class ReflectAgent:
         query = str(args.get("query") or "").strip()
         if not query:
             return "Error: the query argument is required.", 0
+        current_deadline().check(f"reflect: {name}")
         if name == "search_mental_models":
             memories = self.mental_models(bank_id, query, now, 5)
             empty = "No mental model matches. Search the observations next."

@@ -7,9 +7,9 @@ from typing import Callable, Iterator
 
 from google.protobuf import json_format, struct_pb2
 
-from mneme import apiconv
+from mneme import apiconv, deadline
 from mneme.errors import InvalidArgument, MnemeError, NotFound
-from mneme.grpc_util import abort_for, translate_errors
+from mneme.grpc_util import abort_for, call_deadline, translate_errors, ts_to_dt
 from mneme.names import bank_id_of
 from mneme.v1 import reflect_pb2, reflect_pb2_grpc
 from services.reflect.handlers import Reflection
@@ -47,29 +47,33 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
                   if request.HasField("response_schema") else None)
         if schema is not None and not schema:
             raise InvalidArgument("response_schema", "must be a non-empty JSON schema")
+        now = (ts_to_dt(request.query_timestamp, "query_timestamp")
+               if request.HasField("query_timestamp") else None)
         return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
-                datetime.now(timezone.utc), schema)
+                now or datetime.now(timezone.utc), schema)
 
     @translate_errors
     def Reflect(self, request, context):
-        return response_to_api(self.reflect(*self._args(request)))
+        with deadline.bind(call_deadline(context)):
+            return response_to_api(self.reflect(*self._args(request)))
 
     def StreamReflect(self, request, context):
         from services.reflect.agent import Done, TextDelta, ToolEvent
         try:
-            args = self._args(request)
-            events = (self.stream or (lambda *a: iter([Done(self.reflect(*a))])))(*args)
-            for e in events:
-                if not context.is_active():
-                    return
-                if isinstance(e, ToolEvent):
-                    yield reflect_pb2.ReflectEvent(tool_call=reflect_pb2.ReflectToolCall(
-                        name=e.name, query=str(e.arguments.get("query", "")),
-                        results=e.results, forced=e.forced))
-                elif isinstance(e, TextDelta):
-                    yield reflect_pb2.ReflectEvent(text_delta=e.text)
-                elif isinstance(e, Done):
-                    yield reflect_pb2.ReflectEvent(done=response_to_api(e.reflection))
+            with deadline.bind(call_deadline(context)):
+                args = self._args(request)
+                events = (self.stream or (lambda *a: iter([Done(self.reflect(*a))])))(*args)
+                for e in events:
+                    if not context.is_active():
+                        return
+                    if isinstance(e, ToolEvent):
+                        yield reflect_pb2.ReflectEvent(tool_call=reflect_pb2.ReflectToolCall(
+                            name=e.name, query=str(e.arguments.get("query", "")),
+                            results=e.results, forced=e.forced))
+                    elif isinstance(e, TextDelta):
+                        yield reflect_pb2.ReflectEvent(text_delta=e.text)
+                    elif isinstance(e, Done):
+                        yield reflect_pb2.ReflectEvent(done=response_to_api(e.reflection))
         except MnemeError as err:  # the same statuses as the unary call
             abort_for(context, err)
 

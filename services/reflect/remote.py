@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 
+from mneme.deadline import current as current_deadline
 from mneme.domain import EntityRef, Fact, RecallOutcome, RecallQuery, Scored, TimeWindow
 from mneme.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.grpc_util import dt_to_ts, ts_to_dt
@@ -45,7 +46,10 @@ class RemoteRecall:
             budget=_BUDGET[q.budget], query_timestamp=dt_to_ts(q.query_timestamp),
             tags=list(f.tags) if f else [])
         try:
-            resp = self.stub.Recall(req, timeout=self.timeout)
+            # The caller's deadline bounds the hop to search too.
+            left = (q.deadline or current_deadline()).remaining()
+            resp = self.stub.Recall(req, timeout=self.timeout if left is None
+                                    else min(self.timeout, max(left, 0.001)))
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.NOT_FOUND:

@@ -9,8 +9,8 @@ from typing import Callable
 from mneme import apiconv
 from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument, NotFound
-from mneme.grpc_util import dt_to_ts, translate_errors, ts_to_dt
-from mneme.names import bank_id_of, memory_of
+from mneme.grpc_util import call_deadline, dt_to_ts, translate_errors, ts_to_dt
+from mneme.names import bank_id_of, memory_of, observation_of
 from mneme.ports import VectorStore
 from mneme.v1 import memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2, recall_pb2_grpc
 from services.search import observations, reads
@@ -58,10 +58,11 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
             raise InvalidArgument("max_tokens", "must not be negative")
         if request.budget not in apiconv.BUDGET:
             raise InvalidArgument("budget", "must be LOW, MID or HIGH")
-        now = ts_to_dt(request.query_timestamp) or datetime.now(timezone.utc)
+        now = ts_to_dt(request.query_timestamp, "query_timestamp") or datetime.now(timezone.utc)
         q = RecallQuery(bank_id=bank_id, query=request.query, query_timestamp=now,
                         filters=apiconv.filters_from_recall(request),
-                        budget=apiconv.BUDGET[request.budget], max_tokens=request.max_tokens or 4096)
+                        budget=apiconv.BUDGET[request.budget], max_tokens=request.max_tokens or 4096,
+                        deadline=call_deadline(context))
         assert q.budget in BUDGETS
         return outcome_to_api(self.recall(q))
 
@@ -108,11 +109,10 @@ class ObservationServicer(observations_pb2_grpc.ObservationServiceServicer):
 
     @translate_errors
     def GetObservation(self, request, context):
-        parts = (request.name or "").split("/")
-        if len(parts) != 4 or parts[0] != "banks" or parts[2] != "observations" or not parts[3]:
-            raise InvalidArgument("name", "must be 'banks/{bank_id}/observations/{observation_id}'")
-        bank_id = self.rs._bank(f"banks/{parts[1]}", "name")
-        return observations.to_api(observations.get_observation(self.rs.vectors, bank_id, parts[3]))
+        bank_id, observation_id = observation_of(request.name)
+        self.rs._bank(f"banks/{bank_id}", "name")
+        return observations.to_api(observations.get_observation(self.rs.vectors, bank_id,
+                                                                observation_id))
 
 
 def register(server, servicer: RecallServicer) -> list[str]:

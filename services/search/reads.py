@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import base64
-
+from mneme import paging
 from mneme.domain import Fact, Filters
 from mneme.errors import InvalidArgument, NotFound
 from mneme.ports import VectorStore
@@ -23,16 +22,11 @@ def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token
                   filters: Filters | None = None) -> tuple[list[Fact], str]:
     """One page of the bank's memories in a stable order and the next page token
     ('' at the end). ``page_size`` 0 means 100; at most 1000."""
-    if page_size < 0:
-        raise InvalidArgument("page_size", "must not be negative")
-    size = min(page_size or 100, MAX_PAGE)
-    try:
-        after = base64.urlsafe_b64decode(page_token.encode()).decode() if page_token else None
-    except Exception:
-        raise InvalidArgument("page_token", "not a token this API returned") from None
+    size = paging.page_size(page_size, maximum=MAX_PAGE)
+    kind = f"memories:{bank_id}"
+    after = paging.decode_token(page_token, kind)
     try:
         facts, nxt = vectors.scroll(bank_id, size, after, filters)
     except ValueError:  # a well-formed token the store did not issue
         raise InvalidArgument("page_token", "not a token this API returned") from None
-    token = base64.urlsafe_b64encode(nxt.encode()).decode() if nxt else ""
-    return facts, token
+    return facts, paging.encode_token(kind, nxt) if nxt else ""

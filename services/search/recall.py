@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Callable
 
 from mneme.domain import (
     BANK_ID_RE, Fact, Filters, Hit, RecallOutcome, RecallQuery, Scored, TimeWindow, utc,
 )
+from mneme.deadline import current as current_deadline
+from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
     BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, question_factor, recency_boost,
@@ -62,7 +65,7 @@ def _default_executor() -> Executor:
 
 def validate(q: RecallQuery) -> None:
     """Raise ValueError("<field>: <problem>") for an invalid request (→ INVALID_ARGUMENT)."""
-    if not BANK_ID_RE.match(q.bank_id or ""):
+    if not BANK_ID_RE.fullmatch(q.bank_id or ""):
         raise ValueError("bank_id: must be a slug of lowercase letters, digits, '-' or '_'")
     if not (q.query or "").strip():
         raise ValueError("query: must not be empty")
@@ -105,6 +108,18 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         filters = replace(filters, tags_match="any")
     now = utc(q.query_timestamp)
 
+    deadline = q.deadline or current_deadline()
+
+    def wait(f, phase: str):
+        # The caller's deadline bounds every wait; an abandoned call stops between phases.
+        try:
+            return f.result(timeout=deadline.remaining())
+        except FutureTimeout:
+            f.cancel()
+            deadline.check(f"recall: {phase}")
+            raise DeadlineExceeded(f"recall: {phase}: deadline exceeded; work stopped") from None
+
+    deadline.check("recall")
     # Phase 1: everything that depends only on the query.
     f_vec = ex.submit(lambda: embedder.embed([q.query])[0])
     f_kw = ex.submit(text.search, q.bank_id, q.query, n, filters)
@@ -112,19 +127,23 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     f_win = ex.submit(analyzer.time_window, q.query, now)
 
     # Phase 2: the vector arms (need the query embedding and the window).
-    vec = f_vec.result()
-    window = f_win.result()
+    vec = wait(f_vec, "query embedding")
+    window = wait(f_win, "time window")
+    deadline.check("recall: vector arms")
     f_sem = ex.submit(vectors.search, q.bank_id, vec, n, filters)
     f_tmp = ex.submit(_temporal_arm, vectors, q.bank_id, vec, n, filters, window)
 
     # Phase 3: graph, seeded by the best semantic and keyword hits (runs here, alongside
     # the temporal arm).
-    semantic, keyword, entity_ids = f_sem.result(), f_kw.result(), f_ents.result()
+    semantic, keyword = wait(f_sem, "semantic arm"), wait(f_kw, "keyword arm")
+    entity_ids = wait(f_ents, "query entities")
+    deadline.check("recall: graph arm")
     seeds = _seeds(semantic, keyword)
     graph_hits: list[Hit] = []
     if seeds or entity_ids:
         graph_hits = graph.spread(q.bank_id, seeds, entity_ids, n, budget.hops)
-    temporal = f_tmp.result()
+    temporal = wait(f_tmp, "temporal arm")
+    deadline.check("recall: fusion")
 
     arms = {"semantic": semantic, "keyword": keyword, "graph": graph_hits, "temporal": temporal}
     # Ties broken by id: a store's order among equal scores may depend on its write
@@ -160,7 +179,9 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
     if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
+        deadline.check("recall: rerank")
         results = reranker(q.query, results)
+    deadline.check("recall: token budget")
     kept, total = fill_budget(results, q.max_tokens or DEFAULT_MAX_TOKENS, tokens)
     return RecallOutcome(results=kept, total_tokens=total, time_window=window)
 

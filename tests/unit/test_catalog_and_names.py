@@ -35,7 +35,8 @@ def test_operation_progress_never_reverts_a_terminal_state(tmp_path):
     assert op.state == "succeeded" and op.facts == 7 and op.created_at == 1
 
 
-@pytest.mark.parametrize("name", ["", "bank/x", "banks/", "banks/UPPER", "banks/a/b", "banks/-x"])
+@pytest.mark.parametrize("name", ["", "bank/x", "banks/", "banks/UPPER", "banks/a/b", "banks/-x",
+                                  "banks/x\n", "banks/x ", "banks/ä", "banks/" + "a" * 64])
 def test_bad_bank_names_name_the_field(name):
     with pytest.raises(InvalidArgument) as e:
         bank_id_of(name, "parent")
@@ -48,4 +49,10 @@ def test_names_parse():
     assert memory_of(f"banks/b1/memories/{mid}") == ("b1", mid)
     with pytest.raises(InvalidArgument):
         memory_of("banks/b1/memories/not-a-uuid")
-    assert operation_of("operations/abc") == "abc"
+    assert operation_of(f"operations/{mid}") == mid
+    # Full match only: a trailing newline, braces or upper case are not canonical ids.
+    for bad in ("abc", f"{mid}\n", "{" + mid + "}", mid.upper(), mid.replace("-", "")):
+        with pytest.raises(InvalidArgument):
+            operation_of(f"operations/{bad}")
+        with pytest.raises(InvalidArgument):
+            memory_of(f"banks/b1/memories/{bad}")

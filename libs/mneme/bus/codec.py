@@ -38,7 +38,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from mneme import telemetry
 from mneme.bus import AUDIT, INTAKE, MEMORY, PROGRESS, REFLECT
-from mneme.domain import BankConfig, EntityRef, Fact, Link, RetainItem, utc
+from mneme.domain import (MAX_EPOCH, MIN_EPOCH, BankConfig, EntityRef, Fact, Link, RetainItem,
+                          clamp_time, utc)
 from mneme.events.v1 import events_pb2
 from mneme.ports import OutRecord, Record
 
@@ -208,8 +209,11 @@ def timestamp_to_pb(dt: datetime) -> Timestamp:
 
 def timestamp_from_pb(ts: Timestamp) -> datetime:
     """``google.protobuf.Timestamp`` → aware UTC datetime (nanoseconds truncated to
-    microseconds)."""
-    return _EPOCH + timedelta(seconds=ts.seconds, microseconds=ts.nanos // 1000)
+    microseconds). Tolerant of any value already on a log: seconds outside years
+    1..9999 and nanos outside [0, 1e9) are clamped, never raised on."""
+    seconds = min(max(ts.seconds, int(MIN_EPOCH)), int(MAX_EPOCH))
+    micros = min(max(ts.nanos, 0), 999_999_999) // 1000
+    return clamp_time(_EPOCH + timedelta(seconds=seconds, microseconds=micros))
 
 
 def _set_time(pb: Message, name: str, dt: datetime | None) -> None:

@@ -17,17 +17,26 @@ from mneme.domain import Bank, BankConfig, from_epoch
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS banks (
   bank_id TEXT PRIMARY KEY, display_name TEXT NOT NULL, config TEXT NOT NULL,
-  created_at REAL NOT NULL, updated_at REAL NOT NULL);
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, incarnation TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS operations (
   operation_id TEXT PRIMARY KEY, bank_id TEXT NOT NULL, kind TEXT NOT NULL,
   state TEXT NOT NULL, items_total INTEGER NOT NULL DEFAULT 0,
   items_done INTEGER NOT NULL DEFAULT 0, facts INTEGER NOT NULL DEFAULT 0,
   error TEXT NOT NULL DEFAULT '', memory_ids TEXT NOT NULL DEFAULT '[]',
-  created_at REAL NOT NULL, updated_at REAL NOT NULL);
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, item_errors TEXT NOT NULL DEFAULT '[]');
 CREATE INDEX IF NOT EXISTS operations_bank ON operations (bank_id, created_at);
+-- Operations of deleted banks: late progress of one never brings it back.
+CREATE TABLE IF NOT EXISTS deleted_operations (operation_id TEXT PRIMARY KEY);
 """
 
 TERMINAL = ("succeeded", "failed")
+
+# Columns added after the first release: (table, column, DDL) for older catalog files.
+_MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
+               ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"))
+_OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, facts, error, "
+               "memory_ids, created_at, updated_at, item_errors")
+_BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
 
 
 @dataclass
@@ -46,6 +55,8 @@ class Operation:
     memory_ids: list[str] = field(default_factory=list)
     created_at: float = 0.0
     updated_at: float = 0.0
+    #: Items that failed alone: (item index, request field or "", error).
+    item_errors: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -60,31 +71,60 @@ class SqliteCatalog:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(_SCHEMA)
+        for table, column, ddl in _MIGRATIONS:
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
         self._lock = threading.Lock()
 
     # ---- banks ----
-    def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float) -> None:
+    def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
+                    incarnation: str = "", mask: tuple[str, ...] = ()) -> None:
+        """Create the bank (``incarnation``: the id of the event that created it, so
+        idempotency keys of a deleted and recreated bank never collide) or change it.
+        An empty ``mask`` replaces name and config; otherwise only the fields it names
+        change ("display_name", "config.<field>"), and a bank that does not exist is left
+        absent (an update never creates)."""
         with self._lock:
+            row = self._db.execute("SELECT display_name, config FROM banks WHERE bank_id=?",
+                                   (bank_id,)).fetchone()
+            if mask:
+                if row is None:
+                    return
+                merged = json.loads(row[1])
+                new = asdict(config)
+                for path in mask:
+                    if path.startswith("config.") and path[7:] in new:
+                        merged[path[7:]] = new[path[7:]]
+                display_name = display_name if "display_name" in mask else row[0]
+                config_json = json.dumps(merged)
+            else:
+                config_json = json.dumps(asdict(config))
             self._db.execute(
-                "INSERT INTO banks VALUES (?,?,?,?,?) ON CONFLICT(bank_id) DO UPDATE SET "
-                "display_name=excluded.display_name, config=excluded.config, "
+                f"INSERT INTO banks ({_BANK_COLUMNS}) VALUES (?,?,?,?,?,?) ON CONFLICT(bank_id) "
+                "DO UPDATE SET display_name=excluded.display_name, config=excluded.config, "
                 "updated_at=excluded.updated_at",
-                (bank_id, display_name, json.dumps(asdict(config)), at, at))
+                (bank_id, display_name, config_json, at, at, incarnation))
 
     def delete_bank(self, bank_id: str) -> None:
+        """Delete the bank and its operations (they belong to this incarnation only)."""
         with self._lock:
             self._db.execute("DELETE FROM banks WHERE bank_id=?", (bank_id,))
+            self._db.execute("INSERT OR IGNORE INTO deleted_operations "
+                             "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
 
     def get_bank(self, bank_id: str) -> Bank | None:
         with self._lock:
-            row = self._db.execute("SELECT * FROM banks WHERE bank_id=?", (bank_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_BANK_COLUMNS} FROM banks WHERE bank_id=?",
+                                   (bank_id,)).fetchone()
         return _bank(row) if row else None
 
     def list_banks(self, limit: int, after: str = "") -> list[Bank]:
         """Banks ordered by id, ``bank_id > after``, at most ``limit``."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM banks WHERE bank_id > ? ORDER BY bank_id LIMIT ?",
+                f"SELECT {_BANK_COLUMNS} FROM banks WHERE bank_id > ? ORDER BY bank_id LIMIT ?",
                 (after, limit)).fetchall()
         return [_bank(r) for r in rows]
 
@@ -92,35 +132,40 @@ class SqliteCatalog:
     def put_operation(self, op: Operation) -> None:
         """Insert the operation if it is new (a redelivered request keeps its progress)."""
         with self._lock:
+            if self._deleted(op.operation_id):
+                return
             self._db.execute(
-                "INSERT OR IGNORE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (op.operation_id, op.bank_id, op.kind, op.state, op.items_total,
-                 op.items_done, op.facts, op.error, json.dumps(op.memory_ids),
-                 op.created_at, op.updated_at))
+                f"INSERT OR IGNORE INTO operations ({_OP_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                _op_row(op, op.created_at))
 
     def update_operation(self, op: Operation) -> None:
-        """Apply progress; a terminal state is never reverted by a late event."""
+        """Apply progress; a terminal state is never reverted by a late event, and late
+        progress of an operation of a deleted bank is dropped (it never reappears under
+        a recreated bank)."""
         with self._lock:
+            if self._deleted(op.operation_id):
+                return
             row = self._db.execute("SELECT state, created_at FROM operations WHERE operation_id=?",
                                    (op.operation_id,)).fetchone()
             if row and row[0] in TERMINAL and op.state not in TERMINAL:
                 return
-            created = row[1] if row else op.created_at
             self._db.execute(
-                "INSERT OR REPLACE INTO operations VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (op.operation_id, op.bank_id, op.kind, op.state, op.items_total,
-                 op.items_done, op.facts, op.error, json.dumps(op.memory_ids),
-                 created, op.updated_at))
+                f"INSERT OR REPLACE INTO operations ({_OP_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                _op_row(op, row[1] if row else op.created_at))
+
+    def _deleted(self, operation_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM deleted_operations WHERE operation_id=?",
+                                (operation_id,)).fetchone() is not None
 
     def get_operation(self, operation_id: str) -> Operation | None:
         with self._lock:
-            row = self._db.execute("SELECT * FROM operations WHERE operation_id=?",
+            row = self._db.execute(f"SELECT {_OP_COLUMNS} FROM operations WHERE operation_id=?",
                                    (operation_id,)).fetchone()
         return _op(row) if row else None
 
     def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
         """Newest first; ``bank_id`` empty lists every bank."""
-        q = "SELECT * FROM operations"
+        q = f"SELECT {_OP_COLUMNS} FROM operations"
         args: tuple = ()
         if bank_id:
             q += " WHERE bank_id=?"
@@ -134,6 +179,7 @@ class SqliteCatalog:
         with self._lock:
             self._db.execute("DELETE FROM banks")
             self._db.execute("DELETE FROM operations")
+            self._db.execute("DELETE FROM deleted_operations")
 
     def close(self) -> None:
         with self._lock:
@@ -141,14 +187,24 @@ class SqliteCatalog:
 
 
 def _bank(row) -> Bank:
-    return Bank(bank_id=row[0], display_name=row[1], config=BankConfig(**json.loads(row[2])),
-                created_at=from_epoch(row[3]), updated_at=from_epoch(row[4]))
+    known = BankConfig.__dataclass_fields__
+    config = BankConfig(**{k: v for k, v in json.loads(row[2]).items() if k in known})
+    return Bank(bank_id=row[0], display_name=row[1], config=config,
+                created_at=from_epoch(row[3]), updated_at=from_epoch(row[4]),
+                incarnation=row[5] or "")
+
+
+def _op_row(op: Operation, created: float) -> tuple:
+    return (op.operation_id, op.bank_id, op.kind, op.state, op.items_total, op.items_done,
+            op.facts, op.error, json.dumps(op.memory_ids), created, op.updated_at,
+            json.dumps([list(e) for e in op.item_errors]))
 
 
 def _op(row) -> Operation:
     return Operation(operation_id=row[0], bank_id=row[1], kind=row[2], state=row[3],
                      items_total=row[4], items_done=row[5], facts=row[6], error=row[7],
-                     memory_ids=json.loads(row[8]), created_at=row[9], updated_at=row[10])
+                     memory_ids=json.loads(row[8]), created_at=row[9], updated_at=row[10],
+                     item_errors=[tuple(e) for e in json.loads(row[11] or "[]")])
 
 
 def now() -> float:

@@ -1,0 +1,52 @@
+"""Opaque page tokens and page sizes for every List RPC (AIP-158).
+
+A token is URL-safe base64 (no padding) of a small JSON array ``[kind, position]``:
+``kind`` names the list it belongs to ("banks", "operations", …), so a token of one list
+is refused by another, and ``position`` is where the next page starts (an id or an
+offset). Tokens are checked on every call: anything this API did not issue is
+INVALID_ARGUMENT naming ``page_token``, never silently page 1.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+from mneme.errors import InvalidArgument
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+_BAD = "not a page token this API returned for this list"
+
+
+def page_size(size: int, field: str = "page_size", default: int = DEFAULT_PAGE_SIZE,
+              maximum: int = MAX_PAGE_SIZE) -> int:
+    """The effective page size: ``default`` for 0, at most ``maximum``; negative →
+    InvalidArgument naming ``field``."""
+    if size < 0:
+        raise InvalidArgument(field, "must not be negative")
+    return min(size or default, maximum)
+
+
+def encode_token(kind: str, position: str | int) -> str:
+    """The token of the page starting at ``position`` in list ``kind``."""
+    raw = json.dumps([kind, position], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_token(token: str, kind: str, type_: type = str, field: str = "page_token"):
+    """``position`` of a token from :func:`encode_token` for list ``kind``; None for an
+    empty token (the first page). Raises InvalidArgument naming ``field`` for anything
+    else (bad base64, another list's token, a position of the wrong type)."""
+    if not token:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        got_kind, position = json.loads(raw.decode())
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        raise InvalidArgument(field, _BAD) from None
+    if got_kind != kind or type(position) is not type_ or (type_ is int and position < 0):
+        raise InvalidArgument(field, _BAD)
+    return position
