@@ -17,6 +17,16 @@ about the same person 0.3–0.6):
   text replaces the old, the old text goes to ``history`` ("was …, now …");
 * below both: a new observation.
 
+Single-valued attributes (:mod:`services.consolidation.attributes`: name, home, employer,
+age, relationship status, favourite X) come first: a fact that gives a subject's
+attribute a different value than a live observation of its scope *contradicts* it,
+whatever the cosine. The newer statement wins — by the time the facts were true and told
+(:func:`statement_time`), not by processing order: a newer fact revises the observation
+("was …, now …"), an older one arriving later only joins its evidence and its history.
+
+Every observation carries the occurred range of its evidence (:func:`stamp_occurred`),
+so time-scoped recall finds it by when its facts happened, not when it was decided.
+
 "Compatible" (:func:`compatible`): same numbers, same polarity, same proper names. The
 same test keeps near-duplicates apart in :func:`reconcile` (bank ``dedup_threshold``).
 Counts are never computed: text only ever comes from a source fact (offline) or from
@@ -28,13 +38,22 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from mneme.domain import derive_id
 from mneme.events.v1 import events_pb2 as ev
+from services.consolidation import attributes
+
+#: Looks facts up by id (those it knows): ``lookup(ids) -> {id: ev.Fact}``.
+FactLookup = Callable[[Iterable[str]], dict[str, ev.Fact]]
+
+#: The representable range of a protobuf Timestamp (0001-01-01 … 9999-12-31T23:59:59.999999999Z)
+#: in nanoseconds; derived times are clamped into it.
+MIN_NANOS = -62135596800 * 10**9
+MAX_NANOS = 253402300799 * 10**9 + 999_999_999
 
 REINFORCE_SIM = 0.80
 REVISE_SIM = 0.70
@@ -147,6 +166,59 @@ def worth_keeping(fact: ev.Fact) -> bool:
     return len(_words(text)) >= MIN_WORDS and not text.endswith("?")
 
 
+# ---- times ------------------------------------------------------------------------------
+
+
+def _ns(msg, field: str) -> int | None:
+    """A set Timestamp field as nanoseconds clamped into the representable range."""
+    if not msg.HasField(field):
+        return None
+    t = getattr(msg, field)
+    return min(max(t.seconds * 10**9 + t.nanos, MIN_NANOS), MAX_NANOS)
+
+
+def _from_ns(n: int) -> Timestamp:
+    t = Timestamp()
+    t.seconds, t.nanos = divmod(n, 10**9)  # floor: nanos stays in [0, 1e9)
+    return t
+
+
+def fact_window(fact: ev.Fact) -> tuple[int, int] | None:
+    """When ``fact`` happened, as clamped nanoseconds (start, end): its occurred range, a
+    missing end taken from the other, falling back to ``mentioned_at``; None if timeless."""
+    s, e, m = _ns(fact, "occurred_start"), _ns(fact, "occurred_end"), _ns(fact, "mentioned_at")
+    start = next((t for t in (s, e, m) if t is not None), None)
+    end = next((t for t in (e, s, m) if t is not None), None)
+    if start is None or end is None:
+        return None
+    return min(start, end), max(start, end)
+
+
+def statement_time(fact: ev.Fact) -> tuple[int, int]:
+    """Order of statements of a state ("I live in Lisbon"): the latest moment the fact is
+    known true — the later of its occurred end and ``mentioned_at`` (a present-tense
+    state holds when it is told) — then ``mentioned_at`` to order two statements of one
+    day (their default occurred window is that whole day). Nanoseconds; timeless facts
+    sort first."""
+    times = [t for t in (_ns(fact, "occurred_end"), _ns(fact, "occurred_start"),
+                         _ns(fact, "mentioned_at")) if t is not None]
+    if not times:
+        return MIN_NANOS, MIN_NANOS
+    m = _ns(fact, "mentioned_at")
+    return max(times), (m if m is not None else max(times))
+
+
+def stamp_occurred(obs: ev.Observation, facts: Iterable[ev.Fact]) -> None:
+    """Set ``obs.occurred_start/end`` to the span of ``facts``' windows (its evidence
+    facts; see :func:`fact_window`), clamped to years 1..9999. Left as it was when no
+    fact has a time (e.g. the evidence is no longer known)."""
+    spans = [w for w in map(fact_window, facts) if w is not None]
+    if not spans:
+        return
+    obs.occurred_start.CopyFrom(_from_ns(min(w[0] for w in spans)))
+    obs.occurred_end.CopyFrom(_from_ns(max(w[1] for w in spans)))
+
+
 # ---- state changes ---------------------------------------------------------------------
 
 
@@ -207,16 +279,78 @@ def create(fact: ev.Fact, scope: list[str], at: datetime, cause: str, model: str
         embedding_model=model)
     add_evidence(obs, fact.id, quote_of(fact.text))
     add_entities(obs, fact.entities)
+    stamp_occurred(obs, [fact])
     return obs
 
 
+def _value_time(obs: ev.Observation, key: attributes.Key, value: str,
+                lookup: FactLookup | None) -> tuple[int, int]:
+    """When ``obs``'s current ``value`` of ``key`` was last stated: the latest
+    :func:`statement_time` of its evidence facts that state it (else the end of its
+    occurred range; else the beginning of time)."""
+    known = lookup([e.memory_id for e in obs.evidence]) if lookup is not None else {}
+    times = [statement_time(f) for _, f in sorted(known.items())
+             if attributes.statements(f.text).get(key) == value]
+    if times:
+        return max(times)
+    end = _ns(obs, "occurred_end")
+    return (end, end) if end is not None else (MIN_NANOS, MIN_NANOS)
+
+
+def contradict(fact: ev.Fact, current: dict[str, ev.Observation], at: datetime,
+               lookup: FactLookup | None = None) -> ev.Observation | None:
+    """The decision for a fact that states a single-valued attribute
+    (:func:`attributes.statements`) of a subject differently than a live observation of
+    its scope — None when it states none, or when some observation already holds the
+    values it states (the ordinary rules decide then). Of several contradicted
+    observations the one whose value was stated last is taken (ties: lowest id).
+
+    The newer statement (:func:`statement_time`; the current value's time comes from the
+    observation's evidence through ``lookup``) wins: a fact at least as new revises the
+    observation (its text, embedding; the old text to ``history`` as "was: … — now: …");
+    an older one leaves the text and joins ``history`` and evidence only, so the result
+    does not depend on the order the facts arrive in."""
+    said = attributes.statements(fact.text)
+    if not said:
+        return None
+    best: tuple[tuple[int, int], ev.Observation] | None = None
+    for obs in sorted(current.values(), key=lambda o: o.id):
+        held = attributes.statements(obs.text)
+        shared = [k for k in said if k in held]
+        if not shared:
+            continue
+        if all(held[k] == said[k] for k in shared):
+            return None  # already believed
+        t = max(_value_time(obs, k, held[k], lookup) for k in shared if held[k] != said[k])
+        if best is None or t > best[0]:
+            best = (t, obs)
+    if best is None:
+        return None
+    held_time, obs = best
+    new = next_state(obs, at)
+    if statement_time(fact) >= held_time:
+        revise(new, fact.text, at, f"was: {obs.text} — now: {fact.text}")
+        new.embedding[:] = list(fact.embedding)
+    elif not any(h.text == fact.text for h in obs.history):
+        new.history.add(text=fact.text, at=_ts(at),
+                        reason=f"was: {fact.text} — now: {obs.text} (an earlier statement, told later)")
+    add_evidence(new, fact.id, quote_of(fact.text))
+    add_entities(new, fact.entities)
+    return new
+
+
 def decide_offline(fact: ev.Fact, scope: list[str], current: dict[str, ev.Observation],
-                   at: datetime, cause: str, model: str) -> ev.Observation | None:
+                   at: datetime, cause: str, model: str,
+                   lookup: FactLookup | None = None) -> ev.Observation | None:
     """The offline decision for one fact in one scope; ``current`` (id → state, this
-    scope, not deleted) is read, not changed. Returns the new or changed observation, or
+    scope, not deleted) is read, not changed; ``lookup`` finds the evidence facts of an
+    observation (for :func:`contradict`). Returns the new or changed observation, or
     None when the fact is left alone."""
     if not worth_keeping(fact):
         return None
+    changed = contradict(fact, current, at, lookup)
+    if changed is not None:
+        return changed
     best, best_sim = None, -1.0
     for obs in sorted(current.values(), key=lambda o: o.id):
         sim = cosine(fact.embedding, obs.embedding)

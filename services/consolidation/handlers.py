@@ -120,6 +120,12 @@ class Consolidator:
     # ---- decisions --------------------------------------------------------------------
 
     def _put(self, change: ev.ObservationsChanged, obs: ev.Observation) -> None:
+        """Record ``obs`` in ``change`` (replacing this event's earlier state of it). A live
+        one is stamped with the occurred span of its evidence first — the one place every
+        decision (offline, model, merge, stale marks) passes, so the span never lags."""
+        if not obs.deleted:
+            engine.stamp_occurred(obs, self.store.facts_by_id(
+                change.bank_id, [e.memory_id for e in obs.evidence]).values())
         for i, o in enumerate(change.observations):
             if o.id == obs.id:
                 change.observations[i].CopyFrom(obs)
@@ -201,8 +207,10 @@ class Consolidator:
         change.consolidated_memory_ids.extend(sorted(done - have))
 
     def _offline(self, scope, facts, current, change, at, cause, model, touched) -> None:
+        def lookup(ids):
+            return self.store.facts_by_id(change.bank_id, ids)
         for f in facts:
-            new = engine.decide_offline(f, scope, current, at, cause, model)
+            new = engine.decide_offline(f, scope, current, at, cause, model, lookup)
             if new is not None:
                 current[new.id] = new
                 self._put(change, new)

@@ -76,6 +76,18 @@ class ObservationStore:
         return [(ev.Fact.FromString(d), json.loads(s)) for d, s, i in rows
                 if want is None or i in want]
 
+    def facts_by_id(self, bank_id: str, ids: Iterable[str]) -> dict[str, ev.Fact]:
+        """id → fact for those of ``ids`` the store holds (unknown ids are left out)."""
+        want = sorted(set(ids))
+        out: dict[str, ev.Fact] = {}
+        with self._lock:
+            for i in range(0, len(want), 500):  # SQLite's bound on host parameters
+                part = want[i:i + 500]
+                q = f"SELECT id, data FROM facts WHERE bank_id=? AND id IN ({','.join('?' * len(part))})"
+                out.update((r[0], ev.Fact.FromString(r[1]))
+                           for r in self._db.execute(q, [bank_id, *part]))
+        return out
+
     def fact_ids_of_document(self, bank_id: str, document_id: str) -> list[str]:
         with self._lock:
             return [r[0] for r in self._db.execute(

@@ -9,6 +9,10 @@ scope, and the rest of the state in ``metadata`` (string values):
 * ``evidence`` — JSON ``[{"memory_id", "quote"}]``; ``history`` — JSON
   ``[{"text", "at" (RFC 3339), "reason"}]``; ``created_at`` / ``updated_at`` — RFC 3339.
 
+Its ``occurred_start`` / ``occurred_end`` are the span of its evidence facts' times (set
+by consolidation), stored like a fact's, so ``time_range`` filters and the temporal arm
+find it by when its facts happened; ``mentioned_at`` is its ``updated_at``.
+
 Not in the text or graph stores: BM25 statistics and entity links of the facts stay as
 they were without observations, so fact recall is unchanged by consolidation (recall of
 observations runs on the semantic and temporal arms). Recall and ListMemories leave
@@ -20,7 +24,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import replace
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Callable
 
 from mneme.bus import codec
@@ -40,12 +44,27 @@ def _iso(ts) -> str:
     return codec.format_time(ts.ToDatetime()) if ts.seconds or ts.nanos else ""
 
 
+def _dt(o: ev.Observation, field: str):
+    """A Timestamp field as an aware datetime, clamped to years 1..9999 (an out-of-range
+    value on an old log must not fail the projection); None when unset."""
+    if not o.HasField(field):
+        return None
+    t = getattr(o, field)
+    lo, hi = -62135596800, 253402300799
+    if t.seconds < lo:
+        return datetime.min.replace(tzinfo=timezone.utc)
+    if t.seconds > hi:
+        return datetime.max.replace(tzinfo=timezone.utc)
+    return t.ToDatetime(tzinfo=timezone.utc)
+
+
 def observation_fact(bank_id: str, o: ev.Observation) -> Fact:
     """An observation state as the unit search stores (see the module docstring)."""
     return Fact(
         id=o.id, bank_id=bank_id, text=o.text, fact_type=OBSERVATION, tags=tuple(o.scope),
         mentioned_at=o.updated_at.ToDatetime(tzinfo=timezone.utc)
         if o.HasField("updated_at") else None,
+        occurred_start=_dt(o, "occurred_start"), occurred_end=_dt(o, "occurred_end"),
         metadata={
             "proof_count": str(o.proof_count), "stale": "true" if o.stale else "false",
             "version": str(o.version), "created_at": _iso(o.created_at),
@@ -82,7 +101,7 @@ def with_default_types(recall: Callable) -> Callable:
 def observation_search(recall: Callable) -> Callable:
     """reflect's ``search_observations`` port over search's recall: up to ``limit``
     observations for a query, best first, as ``services.reflect.agent.Memory`` (kind
-    "observation"); a stale one says so in its text, so the model weighs newer facts."""
+    "observation", ``when`` the end of its evidence's occurred span); a stale one says so in its text, so the model weighs newer facts."""
     from mneme.domain import RecallQuery
     from services.reflect.agent import Memory
 
@@ -91,7 +110,7 @@ def observation_search(recall: Callable) -> Callable:
                                  filters=Filters(types=(OBSERVATION,)), max_tokens=2048))
         return [Memory(s.fact.id, s.fact.text + (" (stale: newer facts are not consolidated yet)"
                                                  if s.fact.metadata.get("stale") == "true" else ""),
-                       "observation", when=s.fact.mentioned_at)
+                       "observation", when=s.fact.occurred_end or s.fact.mentioned_at)
                 for s in out.results[:limit]]
     return search
 
@@ -100,7 +119,6 @@ def observation_search(recall: Callable) -> Callable:
 
 
 def _ts(s: str):
-    from datetime import datetime
     return dt_to_ts(datetime.fromisoformat(s.replace("Z", "+00:00"))) if s else None
 
 
@@ -117,7 +135,9 @@ def to_api(f: Fact) -> resources_pb2.Observation:
                                                    reason=h["reason"])
                  for h in json.loads(md.get("history") or "[]")],
         create_time=_ts(md.get("created_at", "")), update_time=_ts(md.get("updated_at", "")),
-        stale=md.get("stale") == "true")
+        stale=md.get("stale") == "true",
+        occurred_start=dt_to_ts(f.occurred_start) if f.occurred_start else None,
+        occurred_end=dt_to_ts(f.occurred_end) if f.occurred_end else None)
 
 
 def _all(vectors: VectorStore, bank_id: str, filters: Filters) -> list[Fact]:

@@ -50,11 +50,19 @@ class Harness:
             self.c.handle(_env(o.headers["ce_id"], m, at), _rec(self.n))  # comes back: no-op
         return [ev.ObservationsChanged.FromString(o.value) for o in out]
 
-    def facts(self, *texts, tags=(), doc="", entities=(), scopes=None):
+    def facts(self, *texts, tags=(), doc="", entities=(), scopes=None, at=None):
+        """A FactsExtracted of ``texts``; ``at`` (a datetime) is their mentioned_at, and
+        their occurred range is that whole day (as the offline extractor sets it)."""
         vecs = self.embedder.embed(list(texts))
         fs = [ev.Fact(id=derive_id("fact", t, doc), text=t, tags=list(tags), document_id=doc,
                       embedding=v, entities=[ev.Entity(id=e, name=e, label="PERSON") for e in entities])
               for t, v in zip(texts, vecs)]
+        if at is not None:
+            day = at.replace(hour=0, minute=0, second=0, microsecond=0)
+            for f in fs:
+                f.mentioned_at.FromDatetime(at)
+                f.occurred_start.FromDatetime(day)
+                f.occurred_end.FromDatetime(day + timedelta(days=1) - timedelta(microseconds=1))
         m = ev.FactsExtracted(bank_id="b", operation_id="op", facts=fs)
         if scopes is not None:
             m.observation_scopes.CopyFrom(scopes)
@@ -260,3 +268,167 @@ def test_reflect_observation_port_marks_stale():
     (mem,) = observation_search(recall)("b", "tea", T0, 10)
     assert seen == [("observation",)]
     assert mem.kind == "observation" and mem.text.startswith("Alice likes tea. (stale")
+
+
+# ---- single-valued attributes (issue 9 item 10) and occurred spans (item 12) -------------
+
+from services.consolidation import attributes  # noqa: E402
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("My name is Anna.", {("user", "name"): "anna"}),
+    ("Call me Hanna, not Anna.", {("user", "name"): "hanna"}),
+    ("I live in Berlin.", {("user", "home"): "berlin"}),
+    ("I moved to Lisbon, I live in Lisbon now.", {("user", "home"): "lisbon"}),
+    ("I moved from Berlin to Lisbon.", {("user", "home"): "lisbon"}),
+    ("Anna: I live in Rio de Janeiro with my husband.", {("anna", "home"): "rio de janeiro"}),
+    ("I work at Google.", {("user", "employer"): "google"}),
+    ("I now work at Microsoft.", {("user", "employer"): "microsoft"}),
+    ("I used to work at Google, but I now work at Microsoft.", {("user", "employer"): "microsoft"}),
+    ("Alice works for the New York Times.", {("alice", "employer"): "new york times"}),
+    ("My husband works at AT&T.", {("user's husband", "employer"): "at&t"}),
+    ("I am 30 years old, and my son is 5 years old.",
+     {("user", "age"): "30", ("user's son", "age"): "5"}),
+    ("Caroline: I'm single.", {("caroline", "relationship"): "single"}),
+    ("I got divorced last year.", {("user", "relationship"): "divorced"}),
+    ("My favourite colour is green now.", {("user", "favourite color"): "green"}),
+    ("My favorite color is blue and I love it.", {("user", "favourite color"): "blue"}),
+    ("The user lives in Boston.", {("user", "home"): "boston"}),
+    ("My daughter's name is Mia.", {("user's daughter", "name"): "mia"}),
+    # no present statement: past, negated, hypothetical, a question, a pronoun, lowercase
+    ("I lived in Berlin.", {}),
+    ("I don't live in Berlin anymore.", {}),
+    ("If I live in Paris I will be happy.", {}),
+    ("I wish I worked at Google.", {}),
+    ("Do I live in Berlin?", {}),
+    ("She lives in Paris.", {}),
+    ("I live in a small flat.", {}),
+    ("I work at home.", {}),
+    ("My name is not important.", {}),
+    # two values for one attribute in one text: neither
+    ("I live in Berlin and I live in Munich.", {}),
+])
+def test_attribute_statements(text, expected):
+    assert attributes.statements(text) == expected
+
+
+def _at(y, m, d, hour=12):
+    return datetime(y, m, d, hour, tzinfo=timezone.utc)
+
+
+def _by_attr(h, word):
+    return [o for o in h.live() if word in o.text]
+
+
+@pytest.mark.parametrize("old,new", [
+    ("My name is Anna.", "Call me Hanna, not Anna."),
+    ("I live in Berlin.", "I moved to Lisbon, I live in Lisbon now."),
+    ("I work at Google.", "I now work at Microsoft."),
+    ("I am 30 years old.", "I just turned 31."),
+    ("My favourite colour is green.", "My favourite colour is purple these days."),
+])
+@pytest.mark.parametrize("order", ["in order", "older told later"])
+def test_contradiction_revises_with_history_whatever_the_arrival_order(embedder, old, new, order):
+    h = Harness(embedder)
+    first, second = (old, new) if order == "in order" else (new, old)
+    when = {old: _at(2023, 1, 5), new: _at(2023, 6, 5)}
+    h.send(h.facts(first, at=when[first]))
+    h.send(h.facts(second, at=when[second]))
+    (o,) = h.live()
+    assert o.text == new  # the newer statement wins, not the later processed one
+    assert [r.text for r in o.history] == [old]
+    assert o.history[0].reason.startswith(f"was: {old}")
+    assert o.proof_count == 2
+    _check_evidence(h)
+    assert o.occurred_start.ToDatetime(tzinfo=timezone.utc) == datetime(2023, 1, 5, tzinfo=timezone.utc)
+    assert o.occurred_end.ToDatetime(tzinfo=timezone.utc).date() == datetime(2023, 6, 5).date()
+
+
+def test_contradiction_attributes_stay_apart_and_same_value_reinforces(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("My name is Anna.", at=_at(2023, 1, 1)))
+    h.send(h.facts("I live in Berlin.", at=_at(2023, 1, 2)))
+    h.send(h.facts("I work at Google.", at=_at(2023, 1, 3)))
+    h.send(h.facts("Call me Hanna, not Anna.", at=_at(2023, 5, 1)))
+    h.send(h.facts("I moved to Lisbon, I live in Lisbon now.", at=_at(2023, 5, 2)))
+    h.send(h.facts("I now work at Microsoft.", at=_at(2023, 5, 3)))
+    texts = sorted(o.text for o in h.live())
+    assert texts == ["Call me Hanna, not Anna.", "I moved to Lisbon, I live in Lisbon now.",
+                     "I now work at Microsoft."]
+    # a later "Berlin" (told later, said earlier) joins history once, never the text
+    h.send(h.facts("I live in Berlin.", doc="again", at=_at(2023, 1, 20)))
+    (home,) = _by_attr(h, "Lisbon")
+    assert [r.text for r in home.history] == ["I live in Berlin."] and home.proof_count == 3
+    # another person's attribute is no contradiction of the user's
+    h.send(h.facts("Alice lives in Madrid.", at=_at(2023, 6, 1)))
+    assert len(_by_attr(h, "Madrid")) == 1 and len(_by_attr(h, "Lisbon")) == 1
+    # same day: the later mention wins
+    h.send(h.facts("I now work at Apple.", at=_at(2023, 7, 1, hour=9)))
+    h.send(h.facts("I now work at Amazon.", at=_at(2023, 7, 1, hour=8)))
+    (job,) = _by_attr(h, "work at")
+    assert job.text == "I now work at Apple."
+    assert [r.text for r in job.history] == ["I work at Google.", "I now work at Microsoft.",
+                                              "I now work at Amazon."]
+    _check_evidence(h)
+
+
+def test_contradictions_replay_identically(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("I moved to Lisbon, I live in Lisbon now.", at=_at(2023, 6, 1)))
+    h.send(h.facts("I live in Berlin.", "My name is Anna.", at=_at(2023, 1, 1)))
+    h.send(h.facts("Call me Hanna, not Anna.", at=_at(2023, 2, 1)))
+    live = h.store.dump("b")
+    r = Harness(embedder)
+    r.c.embedder = r.c.llm = None
+    for eid, msg, at in h.log:
+        r.n += 1
+        assert r.c.handle(_env(eid, msg, at), _rec(r.n), decide=False) == []
+    assert r.store.dump("b") == live
+
+
+def test_occurred_span_follows_evidence_and_is_clamped(embedder):
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", at=_at(2022, 3, 1)))
+    (o,) = h.live()
+    assert o.occurred_start.ToDatetime() == datetime(2022, 3, 1)
+    assert o.occurred_end.ToDatetime().date() == datetime(2022, 3, 1).date()
+    h.send(h.facts("Alice really enjoys mountain hiking.", at=_at(2024, 8, 9)))
+    (o,) = h.live()
+    assert o.proof_count == 2  # reinforced: the span grows to both facts
+    assert o.occurred_start.ToDatetime() == datetime(2022, 3, 1)
+    assert o.occurred_end.ToDatetime().date() == datetime(2024, 8, 9).date()
+    # retracting the newer source re-derives from the older: the span shrinks with it
+    newer = [f.id for f, _ in h.store.facts("b") if "enjoys" in f.text]
+    h.send(ev.FactsRetracted(bank_id="b", operation_id="del", memory_ids=newer))
+    (o,) = h.live()
+    assert o.occurred_end.ToDatetime().date() == datetime(2022, 3, 1).date()
+    # a unit on an old log past year 9999 (or before year 1) is clamped, not fatal
+    f = ev.Fact(id="far", text="x")
+    f.occurred_start.seconds, f.occurred_end.seconds = -99999999999, 300000000000
+    obs = ev.Observation()
+    engine.stamp_occurred(obs, [f])
+    assert obs.occurred_start.ToDatetime() == datetime(1, 1, 1)
+    assert obs.occurred_end.ToDatetime().year == 9999
+    # a fact with mentioned_at only spans that instant; a timeless one leaves it unset
+    g = ev.Fact(id="m", text="x")
+    g.mentioned_at.FromDatetime(_at(2020, 2, 2))
+    assert engine.fact_window(g) == (g.mentioned_at.ToNanoseconds(),) * 2
+    empty = ev.Observation()
+    engine.stamp_occurred(empty, [ev.Fact(id="t", text="x")])
+    assert not empty.HasField("occurred_start")
+
+
+def test_observation_unit_and_api_carry_the_occurred_span():
+    from services.search.observations import observation_fact, to_api
+    o = ev.Observation(id="o1", text="Alice likes tea.", version=1)
+    o.occurred_start.FromDatetime(datetime(2023, 5, 1))
+    o.occurred_end.FromDatetime(datetime(2023, 5, 31))
+    f = observation_fact("b", o)
+    assert f.occurred_start == datetime(2023, 5, 1, tzinfo=timezone.utc)
+    assert f.occurred_end == datetime(2023, 5, 31, tzinfo=timezone.utc)
+    api = to_api(f)
+    assert api.occurred_start.ToDatetime() == datetime(2023, 5, 1)
+    assert api.occurred_end.ToDatetime() == datetime(2023, 5, 31)
+    o.occurred_end.seconds = 300000000000  # beyond year 9999 on an old log: clamped
+    assert observation_fact("b", o).occurred_end.year == 9999
+    assert not to_api(observation_fact("b", ev.Observation(id="o2"))).HasField("occurred_start")
