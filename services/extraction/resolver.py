@@ -1,21 +1,33 @@
 """Per-bank entity resolution: mention names → stable entity ids, with person aliases.
 
-Rules, in order, for a mention (name, label) in bank B:
-1. its key (``mneme.domain.entity_key``) is a known entity or alias of B → that entity
-   (whatever the label: the key is the identity; numbers are part of the key, so
-   "Room 101" and "Room 102" never merge);
-2. a PERSON mention that is a first-name prefix of exactly one known PERSON of B, or has
-   one as its first-name prefix ("Mel" ↔ "Melanie", "Caroline" ↔ "Caroline Smith"; at least
-   3 letters), becomes an alias of that person (a capitalised one-word mention with another
-   label may alias a person only by equalling a first name exactly, since the small NER
-   model labels names as ORG or PRODUCT now and then);
+A mention is ``(name, label)``; the label (a spaCy NER label, ``"CONCEPT"`` or "") maps to
+a **kind** (:func:`kind_of`): ``person`` (PERSON), ``org`` (ORG), ``place`` (GPE, LOC,
+FAC), ``thing`` (the other named labels, which the small NER model confuses among
+themselves: NORP, EVENT, WORK_OF_ART, PRODUCT, LANGUAGE, LAW) -- or no kind at all for a
+concept (a noun phrase) or an unlabelled name. A resolved entity has one kind: "Jordan"
+the PERSON and "Jordan" the GPE are two entities. A kindless mention is compatible with
+every kind, so a noun phrase never takes a named entity away from its kind, and a concept
+entity is *claimed* (given its kind and label) by the first named mention of its key.
+
+Rules, in order, for a mention in bank B:
+1. an entity of B whose key (``mneme.domain.entity_key``) or alias is the mention's key
+   and whose kind is compatible → that entity (the first created, for a kindless mention;
+   numbers are part of the key, so "Room 101" and "Room 102" never merge);
+2. a ``person`` mention that is a first-name prefix of exactly one known person of B, or
+   has one as its first-name prefix ("Mel" ↔ "Melanie", "Caroline" ↔ "Caroline Smith";
+   at least 3 letters), becomes an alias of that person; a capitalised one-word kindless
+   mention may alias a person only by equalling a first name exactly. Names whose number
+   tokens differ (digits, ordinals, roman numerals: :func:`number_tokens`) are never
+   aliased ("Agent 007" / "Agent 008", "Henry VII" / "Henry VIII");
 3. otherwise a new entity, named by this mention.
 
-The entity id is ``derive_id("entity", bank_id, key)`` of the canonical (first-seen)
-name, so it never changes once given. Every decision is remembered (aliases included), so
+The entity id is ``derive_id("entity", bank_id, key)`` for the first entity of a key and
+``derive_id("entity", bank_id, key, kind)`` for an entity of another kind with the same
+key, so it never changes once given. Every decision is remembered (aliases included), so
 the same mention resolves the same way forever after -- redelivered events get the same
 ids -- and the outcome is deterministic given the same sequence of calls. State is kept in
-memory and, with ``path``, in SQLite, so a restarted process resolves the same way.
+memory and, with ``path``, in SQLite, so a restarted process resolves the same way (a
+file of the earlier one-entity-per-key schema is migrated on open, ids unchanged).
 
 One bank's events are consumed by one worker at a time (events are keyed by bank), which
 is what keeps two processes sharing a file from deciding differently.
@@ -23,6 +35,7 @@ is what keeps two processes sharing a file from deciding differently.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 from dataclasses import dataclass, field
@@ -30,35 +43,86 @@ from typing import Iterable, Sequence
 
 from mneme.domain import EntityRef, derive_id, entity_key
 
-__all__ = ["EntityResolver"]
+__all__ = ["EntityResolver", "kind_of", "number_tokens"]
 
 PERSON = "PERSON"
 _MIN_PREFIX = 3
 
+#: spaCy label → kind; a label not listed here (CONCEPT, "", anything else) has no kind.
+_KINDS = {"PERSON": "person", "ORG": "org", "GPE": "place", "LOC": "place", "FAC": "place",
+          "NORP": "thing", "EVENT": "thing", "WORK_OF_ART": "thing", "PRODUCT": "thing",
+          "LANGUAGE": "thing", "LAW": "thing"}
+
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS entities (
-  bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL, name TEXT NOT NULL,
-  label TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (bank_id, key));
-CREATE TABLE IF NOT EXISTS aliases (
-  bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
-  PRIMARY KEY (bank_id, alias));
+CREATE TABLE IF NOT EXISTS entities_v2 (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, key TEXT NOT NULL, name TEXT NOT NULL,
+  label TEXT NOT NULL, kind TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (bank_id, id));
+CREATE TABLE IF NOT EXISTS aliases_v2 (
+  bank_id TEXT NOT NULL, alias TEXT NOT NULL, id TEXT NOT NULL,
+  PRIMARY KEY (bank_id, alias, id));
 """
+# v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
+_MIGRATE_V1 = """
+INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind, seq)
+  SELECT bank_id, id, key, name, label, '', seq FROM entities;
+INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id)
+  SELECT a.bank_id, a.alias, e.id FROM aliases a JOIN entities e
+  ON e.bank_id = a.bank_id AND e.key = a.key ORDER BY a.rowid;
+DROP TABLE aliases;
+DROP TABLE entities;
+"""
+
+_ORDINAL_WORDS = frozenset("""
+first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth
+thirteenth fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth
+""".split())
+# Roman numerals up to 39 (regnal numbers, sequels); longer ones are mostly words ("mix").
+_ROMAN = re.compile(r"(?=[ivx])x{0,3}(i[xv]|v?i{0,3})")
+
+
+def kind_of(label: str) -> str:
+    """The kind of a mention label: "person", "org", "place", "thing", or "" (no kind:
+    CONCEPT, an empty or unknown label) -- see the module docs."""
+    return _KINDS.get((label or "").upper(), "")
+
+
+def number_tokens(key: str) -> tuple[str, ...]:
+    """The tokens of an entity key that number or date it, in order: every token with a
+    digit ("101", "2023", "14th", "q3"), ordinal words ("second"), and roman numerals
+    after the first word ("henry viii" → ("viii",)). Two names whose number tokens differ
+    name different things."""
+    out = []
+    for i, w in enumerate(key.split()):
+        if any(c.isdigit() for c in w) or w in _ORDINAL_WORDS or (i and _ROMAN.fullmatch(w)):
+            out.append(w)
+    return tuple(out)
+
+
+@dataclass
+class _Entity:
+    ref: EntityRef
+    key: str
+    kind: str  # "" until a named mention claims it
 
 
 @dataclass
 class _Bank:
-    entities: dict[str, EntityRef] = field(default_factory=dict)  # canonical key → ref
-    aliases: dict[str, str] = field(default_factory=dict)  # alias key → canonical key
-    persons: list[str] = field(default_factory=list)  # canonical keys of PERSON entities
-    names_of: dict[str, list[str]] = field(default_factory=dict)  # canonical key → its alias keys
+    entities: dict[str, _Entity] = field(default_factory=dict)  # id → entity, creation order
+    by_key: dict[str, list[str]] = field(default_factory=dict)  # key or alias → entity ids
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # alias → entity ids
+    persons: list[str] = field(default_factory=list)  # ids of person entities
+    alias_keys: dict[str, list[str]] = field(default_factory=dict)  # entity id → its aliases
 
-    def add_alias(self, alias: str, canon: str) -> None:
-        self.aliases[alias] = canon
-        self.names_of.setdefault(canon, []).append(alias)
+    def add(self, e: _Entity) -> None:
+        self.entities[e.ref.id] = e
+        self.by_key.setdefault(e.key, []).append(e.ref.id)
+        if e.kind == "person":
+            self.persons.append(e.ref.id)
 
-
-def _digits(s: str) -> str:
-    return "".join(ch for ch in s if ch.isdigit())
+    def add_alias(self, alias: str, id_: str) -> None:
+        self.aliases.setdefault(alias, []).append(id_)
+        self.by_key.setdefault(alias, []).append(id_)
+        self.alias_keys.setdefault(id_, []).append(alias)
 
 
 def _prefix_of(short: str, long: str) -> bool:
@@ -77,8 +141,9 @@ def _prefix_of(short: str, long: str) -> bool:
 class EntityResolver:
     """Resolves entity mentions per bank (see the module docs for the rules).
 
-    ``path``: SQLite file to persist the state to (created if missing); None keeps it in
-    memory only. Thread-safe: one lock serialises all calls.
+    ``path``: SQLite file to persist the state to (created if missing, migrated from the
+    one-entity-per-key schema); None keeps it in memory only. Thread-safe: one lock
+    serialises all calls.
     """
 
     def __init__(self, path: str | None = None):
@@ -91,8 +156,22 @@ class EntityResolver:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities").fetchone()
+            self._migrate()
+            row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities_v2").fetchone()
             self._seq = int(row[0])
+
+    def _migrate(self) -> None:
+        tables = {r[0] for r in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
+        if "entities" not in tables:
+            return
+        self._db.executescript("BEGIN;" + _MIGRATE_V1 + "COMMIT;")
+        # kinds from the stored labels (kept per row, so a v1 bank resolves as before)
+        for id_, bank_id, label in self._db.execute(
+                "SELECT id, bank_id, label FROM entities_v2 WHERE kind=''").fetchall():
+            if kind_of(label):
+                self._db.execute("UPDATE entities_v2 SET kind=? WHERE bank_id=? AND id=?",
+                                 (kind_of(label), bank_id, id_))
 
     # ---- state --------------------------------------------------------------------------
 
@@ -102,41 +181,52 @@ class EntityResolver:
             return b
         b = _Bank()
         if self._db is not None:
-            for key, id_, name, label in self._db.execute(
-                    "SELECT key, id, name, label FROM entities WHERE bank_id=? ORDER BY seq",
+            for id_, key, name, label, kind in self._db.execute(
+                    "SELECT id, key, name, label, kind FROM entities_v2 WHERE bank_id=? "
+                    "ORDER BY seq", (bank_id,)):
+                b.add(_Entity(EntityRef(id=id_, name=name, label=label), key, kind))
+            for alias, id_ in self._db.execute(
+                    "SELECT alias, id FROM aliases_v2 WHERE bank_id=? ORDER BY rowid",
                     (bank_id,)):
-                b.entities[key] = EntityRef(id=id_, name=name, label=label)
-                if label == PERSON:
-                    b.persons.append(key)
-            for alias, key in self._db.execute(
-                    "SELECT alias, key FROM aliases WHERE bank_id=? ORDER BY rowid", (bank_id,)):
-                b.add_alias(alias, key)
+                if id_ in b.entities:
+                    b.add_alias(alias, id_)
         self._banks[bank_id] = b
         return b
 
-    def _find(self, b: _Bank, key: str) -> str | None:
-        if key in b.entities:
-            return key
-        return b.aliases.get(key)
+    def _find(self, b: _Bank, key: str, kind: str) -> tuple[_Entity | None, bool]:
+        """The entity a mention of ``key`` and ``kind`` resolves to by key or alias, and
+        whether the mention claims it (a kindless entity meeting its first named mention)."""
+        ids = b.by_key.get(key, ())
+        if not kind:
+            return (b.entities[ids[0]], False) if ids else (None, False)
+        for i in ids:
+            if b.entities[i].kind == kind:
+                return b.entities[i], False
+        for i in ids:
+            if not b.entities[i].kind:
+                return b.entities[i], True
+        return None, False
 
-    def _person_match(self, b: _Bank, key: str, strict: bool) -> str | None:
-        """The one PERSON entity this name is a first-name prefix of (or that is a prefix
+    def _person_match(self, b: _Bank, key: str, strict: bool) -> _Entity | None:
+        """The one person entity this name is a first-name prefix of (or that is a prefix
         of it); None when there is none or more than one."""
         hits = []
-        for canon in b.persons:
-            aliases = b.names_of.get(canon, ())
+        nums = number_tokens(key)
+        for pid in b.persons:
+            e = b.entities[pid]
+            aliases = b.alias_keys.get(pid, ())
             # Only full names may be the shorter side: a nickname alias ("mel" of
             # "melanie") must not pull in "Melissa".
-            full = [canon, *(a for a in aliases if not _prefix_of(a, canon))]
-            for n in (canon, *aliases):
-                if _digits(n) != _digits(key):
+            full = [e.key, *(a for a in aliases if not _prefix_of(a, e.key))]
+            for n in (e.key, *aliases):
+                if number_tokens(n) != nums:
                     continue
                 if strict:
                     ok = n.split()[0] == key
                 else:
                     ok = _prefix_of(key, n) or (n in full and _prefix_of(n, key))
                 if ok:
-                    hits.append(canon)
+                    hits.append(e)
                     break
         return hits[0] if len(hits) == 1 else None
 
@@ -146,24 +236,32 @@ class EntityResolver:
         key = entity_key(name)
         if not key:
             return None
-        canon = self._find(b, key)
-        if canon is None:
-            if label == PERSON:
-                canon = self._person_match(b, key, strict=False)
-            elif " " not in name and name[:1].isupper():
-                canon = self._person_match(b, key, strict=True)
-            if canon is not None:
-                b.add_alias(key, canon)
-                pending.append(("alias", bank_id, key, canon))
-        if canon is not None:
-            return b.entities[canon]
-        ref = EntityRef(id=derive_id("entity", bank_id, key), name=name, label=label or "")
-        b.entities[key] = ref
-        if label == PERSON:
-            b.persons.append(key)
+        kind = kind_of(label)
+        ent, claim = self._find(b, key, kind)
+        if claim:
+            ent.kind = kind
+            ent.ref = EntityRef(id=ent.ref.id, name=ent.ref.name, label=label)
+            if kind == "person":
+                b.persons.append(ent.ref.id)
+            pending.append(("claim", bank_id, ent))
+        if ent is None:
+            if kind == "person":
+                ent = self._person_match(b, key, strict=False)
+            elif not kind and " " not in name and name[:1].isupper():
+                ent = self._person_match(b, key, strict=True)
+            if ent is not None:
+                b.add_alias(key, ent.ref.id)
+                pending.append(("alias", bank_id, key, ent.ref.id))
+        if ent is not None:
+            return ent.ref
+        id_ = derive_id("entity", bank_id, key)
+        if id_ in b.entities:  # this key has an entity of another kind already
+            id_ = derive_id("entity", bank_id, key, kind)
+        ent = _Entity(EntityRef(id=id_, name=name, label=label or ""), key, kind)
+        b.add(ent)
         self._seq += 1
-        pending.append(("entity", bank_id, key, ref, self._seq))
-        return ref
+        pending.append(("entity", bank_id, ent, self._seq))
+        return ent.ref
 
     def _persist(self, pending: list[tuple]) -> None:
         if self._db is None or not pending:
@@ -172,14 +270,19 @@ class EntityResolver:
             self._db.execute("BEGIN")
             for p in pending:
                 if p[0] == "entity":
-                    _, bank_id, key, ref, seq = p
+                    _, bank_id, e, seq = p
                     self._db.execute(
-                        "INSERT OR IGNORE INTO entities(bank_id, key, id, name, label, seq) "
-                        "VALUES (?,?,?,?,?,?)", (bank_id, key, ref.id, ref.name, ref.label, seq))
+                        "INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind,"
+                        " seq) VALUES (?,?,?,?,?,?,?)",
+                        (bank_id, e.ref.id, e.key, e.ref.name, e.ref.label, e.kind, seq))
+                elif p[0] == "claim":
+                    _, bank_id, e = p
+                    self._db.execute("UPDATE entities_v2 SET label=?, kind=? WHERE bank_id=? "
+                                     "AND id=?", (e.ref.label, e.kind, bank_id, e.ref.id))
                 else:
-                    _, bank_id, alias, key = p
-                    self._db.execute("INSERT OR IGNORE INTO aliases(bank_id, alias, key) VALUES (?,?,?)",
-                                     (bank_id, alias, key))
+                    _, bank_id, alias, id_ = p
+                    self._db.execute("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
+                                     "VALUES (?,?,?)", (bank_id, alias, id_))
 
     # ---- API ----------------------------------------------------------------------------
 
@@ -210,26 +313,28 @@ class EntityResolver:
             return out
 
     def lookup(self, bank_id: str, names: Iterable[str]) -> list[EntityRef]:
-        """Known entities for names or keys (aliases followed), without creating any --
-        e.g. to map a query's "Mel" to Melanie's entity. Unknown names are skipped."""
+        """Known entities for names or keys (aliases followed; every kind of a shared
+        name), without creating any -- e.g. to map a query's "Mel" to Melanie's entity.
+        Unknown names are skipped."""
         with self._lock:
             b = self._bank(bank_id)
             out: list[EntityRef] = []
             for n in names:
-                canon = self._find(b, entity_key(n))
-                if canon is not None and b.entities[canon] not in out:
-                    out.append(b.entities[canon])
+                for i in b.by_key.get(entity_key(n), ()):
+                    if b.entities[i].ref not in out:
+                        out.append(b.entities[i].ref)
             return out
 
     def entities(self, bank_id: str) -> list[EntityRef]:
         """All entities of the bank, in creation order."""
         with self._lock:
-            return list(self._bank(bank_id).entities.values())
+            return [e.ref for e in self._bank(bank_id).entities.values()]
 
     def aliases(self, bank_id: str) -> dict[str, str]:
-        """Alias key → canonical key for the bank."""
+        """Alias key → canonical key of the (first) entity it names, for the bank."""
         with self._lock:
-            return dict(self._bank(bank_id).aliases)
+            b = self._bank(bank_id)
+            return {a: b.entities[ids[0]].key for a, ids in b.aliases.items()}
 
     def forget(self, bank_id: str) -> None:
         """Drop everything known about the bank (when the bank is deleted)."""
@@ -238,8 +343,8 @@ class EntityResolver:
             if self._db is not None:
                 with self._db:
                     self._db.execute("BEGIN")
-                    self._db.execute("DELETE FROM entities WHERE bank_id=?", (bank_id,))
-                    self._db.execute("DELETE FROM aliases WHERE bank_id=?", (bank_id,))
+                    self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
+                    self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
 
     forget_bank = forget
 

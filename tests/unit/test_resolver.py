@@ -47,7 +47,10 @@ def test_prefix_rule_is_for_people_only():
     r.resolve("b", [("Melanie", "PERSON")])
     assert r.resolve("b", [("mel", "CONCEPT")])[0].name == "mel"  # lowercase concept: no alias
     car = r.resolve("b", [("Caroline Smith", "PERSON")])[0]
-    assert r.resolve("b", [("Caroline", "ORG")])[0] == car  # mislabelled first name
+    # a capitalised concept (NER missed the name) equal to a first name is that person
+    assert r.resolve("b", [("Caroline", "CONCEPT")])[0] == car
+    # a named mention of another kind is not: kinds are kept apart
+    assert r.resolve("b", [("Caroline", "ORG")])[0] != car
 
 
 def test_names_differing_by_a_number_stay_different():
@@ -122,3 +125,90 @@ def test_thread_safe():
         t.join()
     assert len(set(results)) == 1
     assert len(r.entities("b")) == 2
+
+
+# ---- issue 9 item 8: kinds and numbers keep entities apart ------------------------------
+
+
+def test_kinds_are_kept_apart_and_ids_stay_deterministic():
+    r = EntityResolver()
+    person = r.resolve("b", [("Jordan", "PERSON")])[0]
+    country = r.resolve("b", [("Jordan", "GPE")])[0]
+    assert person.id != country.id and (person.label, country.label) == ("PERSON", "GPE")
+    assert person.id == derive_id("entity", "b", "jordan")  # the first keeps the plain id
+    assert country.id == derive_id("entity", "b", "jordan", "place")
+    # each kind keeps resolving to its own entity; LOC/FAC are places like GPE
+    assert r.resolve("b", [("Jordan", "LOC")])[0] == country
+    assert r.resolve("b", [("jordan", "PERSON")])[0] == person
+    org = r.resolve("b", [("Jordan", "ORG")])[0]
+    assert org.id not in {person.id, country.id}
+    # a concept (kindless) mention joins the first entity of its key, never makes one
+    assert r.resolve("b", [("jordan", "CONCEPT")])[0] == person
+    assert len(r.entities("b")) == 3
+    assert set(r.lookup("b", ["Jordan"])) == {person, country, org}
+
+
+def test_a_concept_entity_is_claimed_by_the_first_named_kind():
+    r = EntityResolver()
+    concept = r.resolve("b", [("apple", "CONCEPT")])[0]
+    org = r.resolve("b", [("Apple", "ORG")])[0]
+    assert org.id == concept.id and org.label == "ORG"  # same id, now of kind org
+    fruit_co = r.resolve("b", [("Apple", "PRODUCT")])[0]
+    assert fruit_co.id != org.id
+    assert r.resolve("b", [("apple", "CONCEPT")])[0] == org
+
+
+def test_numbers_years_and_ordinals_keep_names_apart_in_every_rule():
+    r = EntityResolver()
+    pairs = [("Annual Report 2023", "Annual Report 2024", "WORK_OF_ART"),
+             ("2023 report", "2024 report", "CONCEPT"), ("Room 101", "Room 102", "FAC"),
+             ("iPhone 14", "iPhone 15", "PRODUCT"), ("2nd floor", "3rd floor", "CONCEPT")]
+    for a, b, label in pairs:
+        x, y = r.resolve("b", [(a, label), (b, label)])
+        assert x.id != y.id, (a, b)
+    # person prefixes (the fuzzy rule) never bridge differing number tokens
+    henry8 = r.resolve("b", [("Henry VIII", "PERSON")])[0]
+    assert r.resolve("b", [("Henry VII", "PERSON")])[0] != henry8
+    agent = r.resolve("b", [("Agent 007 Bond", "PERSON")])[0]
+    assert r.resolve("b", [("Agent 008", "PERSON")])[0] != agent
+    assert r.resolve("b", [("Agent 007", "PERSON")])[0] == agent  # same number: alias
+    # and a name with a number does not alias the one without
+    report = r.resolve("b", [("Report", "PERSON")])[0]
+    assert r.resolve("b", [("Report 2023", "PERSON")])[0] != report
+
+
+def test_number_tokens():
+    from services.extraction.resolver import number_tokens
+    assert number_tokens("annual report 2023") == ("2023",)
+    assert number_tokens("henry viii") == ("viii",)
+    assert number_tokens("vi hart") == ()  # a first word is a name, not a numeral
+    assert number_tokens("second floor q3") == ("second", "q3")
+    assert number_tokens("melanie") == ()
+
+
+def test_kinds_persist_and_an_old_schema_file_is_migrated(tmp_path):
+    import sqlite3
+
+    path = str(tmp_path / "entities.db")
+    old = sqlite3.connect(path)  # the one-entity-per-key schema of earlier versions
+    old.executescript("""
+      CREATE TABLE entities (bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL,
+        name TEXT NOT NULL, label TEXT NOT NULL, seq INTEGER NOT NULL,
+        PRIMARY KEY (bank_id, key));
+      CREATE TABLE aliases (bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
+        PRIMARY KEY (bank_id, alias));""")
+    mel_id = derive_id("entity", "b", "melanie")
+    old.execute("INSERT INTO entities VALUES ('b', 'melanie', ?, 'Melanie', 'PERSON', 1)",
+                (mel_id,))
+    old.execute("INSERT INTO aliases VALUES ('b', 'mel', 'melanie')")
+    old.commit()
+    old.close()
+    r = EntityResolver(path)
+    assert r.resolve("b", [("Mel", "PERSON")])[0].id == mel_id  # alias kept, id unchanged
+    country = r.resolve("b", [("Melanie", "GPE")])[0]
+    assert country.id != mel_id
+    r.close()
+    r2 = EntityResolver(path)
+    assert r2.resolve("b", [("Melanie", "GPE")])[0] == country
+    assert r2.resolve("b", [("Melanie", "PERSON")])[0].id == mel_id
+    assert len(r2.entities("b")) == 2
