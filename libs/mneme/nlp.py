@@ -10,10 +10,12 @@ would serialise most of the work anyway). Queries get a second copy of the pipel
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import datetime
 from typing import Iterable, Sequence
 
+from mneme.cjk import has_unspaced_script
 from mneme.domain import TimeWindow, entity_key
 
 __all__ = ["nlp", "parse", "parse_many", "entity_mentions", "QueryAnalyzer",
@@ -59,6 +61,13 @@ _TIME_WORDS = frozenset("""
 mon tue tues wed thu thur thurs fri sat sun monday tuesday wednesday thursday friday
 saturday sunday last next yesterday today tomorrow tonight morning evening night weekend
 """.split())
+
+#: Longest entity name kept, in characters: anything longer is a phrase, not a name.
+MAX_NAME_CHARS = 60
+# Number tokens that identify rather than count, so they belong to the name they lead:
+# a year ("the 2023 report"), a digit ordinal ("the 2nd floor"), a code ("Q3", "4K").
+_ID_NUMBER = re.compile(r"(?:1\d|20|21)\d\d|\d+(?:st|nd|rd|th)|(?=\w*\d)(?=\w*[a-z])[a-z\d]+", re.I)
+_NOT_ID = frozenset({"TIME", "MONEY", "PERCENT", "QUANTITY"})
 
 _load_lock = threading.Lock()
 _pipelines: dict[str, object] = {}
@@ -120,12 +129,16 @@ def _concept_spans(doc) -> Iterable[tuple[int, int]]:
     ``doc.noun_chunks`` alone because the small parser splits compounds such as
     "LGBTQ support groups"; determiners, pronouns and rating adjectives are left out."""
     n = len(doc)
+    base = getattr(doc, "start", 0)  # a Span's tokens keep their Doc-wide ``i``
     i = 0
     while i < n:
         t = doc[i]
         if not _run_token(t):
             i += 1
             continue
+        lead = i
+        while lead > 0 and _id_number(doc[lead - 1]):
+            lead -= 1  # "the 2023 report": the year names which report
         j = i
         while j + 1 < n:
             nxt = doc[j + 1]
@@ -140,6 +153,9 @@ def _concept_spans(doc) -> Iterable[tuple[int, int]]:
             else:
                 break
         a, b = i, j
+        if lead < i and all(lead <= doc[k].head.i - base <= j and doc[k].head.i - base != k
+                            for k in range(lead, i)):
+            a = lead  # only numbers that modify the run: not "in 2023 reports were ..."
         while a <= b and (doc[a].pos_ == "ADJ" and (doc[a].lower_ in _EVALUATIVE or a == b)
                           or doc[a].text in ("-", "/") or doc[a].lower_ in _LEADING_NOISE
                           or doc[a].lower_ in ("kinda", "sorta", "gon", "wan")):
@@ -149,6 +165,24 @@ def _concept_spans(doc) -> Iterable[tuple[int, int]]:
         if a <= b and (doc[b].pos_ in ("NOUN", "PROPN") or doc[b].pos_ == "NUM"):
             yield a, b + 1
         i = j + 1
+
+
+def _id_number(t) -> bool:
+    """A token that numbers or dates a name rather than counting (see ``_ID_NUMBER``)."""
+    return (t.ent_type_ not in _NOT_ID and not t.is_space and t.pos_ != "PUNCT"
+            and bool(_ID_NUMBER.fullmatch(t.text)))
+
+
+def _numbered(doc, start: int, end: int, concepts: list[tuple[int, int]]) -> tuple[int, int]:
+    """The NER span [start, end) widened to a concept span that adds only number tokens
+    to it: NER often leaves the number out ("Annual Report" of "Annual Report 2024",
+    "Toy Story" of "Toy Story 3"), and a name without its number merges what differs."""
+    for a, b in concepts:
+        if a <= start and end <= b and (a, b) != (start, end) and all(
+                doc[k].like_num or _id_number(doc[k])
+                for k in (*range(a, start), *range(end, b))):
+            return a, b
+    return start, end
 
 
 def _mistagged_compound(t) -> bool:
@@ -193,9 +227,14 @@ def entity_mentions(doc_or_text) -> list[tuple[str, str]]:
         key = entity_key(name)
         if len(key) < 2 or key in seen or key.isdigit():
             return
+        # An English pipeline cannot find words in text without spaces (CJK, Thai):
+        # what it returns there is a whole sentence or a random cut of one.
+        if len(name) > MAX_NAME_CHARS or has_unspaced_script(name):
+            return
         seen.add(key)
         out.append((name, label))
 
+    spans = list(_concept_spans(doc))
     ents = []
     for e in doc.ents:
         if e.label_ not in NER_LABELS or len(e) > 6 or "\n" in e.text:
@@ -211,9 +250,12 @@ def entity_mentions(doc_or_text) -> list[tuple[str, str]]:
             span = span[:-1]  # "Ed Sheeran's" → "Ed Sheeran"
         if not len(span) or any(t.lower_ in _TIME_WORDS for t in span) or not _has_name_shape(span):
             continue
+        base = getattr(doc, "start", 0)  # Span.start is Doc-wide; ``spans`` are local
+        a, b = _numbered(doc, span.start - base, span.end - base, spans)
+        span = doc[a:b]
         ents.append((span.start_char, span.text.strip(), e.label_))
     concepts = []
-    for a, b in _concept_spans(doc):
+    for a, b in spans:
         span = doc[a:b]
         if b - a == 1 and (span[0].lower_ in _GENERIC or span[0].lower_ in _EVALUATIVE
                            or len(span[0].text) < 3):
@@ -251,8 +293,8 @@ class QueryAnalyzer:
 
         def add(name: str) -> None:
             k = entity_key(name)
-            if len(k) >= 2 and not k.isdigit() and k not in keys:
-                keys.append(k)
+            if len(k) >= 2 and not k.isdigit() and k not in keys and not has_unspaced_script(k):
+                keys.append(k)  # (entity_mentions never makes names of unspaced scripts)
 
         for name, label in entity_mentions(doc):
             add(name)

@@ -25,7 +25,12 @@ What one item becomes:
   fact stays true when read later (turn off with ``annotate_times=False``).
 - **Entities.** The speaker (PERSON) first, then the NER entities and noun-phrase
   concepts of the fact's sentences and caption (:func:`mneme.nlp.entity_mentions`),
-  resolved per bank by :class:`~services.extraction.resolver.EntityResolver`.
+  resolved per bank by :class:`~services.extraction.resolver.EntityResolver`, which keeps
+  kinds apart ("Jordan" the person ≠ "Jordan" the country). A mention that is the name
+  (or first name) of a speaker of the request is taken as that PERSON whatever label the
+  small NER model gave it ("Gina" tagged GPE in Gina's own conversation). Text in scripts
+  written without spaces (CJK, Thai) yields no entities: the English pipeline cannot
+  segment it (its keywords are found through the text stores' CJK segmentation).
 - **Links.** ``temporal`` (weight 1.0) from each fact to the previous fact of the same item;
   ``causal`` (weight 1.0) when a fact starts with a causal connective ("because", "so I",
   "that's why", "therefore", "as a result") -- to the previous fact of the item, or, for
@@ -46,7 +51,7 @@ from datetime import datetime, timedelta
 from typing import Sequence
 
 from mneme import nlp as _nlp
-from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, utc
+from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, entity_key, utc
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
@@ -245,6 +250,8 @@ class OfflineExtractor:
         all_segs = [s for segs in segs_by_item for s in segs]
         speakers = list(dict.fromkeys(s.speaker for s in all_segs if s.speaker))
         names = {n.lower() for sp in speakers for n in sp.split()}
+        speaker_keys = {entity_key(sp) for sp in speakers} | {
+            entity_key(sp.split()[0]) for sp in speakers if len(sp.split()[0]) >= 3}
         texts = [s.text for s in all_segs] + [c for c in captions if c]
         docs = _nlp.parse_many(texts)
         seg_docs = dict(zip(map(id, all_segs), docs[:len(all_segs)]))
@@ -322,7 +329,8 @@ class OfflineExtractor:
                     mentions += _nlp.entity_mentions(s)
                 if ch.caption_doc is not None:
                     mentions += _nlp.entity_mentions(ch.caption_doc)
-                mention_lists.append(mentions)
+                mention_lists.append([(n, "PERSON" if l != "PERSON" and entity_key(n) in speaker_keys
+                                       else l) for n, l in mentions])
             facts += item_facts
             if item_facts:
                 prev_last = (item, item_facts[-1].id)
