@@ -404,6 +404,7 @@ class Embedded:
     server: grpc.Server | None = None
     root: Root | None = None
     parts: list[ServiceParts] = field(default_factory=list)
+    _closing: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def start(self, groups: tuple[str, ...] | None = None) -> None:
         for name, c in self.consumers.items():
@@ -419,15 +420,37 @@ class Embedded:
         guard.audit = _audit_to(self.log)
         server = _grpc_server(self.settings, guard)
         names = [n for p in self.parts if p.register for n in p.register(server)]
-        _add_health(server, names, _SERVING)
+        health_servicer = _add_health(server, names, _SERVING)
         port = _bind(server, address or self.settings.grpc_address, self.settings)
         if port == 0:
             raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
         server.start()
         self.server = server
+        threading.Thread(target=self._watch_log, args=(health_servicer, names),
+                         name="log-health", daemon=True).start()
         return port
 
+    def _watch_log(self, servicer: health.HealthServicer, names: list[str]) -> None:
+        """Health NOT_SERVING for good once the event log reports damage (its
+        ``check()``, a stat and a header read, at most every second): the data on disk
+        can no longer be trusted, and only a restart after recovery clears it."""
+        check = getattr(self.log, "check", None)
+        if check is None:
+            return
+        while not self._closing.wait(min(self.settings.health_interval_s, 1.0)):
+            try:
+                problem = check()
+            except Exception as exc:  # a probe that fails says the same
+                problem = repr(exc)
+            if problem:
+                log.error("event log damaged (%s): health NOT_SERVING; writes fail with "
+                          "UNAVAILABLE", problem)
+                for n in names + [""]:
+                    servicer.set(n, _NOT_SERVING)
+                return
+
     def close(self) -> None:
+        self._closing.set()
         if self.server is not None:
             self.server.stop(grace=5).wait()
         for c in self.consumers.values():

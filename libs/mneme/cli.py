@@ -76,10 +76,11 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
         overrides["grpc_address"] = address
     settings = Settings(**overrides)
     from mneme.bootstrap import setup_telemetry
+    from mneme.bus.sqlite_log import LogDamaged
     try:
         node = bootstrap(settings)
-    except DataDirLocked as e:
-        console.print(f"[red]{e}[/red]")
+    except (DataDirLocked, LogDamaged) as e:
+        console.print(f"[red]{e}[/red]", soft_wrap=True)
         raise typer.Exit(1)
     tele = setup_telemetry("mneme", settings)
     node.start()
@@ -332,9 +333,10 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
 
         def progress(done: int, total: int) -> None:
             prog.update(task, completed=done, total=total)
+        from mneme.bus.sqlite_log import LogDamaged
         try:
             stats = replay(settings, progress)
-        except DataDirLocked as e:
+        except (DataDirLocked, LogDamaged) as e:
             console.print(f"[red]{e}[/red]")
             raise typer.Exit(1)
         except StaleCommitError as e:  # Kafka: the search group still has members
@@ -395,6 +397,55 @@ def topics_create():
             print(f"{t}\t{event_log.partitions(t)} partitions")
     finally:
         root.close()
+
+
+log_app = typer.Typer(help="The embedded event log (log.db): check and recover.",
+                      no_args_is_help=True)
+app.add_typer(log_app, name="log")
+
+
+@log_app.command("recover")
+def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
+                                              help="default: $MNEME_DATA_DIR or ./.mneme")):
+    """Rebuild a damaged embedded event log (MNEME_BUS_URL=sqlite:///…, default
+    DATA_DIR/log.db) from every record SQLite can still read, keeping topics, partitions,
+    offsets and consumer-group offsets; the damaged file is kept beside it
+    (log.db.damaged-<time>). Stop the server first. Then `mneme replay` rebuilds the
+    projections from what was kept."""
+    from mneme.bootstrap import DataDirLocked, Root
+    from mneme.bus.sqlite_log import recover
+    from mneme.config import Settings
+
+    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    url = settings.url("bus")
+    if not url.lower().startswith("sqlite:"):
+        console.print(f"[red]{url} is not an embedded (sqlite) log[/red]")
+        raise typer.Exit(2)
+    try:
+        root = Root(settings)  # the data dir lock: no server may use the log meanwhile
+    except DataDirLocked as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1)
+    try:
+        path = url.split("://", 1)[1]
+        path = path[1:] if path.startswith("//") else path
+        if not os.path.exists(path):
+            console.print(f"[red]no event log at {path}[/red]")
+            raise typer.Exit(1)
+        r = recover(path)
+    finally:
+        root.close()
+    print(f"checked {path}: {r.problem or 'no damage found'}")
+    print(f"kept {r.kept_total} records, {r.groups} consumer-group offsets"
+          + (" (group offsets unreadable: groups start from 0)" if r.groups_lost else ""))
+    for topic, n in sorted(r.kept.items()):
+        lost = r.lost.get(topic, 0)
+        print(f"  {topic:<20} kept {n}" + (f", lost {lost} (gaps)" if lost else ""))
+    print(f"lost {r.lost_total} records found missing between kept ones"
+          f" ({r.unreadable_rows} unreadable rows); records after the last readable one "
+          "cannot be counted")
+    print(f"the damaged file is kept at {r.damaged}")
+    print("next: `mneme replay` rebuilds the projections from the recovered log")
 
 
 dlq_app = typer.Typer(help="The dead-letter topic (mneme.dlq.v1): inspect and re-publish.",

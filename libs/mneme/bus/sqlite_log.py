@@ -25,6 +25,8 @@ Guarantees:
   be on a local filesystem (WAL needs shared memory; not NFS).
 * Records are never deleted: there is no retention or compaction (out of scope); the
   file grows with the history, which is what makes replay from offset 0 possible.
+  (After :func:`recover` a partition may have gaps where records were lost; readers
+  skip them, as Kafka readers skip compacted offsets.)
 
 Integrity: opening checks the file (:func:`check_file`: the SQLite header, the file size
 against the page count the header records, then ``PRAGMA quick_check``; about 40 ms per
@@ -660,3 +662,158 @@ def _check_record(r: OutRecord) -> dict[str, str]:
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"record headers must be str -> str, got {k!r}: {v!r}")
     return headers
+
+
+# ---- recovery ----------------------------------------------------------------------------
+
+
+@dataclass
+class RecoveryReport:
+    """What :func:`recover` did. ``kept``: records copied, per topic; ``lost``: offsets
+    found missing (gaps below the highest kept offset) plus rows that could not be read,
+    per topic (a lost tail cannot be counted); ``groups``: consumer-group offsets copied
+    (clamped to the new end of their partition); ``damaged``: where the old file is now;
+    ``problem``: what the check found before recovery (None: it looked whole);
+    ``unreadable_rows``: rows SQLite could not read (their offsets are among ``lost``)."""
+
+    path: str
+    damaged: str
+    problem: str | None
+    kept: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    unreadable_rows: int = 0
+    groups: int = 0
+    groups_lost: bool = False
+
+    @property
+    def kept_total(self) -> int:
+        return sum(self.kept.values())
+
+    @property
+    def lost_total(self) -> int:
+        return sum(self.lost.values())
+
+
+_ROW_SQL = ('SELECT topic, "partition", "offset", key, value, headers, timestamp FROM records '
+            'WHERE rowid >= ? AND rowid < ? ORDER BY rowid')
+
+
+def _read_rows(conn: sqlite3.Connection, lo: int, hi: int, report: RecoveryReport):
+    """Rows with rowid in [lo, hi): in one query, or one by one when that fails (a
+    damaged page loses only its own rows)."""
+    try:
+        return conn.execute(_ROW_SQL, (lo, hi)).fetchall()
+    except sqlite3.DatabaseError:
+        pass
+    rows = []
+    for rowid in range(lo, hi):
+        try:
+            rows.extend(conn.execute(_ROW_SQL, (rowid, rowid + 1)).fetchall())
+        except sqlite3.DatabaseError:
+            report.unreadable_rows += 1
+    return rows
+
+
+def _max_rowid(conn: sqlite3.Connection) -> int:
+    try:
+        return conn.execute("SELECT MAX(rowid) FROM records").fetchone()[0] or 0
+    except sqlite3.DatabaseError:  # the right edge is damaged: probe upwards
+        hi, step, misses = 0, 1, 0
+        while misses < 64:
+            try:
+                row = conn.execute("SELECT rowid FROM records WHERE rowid >= ? ORDER BY rowid "
+                                   "LIMIT 1", (hi + step,)).fetchone()
+            except sqlite3.DatabaseError:
+                row = None
+            if row is None:
+                misses += 1
+            else:
+                hi, misses = row[0], 0
+            step = step * 2 if row is not None else step + 1000
+        return hi
+
+
+def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
+    """Rebuild the log at ``path`` from whatever of it SQLite can still read: the file
+    (with its ``-wal``/``-shm``) is renamed to ``<path>.damaged-<UTC time>``, a new log
+    is created at ``path``, and every readable record is copied with its topic,
+    partition, offset, key, value, headers and timestamp (offsets keep their numbers, so
+    a lost record leaves a gap that readers skip), then the topics and the consumer-group
+    offsets that are readable (each clamped to the new end of its partition, so records
+    appended after recovery are not skipped). Reads rows ``chunk`` rowids at a time,
+    falling back to one by one around damage. Works on a whole file too (a copy).
+    Stop every process using the log first. Raises FileNotFoundError when ``path`` does
+    not exist."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    try:
+        problem = check_file(path)
+    except sqlite3.DatabaseError as e:
+        problem = f"SQLite: {e}"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    damaged = f"{path}.damaged-{stamp}"
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(path + suffix):
+            os.replace(path + suffix, damaged + suffix)
+    report = RecoveryReport(path=path, damaged=damaged, problem=problem)
+    src = sqlite3.connect(damaged, isolation_level=None)
+    try:
+        # writable_schema lets SQLite open a file shorter than its header says
+        for pragma in ("writable_schema = ON", "query_only = ON"):
+            try:
+                src.execute(f"PRAGMA {pragma}")
+            except sqlite3.DatabaseError:
+                pass
+        new = SqliteEventLog(path, check=False)
+        try:
+            _copy(src, new, report, chunk)
+        finally:
+            new.close()
+    finally:
+        src.close()
+    return report
+
+
+def _copy(src: sqlite3.Connection, new: SqliteEventLog, report: RecoveryReport,
+          chunk: int) -> None:
+    topics: dict[str, int] = {}
+    try:
+        topics = dict(src.execute("SELECT name, partitions FROM topics").fetchall())
+    except sqlite3.DatabaseError:
+        log.warning("recover: the topics table is unreadable; partition counts from records")
+    seen: dict[tuple[str, int], list[int]] = {}
+    top = _max_rowid(src)
+    for lo in range(1, top + 1, chunk):
+        rows = _read_rows(src, lo, min(lo + chunk, top + 1), report)
+        if not rows:
+            continue
+        with new._write_tx() as conn:
+            conn.executemany(_INSERT_SQL, rows)
+        for t, p, off, *_ in rows:
+            seen.setdefault((t, p), []).append(off)
+    for t, p in seen:
+        topics[t] = max(topics.get(t, 0), p + 1)
+    ends: dict[tuple[str, int], int] = {}
+    for (t, p), offs in seen.items():
+        report.kept[t] = report.kept.get(t, 0) + len(offs)
+        gaps = max(offs) + 1 - len(set(offs))
+        if gaps:
+            report.lost[t] = report.lost.get(t, 0) + gaps
+        ends[(t, p)] = max(offs) + 1
+    groups = []
+    try:
+        groups = src.execute('SELECT "group", topic, "partition", next_offset '
+                             'FROM group_offsets').fetchall()
+    except sqlite3.DatabaseError:
+        report.groups_lost = True
+        log.warning("recover: consumer-group offsets unreadable; groups start from 0")
+    with new._write_tx() as conn:
+        for name, n in topics.items():
+            conn.execute("INSERT OR REPLACE INTO topics (name, partitions) VALUES (?, ?)",
+                         (name, n))
+        conn.executemany(
+            'INSERT OR REPLACE INTO group_offsets ("group", topic, "partition", next_offset) '
+            'VALUES (?, ?, ?, ?)',
+            [(g, t, p, min(off, ends.get((t, p), 0))) for g, t, p, off in groups])
+    report.groups = len(groups)
