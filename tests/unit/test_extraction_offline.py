@@ -320,3 +320,68 @@ def test_a_bank_mode_extractor_embeds_with_the_offline_extractors_texts():
                            items=[codec.retain_item_to_pb(i) for i in items])
     extract(m, "op", BankModeExtractor(OfflineExtractor(), None), Recorder())
     assert seen[1].startswith("Leo: The mountains! (in reply to Mia:")
+
+
+# ---- issue 9 items 8 and 9: what differs stays apart; text without spaces -----------------
+
+
+def _entities(ex, bank, text, source, ts=datetime(2024, 5, 1, tzinfo=UTC), **kw):
+    return [e for f in ex.extract(bank, RetainItem(text, ts, **kw), 0, source) for e in f.entities]
+
+
+@pytest.mark.parametrize("a, b", [
+    ("The Annual Report 2023 shows that revenue grew.", "The Annual Report 2024 shows that revenue fell."),
+    ("Acme published its Annual Report 2023 today.", "Acme published its Annual Report 2024 today."),
+    ("We published the 2023 report in March.", "We published the 2024 report in June."),
+    ("The 2023 Annual Report was late.", "The 2024 Annual Report was late."),
+    ("Meet me in Room 101.", "Meet me in Room 102."),
+    ("I bought an iPhone 14 yesterday.", "I bought an iPhone 15 yesterday."),
+    ("The 2nd floor is closed.", "The 3rd floor is closed."),
+])
+def test_names_differing_by_a_number_or_year_are_different_entities(a, b):
+    ex = OfflineExtractor()
+    ea, eb = _entities(ex, "b", a, "s1"), _entities(ex, "b", b, "s2")
+    numbered = lambda es: {e.id: e.name for e in es if any(c.isdigit() for c in e.name)}
+    na, nb = numbered(ea), numbered(eb)
+    assert na and nb, (ea, eb)  # the number is part of the entity's name
+    assert not set(na) & set(nb), (na, nb)
+    # and no number-less entity stands for both ("report", "Annual Report")
+    shared = {e.id for e in ea} & {e.id for e in eb}
+    assert all(not any(w in e.name.lower() for w in ("report", "room", "iphone", "floor"))
+               for e in ea if e.id in shared)
+
+
+def test_same_name_of_another_kind_is_another_entity():
+    ex = OfflineExtractor()
+    [person] = [e for e in _entities(ex, "b", "Jordan called me yesterday.", "s1") if e.name == "Jordan"]
+    [country] = [e for e in _entities(ex, "b", "We flew to Jordan last summer.", "s2") if e.name == "Jordan"]
+    assert (person.label, country.label) == ("PERSON", "GPE") and person.id != country.id
+
+
+def test_a_speakers_name_is_that_person_whatever_ner_says():
+    ex = OfflineExtractor()
+    ts = datetime(2024, 5, 1, tzinfo=UTC)
+    # the small model tags this "Caroline" NORP (LoCoMo conv-26)
+    items = [RetainItem("Caroline: I went to a support group today.", ts),
+             RetainItem("Melanie: Glad you have support, Caroline! Unconditional love is so important.", ts)]
+    facts = ex.extract_many("b", items, "s")
+    caroline = derive_id("entity", "b", "caroline")
+    assert caroline in {e.id for e in facts[1].entities}
+    assert [e.label for e in ex.resolver.entities("b") if e.name == "Caroline"] == ["PERSON"]
+
+
+@pytest.mark.parametrize("text", [
+    "我昨天在北京吃了烤鸭。他很高兴！",
+    "東京で寿司を食べました。とても美味しかった。",
+    "나는 서울에서 김치를 먹었다.",
+    "ฉันชอบกินข้าวผัดที่กรุงเทพ",
+])
+def test_text_without_spaces_yields_no_junk_entities(text):
+    ex = OfflineExtractor()
+    facts = ex.extract("b", RetainItem(text, datetime(2024, 5, 1, tzinfo=UTC)), 0, "s")
+    assert facts and facts[0].text.startswith(text[:5])  # the fact is kept
+    assert [e.name for f in facts for e in f.entities] == []
+    # mixed text keeps its Latin-script entities
+    mixed = _entities(ex, "b", f"Caroline visited Paris. {text}", "s2")
+    assert {"Caroline", "Paris"} <= {e.name for e in mixed}
+    assert all(len(e.name) <= 60 for e in mixed)
