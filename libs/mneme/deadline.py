@@ -33,8 +33,11 @@ class Deadline:
         return cls(None if seconds is None else time.monotonic() + seconds, active)
 
     def remaining(self) -> float | None:
-        """Seconds left (never negative), None without a deadline."""
-        return None if self.expires is None else max(0.0, self.expires - time.monotonic())
+        """Seconds left (never negative, at most a day: waits take it as a timeout),
+        None without a deadline."""
+        if self.expires is None:
+            return None
+        return min(max(0.0, self.expires - time.monotonic()), 86_400.0)
 
     def cancelled(self) -> bool:
         """True once the caller has gone away."""

@@ -92,7 +92,9 @@ def call_deadline(context: grpc.ServicerContext):
     """The call's :class:`mneme.deadline.Deadline`: the client's deadline (if any) and
     cancellation (``context.is_active``)."""
     from mneme.deadline import Deadline
-    return Deadline.after(context.time_remaining(), context.is_active)
+    left = context.time_remaining()
+    # gRPC reports "no deadline" as an enormous number of seconds.
+    return Deadline.after(left if left is not None and left < 1e7 else None, context.is_active)
 
 
 def remaining(context: grpc.ServicerContext, default: float) -> float:

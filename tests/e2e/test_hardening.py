@@ -1,0 +1,334 @@
+"""Issue 9 regressions through the gRPC API of a real ``mneme up`` process: limits,
+times, names and page tokens, UpdateBank, idempotency per bank incarnation, per-item
+retain failures, Reflect's query_timestamp, bank stats and the CLI's usage errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import grpc
+import pytest
+from google.protobuf import field_mask_pb2, timestamp_pb2
+from typer.testing import CliRunner
+
+from mneme.cli import app
+from mneme.client import field_violations
+from mneme.v1 import banks_pb2, memory_pb2, observations_pb2, operations_pb2, recall_pb2
+from mneme.v1 import reflect_pb2, resources_pb2
+from tests.e2e.server import Server
+
+T0 = datetime(2024, 5, 20, 12, tzinfo=timezone.utc)
+QUERY_CHARS = 2000  # MNEME_LIMIT_QUERY_CHARS of the server below
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("hardening") / "data",
+               env={"MNEME_LIMIT_QUERY_CHARS": str(QUERY_CHARS)}).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def m(server):
+    with server.client(timeout=120) as c:
+        yield c
+
+
+def refused(call, *fields: str) -> list[tuple[str, str]]:
+    """Run ``call``; assert INVALID_ARGUMENT whose violations name each of ``fields``."""
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    got = field_violations(e.value)
+    named = {f for f, _ in got}
+    for f in fields:
+        assert f in named, (f, got)
+    return got
+
+
+def still_readable(m, bank: str) -> None:
+    """The property the fuzz suite checks too: the bank answers Recall and ListMemories."""
+    m.recall(bank, "anything at all")
+    list(m.list_memories(bank))
+
+
+# ---- 1. limits: a huge query is refused at once, before any model runs -------------------
+
+
+def test_oversized_query_and_context_are_refused_naming_the_field(m):
+    m.upsert_bank("limits")
+    refused(lambda: m.recall("limits", "x" * 1_000_000), "query")
+    refused(lambda: m.reflect("limits", "x" * (QUERY_CHARS + 1)), "query")
+    refused(lambda: list(m.stream_reflect("limits", "y" * 1_000_000)), "query")
+    refused(lambda: m.reflect("limits", "ok?", context="c" * 100_000), "context")
+    # The configured bound is the limit: one character under it is accepted.
+    m.recall("limits", "q" * QUERY_CHARS)
+    refused(lambda: m.retain("limits", [{"content": "a", "tags": [f"t{i}" for i in range(65)]}]),
+            "items[0].tags")
+    refused(lambda: m.retain("limits", [{"content": "a", "tags": ["bad\ttag"]}]),
+            "items[0].tags[0]")
+    refused(lambda: m.retain("limits", [{"content": "a",
+                                         "metadata": {f"k{i}": "v" for i in range(65)}}]),
+            "items[0].metadata")
+    refused(lambda: m.recall_stub.Recall(recall_pb2.RecallRequest(
+        parent="banks/limits", query="q", budget=42, tags_match=77)), "budget", "tags_match")
+    refused(lambda: m.recall_stub.Recall(recall_pb2.RecallRequest(
+        parent="banks/limits", query="q", max_tokens=-1)), "max_tokens")
+    still_readable(m, "limits")
+
+
+def test_a_request_over_the_byte_limit_is_resource_exhausted(m):
+    m.upsert_bank("bytes")
+    items = [{"content": "z" * 190_000} for _ in range(200)]  # ~38 MB > 32 MiB
+    with pytest.raises(grpc.RpcError) as e:
+        m.retain("bytes", items)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    still_readable(m, "bytes")
+
+
+def test_sigterm_drains_promptly_under_recall_load(tmp_path):
+    s = Server(tmp_path / "data").start()
+    try:
+        with s.client(timeout=60) as c:
+            c.upsert_bank("load")
+            c.retain("load", [{"content": f"Person {i} likes topic {i}.", "timestamp": T0}
+                              for i in range(40)])
+        stop = threading.Event()
+
+        def hammer():
+            with s.client(timeout=30) as c:
+                while not stop.is_set():
+                    try:
+                        c.recall("load", "who likes topic 7?")
+                    except grpc.RpcError:
+                        return
+
+        threads = [threading.Thread(target=hammer, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        s.proc.send_signal(signal.SIGTERM)
+        # Graceful shutdown must end by itself (the server grants 5 s to in-flight calls).
+        code = s.proc.wait(timeout=60)
+        stop.set()
+        assert code == 0, s.log.read_text()[-2000:]
+    finally:
+        s.stop()
+
+
+# ---- 2. times ---------------------------------------------------------------------------
+
+
+def _ts(seconds: int, nanos: int = 0) -> timestamp_pb2.Timestamp:
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
+
+
+def test_edge_timestamps_never_make_a_bank_unreadable(server, m):
+    m.upsert_bank("edge-times")
+    # The top of the Timestamp range with relative dates: resolved times are clamped.
+    top = memory_pb2.RetainItem(content="Alice: next year I will move to Paris, tomorrow too",
+                                timestamp=_ts(253402300000))
+    bottom = memory_pb2.RetainItem(content="Bob: last year I lived in Rome, yesterday too",
+                                   timestamp=_ts(-62135596800))
+    r = m.memory.Retain(memory_pb2.RetainRequest(parent="banks/edge-times", items=[top, bottom]))
+    assert r.operation.state == operations_pb2.SUCCEEDED
+    res = m.recall("edge-times", "Where will Alice move?")
+    assert res.results
+    assert len(list(m.list_memories("edge-times"))) >= 2
+    m.recall_stub.Recall(recall_pb2.RecallRequest(
+        parent="banks/edge-times", query="what happens next year?", query_timestamp=_ts(253402300000)))
+    for seconds, nanos in ((253402300800, 0), (-62135596801, 0), (10, -1), (10, 1_000_000_000)):
+        refused(lambda: m.memory.Retain(memory_pb2.RetainRequest(
+            parent="banks/edge-times", items=[memory_pb2.RetainItem(
+                content="x", timestamp=_ts(seconds, nanos))])), "items[0].timestamp")
+        refused(lambda: m.recall_stub.Recall(recall_pb2.RecallRequest(
+            parent="banks/edge-times", query="q", query_timestamp=_ts(seconds, nanos))),
+            "query_timestamp")
+        refused(lambda: m.recall_stub.Recall(recall_pb2.RecallRequest(
+            parent="banks/edge-times", query="q",
+            time_range=memory_pb2.TimeRange(start=_ts(seconds, nanos)))), "time_range.start")
+        refused(lambda: m.reflect_stub.Reflect(reflect_pb2.ReflectRequest(
+            parent="banks/edge-times", query="q", query_timestamp=_ts(seconds, nanos))),
+            "query_timestamp")
+    # ... and across a restart (the stores and the log are read again).
+    server.stop()
+    server.start()
+    with server.client(timeout=120) as again:
+        still_readable(again, "edge-times")
+
+
+# ---- 4. request_id belongs to one incarnation of a bank -----------------------------------
+
+
+def test_request_id_after_delete_and_recreate_stores_the_new_items(m):
+    m.upsert_bank("reborn")
+    first = m.retain("reborn", [{"content": "Dan likes coffee.", "timestamp": T0}], request_id="r-1")
+    again = m.retain("reborn", [{"content": "Dan likes coffee.", "timestamp": T0}], request_id="r-1")
+    assert again.operation.name == first.operation.name  # idempotent within one life
+    m.delete_bank("reborn")
+    m.upsert_bank("reborn")
+    assert list(m.list_operations("reborn")) == []  # old operations are gone with the bank
+    second = m.retain("reborn", [{"content": "Eve likes juice.", "timestamp": T0}], request_id="r-1")
+    assert second.operation.name != first.operation.name
+    assert second.memory_ids and set(second.memory_ids).isdisjoint(first.memory_ids)
+    texts = [x.text for x in m.list_memories("reborn")]
+    assert any("Eve" in t for t in texts) and not any("Dan" in t for t in texts)
+    assert [o.name for o in m.list_operations("reborn")] == [second.operation.name]
+
+
+# ---- 6. names and page tokens -------------------------------------------------------------
+
+
+def test_resource_ids_are_matched_in_full(m):
+    for bad in ("names\n", "names ", "Names", "ä", "a" * 64, "a/b"):
+        refused(lambda: m.get_bank(bad), "name")
+        refused(lambda: m.upsert_bank(bad), "bank.name")
+        refused(lambda: m.retain(bad, [{"content": "x"}]), "parent")
+        refused(lambda: m.recall(bad, "x"), "parent")
+    m.upsert_bank("names")
+    for bad in ("not-a-uuid", "0B7A6B8E-4F5C-5D7E-9A1B-2C3D4E5F6A7B",
+                "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b\n"):
+        refused(lambda: m.get_memory("names", bad), "name")
+        refused(lambda: m.get_operation(bad), "name")
+        refused(lambda: m.get_observation("names", bad), "name")
+
+
+def test_page_tokens_are_opaque_and_validated_on_every_list(m):
+    for b in ("pages-a", "pages-b", "pages-c"):
+        m.upsert_bank(b)
+        for n in range(2):
+            m.retain(b, [{"content": f"{b} fact {n}{i}.", "timestamp": T0} for i in range(2)])
+    r = m.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=1))
+    assert r.next_page_token
+    nxt = m.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=1, page_token=r.next_page_token))
+    assert nxt.banks[0].name != r.banks[0].name
+    ops = m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+        parent="banks/pages-a", page_size=1))
+    assert ops.next_page_token
+    mems = m.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(parent="banks/pages-a",
+                                                                     page_size=1))
+    for token in ("garbage", "MTA=", "e30", "%%%", r.next_page_token + "x"):
+        refused(lambda: m.banks.ListBanks(banks_pb2.ListBanksRequest(page_token=token)),
+                "page_token")
+        refused(lambda: m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+            page_token=token)), "page_token")
+        refused(lambda: m.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(
+            parent="banks/pages-a", page_token=token)), "page_token")
+        refused(lambda: m.observations.ListObservations(observations_pb2.ListObservationsRequest(
+            parent="banks/pages-a", page_token=token)), "page_token")
+        refused(lambda: m.observations.ListObservationScopes(
+            observations_pb2.ListObservationScopesRequest(parent="banks/pages-a",
+                                                          page_token=token)), "page_token")
+    # A token is bound to its list: another list's, or another bank's, is refused.
+    refused(lambda: m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+        page_token=r.next_page_token)), "page_token")
+    refused(lambda: m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+        parent="banks/pages-b", page_token=ops.next_page_token)), "page_token")
+    refused(lambda: m.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(
+        parent="banks/pages-b", page_token=mems.next_page_token)), "page_token")
+    refused(lambda: m.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=-1)), "page_size")
+
+
+# ---- 7. UpdateBank changes only what its mask names ----------------------------------------
+
+
+def test_update_bank_keeps_what_it_is_not_given(m):
+    m.upsert_bank("upd", display_name="Old", retain_mission="Keep names of pets.", skepticism=5)
+    b = m.update_bank("upd", display_name="New name")
+    assert b.display_name == "New name"
+    assert b.config.retain_mission == "Keep names of pets." and b.config.skepticism == 5
+    b = m.update_bank("upd", retain_mission="Keep birthdays.")
+    assert (b.display_name, b.config.retain_mission, b.config.skepticism) == (
+        "New name", "Keep birthdays.", 5)
+    assert m.get_bank("upd").config.retain_mission == "Keep birthdays."
+    refused(lambda: m.banks.UpdateBank(banks_pb2.UpdateBankRequest(
+        bank=resources_pb2.Bank(name="banks/upd"),
+        update_mask=field_mask_pb2.FieldMask(paths=["config.nope"]))), "update_mask.paths[0]")
+    refused(lambda: m.update_bank("upd", skepticism=9), "bank.config.skepticism")
+    with pytest.raises(grpc.RpcError) as e:
+        m.update_bank("no-such-bank", display_name="x")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # Upsert keeps its documented replace semantics.
+    b = m.upsert_bank("upd", display_name="Replaced")
+    assert b.config.retain_mission == "" and b.config.skepticism == 3
+
+
+def test_cli_bank_update(server, m):
+    m.upsert_bank("cli-upd", display_name="A", retain_mission="Missions stay.")
+    out = CliRunner().invoke(app, ["banks", "update", "cli-upd", "--name", "B",
+                                   "--set", "empathy=4", "-a", server.address])
+    assert out.exit_code == 0, out.output
+    b = m.get_bank("cli-upd")
+    assert (b.display_name, b.config.empathy, b.config.retain_mission) == ("B", 4, "Missions stay.")
+
+
+# ---- 11. one bad item fails alone ----------------------------------------------------------
+
+
+def test_one_oversized_item_fails_alone(m):
+    m.upsert_bank("batch")
+    r = m.retain("batch", [{"content": "Frank plays the cello.", "timestamp": T0},
+                           {"content": "y" * 300_000, "timestamp": T0},
+                           {"content": "Gina: hi", "document_id": "doc\x001", "timestamp": T0},
+                           {"content": "   ", "timestamp": T0},
+                           {"content": "Hugo collects stamps.", "timestamp": T0}])
+    op = r.operation
+    assert op.state == operations_pb2.SUCCEEDED and op.items_total == 5
+    errors = {e.item_index: e for e in op.item_errors}
+    assert set(errors) == {1, 2, 3}
+    assert errors[1].field == "items[1].content" and "200000" in errors[1].error
+    assert errors[2].field == "items[2].document_id"
+    assert errors[3].field == "items[3].content"
+    texts = [x.text for x in m.list_memories("batch")]
+    assert any("cello" in t for t in texts) and any("stamps" in t for t in texts)
+    assert not any("y" * 100 in t for t in texts)
+    got = m.get_operation(op.name.split("/", 1)[1])
+    assert [e.item_index for e in got.item_errors] == [1, 2, 3]
+    # When every item is bad nothing is appended: the request is refused.
+    refused(lambda: m.retain("batch", [{"content": ""}, {"content": "n\x00l"}]),
+            "items[0].content", "items[1].content")
+
+
+# ---- 12. Reflect has a "now" ----------------------------------------------------------------
+
+
+def test_reflect_query_timestamp_resolves_relative_questions(m):
+    m.upsert_bank("now")
+    m.retain("now", [
+        {"content": "Ivy: I went hiking in the Alps today.", "timestamp": T0 - timedelta(days=6)},
+        {"content": "Ivy: I went to a pottery class today.", "timestamp": T0 - timedelta(days=300)},
+    ])
+    r = m.reflect("now", "What did Ivy do last week?", query_timestamp=T0)
+    assert "Alps" in r.text.split("\n")[1], r.text  # the best-quoted memory is last week's
+    earlier = m.reflect("now", "What did Ivy do last week?",
+                        query_timestamp=T0 - timedelta(days=293))
+    assert "pottery" in earlier.text.split("\n")[1], earlier.text
+
+
+# ---- 13. stats and CLI usage errors -------------------------------------------------------
+
+
+def test_embedded_stats_count_only_groups_that_run(m):
+    m.upsert_bank("stats")
+    s = m.bank_stats("stats")
+    groups = {x.group for x in s.lag}
+    assert groups == {"ingest", "extraction", "search", "consolidation"}
+    assert s.pending_records == 0 or s.pending_records == sum(x.lag for x in s.lag)
+
+
+@pytest.mark.parametrize("args, allowed", [
+    (["recall", "b", "q", "--budget", "huge"], "low, mid, high"),
+    (["recall", "b", "q", "--tags-match", "some"], "any, all"),
+    (["reflect", "b", "q", "--budget", "x"], "low, mid, high"),
+])
+def test_cli_bad_choices_name_the_allowed_values(server, args, allowed):
+    out = CliRunner().invoke(app, [*args, "-a", server.address])
+    assert out.exit_code == 2, out.output
+    assert allowed in out.output and "Traceback" not in out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)

@@ -1,0 +1,131 @@
+"""The request limits walker, page tokens, deadlines and time tolerance (issue 9)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import pytest
+from google.protobuf import json_format, struct_pb2, timestamp_pb2
+
+from mneme import paging
+from mneme.bus import codec
+from mneme.deadline import Deadline
+from mneme.domain import MAX_TIME, RecallQuery, from_epoch, to_epoch
+from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from mneme.events.v1 import events_pb2 as ev
+from mneme.grpc_util import dt_to_ts, ts_to_dt
+from mneme.limits import Limits, check, split_items
+from mneme.v1 import banks_pb2, memory_pb2, recall_pb2, reflect_pb2, resources_pb2
+
+
+def paths(msg, **limits) -> set[str]:
+    return {p for p, _ in check(msg, Limits(**limits))}
+
+
+def test_every_field_kind_is_bounded_and_named():
+    req = memory_pb2.RetainRequest(parent="banks/b", request_id="r\n", items=[
+        memory_pb2.RetainItem(content="ok"),
+        memory_pb2.RetainItem(content="x" * 11, tags=["a", "b\x00"], metadata={"k": "v" * 9}),
+        memory_pb2.RetainItem(content="fine", document_id="d\x7f",
+                              timestamp=timestamp_pb2.Timestamp(seconds=10**12)),
+    ])
+    got = paths(req, content_chars=10, metadata_value_chars=8)
+    assert got == {"request_id", "items[1].content", "items[1].tags[1]", "items[1].metadata['k']",
+                   "items[2].document_id", "items[2].timestamp"}
+    request_level, per_item = split_items(check(req, Limits(content_chars=10,
+                                                            metadata_value_chars=8)))
+    assert [p for p, _ in request_level] == ["request_id"]
+    assert sorted(per_item) == [1, 2]
+
+
+def test_counts_enums_numbers_and_schemas():
+    assert paths(memory_pb2.RetainRequest(items=[memory_pb2.RetainItem(content="a")] * 3),
+                 items=2) == {"items"}
+    assert paths(recall_pb2.RecallRequest(query="q", budget=9, tags_match=3,
+                                          types=[resources_pb2.WORLD, 42])) == {"budget", "types[1]"}
+    assert paths(recall_pb2.RecallRequest(query="q", max_tokens=-5)) == {"max_tokens"}
+    assert paths(banks_pb2.ListBanksRequest(page_size=5000)) == {"page_size"}
+    schema = struct_pb2.Struct()
+    json_format.ParseDict({"type": "object", "description": "d" * 2000}, schema)
+    assert paths(reflect_pb2.ReflectRequest(query="q", response_schema=schema),
+                 schema_bytes=1000) == {"response_schema"}
+    # Unknown string fields get the generic bound, not none.
+    assert paths(banks_pb2.UpsertBankRequest(bank=resources_pb2.Bank(
+        name="banks/b", display_name="n" * 5000))) == {"bank.display_name"}
+    # Text keeps newlines and tabs; identifiers do not.
+    assert paths(recall_pb2.RecallRequest(query="a\nb\tc", parent="banks/b")) == set()
+    assert paths(recall_pb2.RecallRequest(query="q", parent="banks/b\n")) == {"parent"}
+
+
+def test_page_tokens_round_trip_and_refuse_anything_else():
+    t = paging.encode_token("banks", "alpha")
+    assert paging.decode_token(t, "banks") == "alpha"
+    assert paging.decode_token("", "banks") is None
+    n = paging.encode_token("ops:b", 200)
+    assert paging.decode_token(n, "ops:b", int) == 200
+    for bad, kind, typ in ((t, "ops:b", int), (n, "ops:c", int), (n, "ops:b", str),
+                           ("garbage", "banks", str), ("MTA=", "banks", str),
+                           (paging.encode_token("ops:b", -1), "ops:b", int), ("!!", "banks", str)):
+        with pytest.raises(InvalidArgument) as e:
+            paging.decode_token(bad, kind, typ)
+        assert e.value.violations[0][0] == "page_token"
+    with pytest.raises(InvalidArgument):
+        paging.page_size(-1)
+    assert paging.page_size(0) == 100 and paging.page_size(10**6) == 1000
+
+
+def test_times_from_any_store_or_log_are_read_without_error():
+    # A float epoch that rounded past the end of 9999 (how one retain bricked a bank).
+    assert from_epoch(253402300800.0) == from_epoch(to_epoch(MAX_TIME)) <= MAX_TIME
+    assert from_epoch(-1e20).year == 1 and from_epoch(1e20).year == 9999
+    assert from_epoch(float("nan")) is None and from_epoch("junk") is None
+    # An event written by an older version with out-of-range times still decodes.
+    for seconds, nanos in ((10**13, 0), (-10**13, 0), (5, -7), (5, 2_000_000_000)):
+        t = codec.timestamp_from_pb(timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos))
+        assert 1 <= t.year <= 9999
+        pb = ev.Fact(id="f", text="t", occurred_end=timestamp_pb2.Timestamp(seconds=seconds,
+                                                                           nanos=nanos))
+        fact = codec.fact_from_pb(pb, "b")
+        assert dt_to_ts(fact.occurred_end) is not None  # and it serialises on the API
+    with pytest.raises(InvalidArgument) as e:
+        ts_to_dt(timestamp_pb2.Timestamp(seconds=10**12), "query_timestamp")
+    assert e.value.violations[0][0] == "query_timestamp"
+
+
+def test_edge_vector_store_reads_a_unit_at_the_end_of_time(tmp_path):
+    from mneme.domain import Fact
+    from mneme.stores.vector_edge import EdgeVectorStore
+    store = EdgeVectorStore(str(tmp_path / "v"), dim=4)
+    end = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)
+    store.upsert([Fact(id="0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b", bank_id="b", text="far",
+                       occurred_start=end, occurred_end=end, embedding=[1, 0, 0, 0])])
+    got = store.get("b", ["0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"])
+    assert got and got[0].occurred_end.year == 9999
+    store.close()
+
+
+class _Refuse:
+    """A store/model that must not be called."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"called {name} after the deadline")
+
+
+def test_recall_stops_at_the_deadline_and_on_cancellation():
+    from services.search.recall import recall
+    deps = dict(vectors=_Refuse(), text=_Refuse(), graph=_Refuse(), embedder=_Refuse(),
+                analyzer=_Refuse(), tokens=_Refuse())
+    now = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    gone = Deadline(time.monotonic() - 1)
+    with pytest.raises(DeadlineExceeded):
+        recall(RecallQuery("b", "q", now, deadline=gone), **deps)
+    with pytest.raises(Cancelled):
+        recall(RecallQuery("b", "q", now, deadline=Deadline(None, lambda: False)), **deps)
+
+
+def test_deadline_reports_time_left():
+    d = Deadline.after(30)
+    assert 29 < d.remaining() <= 30 and not d.cancelled()
+    d.check()
+    assert Deadline.after(None).remaining() is None
