@@ -27,6 +27,7 @@ the result is deterministic and needs no model.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 #: The attributes recognised (``favourite <thing>`` is open-ended).
 ATTRIBUTES = ("name", "home", "employer", "age", "relationship", "favourite")
@@ -100,12 +101,13 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [(a, re.compile(p)) for a, p in [
                   rf"(?:is|'s){_ADV} (?P<v>{_FAV_VALUE}){_FAV_END}"),
 ]]
 
-# Words before a match (in its sentence) that make it no statement of the present:
-# negation, condition, wish, plan, report of someone else's belief.
+# Words before a match (in its clause) that make it no statement of the present:
+# negation, condition, wish, plan, belief, a past moment ("when I turned ten").
 _GUARD = re.compile(
     r"\b(?:not|never|no longer|n't|if|unless|whether|wish|wished|would|could|might|maybe|"
     r"perhaps|hope|hoping|want|wants|wanted|plan|plans|planning|dream|dreams|imagine|suppose|"
-    r"pretend|thinks|think|thought|used|before|until|once|anymore)\b", re.I)
+    r"pretend|thinks|think|thought|used|before|until|once|anymore|when|whenever|after|since)\b",
+    re.I)
 # The guard looks back to the start of the match's clause only ("I used to work at Google,
 # but I now work at Microsoft" states Microsoft).
 _CLAUSE = re.compile(r",|\bbut\b|\bwhile\b|\bwhereas\b", re.I)
@@ -158,9 +160,14 @@ def statements(text: str, speaker: str = "") -> dict[Key, str]:
     in the present (see the module docstring). ``speaker`` names "I" when the text has no
     "Speaker:" prefix. Attributes are those of :data:`ATTRIBUTES`, a favourite as
     ``"favourite <thing>"`` ("favourite color"). Empty for questions."""
+    return dict(_statements(text, speaker))
+
+
+@lru_cache(maxsize=65536)  # every fact with a statement re-reads its scope's observations
+def _statements(text: str, speaker: str) -> tuple[tuple[Key, str], ...]:
     who, body = split_speaker(text, speaker)
     if body.rstrip().endswith("?"):
-        return {}
+        return ()
     found: dict[Key, set[str]] = {}
     for sm in _SENTENCE.finditer(body):
         sent = sm.group(0)
@@ -178,4 +185,4 @@ def statements(text: str, speaker: str = "") -> dict[Key, str]:
                     thing = " ".join(_FAV_NORMAL.get(w, w) for w in m.group("fav").split())
                     name = f"favourite {thing}"
                 found.setdefault((subj, name), set()).add(_value(attr, m.group("v")))
-    return {k: next(iter(v)) for k, v in sorted(found.items()) if len(v) == 1}
+    return tuple((k, next(iter(v))) for k, v in sorted(found.items()) if len(v) == 1)

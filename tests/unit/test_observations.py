@@ -305,6 +305,7 @@ from services.consolidation import attributes  # noqa: E402
     ("I live in a small flat.", {}),
     ("I work at home.", {}),
     ("My name is not important.", {}),
+    ("When I turned ten, dad signed me up for a local league.", {}),
     # two values for one attribute in one text: neither
     ("I live in Berlin and I live in Munich.", {}),
 ])
