@@ -5,6 +5,7 @@ Upserts are idempotent by fact id, so a redelivered event changes nothing."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from mneme import telemetry
@@ -15,6 +16,7 @@ from mneme.ports import GraphStore, OutRecord, Record, TextStore, VectorStore
 
 GROUP = "search"
 SOURCE = "mneme/search"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +41,27 @@ class Projections:
         for s in self.all():
             s.reset()
 
+    def upsert(self, bank_id: str, facts) -> None:
+        """Upsert ``facts`` (of ``bank_id``) into every store, all or nothing: when a
+        store fails, the units are deleted again from every store written so far (the
+        failing one included: it may have written a batch) before the error is raised, so
+        no unit is left in one store but not another. A retry writes them all again; a
+        dead letter leaves them in none (and fails the operation)."""
+        written = []
+        for s in self.each("upsert", bank_id):
+            written.append(s)
+            try:
+                s.upsert(facts)
+            except Exception:
+                ids = [f.id for f in facts]
+                for w in written:
+                    try:
+                        w.delete(bank_id, ids)
+                    except Exception:  # keep undoing the others; the retry repairs it
+                        log.exception("search: cannot undo %d units in %s", len(ids),
+                                      type(w).__name__)
+                raise
+
 
 def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecord]:
     """Apply FactsExtracted / FactsRetracted to every store, ObservationsChanged to the
@@ -52,8 +75,7 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
                 s.delete_where(m.bank_id, doc)
         facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
         if facts:
-            for s in stores.each("upsert", m.bank_id):
-                s.upsert(facts)
+            stores.upsert(m.bank_id, facts)
         failed = {f.item_index for f in m.failures}
         state = "failed" if failed and len(failed) == m.items_total else "succeeded"
         progress = ev.OperationProgress(

@@ -34,6 +34,7 @@ from mneme.stores.graph_cypher import (  # re-exported: the embedded adapter's o
     hub_damping,
     spread_activation,
 )
+from mneme.stores.storable import storable_value
 
 __all__ = ["FalkorGraphStore", "FalkorServerGraphStore", "parse_falkor_url", "hub_damping",
            "spread_activation", "BATCH", "FANOUT", "MIN_FRONTIER", "GRAPH_NAME"]
@@ -55,7 +56,8 @@ class _FalkorGraph(CypherGraphStore):
     def _run(self, query: str, params: dict[str, Any]) -> list[list[Any]]:
         if self._graph is None:
             raise RuntimeError(f"{type(self).__name__} is closed")
-        return self._graph.query(query, params or None).result_set
+        # FalkorDB's parser stops at a NUL inside a parameter: store what every store holds
+        return self._graph.query(query, storable_value(params) or None).result_set
 
     # one query is FalkorDB's unit of atomicity; the caller's lock orders the rest
     def _read(self, work: Callable[[Run], T]) -> T:

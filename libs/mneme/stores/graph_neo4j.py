@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mneme.stores import cypher
 from mneme.stores.graph_cypher import DELETE_BATCH, FANOUT, CypherGraphStore, Run, deleted
+from mneme.stores.storable import storable_value
 
 T = TypeVar("T")
 
@@ -102,12 +103,12 @@ class Neo4jGraphStore(CypherGraphStore):
     def _read(self, work: Callable[[Run], T]) -> T:
         with self._session() as session:
             return session.execute_read(
-                lambda tx: work(lambda q, p: _values(tx.run(q, p))))
+                lambda tx: work(lambda q, p: _values(tx.run(q, storable_value(p)))))
 
     def _write(self, work: Callable[[Run], T]) -> T:
         with self._session() as session:
             return session.execute_write(
-                lambda tx: work(lambda q, p: _values(tx.run(q, p))))
+                lambda tx: work(lambda q, p: _values(tx.run(q, storable_value(p)))))
 
     def _ensure_schema(self) -> None:
         with self._session() as session:

@@ -41,6 +41,7 @@ from mneme.cjk import segment
 from mneme.domain import Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
+from mneme.stores.storable import storable, storable_facts
 
 INDEX = "mneme-facts"
 #: Query text beyond this many words / characters is ignored (like Tantivy's 64 terms);
@@ -129,7 +130,7 @@ def filter_clauses(bank_id: str, filters: Filters | None) -> list[dict[str, Any]
     if f.types:
         clauses.append({"terms": {"fact_type": list(f.types)}})
     if f.document_id:
-        clauses.append({"term": {"document_id": f.document_id}})
+        clauses.append({"term": {"document_id": storable(f.document_id)}})
     if f.tags_match not in TAGS_MATCH_MODES:
         raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
     tags = sorted(set(f.tags))
@@ -279,6 +280,7 @@ class OpenSearchTextStore:
         """Index ``facts``, replacing any earlier version of the same (bank_id, id);
         searchable on return."""
         ops: list[dict[str, Any]] = []
+        facts = storable_facts(facts)  # the same text as every other store holds
         for fact in {(f.bank_id, f.id): f for f in facts}.values():
             ops.append({"index": {"_index": self.index, "routing": fact.bank_id,
                                   "_id": self._doc_id(fact.bank_id, fact.id)}})
@@ -295,6 +297,7 @@ class OpenSearchTextStore:
         """Remove the bank's documents of ``document_id`` (all of the bank when None)
         with one delete-by-query. ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
+        document_id = storable(document_id)
         filters = Filters(document_id=document_id) if document_id else None
         self.client.delete_by_query(
             index=self.index, routing=bank_id, refresh=True, conflicts="proceed",

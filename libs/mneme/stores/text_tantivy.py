@@ -40,6 +40,7 @@ from mneme.cjk import segment
 from mneme.domain import Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
+from mneme.stores.storable import storable, storable_facts
 
 #: Most distinct query terms used; the rest of a very long query is ignored.
 MAX_QUERY_TERMS = 64
@@ -141,7 +142,7 @@ class TantivyTextStore:
         if f.types:
             clauses.append(Query.term_set_query(self._schema, "fact_type", list(f.types)))
         if f.document_id:
-            clauses.append(self._term("document_id", f.document_id))
+            clauses.append(self._term("document_id", storable(f.document_id)))
         if f.tags_match not in TAGS_MATCH_MODES:
             raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
         tags = sorted(set(f.tags))
@@ -190,6 +191,7 @@ class TantivyTextStore:
         """Index ``facts``, replacing any earlier version of the same (bank_id, id)."""
         if not facts:
             return
+        facts = storable_facts(facts)  # the same text as every other store holds
         with self._lock:
             w = self.writer
             for fact in facts:
@@ -230,6 +232,7 @@ class TantivyTextStore:
         """Remove the bank's documents of ``document_id`` (all of the bank when None).
         ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
+        document_id = storable(document_id)
         filters = Filters(document_id=document_id) if document_id else None
         with self._lock:
             self.writer.delete_documents_by_query(self._scoped(bank_id, filters))

@@ -39,6 +39,7 @@ from qdrant_edge import (
 
 from mneme.domain import EntityRef, Fact, Filters, Hit, Link, from_epoch, to_epoch
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
+from mneme.stores.storable import storable, storable_facts
 
 #: Payload fields with an index, so filters on them are pushed down cheaply.
 _KEYWORD_FIELDS = ("fact_type", "tags", "document_id")
@@ -121,7 +122,7 @@ def qdrant_filter(bank_id: str, filters: Filters | None = None) -> Filter:
     if f.types:
         must.append(FieldCondition("fact_type", match=MatchAny(list(f.types))))
     if f.document_id:
-        must.append(_match("document_id", f.document_id))
+        must.append(_match("document_id", storable(f.document_id)))
     if f.tags_match not in TAGS_MATCH_MODES:
         raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
     tags = sorted(set(f.tags))
@@ -263,7 +264,7 @@ class EdgeVectorStore:
         """Insert or replace ``facts`` by id. Each needs an embedding of ``dim`` floats
         (ValueError otherwise, before anything is written)."""
         points = []
-        for fact in facts:
+        for fact in storable_facts(facts):  # the same text as every other store holds
             if len(fact.embedding) != self.dim:
                 raise ValueError(f"fact {fact.id}: embedding has {len(fact.embedding)} "
                                  f"dimensions, the store expects {self.dim}")
@@ -289,6 +290,7 @@ class EdgeVectorStore:
         """Delete the bank's facts of ``document_id`` (all of the bank when None);
         returns the deleted fact ids. ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
+        document_id = storable(document_id)
         flt = qdrant_filter(bank_id, Filters(document_id=document_id) if document_id else None)
         with self._lock:
             ids = [p["id"] for p in self._scan(flt, payload=["id"])]

@@ -30,6 +30,7 @@ from qdrant_client import QdrantClient, models as m
 
 from mneme.domain import Fact, Filters, Hit, to_epoch
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
+from mneme.stores.storable import storable, storable_facts
 from mneme.stores.vector_edge import (
     _FLOAT_FIELDS,
     _KEYWORD_FIELDS,
@@ -74,7 +75,7 @@ def client_filter(bank_id: str, filters: Filters | None = None) -> m.Filter:
     if f.types:
         must.append(m.FieldCondition(key="fact_type", match=m.MatchAny(any=list(f.types))))
     if f.document_id:
-        must.append(_match("document_id", f.document_id))
+        must.append(_match("document_id", storable(f.document_id)))
     if f.tags_match not in TAGS_MATCH_MODES:
         raise ValueError(f"unknown tags_match mode {f.tags_match!r}")
     tags = sorted(set(f.tags))
@@ -274,7 +275,7 @@ class QdrantVectorStore:
         """Insert or replace ``facts`` by id. Each needs an embedding of ``dim`` floats
         (ValueError otherwise, before anything is written)."""
         points = []
-        for fact in facts:
+        for fact in storable_facts(facts):  # the same text as every other store holds
             if len(fact.embedding) != self.dim:
                 raise ValueError(f"fact {fact.id}: embedding has {len(fact.embedding)} "
                                  f"dimensions, the store expects {self.dim}")
@@ -303,6 +304,7 @@ class QdrantVectorStore:
         """Delete the bank's facts of ``document_id`` (all of the bank when None);
         returns the deleted fact ids. ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
+        document_id = storable(document_id)
         flt = client_filter(bank_id, Filters(document_id=document_id) if document_id else None)
         with self._lock:
             ids = [p["id"] for p in self._scan(flt, payload=["id"])]
