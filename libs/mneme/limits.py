@@ -16,7 +16,8 @@ What is checked, per field kind:
 * enums — the value is one the API defines (proto3 lets unknown numbers through);
 * ``google.protobuf.Timestamp`` — within 0001-01-01 … 9999-12-31, nanos in [0, 1e9);
 * ``google.protobuf.Struct`` (a JSON schema) — its encoded size;
-* ``page_size`` / ``max_tokens`` — not negative, at most a bound.
+* ``page_size`` / ``max_tokens`` — not negative; ``max_tokens`` at most a bound (a larger
+  ``page_size`` is coerced to the largest page, AIP-158).
 
 The bounds come from :class:`Limits` (``MNEME_LIMIT_*`` variables; README "Limits").
 Violations inside one retain item are reported under ``items[i]`` so the caller can fail
@@ -58,7 +59,8 @@ class Limits(BaseSettings):
     list_entries: int = Field(256, description="Any other repeated field (types, scopes, "
                                                "update_mask paths)")
     schema_bytes: int = Field(65_536, description="Reflect response_schema, encoded")
-    page_size: int = Field(1_000, description="Largest page_size of a List call")
+    page_size: int = Field(1_000, description="Largest page of a List call (a larger "
+                                              "page_size is served as this, AIP-158)")
     max_tokens: int = Field(1_000_000, description="Largest Recall max_tokens")
     request_bytes: int = Field(32 << 20, description="A whole gRPC request, encoded "
                                                      "(larger: RESOURCE_EXHAUSTED)")
@@ -127,7 +129,7 @@ def _scalar(fd: FieldDescriptor, value, path: str, lim: Limits, out: list) -> No
         bound = getattr(lim, _INT_RULES[fd.name])
         if value < 0:
             out.append((path, "must not be negative"))
-        elif value > bound:
+        elif value > bound and fd.name != "page_size":  # AIP-158: a larger page is coerced
             out.append((path, f"at most {bound}"))
 
 

@@ -16,17 +16,20 @@ import json
 from mneme.errors import InvalidArgument
 
 DEFAULT_PAGE_SIZE = 100
-MAX_PAGE_SIZE = 1000
 
 _BAD = "not a page token this API returned for this list"
 
 
 def page_size(size: int, field: str = "page_size", default: int = DEFAULT_PAGE_SIZE,
-              maximum: int = MAX_PAGE_SIZE) -> int:
-    """The effective page size: ``default`` for 0, at most ``maximum``; negative →
+              maximum: int | None = None) -> int:
+    """The effective page size: ``default`` for 0, at most ``maximum`` (default
+    ``MNEME_LIMIT_PAGE_SIZE``: larger requests are coerced, AIP-158); negative →
     InvalidArgument naming ``field``."""
     if size < 0:
         raise InvalidArgument(field, "must not be negative")
+    if maximum is None:
+        from mneme.limits import limits
+        maximum = limits().page_size
     return min(size or default, maximum)
 
 

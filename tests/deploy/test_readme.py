@@ -44,3 +44,10 @@ def test_distributed_topology_section():
     first = README.index("```sh")
     assert README[first:].splitlines()[1].startswith("make run")
     assert README[first:].splitlines()[2].startswith("make test")
+
+
+def test_limits_are_in_the_limits_table():
+    from mneme.limits import Limits
+    table = README[README.index("## Limits"):]
+    for name, field in Limits.model_fields.items():
+        assert re.search(rf"(?m)^\| `MNEME_LIMIT_{name.upper()}` \| {field.default} \|", table), name

@@ -45,7 +45,8 @@ def test_counts_enums_numbers_and_schemas():
     assert paths(recall_pb2.RecallRequest(query="q", budget=9, tags_match=3,
                                           types=[resources_pb2.WORLD, 42])) == {"budget", "types[1]"}
     assert paths(recall_pb2.RecallRequest(query="q", max_tokens=-5)) == {"max_tokens"}
-    assert paths(banks_pb2.ListBanksRequest(page_size=5000)) == {"page_size"}
+    assert paths(banks_pb2.ListBanksRequest(page_size=-1)) == {"page_size"}
+    assert paths(banks_pb2.ListBanksRequest(page_size=5000)) == set()  # coerced (AIP-158)
     schema = struct_pb2.Struct()
     json_format.ParseDict({"type": "object", "description": "d" * 2000}, schema)
     assert paths(reflect_pb2.ReflectRequest(query="q", response_schema=schema),
