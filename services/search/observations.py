@@ -21,12 +21,12 @@ observations out unless ``types`` asks for them (:func:`with_default_types`).
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Callable
 
+from mneme import paging
 from mneme.bus import codec
 from mneme.domain import EXPERIENCE, WORLD, EntityRef, Fact, Filters
 from mneme.errors import InvalidArgument, NotFound
@@ -149,35 +149,30 @@ def _all(vectors: VectorStore, bank_id: str, filters: Filters) -> list[Fact]:
             return out
 
 
-def _offset(token: str) -> int:
-    try:
-        return int(base64.urlsafe_b64decode(token.encode()).decode()) if token else 0
-    except Exception:
-        raise InvalidArgument("page_token", "not a token this API returned") from None
+def _offset(token: str, kind: str) -> int:
+    return paging.decode_token(token, kind, int) or 0
 
 
 def _size(page_size: int) -> int:
-    if page_size < 0:
-        raise InvalidArgument("page_size", "must not be negative")
-    return min(page_size or 100, 1000)
+    return paging.page_size(page_size)
 
 
-def _token(n: int) -> str:
-    return base64.urlsafe_b64encode(str(n).encode()).decode()
+def _token(n: int, kind: str) -> str:
+    return paging.encode_token(kind, n)
 
 
 def list_scopes(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
                 ) -> tuple[list[tuple[list[str], int]], str]:
     """[(scope tags, observation count)] ordered by scope (JSON of the sorted tags), one
     page, and the next page token ('' at the end)."""
-    size, start = _size(page_size), _offset(page_token)
+    size, start = _size(page_size), _offset(page_token, f"scopes:{bank_id}")
     counts: dict[str, int] = {}
     for f in _all(vectors, bank_id, Filters(types=(OBSERVATION,))):
         k = json.dumps(sorted(f.tags))
         counts[k] = counts.get(k, 0) + 1
     keys = sorted(counts)
     page = keys[start:start + size]
-    nxt = _token(start + size) if start + size < len(keys) else ""
+    nxt = _token(start + size, f"scopes:{bank_id}") if start + size < len(keys) else ""
     return [(json.loads(k), counts[k]) for k in page], nxt
 
 
@@ -185,11 +180,11 @@ def list_observations(vectors: VectorStore, bank_id: str, page_size: int, page_t
                       scope: list[str] | None = None) -> tuple[list[Fact], str]:
     """One page of observations ordered by id (of one exact scope when ``scope`` is not
     None; [] is the global scope) and the next page token."""
-    size, start = _size(page_size), _offset(page_token)
+    size, start = _size(page_size), _offset(page_token, f"observations:{bank_id}")
     f = Filters(types=(OBSERVATION,), tags=tuple(scope or ()), tags_match="exact") \
         if scope is not None else Filters(types=(OBSERVATION,))
     obs = sorted(_all(vectors, bank_id, f), key=lambda x: x.id)
-    nxt = _token(start + size) if start + size < len(obs) else ""
+    nxt = _token(start + size, f"observations:{bank_id}") if start + size < len(obs) else ""
     return obs[start:start + size], nxt
 
 
