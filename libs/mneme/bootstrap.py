@@ -340,13 +340,18 @@ def _audit_to(event_log) -> Callable:
 
 
 def _grpc_server(settings: Settings, guard=None) -> grpc.Server:
-    """A gRPC server with the tracing interceptor (spans, ``rpc.server.duration``) and,
-    inside it, ``guard`` (authentication, authorisation, audit)."""
+    """A gRPC server with the tracing interceptor (spans, ``rpc.server.duration``),
+    inside it ``guard`` (authentication, authorisation, audit), and innermost the
+    request limits (:class:`mneme.grpc_util.ValidationInterceptor`). Requests larger
+    than ``MNEME_LIMIT_REQUEST_BYTES`` are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
     from mneme import telemetry
-    interceptors = [telemetry.TracingInterceptor()] + ([guard] if guard is not None else [])
+    from mneme.grpc_util import ValidationInterceptor
+    from mneme.limits import limits
+    interceptors = ([telemetry.TracingInterceptor()] + ([guard] if guard is not None else [])
+                    + [ValidationInterceptor()])
     return grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
                        interceptors=interceptors,
-                       options=[("grpc.max_receive_message_length", 64 << 20),
+                       options=[("grpc.max_receive_message_length", limits().request_bytes),
                                 ("grpc.max_send_message_length", 64 << 20)])
 
 
@@ -475,6 +480,8 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
         raise
     consumers = {g: c for p in parts for g, c in p.consumers.items()}
     ingest.api["ingest"].stores = root.stores  # GetBankStats counts facts and entities
+    from services.ingest.stats import GROUPS  # …and the lag of the groups that run here
+    ingest.api["ingest"].groups = {g: GROUPS[g] for g in consumers if g in GROUPS}
     return Embedded(settings=root.settings, log=root.log, catalog=root.catalog,
                     stores=root.stores, ingest=ingest.api["ingest"], recall=search.api["recall"],
                     reflect=reflect.api["reflect"], consumers=consumers, root=root, parts=parts)

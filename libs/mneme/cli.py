@@ -55,6 +55,19 @@ def _fail(e: grpc.RpcError) -> None:
     raise typer.Exit(2)
 
 
+def _choice(option: str, value: str, allowed) -> str:
+    """``value`` if it is one of ``allowed``, else a usage error naming the allowed values
+    (exit 2) instead of a traceback."""
+    if value not in allowed:
+        console.print(f"[red]invalid {option} {value!r}[/red]: one of {', '.join(allowed)}")
+        raise typer.Exit(2)
+    return value
+
+
+def _aware(ts: Optional[datetime]) -> Optional[datetime]:
+    return ts.replace(tzinfo=ts.tzinfo or timezone.utc) if ts else None
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=console)
@@ -129,9 +142,15 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
 
 
 @app.command()
-def banks(action: str = typer.Argument("list", help="list | create | get | delete | check-llm | stats"),
-          bank_id: Optional[str] = typer.Argument(None), address: str = AddressOpt):
-    """List, create, show or delete banks, or check the language models a bank uses."""
+def banks(action: str = typer.Argument("list", help="list | create | get | update | delete | "
+                                                    "check-llm | stats"),
+          bank_id: Optional[str] = typer.Argument(None),
+          name: Optional[str] = typer.Option(None, "--name", help="update: display name"),
+          set_: List[str] = typer.Option([], "--set", help="update: config FIELD=VALUE, e.g. "
+                                         "retain_mission='...' (repeatable)"),
+          address: str = AddressOpt):
+    """List, create, show, update (only the fields given) or delete banks, or check the
+    language models a bank uses."""
     if action == "stats" and bank_id:
         return _bank_stats(bank_id, address)
     with _client(address) as m:
@@ -152,11 +171,14 @@ def banks(action: str = typer.Argument("list", help="list | create | get | delet
                     print("  no language model configured: offline extraction, extractive reflect")
                 if any(not c.ok for c in r.checks):
                     raise typer.Exit(1)
+            elif action == "update" and bank_id:
+                print(m.update_bank(bank_id, display_name=name, **_config_fields(set_)))
             elif action in ("create", "get", "delete") and bank_id:
                 b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
                 print(b if b is not None else f"deleted {bank_id}")
             else:
-                console.print("usage: mneme banks [list | create ID | get ID | delete ID | check-llm ID | stats ID]")
+                console.print("usage: mneme banks [list | create ID | get ID | update ID [--name N]"
+                              " [--set FIELD=VALUE ...] | delete ID | check-llm ID | stats ID]")
                 raise typer.Exit(2)
         except grpc.RpcError as e:
             _fail(e)
@@ -169,7 +191,7 @@ def retain(bank: str, content: str = typer.Argument(..., help="text, or - to rea
            async_: bool = typer.Option(False, "--async"), address: str = AddressOpt):
     """Retain one item into BANK (the bank is created if missing)."""
     text = sys.stdin.read() if content == "-" else content
-    ts = timestamp.replace(tzinfo=timestamp.tzinfo or timezone.utc) if timestamp else None
+    ts = _aware(timestamp)
     with _client(address) as m:
         try:
             m.upsert_bank(bank) if not _exists(m, bank) else None
@@ -181,6 +203,27 @@ def retain(bank: str, content: str = typer.Argument(..., help="text, or - to rea
     print(f"{op.name}: {op.kind} {_state(op.state)}, {op.facts} facts")
     for mid in r.memory_ids:
         print(f"  {mid}")
+
+
+def _config_fields(pairs: List[str]) -> dict:
+    """``FIELD=VALUE`` strings → BankConfig keyword arguments, typed by the field."""
+    from mneme.v1 import resources_pb2
+    fields = resources_pb2.BankConfig.DESCRIPTOR.fields_by_name
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        fd = fields.get(key)
+        if not sep or fd is None:
+            console.print(f"[red]invalid --set {pair!r}[/red]: FIELD=VALUE with FIELD one of "
+                          f"{', '.join(fields)}")
+            raise typer.Exit(2)
+        try:
+            out[key] = {fd.TYPE_BOOL: lambda v: v.lower() in ("1", "true", "yes"),
+                        fd.TYPE_INT32: int, fd.TYPE_DOUBLE: float}.get(fd.type, str)(value)
+        except ValueError:
+            console.print(f"[red]invalid --set {pair!r}[/red]: not a {key} value")
+            raise typer.Exit(2)
+    return out
 
 
 def _exists(m, bank: str) -> bool:
@@ -201,12 +244,17 @@ def _state(s: int) -> str:
 @app.command()
 def recall(bank: str, query: str, max_tokens: int = 1024, budget: str = "mid",
            tag: List[str] = typer.Option([], "--tag"), tags_match: str = "any",
+           at: Optional[datetime] = typer.Option(None, "--at", help="'now' for relative "
+                                                 "expressions in the query (ISO 8601)"),
            as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Recall the memories of BANK that matter for QUERY, with each arm's rank."""
+    from mneme.client import BUDGETS, TAGS_MATCH
+    _choice("--budget", budget, BUDGETS)
+    _choice("--tags-match", tags_match, TAGS_MATCH)
     with _client(address) as m:
         try:
             r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
-                         tags_match=tags_match)
+                         tags_match=tags_match, query_timestamp=_aware(at))
         except grpc.RpcError as e:
             _fail(e)
     if as_json:
@@ -229,11 +277,16 @@ def print_recall(r, limit: int | None = None) -> None:
 
 
 @app.command()
-def reflect(bank: str, query: str, context: str = "", budget: str = "mid", address: str = AddressOpt):
+def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
+            at: Optional[datetime] = typer.Option(None, "--at", help="when the question is "
+                                                  "asked, for relative questions (ISO 8601)"),
+            address: str = AddressOpt):
     """Answer QUERY by reasoning over BANK (extractive without a language model)."""
+    from mneme.client import BUDGETS
+    _choice("--budget", budget, BUDGETS)
     with _client(address) as m:
         try:
-            r = m.reflect(bank, query, context=context, budget=budget)
+            r = m.reflect(bank, query, context=context, budget=budget, query_timestamp=_aware(at))
         except grpc.RpcError as e:
             _fail(e)
     print(r.text)

@@ -82,7 +82,8 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
             bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
             items_total=m.items_total, items_done=m.items_total, facts=len(facts),
             error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
-            memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items))
+            memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items),
+            failures=list(m.failures))
     elif isinstance(m, ev.FactsRetracted):
         if m.bank_deleted:
             for s in stores.each("delete", m.bank_id):
@@ -124,7 +125,8 @@ def project_banks(env, record: Record, *, catalog) -> list[OutRecord]:
     if isinstance(m, ev.BankUpserted):
         at = env.time.timestamp() if env.time else record.timestamp
         catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(
-            m.config if m.HasField("config") else None), at)
+            m.config if m.HasField("config") else None), at, incarnation=env.id,
+            mask=tuple(m.update_mask))
     elif isinstance(m, ev.BankDeleted):
         catalog.delete_bank(m.bank_id)
     return []
