@@ -1,0 +1,560 @@
+"""Bounded fuzzing of the gRPC API on a real ``mneme up`` (offline extractor, issue 9).
+
+Random Retain / Recall / Reflect / List* / Get* / UpsertBank / UpdateBank /
+DeleteDocument / DeleteMemory requests built from the generated protobuf classes:
+control and non-BMP characters, huge and empty values, many tags and metadata entries,
+edge and out-of-range Timestamps (raw seconds/nanos), bad page tokens, unknown enum
+numbers, negative sizes, malformed resource names, short and long deadlines.
+
+For every call (see tests/fuzz/conftest.py): the status is OK or a client error
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ALREADY_EXISTS,
+OUT_OF_RANGE; DEADLINE_EXCEEDED only under a short deadline); INVALID_ARGUMENT carries
+BadRequest field violations naming a request field; malformed names, page tokens and
+Timestamps are refused; the server's RSS stays under 2 GiB; and after every accepted
+write the operation ends and the bank still answers Recall and ListMemories.
+
+Generation is derandomized (the same requests every run) and bounded: about 800 cases,
+~1,500 requests with the property checks, a per-test time budget, at most 14 huge
+(> 256 KiB) requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+from google.protobuf import field_mask_pb2, struct_pb2, timestamp_pb2
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from mneme.v1 import (banks_pb2, memory_pb2, observations_pb2, operations_pb2, recall_pb2,
+                      reflect_pb2, resources_pb2)
+from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
+
+MIN_S, MAX_S = -62135596800, 253402300799  # 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
+
+# ---- values -------------------------------------------------------------------------
+
+SPECIALS = ["\x00", "\x01", "\x1b", "\x7f", "\x85", "\u2028", "\u200b", "\ufeff", "\u202e",
+            "\ufffd", "\U0001F600", "\U0001F468\u200d\U0001F469\u200d\U0001F467",
+            "\U00020000", "\U0002A6D6", "\U0010FFFF", "e\u0301", "\r\n", "\t", "'", '"', "\\",
+            "{}", "%s", "$1", "*", "title:x", "(", ")", "AND", "MATCH (n) DETACH DELETE n",
+            "<b>", "`", "~", "^2", "-", "?"]
+SENTENCES = [
+    "Yesterday Alice moved to Lisbon.",
+    "Tomorrow Bob flies to Tokyo for the conference.",
+    "Last March Carol started working at Acme Corp.",
+    "Next year Dana will study in Porto.",
+    "In 2015 Erin lived in Paris; three days ago she came back.",
+    "The 2023 annual report and the 2024 annual report were published.",
+    "我昨天搬到了北京，下个月开始在阿里巴巴工作。",
+    "私は先週東京に行きました。",
+    "Frank: my name is Frank and I live in Berlin now.",
+    "I tried the new deploy script and it failed twice.",
+]
+SIZES = [64 << 10, 1 << 20, 3 << 20]  # "huge": 64 KiB, 1 MiB, 3 MiB (UTF-8 bytes)
+
+
+def noise(max_size: int = 24):
+    """Short strings of any Unicode scalar (no surrogates) and awkward fragments."""
+    return st.lists(st.one_of(st.characters(codec="utf-8"), st.sampled_from(SPECIALS)),
+                    max_size=max_size).map("".join)
+
+
+def huge():
+    """A few MB of text, repeated from a seed (hypothesis cannot draw MBs itself). Text
+    made of sentences comes only over every limit (1 MiB and more): 64 KiB of sentences
+    is valid content whose offline extraction alone takes ~20 s here, which is work, not
+    a fault."""
+    return st.one_of(
+        st.tuples(st.sampled_from(SENTENCES), st.sampled_from(SIZES[1:])),
+        st.tuples(st.sampled_from(["x", "\x00", "\U0001F600", "a b ", "\u3002", "\U00020000"]),
+                  st.sampled_from(SIZES))).map(
+        lambda t: t[0] * (t[1] // len(t[0].encode()) + 1))
+
+
+def text():
+    """Content-like text: sentences (relative dates, CJK), noise, both, blanks."""
+    return st.one_of(st.sampled_from(SENTENCES), noise(),
+                     st.tuples(st.sampled_from(SENTENCES), noise()).map("".join),
+                     st.sampled_from(["", " ", "\n\t ", "\x00"]))
+
+
+def big():
+    """True for a few cases in a hundred: that case gets one huge field. (Hypothesis
+    favours the ends of a range, so the rare value is one in the middle; the harness
+    caps how many huge requests each test sends.)"""
+    return st.integers(0, 19).map(lambda i: i == 10)
+
+
+def query():
+    """Mostly a real question (so recall does work), else text()."""
+    return st.one_of(st.sampled_from(["Where does Alice live?", "What happened last week?",
+                                      "阿里巴巴", "marathon Berlin", "Who adopted a cat?"]),
+                     text())
+
+
+def timestamp():
+    """(Timestamp with raw seconds/nanos, why it is invalid or '')."""
+    seconds = st.one_of(st.sampled_from([MIN_S, MAX_S, MIN_S - 1, MAX_S + 1, MAX_S - 86400,
+                                         MIN_S + 86400, 0, -1, 1_700_000_000, 2**62, -2**62,
+                                         2**63 - 1, -2**63]),
+                        st.integers(MIN_S, MAX_S))
+    nanos = st.one_of(st.sampled_from([0, 999_999_999, 1_000_000_000, -1, 2**31 - 1, -2**31]),
+                      st.integers(0, 999_999_999))
+
+    def build(t):
+        ts = timestamp_pb2.Timestamp()
+        ts.seconds, ts.nanos = t
+        bad = not (MIN_S <= t[0] <= MAX_S) or not (0 <= t[1] <= 999_999_999)
+        return ts, (f"seconds={t[0]} nanos={t[1]} out of range" if bad else "")
+    return st.tuples(seconds, nanos).map(build)
+
+
+def maybe_timestamp():
+    return st.one_of(st.none(), timestamp())
+
+
+def deadline():
+    return st.sampled_from([30.0] * 9 + [60.0, 0.001, 0.05, 0.5, 2.0])
+
+
+def tags():
+    return st.one_of(st.lists(noise(12), max_size=5),
+                     st.sampled_from([100, 1000, 20000]).map(lambda n: [f"tag-{i}" for i in range(n)]))
+
+
+def metadata():
+    return st.one_of(st.dictionaries(noise(12), noise(), max_size=4),
+                     st.sampled_from([100, 1000, 20000]).map(
+                         lambda n: {f"k{i}": f"v{i}" for i in range(n)}))
+
+
+def page_size():
+    return st.sampled_from([0, 0, 0, 1, 2, 3, 10, 100, 1000, 0, 1001, 5000, 2**31 - 1, -1, -2**31])
+
+
+BAD_TOKEN_CHARS = "!* \n\x00%#@\u00e4\U0001F600"
+
+
+@st.composite
+def page_token(draw):
+    """(token, Ref or None, why it is malformed or '')."""
+    kind = draw(st.sampled_from(["empty"] * 4 + ["seen", "seen", "bad", "b64"]))
+    if kind == "seen":
+        return "", Ref("page_token", "token", draw(st.integers(0, 50))), ""
+    if kind == "bad":  # a character no token this API returns can hold
+        pre = draw(st.from_regex(r"[A-Za-z0-9_=-]{0,12}", fullmatch=True))
+        return (pre + draw(st.sampled_from(BAD_TOKEN_CHARS)) + draw(noise(6)), None,
+                "page_token: malformed")
+    if kind == "b64":  # well-formed but never issued: either answer is fine
+        return draw(st.from_regex(r"[A-Za-z0-9_-]{1,24}={0,2}", fullmatch=True)), None, ""
+    return "", None, ""
+
+
+BAD_IDS = [("fuzz-a\n", "trailing newline"), ("fuzz-a\r\n", "trailing CRLF"),
+           ("Fuzz-A", "uppercase"), ("fuzz-\u00e4", "non-ASCII"), ("fuzz-\u0430", "Cyrillic"),
+           ("fuzz-a/x", "slash"), ("", "empty id"), ("-fuzz", "leading dash"),
+           ("a" * 64, "64 chars"), ("fuzz a", "space"), ("fuzz-a\x00", "NUL"),
+           ("\U0001F600", "emoji"), ("fuzz.a", "dot"), ("fuzz-a/", "trailing slash")]
+BAD_PREFIXES = [(" banks/fuzz-a", "leading space"), ("bank/fuzz-a", "collection 'bank'"),
+                ("BANKS/fuzz-a", "collection uppercase"), ("banks//fuzz-a", "double slash"),
+                ("", "empty name"), ("fuzz-a", "no collection")]
+
+
+@st.composite
+def bank_name(draw, allow_empty: bool = False):
+    """(name, bank id or None, why it is malformed or ''): mostly a fixed bank."""
+    kind = draw(st.sampled_from(["fixed"] * 8 + ["new", "bad"]))
+    if kind == "fixed":
+        b = draw(st.sampled_from(FIXED_BANKS))
+        return f"banks/{b}", b, ""
+    if kind == "new":
+        b = draw(st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True))
+        return f"banks/{b}", b, ""
+    if draw(st.booleans()):
+        bad, why = draw(st.sampled_from(BAD_IDS))
+        return f"banks/{bad}", None, f"bank id: {why}"
+    name, why = draw(st.sampled_from(BAD_PREFIXES))
+    if allow_empty and not name:
+        return "", None, ""
+    return name, None, f"bank name: {why}"
+
+
+BAD_CHILD_IDS = [("{u}\n", "trailing newline"), ("{u}/x", "slash"), ("", "empty id"),
+                 ("{u}\x00", "NUL"), (" {u}", "leading space"), ("\U0001F600", "emoji")]
+
+
+@st.composite
+def child_name(draw, collection: str, kind: str):
+    """(name or '', Ref or None, bank id, why malformed) for banks/{b}/{collection}/{id}."""
+    b = draw(st.sampled_from(FIXED_BANKS))
+    mode = draw(st.sampled_from(["seen"] * 4 + ["random", "bad", "badbank"]))
+    u = str(draw(st.uuids()))
+    if mode == "seen":
+        return "", Ref("name", kind, draw(st.integers(0, 300)), f"banks/{b}/{collection}/{{}}"), b, ""
+    if mode == "random":
+        return f"banks/{b}/{collection}/{u}", None, b, ""
+    if mode == "bad":
+        bad, why = draw(st.sampled_from(BAD_CHILD_IDS))
+        return f"banks/{b}/{collection}/{bad.format(u=u)}", None, b, f"{kind} id: {why}"
+    bad, why = draw(st.sampled_from(BAD_IDS))
+    return f"banks/{bad}/{collection}/{u}", None, None, f"bank id: {why}"
+
+
+def enum(valid: int):
+    """An enum number: mostly a valid one, else one the enum does not define."""
+    bad = st.sampled_from([valid + 1, 99, -1, 2**31 - 1, -2**31])
+    return st.integers(0, 9).flatmap(lambda i: bad if i == 5 else st.integers(0, valid))
+
+
+def document_id():
+    return st.one_of(st.sampled_from(DOC_IDS), st.just(""), noise(16),
+                     st.sampled_from([300, 70_000]).map(lambda n: "d" * n))
+
+
+# ---- requests -----------------------------------------------------------------------
+
+@st.composite
+def retain_item(draw):
+    """(RetainItem, why it is invalid or '')."""
+    item = memory_pb2.RetainItem(content=draw(text()))
+    why = ""
+    if draw(st.booleans()):
+        item.context = draw(text())
+    ts = draw(maybe_timestamp())
+    if ts is not None:
+        item.timestamp.CopyFrom(ts[0])
+        why = f"timestamp: {ts[1]}" if ts[1] else ""
+    if draw(st.booleans()):
+        item.document_id = draw(document_id())
+    if draw(st.booleans()):
+        item.tags.extend(draw(tags()))
+    if draw(st.integers(0, 3)) == 0:
+        item.metadata.update(draw(metadata()))
+    return item, why
+
+
+@st.composite
+def retain_case(draw):
+    name, bank, why = draw(bank_name())
+    req = memory_pb2.RetainRequest(parent=name)
+    n = draw(st.sampled_from([1] * 6 + [2, 3, 0, 20, 100, 300]))
+    refusals = {}
+    if n <= 3:
+        for i in range(n):
+            item, bad = draw(retain_item())
+            req.items.append(item)
+            if bad:
+                refusals[i] = bad
+    else:  # many small items, the same shape
+        tmpl = draw(st.sampled_from(SENTENCES))
+        req.items.extend(memory_pb2.RetainItem(content=f"{i}: {tmpl}", tags=[f"t{i % 7}"])
+                         for i in range(n))
+    if draw(big()) and req.items:
+        where = draw(st.sampled_from(["content", "context", "tags", "metadata"]))
+        value = draw(huge())
+        item = req.items[0]
+        if where == "tags":
+            item.tags.append(value)
+        elif where == "metadata":
+            item.metadata["big"] = value
+        else:
+            setattr(item, where, value)
+    setattr(req, "async", draw(st.integers(0, 3)) == 0)
+    req.request_id = draw(st.sampled_from(["", "", "", "r-1", "r-2"]) | noise(10))
+    if draw(st.integers(0, 4)) == 0:
+        req.observation_scopes.mode = draw(enum(5))
+        for t in draw(st.lists(st.lists(noise(8), max_size=3), max_size=3)):
+            req.observation_scopes.scopes.add(tags=t)
+    return Case("Retain", req, draw(deadline()), bank, write=True, must_refuse=why,
+                item_refusals=refusals)
+
+
+@st.composite
+def recall_case(draw):
+    name, bank, why = draw(bank_name())
+    req = recall_pb2.RecallRequest(parent=name, query=draw(query()))
+    if draw(big()):
+        req.query = draw(huge())
+    if draw(st.booleans()):
+        req.types.extend(draw(st.lists(enum(3), max_size=4)))
+    req.budget = draw(enum(3))
+    req.max_tokens = draw(st.sampled_from([0, 0, 1, 50, 4096, 100_000, 0, 2**31 - 1, -1, -2**31]))
+    if draw(st.booleans()):
+        req.tags.extend(draw(tags()))
+    req.tags_match = draw(enum(5))
+    whys = [why]
+    ts = draw(maybe_timestamp())
+    if ts is not None:
+        req.query_timestamp.CopyFrom(ts[0])
+        whys.append(f"query_timestamp: {ts[1]}" if ts[1] else "")
+    if draw(st.integers(0, 2)) == 0:
+        for part in ("start", "end"):
+            ts = draw(maybe_timestamp())
+            if ts is not None:
+                getattr(req.time_range, part).CopyFrom(ts[0])
+                whys.append(f"time_range.{part}: {ts[1]}" if ts[1] else "")
+        req.time_range.SetInParent()
+    if draw(st.integers(0, 3)) == 0:
+        req.document_id = draw(document_id())
+    return Case("Recall", req, draw(deadline()), bank,
+                must_refuse="; ".join(w for w in whys if w))
+
+
+SCHEMAS = [{"type": "object", "properties": {"answer": {"type": "string"}}}, {}, {"type": 5},
+           {"x": [1, 2.5, {"y": None}], "\x00": "\U0001F600"}]
+
+
+@st.composite
+def reflect_case(draw):
+    name, bank, why = draw(bank_name())
+    req = reflect_pb2.ReflectRequest(parent=name, query=draw(query()))
+    if draw(st.booleans()):
+        req.context = draw(text())
+    if draw(big()):
+        setattr(req, draw(st.sampled_from(["query", "context"])), draw(huge()))
+    req.budget = draw(enum(3))
+    if draw(st.integers(0, 4)) == 0:
+        s = struct_pb2.Struct()
+        s.update(draw(st.sampled_from(SCHEMAS)))
+        req.response_schema.CopyFrom(s)
+    whys = [why]
+    ts = draw(maybe_timestamp())
+    if ts is not None:
+        req.query_timestamp.CopyFrom(ts[0])
+        whys.append(f"query_timestamp: {ts[1]}" if ts[1] else "")
+    rpc = draw(st.sampled_from(["Reflect"] * 4 + ["StreamReflect"]))
+    return Case(rpc, req, draw(deadline()), bank, must_refuse="; ".join(w for w in whys if w))
+
+
+@st.composite
+def list_case(draw):
+    rpc = draw(st.sampled_from(["ListBanks", "ListOperations", "ListMemories", "ListMemories",
+                                "ListObservations", "ListObservationScopes"]))
+    token, ref, why_token = draw(page_token())
+    size = draw(page_size())
+    bank, why_name = None, ""
+    if rpc == "ListBanks":
+        req = banks_pb2.ListBanksRequest(page_size=size, page_token=token)
+    else:
+        name, bank, why_name = draw(bank_name(allow_empty=rpc == "ListOperations"))
+        if rpc == "ListOperations":
+            req = operations_pb2.ListOperationsRequest(parent=name, page_size=size, page_token=token)
+        elif rpc == "ListMemories":
+            req = memory_pb2.ListMemoriesRequest(parent=name, page_size=size, page_token=token)
+            if draw(st.booleans()):
+                req.types.extend(draw(st.lists(enum(3), max_size=3)))
+            if draw(st.integers(0, 2)) == 0:
+                req.document_id = draw(document_id())
+        elif rpc == "ListObservations":
+            req = observations_pb2.ListObservationsRequest(parent=name, page_size=size,
+                                                           page_token=token)
+            if draw(st.booleans()):
+                req.scope.extend(draw(st.lists(noise(8), max_size=3)))
+                req.has_scope = draw(st.booleans())
+        else:
+            req = observations_pb2.ListObservationScopesRequest(parent=name, page_size=size,
+                                                                page_token=token)
+    why = "; ".join(w for w in (why_name, why_token) if w)
+    return Case(rpc, req, draw(deadline()), bank, must_refuse=why, refs=(ref,) if ref else ())
+
+
+@st.composite
+def get_case(draw):
+    rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetMemory", "GetMemory",
+                                "GetObservation", "GetOperation"]))
+    ref = None
+    if rpc in ("GetBank", "GetBankStats"):
+        name, bank, why = draw(bank_name())
+        req = (banks_pb2.GetBankRequest if rpc == "GetBank" else banks_pb2.GetBankStatsRequest)(name=name)
+    elif rpc == "GetMemory":
+        name, ref, bank, why = draw(child_name("memories", "memory"))
+        req = memory_pb2.GetMemoryRequest(name=name)
+    elif rpc == "GetObservation":
+        name, ref, bank, why = draw(child_name("observations", "observation"))
+        req = observations_pb2.GetObservationRequest(name=name)
+    else:
+        bank = None
+        mode = draw(st.sampled_from(["seen", "seen", "random", "bad"]))
+        u = str(draw(st.uuids()))
+        why = ""
+        if mode == "seen":
+            ref, name = Ref("name", "operation", draw(st.integers(0, 300)), "operations/{}"), ""
+        elif mode == "random":
+            name = f"operations/{u}"
+        else:
+            bad, w = draw(st.sampled_from(BAD_CHILD_IDS))
+            name, why = f"operations/{bad.format(u=u)}", f"operation id: {w}"
+        req = operations_pb2.GetOperationRequest(name=name)
+    return Case(rpc, req, draw(deadline()), bank, must_refuse=why, refs=(ref,) if ref else ())
+
+
+CONFIG_FIELDS = [f.name for f in resources_pb2.BankConfig.DESCRIPTOR.fields]
+GOOD_PATHS = ["display_name", "config", "*"] + [f"config.{f}" for f in CONFIG_FIELDS]
+BAD_PATHS = ["bogus", "config.bogus", "Display_Name", "config.", "display_name.x", "config..x",
+             "\U0001F600", "display_name\n"]
+
+
+@st.composite
+def bank_config(draw, fixed: bool):
+    c = resources_pb2.BankConfig()
+    if draw(st.booleans()):
+        c.retain_mission = draw(text())
+    if draw(st.booleans()):
+        c.observations_mission = draw(text())
+    for trait in ("skepticism", "literalism", "empathy"):
+        setattr(c, trait, draw(st.sampled_from([0, 1, 3, 5, 6, -1, 2**31 - 1])))
+    if draw(st.booleans()):
+        c.auto_consolidate = draw(st.booleans())
+    c.dedup_threshold = draw(st.sampled_from([0.0, 0.5, 0.97, 1.0, -1.0, 2.0, float("nan"),
+                                              float("inf"), 1e-300]))
+    # A fixed bank keeps an offline mode: "llm" without a model would fail every later retain.
+    modes = ["", "auto", "offline"] if fixed else ["", "auto", "offline", "llm"]
+    c.extraction_mode = draw(st.sampled_from(modes) | noise(8))
+    return c
+
+
+@st.composite
+def bank_write_case(draw):
+    name, bank, why = draw(bank_name())
+    fixed = bank in FIXED_BANKS
+    b = resources_pb2.Bank(name=name)
+    if draw(st.booleans()):
+        b.display_name = draw(text())
+    if draw(st.booleans()):
+        b.config.CopyFrom(draw(bank_config(fixed)))
+    if draw(big()):
+        if draw(st.booleans()):
+            b.display_name = draw(huge())
+        else:
+            b.config.retain_mission = draw(huge())
+    if fixed and b.config.extraction_mode not in ("", "auto", "offline"):
+        b.config.extraction_mode = ""  # noise drew a mode: keep the fixed banks offline
+    if draw(st.booleans()):
+        req = banks_pb2.UpdateBankRequest(bank=b)
+        paths = draw(st.lists(st.sampled_from(GOOD_PATHS) | st.sampled_from(BAD_PATHS), max_size=4))
+        if draw(st.booleans()):
+            req.update_mask.CopyFrom(field_mask_pb2.FieldMask(paths=paths))
+        bad = [p for p in paths if p not in GOOD_PATHS]
+        if bad and req.HasField("update_mask"):
+            why = "; ".join(w for w in (why, f"update_mask: unknown path {bad[0]!r}") if w)
+        return Case("UpdateBank", req, draw(deadline()), bank, write=True, must_refuse=why)
+    req = banks_pb2.UpsertBankRequest(bank=b)
+    if draw(st.integers(0, 15)) == 7:
+        req = banks_pb2.UpsertBankRequest()
+        bank, why = None, "bank: unset"
+    return Case("UpsertBank", req, draw(deadline()), bank, write=True, must_refuse=why)
+
+
+@st.composite
+def delete_case(draw):
+    if draw(st.booleans()):
+        name, bank, why = draw(bank_name())
+        req = memory_pb2.DeleteDocumentRequest(parent=name, document_id=draw(document_id()))
+        return Case("DeleteDocument", req, draw(deadline()), bank, write=True, must_refuse=why)
+    name, ref, bank, why = draw(child_name("memories", "memory"))
+    return Case("DeleteMemory", memory_pb2.DeleteMemoryRequest(name=name), draw(deadline()),
+                bank, write=True, must_refuse=why, refs=(ref,) if ref else ())
+
+
+# ---- fixed cases for the failures issue 9 reports (always sent, before the random ones) ---
+
+def _ts(seconds: int, nanos: int = 0) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.seconds, ts.nanos = seconds, nanos
+    return ts
+
+
+def _retain(content: str, ts=None, bad: str = "", **kw) -> Case:
+    item = memory_pb2.RetainItem(content=content, timestamp=ts, **kw)
+    return Case("Retain", memory_pb2.RetainRequest(parent="banks/fuzz-a", items=[item]),
+                bank="fuzz-a", write=True, item_refusals={0: bad} if bad else {})
+
+
+RETAIN_EXAMPLES = [
+    _retain("Tomorrow Bob flies to Tokyo. Next year he moves there.", _ts(MAX_S)),
+    _retain("Yesterday Alice moved to Lisbon. Last year she was in Rome.", _ts(MIN_S)),
+    _retain("Alice likes tea.", _ts(MAX_S + 1), "timestamp: after 9999"),
+    _retain("Alice likes tea.", _ts(MIN_S - 1), "timestamp: before year 1"),
+    _retain("Alice likes tea.", _ts(1_700_000_000, -1), "timestamp: negative nanos"),
+    _retain("Alice likes tea.", _ts(1_700_000_000, 1_000_000_000), "timestamp: nanos 1e9"),
+    _retain("Alice\x00 likes green tea."),
+    _retain("Alice likes jasmine tea.", document_id="doc\x00nul"),
+    _retain("我昨天搬到了北京。"),
+    _retain("Alice likes tea. " * 60_000),  # ~1 MB of content
+]
+OTHER_EXAMPLES = {
+    "recall": [
+        Case("Recall", recall_pb2.RecallRequest(parent="banks/fuzz-a", query="Alice " * 200_000),
+             bank="fuzz-a"),
+        Case("Recall", recall_pb2.RecallRequest(parent="banks/fuzz-a", query="Alice",
+                                                query_timestamp=_ts(MAX_S + 1)),
+             bank="fuzz-a", must_refuse="query_timestamp: after 9999"),
+    ],
+    "reflect": [
+        Case("Reflect", reflect_pb2.ReflectRequest(parent="banks/fuzz-b", query="Alice " * 200_000),
+             bank="fuzz-b"),
+    ],
+    "lists": [
+        Case("ListBanks", banks_pb2.ListBanksRequest(page_token="!!!"),
+             must_refuse="page_token: malformed"),
+        Case("ListOperations", operations_pb2.ListOperationsRequest(page_token="not a token!"),
+             must_refuse="page_token: malformed"),
+    ],
+    "bank_writes": [
+        Case("UpsertBank", banks_pb2.UpsertBankRequest(bank=resources_pb2.Bank(name="banks/fuzz-n\n")),
+             must_refuse="bank id: trailing newline", write=True),
+        Case("UpdateBank", banks_pb2.UpdateBankRequest(
+            bank=resources_pb2.Bank(name="banks/fuzz-b", display_name="B"),
+            update_mask=field_mask_pb2.FieldMask(paths=["display_name"])), bank="fuzz-b", write=True),
+    ],
+}
+
+
+# ---- the tests ----------------------------------------------------------------------
+
+def _run(fuzz, name: str, strategy, max_examples: int, budget_s: float, examples=()) -> None:
+    """Send ``max_examples`` generated cases (plus ``examples``) within ``budget_s``;
+    fail if any of them recorded a failure class or the budget ran out."""
+    before = fuzz.begin(name)
+    end = time.monotonic() + budget_s
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck),
+              print_blob=False)
+    @given(strategy)
+    def inner(case):
+        fuzz.run(case, end)
+
+    for ex in examples:
+        inner = example(ex)(inner)
+    inner()
+    fuzz.assert_clean(before)
+
+
+def test_retain(fuzz):
+    _run(fuzz, "retain", retain_case(), 200, 110, RETAIN_EXAMPLES)
+
+
+def test_recall(fuzz):
+    _run(fuzz, "recall", recall_case(), 140, 45, OTHER_EXAMPLES["recall"])
+
+
+def test_reflect(fuzz):
+    _run(fuzz, "reflect", reflect_case(), 60, 30, OTHER_EXAMPLES["reflect"])
+
+
+def test_lists(fuzz):
+    _run(fuzz, "lists", list_case(), 140, 25, OTHER_EXAMPLES["lists"])
+
+
+def test_gets(fuzz):
+    _run(fuzz, "gets", get_case(), 100, 20)
+
+
+def test_bank_writes(fuzz):
+    _run(fuzz, "bank_writes", bank_write_case(), 90, 45, OTHER_EXAMPLES["bank_writes"])
+
+
+def test_deletes(fuzz):
+    _run(fuzz, "deletes", delete_case(), 60, 35)
