@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from mneme.bus import codec
 from mneme.domain import Bank, BankConfig, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
-from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound
+from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
 from mneme.limits import limits
 from mneme.names import check_bank_id
@@ -91,6 +91,10 @@ class Ingest:
         while not done():
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"{what} not finished within {timeout:.1f}s; it goes on")
+            damage = getattr(self.log, "damage", None)  # embedded log found damaged: no
+            if damage:  # consumer will finish the work, so do not wait for the deadline
+                raise Unavailable(f"{what}: the event log is damaged ({damage}); see "
+                                  "`mneme log recover`")
             if call.cancelled():  # the caller went away: stop waiting (the work goes on)
                 raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
             time.sleep(self.poll_s)

@@ -726,3 +726,15 @@ def test_sqlite_corruption_seen_by_a_query_marks_the_log_damaged(path, monkeypat
             log.append([rec(INTAKE, "b", "y")])
     finally:
         log.close()
+
+
+def test_a_sync_wait_ends_at_once_when_the_log_is_found_damaged():
+    from types import SimpleNamespace
+
+    from mneme.errors import Unavailable
+    from services.ingest.handlers import Ingest
+    ingest = Ingest(log=SimpleNamespace(damage="truncated"), catalog=None)
+    t = time.monotonic()
+    with pytest.raises(Unavailable, match="truncated"):
+        ingest._wait(lambda: False, 30, "retain")
+    assert time.monotonic() - t < 1
