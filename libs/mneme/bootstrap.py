@@ -497,6 +497,7 @@ def _drain(consumers: dict[str, Consumer], progress, total: int) -> int:
     for c in consumers.values():
         handler = c.handler
         c.handler = lambda env, rec, h=handler: (h(env, rec), [])[1]  # project only
+        c.produce = False  # not even a dead letter: a failed replay appends nothing
         try:
             while True:
                 n = c.run_once()

@@ -8,6 +8,8 @@ Event ids derive from the causing event's id, so redelivery yields identical eve
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from datetime import datetime, timezone
 
 from mneme import telemetry
 from mneme.bus import codec
@@ -19,6 +21,7 @@ from services.extraction.llm import ExtractionIncomplete
 GROUP = "extraction"
 SOURCE = "mneme/extraction"
 log = logging.getLogger(__name__)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
@@ -40,7 +43,7 @@ def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
     if isinstance(m, ev.RetainRequested):
         # Fact ids derive from the operation, so a retried request (same request_id,
         # hence same operation) or a redelivered event yields the same ids.
-        facts = extract(m, m.operation_id, extractor, embedder)
+        facts = extract(m, m.operation_id, extractor, embedder, at=env.time)
         if m.HasField("observation_scopes"):
             facts.observation_scopes.CopyFrom(m.observation_scopes)
         return [out(facts, "facts")]
@@ -63,15 +66,19 @@ def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
     return []
 
 
-def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder) -> ev.FactsExtracted:
+def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder,
+            at: datetime | None = None) -> ev.FactsExtracted:
     """Extract and embed every item of a retain request. An item that fails is recorded
     in ``failures`` with its reason; the others still yield facts. Items ingest refused
     (``rejected_items``, empty placeholders) are not extracted and fail with ingest's
     error; the extractor sees the other items in order, and the item indexes of facts,
-    failures and no-fact items are mapped back to the request's."""
+    failures and no-fact items are mapped back to the request's. An item without a
+    timestamp (hand-written or very old events) is dated ``at``, the event's time."""
     rejected = {r.item_index: r for r in m.rejected_items}
     keep = [i for i in range(len(m.items)) if i not in rejected]
     items = [codec.retain_item_from_pb(m.items[i]) for i in keep]
+    items = [it if it.timestamp is not None else replace(it, timestamp=at or _EPOCH)
+             for it in items]
     failures: list[ev.ItemFailure] = []
     if not items:
         facts = []

@@ -33,6 +33,36 @@ def test_operation_progress_never_reverts_a_terminal_state(tmp_path):
     c.update_operation(Operation("op", "b", "retain", "running", 3, 1, created_at=3, updated_at=3))
     op = c.get_operation("op")
     assert op.state == "succeeded" and op.facts == 7 and op.created_at == 1
+    # A second verdict (e.g. a dead letter elsewhere after success) does not change it.
+    c.update_operation(Operation("op", "b", "retain", "failed", 3, 3, 0, "late", created_at=4,
+                                 updated_at=4))
+    assert c.get_operation("op").state == "succeeded"
+
+
+def test_deleting_a_bank_deletes_its_operations_and_ignores_their_late_progress():
+    c = SqliteCatalog(":memory:")
+    c.upsert_bank("b", "", BankConfig(), 1, incarnation="first")
+    c.put_operation(Operation("op", "b", "retain", created_at=1, updated_at=1))
+    c.delete_bank("b")
+    c.upsert_bank("b", "", BankConfig(), 2, incarnation="second")
+    assert c.get_bank("b").incarnation == "second"
+    c.update_operation(Operation("op", "b", "retain", "succeeded", created_at=3, updated_at=3))
+    c.put_operation(Operation("op", "b", "retain", created_at=3, updated_at=3))
+    assert c.get_operation("op") is None and c.list_operations("b", 10) == []
+
+
+def test_masked_upsert_changes_only_the_named_fields_and_never_creates():
+    c = SqliteCatalog(":memory:")
+    c.upsert_bank("b", "Old", BankConfig(retain_mission="keep", skepticism=5), 1, incarnation="i")
+    c.upsert_bank("b", "New", BankConfig(), 2, mask=("display_name",))
+    b = c.get_bank("b")
+    assert (b.display_name, b.config.retain_mission, b.config.skepticism) == ("New", "keep", 5)
+    c.upsert_bank("b", "", BankConfig(empathy=1), 3, mask=("config.empathy",))
+    b = c.get_bank("b")
+    assert (b.display_name, b.config.empathy, b.config.retain_mission, b.incarnation) == (
+        "New", 1, "keep", "i")
+    c.upsert_bank("ghost", "x", BankConfig(), 4, mask=("display_name",))
+    assert c.get_bank("ghost") is None
 
 
 @pytest.mark.parametrize("name", ["", "bank/x", "banks/", "banks/UPPER", "banks/a/b", "banks/-x",

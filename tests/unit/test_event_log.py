@@ -605,6 +605,26 @@ def test_dead_letter_of_an_operation_event_fails_the_operation_in_the_same_commi
     assert progress and all_records(elog, PROGRESS)[0].timestamp in dlq_ts
 
 
+def test_a_dead_letter_off_the_operations_path_does_not_fail_it(elog):
+    # consolidation follows facts that search has already made searchable
+    c = Consumer(elog, "consolidation", [MEMORY], lambda env, rec: 1 / 0, max_attempts=1)
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1),
+                        bank_id="b1", source="t")])
+    c.run_once()
+    assert len(all_records(elog, DLQ)) == 1 and all_records(elog, PROGRESS) == []
+
+
+def test_a_consumer_that_does_not_produce_appends_not_even_a_dead_letter(elog):
+    c = Consumer(elog, "search", [MEMORY], lambda env, rec: 1 / 0, max_attempts=1)
+    c.produce = False  # replay
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1),
+                        bank_id="b1", source="t")])
+    assert c.run_once() == 1
+    assert all_records(elog, DLQ) == [] and all_records(elog, PROGRESS) == []
+    # ... and its offset is committed all the same: the partition moves on.
+    assert sum(elog.committed("search", MEMORY, p) for p in range(elog.partitions(MEMORY))) == 1
+
+
 def test_a_failing_progress_event_is_dead_lettered_without_more_progress(elog):
     c = Consumer(elog, "ingest", [PROGRESS], lambda env, rec: 1 / 0, max_attempts=1)
     elog.append([encode(ev.OperationProgress(bank_id="b1", operation_id="op1", kind="retain",

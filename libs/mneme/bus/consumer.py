@@ -97,17 +97,25 @@ OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
 }
 
 
+#: (group, event type) pairs off an operation's path: the operation is done without
+#: them (a retain succeeds once search has projected its facts; consolidation follows
+#: on), so their dead letters do not fail it.
+SECONDARY = frozenset({("consolidation", "FactsExtracted"), ("consolidation", "FactsRetracted")})
+
+
 def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
     """The ``OperationProgress(state="failed")`` record that fails the operation
     ``env``'s message belongs to, or None when it belongs to none (no ``bank_id`` /
-    ``operation_id``, a type not in :data:`OPERATION_KINDS`, or progress itself, which
-    would loop). ``error`` is the failure as users should see it; ``group`` the consumer
+    ``operation_id``, a type not in :data:`OPERATION_KINDS`, a group off the operation's
+    path (:data:`SECONDARY`), or progress itself, which would loop). ``error`` is the failure as users should see it; ``group`` the consumer
     group that gave up (named in the error, and part of the deterministic event id, so
     a redelivered dead letter yields the same progress event)."""
     m = env.message
     if m is None:
         return None
     bank_id, op_id = getattr(m, "bank_id", ""), getattr(m, "operation_id", "")
+    if (group, m.DESCRIPTOR.name) in SECONDARY:
+        return None
     kind = OPERATION_KINDS.get(m.DESCRIPTOR.name)
     if callable(kind):
         kind = kind(m)
@@ -250,6 +258,9 @@ class Consumer:
         self.backoff_max = backoff_max
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
+        #: False: commit offsets only, produce nothing, dead letters included (replay:
+        #: everything the handlers would produce is on the log already).
+        self.produce = True
         self.error_backoff_max = error_backoff_max
         #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors.
         self.stats = dict.fromkeys(
@@ -573,7 +584,8 @@ class Consumer:
         """Commit ``next_off`` with ``outputs``; False when the log refused it as stale
         (another consumer of the group got there first: carry on from its offset)."""
         try:
-            self.member.commit({(topic, partition): next_off}, produce=outputs)
+            self.member.commit({(topic, partition): next_off},
+                               produce=outputs if self.produce else ())
         except StaleCommitError as exc:
             self.stats["stale_commits"] += 1
             log.warning("consumer %s: %s; re-reading the committed offset", self.group, exc)

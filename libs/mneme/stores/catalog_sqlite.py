@@ -139,15 +139,16 @@ class SqliteCatalog:
                 _op_row(op, op.created_at))
 
     def update_operation(self, op: Operation) -> None:
-        """Apply progress; a terminal state is never reverted by a late event, and late
-        progress of an operation of a deleted bank is dropped (it never reappears under
-        a recreated bank)."""
+        """Apply progress; the first terminal state is final (a late event, or a second
+        verdict such as a dead letter after success, never changes it), and late progress
+        of an operation of a deleted bank is dropped (it never reappears under a recreated
+        bank)."""
         with self._lock:
             if self._deleted(op.operation_id):
                 return
             row = self._db.execute("SELECT state, created_at FROM operations WHERE operation_id=?",
                                    (op.operation_id,)).fetchone()
-            if row and row[0] in TERMINAL and op.state not in TERMINAL:
+            if row and row[0] in TERMINAL:
                 return
             self._db.execute(
                 f"INSERT OR REPLACE INTO operations ({_OP_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
