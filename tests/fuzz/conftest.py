@@ -98,7 +98,10 @@ class Case:
     a bank that does not exist); ``write``: an accepted request must leave ``bank``
     readable; ``must_refuse``: why the request is invalid (INVALID_ARGUMENT required);
     ``item_refusals``: Retain items that are invalid (INVALID_ARGUMENT for the request, or
-    an item error naming the item); ``refs``: values filled in at send time."""
+    an item error naming the item); ``partial``: a Retain mixing valid and invalid items,
+    which must be accepted with item errors for exactly the invalid ones; ``keep``:
+    UpdateBank fields outside the update_mask, which must keep their values; ``refs``:
+    values filled in at send time."""
     rpc: str
     req: Message
     timeout: float = GENEROUS_S
@@ -107,6 +110,8 @@ class Case:
     must_refuse: str = ""
     item_refusals: dict[int, str] = field(default_factory=dict)
     refs: tuple[Ref, ...] = ()
+    partial: bool = False
+    keep: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # hypothesis prints cases on errors of the harness itself
         return f"Case({self.rpc}, timeout={self.timeout}, {abbrev(self.req)[:300]!r})"
@@ -198,6 +203,22 @@ def _cut_strings(msg: Message, keep: int) -> None:
             setattr(msg, fd.name, value[:keep])
 
 
+def _leaf(msg: Message, path: str):
+    """The value at a dotted field path; an unset optional field is None."""
+    *parents, name = path.split(".")
+    for p in parents:
+        msg = getattr(msg, p)
+    fd = msg.DESCRIPTOR.fields_by_name[name]
+    if fd.has_presence and not fd.message_type and not msg.HasField(name):
+        return None
+    return getattr(msg, name)
+
+
+def _token_key(case: "Case") -> str:
+    """Page tokens are kept per list (RPC and parent): tokens are bound to their list."""
+    return f"token:{case.rpc}:{getattr(case.req, 'parent', '')}"
+
+
 def _category(why: str) -> str:
     """The field part of a refusal reason: "bank id: trailing newline" → "bank id"."""
     return why.split(";")[0].split(":")[0]
@@ -270,6 +291,7 @@ class Harness:
         self.peak_rss = 0
         self.killed_for_rss = 0
         self.huge_sent: Counter = Counter()  # per test
+        self.recorded_case = False
         self.skipped: Counter = Counter()
         self.test = ""
         self.started = time.monotonic()
@@ -401,7 +423,7 @@ class Harness:
 
     def fill(self, case: Case) -> None:
         for ref in case.refs:
-            key = {"operation": "operation", "token": f"token:{case.rpc}"}.get(
+            key = {"operation": "operation", "token": _token_key(case)}.get(
                 ref.kind, f"{ref.kind}:{case.bank}")
             pool = self.seen.get(key, [])
             if pool:
@@ -418,6 +440,7 @@ class Harness:
             self.skipped[self.test] += 1
             return
         self.fill(case)
+        self.recorded_case = False
         if case.req.ByteSize() > HUGE_BYTES:
             if self.huge_sent[self.test] >= HUGE_CAP:
                 _cut_strings(case.req, 1024)  # bounded run: the case goes on, not huge
@@ -427,6 +450,7 @@ class Harness:
         if not self.alive():
             self.restart_after_death(case, 0)
         log_from = self._log_offset()
+        before = self.get_bank(case.bank) if case.keep and case.bank in self.banks else None
         code, resp, err = self.call(case.rpc, case.req, case.timeout)
         if not self.alive() or self.killed_for_rss:
             self.restart_after_death(case, log_from)
@@ -434,6 +458,8 @@ class Harness:
         self.check_status(case, code, resp, err, log_from)
         if code == grpc.StatusCode.OK:
             self.remember(case, resp)
+        if before is not None and code == grpc.StatusCode.OK:
+            self.check_kept(case, before, resp, log_from)
         if case.rpc == "UpsertBank" and code == grpc.StatusCode.OK and case.bank:
             self.banks.add(case.bank)
         if case.write and case.bank in self.banks and code in (
@@ -445,6 +471,24 @@ class Harness:
         rss = self.rss()
         if rss > RSS_BOUND:
             self.record(case, "rss", f"server RSS {rss / 2**30:.2f} GiB after the call", log_from)
+        if not self.recorded_case:
+            self.check_log(case, log_from)
+
+    def check_log(self, case: Case, log_from: int) -> None:
+        """No ERROR, traceback or dead-letter in the server log while a case ran (its
+        status was fine: a background failure, e.g. a projection that dead-lettered)."""
+        try:
+            with open(self.server.log, "rb") as f:
+                f.seek(log_from)
+                text = f.read(4 << 20).decode("utf-8", "replace")
+        except OSError:
+            return
+        for line in text.splitlines():
+            if re.search(r" (ERROR|CRITICAL) |dead-letter|^Traceback", line):
+                msg = re.sub(r"^[\d-]+ [\d:,]+ ", "", line)
+                self.record(case, "server-log", f"logged: {msg[:200]}", log_from,
+                            group=f"logged: {_norm(msg)}")
+                return
 
     def check_status(self, case: Case, code, resp, err, log_from: int) -> None:
         details = err.details() if err is not None else ""
@@ -457,11 +501,34 @@ class Harness:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return  # a short deadline passed: nothing else is promised
         bank_missing = case.bank is not None and case.bank not in self.banks
+        if case.partial and code != grpc.StatusCode.OK:
+            self.record(case, "per-item", f"retain of {len(case.req.items)} items, "
+                        f"{len(case.item_refusals)} invalid: answered {code.name}, not OK with "
+                        "item errors", log_from,
+                        group=f"valid and invalid items in one retain: answered {code.name}")
         if case.must_refuse and code not in REFUSED and not (
                 bank_missing and code == grpc.StatusCode.NOT_FOUND):
             self.record(case, "accepted-invalid",
                         f"{case.must_refuse}: answered {code.name}, not INVALID_ARGUMENT", log_from,
                         group=f"{_category(case.must_refuse)} malformed: answered {code.name}")
+
+    def get_bank(self, bank_id: str):
+        code, bank, _ = self.call("GetBank", banks_pb2.GetBankRequest(name=f"banks/{bank_id}"),
+                                  GENEROUS_S, "GetBank(property)")
+        return bank if code == grpc.StatusCode.OK else None
+
+    def check_kept(self, case: Case, before, after, log_from: int) -> None:
+        """UpdateBank (AIP-134): fields outside the update_mask keep their values, in the
+        answer and in a GetBank after it."""
+        stored = self.get_bank(case.bank)
+        for leaf in case.keep:
+            old = _leaf(before, leaf)
+            for label, bank in (("answer", after), ("GetBank", stored)):
+                if bank is not None and _leaf(bank, leaf) != old:
+                    self.record(case, "update-mask", f"{leaf} changed from {old!r:.60} to "
+                                f"{_leaf(bank, leaf)!r:.60} ({label}) though not in update_mask",
+                                log_from, group=f"a field outside update_mask changed ({leaf})")
+                    return
 
     def check_item_errors(self, case: Case, op, log_from: int) -> None:
         """An accepted retain names each invalid item in its operation's item errors."""
@@ -472,6 +539,11 @@ class Harness:
             self.record(case, "accepted-invalid", f"items[{missing[0]}].{why}: retain accepted "
                         "without an item error for it", log_from,
                         group=f"items[].{_category(why)} invalid: accepted without an item error")
+        if case.partial:
+            wrong = sorted(named - set(case.item_refusals))
+            if wrong:
+                self.record(case, "per-item", f"valid items {wrong} failed with the invalid ones",
+                            log_from, group="valid items of a mixed retain failed")
 
     def check_bad_request(self, case: Case, err, log_from: int) -> None:
         status = rpc_status.from_call(err)
@@ -500,7 +572,7 @@ class Harness:
             self.seen["operation"].append(resp.name)
         token = getattr(resp, "next_page_token", "")
         if token:
-            self.seen[f"token:{case.rpc}"].append(token)
+            self.seen[_token_key(case)].append(token)
         if case.rpc == "ListMemories":
             self.seen[f"memory:{case.bank}"] += [m.id for m in resp.memories]
         if case.rpc == "ListObservations":
@@ -563,6 +635,7 @@ class Harness:
                group: str | None = None) -> None:
         """Count a failure of ``kind`` under its class (``group``, default ``message``),
         keeping the smallest request of the class as its reproduction."""
+        self.recorded_case = True
         key = (case.rpc, kind, group or message)
         size = case.req.ByteSize()
         f = self.failures.get(key)

@@ -110,6 +110,19 @@ def timestamp():
     return st.tuples(seconds, nanos).map(build)
 
 
+def bad_timestamp():
+    """(Timestamp, why) for Timestamps outside the representable range only."""
+    return st.sampled_from([(MIN_S - 1, 0), (MAX_S + 1, 0), (0, -1), (1_700_000_000, 10**9),
+                            (2**62, 0), (-2**63, 0), (MAX_S, -5)]).map(
+        lambda t: (_ts(*t), f"seconds={t[0]} nanos={t[1]} out of range"))
+
+
+def rarely(strategy, otherwise):
+    """``strategy`` for about one draw in ten, else ``otherwise`` (request-level
+    invalid values kept rare, so most requests get past validation)."""
+    return st.integers(0, 9).flatmap(lambda i: strategy if i == 5 else otherwise)
+
+
 def maybe_timestamp():
     return st.one_of(st.none(), timestamp())
 
@@ -119,18 +132,19 @@ def deadline():
 
 
 def tags():
-    return st.one_of(st.lists(noise(12), max_size=5),
-                     st.sampled_from([100, 1000, 20000]).map(lambda n: [f"tag-{i}" for i in range(n)]))
+    return rarely(st.sampled_from([100, 1000, 20000]).map(lambda n: [f"tag-{i}" for i in range(n)]),
+                  st.lists(noise(12), max_size=5))
 
 
 def metadata():
-    return st.one_of(st.dictionaries(noise(12), noise(), max_size=4),
-                     st.sampled_from([100, 1000, 20000]).map(
-                         lambda n: {f"k{i}": f"v{i}" for i in range(n)}))
+    return rarely(st.sampled_from([100, 1000, 20000]).map(
+                      lambda n: {f"k{i}": f"v{i}" for i in range(n)}),
+                  st.dictionaries(noise(12), noise(), max_size=4))
 
 
 def page_size():
-    return st.sampled_from([0, 0, 0, 1, 2, 3, 10, 100, 1000, 0, 1001, 5000, 2**31 - 1, -1, -2**31])
+    return rarely(st.sampled_from([1001, 5000, 2**31 - 1, -1, -2**31]),
+                  st.sampled_from([0, 0, 1, 2, 3, 10, 100, 1000]))
 
 
 BAD_TOKEN_CHARS = "!* \n\x00%#@\u00e4\U0001F600"
@@ -235,7 +249,30 @@ def retain_item(draw):
 
 
 @st.composite
+def mixed_retain_case(draw):
+    """Valid items and invalid ones in one retain: the invalid fail alone (item errors),
+    the others are stored; never INVALID_ARGUMENT for the whole request."""
+    b = draw(st.sampled_from(FIXED_BANKS))
+    n = draw(st.integers(2, 5))
+    bad = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n - 1))
+    req = memory_pb2.RetainRequest(parent=f"banks/{b}")
+    refusals = {}
+    for i in range(n):
+        item = memory_pb2.RetainItem(content=draw(st.sampled_from(SENTENCES)), tags=["mixed"])
+        if i in bad:
+            ts, why = draw(bad_timestamp())
+            item.timestamp.CopyFrom(ts)
+            refusals[i] = f"timestamp: {why}"
+        req.items.append(item)
+    setattr(req, "async", draw(st.integers(0, 3)) == 2)
+    return Case("Retain", req, draw(deadline()), b, write=True, item_refusals=refusals,
+                partial=True)
+
+
+@st.composite
 def retain_case(draw):
+    if draw(st.integers(0, 5)) == 3:
+        return draw(mixed_retain_case())
     name, bank, why = draw(bank_name())
     req = memory_pb2.RetainRequest(parent=name)
     n = draw(st.sampled_from([1] * 6 + [2, 3, 0, 20, 100, 300]))
@@ -261,7 +298,7 @@ def retain_case(draw):
         else:
             setattr(item, where, value)
     setattr(req, "async", draw(st.integers(0, 3)) == 0)
-    req.request_id = draw(st.sampled_from(["", "", "", "r-1", "r-2"]) | noise(10))
+    req.request_id = draw(rarely(noise(10), st.sampled_from(["", "", "", "r-1", "r-2", "r-\u00e9"])))
     if draw(st.integers(0, 4)) == 0:
         req.observation_scopes.mode = draw(enum(5))
         for t in draw(st.lists(st.lists(noise(8), max_size=3), max_size=3)):
@@ -279,7 +316,8 @@ def recall_case(draw):
     if draw(st.booleans()):
         req.types.extend(draw(st.lists(enum(3), max_size=4)))
     req.budget = draw(enum(3))
-    req.max_tokens = draw(st.sampled_from([0, 0, 1, 50, 4096, 100_000, 0, 2**31 - 1, -1, -2**31]))
+    req.max_tokens = draw(rarely(st.sampled_from([2**31 - 1, -1, -2**31]),
+                                 st.sampled_from([0, 0, 1, 50, 4096, 100_000])))
     if draw(st.booleans()):
         req.tags.extend(draw(tags()))
     req.tags_match = draw(enum(5))
@@ -391,6 +429,7 @@ def get_case(draw):
 
 CONFIG_FIELDS = [f.name for f in resources_pb2.BankConfig.DESCRIPTOR.fields]
 GOOD_PATHS = ["display_name", "config", "*"] + [f"config.{f}" for f in CONFIG_FIELDS]
+LEAVES = ["display_name"] + [f"config.{f}" for f in CONFIG_FIELDS]
 BAD_PATHS = ["bogus", "config.bogus", "Display_Name", "config.", "display_name.x", "config..x",
              "\U0001F600", "display_name\n"]
 
@@ -436,9 +475,14 @@ def bank_write_case(draw):
         if draw(st.booleans()):
             req.update_mask.CopyFrom(field_mask_pb2.FieldMask(paths=paths))
         bad = [p for p in paths if p not in GOOD_PATHS]
+        keep: tuple[str, ...] = ()
         if bad and req.HasField("update_mask"):
             why = "; ".join(w for w in (why, f"update_mask: unknown path {bad[0]!r}") if w)
-        return Case("UpdateBank", req, draw(deadline()), bank, write=True, must_refuse=why)
+        elif paths and "*" not in paths and req.HasField("update_mask"):
+            keep = tuple(leaf for leaf in LEAVES if not any(
+                p == leaf or (p == "config" and leaf.startswith("config.")) for p in paths))
+        return Case("UpdateBank", req, draw(deadline()), bank, write=True, must_refuse=why,
+                    keep=keep)
     req = banks_pb2.UpsertBankRequest(bank=b)
     if draw(st.integers(0, 15)) == 7:
         req = banks_pb2.UpsertBankRequest()
@@ -482,6 +526,11 @@ RETAIN_EXAMPLES = [
     _retain("Alice likes jasmine tea.", document_id="doc\x00nul"),
     _retain("我昨天搬到了北京。"),
     _retain("Alice likes tea. " * 60_000),  # ~1 MB of content
+    Case("Retain", memory_pb2.RetainRequest(parent="banks/fuzz-b", items=[
+        memory_pb2.RetainItem(content="Gina moved to Oslo."),
+        memory_pb2.RetainItem(content="x" * (3 << 20)),
+        memory_pb2.RetainItem(content="Hank sold his boat.")]),
+        bank="fuzz-b", write=True, partial=True, item_refusals={1: "content: 3 MiB"}),
 ]
 OTHER_EXAMPLES = {
     "recall": [
