@@ -89,9 +89,9 @@ class BankConfig:
 @dataclass(frozen=True)
 class Bank:
     """An isolated memory space; ``bank_id`` is a slug matching :data:`BANK_ID_RE`.
-    ``incarnation`` identifies this life of the bank (the id of the event that created
-    it): a bank deleted and created again is a new incarnation, so its operations and
-    idempotency keys start afresh."""
+    ``incarnation`` numbers this life of the bank id ("1" for the first creation, "2"
+    after one deletion and re-creation, …; "" when unknown): a bank created again is a
+    new incarnation, so its operations and idempotency keys start afresh."""
 
     bank_id: str
     display_name: str = ""

@@ -45,7 +45,7 @@ def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutR
     if isinstance(m, ev.BankUpserted):
         catalog.upsert_bank(m.bank_id, m.display_name,
                             codec.bank_config_from_pb(m.config if m.HasField("config") else None),
-                            at, incarnation=env.id, mask=tuple(m.update_mask))
+                            at, mask=tuple(m.update_mask))
     elif isinstance(m, ev.BankDeleted):
         catalog.delete_bank(m.bank_id)
     elif isinstance(m, ev.RetainRequested):
@@ -175,8 +175,8 @@ class Ingest:
         if len(bad) == len(items):
             violations = [v for i in sorted(bad) for v in bad[i]]
             raise InvalidArgument(*violations[0], *violations[1:])
-        # Banks projected before incarnations existed keep their old keys.
-        scope = (bank_id, bank.incarnation) if bank.incarnation else (bank_id,)
+        # The first incarnation keeps the key of banks made before incarnations existed.
+        scope = (bank_id,) if bank.incarnation in ("", "1") else (bank_id, bank.incarnation)
         op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
         if request_id and (known := self.catalog.get_operation(op_id)) is not None:
             return self._finish(op_id, None, bank_id, "retain", known.items_total, wait, timeout)

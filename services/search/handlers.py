@@ -125,7 +125,7 @@ def project_banks(env, record: Record, *, catalog) -> list[OutRecord]:
     if isinstance(m, ev.BankUpserted):
         at = env.time.timestamp() if env.time else record.timestamp
         catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(
-            m.config if m.HasField("config") else None), at, incarnation=env.id,
+            m.config if m.HasField("config") else None), at,
             mask=tuple(m.update_mask))
     elif isinstance(m, ev.BankDeleted):
         catalog.delete_bank(m.bank_id)

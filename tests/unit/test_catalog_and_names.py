@@ -41,11 +41,13 @@ def test_operation_progress_never_reverts_a_terminal_state(tmp_path):
 
 def test_deleting_a_bank_deletes_its_operations_and_ignores_their_late_progress():
     c = SqliteCatalog(":memory:")
-    c.upsert_bank("b", "", BankConfig(), 1, incarnation="first")
+    c.upsert_bank("b", "", BankConfig(), 1)
+    c.upsert_bank("b", "", BankConfig(), 1.5)  # an upsert of a live bank: same incarnation
+    assert c.get_bank("b").incarnation == "1"
     c.put_operation(Operation("op", "b", "retain", created_at=1, updated_at=1))
     c.delete_bank("b")
-    c.upsert_bank("b", "", BankConfig(), 2, incarnation="second")
-    assert c.get_bank("b").incarnation == "second"
+    c.upsert_bank("b", "", BankConfig(), 2)
+    assert c.get_bank("b").incarnation == "2"
     c.update_operation(Operation("op", "b", "retain", "succeeded", created_at=3, updated_at=3))
     c.put_operation(Operation("op", "b", "retain", created_at=3, updated_at=3))
     assert c.get_operation("op") is None and c.list_operations("b", 10) == []
@@ -53,14 +55,14 @@ def test_deleting_a_bank_deletes_its_operations_and_ignores_their_late_progress(
 
 def test_masked_upsert_changes_only_the_named_fields_and_never_creates():
     c = SqliteCatalog(":memory:")
-    c.upsert_bank("b", "Old", BankConfig(retain_mission="keep", skepticism=5), 1, incarnation="i")
+    c.upsert_bank("b", "Old", BankConfig(retain_mission="keep", skepticism=5), 1)
     c.upsert_bank("b", "New", BankConfig(), 2, mask=("display_name",))
     b = c.get_bank("b")
     assert (b.display_name, b.config.retain_mission, b.config.skepticism) == ("New", "keep", 5)
     c.upsert_bank("b", "", BankConfig(empathy=1), 3, mask=("config.empathy",))
     b = c.get_bank("b")
     assert (b.display_name, b.config.empathy, b.config.retain_mission, b.incarnation) == (
-        "New", 1, "keep", "i")
+        "New", 1, "keep", "1")
     c.upsert_bank("ghost", "x", BankConfig(), 4, mask=("display_name",))
     assert c.get_bank("ghost") is None
 
@@ -86,3 +88,21 @@ def test_names_parse():
             operation_of(f"operations/{bad}")
         with pytest.raises(InvalidArgument):
             memory_of(f"banks/b1/memories/{bad}")
+
+
+def test_a_bank_from_before_generations_is_reborn_as_the_second(tmp_path):
+    import sqlite3
+    path = str(tmp_path / "old.db")
+    c = SqliteCatalog(path)
+    c.upsert_bank("b", "", BankConfig(), 1)
+    c.close()
+    db = sqlite3.connect(path)  # as an older release left it: no generation counted
+    db.execute("DELETE FROM bank_generations")
+    db.execute("UPDATE banks SET incarnation=''")
+    db.commit()
+    db.close()
+    c = SqliteCatalog(path)
+    assert c.get_bank("b").incarnation == ""
+    c.delete_bank("b")
+    c.upsert_bank("b", "", BankConfig(), 2)
+    assert c.get_bank("b").incarnation == "2"

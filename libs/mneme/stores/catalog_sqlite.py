@@ -27,6 +27,8 @@ CREATE TABLE IF NOT EXISTS operations (
 CREATE INDEX IF NOT EXISTS operations_bank ON operations (bank_id, created_at);
 -- Operations of deleted banks: late progress of one never brings it back.
 CREATE TABLE IF NOT EXISTS deleted_operations (operation_id TEXT PRIMARY KEY);
+-- How many times each bank id was created (kept when the bank is deleted).
+CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
 """
 
 TERMINAL = ("succeeded", "failed")
@@ -79,12 +81,14 @@ class SqliteCatalog:
 
     # ---- banks ----
     def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
-                    incarnation: str = "", mask: tuple[str, ...] = ()) -> None:
-        """Create the bank (``incarnation``: the id of the event that created it, so
-        idempotency keys of a deleted and recreated bank never collide) or change it.
-        An empty ``mask`` replaces name and config; otherwise only the fields it names
-        change ("display_name", "config.<field>"), and a bank that does not exist is left
-        absent (an update never creates)."""
+                    mask: tuple[str, ...] = ()) -> None:
+        """Create the bank or change it. A bank created again after a deletion is a new
+        incarnation (:attr:`mneme.domain.Bank.incarnation`: 1, 2, … per creation of the
+        id, counted from the log, so every projection and every replay agree), so its
+        idempotency keys never collide with the old one's. An empty ``mask`` replaces
+        name and config; otherwise only the fields it names change ("display_name",
+        "config.<field>"), and a bank that does not exist is left absent (an update never
+        creates)."""
         with self._lock:
             row = self._db.execute("SELECT display_name, config FROM banks WHERE bank_id=?",
                                    (bank_id,)).fetchone()
@@ -100,6 +104,14 @@ class SqliteCatalog:
                 config_json = json.dumps(merged)
             else:
                 config_json = json.dumps(asdict(config))
+            incarnation = ""
+            if row is None:
+                gen = self._db.execute("SELECT generation FROM bank_generations WHERE bank_id=?",
+                                       (bank_id,)).fetchone()
+                n = (gen[0] if gen else 0) + 1
+                self._db.execute("INSERT OR REPLACE INTO bank_generations VALUES (?,?)",
+                                 (bank_id, n))
+                incarnation = str(n)
             self._db.execute(
                 f"INSERT INTO banks ({_BANK_COLUMNS}) VALUES (?,?,?,?,?,?) ON CONFLICT(bank_id) "
                 "DO UPDATE SET display_name=excluded.display_name, config=excluded.config, "
@@ -110,6 +122,8 @@ class SqliteCatalog:
         """Delete the bank and its operations (they belong to this incarnation only)."""
         with self._lock:
             self._db.execute("DELETE FROM banks WHERE bank_id=?", (bank_id,))
+            # A bank made before generations were counted was its first incarnation.
+            self._db.execute("INSERT OR IGNORE INTO bank_generations VALUES (?, 1)", (bank_id,))
             self._db.execute("INSERT OR IGNORE INTO deleted_operations "
                              "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
@@ -181,6 +195,7 @@ class SqliteCatalog:
             self._db.execute("DELETE FROM banks")
             self._db.execute("DELETE FROM operations")
             self._db.execute("DELETE FROM deleted_operations")
+            self._db.execute("DELETE FROM bank_generations")
 
     def close(self) -> None:
         with self._lock:
