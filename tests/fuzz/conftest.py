@@ -36,11 +36,13 @@ from tests.e2e.server import Server
 #: A deadline at least this long is "generous": DEADLINE_EXCEEDED under it is a server bug.
 GENEROUS_S = 30.0
 #: The server's RSS (summed over its process tree) must stay under this.
-RSS_BOUND = 2 << 30
+RSS_BOUND = int(os.environ.get("MNEME_FUZZ_RSS_BOUND", 2 << 30))
 #: Requests bigger than this count as huge; each test sends at most HUGE_CAP of them
 #: (beyond that a case's long strings are cut to 1 KiB).
 HUGE_BYTES = 256 << 10
 HUGE_CAP = 4
+#: Fresh servers started after the first one died or was killed, at most.
+MAX_RESTARTS = 3
 #: Fixed banks created at start; most generated requests address them.
 FIXED_BANKS = ("fuzz-a", "fuzz-b")
 #: Document ids the seed retains use; generated retains and deletes draw from them too.
@@ -292,6 +294,8 @@ class Harness:
         self.killed_for_rss = 0
         self.huge_sent: Counter = Counter()  # per test
         self.recorded_case = False
+        self.dead = False
+        self.stop_s = 0.0
         self.skipped: Counter = Counter()
         self.test = ""
         self.started = time.monotonic()
@@ -312,8 +316,15 @@ class Harness:
         self.stubs = {cls: cls(self.channel) for cls, _ in RPCS.values()}
         self.banks = set()
         self.seen = defaultdict(list)
-        for b in FIXED_BANKS:
-            self.make_fixed_bank(b)
+        try:
+            for b in FIXED_BANKS:
+                self.make_fixed_bank(b)
+        except grpc.RpcError as e:  # leave no server behind
+            log = self.server.log
+            self.kill_tree()
+            self.stop_server()
+            raise RuntimeError(f"fixed banks not created ({e.code().name}: {e.details()}); "
+                               f"server log:\n{log.read_text(errors='replace')[-3000:]}") from None
 
     def make_fixed_bank(self, bank_id: str) -> None:
         stub = self.stubs[banks_pb2_grpc.BankServiceStub]
@@ -369,7 +380,9 @@ class Harness:
             self.channel.close()
         if self.server:
             children = self.tree()[1:]
+            t0 = time.monotonic()
             self.server.stop(timeout=30)
+            self.stop_s = time.monotonic() - t0
             for p in children:  # a child left behind is the server's bug, not ours to keep
                 try:
                     if p.is_running():
@@ -379,17 +392,26 @@ class Harness:
         self.server = None
 
     def restart_after_death(self, case: Case, log_from: int) -> None:
+        """Record why the server is gone (RSS kill or death) and start a fresh one, at
+        most MAX_RESTARTS times; after that the remaining cases are not sent."""
         rss, self.killed_for_rss = self.killed_for_rss, 0
         if rss:
-            msg = f"server RSS {rss / 2**30:.2f} GiB over the {RSS_BOUND / 2**30:.0f} GiB bound (killed)"
-            kind = "rss"
+            msg = f"server RSS {rss >> 20} MiB over the {RSS_BOUND >> 20} MiB bound (killed)"
+            group, kind = f"server RSS over the {RSS_BOUND >> 20} MiB bound (killed)", "rss"
         else:
             rc = self.server.proc.poll() if self.server and self.server.proc else None
             msg, kind = f"server process died (exit {rc})", "died"
-        self.record(case, kind, msg, log_from)
+            group = msg
+        self.record(case, kind, msg, log_from, group=group)
         self.kill_tree()
         self.stop_server()
-        self.start()
+        if self.generation > MAX_RESTARTS:
+            self.dead = True
+            return
+        try:
+            self.start()
+        except RuntimeError:
+            self.dead = True
 
     # ---- calls ------------------------------------------------------------------------
     def _log_offset(self) -> int:
@@ -439,6 +461,10 @@ class Harness:
         if time.monotonic() > budget_end:
             self.skipped[self.test] += 1
             return
+        if self.dead:
+            self.skipped["server gone (restarts exhausted)"] += 1
+            self.record(case, "died", "no server: restarts exhausted, case not sent", 0)
+            return
         self.fill(case)
         self.recorded_case = False
         if case.req.ByteSize() > HUGE_BYTES:
@@ -449,6 +475,8 @@ class Harness:
                 self.huge_sent[self.test] += 1
         if not self.alive():
             self.restart_after_death(case, 0)
+            if self.dead:
+                return
         log_from = self._log_offset()
         before = self.get_bank(case.bank) if case.keep and case.bank in self.banks else None
         code, resp, err = self.call(case.rpc, case.req, case.timeout)
@@ -697,7 +725,7 @@ def fuzz(tmp_path_factory):
         yield h
     finally:
         h.close()
-        report = h.summary()
+        report = h.summary() + f"\n  SIGTERM to exit of the last server: {h.stop_s:.1f}s"
         detail = "\n\n".join(h.failures[k].render() for k in h.order)
         path = Path(os.environ.get("MNEME_FUZZ_REPORT") or h.root / "report.txt")
         path.write_text(report + "\n\n" + detail + "\n")
