@@ -676,6 +676,81 @@ class Harness:
         else:
             f.count += 1
 
+    # ---- restart ----------------------------------------------------------------------
+    def all_memory_ids(self, bank_id: str, case: Case) -> set[str] | None:
+        """Every memory id of the bank through ListMemories pages (None when a page
+        failed, recorded); a token the server just issued must be accepted."""
+        ids, token = set(), ""
+        for _ in range(100):
+            req = memory_pb2.ListMemoriesRequest(parent=f"banks/{bank_id}", page_size=500,
+                                                 page_token=token)
+            code, resp, err = self.call("ListMemories", req, GENEROUS_S, "ListMemories(restart)")
+            if code != grpc.StatusCode.OK:
+                self.record(case, "restart", f"ListMemories page {'2+' if token else 1}: "
+                            f"{code.name}: {_norm(err.details() or '')}", self._log_offset())
+                return None
+            ids |= {m.id for m in resp.memories}
+            token = resp.next_page_token
+            if not token:
+                return ids
+        return ids
+
+    def quiet(self, timeout: float = 60.0) -> list[str]:
+        """Wait until no bank has a pending operation; the banks still pending."""
+        end = time.monotonic() + timeout
+        pending = sorted(self.banks)
+        while pending and time.monotonic() < end:
+            still = []
+            for b in pending:
+                code, st, _ = self.call("GetBankStats", banks_pb2.GetBankStatsRequest(
+                    name=f"banks/{b}"), GENEROUS_S, "GetBankStats(restart)")
+                if code == grpc.StatusCode.OK and st.pending_operations > 0:
+                    still.append(b)
+            pending = still
+            if pending:
+                time.sleep(0.5)
+        return pending
+
+    def check_restart(self) -> None:
+        """SIGTERM and restart on the same data dir: every bank keeps its memories and
+        answers Recall."""
+        if self.dead or not self.alive():
+            return
+        case = Case("Restart", memory_pb2.ListMemoriesRequest())
+        pending = self.quiet()
+        if pending:
+            self.record(case, "op", f"operations still pending 60s after the last request "
+                        f"in banks {pending[:5]}", 0, group="operations still pending at the end")
+        before = {b: self.all_memory_ids(b, Case("ListMemories", case.req, bank=b))
+                  for b in sorted(self.banks)}
+        srv = self.server
+        self.channel.close()
+        t0 = time.monotonic()
+        srv.stop(timeout=30)
+        self.stop_s = time.monotonic() - t0
+        srv.start()
+        self.channel = grpc.insecure_channel(srv.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)])
+        self.stubs = {cls: cls(self.channel) for cls, _ in RPCS.values()}
+        for b, ids in before.items():
+            c = Case("ListMemories", memory_pb2.ListMemoriesRequest(parent=f"banks/{b}"), bank=b)
+            code, _, err = self.call("GetBank", banks_pb2.GetBankRequest(name=f"banks/{b}"),
+                                     GENEROUS_S, "GetBank(restart)")
+            if code != grpc.StatusCode.OK:
+                self.record(c, "restart", f"GetBank after restart: {code.name}", 0)
+                continue
+            after = self.all_memory_ids(b, c)
+            if ids is not None and after is not None and after != ids:
+                self.record(c, "restart", f"memories changed across a restart: {len(ids)} "
+                            f"before, {len(after)} after ({len(ids - after)} lost)", 0,
+                            group="memories changed across a restart")
+            code, _, err = self.call("Recall", recall_pb2.RecallRequest(
+                parent=f"banks/{b}", query="what happened?"), GENEROUS_S, "Recall(restart)")
+            if code != grpc.StatusCode.OK:
+                self.record(c, "restart", f"Recall after restart: {code.name}: "
+                            f"{_norm(err.details() or '')}", 0)
+
     # ---- per test ---------------------------------------------------------------------
     def begin(self, test: str) -> set:
         self.test = test
