@@ -28,9 +28,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc,
-                      observations_pb2, observations_pb2_grpc, operations_pb2,
-                      operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
-                      reflect_pb2_grpc, resources_pb2)
+                      observations_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
+                      recall_pb2_grpc, reflect_pb2_grpc, resources_pb2)
 from tests.e2e.server import Server
 
 #: A deadline at least this long is "generous": DEADLINE_EXCEEDED under it is a server bug.
@@ -717,10 +716,12 @@ class Harness:
         if self.dead or not self.alive():
             return
         case = Case("Restart", memory_pb2.ListMemoriesRequest())
+        log_from = self._log_offset()
         pending = self.quiet()
         if pending:
             self.record(case, "op", f"operations still pending 60s after the last request "
-                        f"in banks {pending[:5]}", 0, group="operations still pending at the end")
+                        f"in banks {pending[:5]}", log_from,
+                        group="operations still pending at the end")
         before = {b: self.all_memory_ids(b, Case("ListMemories", case.req, bank=b))
                   for b in sorted(self.banks)}
         srv = self.server
