@@ -77,6 +77,46 @@ _locks: dict[str, threading.RLock] = {"default": threading.RLock(), "query": thr
 _SLICE = 64
 
 
+#: Longest run of non-space characters the spaCy tokenizer splits. Its prefix and suffix
+#: search re-slices the rest of a run per character it splits off (cost grows with the
+#: square of the run: 8,000 emoji took ~7 s), and the pipeline's cost grows with the
+#: tokens a run yields (one per emoji or CJK character); no word is that long.
+MAX_RUN_CHARS = 100
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
+
+
+class BoundedTokenizer:
+    """Wraps a spaCy tokenizer so its cost stays linear in the text and the token count
+    bounded by it: a run of more than :data:`MAX_RUN_CHARS` non-space characters (emoji,
+    a CJK paragraph, a pasted blob) becomes opaque tokens of that many characters instead
+    of one token per character, joined to the rest with ``Doc.from_docs`` so the Doc's
+    text is exactly the input (fact texts and offsets are unchanged). Such runs yield no
+    entities (none of them is a name). Text without one goes straight to the wrapped
+    tokenizer."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, text: str):
+        if not _LONG_RUN.search(text):
+            return self.inner(text)
+        from spacy.tokens import Doc
+        docs, at = [], 0
+        for m in _LONG_RUN.finditer(text):
+            if m.start() > at:
+                docs.append(self.inner(text[at:m.start()]))
+            words = [text[i:min(i + MAX_RUN_CHARS, m.end())]
+                     for i in range(m.start(), m.end(), MAX_RUN_CHARS)]
+            docs.append(Doc(self.inner.vocab, words=words, spaces=[False] * len(words)))
+            at = m.end()
+        if at < len(text):
+            docs.append(self.inner(text[at:]))
+        return Doc.from_docs(docs, ensure_whitespace=False)
+
+    def __getattr__(self, name: str):  # rules, vocab, pipe … of the wrapped tokenizer
+        return getattr(self.inner, name)
+
+
 def nlp(name: str = "default"):
     """The process-wide spaCy ``Language`` (loaded on first call, ~2 s). ``name`` selects
     an independent copy: ``"query"`` serves :class:`QueryAnalyzer`, so recall never
@@ -94,6 +134,7 @@ def nlp(name: str = "default"):
                     import importlib
 
                     model = importlib.import_module(MODEL_PACKAGE).load()
+                model.tokenizer = BoundedTokenizer(model.tokenizer)
                 _pipelines[name] = model
                 _locks.setdefault(name, threading.RLock())
     return model
