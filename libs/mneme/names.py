@@ -27,13 +27,19 @@ def check_bank_id(bank_id: str, field: str = "bank_id") -> str:
     return bank_id
 
 
+def _bank_child(name: str, collection: str, what: str, field: str) -> tuple[str, str]:
+    """``banks/{bank_id}/{collection}/{uuid}`` → (bank_id, uuid); InvalidArgument naming
+    ``field`` for anything else."""
+    parts = (name or "").split("/")
+    if len(parts) != 4 or parts[0] != "banks" or parts[2] != collection or not parts[3]:
+        raise InvalidArgument(field, f"must be 'banks/{{bank_id}}/{collection}/{{{what}_id}}'")
+    check_bank_id(parts[1], field)
+    return parts[1], check_uuid(parts[3], field, f"{what} id")
+
+
 def memory_of(name: str, field: str = "name") -> tuple[str, str]:
     """``banks/{bank_id}/memories/{memory_id}`` → (bank_id, memory_id)."""
-    parts = (name or "").split("/")
-    if len(parts) != 4 or parts[0] != "banks" or parts[2] != "memories" or not parts[3]:
-        raise InvalidArgument(field, "must be 'banks/{bank_id}/memories/{memory_id}'")
-    check_bank_id(parts[1], field)
-    return parts[1], check_uuid(parts[3], field, "memory id")
+    return _bank_child(name, "memories", "memory", field)
 
 
 def check_uuid(value: str, field: str, what: str = "id") -> str:
@@ -51,11 +57,7 @@ def check_uuid(value: str, field: str, what: str = "id") -> str:
 
 def observation_of(name: str, field: str = "name") -> tuple[str, str]:
     """``banks/{bank_id}/observations/{observation_id}`` → (bank_id, observation_id)."""
-    parts = (name or "").split("/")
-    if len(parts) != 4 or parts[0] != "banks" or parts[2] != "observations" or not parts[3]:
-        raise InvalidArgument(field, "must be 'banks/{bank_id}/observations/{observation_id}'")
-    check_bank_id(parts[1], field)
-    return parts[1], check_uuid(parts[3], field, "observation id")
+    return _bank_child(name, "observations", "observation", field)
 
 
 def operation_of(name: str, field: str = "name") -> str:

@@ -65,6 +65,17 @@ class Server:
                 self.proc.wait()
         self.proc = None
 
+    def replay(self) -> None:
+        """Stop the server, run ``mneme replay`` on its data dir (asserting success), and
+        start it again."""
+        self.stop()
+        mneme = Path(sys.executable).with_name("mneme")
+        out = subprocess.run([str(mneme), "replay", "--data-dir", str(self.data_dir)],
+                             capture_output=True, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", **self.env})
+        assert out.returncode == 0, out.stderr
+        self.start()
+
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs."""
         if self.proc:

@@ -9,10 +9,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
@@ -115,11 +112,7 @@ def test_replay_reproduces_revisions_without_deciding_again(server):
     with server.client() as m:
         before = {b: [o.SerializeToString(deterministic=True) for o in m.list_observations(b)]
                   for b in banks}
-    server.stop()
-    out = subprocess.run([str(Path(sys.executable).with_name("mneme")), "replay",
-                          "--data-dir", str(server.data_dir)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    server.start()
+    server.replay()
     with server.client() as m:
         assert {b: [o.SerializeToString(deterministic=True) for o in m.list_observations(b)]
                 for b in banks} == before

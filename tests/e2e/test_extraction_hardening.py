@@ -5,10 +5,7 @@ entities; both survive ``mneme replay`` unchanged."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
@@ -103,11 +100,7 @@ def test_cjk_sentences_have_no_sentence_long_entities(server):
 def test_replay_keeps_entity_ids_and_cjk_keyword_hits(server):
     with server.client() as m:
         before = {b: _entity_ids(m, b) for b in ("names", "cjk")}
-    server.stop()
-    out = subprocess.run([str(Path(sys.executable).with_name("mneme")), "replay",
-                          "--data-dir", str(server.data_dir)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    server.start()
+    server.replay()
     with server.client() as m:
         assert {b: _entity_ids(m, b) for b in ("names", "cjk")} == before
         want = _by_key(m, "cjk")["zh1"].id

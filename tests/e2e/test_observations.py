@@ -174,11 +174,7 @@ def test_replay_reproduces_observations_byte_for_byte(server):
         banks = ["loco", "evolve", "scopes", "life"]
         before = {b: [o.SerializeToString(deterministic=True) for o in m.list_observations(b)]
                   for b in banks}
-    server.stop()
-    out = subprocess.run([str(Path(sys.executable).with_name("mneme")), "replay",
-                          "--data-dir", str(server.data_dir)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    server.start()
+    server.replay()
     with server.client() as m:
         after = {b: [o.SerializeToString(deterministic=True) for o in m.list_observations(b)]
                  for b in banks}

@@ -196,3 +196,19 @@ def test_a_vllm_server_through_hosted_vllm(stub):
     (req,) = stub.chat_requests()
     assert req.path == "/v1/chat/completions" and req.body["model"] == "Qwen/Qwen2.5-7B-Instruct"
     assert req.body["response_format"]["json_schema"]["schema"] == SCHEMA
+
+
+def test_a_served_requests_deadline_bounds_every_model_call(stub, gateway):
+    from mneme import deadline
+    from mneme.errors import Cancelled, DeadlineExceeded
+    stub.on("chat", chat({"x": 1}), delay(3.0, chat({"x": 1})))
+    gateway.complete("reflect", MSGS)  # litellm imported, connection made
+    with deadline.bind(deadline.Deadline.after(0.5)):
+        with pytest.raises(DeadlineExceeded):  # the attempt's timeout is what was left
+            gateway.complete("reflect", MSGS)
+    before = len(stub.chat_requests())
+    assert before == 2  # one attempt, no retry once the caller's time is up
+    with deadline.bind(deadline.Deadline(None, lambda: False)):  # the caller has gone
+        with pytest.raises(Cancelled):
+            gateway.complete("reflect", MSGS)
+    assert len(stub.chat_requests()) == before  # no attempt was made

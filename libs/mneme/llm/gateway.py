@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from mneme import telemetry
+from mneme.deadline import current as current_deadline
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.llm.settings import Endpoint, LlmSettings
@@ -260,7 +261,11 @@ class LlmGateway:
         timeout = timeout or st.llm_timeout_s
         usage = Usage(model=ep.model)
         attempt = 0
+        call = current_deadline()  # the gRPC caller's, when a request is being served
         while True:
+            call.check(f"{operation} model call")  # the caller stopped waiting: no attempt
+            left = call.remaining()
+            attempt_timeout = timeout if left is None else max(0.001, min(timeout, left))
             t0 = time.monotonic()
             try:
                 with telemetry.span(f"llm {operation}", telemetry.SpanKind.CLIENT,
@@ -269,9 +274,9 @@ class LlmGateway:
                                     mneme__llm__attempt=attempt + 1):
                     if hold:
                         with self._sem:
-                            result = fn(timeout)
+                            result = fn(attempt_timeout)
                     else:
-                        result = fn(timeout)
+                        result = fn(attempt_timeout)
                 usage.calls += 1
                 usage.latency_s += time.monotonic() - t0
                 return result, usage
@@ -295,7 +300,8 @@ class LlmGateway:
                 METRICS.add("mneme.llm.retries", operation=operation, reason=reason)
                 log.info("%s call to %s: %s, retry %d in %.1fs", operation, ep.model, reason,
                          attempt + 1, backoff)
-                self._sleep(backoff)
+                left = call.remaining()
+                self._sleep(backoff if left is None else min(backoff, left))
                 attempt += 1
 
     def _account(self, operation: str, ep: Endpoint, usage: Usage, response) -> None:
