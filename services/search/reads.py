@@ -27,6 +27,9 @@ def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token
     after = paging.decode_token(page_token, kind)
     try:
         facts, nxt = vectors.scroll(bank_id, size, after, filters)
-    except ValueError:  # a well-formed token the store did not issue
+    except ValueError:
+        if after is None:  # not the token's fault: never blame a field the caller left empty
+            raise
+        # a well-formed token the store did not issue
         raise InvalidArgument("page_token", "not a token this API returned") from None
     return facts, paging.encode_token(kind, nxt) if nxt else ""
