@@ -135,7 +135,10 @@ class OnnxEmbedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         # Sort by length so each batch pads to similar lengths (same results, less work).
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        from mneme.deadline import current
+        call = current()  # a stopping consumer or a gone caller ends the work here
         for b in range(0, len(order), self.batch_size):
+            call.check("embedding")
             idx = order[b:b + self.batch_size]
             encs = tok.encode_batch([texts[i] or " " for i in idx])
             width = max(len(e.ids) for e in encs)

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Iterable, Sequence
 
 from mneme.cjk import has_unspaced_script
+from mneme.deadline import current as current_deadline
 from mneme.domain import TimeWindow, entity_key
 
 __all__ = ["nlp", "parse", "parse_many", "entity_mentions", "QueryAnalyzer",
@@ -154,7 +155,9 @@ def parse_many(texts: Sequence[str], batch_size: int = 64, pipeline: str = "defa
         return []
     model = nlp(pipeline)
     out: list = []
+    call = current_deadline()  # a stopping consumer or a gone caller ends the work here
     for i in range(0, len(texts), _SLICE):
+        call.check("text analysis")
         with _locks[pipeline]:
             out.extend(model.pipe(texts[i:i + _SLICE], batch_size=batch_size))
     return out

@@ -23,6 +23,7 @@ from typing import Callable
 
 from mneme.bus import codec
 from mneme.domain import BankConfig, derive_id
+from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
 from services.consolidation import engine
@@ -189,6 +190,8 @@ class Consolidator:
                 try:
                     touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause, cfg)
                     change.decided_by = "llm"
+                except Cancelled:  # the process is stopping: decide again after the restart
+                    raise
                 except Exception as e:  # the model failed: decide offline, say so in the log
                     log.warning("consolidation model failed (%r); deciding offline", e)
                     touched = []

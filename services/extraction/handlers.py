@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from mneme import telemetry
 from mneme.bus import codec
 from mneme.domain import derive_id
+from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Embedder, OutRecord, Record
 from services.extraction.llm import ExtractionIncomplete
@@ -133,12 +134,16 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
         facts = e.facts
         failures = [ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
                     for i, f in sorted(e.failures.items())]
+    except Cancelled:  # the process is stopping: the event is handled again on restart
+        raise
     except Exception:  # one bad item must not sink the batch: retry item by item
         log.exception("batch extraction failed; retrying per item")
         facts = []
         for i, item in enumerate(items):
             try:
                 facts.extend(extractor.extract(m.bank_id, item, i, source_id))
+            except Cancelled:
+                raise
             except Exception as e:
                 failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
     return facts, failures

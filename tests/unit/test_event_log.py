@@ -758,3 +758,32 @@ def test_a_sync_wait_ends_at_once_when_the_log_is_found_damaged():
     with pytest.raises(Unavailable, match="truncated"):
         ingest._wait(lambda: False, 30, "retain")
     assert time.monotonic() - t < 1
+
+
+def test_stop_cancels_a_long_handler_and_leaves_its_record_for_the_next_start(elog):
+    from mneme import deadline
+    from mneme.errors import Cancelled
+    started, calls = threading.Event(), []
+
+    def slow(env, record):  # a long extraction: checks the call between its steps
+        calls.append(record.offset)
+        started.set()
+        for _ in range(600):
+            deadline.current().check("step")
+            time.sleep(0.05)
+        return []
+
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1"), bank_id="b1",
+                        source="t")])
+    c = Consumer(elog, "search", [MEMORY], slow, max_attempts=3, backoff=0.001)
+    c.start()
+    assert started.wait(10)
+    assert c.stop(timeout=5)  # not the handler's 30 s
+    assert c.stats["dead_lettered"] == 0 and all_records(elog, DLQ) == []
+    assert sum(elog.committed("search", MEMORY, p) for p in range(elog.partitions(MEMORY))) == 0
+    done = Consumer(elog, "search", [MEMORY], lambda env, rec: [])
+    done.run_once()  # handled again after the restart
+    assert sum(elog.committed("search", MEMORY, p) for p in range(elog.partitions(MEMORY))) == 1
+    with pytest.raises(Cancelled):
+        with deadline.bind(deadline.Deadline(None, lambda: False)):
+            deadline.current().check()

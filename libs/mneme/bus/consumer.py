@@ -53,10 +53,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from google.protobuf.message import Message
 
-from mneme import telemetry
+from mneme import deadline, telemetry
 from mneme.bus import DLQ, StaleCommitError, default_partitions
 from mneme.bus.codec import Envelope, decode, encode, format_time
 from mneme.domain import derive_id
+from mneme.errors import Cancelled
 from mneme.ports import EventLog, OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,7 @@ class Consumer:
         self.backoff_max = backoff_max
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
+        self._until_stopped = deadline.Deadline(None, lambda: not self._stop.is_set())
         #: False: commit offsets only, produce nothing, dead letters included (replay:
         #: everything the handlers would produce is on the log already).
         self.produce = True
@@ -499,6 +501,8 @@ class Consumer:
                             if not self._commit(topic, partition, next_off, outputs):
                                 return handled
                             base, outputs = next_off, []
+                        if isinstance(exc, Cancelled) and self._stop.is_set():
+                            return handled  # stopped mid-record: left uncommitted
                         outs = self._retry(env, rec, exc)
                         if outs is None:  # stop requested while backing off
                             return handled
@@ -514,7 +518,9 @@ class Consumer:
     def _call(self, env: Envelope, rec: Record) -> list[OutRecord]:
         # A span per record, child of the record's traceparent: what the handler appends
         # (its outputs, encoded inside the span) carries this span's context onwards.
-        with telemetry.consume_span(self.group, rec, env):
+        # Long handlers see the stop request as a cancelled call (mneme.deadline.current):
+        # they stop between steps, and the record is handled again on the next start.
+        with telemetry.consume_span(self.group, rec, env), deadline.bind(self._until_stopped):
             result = self.handler(env, rec)
         outs = list(result or [])
         for o in outs:  # a bad output must fail the handler, not the commit, forever
@@ -541,6 +547,8 @@ class Consumer:
             try:
                 return self._call(env, rec)
             except Exception as again:
+                if isinstance(again, Cancelled) and self._stop.is_set():
+                    return None
                 exc = again
         return self._dead_letter(rec, exc, attempts=self.max_attempts, env=env)
 
