@@ -57,8 +57,6 @@ _SCOPE = "mneme"
 _lock = threading.Lock()
 _state: dict = {}
 _consumers: "weakref.WeakSet" = weakref.WeakSet()
-#: The last lag each consumer reported, served when a scrape cannot read the log.
-_last_lag: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 #: The LLM counters bridged from :data:`mneme.llm.metrics.METRICS` (their in-process
 #: ``mneme.retain.documents`` is left out: extraction counts every item itself).
@@ -211,10 +209,9 @@ def _observe_lag(options):
     for c in list(_consumers):
         if not getattr(c, "running", False):
             continue
-        try:
-            lag = _last_lag[c] = c.lag()
-        except Exception:  # the log is busy, closing or unreachable: the last known values
-            lag = _last_lag.get(c, {})
+        # Read by the consumer's own thread: a scrape thread opens no log connection.
+        snapshot = getattr(c, "lag_snapshot", None)
+        lag = snapshot() if snapshot is not None else c.lag()
         for (topic, partition), n in lag.items():
             out.append(Observation(n, {"messaging.consumer.group.name": c.group,
                                        "messaging.destination.name": topic,

@@ -787,3 +787,27 @@ def test_stop_cancels_a_long_handler_and_leaves_its_record_for_the_next_start(el
     with pytest.raises(Cancelled):
         with deadline.bind(deadline.Deadline(None, lambda: False)):
             deadline.current().check()
+
+
+def test_read_connections_of_ended_threads_are_closed(tmp_path):
+    import os
+    log = SqliteEventLog(str(tmp_path / "log.db"))
+    log.append([rec(INTAKE, "b", b"v")])
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def read_once():
+        log.end_offset(INTAKE, 0)
+
+    for _ in range(5):  # warm up: this thread's and the first workers' connections
+        t = threading.Thread(target=read_once)
+        t.start()
+        t.join()
+    before = fds()
+    for _ in range(100):  # e.g. one thread per metrics scrape
+        t = threading.Thread(target=read_once)
+        t.start()
+        t.join()
+    assert fds() - before < 10
+    log.close()

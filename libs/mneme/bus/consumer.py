@@ -69,6 +69,8 @@ Handler = Callable[[Envelope, Record], "Sequence[OutRecord] | None"]
 MessageHandler = Callable[[Message, Envelope], "Sequence[OutRecord] | None"]
 
 _ERROR_CHARS = 2000
+#: Seconds between the consumer's own reads of its lag (:meth:`Consumer.lag_snapshot`).
+LAG_REFRESH_S = 1.0
 _TRACEBACK_CHARS = 8000
 
 
@@ -260,6 +262,8 @@ class Consumer:
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
         self._until_stopped = deadline.Deadline(None, lambda: not self._stop.is_set())
+        self._lag_snapshot: dict[tuple[str, int], int] = {}
+        self._lag_at = float("-inf")
         #: False: commit offsets only, produce nothing, dead letters included (replay:
         #: everything the handlers would produce is on the log already).
         self.produce = True
@@ -313,6 +317,7 @@ class Consumer:
         self._stop.clear()
         self._ensure_topics()
         self.member  # join the group now, so the assignment starts before the first pass
+        self._refresh_lag(force=True)
         self._thread = threading.Thread(target=self._run, name=f"consumer-{self.group}",
                                         daemon=True)
         self._thread.start()
@@ -364,6 +369,21 @@ class Consumer:
         ends = _end_offsets(self.log, tps)
         return {tp: max(0, ends[tp] - self.log.committed(self.group, *tp)) for tp in tps}
 
+    def lag_snapshot(self) -> dict[tuple[str, int], int]:
+        """:meth:`lag` as of at most :data:`LAG_REFRESH_S` ago, read by the consumer's own
+        thread ({} before the first read): metric scrapes, which run on threads of their
+        own, never touch the log."""
+        return self._lag_snapshot
+
+    def _refresh_lag(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._lag_at >= LAG_REFRESH_S:
+            self._lag_at = now
+            try:
+                self._lag_snapshot = self.lag()
+            except Exception:  # the log is busy or away: keep the last values
+                pass
+
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until the consumer has handled and committed everything up to the end
         offsets of all its partitions as of each check; True when caught up, False after
@@ -411,6 +431,7 @@ class Consumer:
         failures = 0
         while not self._stop.is_set():
             token = None
+            self._refresh_lag()
             try:
                 token = member.token()
                 n = self.run_once()

@@ -277,7 +277,8 @@ class SqliteEventLog:
         self.poll_interval = poll_interval
         self._shared = _shared_for(os.path.realpath(self.path))
         self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
+        # (thread, its read connection): closed once the thread has ended
+        self._readers: list[tuple[threading.Thread, sqlite3.Connection]] = []
         self._readers_lock = threading.Lock()
         self._pcache: dict[str, int] = {}  # partition counts never change once created
         self._closed = False
@@ -341,7 +342,16 @@ class SqliteEventLog:
             conn = self._connect()
             conn.execute("PRAGMA query_only = ON")
             with self._readers_lock:
-                self._readers.append(conn)
+                # Threads come and go (a metrics scrape or a short-lived worker each get
+                # one): close the connections of ended threads, or descriptors leak.
+                alive = []
+                for thread, old in self._readers:
+                    if thread.is_alive():
+                        alive.append((thread, old))
+                    else:
+                        old.close()
+                alive.append((threading.current_thread(), conn))
+                self._readers = alive
             self._local.conn = conn
         return conn
 
@@ -635,7 +645,7 @@ class SqliteEventLog:
         with self._shared.write_lock:
             self._writer.close()
         with self._readers_lock:
-            for conn in self._readers:
+            for _, conn in self._readers:
                 conn.close()
             self._readers.clear()
 
