@@ -16,28 +16,26 @@ from mneme.v1 import operations_pb2, operations_pb2_grpc
 from services.ingest.handlers import Ingest
 
 
+def _bank_fields(request) -> tuple:
+    """(bank_id, display_name, BankConfig) of an Upsert/UpdateBankRequest's ``bank``."""
+    if not request.HasField("bank"):
+        raise InvalidArgument("bank", "required")
+    return (bank_id_of(request.bank.name, "bank.name"), request.bank.display_name,
+            apiconv.bank_config_from_api(request.bank.config))
+
+
 class BankServicer(banks_pb2_grpc.BankServiceServicer):
     def __init__(self, ingest: Ingest):
         self.ingest = ingest
 
     @translate_errors
     def UpsertBank(self, request, context):
-        if not request.HasField("bank"):
-            raise InvalidArgument("bank", "required")
-        bank_id = bank_id_of(request.bank.name, "bank.name")
-        bank = self.ingest.upsert_bank(bank_id, request.bank.display_name,
-                                       apiconv.bank_config_from_api(request.bank.config),
-                                       timeout=remaining(context, 30.0))
+        bank = self.ingest.upsert_bank(*_bank_fields(request), timeout=remaining(context, 30.0))
         return apiconv.bank_to_api(bank)
 
     @translate_errors
     def UpdateBank(self, request, context):
-        if not request.HasField("bank"):
-            raise InvalidArgument("bank", "required")
-        bank_id = bank_id_of(request.bank.name, "bank.name")
-        bank = self.ingest.update_bank(bank_id, request.bank.display_name,
-                                       apiconv.bank_config_from_api(request.bank.config),
-                                       list(request.update_mask.paths),
+        bank = self.ingest.update_bank(*_bank_fields(request), list(request.update_mask.paths),
                                        timeout=remaining(context, 30.0))
         return apiconv.bank_to_api(bank)
 
