@@ -163,11 +163,9 @@ def header_problem(path: str, min_size: int = 0) -> str | None:
     change_counter = int.from_bytes(head[24:28], "big")
     pages = int.from_bytes(head[28:32], "big")
     valid_for = int.from_bytes(head[92:96], "big")
-    if size < min_size:
-        return f"truncated: the file shrank from {min_size} to {size} bytes while open"
-    if size % page_size:
-        return (f"{size} bytes is not a whole number of {page_size}-byte pages (truncated, "
-                "or bytes appended)")
+    problem = _size_problem(size, page_size, min_size)
+    if problem:
+        return problem
     if _wal_frames(path) or pages == 0 or valid_for != change_counter:
         return None
     expected = pages * page_size
@@ -177,6 +175,17 @@ def header_problem(path: str, min_size: int = 0) -> str | None:
     if size > expected:
         return (f"{size - expected} bytes after its last page (the header records {pages} "
                 f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
+    return None
+
+
+def _size_problem(size: int, page_size: int, min_size: int = 0) -> str | None:
+    """What a file size alone says is wrong (it shrank below ``min_size``, or it is not a
+    whole number of pages), or None."""
+    if size < min_size:
+        return f"truncated: the file shrank from {min_size} to {size} bytes while open"
+    if size % page_size:
+        return (f"{size} bytes is not a whole number of {page_size}-byte pages (truncated, "
+                "or bytes appended)")
     return None
 
 
@@ -298,6 +307,7 @@ class SqliteEventLog:
                     raise LogDamaged(self.path, problem)
             self._init_schema()
             self._size = os.path.getsize(self.path)
+            self._page_size = self._writer.execute("PRAGMA page_size").fetchone()[0]
         except sqlite3.DatabaseError as e:
             if not _is_damage(e):
                 raise
@@ -362,14 +372,20 @@ class SqliteEventLog:
             self.wake()  # waiting consumers see it at once
 
     def check(self) -> str | None:
-        """Cheap health probe (a stat and a 100-byte read): the recorded damage, or what
-        :func:`header_problem` finds now (then the log is marked damaged for good); None
-        while the file looks whole. Takes the write lock, so this process's checkpoints
-        (which run inside commits) cannot race the size check. Damage a probe cannot see
-        (bytes overwritten in the middle) is still caught when SQLite reads the page."""
+        """Cheap health probe (one stat): the recorded damage, or what the file's size
+        says now (it shrank, or is no longer a whole number of pages; then the log is
+        marked damaged for good); None while the file looks whole. It opens no file
+        descriptor of its own: closing one would drop SQLite's POSIX locks on the file.
+        Takes the write lock, so this process's checkpoints (which run inside commits)
+        cannot race the size check. Damage a probe cannot see (bytes overwritten in
+        place) is still caught when SQLite reads the page."""
         if self.damage is None and not self._closed:
             with self._shared.write_lock:
-                problem = header_problem(self.path, self._size)
+                try:
+                    problem = _size_problem(os.path.getsize(self.path), self._page_size,
+                                            self._size)
+                except FileNotFoundError:
+                    problem = "the file was removed while open"
             if problem:
                 self._mark_damaged(problem)
         return self.damage
