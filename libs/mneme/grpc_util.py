@@ -122,8 +122,8 @@ def wrap_handler(handler, wrap):
 class ValidationInterceptor(grpc.ServerInterceptor):
     """Checks every request of a ``mneme.v1`` method against :mod:`mneme.limits` before
     the servicer runs: violations → INVALID_ARGUMENT with a ``BadRequest`` naming each
-    field. Violations inside one item of a request in :data:`mneme.limits.PER_ITEM` are
-    left to the method (the item fails alone). Other services (health, reflection)
+    field. Requests in :data:`mneme.limits.PER_ITEM` pass unchecked: their method runs
+    the same check once and fails bad items alone. Other services (health, reflection)
     pass unchecked."""
 
     def intercept_service(self, continuation, handler_call_details):
@@ -132,25 +132,21 @@ class ValidationInterceptor(grpc.ServerInterceptor):
             return handler
         from mneme import limits
 
-        def wrap(behaviour, streaming):
-            def violations(request):
+        def refuse_invalid(request, context) -> None:
+            if request.DESCRIPTOR.full_name not in limits.PER_ITEM:
                 found = limits.check(request)
-                if request.DESCRIPTOR.full_name in limits.PER_ITEM:
-                    found, _ = limits.split_items(found)
-                return found
+                if found:
+                    abort_for(context, InvalidArgument(*found[0], *found[1:]))
 
+        def wrap(behaviour, streaming):
             if streaming:
                 def checked_stream(request, context):
-                    found = violations(request)
-                    if found:
-                        abort_for(context, InvalidArgument(*found[0], *found[1:]))
+                    refuse_invalid(request, context)
                     yield from behaviour(request, context)
                 return checked_stream
 
             def checked(request, context):
-                found = violations(request)
-                if found:
-                    abort_for(context, InvalidArgument(*found[0], *found[1:]))
+                refuse_invalid(request, context)
                 return behaviour(request, context)
             return checked
 

@@ -207,6 +207,6 @@ def split_items(violations: list[tuple[str, str]]) -> tuple[list[tuple[str, str]
     return request, items
 
 
-#: Request messages whose ``items[i]`` violations fail that item alone (the method
-#: handles them), not the whole request.
+#: Request messages whose method runs :func:`check` itself (the gRPC interceptor leaves
+#: them alone): its ``items[i]`` violations fail that item alone, not the whole request.
 PER_ITEM = frozenset({"mneme.v1.RetainRequest"})

@@ -90,10 +90,13 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     @translate_errors
     def Retain(self, request, context):
+        # The limits, checked here rather than by the interceptor (limits.PER_ITEM): items
+        # over a limit fail alone, the rest of the request must be valid.
+        invalid, rejected = limits.split_items(limits.check(request))
+        if invalid:
+            raise InvalidArgument(*invalid[0], *invalid[1:])
         bank_id = bank_id_of(request.parent)
         items = apiconv.retain_items_from_api(request.items, datetime.now(timezone.utc))
-        # Items over a limit fail alone (the interceptor left them to this method).
-        _, rejected = limits.split_items(limits.check(request))
         op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
                                 rejected=rejected,
                                 timeout=remaining(context, self.ingest.retain_timeout_s),

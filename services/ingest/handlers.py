@@ -14,7 +14,6 @@ from mneme.domain import Bank, BankConfig, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
-from mneme.limits import limits
 from mneme.names import check_bank_id
 from mneme.ports import EventLog, OutRecord, Record
 from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
@@ -270,19 +269,15 @@ def _check_config(c: BankConfig) -> None:
 def _check_items(items: Sequence[RetainItem],
                  bad: dict[int, list[tuple[str, str]]]) -> dict[int, list[tuple[str, str]]]:
     """The items that fail alone (index → violations): ``bad`` (the transport's limit
-    violations) plus the domain rules (content required, tags non-empty). Raises
-    InvalidArgument when the request itself is wrong (no items, too many)."""
+    violations, :mod:`mneme.limits`: sizes, counts, characters) plus the domain rules
+    (content required, tags non-empty). Raises InvalidArgument for a request without
+    items."""
     if not items:
         raise InvalidArgument("items", "at least one item is required")
-    lim = limits()
-    if len(items) > lim.items:
-        raise InvalidArgument("items", f"at most {lim.items} items per request")
     for i, it in enumerate(items):
         found = []
         if not it.content or not it.content.strip():
             found.append((f"items[{i}].content", "must not be empty"))
-        elif len(it.content) > lim.content_chars:
-            found.append((f"items[{i}].content", f"at most {lim.content_chars} characters"))
         for j, t in enumerate(it.tags):
             if not t.strip():
                 found.append((f"items[{i}].tags[{j}]", "must not be empty"))
