@@ -207,7 +207,8 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     from mneme.embedding import default_token_counter
     from mneme.nlp import QueryAnalyzer
     from services.search import grpc_api
-    from services.search.handlers import CATALOG_GROUP, GROUP, project_banks, project_memory
+    from mneme.bank_catalog import project_banks
+    from services.search.handlers import CATALOG_GROUP, GROUP, project_memory
     from services.search.recall import recall
 
     stores = root.stores

@@ -215,6 +215,25 @@ def entity_key(name: str) -> str:
     return s
 
 
+#: ``ObservationsChanged.trigger`` values that answer a user's request (Consolidate,
+#: ClearObservations): their projection completes that operation. The others ("auto",
+#: "retract") follow an operation that already ended (a retain, a deletion).
+CONSOLIDATION_REQUEST_TRIGGERS = ("consolidate", "reconsolidate", "clear", "clear_memory")
+
+
+@dataclass
+class Memory:
+    """A memory as a reasoning model is shown it (reflect's tools): its store ``id``,
+    ``text``, ``kind`` (mental_model, observation, fact), when it happened (``when``),
+    and its fact type when a fact."""
+
+    id: str
+    text: str
+    kind: str = "fact"
+    when: datetime | None = None
+    fact_type: str = ""
+
+
 BUDGETS = ("low", "mid", "high")
 
 

@@ -21,8 +21,9 @@ import logging
 from datetime import datetime, timezone
 from typing import Callable
 
+from mneme.bank_catalog import project_banks
 from mneme.bus import codec
-from mneme.domain import BankConfig, derive_id
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, derive_id
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
@@ -32,10 +33,6 @@ from services.consolidation.store import ObservationStore
 GROUP = "consolidation"
 SOURCE = "mneme/consolidation"
 log = logging.getLogger(__name__)
-
-#: Triggers whose ObservationsChanged completes a Consolidate / ClearObservations
-#: operation (search reports it done once projected: read-your-writes).
-REQUEST_TRIGGERS = ("consolidate", "reconsolidate", "clear", "clear_memory")
 
 
 class Consolidator:
@@ -58,7 +55,6 @@ class Consolidator:
         m = env.message
         if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
             if self.catalog is not None:
-                from services.search.handlers import project_banks
                 project_banks(env, record, catalog=self.catalog)
             return []
         if isinstance(m, ev.ObservationsChanged):
@@ -111,7 +107,7 @@ class Consolidator:
         else:
             return []
         if not (change.observations or change.consolidated_memory_ids or change.reset_memory_ids
-                or change.trigger in REQUEST_TRIGGERS):
+                or change.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
             return []
         self.store.apply(change)
         return [codec.encode(change, bank_id=change.bank_id, source=SOURCE,

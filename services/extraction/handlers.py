@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from mneme import telemetry
+from mneme.bank_catalog import project_banks
 from mneme.bus import codec
 from mneme.domain import derive_id
 from mneme.errors import Cancelled
@@ -34,7 +35,6 @@ def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
     before its retains (same partition, same order). Other intake events produce nothing."""
     m = env.message
     if catalog is not None and isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
-        from services.search.handlers import project_banks
         project_banks(env, record, catalog=catalog)
 
     def out(msg, n: str) -> OutRecord:

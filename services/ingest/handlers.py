@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Callable, Sequence
 
+from mneme.bank_catalog import project_banks
 from mneme.bus import codec
 from mneme.domain import Bank, BankConfig, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
@@ -41,12 +42,8 @@ def _at(env) -> float:
 def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutRecord]:
     """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
     m, at = env.message, _at(env)
-    if isinstance(m, ev.BankUpserted):
-        catalog.upsert_bank(m.bank_id, m.display_name,
-                            codec.bank_config_from_pb(m.config if m.HasField("config") else None),
-                            at, mask=tuple(m.update_mask))
-    elif isinstance(m, ev.BankDeleted):
-        catalog.delete_bank(m.bank_id)
+    if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
+        project_banks(env, record, catalog=catalog)
     elif isinstance(m, ev.RetainRequested):
         catalog.put_operation(Operation(m.operation_id, m.bank_id, "retain",
                                         items_total=len(m.items), created_at=at, updated_at=at))

@@ -43,7 +43,7 @@ from datetime import datetime
 from typing import Callable, Iterator, Protocol, Sequence
 
 from mneme.deadline import current as current_deadline
-from mneme.domain import BankConfig, Filters, RecallOutcome, RecallQuery, utc
+from mneme.domain import BankConfig, Filters, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
 from mneme.llm.gateway import Completion, LlmError, LlmGateway, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
@@ -54,18 +54,6 @@ __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflec
            "ToolEvent", "TextDelta", "Done", "TOOLS", "system_prompt"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Memory:
-    """A memory shown to the model: its store ``id``, ``text``, ``kind`` (mental_model,
-    observation, fact), when it happened (``when``), and its fact type when a fact."""
-
-    id: str
-    text: str
-    kind: str = "fact"
-    when: datetime | None = None
-    fact_type: str = ""
 
 
 class MemorySearch(Protocol):

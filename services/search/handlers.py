@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mneme import telemetry
 from mneme.bus import codec
-from mneme.domain import derive_id
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import GraphStore, OutRecord, Record, TextStore, VectorStore
 
@@ -102,8 +102,7 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
     elif isinstance(m, ev.ObservationsChanged):
         from services.search.observations import project_observations
         project_observations(m, stores.vectors)
-        from services.consolidation.handlers import REQUEST_TRIGGERS
-        if not (m.operation_id and m.trigger in REQUEST_TRIGGERS):
+        if not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
             return []
         progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                         kind="consolidate", state="succeeded")
@@ -114,19 +113,3 @@ def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecor
 
 
 CATALOG_GROUP = "search-catalog"
-
-
-def project_banks(env, record: Record, *, catalog) -> list[OutRecord]:
-    """search's own bank catalog (distributed topology): BankUpserted / BankDeleted of
-    ``mneme.intake.v1`` into ``catalog`` (a :class:`mneme.stores.catalog_sqlite.
-    SqliteCatalog`), so Recall answers NOT_FOUND for unknown banks without asking ingest.
-    Idempotent; returns no events."""
-    m = env.message
-    if isinstance(m, ev.BankUpserted):
-        at = env.time.timestamp() if env.time else record.timestamp
-        catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(
-            m.config if m.HasField("config") else None), at,
-            mask=tuple(m.update_mask))
-    elif isinstance(m, ev.BankDeleted):
-        catalog.delete_bank(m.bank_id)
-    return []

@@ -28,7 +28,7 @@ from typing import Callable
 
 from mneme import paging
 from mneme.bus import codec
-from mneme.domain import EXPERIENCE, WORLD, EntityRef, Fact, Filters
+from mneme.domain import EXPERIENCE, WORLD, EntityRef, Fact, Filters, Memory
 from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.grpc_util import dt_to_ts
@@ -100,10 +100,9 @@ def with_default_types(recall: Callable) -> Callable:
 
 def observation_search(recall: Callable) -> Callable:
     """reflect's ``search_observations`` port over search's recall: up to ``limit``
-    observations for a query, best first, as ``services.reflect.agent.Memory`` (kind
+    observations for a query, best first, as ``mneme.domain.Memory`` (kind
     "observation", ``when`` the end of its evidence's occurred span); a stale one says so in its text, so the model weighs newer facts."""
     from mneme.domain import RecallQuery
-    from services.reflect.agent import Memory
 
     def search(bank_id, query, now, limit):
         out = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,

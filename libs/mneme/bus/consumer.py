@@ -56,7 +56,7 @@ from google.protobuf.message import Message
 from mneme import deadline, telemetry
 from mneme.bus import DLQ, StaleCommitError, default_partitions
 from mneme.bus.codec import Envelope, decode, encode, format_time
-from mneme.domain import derive_id
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
 from mneme.errors import Cancelled
 from mneme.ports import EventLog, OutRecord, Record
 
@@ -81,9 +81,9 @@ def _retract_kind(m: Message) -> str | None:
 
 
 def _observations_kind(m: Message) -> str | None:
-    # "auto" / "retract" decisions follow an operation that already finished (a retain,
-    # a deletion): failing to project them does not undo that operation.
-    return "consolidate" if m.trigger not in ("", "auto", "retract") else None
+    # Other triggers follow an operation that already finished (a retain, a deletion):
+    # failing to project them does not undo that operation.
+    return "consolidate" if m.trigger in CONSOLIDATION_REQUEST_TRIGGERS else None
 
 
 #: Operation kind of each event type that belongs to an operation (message name → kind
