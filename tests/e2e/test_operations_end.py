@@ -101,16 +101,12 @@ def test_nul_text_already_on_the_log_projects_into_all_three_stores(tmp_path):
         assert scores.keyword_rank > 0, scores  # BM25
         assert m.bank_stats("old").entities > 0  # graph
 
-    server.start()
-    try:
-        with server.client(timeout=60) as m:
-            check(m)
-    finally:
-        server.stop()
-    _replay(data)
-    server.start()
-    try:
-        with server.client(timeout=60) as m:
-            check(m)
-    finally:
-        server.stop()
+    for replayed in (False, True):  # as projected live, then rebuilt by replay
+        if replayed:
+            _replay(data)
+        server.start()
+        try:
+            with server.client(timeout=60) as m:
+                check(m)
+        finally:
+            server.stop()
