@@ -9,7 +9,7 @@ from mneme.domain import (EXPERIENCE, WORLD, Bank, BankConfig, Fact, Filters, Re
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, ts_to_dt
 from mneme.names import bank_name, memory_name
-from mneme.stores.catalog_sqlite import Operation
+from mneme.domain import Operation
 from mneme.v1 import operations_pb2, recall_pb2, resources_pb2
 
 _TYPE_TO_PB = {WORLD: resources_pb2.WORLD, EXPERIENCE: resources_pb2.EXPERIENCE,

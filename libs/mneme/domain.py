@@ -276,3 +276,31 @@ class RecallOutcome:
     results: list[Scored]
     total_tokens: int
     time_window: TimeWindow | None = None
+
+
+#: Operation states after which nothing changes (an operation always reaches one).
+TERMINAL = ("succeeded", "failed")
+
+
+@dataclass
+class Operation:
+    """A long-running request. ``state``: pending, running, succeeded, failed.
+    Times are epoch seconds."""
+
+    operation_id: str
+    bank_id: str
+    kind: str
+    state: str = "pending"
+    items_total: int = 0
+    items_done: int = 0
+    facts: int = 0
+    error: str = ""
+    memory_ids: list[str] = field(default_factory=list)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    #: Items that failed alone: (item index, request field or "", error).
+    item_errors: list[tuple[int, str, str]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL

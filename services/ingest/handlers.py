@@ -17,7 +17,8 @@ from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound,
 from mneme.events.v1 import events_pb2 as ev
 from mneme.names import check_bank_id
 from mneme.ports import EventLog, OutRecord, Record
-from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
+from mneme.domain import Operation
+from mneme.stores.catalog_sqlite import SqliteCatalog
 
 GROUP = "ingest"
 SOURCE = "mneme/ingest"

@@ -5,7 +5,8 @@ import pytest
 from mneme.domain import BankConfig
 from mneme.errors import InvalidArgument
 from mneme.names import bank_id_of, memory_of, operation_of
-from mneme.stores.catalog_sqlite import Operation, SqliteCatalog
+from mneme.domain import Operation
+from mneme.stores.catalog_sqlite import SqliteCatalog
 
 
 def test_bank_upsert_is_idempotent_and_paged(tmp_path):

@@ -10,9 +10,9 @@ import json
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-from mneme.domain import Bank, BankConfig, from_epoch
+from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS banks (
@@ -31,38 +31,12 @@ CREATE TABLE IF NOT EXISTS deleted_operations (operation_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
 """
 
-TERMINAL = ("succeeded", "failed")
-
 # Columns added after the first release: (table, column, DDL) for older catalog files.
 _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
                ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"))
 _OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, facts, error, "
                "memory_ids, created_at, updated_at, item_errors")
 _BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
-
-
-@dataclass
-class Operation:
-    """A long-running request. ``state``: pending, running, succeeded, failed.
-    Times are epoch seconds."""
-
-    operation_id: str
-    bank_id: str
-    kind: str
-    state: str = "pending"
-    items_total: int = 0
-    items_done: int = 0
-    facts: int = 0
-    error: str = ""
-    memory_ids: list[str] = field(default_factory=list)
-    created_at: float = 0.0
-    updated_at: float = 0.0
-    #: Items that failed alone: (item index, request field or "", error).
-    item_errors: list[tuple[int, str, str]] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL
 
 
 class SqliteCatalog:
