@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
 
-from mneme.domain import EntityRef, Fact, Filters, Hit, RetainItem, TimeWindow
+from mneme.domain import (Bank, BankConfig, EntityRef, Fact, Filters, Hit, Operation, RetainItem,
+                          TimeWindow)
+
+if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
+    from mneme.events.v1 import events_pb2 as ev
+    from mneme.llm.gateway import Completion, Connectivity, JsonResult, Usage
+    from mneme.llm.settings import Endpoint, LlmSettings
 
 
 # ---- event log ------------------------------------------------------------------------
@@ -196,3 +202,204 @@ class QueryAnalyzer(Protocol):
 
     def time_window(self, query: str, now: datetime) -> TimeWindow | None:
         """The time window the query refers to, relative to ``now``; None if none."""
+
+
+# ---- state ------------------------------------------------------------------------------
+
+
+class Catalog(Protocol):
+    """Banks and operations: the projection of ``mneme.intake.v1`` (bank upserts and
+    deletes, requests) and ``mneme.progress.v1`` (operation progress). Every write is an
+    idempotent upsert, so redelivered and replayed events change nothing. Times are epoch
+    seconds (float) on the way in; :class:`~mneme.domain.Bank` carries aware UTC datetimes,
+    :class:`~mneme.domain.Operation` epoch seconds. Adapters: ``mneme.stores.catalog_sqlite``
+    (SQLite), ``mneme.stores.memory.MemoryCatalog`` (tests)."""
+
+    def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
+                    mask: tuple[str, ...] = ()) -> None:
+        """Create the bank or change it at time ``at``. An empty ``mask`` replaces name and
+        config; otherwise only the fields it names change ("display_name",
+        "config.<field>"; other paths are ignored) and a bank that does not exist stays
+        absent (an update never creates). A change keeps ``created_at`` and
+        ``incarnation``. Each creation of an id (the first one, and each one after a
+        :meth:`delete_bank`) gets the next incarnation: "1", "2", …, counted across
+        deletions, so every projection and every replay of the same log agree."""
+
+    def delete_bank(self, bank_id: str) -> None:
+        """Remove the bank and its operations. Those operations never come back: later
+        :meth:`put_operation` / :meth:`update_operation` calls for their ids are dropped,
+        even under a re-created bank of the same id. Deleting an unknown bank is a no-op
+        (apart from counting the id's generation as used)."""
+
+    def get_bank(self, bank_id: str) -> Bank | None:
+        """The bank, or None when it does not exist."""
+
+    def list_banks(self, limit: int, after: str = "") -> list[Bank]:
+        """Banks with ``bank_id > after``, ordered by id, at most ``limit``."""
+
+    def put_operation(self, op: Operation) -> None:
+        """Insert ``op`` if its id is new; a known id keeps what it has (a redelivered
+        request keeps its progress)."""
+
+    def update_operation(self, op: Operation) -> None:
+        """Replace the operation's progress with ``op`` (inserting it if unknown), keeping
+        the stored ``created_at``. The first terminal state (:data:`mneme.domain.TERMINAL`)
+        is final: once stored, later updates (a late event, a dead letter after success)
+        change nothing."""
+
+    def get_operation(self, operation_id: str) -> Operation | None:
+        """The operation (a fresh copy: mutating it changes nothing stored), or None."""
+
+    def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
+        """Newest first (``created_at`` descending, then ``operation_id`` ascending),
+        skipping ``offset``, at most ``limit``; ``bank_id`` "" lists every bank's."""
+
+    def reset(self) -> None:
+        """Forget everything, bank generations and deleted operations included (replay
+        rebuilds it from the log)."""
+
+    def close(self) -> None: ...
+
+
+class ObservationStore(Protocol):
+    """consolidation's projection: the facts it has seen, each with its scopes (tag sets,
+    sorted tag lists) and whether it is consolidated, and the current state of every
+    observation. Facts and observation states are ``mneme.events.v1`` protobuf messages
+    (``ev.Fact``, ``ev.Observation``); the store is rebuilt on replay from
+    ``FactsExtracted`` / ``FactsRetracted`` / ``ObservationsChanged`` alone. Scopes are
+    compared as sets (``["b", "a"]`` is ``["a", "b"]``). Every call is scoped by
+    ``bank_id``. Adapters: ``mneme.stores.observations_sqlite`` (SQLite),
+    ``mneme.stores.memory.MemoryObservationStore`` (tests)."""
+
+    def add_facts(self, bank_id: str, facts: Iterable[tuple["ev.Fact", list[list[str]]]]) -> None:
+        """Record facts as pending, each with its scopes, after those already held (arrival
+        order). A fact id the bank already holds keeps its data, scopes and state."""
+
+    def facts(self, bank_id: str, ids: Iterable[str] | None = None, pending: bool = False
+              ) -> list[tuple["ev.Fact", list[list[str]]]]:
+        """(fact, scopes) in arrival order: those of ``ids`` (unknown ids skipped) or all,
+        and only the unconsolidated ones with ``pending``."""
+
+    def facts_by_id(self, bank_id: str, ids: Iterable[str]) -> dict[str, "ev.Fact"]:
+        """id → fact for those of ``ids`` the bank holds (unknown ids left out)."""
+
+    def fact_ids_of_document(self, bank_id: str, document_id: str) -> list[str]:
+        """Ids of the bank's facts of ``document_id``, in arrival order."""
+
+    def delete_facts(self, bank_id: str, ids: Iterable[str]) -> None:
+        """Forget these facts (unknown ids are ignored); observations are untouched."""
+
+    def delete_bank(self, bank_id: str) -> None:
+        """Forget the bank's facts and observations."""
+
+    def observations(self, bank_id: str, scope: list[str] | None = None,
+                     include_deleted: bool = False) -> dict[str, "ev.Observation"]:
+        """id → state of the bank's observations, ordered by id: of one ``scope`` (None:
+        every scope), live ones only unless ``include_deleted``."""
+
+    def apply(self, m: "ev.ObservationsChanged") -> None:
+        """Apply one ObservationsChanged atomically: store each observation state whose
+        ``version`` is higher than the stored one (an equal or older one is ignored), then
+        mark ``reset_memory_ids`` pending and ``consolidated_memory_ids`` consolidated
+        (unknown ids ignored). Idempotent: applying it again changes nothing."""
+
+    def dump(self, bank_id: str) -> list[bytes]:
+        """Every observation state of the bank (deleted ones included), ordered by id, as
+        deterministic protobuf bytes: what a replay must reproduce byte for byte."""
+
+    def reset(self) -> None:
+        """Forget every bank (replay rebuilds it)."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoredEntity:
+    """One entity as an :class:`EntityStore` keeps it: ``id`` (stable, per bank),
+    canonical ``key`` (:func:`mneme.domain.entity_key`), display ``name``, ``label``
+    (spaCy label, "CONCEPT" or "") and ``kind`` (person, org, place, thing, or "" until
+    a named mention claims it)."""
+
+    id: str
+    key: str
+    name: str
+    label: str = ""
+    kind: str = ""
+
+
+class EntityStore(Protocol):
+    """The storage of entity resolution (the rules are the resolver's,
+    ``services.extraction.resolver``): per bank, the entities in creation order and the
+    aliases (alias key → entity id) in the order they were made. A bank's decisions are
+    written by one worker at a time (events are keyed by bank). Adapters:
+    ``mneme.stores.entities_sqlite`` (SQLite), ``mneme.stores.memory.MemoryEntityStore``."""
+
+    def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
+        """The bank's (entities in creation order, [(alias, entity id)] in creation
+        order); ([], []) for a bank with none."""
+
+    def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                claims: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = ()) -> None:
+        """Store new decisions in one transaction: ``entities`` are appended in order
+        (an id the bank already has keeps its first record); ``claims`` set the ``label``
+        and ``kind`` of known entities (unknown ids ignored); ``aliases`` are appended in
+        order (a known (alias, id) pair is kept once)."""
+
+    def forget(self, bank_id: str) -> None:
+        """Drop the bank's entities and aliases (the bank was deleted)."""
+
+    def close(self) -> None:
+        """Release the storage; later calls may raise."""
+
+
+class Llm(Protocol):
+    """The model calls handlers and agents make (``mneme.llm.gateway.LlmGateway``; the
+    fake is ``mneme.llm.fake.FakeLlm``). ``operation`` is one of retain, reflect,
+    consolidation, rerank. Results carry their cost (:class:`mneme.llm.gateway.Usage`).
+    Errors are :class:`mneme.llm.gateway.LlmError` subclasses: ``LlmNotConfigured`` (no
+    model for the operation), ``LlmUnavailable`` (transient failures outlasted the
+    retries), ``LlmRequestError`` (rejected), ``LlmOutputError`` (no usable structured
+    reply). Thread-safe."""
+
+    #: Tuning callers read: ``llm_max_concurrency``, ``retain_llm_chunk_chars`` (chars),
+    #: ``reflect_max_iterations``, ``reflect_max_context_tokens``, ``rerank_head``.
+    settings: "LlmSettings"
+
+    def configured(self, operation: str) -> bool:
+        """True when ``operation`` has a model (cheap; no call is made)."""
+
+    def endpoint(self, operation: str) -> "Endpoint | None":
+        """Where ``operation``'s calls go (``.model`` names it), None when unconfigured."""
+
+    def complete(self, operation: str, messages: list[dict], *, tools: list[dict] | None = None,
+                 tool_choice: str | None = None, response_schema: dict | None = None,
+                 schema_name: str = "output", strict: bool = True, max_tokens: int | None = None,
+                 temperature: float | None = None, timeout: float | None = None) -> "Completion":
+        """One chat completion over OpenAI-style ``messages`` (``tools``: OpenAI function
+        specs); the reply is not parsed. ``timeout`` in seconds per attempt."""
+
+    def stream(self, operation: str, messages: list[dict], *, tools: list[dict] | None = None,
+               tool_choice: str | None = None, max_tokens: int | None = None,
+               temperature: float | None = None,
+               timeout: float | None = None) -> Iterator["str | Completion"]:
+        """Streaming completion: text deltas (str) as they arrive, then, last, the whole
+        :class:`~mneme.llm.gateway.Completion` (its text is the deltas joined)."""
+
+    def complete_json(self, operation: str, messages: list[dict], schema: dict, *,
+                      check_schema: dict | None = None, schema_name: str = "output",
+                      strict: bool = True, max_tokens: int | None = None,
+                      temperature: float | None = 0.0,
+                      timeout: float | None = None) -> "JsonResult":
+        """A reply parsed as JSON and valid against ``check_schema`` (default ``schema``),
+        re-asking the model when it is not. Raises ``LlmOutputError`` when it stays
+        unusable."""
+
+    def rerank(self, query: str, documents: list[str], *,
+               top_n: int | None = None) -> tuple[list[tuple[int, float]], "Usage"]:
+        """Relevance of ``documents`` to ``query``: [(document index, score)] best first
+        (at most ``top_n``), and the usage."""
+
+    def check(self, operations: tuple[str, ...] | None = None) -> list["Connectivity"]:
+        """Probe each operation's model with one tiny call, no retries (default: every
+        configured operation). Never raises: failures are ``Connectivity.ok`` False."""
