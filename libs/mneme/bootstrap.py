@@ -305,9 +305,9 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     the "consolidation" model when one is configured, else the offline rules.
     ``decide=False`` (replay) only rebuilds the projection."""
     from services.consolidation.handlers import GROUP, Consolidator, handle
-    from services.consolidation.store import ObservationStore
+    from mneme.stores.observations_sqlite import SqliteObservationStore
 
-    store = root._opened(ObservationStore(str(root.data_dir / "observations.db")))
+    store = root._opened(SqliteObservationStore(str(root.data_dir / "observations.db")))
     consolidator = Consolidator(store, root.bank_config, embedder=root.embedder if decide else None,
                                 llm=root.llm if decide else None,
                                 catalog=root.catalog if root.distributed else None)

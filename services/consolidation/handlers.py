@@ -2,7 +2,7 @@
 
 Consumes ``mneme.memory.v1`` (FactsExtracted, FactsRetracted, ConsolidationScheduled and
 its own ObservationsChanged) and ``mneme.intake.v1`` (bank upserts/deletes, projected into
-its own catalog in the distributed topology). Its state is :class:`ObservationStore`, a
+its own catalog in the distributed topology). Its state is a :class:`mneme.ports.ObservationStore`, a
 projection of those events alone: every decision is expressed as an ObservationsChanged
 (full observation states, consolidated / reset fact ids) that is applied to the store at
 once (so the next fact sees it) and again, as a no-op, when it comes back from the log.
@@ -26,9 +26,8 @@ from mneme.bus import codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, derive_id
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import OutRecord, Record
+from mneme.ports import ObservationStore, OutRecord, Record
 from services.consolidation import engine
-from services.consolidation.store import ObservationStore
 
 GROUP = "consolidation"
 SOURCE = "mneme/consolidation"

@@ -1,7 +1,7 @@
 """Observations in search: their projection and read API.
 
 Where observations live: consolidation decides and owns its working projection
-(``services.consolidation.store``); search projects every ``ObservationsChanged`` into
+(a :class:`mneme.ports.ObservationStore`); search projects every ``ObservationsChanged`` into
 the **vector store only**, as units with ``fact_type="observation"``, ``tags`` = the
 scope, and the rest of the state in ``metadata`` (string values):
 

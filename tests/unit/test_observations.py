@@ -16,7 +16,7 @@ from mneme.llm.gateway import JsonResult, Usage
 from mneme.ports import Record
 from services.consolidation import engine
 from services.consolidation.handlers import Consolidator
-from services.consolidation.store import ObservationStore
+from mneme.stores.observations_sqlite import SqliteObservationStore
 
 T0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
 
@@ -33,7 +33,7 @@ class Harness:
 
     def __init__(self, embedder, config: BankConfig | None = None, llm=None):
         self.embedder, self.config = embedder, config or BankConfig()
-        self.store = ObservationStore(":memory:")
+        self.store = SqliteObservationStore(":memory:")
         self.c = Consolidator(self.store, lambda b: self.config, embedder=embedder, llm=llm)
         self.log: list[tuple[str, object, datetime]] = []
         self.n = 0

@@ -1,5 +1,5 @@
-"""consolidation's own projection (SQLite, ``<data_dir>/observations.db``): the facts it
-has seen (with their scopes and whether they are consolidated) and the current state of
+"""consolidation's :class:`mneme.ports.ObservationStore` in SQLite
+(``<data_dir>/observations.db``): the facts it has seen (with their scopes and whether they are consolidated) and the current state of
 every observation. Rebuilt on replay from ``FactsExtracted`` / ``FactsRetracted`` /
 ``ObservationsChanged`` alone (no model), so it matches what the live service held.
 
@@ -16,7 +16,6 @@ import threading
 from typing import Iterable
 
 from mneme.events.v1 import events_pb2 as ev
-from services.consolidation.engine import scope_key
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS facts (
@@ -32,7 +31,12 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 """
 
 
-class ObservationStore:
+def _scope_key(tags: Iterable[str]) -> str:
+    """The stored key of a scope (a tag set): JSON of the sorted, deduplicated tags."""
+    return json.dumps(sorted(set(tags)))
+
+
+class SqliteObservationStore:
     """The projection in one SQLite file (``path``; ":memory:" in tests). Thread-safe."""
 
     def __init__(self, path: str):
@@ -117,7 +121,7 @@ class ObservationStore:
         q, args = "SELECT data FROM observations WHERE bank_id=?", [bank_id]
         if scope is not None:
             q += " AND scope=?"
-            args.append(scope_key(scope))
+            args.append(_scope_key(scope))
         if not include_deleted:
             q += " AND deleted=0"
         with self._lock:
@@ -136,7 +140,7 @@ class ObservationStore:
                     if row is not None and row[0] >= o.version:
                         continue
                     self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
-                                     (m.bank_id, o.id, scope_key(o.scope), o.version,
+                                     (m.bank_id, o.id, _scope_key(o.scope), o.version,
                                       int(o.deleted), o.SerializeToString(deterministic=True)))
                 self._mark(m.bank_id, m.reset_memory_ids, 0)
                 self._mark(m.bank_id, m.consolidated_memory_ids, 1)
