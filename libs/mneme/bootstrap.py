@@ -123,8 +123,9 @@ class Root:
 
     @cached_property
     def resolver(self):
+        from mneme.stores.entities_sqlite import SqliteEntityStore
         from services.extraction.resolver import EntityResolver
-        return EntityResolver(path=str(self.data_dir / "entities.db"))
+        return EntityResolver(SqliteEntityStore(str(self.data_dir / "entities.db")))
 
     @cached_property
     def llm(self):

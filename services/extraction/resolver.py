@@ -26,8 +26,9 @@ The entity id is ``derive_id("entity", bank_id, key)`` for the first entity of a
 key, so it never changes once given. Every decision is remembered (aliases included), so
 the same mention resolves the same way forever after -- redelivered events get the same
 ids -- and the outcome is deterministic given the same sequence of calls. State is kept in
-memory and, with ``path``, in SQLite, so a restarted process resolves the same way (a
-file of the earlier one-entity-per-key schema is migrated on open, ids unchanged).
+memory and, with a ``store`` (:class:`mneme.ports.EntityStore`, e.g.
+``mneme.stores.entities_sqlite.SqliteEntityStore``), persisted there, so a restarted
+process resolves the same way.
 
 One bank's events are consumed by one worker at a time (events are keyed by bank), which
 is what keeps two processes sharing a file from deciding differently.
@@ -36,12 +37,12 @@ is what keeps two processes sharing a file from deciding differently.
 from __future__ import annotations
 
 import re
-import sqlite3
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from mneme.domain import EntityRef, derive_id, entity_key
+from mneme.ports import EntityStore, StoredEntity
 
 __all__ = ["EntityResolver", "kind_of", "number_tokens"]
 
@@ -52,25 +53,6 @@ _MIN_PREFIX = 3
 _KINDS = {"PERSON": "person", "ORG": "org", "GPE": "place", "LOC": "place", "FAC": "place",
           "NORP": "thing", "EVENT": "thing", "WORK_OF_ART": "thing", "PRODUCT": "thing",
           "LANGUAGE": "thing", "LAW": "thing"}
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entities_v2 (
-  bank_id TEXT NOT NULL, id TEXT NOT NULL, key TEXT NOT NULL, name TEXT NOT NULL,
-  label TEXT NOT NULL, kind TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (bank_id, id));
-CREATE TABLE IF NOT EXISTS aliases_v2 (
-  bank_id TEXT NOT NULL, alias TEXT NOT NULL, id TEXT NOT NULL,
-  PRIMARY KEY (bank_id, alias, id));
-"""
-# v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
-_MIGRATE_V1 = """
-INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind, seq)
-  SELECT bank_id, id, key, name, label, '', seq FROM entities;
-INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id)
-  SELECT a.bank_id, a.alias, e.id FROM aliases a JOIN entities e
-  ON e.bank_id = a.bank_id AND e.key = a.key ORDER BY a.rowid;
-DROP TABLE aliases;
-DROP TABLE entities;
-"""
 
 _ORDINAL_WORDS = frozenset("""
 first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth
@@ -141,37 +123,14 @@ def _prefix_of(short: str, long: str) -> bool:
 class EntityResolver:
     """Resolves entity mentions per bank (see the module docs for the rules).
 
-    ``path``: SQLite file to persist the state to (created if missing, migrated from the
-    one-entity-per-key schema); None keeps it in memory only. Thread-safe: one lock
-    serialises all calls.
+    ``store``: where decisions are persisted (a bank is loaded from it on first use);
+    None keeps them in memory only. Thread-safe: one lock serialises all calls.
     """
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, store: EntityStore | None = None):
         self._lock = threading.RLock()
         self._banks: dict[str, _Bank] = {}
-        self._db: sqlite3.Connection | None = None
-        self._seq = 0
-        if path:
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            self._migrate()
-            row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities_v2").fetchone()
-            self._seq = int(row[0])
-
-    def _migrate(self) -> None:
-        tables = {r[0] for r in self._db.execute(
-            "SELECT name FROM sqlite_master WHERE type='table'")}
-        if "entities" not in tables:
-            return
-        self._db.executescript("BEGIN;" + _MIGRATE_V1 + "COMMIT;")
-        # kinds from the stored labels (kept per row, so a v1 bank resolves as before)
-        for id_, bank_id, label in self._db.execute(
-                "SELECT id, bank_id, label FROM entities_v2 WHERE kind=''").fetchall():
-            if kind_of(label):
-                self._db.execute("UPDATE entities_v2 SET kind=? WHERE bank_id=? AND id=?",
-                                 (kind_of(label), bank_id, id_))
+        self._store = store
 
     # ---- state --------------------------------------------------------------------------
 
@@ -180,14 +139,11 @@ class EntityResolver:
         if b is not None:
             return b
         b = _Bank()
-        if self._db is not None:
-            for id_, key, name, label, kind in self._db.execute(
-                    "SELECT id, key, name, label, kind FROM entities_v2 WHERE bank_id=? "
-                    "ORDER BY seq", (bank_id,)):
-                b.add(_Entity(EntityRef(id=id_, name=name, label=label), key, kind))
-            for alias, id_ in self._db.execute(
-                    "SELECT alias, id FROM aliases_v2 WHERE bank_id=? ORDER BY rowid",
-                    (bank_id,)):
+        if self._store is not None:
+            entities, aliases = self._store.load(bank_id)
+            for e in entities:
+                b.add(_Entity(EntityRef(id=e.id, name=e.name, label=e.label), e.key, e.kind))
+            for alias, id_ in aliases:
                 if id_ in b.entities:
                     b.add_alias(alias, id_)
         self._banks[bank_id] = b
@@ -259,30 +215,22 @@ class EntityResolver:
             id_ = derive_id("entity", bank_id, key, kind)
         ent = _Entity(EntityRef(id=id_, name=name, label=label or ""), key, kind)
         b.add(ent)
-        self._seq += 1
-        pending.append(("entity", bank_id, ent, self._seq))
+        pending.append(("entity", bank_id, ent))
         return ent.ref
 
-    def _persist(self, pending: list[tuple]) -> None:
-        if self._db is None or not pending:
+    def _persist(self, bank_id: str, pending: list[tuple]) -> None:
+        """Write one call's decisions to the store in one transaction. Entities are taken
+        as they are now (an entity created and claimed in the same call is stored claimed)."""
+        if self._store is None or not pending:
             return
-        with self._db:  # one transaction per call
-            self._db.execute("BEGIN")
-            for p in pending:
-                if p[0] == "entity":
-                    _, bank_id, e, seq = p
-                    self._db.execute(
-                        "INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind,"
-                        " seq) VALUES (?,?,?,?,?,?,?)",
-                        (bank_id, e.ref.id, e.key, e.ref.name, e.ref.label, e.kind, seq))
-                elif p[0] == "claim":
-                    _, bank_id, e = p
-                    self._db.execute("UPDATE entities_v2 SET label=?, kind=? WHERE bank_id=? "
-                                     "AND id=?", (e.ref.label, e.kind, bank_id, e.ref.id))
-                else:
-                    _, bank_id, alias, id_ = p
-                    self._db.execute("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
-                                     "VALUES (?,?,?)", (bank_id, alias, id_))
+        def stored(e: _Entity) -> StoredEntity:
+            return StoredEntity(id=e.ref.id, key=e.key, name=e.ref.name, label=e.ref.label,
+                                kind=e.kind)
+        self._store.persist(
+            bank_id,
+            entities=[stored(p[2]) for p in pending if p[0] == "entity"],
+            claims=[stored(p[2]) for p in pending if p[0] == "claim"],
+            aliases=[(p[2], p[3]) for p in pending if p[0] == "alias"])
 
     # ---- API ----------------------------------------------------------------------------
 
@@ -295,7 +243,7 @@ class EntityResolver:
     def resolve_many(self, bank_id: str,
                      mention_lists: Sequence[Sequence[tuple[str, str]]]) -> list[list[EntityRef]]:
         """:meth:`resolve` for several mention lists in order (one per fact), with one
-        SQLite transaction for all of them."""
+        store transaction for all of them."""
         with self._lock:
             b = self._bank(bank_id)
             pending: list[tuple] = []
@@ -309,7 +257,7 @@ class EntityResolver:
                         seen.add(ref.id)
                         refs.append(ref)
                 out.append(refs)
-            self._persist(pending)
+            self._persist(bank_id, pending)
             return out
 
     def lookup(self, bank_id: str, names: Iterable[str]) -> list[EntityRef]:
@@ -339,18 +287,15 @@ class EntityResolver:
     def forget(self, bank_id: str) -> None:
         """Drop everything known about the bank (when the bank is deleted)."""
         with self._lock:
-            self._banks.pop(bank_id, None)  # the seq counter stays monotonic
-            if self._db is not None:
-                with self._db:
-                    self._db.execute("BEGIN")
-                    self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
-                    self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
+            self._banks.pop(bank_id, None)
+            if self._store is not None:
+                self._store.forget(bank_id)
 
     forget_bank = forget
 
     def close(self) -> None:
-        """Close the SQLite file (memory state stays usable for reads)."""
+        """Close the store (memory state stays usable; nothing more is persisted)."""
         with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None

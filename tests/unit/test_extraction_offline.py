@@ -13,6 +13,7 @@ import pytest
 from mneme.domain import EXPERIENCE, WORLD, RetainItem, derive_id, entity_key
 from mneme.timeparse import parse_session_datetime
 from services.extraction.offline import OfflineExtractor
+from mneme.stores.entities_sqlite import SqliteEntityStore
 from services.extraction.resolver import EntityResolver
 
 UTC = timezone.utc
@@ -199,8 +200,8 @@ def test_transcript_lines_are_split_by_speaker():
 def test_resolver_state_is_shared_across_requests(tmp_path):
     path = str(tmp_path / "e.db")
     ts = datetime(2024, 1, 1, tzinfo=UTC)
-    a = OfflineExtractor(EntityResolver(path)).extract("b", RetainItem("Melanie: I love pottery.", ts), 0, "s1")
-    b = OfflineExtractor(EntityResolver(path)).extract("b", RetainItem("Sam: Mel showed me her pottery.", ts), 0, "s2")
+    a = OfflineExtractor(EntityResolver(SqliteEntityStore(path))).extract("b", RetainItem("Melanie: I love pottery.", ts), 0, "s1")
+    b = OfflineExtractor(EntityResolver(SqliteEntityStore(path))).extract("b", RetainItem("Sam: Mel showed me her pottery.", ts), 0, "s2")
     mel = a[0].entities[0]
     assert mel.id in {e.id for e in b[0].entities}
 

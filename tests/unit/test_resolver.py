@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from mneme.domain import derive_id
+from mneme.stores.entities_sqlite import SqliteEntityStore
 from services.extraction.resolver import EntityResolver
 
 
@@ -81,12 +82,12 @@ def test_dedup_within_a_call_keeps_first_order():
 
 def test_persistence_across_restarts(tmp_path):
     path = str(tmp_path / "entities.db")
-    r = EntityResolver(path)
+    r = EntityResolver(SqliteEntityStore(path))
     mel = r.resolve("b", [("Melanie", "PERSON")])[0]
     alias = r.resolve("b", [("Mel", "PERSON")])[0]
     room = r.resolve("b", [("Room 101", "FAC")])[0]
     r.close()
-    r2 = EntityResolver(path)
+    r2 = EntityResolver(SqliteEntityStore(path))
     assert r2.resolve("b", [("Mel", "PERSON")])[0] == alias == mel
     assert r2.resolve("b", [("Room 101", "FAC")])[0] == room
     # a new person that would make "Mel" ambiguous does not change the stored decision
@@ -95,7 +96,7 @@ def test_persistence_across_restarts(tmp_path):
     assert [e.name for e in r2.entities("b")] == ["Melanie", "Room 101", "Melissa"]
     r2.forget("b")
     r2.close()
-    assert EntityResolver(path).entities("b") == []
+    assert EntityResolver(SqliteEntityStore(path)).entities("b") == []
 
 
 def test_deterministic_given_the_same_calls():
@@ -203,12 +204,12 @@ def test_kinds_persist_and_an_old_schema_file_is_migrated(tmp_path):
     old.execute("INSERT INTO aliases VALUES ('b', 'mel', 'melanie')")
     old.commit()
     old.close()
-    r = EntityResolver(path)
+    r = EntityResolver(SqliteEntityStore(path))
     assert r.resolve("b", [("Mel", "PERSON")])[0].id == mel_id  # alias kept, id unchanged
     country = r.resolve("b", [("Melanie", "GPE")])[0]
     assert country.id != mel_id
     r.close()
-    r2 = EntityResolver(path)
+    r2 = EntityResolver(SqliteEntityStore(path))
     assert r2.resolve("b", [("Melanie", "GPE")])[0] == country
     assert r2.resolve("b", [("Melanie", "PERSON")])[0].id == mel_id
     assert len(r2.entities("b")) == 2

@@ -1,0 +1,113 @@
+"""The :class:`mneme.ports.EntityStore` in SQLite (``<data_dir>/entities.db``): extraction's
+entity-resolution decisions per bank, so a restarted process resolves the same way.
+
+Schema v2 (one row per entity, aliases naming entity ids); a file of the earlier
+one-entity-per-key schema (v1: ``entities``/``aliases`` keyed by entity key) is migrated
+on open with its ids unchanged.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from typing import Sequence
+
+from mneme.ports import StoredEntity
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entities_v2 (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, key TEXT NOT NULL, name TEXT NOT NULL,
+  label TEXT NOT NULL, kind TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (bank_id, id));
+CREATE TABLE IF NOT EXISTS aliases_v2 (
+  bank_id TEXT NOT NULL, alias TEXT NOT NULL, id TEXT NOT NULL,
+  PRIMARY KEY (bank_id, alias, id));
+"""
+# v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
+_MIGRATE_V1 = """
+INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind, seq)
+  SELECT bank_id, id, key, name, label, '', seq FROM entities;
+INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id)
+  SELECT a.bank_id, a.alias, e.id FROM aliases a JOIN entities e
+  ON e.bank_id = a.bank_id AND e.key = a.key ORDER BY a.rowid;
+DROP TABLE aliases;
+DROP TABLE entities;
+"""
+
+# spaCy label → kind as the resolver mapped them when v2 came (``resolver.kind_of``): v1
+# rows had no kind column, so the migration derives it from the stored label. Frozen
+# here on purpose: a migration must give the same result whatever the rules become.
+_V1_KINDS = {"PERSON": "person", "ORG": "org", "GPE": "place", "LOC": "place", "FAC": "place",
+             "NORP": "thing", "EVENT": "thing", "WORK_OF_ART": "thing", "PRODUCT": "thing",
+             "LANGUAGE": "thing", "LAW": "thing"}
+
+
+class SqliteEntityStore:
+    """Entities and aliases in one SQLite file (``path``, created if missing; ":memory:"
+    for tests). Entities are ordered by a process-wide ``seq`` (creation order), aliases
+    by rowid. Thread-safe (one lock)."""
+
+    def __init__(self, path: str):
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._migrate()
+        row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities_v2").fetchone()
+        self._seq = int(row[0])
+
+    def _migrate(self) -> None:
+        tables = {r[0] for r in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
+        if "entities" not in tables:
+            return
+        self._db.executescript("BEGIN;" + _MIGRATE_V1 + "COMMIT;")
+        # kinds from the stored labels (kept per row, so a v1 bank resolves as before)
+        for id_, bank_id, label in self._db.execute(
+                "SELECT id, bank_id, label FROM entities_v2 WHERE kind=''").fetchall():
+            kind = _V1_KINDS.get((label or "").upper(), "")
+            if kind:
+                self._db.execute("UPDATE entities_v2 SET kind=? WHERE bank_id=? AND id=?",
+                                 (kind, bank_id, id_))
+
+    def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
+        """The bank's entities by ``seq`` and its (alias, entity id) pairs by rowid."""
+        with self._lock:
+            entities = [StoredEntity(id=i, key=k, name=n, label=lb, kind=kd)
+                        for i, k, n, lb, kd in self._db.execute(
+                            "SELECT id, key, name, label, kind FROM entities_v2 "
+                            "WHERE bank_id=? ORDER BY seq", (bank_id,))]
+            aliases = [(a, i) for a, i in self._db.execute(
+                "SELECT alias, id FROM aliases_v2 WHERE bank_id=? ORDER BY rowid", (bank_id,))]
+        return entities, aliases
+
+    def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                claims: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = ()) -> None:
+        """One transaction: new entities (next ``seq`` each, a known id ignored), claims
+        (label and kind), aliases (a known pair ignored)."""
+        if not (entities or claims or aliases):
+            return
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for e in entities:
+                self._seq += 1  # monotonic across banks and forgets, as before the port
+                self._db.execute(
+                    "INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind, seq)"
+                    " VALUES (?,?,?,?,?,?,?)",
+                    (bank_id, e.id, e.key, e.name, e.label, e.kind, self._seq))
+            for e in claims:
+                self._db.execute("UPDATE entities_v2 SET label=?, kind=? WHERE bank_id=? AND id=?",
+                                 (e.label, e.kind, bank_id, e.id))
+            self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
+                                 "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
+
+    def forget(self, bank_id: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
