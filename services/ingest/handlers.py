@@ -16,9 +16,8 @@ from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
 from mneme.names import check_bank_id
-from mneme.ports import EventLog, OutRecord, Record
+from mneme.ports import Catalog, EventLog, Llm, OutRecord, Record
 from mneme.domain import Operation
-from mneme.stores.catalog_sqlite import SqliteCatalog
 
 GROUP = "ingest"
 SOURCE = "mneme/ingest"
@@ -40,7 +39,7 @@ def _at(env) -> float:
 # ---- projection --------------------------------------------------------------------------
 
 
-def project_catalog(env, record: Record, *, catalog: SqliteCatalog) -> list[OutRecord]:
+def project_catalog(env, record: Record, *, catalog: Catalog) -> list[OutRecord]:
     """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
     m, at = env.message, _at(env)
     if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
@@ -74,10 +73,10 @@ class Ingest:
     ``retain_timeout_s`` the default deadline of sync work (seconds)."""
 
     log: EventLog
-    catalog: SqliteCatalog
+    catalog: Catalog
     retain_timeout_s: float = 600.0
     poll_s: float = 0.01
-    llm: object = None  # mneme.llm.LlmGateway, for check_llm
+    llm: Llm | None = None  # for check_llm
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=SOURCE)])[0]
