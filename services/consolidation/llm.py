@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Sequence
 
 from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import Llm
 from services.consolidation import engine
 
 MAX_OBSERVATIONS_SHOWN = 12
@@ -83,7 +84,7 @@ def nearest(facts: Sequence[ev.Fact], current: dict[str, ev.Observation]) -> lis
     return sorted(scored[:MAX_OBSERVATIONS_SHOWN], key=lambda o: o.id)
 
 
-def decide(gateway, facts: Sequence[ev.Fact], scope: list[str], current: dict[str, ev.Observation],
+def decide(gateway: Llm, facts: Sequence[ev.Fact], scope: list[str], current: dict[str, ev.Observation],
            texts: dict[str, str], at: datetime, cause: str, embed, model: str, mission: str
            ) -> tuple[list[ev.Observation], object]:
     """Ask the model and turn its actions into new observation states. ``texts`` maps

@@ -49,8 +49,9 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Callable, Sequence
 
 from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
-from mneme.llm.gateway import LlmError, LlmGateway, Usage
+from mneme.llm.gateway import LlmError, Usage
 from mneme.llm.metrics import METRICS
+from mneme.ports import Llm
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
@@ -302,7 +303,7 @@ class LlmExtractor:
     model call. Thread-safe.
     """
 
-    def __init__(self, gateway: LlmGateway, resolver: EntityResolver | None = None,
+    def __init__(self, gateway: Llm, resolver: EntityResolver | None = None,
                  bank_config: Callable[[str], BankConfig | None] | None = None,
                  annotate_times: bool = True, link_adjacent: bool = True, cache_size: int = 512):
         self.gateway = gateway

@@ -45,9 +45,10 @@ from typing import Callable, Iterator, Protocol, Sequence
 from mneme.deadline import current as current_deadline
 from mneme.domain import BankConfig, Filters, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
-from mneme.llm.gateway import Completion, LlmError, LlmGateway, Usage, tool_spec
+from mneme.llm.gateway import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
+from mneme.ports import Llm
 from services.reflect.handlers import Reflection, reflect_offline
 
 __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflection",
@@ -299,7 +300,7 @@ class ReflectAgent:
     unreachable. Calling the agent has ``reflect_offline``'s signature (minus ``recall``)
     plus ``response_schema``."""
 
-    def __init__(self, gateway: LlmGateway, recall: Callable[[RecallQuery], RecallOutcome], *,
+    def __init__(self, gateway: Llm, recall: Callable[[RecallQuery], RecallOutcome], *,
                  mental_models: MemorySearch = no_memories, observations: MemorySearch = no_memories,
                  bank_config: Callable[[str], BankConfig | None] | None = None, tokens=None,
                  max_iterations: int | None = None, max_context_tokens: int | None = None,

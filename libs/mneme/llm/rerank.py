@@ -14,8 +14,9 @@ import logging
 from typing import Sequence
 
 from mneme.domain import Scored
-from mneme.llm.gateway import LlmError, LlmGateway, Usage
+from mneme.llm.gateway import LlmError, Usage
 from mneme.llm.metrics import METRICS
+from mneme.ports import Llm
 
 log = logging.getLogger("mneme.llm.rerank")
 
@@ -25,7 +26,7 @@ class Reranker:
     or without a rerank model makes it the identity (and litellm is never imported).
     ``last_usage`` is the usage of the latest call (for tracing)."""
 
-    def __init__(self, gateway: LlmGateway | None):
+    def __init__(self, gateway: Llm | None):
         self.gateway = gateway
         self.head = gateway.settings.rerank_head if gateway is not None else 0
         self.last_usage = Usage()
@@ -38,7 +39,7 @@ class Reranker:
         return rerank(query, results, self.gateway, head=self.head, sink=self)
 
 
-def rerank(query: str, results: Sequence[Scored], gateway: LlmGateway | None, *,
+def rerank(query: str, results: Sequence[Scored], gateway: Llm | None, *,
            head: int | None = None, sink: Reranker | None = None) -> list[Scored]:
     """``results`` with their first ``head`` (default ``MNEME_RERANK_HEAD``) items
     reordered by cross-encoder relevance to ``query``, best first; the rest follow in
