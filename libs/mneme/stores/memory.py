@@ -1,0 +1,269 @@
+"""In-memory adapters of the state ports (:class:`mneme.ports.Catalog`,
+:class:`~mneme.ports.ObservationStore`, :class:`~mneme.ports.EntityStore`): complete,
+thread-safe implementations with the SQLite adapters' semantics (the contract suites in
+``tests/contract`` run against both), for handler tests that should not touch disk.
+
+Nothing returned aliases stored state: values are copied in and out, as a database would.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import asdict, replace
+from typing import Iterable, Sequence
+
+from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import StoredEntity
+
+
+# ---- catalog -------------------------------------------------------------------------------
+
+
+class MemoryCatalog:
+    """Banks and operations in dicts (see :class:`mneme.ports.Catalog`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._banks: dict[str, dict] = {}  # id → display_name, config (dict), times, incarnation
+        self._ops: dict[str, Operation] = {}
+        self._deleted_ops: set[str] = set()
+        self._generations: dict[str, int] = {}
+
+    # ---- banks ----
+    def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
+                    mask: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            row = self._banks.get(bank_id)
+            new = asdict(config)
+            if mask:
+                if row is None:
+                    return  # an update never creates
+                merged = dict(row["config"])
+                for path in mask:
+                    if path.startswith("config.") and path[7:] in new:
+                        merged[path[7:]] = new[path[7:]]
+                row.update(display_name=display_name if "display_name" in mask
+                           else row["display_name"], config=merged, updated_at=at)
+                return
+            if row is not None:
+                row.update(display_name=display_name, config=new, updated_at=at)
+                return
+            n = self._generations.get(bank_id, 0) + 1
+            self._generations[bank_id] = n
+            self._banks[bank_id] = dict(display_name=display_name, config=new, created_at=at,
+                                        updated_at=at, incarnation=str(n))
+
+    def delete_bank(self, bank_id: str) -> None:
+        with self._lock:
+            self._banks.pop(bank_id, None)
+            self._generations.setdefault(bank_id, 1)  # as SQLite: a deleted id was used once
+            gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
+            self._deleted_ops.update(gone)
+            for i in gone:
+                del self._ops[i]
+
+    def get_bank(self, bank_id: str) -> Bank | None:
+        with self._lock:
+            row = self._banks.get(bank_id)
+            return _bank(bank_id, row) if row is not None else None
+
+    def list_banks(self, limit: int, after: str = "") -> list[Bank]:
+        with self._lock:
+            ids = sorted(i for i in self._banks if i > after)[:max(limit, 0)]
+            return [_bank(i, self._banks[i]) for i in ids]
+
+    # ---- operations ----
+    def put_operation(self, op: Operation) -> None:
+        with self._lock:
+            if op.operation_id in self._deleted_ops or op.operation_id in self._ops:
+                return
+            self._ops[op.operation_id] = _copy_op(op)
+
+    def update_operation(self, op: Operation) -> None:
+        with self._lock:
+            if op.operation_id in self._deleted_ops:
+                return
+            old = self._ops.get(op.operation_id)
+            if old is not None and old.state in TERMINAL:
+                return  # the first terminal state is final
+            stored = _copy_op(op)
+            if old is not None:
+                stored.created_at = old.created_at
+            self._ops[op.operation_id] = stored
+
+    def get_operation(self, operation_id: str) -> Operation | None:
+        with self._lock:
+            op = self._ops.get(operation_id)
+            return _copy_op(op) if op is not None else None
+
+    def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
+        with self._lock:
+            ops = [o for o in self._ops.values() if not bank_id or o.bank_id == bank_id]
+            ops.sort(key=lambda o: o.operation_id)
+            ops.sort(key=lambda o: o.created_at, reverse=True)  # stable: ties stay by id
+            return [_copy_op(o) for o in ops[max(offset, 0):max(offset, 0) + max(limit, 0)]]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._banks.clear()
+            self._ops.clear()
+            self._deleted_ops.clear()
+            self._generations.clear()
+
+    def close(self) -> None:
+        pass
+
+
+def _bank(bank_id: str, row: dict) -> Bank:
+    known = BankConfig.__dataclass_fields__
+    return Bank(bank_id=bank_id, display_name=row["display_name"],
+                config=BankConfig(**{k: v for k, v in row["config"].items() if k in known}),
+                created_at=from_epoch(row["created_at"]), updated_at=from_epoch(row["updated_at"]),
+                incarnation=row["incarnation"])
+
+
+def _copy_op(op: Operation) -> Operation:
+    return replace(op, memory_ids=list(op.memory_ids),
+                   item_errors=[tuple(e) for e in op.item_errors])
+
+
+# ---- observations ------------------------------------------------------------------------
+
+
+class MemoryObservationStore:
+    """consolidation's projection in dicts (see :class:`mneme.ports.ObservationStore`).
+    Messages are kept as their deterministic bytes, so callers never share them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._seq = 0
+        # bank → fact id → [seq, document_id, scopes, consolidated, bytes]
+        self._facts: dict[str, dict[str, list]] = {}
+        # bank → observation id → (scope key, version, deleted, bytes)
+        self._obs: dict[str, dict[str, tuple]] = {}
+
+    def close(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        with self._lock:
+            self._facts.clear()
+            self._obs.clear()
+
+    # ---- facts ----
+    def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
+        with self._lock:
+            bank = self._facts.setdefault(bank_id, {})
+            for f, scopes in facts:
+                if f.id not in bank:
+                    self._seq += 1
+                    bank[f.id] = [self._seq, f.document_id, copy.deepcopy([list(s) for s in scopes]),
+                                  False, f.SerializeToString(deterministic=True)]
+
+    def _rows(self, bank_id: str) -> list[tuple[str, list]]:
+        return sorted(self._facts.get(bank_id, {}).items(), key=lambda kv: kv[1][0])
+
+    def facts(self, bank_id: str, ids: Iterable[str] | None = None, pending: bool = False
+              ) -> list[tuple[ev.Fact, list[list[str]]]]:
+        want = set(ids) if ids is not None else None
+        with self._lock:
+            return [(ev.Fact.FromString(r[4]), copy.deepcopy(r[2])) for i, r in self._rows(bank_id)
+                    if (want is None or i in want) and not (pending and r[3])]
+
+    def facts_by_id(self, bank_id: str, ids: Iterable[str]) -> dict[str, ev.Fact]:
+        with self._lock:
+            bank = self._facts.get(bank_id, {})
+            return {i: ev.Fact.FromString(bank[i][4]) for i in sorted(set(ids)) if i in bank}
+
+    def fact_ids_of_document(self, bank_id: str, document_id: str) -> list[str]:
+        with self._lock:
+            return [i for i, r in self._rows(bank_id) if r[1] == document_id]
+
+    def delete_facts(self, bank_id: str, ids: Iterable[str]) -> None:
+        with self._lock:
+            bank = self._facts.get(bank_id, {})
+            for i in ids:
+                bank.pop(i, None)
+
+    def delete_bank(self, bank_id: str) -> None:
+        with self._lock:
+            self._facts.pop(bank_id, None)
+            self._obs.pop(bank_id, None)
+
+    def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:
+        bank = self._facts.get(bank_id, {})
+        for i in ids:
+            if i in bank:
+                bank[i][3] = consolidated
+
+    # ---- observations ----
+    def observations(self, bank_id: str, scope: list[str] | None = None,
+                     include_deleted: bool = False) -> dict[str, ev.Observation]:
+        key = _scope_key(scope) if scope is not None else None
+        with self._lock:
+            rows = sorted(self._obs.get(bank_id, {}).items())
+            return {i: ev.Observation.FromString(r[3]) for i, r in rows
+                    if (key is None or r[0] == key) and (include_deleted or not r[2])}
+
+    def apply(self, m: ev.ObservationsChanged) -> None:
+        with self._lock:  # nothing below can fail halfway, so this is atomic
+            bank = self._obs.setdefault(m.bank_id, {})
+            for o in m.observations:
+                old = bank.get(o.id)
+                if old is not None and old[1] >= o.version:
+                    continue
+                bank[o.id] = (_scope_key(o.scope), o.version, bool(o.deleted),
+                              o.SerializeToString(deterministic=True))
+            self._mark(m.bank_id, m.reset_memory_ids, False)
+            self._mark(m.bank_id, m.consolidated_memory_ids, True)
+
+    def dump(self, bank_id: str) -> list[bytes]:
+        with self._lock:
+            return [r[3] for _, r in sorted(self._obs.get(bank_id, {}).items())]
+
+
+def _scope_key(tags: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted(set(tags)))
+
+
+# ---- entities ----------------------------------------------------------------------------
+
+
+class MemoryEntityStore:
+    """Entity-resolution decisions in dicts (see :class:`mneme.ports.EntityStore`).
+    ``close`` keeps the data (a test may hand the same store to a new resolver to play a
+    restart)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entities: dict[str, dict[str, StoredEntity]] = {}  # bank → id → entity (in order)
+        self._aliases: dict[str, dict[tuple[str, str], None]] = {}  # bank → ordered pair set
+
+    def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
+        with self._lock:
+            return (list(self._entities.get(bank_id, {}).values()),
+                    list(self._aliases.get(bank_id, {})))
+
+    def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                claims: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = ()) -> None:
+        with self._lock:
+            known = self._entities.setdefault(bank_id, {})
+            for e in entities:
+                known.setdefault(e.id, e)
+            for e in claims:
+                if e.id in known:
+                    known[e.id] = replace(known[e.id], label=e.label, kind=e.kind)
+            pairs = self._aliases.setdefault(bank_id, {})
+            for a, i in aliases:
+                pairs.setdefault((a, i), None)
+
+    def forget(self, bank_id: str) -> None:
+        with self._lock:
+            self._entities.pop(bank_id, None)
+            self._aliases.pop(bank_id, None)
+
+    def close(self) -> None:
+        pass

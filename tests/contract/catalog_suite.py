@@ -1,0 +1,166 @@
+"""Contract of :class:`mneme.ports.Catalog`, written once; subclass per adapter and
+implement ``make_catalog(path)`` (same path → same data where the adapter persists)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from mneme.domain import BankConfig, Operation
+
+T0 = 1_700_000_000.0
+
+
+def op(op_id, bank="a", state="pending", at=T0, **kw) -> Operation:
+    return Operation(op_id, bank, kw.pop("kind", "retain"), state, created_at=at, updated_at=at, **kw)
+
+
+class CatalogSuite:
+    def make_catalog(self, path):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @pytest.fixture
+    def cat(self, tmp_path):
+        c = self.make_catalog(tmp_path)
+        yield c
+        c.close()
+
+    # -- banks --
+
+    def test_bank_roundtrip_with_times(self, cat):
+        cfg = BankConfig(retain_mission="m", skepticism=5, auto_consolidate=False,
+                         dedup_threshold=0.9, extraction_mode="offline")
+        cat.upsert_bank("a", "Alpha", cfg, T0)
+        b = cat.get_bank("a")
+        assert (b.bank_id, b.display_name, b.config, b.incarnation) == ("a", "Alpha", cfg, "1")
+        assert b.created_at == b.updated_at == datetime.fromtimestamp(T0, tz=timezone.utc)
+        assert cat.get_bank("missing") is None
+
+    def test_upsert_is_idempotent_and_replaces_keeping_creation(self, cat):
+        cat.upsert_bank("a", "Alpha", BankConfig(), T0)
+        cat.upsert_bank("a", "Alpha", BankConfig(), T0)
+        cat.upsert_bank("a", "Beta", BankConfig(empathy=1), T0 + 5)
+        (b,) = cat.list_banks(10)
+        assert (b.display_name, b.config.empathy, b.incarnation) == ("Beta", 1, "1")
+        assert b.created_at.timestamp() == T0 and b.updated_at.timestamp() == T0 + 5
+
+    def test_masked_update_changes_only_named_fields_and_never_creates(self, cat):
+        cat.upsert_bank("a", "Alpha", BankConfig(skepticism=1, literalism=2), T0)
+        cat.upsert_bank("a", "ignored", BankConfig(skepticism=5, literalism=5, empathy=5), T0 + 1,
+                        mask=("config.skepticism", "config.nope", "other"))
+        b = cat.get_bank("a")
+        assert b.display_name == "Alpha"
+        assert (b.config.skepticism, b.config.literalism, b.config.empathy) == (5, 2, 3)
+        cat.upsert_bank("a", "Renamed", BankConfig(), T0 + 2, mask=("display_name",))
+        assert cat.get_bank("a").display_name == "Renamed" and cat.get_bank("a").config == b.config
+        cat.upsert_bank("ghost", "G", BankConfig(), T0, mask=("display_name",))
+        assert cat.get_bank("ghost") is None
+
+    def test_incarnations_count_creations_across_deletions(self, cat):
+        cat.upsert_bank("a", "A", BankConfig(), T0)
+        cat.delete_bank("a")
+        assert cat.get_bank("a") is None
+        cat.upsert_bank("a", "A", BankConfig(), T0 + 1)
+        assert cat.get_bank("a").incarnation == "2"
+        cat.upsert_bank("a", "A again", BankConfig(), T0 + 2)  # a change, not a creation
+        assert cat.get_bank("a").incarnation == "2"
+        cat.delete_bank("a")
+        cat.delete_bank("a")  # idempotent
+        cat.upsert_bank("a", "A", BankConfig(), T0 + 3)
+        assert cat.get_bank("a").incarnation == "3"
+        cat.upsert_bank("b", "B", BankConfig(), T0)
+        assert cat.get_bank("b").incarnation == "1"
+
+    def test_deleting_an_unknown_bank_counts_its_first_generation(self, cat):
+        cat.delete_bank("z")
+        cat.upsert_bank("z", "Z", BankConfig(), T0)
+        assert cat.get_bank("z").incarnation == "2"
+
+    def test_list_banks_pages_by_id(self, cat):
+        for i in ("c", "a", "e", "b", "d"):
+            cat.upsert_bank(i, i.upper(), BankConfig(), T0)
+        assert [b.bank_id for b in cat.list_banks(2)] == ["a", "b"]
+        assert [b.bank_id for b in cat.list_banks(2, after="b")] == ["c", "d"]
+        assert [b.bank_id for b in cat.list_banks(10, after="d")] == ["e"]
+        assert cat.list_banks(10, after="e") == []
+
+    # -- operations --
+
+    def test_put_operation_is_insert_only(self, cat):
+        cat.put_operation(op("o1", items_total=3))
+        cat.update_operation(op("o1", state="running", items_total=3, items_done=1))
+        cat.put_operation(op("o1", items_total=3))  # a redelivered request
+        got = cat.get_operation("o1")
+        assert (got.state, got.items_done, got.kind) == ("running", 1, "retain")
+        assert cat.get_operation("missing") is None
+
+    def test_operation_roundtrip_and_copies(self, cat):
+        o = op("o1", state="failed", items_total=2, items_done=2, facts=4, error="boom",
+               memory_ids=["m1", "m2"], item_errors=[(1, "items[1].content", "empty")])
+        cat.put_operation(o)
+        got = cat.get_operation("o1")
+        assert got == o and got.done
+        got.memory_ids.append("x")
+        o.memory_ids.append("y")
+        assert cat.get_operation("o1").memory_ids == ["m1", "m2"]
+
+    def test_update_keeps_created_at_and_inserts_unknown(self, cat):
+        cat.put_operation(op("o1", at=T0))
+        cat.update_operation(op("o1", state="running", at=T0 + 9, items_done=1))
+        got = cat.get_operation("o1")
+        assert (got.created_at, got.updated_at, got.items_done) == (T0, T0 + 9, 1)
+        cat.update_operation(op("o2", state="running", at=T0 + 3))
+        assert cat.get_operation("o2").created_at == T0 + 3
+
+    @pytest.mark.parametrize("first", ["succeeded", "failed"])
+    def test_first_terminal_state_is_final(self, cat, first):
+        cat.put_operation(op("o1"))
+        cat.update_operation(op("o1", state="running", items_done=1))
+        cat.update_operation(op("o1", state=first, items_done=2, facts=5))
+        other = "failed" if first == "succeeded" else "succeeded"
+        cat.update_operation(op("o1", state=other, error="late verdict"))
+        cat.update_operation(op("o1", state="running", items_done=0))
+        cat.put_operation(op("o1"))
+        got = cat.get_operation("o1")
+        assert (got.state, got.items_done, got.facts, got.error) == (first, 2, 5, "")
+
+    def test_operations_of_a_deleted_bank_never_return(self, cat):
+        cat.upsert_bank("a", "A", BankConfig(), T0)
+        cat.put_operation(op("o1", "a"))
+        cat.put_operation(op("keep", "b"))
+        cat.delete_bank("a")
+        assert cat.get_operation("o1") is None
+        cat.upsert_bank("a", "A", BankConfig(), T0 + 1)  # re-created: a new incarnation
+        cat.update_operation(op("o1", "a", "succeeded"))  # late progress of the old one
+        cat.put_operation(op("o1", "a"))  # a redelivered old request
+        assert cat.get_operation("o1") is None and cat.list_operations("a", 10) == []
+        assert cat.get_operation("keep") is not None
+        cat.put_operation(op("o2", "a"))  # the new incarnation's operations are fine
+        assert [o.operation_id for o in cat.list_operations("a", 10)] == ["o2"]
+
+    def test_list_operations_newest_first_with_paging(self, cat):
+        cat.put_operation(op("o-old", "a", at=T0))
+        cat.put_operation(op("o-b", "a", at=T0 + 2))
+        cat.put_operation(op("o-a", "a", at=T0 + 2))  # same time: by id
+        cat.put_operation(op("o-new", "a", at=T0 + 5))
+        cat.put_operation(op("x", "b", at=T0 + 1))
+        assert [o.operation_id for o in cat.list_operations("a", 10)] == [
+            "o-new", "o-a", "o-b", "o-old"]
+        assert [o.operation_id for o in cat.list_operations("a", 2, offset=1)] == ["o-a", "o-b"]
+        assert [o.operation_id for o in cat.list_operations("a", 10, offset=4)] == []
+        assert [o.operation_id for o in cat.list_operations("", 10)] == [
+            "o-new", "o-a", "o-b", "x", "o-old"]
+
+    def test_reset_forgets_everything(self, cat):
+        cat.upsert_bank("a", "A", BankConfig(), T0)
+        cat.put_operation(op("o1", "a"))
+        cat.delete_bank("a")
+        cat.upsert_bank("a", "A", BankConfig(), T0)
+        cat.put_operation(op("o2", "a"))
+        cat.reset()
+        assert cat.list_banks(10) == [] and cat.list_operations("", 10) == []
+        cat.upsert_bank("a", "A", BankConfig(), T0)  # generations forgotten too
+        assert cat.get_bank("a").incarnation == "1"
+        cat.put_operation(op("o1", "a"))  # so are deleted operations (replay rebuilds them)
+        assert cat.get_operation("o1") is not None

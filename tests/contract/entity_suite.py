@@ -1,0 +1,99 @@
+"""Contract of :class:`mneme.ports.EntityStore`, written once; subclass per adapter and
+implement ``make_entities(path)`` and ``reopens`` (True when the same path gives the same
+data after ``close``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mneme.ports import StoredEntity
+from services.extraction.resolver import EntityResolver
+
+MEL = StoredEntity("e-mel", "melanie", "Melanie", "PERSON", "person")
+ROOM = StoredEntity("e-room", "room 101", "Room 101", "FAC", "place")
+PAINT = StoredEntity("e-paint", "painting", "painting", "CONCEPT", "")
+
+
+class EntityStoreSuite:
+    reopens = False
+
+    def make_entities(self, path):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        s = self.make_entities(tmp_path)
+        yield s
+        s.close()
+
+    def test_empty_bank(self, store):
+        assert store.load("a") == ([], [])
+
+    def test_entities_and_aliases_in_creation_order(self, store):
+        store.persist("a", entities=[ROOM, MEL], aliases=[("mel", MEL.id)])
+        store.persist("a", entities=[PAINT], aliases=[("room", ROOM.id), ("mel", ROOM.id)])
+        assert store.load("a") == ([ROOM, MEL, PAINT],
+                                   [("mel", MEL.id), ("room", ROOM.id), ("mel", ROOM.id)])
+
+    def test_persist_is_idempotent_and_first_record_wins(self, store):
+        store.persist("a", entities=[MEL], aliases=[("mel", MEL.id)])
+        store.persist("a", entities=[StoredEntity(MEL.id, "melanie", "MELANIE", "ORG", "org")],
+                      aliases=[("mel", MEL.id)])
+        assert store.load("a") == ([MEL], [("mel", MEL.id)])
+
+    def test_claims_set_label_and_kind_of_known_entities(self, store):
+        store.persist("a", entities=[PAINT])
+        claimed = StoredEntity(PAINT.id, PAINT.key, "other name", "WORK_OF_ART", "thing")
+        store.persist("a", claims=[claimed, StoredEntity("e-unknown", "x", "X", "ORG", "org")])
+        ([got], _) = store.load("a")
+        assert (got.name, got.label, got.kind) == ("painting", "WORK_OF_ART", "thing")
+
+    def test_one_call_creates_and_claims(self, store):
+        store.persist("a", entities=[PAINT], claims=[StoredEntity(PAINT.id, PAINT.key, PAINT.name,
+                                                                  "PRODUCT", "thing")])
+        assert store.load("a")[0][0].kind == "thing"
+
+    def test_banks_are_isolated_and_forget_drops_one(self, store):
+        store.persist("a", entities=[MEL], aliases=[("mel", MEL.id)])
+        store.persist("b", entities=[MEL, ROOM])
+        store.forget("a")
+        assert store.load("a") == ([], [])
+        assert store.load("b") == ([MEL, ROOM], [])
+        store.persist("a", entities=[ROOM])  # the bank starts afresh
+        assert store.load("a") == ([ROOM], [])
+
+    def test_survives_reopen(self, tmp_path):
+        if not self.reopens:
+            pytest.skip("not persistent")
+        s = self.make_entities(tmp_path)
+        s.persist("a", entities=[MEL, ROOM], aliases=[("mel", MEL.id)])
+        s.persist("b", entities=[PAINT])
+        s.forget("b")
+        s.close()
+        s = self.make_entities(tmp_path)
+        try:
+            assert s.load("a") == ([MEL, ROOM], [("mel", MEL.id)]) and s.load("b") == ([], [])
+            s.persist("a", entities=[PAINT])  # order continues after the reopen
+            assert [e.id for e in s.load("a")[0]] == [MEL.id, ROOM.id, PAINT.id]
+        finally:
+            s.close()
+
+    def test_resolver_over_the_store_resolves_the_same_after_a_restart(self, tmp_path):
+        """The resolver's decisions go through the port: a new resolver on the store's
+        data (reopened, or the same object) resolves as the first one did."""
+        s = self.make_entities(tmp_path)
+        r = EntityResolver(s)
+        mel = r.resolve("a", [("Melanie", "PERSON")])[0]
+        assert r.resolve("a", [("Mel", "PERSON")])[0] == mel
+        paint = r.resolve("a", [("painting", "CONCEPT")])[0]
+        r.close()
+        if self.reopens:
+            s = self.make_entities(tmp_path)  # else the same store object, data kept
+        r2 = EntityResolver(s)
+        r2.resolve("a", [("Melissa", "PERSON")])  # would make "Mel" ambiguous if it were new
+        assert r2.resolve("a", [("Mel", "PERSON")])[0] == mel
+        assert r2.resolve("a", [("painting", "CONCEPT")])[0] == paint
+        assert [e.name for e in r2.entities("a")] == ["Melanie", "painting", "Melissa"]
+        r2.forget("a")
+        assert s.load("a") == ([], [])
+        r2.close()

@@ -1,0 +1,146 @@
+"""Contract of :class:`mneme.ports.ObservationStore`, written once; subclass per adapter
+and implement ``make_observations(path)`` (same path → same data where it persists)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mneme.events.v1 import events_pb2 as ev
+
+
+def fact(i: str, doc: str = "", text: str = "", tags=()) -> ev.Fact:
+    return ev.Fact(id=i, text=text or f"fact {i}", document_id=doc, tags=list(tags),
+                   metadata={"k": "v"}, embedding=[0.25, 0.5])
+
+
+def obs(i: str, version: int, scope=(), text: str = "", deleted: bool = False) -> ev.Observation:
+    return ev.Observation(id=i, version=version, scope=list(scope), text=text or f"obs {i} v{version}",
+                          deleted=deleted, proof_count=version,
+                          evidence=[ev.Evidence(memory_id="f1", quote="q")])
+
+
+def changed(bank="a", observations=(), consolidated=(), reset=()) -> ev.ObservationsChanged:
+    return ev.ObservationsChanged(bank_id=bank, observations=list(observations),
+                                  consolidated_memory_ids=list(consolidated),
+                                  reset_memory_ids=list(reset))
+
+
+class ObservationStoreSuite:
+    def make_observations(self, path):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        s = self.make_observations(tmp_path)
+        yield s
+        s.close()
+
+    def ids(self, pairs):
+        return [f.id for f, _ in pairs]
+
+    # -- facts --
+
+    def test_facts_in_arrival_order_with_scopes(self, store):
+        store.add_facts("a", [(fact("f2", tags=["x"]), [["x"]]), (fact("f1"), [[]])])
+        store.add_facts("a", [(fact("f3"), [["p", "q"], []])])
+        got = store.facts("a")
+        assert self.ids(got) == ["f2", "f1", "f3"]
+        assert got[0] == (fact("f2", tags=["x"]), [["x"]]) and got[2][1] == [["p", "q"], []]
+        assert self.ids(store.facts("a", ["f3", "f2", "missing"])) == ["f2", "f3"]
+        assert store.facts("a", []) == [] and store.facts("other") == []
+
+    def test_known_fact_keeps_its_data_and_state(self, store):
+        store.add_facts("a", [(fact("f1", text="first"), [["x"]])])
+        store.apply(changed(consolidated=["f1"]))
+        store.add_facts("a", [(fact("f1", text="second"), [["y"]])])  # redelivery
+        ((f, scopes),) = store.facts("a")
+        assert f.text == "first" and scopes == [["x"]]
+        assert store.facts("a", pending=True) == []
+
+    def test_banks_are_isolated(self, store):
+        store.add_facts("a", [(fact("f1"), [[]])])
+        store.add_facts("b", [(fact("f1", text="in b"), [[]])])
+        store.apply(changed("b", [obs("o1", 1)]))
+        assert store.facts("a")[0][0].text == "fact f1" and store.facts("b")[0][0].text == "in b"
+        assert store.observations("a") == {} and list(store.observations("b")) == ["o1"]
+
+    def test_facts_by_id_and_document(self, store):
+        store.add_facts("a", [(fact("f1", "d1"), [[]]), (fact("f2", "d2"), [[]]),
+                              (fact("f3", "d1"), [[]])])
+        assert store.facts_by_id("a", ["f3", "f1", "nope"]) == {"f3": fact("f3", "d1"),
+                                                                  "f1": fact("f1", "d1")}
+        many = [f"m{i:04d}" for i in range(1200)]  # past SQLite's host-parameter bound
+        store.add_facts("a", [(fact(i), [[]]) for i in many])
+        assert len(store.facts_by_id("a", many + ["f2"])) == 1201
+        assert store.fact_ids_of_document("a", "d1") == ["f1", "f3"]
+        assert store.fact_ids_of_document("a", "none") == []
+
+    def test_delete_facts(self, store):
+        store.add_facts("a", [(fact("f1", "d"), [[]]), (fact("f2", "d"), [[]])])
+        store.apply(changed(observations=[obs("o1", 1)]))
+        store.delete_facts("a", ["f1", "unknown"])
+        assert self.ids(store.facts("a")) == ["f2"] and store.fact_ids_of_document("a", "d") == ["f2"]
+        assert list(store.observations("a")) == ["o1"]
+
+    # -- observations --
+
+    def test_apply_keeps_the_highest_version_and_is_idempotent(self, store):
+        m1 = changed(observations=[obs("o1", 1, ["x"]), obs("o2", 1)])
+        store.apply(m1)
+        store.apply(changed(observations=[obs("o1", 3, ["x"], text="v3")]))
+        before = store.dump("a")
+        store.apply(m1)  # its own decision coming back from the log
+        store.apply(changed(observations=[obs("o1", 3, ["x"], text="same version, other text")]))
+        assert store.dump("a") == before
+        assert store.observations("a")["o1"].text == "v3"
+
+    def test_apply_marks_consolidated_then_reset(self, store):
+        store.add_facts("a", [(fact(i), [[]]) for i in ("f1", "f2", "f3")])
+        store.apply(changed(consolidated=["f1", "f2", "unknown"]))
+        assert self.ids(store.facts("a", pending=True)) == ["f3"]
+        store.apply(changed(consolidated=["f2"], reset=["f1", "f2"]))  # reset first, then mark
+        assert self.ids(store.facts("a", pending=True)) == ["f1", "f3"]
+        assert self.ids(store.facts("a", ["f1", "f2"], pending=True)) == ["f1"]
+
+    def test_observations_by_scope_and_deleted(self, store):
+        store.apply(changed(observations=[obs("o3", 1, ["b", "a"]), obs("o1", 1, []),
+                                          obs("o2", 2, ["a", "b"], deleted=True),
+                                          obs("o4", 1, ["a"])]))
+        assert list(store.observations("a")) == ["o1", "o3", "o4"]
+        assert list(store.observations("a", ["a", "b"])) == ["o3"]
+        assert list(store.observations("a", ["b", "a", "a"], include_deleted=True)) == ["o2", "o3"]
+        assert list(store.observations("a", [])) == ["o1"]
+        assert store.observations("a")["o3"] == obs("o3", 1, ["b", "a"])
+
+    def test_deleting_is_a_newer_version(self, store):
+        store.apply(changed(observations=[obs("o1", 1)]))
+        store.apply(changed(observations=[obs("o1", 2, deleted=True)]))
+        assert store.observations("a") == {}
+        assert store.observations("a", include_deleted=True)["o1"].deleted
+
+    def test_dump_is_deterministic_bytes_by_id(self, store):
+        store.apply(changed(observations=[obs("o2", 1), obs("o1", 1, deleted=True)]))
+        assert store.dump("a") == [obs("o1", 1, deleted=True).SerializeToString(deterministic=True),
+                                   obs("o2", 1).SerializeToString(deterministic=True)]
+        assert store.dump("other") == []
+
+    def test_returned_messages_are_copies(self, store):
+        store.add_facts("a", [(fact("f1"), [["x"]])])
+        store.apply(changed(observations=[obs("o1", 1)]))
+        f, scopes = store.facts("a")[0]
+        f.text, scopes[0][:] = "mutated", ["y"]
+        store.observations("a")["o1"].text = "mutated"
+        assert store.facts("a")[0] == (fact("f1"), [["x"]])
+        assert store.observations("a")["o1"].text == "obs o1 v1"
+
+    def test_delete_bank_and_reset(self, store):
+        for b in ("a", "b"):
+            store.add_facts(b, [(fact("f1"), [[]])])
+            store.apply(changed(b, [obs("o1", 1)]))
+        store.delete_bank("a")
+        assert store.facts("a") == [] and store.dump("a") == []
+        assert len(store.facts("b")) == 1 and len(store.dump("b")) == 1
+        store.apply(changed("a", [obs("o1", 1)]))  # the bank starts afresh
+        assert len(store.dump("a")) == 1
+        store.reset()
+        assert store.facts("b") == [] and store.dump("a") == store.dump("b") == []

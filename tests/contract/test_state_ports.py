@@ -1,0 +1,140 @@
+"""The state ports' adapters against their shared contracts: the SQLite adapters and the
+in-memory fakes handler tests use (``mneme.stores.memory``) — Catalog, ObservationStore
+and EntityStore — plus what is specific to SQLite: files reopen with their data, and
+entities.db files of the first schema migrate with their ids."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+# the suites are plain modules: have pytest explain their failing asserts too
+pytest.register_assert_rewrite("tests.contract.catalog_suite", "tests.contract.entity_suite",
+                               "tests.contract.observation_suite")
+
+from .catalog_suite import T0, CatalogSuite, op
+from .entity_suite import EntityStoreSuite
+from .observation_suite import ObservationStoreSuite, changed, fact, obs
+from mneme.domain import BankConfig, derive_id
+from mneme.ports import Catalog, EntityStore, ObservationStore
+from mneme.stores.catalog_sqlite import SqliteCatalog
+from mneme.stores.entities_sqlite import SqliteEntityStore
+from mneme.stores.memory import MemoryCatalog, MemoryEntityStore, MemoryObservationStore
+from mneme.stores.observations_sqlite import SqliteObservationStore
+
+
+# ---- catalog ------------------------------------------------------------------------------
+
+
+class TestSqliteCatalog(CatalogSuite):
+    def make_catalog(self, path):
+        return SqliteCatalog(str(path / "catalog.db"))
+
+    def test_reopen_keeps_banks_generations_and_final_states(self, tmp_path):
+        c = self.make_catalog(tmp_path)
+        c.upsert_bank("a", "A", BankConfig(), T0)
+        c.delete_bank("a")
+        c.upsert_bank("a", "A", BankConfig(), T0)
+        c.put_operation(op("o1", "a"))
+        c.update_operation(op("o1", "a", "succeeded"))
+        c.close()
+        c = self.make_catalog(tmp_path)
+        try:
+            assert c.get_bank("a").incarnation == "2"
+            c.update_operation(op("o1", "a", "failed"))
+            assert c.get_operation("o1").state == "succeeded"
+        finally:
+            c.close()
+
+
+class TestMemoryCatalog(CatalogSuite):
+    def make_catalog(self, path):
+        return MemoryCatalog()
+
+
+# ---- observations -------------------------------------------------------------------------
+
+
+class TestSqliteObservationStore(ObservationStoreSuite):
+    def make_observations(self, path):
+        return SqliteObservationStore(str(path / "observations.db"))
+
+    def test_reopen_keeps_facts_states_and_order(self, tmp_path):
+        s = self.make_observations(tmp_path)
+        s.add_facts("a", [(fact("f2"), [["x"]]), (fact("f1"), [[]])])
+        s.apply(changed(observations=[obs("o1", 2, ["x"])], consolidated=["f2"]))
+        dump = s.dump("a")
+        s.close()
+        s = self.make_observations(tmp_path)
+        try:
+            assert s.dump("a") == dump
+            assert [f.id for f, _ in s.facts("a", pending=True)] == ["f1"]
+            s.add_facts("a", [(fact("f0"), [[]])])  # arrival order continues
+            assert [f.id for f, _ in s.facts("a")] == ["f2", "f1", "f0"]
+        finally:
+            s.close()
+
+
+class TestMemoryObservationStore(ObservationStoreSuite):
+    def make_observations(self, path):
+        return MemoryObservationStore()
+
+
+# ---- entities -----------------------------------------------------------------------------
+
+
+class TestSqliteEntityStore(EntityStoreSuite):
+    reopens = True
+
+    def make_entities(self, path):
+        return SqliteEntityStore(str(path / "entities.db"))
+
+    def test_first_schema_is_migrated_with_ids_and_kinds(self, tmp_path):
+        path = str(tmp_path / "entities.db")
+        old = sqlite3.connect(path)
+        old.executescript("""
+          CREATE TABLE entities (bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL,
+            name TEXT NOT NULL, label TEXT NOT NULL, seq INTEGER NOT NULL,
+            PRIMARY KEY (bank_id, key));
+          CREATE TABLE aliases (bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
+            PRIMARY KEY (bank_id, alias));""")
+        mel, paint = derive_id("entity", "b", "melanie"), derive_id("entity", "b", "painting")
+        old.execute("INSERT INTO entities VALUES ('b', 'melanie', ?, 'Melanie', 'PERSON', 1)", (mel,))
+        old.execute("INSERT INTO entities VALUES ('b', 'painting', ?, 'painting', 'CONCEPT', 2)",
+                    (paint,))
+        old.execute("INSERT INTO aliases VALUES ('b', 'mel', 'melanie')")
+        old.commit()
+        old.close()
+        s = SqliteEntityStore(path)
+        try:
+            entities, aliases = s.load("b")
+            assert [(e.id, e.key, e.label, e.kind) for e in entities] == [
+                (mel, "melanie", "PERSON", "person"), (paint, "painting", "CONCEPT", "")]
+            assert aliases == [("mel", mel)]
+            tables = {r[0] for r in s._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            assert tables == {"entities_v2", "aliases_v2"}
+        finally:
+            s.close()
+
+
+class TestMemoryEntityStore(EntityStoreSuite):
+    def make_entities(self, path):
+        return MemoryEntityStore()
+
+
+@pytest.mark.parametrize("adapter, port", [
+    (MemoryCatalog, Catalog), (MemoryObservationStore, ObservationStore),
+    (MemoryEntityStore, EntityStore),
+    (lambda: SqliteCatalog(":memory:"), Catalog),
+    (lambda: SqliteObservationStore(":memory:"), ObservationStore),
+    (lambda: SqliteEntityStore(":memory:"), EntityStore),
+])
+def test_adapters_have_every_method_of_their_port(adapter, port):
+    store = adapter()
+    try:
+        wanted = {n for n in vars(port) if not n.startswith("_")}
+        missing = {n for n in wanted if not callable(getattr(store, n, None))}
+        assert not missing
+    finally:
+        store.close()
