@@ -1,0 +1,648 @@
+"""Kafka through FastStream: the subscribers and publishers of the services' consumer
+groups, declared once from their :class:`mneme.router.Service` declarations, and the
+runner that consumes and produces with them.
+
+:func:`build_broker` is the one place they are declared. Per consumer group and topic
+it reads, a subscriber with ``group_id`` the group (Kafka spreads the group's partitions
+over every process running it), manual acknowledgement (``AckPolicy.MANUAL``: the offset
+is committed by :class:`DeliveryMiddleware` once the outputs are produced),
+``auto_offset_reset="earliest"`` and the consumer timeouts of
+:class:`~mneme.bus.kafka_log.KafkaOptions`; per service and topic it produces, a
+publisher, and per group one to the DLQ. Without routers the broker is only described
+(never started): :mod:`mneme.runtime.asyncapi` writes the AsyncAPI document from it.
+
+:class:`KafkaRunner` runs such a broker on its own asyncio loop in a thread. Per record:
+
+1. :class:`DeliveryMiddleware` (FastStream middleware of the group's subscribers)
+   decodes it (:func:`mneme.bus.codec.decode` of a :class:`mneme.ports.Record`); an
+   undecodable one is dead-lettered at once, a type the group has no handler for is
+   skipped; both are acknowledged;
+2. the subscriber's handler runs the group's :class:`~mneme.router.Router` (a plain,
+   synchronous function) off the event loop (``asyncio.to_thread``: heartbeats go on),
+   inside the record's CONSUMER span and with :func:`mneme.deadline.current` cancelled
+   by :meth:`KafkaRunner.stop`, then produces its outputs and waits for every send;
+3. the middleware retries a failing handler (tenacity, exponential backoff), then
+   produces the dead letters (:func:`mneme.bus.dead_letter.records`: the DLQ copy and
+   the failed progress of its operation), and commits the input offset.
+
+Delivery is at least once: the offset is committed only after the outputs are on the
+brokers, and outputs have deterministic ids, so a redelivered record yields duplicates
+that consumers drop (DESIGN §3). Each subscriber handles one record at a time, so the
+records of one partition are handled strictly in order; a group's handlers never run
+concurrently in one process (one lock per group, as on the embedded log). Before a
+rebalance takes partitions away, the revocation waits for the record in hand to be
+committed, so its new owner starts after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import tenacity
+from aiokafka import ConsumerRebalanceListener
+from aiokafka.errors import IllegalStateError, KafkaError
+from faststream.kafka import KafkaBroker, KafkaRouter, Topic
+from faststream.kafka.annotations import KafkaMessage
+from faststream.middlewares import AckPolicy, BaseMiddleware
+from google.protobuf.message import Message
+
+from mneme import deadline, retry, telemetry
+from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
+from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
+from mneme.bus.kafka_log import KafkaOptions
+from mneme.bus.kafka_log import _record as record_of  # the one Kafka → Record mapping
+from mneme.errors import Cancelled
+from mneme.ports import OutRecord, Record
+from mneme.router import Router, Service
+
+log = logging.getLogger(__name__)
+
+#: The broker the AsyncAPI document names (docker-compose.yml's).
+SERVER = "kafka:9092"
+
+#: Seconds between a runner's reads of its groups' lag (:meth:`GroupRun.lag_snapshot`).
+LAG_REFRESH_S = 1.0
+
+
+class _Abandoned(Exception):
+    """The runner stops: leave the record in hand uncommitted (redelivered later)."""
+
+
+class _ProtobufCodec:
+    """Record values are bytes already (the router encodes them): passed through, with
+    ``application/protobuf`` as the content type FastStream sets (a record's own
+    ``content-type`` header wins)."""
+
+    async def decode(self, msg):  # noqa: ANN001 - FastStream's StreamMessage
+        return msg.body
+
+    async def encode(self, msg, serializer=None) -> tuple[bytes, str | None]:  # noqa: ANN001
+        if not isinstance(msg, (bytes, bytearray, memoryview)):
+            raise TypeError(f"mneme publishes encoded records (bytes), got {type(msg).__name__}")
+        return bytes(msg), CONTENT_TYPE
+
+
+@dataclass
+class Delivery:
+    """How a working broker's subscribers deliver records: ``max_attempts`` handler
+    calls per record before it is dead-lettered (>= 1), retry *n* waiting
+    ``min(backoff * 2**(n-1), backoff_max)`` seconds; ``dlq_topic``; ``stopping`` (set by
+    :meth:`KafkaRunner.stop`: handlers see it as a cancelled deadline). ``groups`` is
+    filled by :func:`build_broker`: group → :class:`GroupRun`."""
+
+    max_attempts: int = 3
+    backoff: float = 0.05
+    backoff_max: float = 2.0
+    dlq_topic: str = DLQ
+    revoke_wait_s: float = 300.0
+    stopping: threading.Event = field(default_factory=threading.Event)
+    groups: dict[str, "GroupRun"] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        self._stop_async: asyncio.Event | None = None
+
+    def stop_event(self) -> asyncio.Event:
+        """The asyncio twin of ``stopping`` (created on the runner's loop)."""
+        if self._stop_async is None:
+            self._stop_async = asyncio.Event()
+            if self.stopping.is_set():
+                self._stop_async.set()
+        return self._stop_async
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, returning early when the runner stops."""
+        try:
+            await asyncio.wait_for(self.stop_event().wait(), seconds)
+        except TimeoutError:
+            pass
+
+
+class GroupRun:
+    """One consumer group's state in a working broker: its router, publishers (topic →
+    FastStream publisher), counters (``stats``: handled, skipped, dead_lettered,
+    retries, commit_failures), the records in hand and its lag. Also what
+    :func:`mneme.telemetry.track_consumer` reports (``group``, ``running``,
+    :meth:`lag_snapshot`)."""
+
+    def __init__(self, router: Router, delivery: Delivery, broker: KafkaBroker) -> None:
+        self.router = router
+        self.group = router.group.name
+        self.topics = router.topics
+        self.delivery = delivery
+        self.broker = broker
+        self.publishers: dict[str, Any] = {}
+        self.stats = dict.fromkeys(("handled", "skipped", "dead_lettered", "retries",
+                                    "commit_failures"), 0)
+        self.running = False
+        self._lag: dict[tuple[str, int], int] = {}
+        self._lock: asyncio.Lock | None = None
+        self._inflight: dict[str, int] = {}   # topic → records in hand
+        self._idle: dict[str, asyncio.Event] = {}
+        self._until_stopped = deadline.Deadline(None, lambda: not delivery.stopping.is_set())
+
+    # ---- bookkeeping (on the runner's loop) ---------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """True while a record of this group is in hand in this process."""
+        return any(self._inflight.values())
+
+    def _idle_event(self, topic: str) -> asyncio.Event:
+        ev = self._idle.get(topic)
+        if ev is None:
+            ev = self._idle[topic] = asyncio.Event()
+            ev.set()
+        return ev
+
+    def begin(self, topic: str) -> None:
+        self._inflight[topic] = self._inflight.get(topic, 0) + 1
+        self._idle_event(topic).clear()
+
+    def end(self, topic: str) -> None:
+        self._inflight[topic] -= 1
+        if not self._inflight[topic]:
+            self._idle_event(topic).set()
+
+    async def wait_idle_topic(self, topic: str, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle_event(topic).wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def lag_snapshot(self) -> dict[tuple[str, int], int]:
+        """The group's lag as of at most :data:`LAG_REFRESH_S` ago ({} before the first
+        read): a metric scrape never touches the brokers."""
+        return self._lag
+
+    # ---- one record ---------------------------------------------------------------
+
+    def _call(self, env: Envelope, rec: Record) -> list[OutRecord]:
+        # Runs in a worker thread. A span per record, child of the record's traceparent
+        # (the outputs encoded inside carry it on); a stop cancels the deadline, so a
+        # long handler stops between steps and the record is redelivered.
+        with telemetry.consume_span(self.group, rec, env), deadline.bind(self._until_stopped):
+            outs = list(self.router(env, rec) or [])
+        for o in outs:  # a bad output fails the handler (retried, then dead-lettered)
+            if not isinstance(o, OutRecord):
+                raise TypeError(f"handler returned {type(o).__name__}, expected OutRecord")
+            if not isinstance(o.key, str) or not isinstance(o.value, (bytes, bytearray)):
+                raise TypeError(f"handler returned a record with key {type(o.key).__name__}"
+                                f" and value {type(o.value).__name__} (need str, bytes)")
+        return outs
+
+    async def handle(self, message) -> None:  # noqa: ANN001 - FastStream's KafkaMessage
+        """The subscribers' handler: route the record, produce the outputs, wait for
+        every send. Raises what the router or the brokers raise (the middleware retries)."""
+        rec = record_of(message.raw_message)
+        env = decode(rec)
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            outs = await asyncio.to_thread(self._call, env, rec)
+        await self.produce(outs)
+        self.stats["handled"] += 1
+
+    async def produce(self, records: Sequence[OutRecord]) -> None:
+        """Send ``records`` (keyed: aiokafka's partitioner puts a bank on Kafka's default
+        partition) and wait until the brokers acknowledge all of them."""
+        pending = []
+        for r in records:
+            pub = self.publishers.get(r.topic)
+            kwargs = dict(key=r.key.encode("utf-8"), headers=dict(r.headers),
+                          correlation_id=r.headers.get("ce_id") or None, no_confirm=True)
+            if pub is not None:
+                pending.append(await pub.publish(bytes(r.value), **kwargs))
+            else:  # a topic no publisher declares (e.g. a dead letter's progress)
+                pending.append(await self.broker.publish(bytes(r.value), r.topic, **kwargs))
+        for fut in pending:
+            await fut
+
+    def dead_letters(self, rec: Record, exc: BaseException, attempts: int,
+                     env: Envelope | None) -> list[OutRecord]:
+        self.stats["dead_lettered"] += 1
+        return dead_letter.records(rec, exc, attempts, self.group, env,
+                                   dlq_topic=self.delivery.dlq_topic,
+                                   fails_operation=self.router.fails_operation)
+
+
+class DeliveryMiddleware(BaseMiddleware):
+    """The retry-then-DLQ policy and the acknowledgement of one group's records (see the
+    module docstring). Built per record by FastStream: ``functools.partial(
+    DeliveryMiddleware, run=group_run)``."""
+
+    def __init__(self, msg: Any, /, *, context: Any, run: GroupRun) -> None:
+        super().__init__(msg, context=context)
+        self.run = run
+        self.attempts = 0
+
+    async def consume_scope(self, call_next, msg):  # noqa: ANN001 - FastStream's types
+        run, delivery = self.run, self.run.delivery
+        if delivery.stopping.is_set():
+            await msg.nack()  # seek back: a later commit must not pass this record
+            return None
+        rec = record_of(msg.raw_message)
+        run.begin(rec.topic)
+        try:
+            try:
+                env = decode(rec)
+            except Exception as exc:  # corrupt payload: retrying cannot help
+                outs = run.dead_letters(rec, exc, 0, None)
+            else:
+                if env.message is None or not run.router.handles(env.message):
+                    run.stats["skipped"] += 1
+                    outs = []
+                else:
+                    try:
+                        await self._attempts(call_next, msg, rec)
+                        outs = []
+                    except _Abandoned:
+                        await msg.nack()
+                        return None
+                    except Exception as exc:
+                        outs = run.dead_letters(rec, exc, self.attempts, env)
+            try:
+                await run.produce(outs)
+            except Exception:  # the brokers refuse: handle the record again
+                log.exception("consumer %s: cannot produce the dead letters of %s[%d]@%d",
+                              run.group, rec.topic, rec.partition, rec.offset)
+                await msg.nack()
+                await delivery.sleep(delivery.backoff_max)
+                return None
+            await self._ack(msg, rec)
+            return None
+        finally:
+            run.end(rec.topic)
+
+    async def _attempts(self, call_next, msg, rec: Record) -> None:  # noqa: ANN001
+        run, delivery = self.run, self.run.delivery
+
+        def abandoned(exc: BaseException) -> bool:
+            return isinstance(exc, _Abandoned) or (
+                isinstance(exc, Cancelled) and delivery.stopping.is_set())
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            run.stats["retries"] += 1
+            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", run.group,
+                        rec.topic, rec.partition, rec.offset, state.attempt_number,
+                        delivery.max_attempts, state.outcome.exception())
+
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(delivery.max_attempts),
+            wait=retry.backoff(delivery.backoff, delivery.backoff_max),
+            retry=tenacity.retry_if_exception(lambda e: not abandoned(e)),
+            sleep=delivery.sleep, before_sleep=before_sleep, reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    self.attempts = attempt.retry_state.attempt_number
+                    if self.attempts > 1 and delivery.stopping.is_set():
+                        raise _Abandoned()
+                    await call_next(msg)
+        except Exception as exc:
+            if abandoned(exc):  # stopped mid-record: not the record's fault
+                raise _Abandoned() from exc
+            raise
+
+    async def _ack(self, msg, rec: Record) -> None:  # noqa: ANN001
+        try:
+            await msg.ack()  # commits the consumer's position: this record and before
+        except (KafkaError, IllegalStateError) as exc:
+            # A rebalance moved the partition: its new owner handles the record again
+            # (same output ids), so this is a duplicate, not a loss.
+            self.run.stats["commit_failures"] += 1
+            log.warning("consumer %s: commit of %s[%d]@%d refused: %r", self.run.group,
+                        rec.topic, rec.partition, rec.offset, exc)
+
+
+class _RevokeAfterCommit(ConsumerRebalanceListener):
+    """Before partitions of ``topic`` leave this process, wait (up to ``timeout`` s)
+    for the record in hand to be handled and committed."""
+
+    def __init__(self, run: GroupRun, topic: str, timeout: float) -> None:
+        self.run, self.topic, self.timeout = run, topic, timeout
+
+    async def on_partitions_revoked(self, revoked) -> None:  # noqa: ANN001
+        if revoked and not await self.run.wait_idle_topic(self.topic, self.timeout):
+            log.warning("consumer %s: partitions of %s revoked with a record in hand",
+                        self.run.group, self.topic)
+
+    async def on_partitions_assigned(self, assigned) -> None:  # noqa: ANN001
+        pass
+
+
+def _consumer_settings(o: KafkaOptions) -> dict[str, Any]:
+    return dict(session_timeout_ms=o.session_timeout_ms,
+                heartbeat_interval_ms=o.heartbeat_interval_ms,
+                max_poll_interval_ms=o.max_poll_interval_ms)
+
+
+def _stub(name: str, model: Any):
+    async def handle(body) -> None:  # noqa: ANN001 - annotated below
+        """Never called: a described broker is never started."""
+    handle.__annotations__ = {"body": model, "return": None}  # the class, not a string
+    handle.__name__ = handle.__qualname__ = f"on_{name}"
+    return handle
+
+
+def _runtime_handler(run: GroupRun):
+    async def handle(message: KafkaMessage) -> None:
+        await run.handle(message)
+    handle.__name__ = handle.__qualname__ = f"on_{run.group.replace('-', '_')}"
+    return handle
+
+
+def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | None = None,
+                 *, bootstrap_servers: str = SERVER, options: KafkaOptions | None = None,
+                 delivery: Delivery | None = None, groups: Iterable[str] | None = None
+                 ) -> KafkaBroker:
+    """The KafkaBroker of ``services``: per consumer group and topic it reads, a
+    subscriber (channel title ``<group>.consume.<topic>``); per group a DLQ publisher
+    (``<group>.produce.<dlq>``); per service and topic it produces, a publisher
+    (``<service>.produce.<topic>``).
+
+    ``routers`` None: describe-only (every group, payloads from the event types' models;
+    never start it). Otherwise ``routers`` (group → Router) are the groups that run (the
+    ``groups`` subset when given), each subscriber's handler is its router, and
+    ``delivery`` (default :class:`Delivery()`) gets the :class:`GroupRun` of each group.
+    ``options``: client settings (default :class:`KafkaOptions()`). Raises KeyError for
+    a group in ``groups`` that no router runs."""
+    services = tuple(services)
+    o = options or KafkaOptions()
+    describe = routers is None
+    delivery = delivery if delivery is not None else Delivery()
+    broker = KafkaBroker(
+        bootstrap_servers, client_id=o.client_id, request_timeout_ms=o.request_timeout_ms,
+        acks="all", enable_idempotence=o.enable_idempotence, linger_ms=0,
+        graceful_timeout=30.0, codec=_ProtobufCodec(), log_level=logging.DEBUG,
+        description="Apache Kafka (`MNEME_BUS_URL=kafka://HOST:PORT`; kafka:9092 in "
+                    "docker-compose.yml). Records are keyed by `bank_id`.")
+    models = payload = None
+    if describe:
+        from mneme.runtime.asyncapi import event_models  # lazy: pydantic models
+
+        models = event_models()
+
+        def payload(types: Sequence[type[Message]]) -> Any:
+            ms = [models[t.DESCRIPTOR.name] for t in types]
+            return ms[0] if len(ms) == 1 else Union[tuple(ms)]  # noqa: UP007
+    wanted = None if groups is None else set(groups)
+    if wanted is not None and routers is not None:
+        missing = wanted - set(routers)
+        if missing:
+            raise KeyError(f"no router for consumer group(s) {sorted(missing)}")
+    for service in services:
+        for group in service.groups:
+            if describe:
+                run = None
+            elif group.name not in routers or (wanted is not None and group.name not in wanted):
+                continue
+            else:
+                run = GroupRun(routers[group.name], delivery, broker)
+                delivery.groups[group.name] = run
+            # One FastStream router per group: its middleware is the group's policy.
+            fs = KafkaRouter(middlewares=() if run is None else
+                             (functools.partial(DeliveryMiddleware, run=run),))
+            for topic, handlers in group.consumes.items():
+                sub = fs.subscriber(
+                    Topic(topic, num_partitions=default_partitions(topic),
+                          replication_factor=o.replication_factor),
+                    group_id=group.name, ack_policy=AckPolicy.MANUAL,
+                    auto_offset_reset="earliest", title=f"{group.name}.consume.{topic}",
+                    description=f"Service `{service.name}`, consumer group `{group.name}`, "
+                                f"reads `{topic}`.",
+                    listener=None if run is None else
+                    _RevokeAfterCommit(run, topic, delivery.revoke_wait_s),
+                    **_consumer_settings(o))
+                if run is None:
+                    for t in handlers:
+                        name = t.DESCRIPTOR.name
+                        sub(filter=(lambda ce: lambda m: m.headers.get("ce_type") == ce)(
+                            event_type(t)))(_stub(name, models[name]))
+                else:
+                    sub(_runtime_handler(run))
+            dlq = fs.publisher(delivery.dlq_topic, title=f"{group.name}.produce."
+                               f"{delivery.dlq_topic}",
+                               description=f"Consumer group `{group.name}` (service "
+                                           f"`{service.name}`) dead-letters what it cannot "
+                                           "handle after retries.",
+                               **({"schema": payload(_all_types())} if describe else {}))
+            broker.include_router(fs)
+            if run is not None:
+                run.publishers[delivery.dlq_topic] = dlq
+        for topic, types in service.produces.items():
+            pub = broker.publisher(topic, title=f"{service.name}.produce.{topic}",
+                                   description=f"Service `{service.name}` (ce_source "
+                                               f"`{service.source}`) publishes to `{topic}`.",
+                                   **({"schema": payload(types)} if describe else {}))
+            for run in delivery.groups.values():
+                if run.router.service.name == service.name:
+                    run.publishers.setdefault(topic, pub)
+    return broker
+
+
+def _all_types() -> tuple[type[Message], ...]:
+    from mneme.bus.codec import TOPIC_OF_TYPE, message_class
+
+    return tuple(message_class(t) for t in TOPIC_OF_TYPE)
+
+
+class KafkaRunner:
+    """Runs the consumer groups of ``routers`` (group → :class:`~mneme.router.Router`)
+    on Kafka through FastStream (:func:`build_broker`), on its own asyncio loop in a
+    thread (``kafka-runner``). ``log`` is the process's
+    :class:`~mneme.bus.kafka_log.KafkaEventLog`: its brokers and options (unless
+    ``options`` is given), topic creation, and the offsets :meth:`wait_idle` and
+    :meth:`lag` read. ``max_attempts``, ``backoff``, ``backoff_max`` (seconds),
+    ``dlq_topic``: the retry-then-DLQ policy (:class:`Delivery`).
+
+    Several processes running the same groups share their partitions (Kafka consumer
+    groups). Raises ValueError for ``max_attempts`` < 1."""
+
+    def __init__(self, log, routers: Mapping[str, Router],  # noqa: ANN001 - KafkaEventLog
+                 options: KafkaOptions | None = None, *, max_attempts: int = 3,
+                 backoff: float = 0.05, backoff_max: float = 2.0, dlq_topic: str = DLQ
+                 ) -> None:
+        self.log = log
+        self.routers = dict(routers)
+        self.options = options or getattr(log, "options", None) or KafkaOptions()
+        self.delivery = Delivery(max_attempts=max_attempts, backoff=backoff,
+                                 backoff_max=backoff_max, dlq_topic=dlq_topic,
+                                 revoke_wait_s=self.options.max_poll_interval_ms / 1000)
+        self._services = tuple({id(r.service): r.service
+                                for r in self.routers.values()}.values())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._broker: KafkaBroker | None = None
+        self._lag_task: asyncio.Future | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    @property
+    def groups(self) -> dict[str, GroupRun]:
+        """Group → :class:`GroupRun` of the running groups ({} before :meth:`start`)."""
+        return self.delivery.groups
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, groups: Iterable[str] | None = None, timeout: float = 60.0) -> "KafkaRunner":
+        """Create the topics the groups read and write (when missing), connect, and start
+        the subscribers of every group (or of ``groups``); returns self once they have
+        started (their group joins go on in the background). Raises RuntimeError when
+        running; what the brokers raise when they cannot be reached in ``timeout`` s."""
+        if self.running:
+            raise RuntimeError("the Kafka runner is already running")
+        self.delivery = Delivery(max_attempts=self.delivery.max_attempts,
+                                 backoff=self.delivery.backoff,
+                                 backoff_max=self.delivery.backoff_max,
+                                 dlq_topic=self.delivery.dlq_topic,
+                                 revoke_wait_s=self.delivery.revoke_wait_s)
+        self._ensure_topics(groups)
+        self._broker = build_broker(self._services, self.routers,
+                                    bootstrap_servers=self.log.bootstrap_servers,
+                                    options=self.options, delivery=self.delivery,
+                                    groups=groups)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kafka-runner",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._start(), timeout)
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        for run in self.groups.values():
+            telemetry.track_consumer(run)  # mneme.consumer.lag while it runs
+        return self
+
+    async def _start(self) -> None:
+        self.delivery.stop_event()
+        await self._broker.start()
+        for run in self.groups.values():
+            run.running = True
+        self._lag_task = asyncio.ensure_future(self._refresh_lag())
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop after the records in hand (a handler in progress sees a cancelled
+        deadline; a record left unfinished is not committed and is handled again by the
+        group's next owner), leave the groups and close the connections. True when all
+        ended within ``timeout`` seconds."""
+        if self._loop is None:
+            return True
+        self.delivery.stopping.set()
+        self._loop.call_soon_threadsafe(self.delivery.stop_event().set)
+        for run in self.groups.values():
+            run.running = False
+        ok = True
+        try:
+            self._run(self._stop(), timeout)
+        except Exception:
+            log.exception("Kafka runner: stopping failed")
+            ok = False
+        return self._shutdown_loop() and ok
+
+    async def _stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+        await self._broker.stop()
+
+    def _shutdown_loop(self) -> bool:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None:
+            return True
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        if not thread.is_alive():
+            loop.close()
+        return not thread.is_alive()
+
+    def _run(self, coro, timeout: float | None):  # noqa: ANN001
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def __enter__(self) -> "KafkaRunner":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _ensure_topics(self, groups: Iterable[str] | None) -> None:
+        wanted = None if groups is None else set(groups)
+        topics: dict[str, None] = {self.delivery.dlq_topic: None, PROGRESS: None}
+        for name, r in self.routers.items():
+            if wanted is None or name in wanted:
+                topics.update(dict.fromkeys(r.topics))
+                topics.update(dict.fromkeys(r.service.produces))
+        for t in topics:
+            if self.log.partitions(t) == 0:
+                self.log.ensure_topic(t, default_partitions(t))
+
+    # ---- progress ----------------------------------------------------------------
+
+    def _partitions(self, group: str) -> list[tuple[str, int]]:
+        return [(t, p) for t in self.routers[group].topics for p in range(self.log.partitions(t))]
+
+    def lag(self, group: str) -> dict[tuple[str, int], int]:
+        """Records ``group`` has not committed yet per (topic, partition) of every
+        partition of its topics (all processes' commits count): high watermark −
+        committed offset. Raises KeyError for a group this runner does not run."""
+        tps = self._partitions(group)
+        ends = self.log.end_offsets(tps)
+        return {tp: max(0, ends[tp] - self.log.committed(group, *tp)) for tp in tps}
+
+    def lag_snapshot(self) -> dict[tuple[str, int], int]:
+        """Every running group's lag as of at most :data:`LAG_REFRESH_S` ago, merged
+        ((topic, partition) → the largest lag of a group there)."""
+        out: dict[tuple[str, int], int] = {}
+        for run in self.groups.values():
+            for tp, n in run.lag_snapshot().items():
+                out[tp] = max(n, out.get(tp, 0))
+        return out
+
+    async def _refresh_lag(self) -> None:
+        while True:
+            for name, run in list(self.groups.items()):
+                try:
+                    run._lag = await asyncio.to_thread(self.lag, name)
+                except Exception:  # the brokers are busy or away: keep the last values
+                    pass
+            await asyncio.sleep(LAG_REFRESH_S)
+
+    def wait_idle(self, group: str | None = None, timeout: float = 10.0) -> bool:
+        """Block until ``group`` (every running group when None) has committed up to the
+        high watermark of every partition of its topics, with no record in hand here;
+        True when caught up, False after ``timeout`` seconds."""
+        names = list(self.groups) if group is None else [group]
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if all(self._caught_up(g) for g in names):
+                    return True
+            except KafkaError:  # no fetch answer yet: not known to be caught up
+                pass
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+
+    def _caught_up(self, group: str) -> bool:
+        run = self.groups[group]
+        tps = self._partitions(group)
+        ends = self.log.end_offsets(tps)
+        done = all(self.log.committed(group, *tp) >= ends[tp] for tp in tps)
+        return done and not run.busy  # read last: a record in hand is not done
+
+
+__all__ = ["Delivery", "DeliveryMiddleware", "GroupRun", "KafkaRunner", "SERVER",
+           "build_broker"]

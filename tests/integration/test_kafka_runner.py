@@ -1,0 +1,258 @@
+"""The Kafka runner (:class:`mneme.runtime.kafka.KafkaRunner`: FastStream subscribers
+and publishers built from a Service declaration) on a tansu broker: outputs produced
+before the input offset is committed, retry then dead letter, a consumer group shared by
+two runners, resuming after a stop, and per-partition order.
+
+A toy service consumes ``MemoryDeleteRequested`` from ``mneme.intake.v1`` and produces
+``FactsRetracted`` on ``mneme.memory.v1``. The broker is shared by the session, so each
+test uses its own consumer group, banks and DLQ topic, and looks only at its own banks."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+import pytest
+
+from mneme import deadline
+from mneme.bus import INTAKE, MEMORY, PROGRESS, codec, partition_for
+from mneme.events.v1 import events_pb2 as ev
+from mneme.router import Group, Router, Service
+from mneme.runtime.kafka import KafkaRunner
+from tests.integration.conftest import KAFKA_TEST_OPTIONS
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+class Toy:
+    """The handler's dependency: what it saw, and failures to inject."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: list[tuple[str, str, str]] = []   # (runner, bank, memory id)
+        self.fail: set[str] = set()                  # memory ids that always fail
+        self.attempts: dict[str, int] = defaultdict(int)
+        self.slow: dict[str, float] = {}             # bank → seconds per record
+        self.stuck: set[str] = set()                 # memory ids that wait for a stop
+
+
+def on_delete(m: ev.MemoryDeleteRequested, meta, *, toy: Toy, name: str):
+    with toy.lock:
+        toy.attempts[m.memory_id] += 1
+    if m.memory_id in toy.fail:
+        raise RuntimeError(f"boom {m.memory_id}")
+    while m.memory_id in toy.stuck:  # a long handler: stops when the runner does
+        deadline.current().check("toy")
+        time.sleep(0.01)
+    if m.bank_id in toy.slow:
+        time.sleep(toy.slow[m.bank_id])
+    with toy.lock:
+        toy.seen.append((name, m.bank_id, m.memory_id))
+    return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                              memory_ids=[m.memory_id])]
+
+
+def toy_service(group: str) -> Service:
+    return Service("toy", groups=(Group(group, {INTAKE: {ev.MemoryDeleteRequested: on_delete}}),),
+                   produces={MEMORY: (ev.FactsRetracted,)})
+
+
+def runner(kafka_log, group: str, toy: Toy, name: str = "a", dlq: str | None = None,
+           **kw) -> KafkaRunner:
+    svc = toy_service(group)
+    routers = {group: Router(svc, group, {"toy": toy, "name": name})}
+    return KafkaRunner(kafka_log, routers, max_attempts=kw.pop("max_attempts", 3),
+                       backoff=0.01, backoff_max=0.05, dlq_topic=dlq or f"test.dlq.{_uid()}",
+                       **kw)
+
+
+def delete(bank: str, n: int, op: str = "") -> object:
+    return codec.encode(ev.MemoryDeleteRequested(bank_id=bank, memory_id=f"{bank}:{n}",
+                                                 operation_id=op),
+                        bank_id=bank, source="mneme/ingest")
+
+
+def mine(kafka_log, topic: str, banks: set[str]):
+    """Every record of ``topic`` keyed by one of ``banks``, in offset order per partition."""
+    out = []
+    for p in range(kafka_log.partitions(topic)):
+        off = 0
+        while True:
+            got = kafka_log.read(topic, p, off, 500)
+            if not got:
+                break
+            out += [r for r in got if r.key in banks]
+            off = got[-1].offset + 1
+    return out
+
+
+def banks_on_distinct_partitions(n: int, partitions: int) -> list[str]:
+    """``n`` fresh bank ids, on as many different partitions as possible."""
+    seen: dict[int, str] = {}
+    tag = _uid()
+    i = 0
+    while len(seen) < min(n, partitions):
+        b = f"bank-{tag}-{i}"
+        seen.setdefault(partition_for(b, partitions), b)
+        i += 1
+    return list(seen.values()) + [f"bank-{tag}-x{j}" for j in range(n - len(seen))]
+
+
+def test_outputs_are_produced_then_the_offset_committed(kafka_log):
+    group, toy = f"toy-{_uid()}", Toy()
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    inputs = kafka_log.append([delete(bank, i) for i in range(5)])
+    r = runner(kafka_log, group, toy).start()
+    try:
+        assert r.wait_idle(timeout=60), r.lag(group)
+        p = inputs[0].partition
+        assert kafka_log.committed(group, INTAKE, p) == inputs[-1].offset + 1
+        assert sum(r.lag(group).values()) == 0
+        outs = mine(kafka_log, MEMORY, {bank})
+        assert [codec.decode(o).message.memory_ids[0] for o in outs] == \
+            [f"{bank}:{i}" for i in range(5)]
+        # deterministic ids from the input's, CloudEvents headers set by the router
+        envs = [codec.decode(o) for o in outs]
+        assert all(e.source == "mneme/toy" and e.type.endswith("FactsRetracted") for e in envs)
+        assert len({e.id for e in envs}) == 5
+        assert all(o.headers["content-type"] == codec.CONTENT_TYPE for o in outs)
+        assert r.groups[group].stats["handled"] >= 5
+        # other types on the topic are skipped and committed
+        kafka_log.append([codec.encode(ev.BankDeleted(bank_id=bank), bank_id=bank,
+                                       source="mneme/ingest")])
+        assert r.wait_idle(timeout=30)
+        assert r.groups[group].stats["skipped"] >= 1
+        assert len(mine(kafka_log, MEMORY, {bank})) == 5
+        time.sleep(1.2)  # the lag snapshot the metric reads is refreshed by the runner
+        snap = r.lag_snapshot()
+        assert snap and all(n == 0 for (t, _), n in snap.items() if t == INTAKE)
+    finally:
+        assert r.stop(30)
+
+
+def test_a_failing_record_is_retried_then_dead_lettered_and_fails_its_operation(kafka_log):
+    group, toy, dlq = f"toy-{_uid()}", Toy(), f"test.dlq.{_uid()}"
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    toy.fail = {f"{bank}:1"}
+    kafka_log.append([delete(bank, i, op="op-1") for i in range(3)])
+    r = runner(kafka_log, group, toy, dlq=dlq).start()
+    try:
+        assert r.wait_idle(timeout=60), r.lag(group)
+    finally:
+        assert r.stop(30)
+    assert toy.attempts[f"{bank}:1"] == 3
+    # the records after the poison one were handled: the partition kept flowing
+    assert [s[2] for s in toy.seen if s[1] == bank] == [f"{bank}:0", f"{bank}:2"]
+    [dead] = mine(kafka_log, dlq, {bank})
+    h = dead.headers
+    assert h["dlq_topic"] == INTAKE and h["dlq_group"] == group and h["dlq_attempts"] == "3"
+    assert h["dlq_error"] == f"RuntimeError: boom {bank}:1" and "Traceback" in h["dlq_traceback"]
+    assert codec.decode(dead).message.memory_id == f"{bank}:1"
+    [failed] = [codec.decode(p).message for p in mine(kafka_log, PROGRESS, {bank})]
+    assert failed.state == "failed" and failed.kind == "delete_memory"
+    assert failed.operation_id == "op-1" and f"{group} could not process" in failed.error
+    assert r.groups[group].stats["dead_lettered"] == 1
+
+
+def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log, tansu):
+    from mneme.bus import open_event_log
+
+    group, toy = f"toy-{_uid()}", Toy()
+    kafka_log.ensure_topic(INTAKE, 4)
+    banks = banks_on_distinct_partitions(8, kafka_log.partitions(INTAKE))
+    other = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
+    a = runner(kafka_log, group, toy, "a").start()
+    b = runner(other, group, toy, "b").start()
+    try:
+        # both members in the group first, so the records are spread over them
+        deadline = time.monotonic() + 60
+        mine_a = mine_b = set()
+        while time.monotonic() < deadline:
+            kafka_log.append([delete(bk, 0) for bk in banks])
+            time.sleep(0.5)
+            assert a.wait_idle(timeout=60)
+            with toy.lock:
+                mine_a = {s[1] for s in toy.seen if s[0] == "a" and s[1] in banks}
+                mine_b = {s[1] for s in toy.seen if s[0] == "b" and s[1] in banks}
+            if mine_a and mine_b:
+                break
+        assert mine_a and mine_b, "both runners got partitions"
+        with toy.lock:
+            toy.seen.clear()
+        kafka_log.append([delete(bk, n) for n in range(1, 6) for bk in banks])
+        assert a.wait_idle(timeout=60) and b.wait_idle(timeout=60)
+    finally:
+        assert a.stop(30) and b.stop(30)
+        other.close()
+    handled = [(s[1], s[2]) for s in toy.seen if s[1] in banks]
+    # once each (a rebalance could redeliver, but the group was settled)
+    assert sorted(handled) == sorted((bk, f"{bk}:{n}") for n in range(1, 6) for bk in banks)
+    by = {s[0] for s in toy.seen if s[1] in banks}
+    assert by == {"a", "b"}
+
+
+def test_a_new_runner_resumes_from_the_committed_offset_without_loss(kafka_log):
+    """Stopped mid-stream, with a long handler in hand (it sees the stop as a cancelled
+    deadline): nothing after the last committed record is lost or dead-lettered."""
+    group, toy, dlq = f"toy-{_uid()}", Toy(), f"test.dlq.{_uid()}"
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    n = 40
+    inputs = kafka_log.append([delete(bank, i) for i in range(n)])
+    toy.slow[bank] = 0.02
+    toy.stuck = {f"{bank}:12"}
+    r = runner(kafka_log, group, toy, dlq=dlq).start()
+    until = time.monotonic() + 60
+    while time.monotonic() < until and not toy.attempts[f"{bank}:12"]:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    assert r.stop(30) and time.monotonic() - t0 < 10
+    first = [s[2] for s in toy.seen if s[1] == bank]
+    assert first == [f"{bank}:{i}" for i in range(12)], "stopped mid-stream, in order"
+    assert r.groups[group].stats["dead_lettered"] == 0 and not mine(kafka_log, dlq, {bank})
+    toy.stuck.clear()
+    p = partition_for(bank, kafka_log.partitions(INTAKE))
+    committed = kafka_log.committed(group, INTAKE, p)
+    toy.slow.clear()
+    r2 = runner(kafka_log, group, toy, "b").start()
+    try:
+        assert r2.wait_idle(timeout=60), r2.lag(group)
+    finally:
+        assert r2.stop(30)
+    second = [s[2] for s in toy.seen if s[1] == bank and s[0] == "b"]
+    ids = [f"{bank}:{i}" for i in range(n)]
+    # the second runner starts exactly where the first committed; nothing is lost
+    resume = next(i for i, rec in enumerate(inputs) if rec.offset >= committed)
+    assert second == ids[resume:] and first[:resume] == ids[:resume]
+    outs = {codec.decode(o).message.memory_ids[0] for o in mine(kafka_log, MEMORY, {bank})}
+    assert outs == set(ids)
+
+
+def test_records_of_one_partition_are_handled_in_order(kafka_log):
+    group, toy = f"toy-{_uid()}", Toy()
+    kafka_log.ensure_topic(INTAKE, 4)
+    banks = banks_on_distinct_partitions(4, kafka_log.partitions(INTAKE))
+    # interleaved appends: each bank's records are in order on its own partition
+    kafka_log.append([delete(bk, i) for i in range(15) for bk in banks])
+    r = runner(kafka_log, group, toy).start()
+    try:
+        assert r.wait_idle(timeout=60), r.lag(group)
+    finally:
+        assert r.stop(30)
+    for bk in banks:
+        assert [s[2] for s in toy.seen if s[1] == bk] == [f"{bk}:{i}" for i in range(15)]
+    outs = mine(kafka_log, MEMORY, set(banks))
+    for bk in banks:
+        got = [codec.decode(o).message.memory_ids[0] for o in outs if o.key == bk]
+        assert got == [f"{bk}:{i}" for i in range(15)]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_faststream(caplog):
+    caplog.set_level("WARNING", logger="faststream")
