@@ -2,26 +2,38 @@
 
 ingest (banks and operations), and in the distributed topology search, extraction and
 consolidation (each its own copy, so it knows a bank's config and existence without
-asking ingest) apply the same two events the same way: :func:`project_banks`.
+asking ingest) apply the same two events the same way: :data:`ROUTES`.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mneme.bus import codec
+from mneme.domain import EventMeta
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import OutRecord, Record
+
+if TYPE_CHECKING:  # the port lands with the catalog contract suite
+    from mneme.ports import Catalog
 
 
-def project_banks(env, record: Record, *, catalog) -> list[OutRecord]:
-    """BankUpserted (a create, a replace, or the masked fields of an update) and
-    BankDeleted into ``catalog`` (a :class:`mneme.stores.catalog_sqlite.SqliteCatalog`);
-    other events are ignored. Idempotent; returns no events. The time is the event's
-    (``ce_time``), else the record's, so replay reproduces it."""
-    m = env.message
-    if isinstance(m, ev.BankUpserted):
-        at = env.time.timestamp() if env.time else record.timestamp
+def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, catalog: Catalog | None = None):
+    """A create, a replace, or the masked fields of an update, into ``catalog`` at the
+    event's time (so replay reproduces it). Idempotent; produces nothing. Without a
+    ``catalog`` (a service sharing the embedded process's catalog) it does nothing."""
+    if catalog is not None:
         catalog.upsert_bank(m.bank_id, m.display_name, codec.bank_config_from_pb(
-            m.config if m.HasField("config") else None), at, mask=tuple(m.update_mask))
-    elif isinstance(m, ev.BankDeleted):
+            m.config if m.HasField("config") else None), meta.time.timestamp(),
+            mask=tuple(m.update_mask))
+    return []
+
+
+def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog | None = None):
+    """The bank leaves ``catalog`` (its operations with it). Idempotent; produces nothing."""
+    if catalog is not None:
         catalog.delete_bank(m.bank_id)
     return []
+
+
+#: The bank projection's routes, for a group reading ``mneme.intake.v1``.
+ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted}

@@ -78,7 +78,8 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
        address: str = typer.Option(None, "--address", "-a", help="listen address, default 127.0.0.1:50051")):
     """Serve every API (ingest, search, reflect, health, reflection) on one port, with
     every service running in this process on the embedded stores."""
-    from mneme.bootstrap import DataDirLocked, bootstrap
+    from mneme.bootstrap import DataDirLocked
+    from mneme.runtime.embedded import bootstrap
     from mneme.config import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -88,7 +89,7 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     if address:
         overrides["grpc_address"] = address
     settings = Settings(**overrides)
-    from mneme.bootstrap import setup_telemetry
+    from mneme.runtime.grpc_server import setup_telemetry
     from mneme.bus.sqlite_log import LogDamaged
     try:
         node = bootstrap(settings)
@@ -125,7 +126,8 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
     """Run one service as its own process (distributed topology), configured by MNEME_*
     variables: MNEME_BUS_URL=kafka://host:9092, the store URLs, MNEME_SEARCH_ADDRESS
     (reflect). SIGTERM drains, commits and closes."""
-    from mneme.bootstrap import SERVICES, run_service
+    from mneme.bootstrap import SERVICES
+    from mneme.runtime.process import run_service
     from mneme.config import Settings
 
     if service not in SERVICES:
@@ -376,7 +378,8 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     stopped server's data dir. Calls no model: derived events carry facts and vectors.
     With MNEME_BUS_URL=kafka://… (distributed), rebuilds the search service's
     projections and rewinds its consumer groups; stop the search processes first."""
-    from mneme.bootstrap import DataDirLocked, replay
+    from mneme.bootstrap import DataDirLocked
+    from mneme.runtime.replay import replay
     from mneme.bus import StaleCommitError
     from mneme.config import Settings
 
@@ -442,7 +445,8 @@ def topics_create():
     """Create every mneme topic on the event log of MNEME_BUS_URL (partitions:
     MNEME_PARTITIONS; Kafka replication: MNEME_KAFKA_REPLICATION_FACTOR). Existing topics
     are left alone. Used by the Helm chart's topics Job."""
-    from mneme.bootstrap import TOPICS, Root
+    from mneme.bootstrap import Root
+    from mneme.bus import ALL_TOPICS as TOPICS
     root = Root()
     try:
         event_log = root.log  # ensures every topic

@@ -304,3 +304,14 @@ class Operation:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+
+@dataclass(frozen=True)
+class EventMeta:
+    """What a handler knows of the event it handles besides its message: ``id`` (the
+    CloudEvents ``ce_id``; derive output ids and model-call keys from it so redelivery
+    repeats them) and ``time`` (an aware UTC datetime: ``ce_time``, else the record's
+    timestamp)."""
+
+    id: str
+    time: datetime

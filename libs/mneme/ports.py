@@ -152,6 +152,9 @@ class GraphStore(Protocol):
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None: ...
 
+    def count_entities(self, bank_id: str) -> int:
+        """Number of the bank's entities (0 for an unknown bank)."""
+
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """Entities of the bank whose canonical key (``mneme.nlp.entity_key``) is in ``keys``."""
 

@@ -1,4 +1,4 @@
-"""consolidation's handler: facts → observation decisions → ``ObservationsChanged``.
+"""consolidation's handlers: facts → observation decisions → ``ObservationsChanged``.
 
 Consumes ``mneme.memory.v1`` (FactsExtracted, FactsRetracted, ConsolidationScheduled and
 its own ObservationsChanged) and ``mneme.intake.v1`` (bank upserts/deletes, projected into
@@ -18,48 +18,40 @@ Consolidate request. Event ids derive from the causing event (redelivery → sam
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Callable
 
-from mneme.bank_catalog import project_banks
-from mneme.bus import codec
-from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, derive_id
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import ObservationStore, OutRecord, Record
+from mneme.ports import ObservationStore
 from services.consolidation import engine
 
-GROUP = "consolidation"
-SOURCE = "mneme/consolidation"
 log = logging.getLogger(__name__)
 
 
 class Consolidator:
     """Decisions for one process. ``bank_config(bank_id)`` → BankConfig or None
     (defaults); ``embedder`` embeds model-written texts; ``llm`` is the gateway or None
-    (offline); ``catalog`` (distributed) receives bank upserts from intake."""
+    (offline)."""
 
     def __init__(self, store: ObservationStore, bank_config: Callable[[str], BankConfig | None],
-                 embedder=None, llm=None, catalog=None):
+                 embedder=None, llm=None):
         self.store, self.bank_config = store, bank_config
-        self.embedder, self.llm, self.catalog = embedder, llm, catalog
+        self.embedder, self.llm = embedder, llm
 
     def _config(self, bank_id: str) -> BankConfig:
         return self.bank_config(bank_id) or BankConfig()
 
     # ---- entry point ------------------------------------------------------------------
 
-    def handle(self, env, record: Record, decide: bool = True) -> list[OutRecord]:
-        """One event → the events it causes (none when ``decide`` is False: replay)."""
-        m = env.message
-        if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
-            if self.catalog is not None:
-                project_banks(env, record, catalog=self.catalog)
-            return []
+    def handle(self, m, meta: EventMeta, decide: bool = True) -> list[ev.ObservationsChanged]:
+        """One memory event → the ObservationsChanged it causes (none when ``decide`` is
+        False: replay applies recorded decisions only)."""
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
-        at = env.time or datetime.fromtimestamp(record.timestamp or 0, tz=timezone.utc)
+        at, cause = meta.time, meta.id
         change = ev.ObservationsChanged(bank_id=getattr(m, "bank_id", ""),
                                         operation_id=getattr(m, "operation_id", ""),
                                         decided_by="offline")
@@ -69,7 +61,7 @@ class Consolidator:
                 new_ids = {f.id for f in m.facts}
                 gone = [i for i in ids if i not in new_ids]
                 if decide:
-                    self._retract(m.bank_id, gone, change, at, env.id)
+                    self._retract(m.bank_id, gone, change, at, cause)
                 self.store.delete_facts(m.bank_id, gone)
             tags = {t for f in m.facts for t in f.tags}
             spec = m.observation_scopes if m.HasField("observation_scopes") else None
@@ -81,7 +73,7 @@ class Consolidator:
             ids = [f.id for f in m.facts] + list(change.reset_memory_ids)
             if self._config(m.bank_id).auto_consolidate:
                 self._consolidate(m.bank_id, self.store.facts(m.bank_id, ids, pending=True),
-                                  change, at, env.id)
+                                  change, at, cause)
             else:
                 self._mark_stale(m.bank_id, [s for f in m.facts for s in
                                              engine.scopes_for(f.tags, spec, tags)], change, at)
@@ -94,24 +86,22 @@ class Consolidator:
                 ids += self.store.fact_ids_of_document(m.bank_id, m.document_id)
             if decide:
                 change.trigger = "retract"
-                self._retract(m.bank_id, ids, change, at, env.id)
+                self._retract(m.bank_id, ids, change, at, cause)
                 if self._config(m.bank_id).auto_consolidate:
                     self._consolidate(m.bank_id, self.store.facts(
-                        m.bank_id, change.reset_memory_ids, pending=True), change, at, env.id)
+                        m.bank_id, change.reset_memory_ids, pending=True), change, at, cause)
             self.store.delete_facts(m.bank_id, ids)
         elif isinstance(m, ev.ConsolidationScheduled):
             if not decide:
                 return []
-            self._request(m, change, at, env.id)
+            self._request(m, change, at, cause)
         else:
             return []
         if not (change.observations or change.consolidated_memory_ids or change.reset_memory_ids
                 or change.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
             return []
         self.store.apply(change)
-        return [codec.encode(change, bank_id=change.bank_id, source=SOURCE,
-                             event_id=derive_id(env.id, "observations"), time=at,
-                             traceparent=env.traceparent)]
+        return [change]
 
     # ---- decisions --------------------------------------------------------------------
 
@@ -268,6 +258,8 @@ class Consolidator:
             self._consolidate(bank, self.store.facts(bank, pending=True), change, at, cause, only)
 
 
-def handle(env, record: Record, *, consolidator: Consolidator, decide: bool = True) -> list[OutRecord]:
-    """The consumer's entry point (see :meth:`Consolidator.handle`)."""
-    return consolidator.handle(env, record, decide=decide)
+def on_memory_event(m, meta: EventMeta, *, consolidator: Consolidator,
+                    decide: bool = True) -> list[ev.ObservationsChanged]:
+    """FactsExtracted, FactsRetracted, ConsolidationScheduled and consolidation's own
+    ObservationsChanged (see :meth:`Consolidator.handle`)."""
+    return consolidator.handle(m, meta, decide=decide)

@@ -1,4 +1,4 @@
-"""extraction's handler: one intake event → memory events.
+"""extraction's handlers: intake events → memory events.
 
 Derived events carry everything a projection needs (text, times, entities, the
 embedding and its model name), so replaying ``mneme.memory.v1`` never calls a model.
@@ -12,59 +12,66 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from mneme import telemetry
-from mneme.bank_catalog import project_banks
+from typing import TYPE_CHECKING
+
+from mneme import bank_catalog
 from mneme.bus import codec
-from mneme.domain import derive_id
+from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import Embedder, OutRecord, Record
+from mneme.ports import Embedder
 from services.extraction.llm import ExtractionIncomplete
 
-GROUP = "extraction"
-SOURCE = "mneme/extraction"
+if TYPE_CHECKING:
+    from mneme.ports import Catalog
+    from services.extraction.resolver import EntityResolver
+
 log = logging.getLogger(__name__)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-def handle_intake(env, record: Record, *, extractor, embedder: Embedder,
-                  resolver=None, catalog=None) -> list[OutRecord]:
-    """RetainRequested → FactsExtracted; DocumentDeleteRequested, MemoryDeleteRequested,
-    BankDeleted → FactsRetracted; ConsolidationRequested → ConsolidationScheduled (routed
-    through here so they stay ordered after the bank's earlier facts). With a ``catalog``
-    (distributed topology) bank upserts and deletes are projected into it, so the bank's extraction mode and mission are known
-    before its retains (same partition, same order). Other intake events produce nothing."""
-    m = env.message
-    if catalog is not None and isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
-        project_banks(env, record, catalog=catalog)
+def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
+                        embedder: Embedder) -> list[ev.FactsExtracted]:
+    """The request's items → one FactsExtracted. Fact ids derive from the operation, so a
+    retried request (same request_id, hence same operation) or a redelivered event yields
+    the same ids."""
+    facts = extract(m, m.operation_id, extractor, embedder, at=meta.time)
+    if m.HasField("observation_scopes"):
+        facts.observation_scopes.CopyFrom(m.observation_scopes)
+    return [facts]
 
-    def out(msg, n: str) -> OutRecord:
-        return codec.encode(msg, bank_id=m.bank_id, source=SOURCE,
-                            event_id=derive_id(env.id, n), traceparent=env.traceparent)
 
-    if isinstance(m, ev.RetainRequested):
-        # Fact ids derive from the operation, so a retried request (same request_id,
-        # hence same operation) or a redelivered event yields the same ids.
-        facts = extract(m, m.operation_id, extractor, embedder, at=env.time)
-        if m.HasField("observation_scopes"):
-            facts.observation_scopes.CopyFrom(m.observation_scopes)
-        return [out(facts, "facts")]
-    if isinstance(m, ev.ConsolidationRequested):
-        # Through here (like deletions) so consolidation sees it after the bank's facts.
-        return [out(ev.ConsolidationScheduled(
-            bank_id=m.bank_id, operation_id=m.operation_id, action=m.action,
-            observation_scopes=m.observation_scopes if m.HasField("observation_scopes") else None,
-            memory_id=m.memory_id), "consolidation")]
-    if isinstance(m, ev.DocumentDeleteRequested):
-        return [out(ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
-                                      document_id=m.document_id), "retract")]
-    if isinstance(m, ev.MemoryDeleteRequested):
-        return [out(ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
-                                      memory_ids=[m.memory_id]), "retract")]
-    if isinstance(m, ev.BankDeleted):
-        if resolver is not None:
-            resolver.forget(m.bank_id)
-        return [out(ev.FactsRetracted(bank_id=m.bank_id, bank_deleted=True), "retract")]
-    return []
+def on_consolidation_requested(m: ev.ConsolidationRequested,
+                               meta: EventMeta) -> list[ev.ConsolidationScheduled]:
+    """Scheduled through here (like deletions) so consolidation sees the request after
+    the bank's earlier facts (one partition, one order)."""
+    return [ev.ConsolidationScheduled(
+        bank_id=m.bank_id, operation_id=m.operation_id, action=m.action,
+        observation_scopes=m.observation_scopes if m.HasField("observation_scopes") else None,
+        memory_id=m.memory_id)]
+
+
+def on_document_delete_requested(m: ev.DocumentDeleteRequested,
+                                 meta: EventMeta) -> list[ev.FactsRetracted]:
+    """The document's facts are retracted (every projection drops them)."""
+    return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                              document_id=m.document_id)]
+
+
+def on_memory_delete_requested(m: ev.MemoryDeleteRequested,
+                               meta: EventMeta) -> list[ev.FactsRetracted]:
+    """The memory is retracted."""
+    return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
+                              memory_ids=[m.memory_id])]
+
+
+def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, resolver: EntityResolver,
+                    catalog: Catalog | None = None) -> list[ev.FactsRetracted]:
+    """The bank's entities are forgotten (and, with its own ``catalog``, the bank), and
+    all of its facts retracted."""
+    bank_catalog.on_bank_deleted(m, meta, catalog=catalog)
+    resolver.forget(m.bank_id)
+    return [ev.FactsRetracted(bank_id=m.bank_id, bank_deleted=True)]
 
 
 def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder,

@@ -74,8 +74,7 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         bank_id = bank_id_of(request.name, "name")
         self.ingest.require_bank(bank_id)  # NOT_FOUND for an unknown bank
         st = bank_stats(bank_id, log=self.ingest.log, catalog=self.ingest.catalog,
-                        stores=getattr(self.ingest, "stores", None),
-                        groups=getattr(self.ingest, "groups", None))
+                        stores=self.ingest.stores, groups=self.ingest.groups)
         lag = [banks_pb2.ConsumerLag(group=g, topic=t, partition=p, lag=n)
                for g, t, p, n in st["lag"]]
         return banks_pb2.BankStats(

@@ -5,62 +5,52 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, replace
-from datetime import datetime
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from mneme.bank_catalog import project_banks
 from mneme.bus import codec
-from mneme.domain import Bank, BankConfig, RetainItem, derive_id
+from mneme.domain import Bank, BankConfig, EventMeta, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
 from mneme.names import check_bank_id
-from mneme.ports import Catalog, EventLog, Llm, OutRecord, Record
+from mneme.ports import EventLog, Record
 from mneme.domain import Operation
 
-GROUP = "ingest"
-SOURCE = "mneme/ingest"
+if TYPE_CHECKING:
+    from mneme.ports import Catalog, Llm
 
 #: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
 CONFIG_FIELDS = tuple(BankConfig.__dataclass_fields__)
 MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 
 
-def _at(env) -> float:
-    t = env.time
-    if isinstance(t, datetime):
-        return t.timestamp()
-    if isinstance(t, str) and t:
-        return datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-    return time.time()
+# ---- projection: the catalog of operations (banks: mneme.bank_catalog) ---------------------
 
 
-# ---- projection --------------------------------------------------------------------------
+#: Operation kind of each request event.
+_KIND = {"RetainRequested": "retain", "DocumentDeleteRequested": "delete_document",
+         "MemoryDeleteRequested": "delete_memory", "ConsolidationRequested": "consolidate"}
 
 
-def project_catalog(env, record: Record, *, catalog: Catalog) -> list[OutRecord]:
-    """Apply one intake/progress event to the catalog (idempotent). Returns no events."""
-    m, at = env.message, _at(env)
-    if isinstance(m, (ev.BankUpserted, ev.BankDeleted)):
-        project_banks(env, record, catalog=catalog)
-    elif isinstance(m, ev.RetainRequested):
-        catalog.put_operation(Operation(m.operation_id, m.bank_id, "retain",
-                                        items_total=len(m.items), created_at=at, updated_at=at))
-    elif isinstance(m, ev.DocumentDeleteRequested):
-        catalog.put_operation(Operation(m.operation_id, m.bank_id, "delete_document",
-                                        created_at=at, updated_at=at))
-    elif isinstance(m, ev.MemoryDeleteRequested):
-        catalog.put_operation(Operation(m.operation_id, m.bank_id, "delete_memory",
-                                        created_at=at, updated_at=at))
-    elif isinstance(m, ev.ConsolidationRequested):
-        catalog.put_operation(Operation(m.operation_id, m.bank_id, "consolidate",
-                                        created_at=at, updated_at=at))
-    elif isinstance(m, ev.OperationProgress):
-        catalog.update_operation(Operation(
-            m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
-            m.error, list(m.memory_ids), created_at=at, updated_at=at,
-            item_errors=[(f.item_index, f.field, f.error) for f in m.failures]))
+def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
+    """A request (retain, document or memory deletion, consolidation) becomes a pending
+    operation in ``catalog``; a retain counts its items. Idempotent; produces nothing."""
+    at = meta.time.timestamp()
+    total = len(m.items) if isinstance(m, ev.RetainRequested) else 0
+    catalog.put_operation(Operation(m.operation_id, m.bank_id, _KIND[m.DESCRIPTOR.name],
+                                    items_total=total, created_at=at, updated_at=at))
+    return []
+
+
+def on_operation_progress(m: ev.OperationProgress, meta: EventMeta, *, catalog: Catalog) -> list:
+    """Progress of an operation (the first terminal state stays final: see the Catalog
+    port). Produces nothing."""
+    at = meta.time.timestamp()
+    catalog.update_operation(Operation(
+        m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
+        m.error, list(m.memory_ids), created_at=at, updated_at=at,
+        item_errors=[(f.item_index, f.field, f.error) for f in m.failures]))
     return []
 
 
@@ -69,17 +59,24 @@ def project_catalog(env, record: Record, *, catalog: Catalog) -> list[OutRecord]
 
 @dataclass
 class Ingest:
-    """The write side. ``log`` is the event log, ``catalog`` the ingest projection,
-    ``retain_timeout_s`` the default deadline of sync work (seconds)."""
+    """The write side. ``log`` is the event log, ``catalog`` the ingest projection
+    (consumer group ``group``), ``retain_timeout_s`` the default deadline of sync work
+    (seconds); what it appends carries ``ce_source`` ``source``."""
 
     log: EventLog
     catalog: Catalog
     retain_timeout_s: float = 600.0
     poll_s: float = 0.01
     llm: Llm | None = None  # for check_llm
+    group: str = "ingest"
+    source: str = "mneme/ingest"
+    #: For GetBankStats: search's projections when this process has them, and the
+    #: consumer groups that run in the topology (group → topics).
+    stores: object = None
+    groups: dict = field(default_factory=dict)
 
     def _append(self, msg, bank_id: str) -> Record:
-        return self.log.append([codec.encode(msg, bank_id=bank_id, source=SOURCE)])[0]
+        return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
 
     def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -97,7 +94,7 @@ class Ingest:
 
     def _wait_projected(self, rec: Record, timeout: float) -> None:
         """Read-your-writes on the catalog: wait until the ingest group consumed ``rec``."""
-        self._wait(lambda: self.log.committed(GROUP, rec.topic, rec.partition) > rec.offset,
+        self._wait(lambda: self.log.committed(self.group, rec.topic, rec.partition) > rec.offset,
                    timeout, "catalog projection")
 
     def require_bank(self, bank_id: str) -> Bank:

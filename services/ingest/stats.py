@@ -11,23 +11,7 @@
 
 from __future__ import annotations
 
-from mneme.bus import INTAKE, MEMORY, PROGRESS, partition_for
-
-# consumer group → the topics it follows (services/*/handlers.py)
-GROUPS = {"ingest": (INTAKE, PROGRESS), "extraction": (INTAKE,), "search": (MEMORY,),
-          "search-catalog": (INTAKE,), "consolidation": (MEMORY, INTAKE)}
-COUNT_ENTITIES = "MATCH (e:Entity {bank_id: $bank_id}) RETURN count(e) AS entities"
-
-
-def _count_entities(graph, bank_id: str) -> int:
-    count = getattr(graph, "count_entities", None)
-    if count is not None:
-        return int(count(bank_id))
-    read = getattr(graph, "_read", None)
-    if read is None:
-        return -1
-    with graph._lock:
-        return int(read(lambda run: [r[0] for r in run(COUNT_ENTITIES, {"bank_id": bank_id})])[0])
+from mneme.bus import partition_for
 
 
 def _count_observations(vectors, bank_id: str) -> int:
@@ -42,7 +26,7 @@ def _count_observations(vectors, bank_id: str) -> int:
             return n
 
 
-def consumer_lag(log, bank_id: str, groups=GROUPS) -> list[tuple[str, str, int, int]]:
+def consumer_lag(log, bank_id: str, groups) -> list[tuple[str, str, int, int]]:
     """(group, topic, partition, records not yet committed) on the bank's partition of
     each topic the group follows. Groups that never committed count from offset 0."""
     out = []
@@ -54,16 +38,16 @@ def consumer_lag(log, bank_id: str, groups=GROUPS) -> list[tuple[str, str, int, 
     return out
 
 
-def bank_stats(bank_id: str, *, log, catalog, stores=None, groups=None) -> dict:
+def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
     """The bank's statistics as a dict (see the module docstring). ``groups`` (group →
-    topics) are the consumer groups whose lag counts: those that run in the topology
-    (the embedded server runs no ``search-catalog``); default :data:`GROUPS`."""
+    topics, :func:`mneme.router.groups_of` the services' routes) are the consumer groups
+    whose lag counts: those that run in the topology."""
     stats = {"facts": -1, "observations": -1, "entities": -1}
     if stores is not None:
         stats["observations"] = _count_observations(stores.vectors, bank_id)
         # the vector store holds the observations too
         stats["facts"] = int(stores.vectors.count(bank_id)) - stats["observations"]
-        stats["entities"] = _count_entities(stores.graph, bank_id)
+        stats["entities"] = stores.graph.count_entities(bank_id)
     ops, offset = [], 0
     while True:
         page = catalog.list_operations(bank_id, 500, offset)
@@ -73,5 +57,5 @@ def bank_stats(bank_id: str, *, log, catalog, stores=None, groups=None) -> dict:
             break
     stats["pending_operations"] = sum(1 for o in ops if not o.done)
     stats["operations"] = len(ops)
-    stats["lag"] = consumer_lag(log, bank_id, GROUPS if groups is None else groups)
+    stats["lag"] = consumer_lag(log, bank_id, groups)
     return stats

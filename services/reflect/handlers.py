@@ -61,8 +61,7 @@ def _coverage(text: str, terms: set[str]) -> int:
 
 
 def record_reflection(bank_id: str, query: str, r: Reflection):
-    """The ``ReflectionRecorded`` event (topic ``mneme.reflect.v1``, for audit)."""
-    from mneme.bus import codec
+    """The ``ReflectionRecorded`` event of ``r`` (topic ``mneme.reflect.v1``, for audit)."""
     from mneme.events.v1 import events_pb2 as ev
 
     msg = ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
@@ -74,4 +73,34 @@ def record_reflection(bank_id: str, query: str, r: Reflection):
         msg.llm_usage.CopyFrom(ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
                                            input_tokens=u.input_tokens, output_tokens=u.output_tokens,
                                            cost_usd=u.cost_usd))
-    return codec.encode(msg, bank_id=bank_id, source="mneme/reflect")
+    return msg
+
+
+class Reflector:
+    """The Reflect API's two calls over ``agent`` (a reflect model's
+    :class:`services.reflect.agent.ReflectAgent`, or None: :func:`reflect_offline` over
+    ``recall``). Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
+
+    def __init__(self, agent, recall: Callable, record: Callable) -> None:
+        self.agent, self.recall, self.record = agent, recall, record
+
+    def reflect(self, bank_id, query, context, budget, now, response_schema=None) -> Reflection:
+        """One answer. InvalidArgument for a ``response_schema`` without a reflect model."""
+        if self.agent is None and response_schema is not None:
+            raise InvalidArgument("response_schema", "needs a reflect model "
+                                  "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
+        r = (self.agent(bank_id, query, context, budget, now, response_schema) if self.agent
+             else reflect_offline(bank_id, query, context, budget, now, self.recall))
+        self.record(record_reflection(bank_id, query, r))
+        return r
+
+    def stream(self, bank_id, query, context, budget, now, response_schema=None):
+        """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only."""
+        from services.reflect.agent import Done
+        if self.agent is None:
+            yield Done(self.reflect(bank_id, query, context, budget, now, response_schema))
+            return
+        for event in self.agent.stream(bank_id, query, context, budget, now, response_schema):
+            if isinstance(event, Done):
+                self.record(record_reflection(bank_id, query, event.reflection))
+            yield event

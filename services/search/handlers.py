@@ -1,4 +1,4 @@
-"""search's projection handler: memory events → upserts and deletes in the three
+"""search's projection handlers: memory events → upserts and deletes in the three
 stores, then an OperationProgress event (read-your-writes for sync retain).
 
 Upserts are idempotent by fact id, so a redelivered event changes nothing."""
@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from mneme import telemetry
 from mneme.bus import codec
-from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, EventMeta
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import GraphStore, OutRecord, Record, TextStore, VectorStore
+from mneme.ports import GraphStore, TextStore, VectorStore
+from services.search.observations import project_observations
 
-GROUP = "search"
-SOURCE = "mneme/search"
 log = logging.getLogger(__name__)
 
 
@@ -63,53 +62,53 @@ class Projections:
                 raise
 
 
-def project_memory(env, record: Record, *, stores: Projections) -> list[OutRecord]:
-    """Apply FactsExtracted / FactsRetracted to every store, ObservationsChanged to the
-    vector store (observations are units with fact_type "observation"); emit the
-    operation's progress (for ObservationsChanged only when it completes a Consolidate /
-    ClearObservations request)."""
-    m = env.message
-    if isinstance(m, ev.FactsExtracted):
-        for doc in m.replaced_document_ids:
-            for s in stores.each("delete", m.bank_id):
-                s.delete_where(m.bank_id, doc)
-        facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
-        if facts:
-            stores.upsert(m.bank_id, facts)
-        failed = {f.item_index for f in m.failures}
-        state = "failed" if failed and len(failed) == m.items_total else "succeeded"
-        progress = ev.OperationProgress(
-            bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
-            items_total=m.items_total, items_done=m.items_total, facts=len(facts),
-            error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
-            memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items),
-            failures=list(m.failures))
-    elif isinstance(m, ev.FactsRetracted):
-        if m.bank_deleted:
-            for s in stores.each("delete", m.bank_id):
-                s.delete_where(m.bank_id, None)
-        if m.document_id:
-            for s in stores.each("delete", m.bank_id):
-                s.delete_where(m.bank_id, m.document_id)
-        if m.memory_ids:
-            for s in stores.each("delete", m.bank_id):
-                s.delete(m.bank_id, list(m.memory_ids))
-        if not m.operation_id:
-            return []
-        kind = "delete_document" if m.document_id else "delete_memory"
-        progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
-                                        kind=kind, state="succeeded")
-    elif isinstance(m, ev.ObservationsChanged):
-        from services.search.observations import project_observations
-        project_observations(m, stores.vectors)
-        if not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
-            return []
-        progress = ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
-                                        kind="consolidate", state="succeeded")
-    else:
+def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
+                       stores: Projections) -> list[ev.OperationProgress]:
+    """The facts into every store (a replaced document's old units out first, all or
+    nothing: :meth:`Projections.upsert`); the retain's progress (failed only when every
+    item failed)."""
+    for doc in m.replaced_document_ids:
+        for s in stores.each("delete", m.bank_id):
+            s.delete_where(m.bank_id, doc)
+    facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
+    if facts:
+        stores.upsert(m.bank_id, facts)
+    failed = {f.item_index for f in m.failures}
+    state = "failed" if failed and len(failed) == m.items_total else "succeeded"
+    return [ev.OperationProgress(
+        bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
+        items_total=m.items_total, items_done=m.items_total, facts=len(facts),
+        error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
+        memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items),
+        failures=list(m.failures))]
+
+
+def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
+                       stores: Projections) -> list[ev.OperationProgress]:
+    """A deleted bank, document or memories out of every store; the deletion's progress
+    (none for a retraction that is not an operation: a deleted bank)."""
+    if m.bank_deleted:
+        for s in stores.each("delete", m.bank_id):
+            s.delete_where(m.bank_id, None)
+    if m.document_id:
+        for s in stores.each("delete", m.bank_id):
+            s.delete_where(m.bank_id, m.document_id)
+    if m.memory_ids:
+        for s in stores.each("delete", m.bank_id):
+            s.delete(m.bank_id, list(m.memory_ids))
+    if not m.operation_id:
         return []
-    return [codec.encode(progress, bank_id=m.bank_id, source=SOURCE,
-                         event_id=derive_id(env.id, "progress"), traceparent=env.traceparent)]
+    kind = "delete_document" if m.document_id else "delete_memory"
+    return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id, kind=kind,
+                                 state="succeeded")]
 
 
-CATALOG_GROUP = "search-catalog"
+def on_observations_changed(m: ev.ObservationsChanged, meta: EventMeta, *,
+                            stores: Projections) -> list[ev.OperationProgress]:
+    """Observations into the vector store (units of fact_type "observation"); progress
+    only when the change completes a Consolidate / ClearObservations request."""
+    project_observations(m, stores.vectors)
+    if not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
+        return []
+    return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                 kind="consolidate", state="succeeded")]

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table  # noqa: E402
 
 from mneme import locomo  # noqa: E402
-from mneme.bootstrap import bootstrap  # noqa: E402
+from mneme.runtime.embedded import bootstrap  # noqa: E402
 from mneme.client import MnemeClient  # noqa: E402
 from mneme.config import Settings  # noqa: E402
 

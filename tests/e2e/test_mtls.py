@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from mneme.auth import KeyStore
-from mneme.bootstrap import bootstrap
+from mneme.runtime.embedded import bootstrap
 from mneme.config import Settings
 from mneme.v1 import banks_pb2, banks_pb2_grpc, resources_pb2
 

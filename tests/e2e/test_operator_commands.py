@@ -9,7 +9,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from mneme.bootstrap import bootstrap
+from mneme.runtime.embedded import bootstrap
 from mneme.cli import app
 from mneme.client import MnemeClient
 from mneme.config import Settings

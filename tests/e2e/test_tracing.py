@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from mneme import telemetry
-from mneme.bootstrap import bootstrap
+from mneme.runtime.embedded import bootstrap
 from mneme.bus import INTAKE, MEMORY, PROGRESS
 from mneme.client import MnemeClient
 from mneme.config import Settings

@@ -103,7 +103,7 @@ def test_service_is_not_serving_until_the_broker_answers(tmp_path, tansu):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from mneme.bootstrap import ServiceProcess
+    from mneme.runtime.process import ServiceProcess
     from mneme.client import MnemeClient
     from mneme.config import Settings
     from tests.integration.conftest import free_port

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from mneme import telemetry
-from mneme.bootstrap import ServiceProcess
+from mneme.runtime.process import ServiceProcess
 from mneme.bus import INTAKE, MEMORY, PROGRESS
 from mneme.client import MnemeClient
 from mneme.config import Settings

@@ -15,7 +15,7 @@ import pytest
 from mneme import bus
 from mneme.bus import DLQ, INTAKE, MEMORY, PROGRESS, StaleCommitError, murmur2, partition_for
 from mneme.bus.codec import decode, encode
-from mneme.bus.consumer import Consumer, Dispatcher
+from mneme.bus.consumer import Consumer
 from mneme.bus.sqlite_log import SqliteEventLog
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
@@ -523,27 +523,6 @@ def test_bad_handler_output_is_a_handler_failure(elog):
     assert sum(c.lag().values()) == 0
 
 
-def test_dispatcher_routes_by_message_type_and_skips_others(elog):
-    calls = []
-
-    def on_bank_deleted(msg, env):
-        calls.append(("deleted", msg.bank_id, env.source))
-        out = ev.OperationProgress(bank_id=msg.bank_id, operation_id="o", state="succeeded")
-        return [encode(out, bank_id=msg.bank_id, source="mneme/test")]
-
-    d = Dispatcher({ev.BankDeleted: on_bank_deleted})
-    d.register(ev.MemoryDeleteRequested, lambda msg, env: calls.append(("mem", msg.memory_id)))
-    assert d.handles(ev.BankDeleted) and not d.handles(ev.BankUpserted)
-    elog.append([intake(ev.BankUpserted(bank_id="b1")), intake(ev.BankDeleted(bank_id="b1")),
-                 intake(ev.MemoryDeleteRequested(bank_id="b1", memory_id="m"))])
-    c = Consumer(elog, "g", [INTAKE], d)
-    while c.run_once():
-        pass
-    assert calls == [("deleted", "b1", "mneme/test"), ("mem", "m")]
-    [p] = all_records(elog, PROGRESS)
-    assert decode(p).message.state == "succeeded"
-
-
 def test_lag_and_two_groups_consume_independently(elog):
     elog.append([intake(ev.BankDeleted(bank_id=f"b{i}"), bank=f"b{i}") for i in range(10)])
     a = Consumer(elog, "a", [INTAKE], lambda e, r: [])
@@ -606,8 +585,18 @@ def test_dead_letter_of_an_operation_event_fails_the_operation_in_the_same_commi
 
 
 def test_a_dead_letter_off_the_operations_path_does_not_fail_it(elog):
-    # consolidation follows facts that search has already made searchable
-    c = Consumer(elog, "consolidation", [MEMORY], lambda env, rec: 1 / 0, max_attempts=1)
+    # consolidation follows facts that search has already made searchable: its routes
+    # declare FactsExtracted secondary, so a dead letter there does not fail the retain
+    from mneme.router import Router
+    from services.consolidation.routes import SERVICE
+
+    class Broken:
+        def handle(self, *a, **k):
+            raise RuntimeError("no model")
+
+    router = Router(SERVICE, "consolidation", {"consolidator": Broken()})
+    c = Consumer(elog, "consolidation", router.topics, router, max_attempts=1,
+                 fails_operation=router.fails_operation)
     elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1),
                         bank_id="b1", source="t")])
     c.run_once()

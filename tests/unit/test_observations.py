@@ -8,12 +8,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from mneme.bus import MEMORY
-from mneme.bus.codec import Envelope, event_type
-from mneme.domain import BankConfig, derive_id
+from mneme.domain import BankConfig, EventMeta, derive_id
 from mneme.events.v1 import events_pb2 as ev
 from mneme.llm.gateway import JsonResult, Usage
-from mneme.ports import Record
 from services.consolidation import engine
 from services.consolidation.handlers import Consolidator
 from mneme.stores.observations_sqlite import SqliteObservationStore
@@ -42,13 +39,13 @@ class Harness:
         self.n += 1
         eid, at = derive_id("test", self.n), T0 + timedelta(minutes=self.n)
         self.log.append((eid, msg, at))
-        out = self.c.handle(_env(eid, msg, at), _rec(self.n), decide=decide)
-        for o in out:
-            m = ev.ObservationsChanged.FromString(o.value)
+        out = self.c.handle(msg, EventMeta(eid, at), decide=decide)
+        for m in out:
             self.n += 1
-            self.log.append((o.headers["ce_id"], m, at))
-            self.c.handle(_env(o.headers["ce_id"], m, at), _rec(self.n))  # comes back: no-op
-        return [ev.ObservationsChanged.FromString(o.value) for o in out]
+            oid = derive_id(eid, "observations")
+            self.log.append((oid, m, at))
+            self.c.handle(m, EventMeta(oid, at))  # comes back: no-op
+        return out
 
     def facts(self, *texts, tags=(), doc="", entities=(), scopes=None, at=None):
         """A FactsExtracted of ``texts``; ``at`` (a datetime) is their mentioned_at, and
@@ -70,15 +67,6 @@ class Harness:
 
     def live(self):
         return list(self.store.observations("b").values())
-
-
-def _env(eid, msg, at):
-    return Envelope(id=eid, type=event_type(msg), source="test", time=at, subject="b",
-                    traceparent=None, message=msg)
-
-
-def _rec(n):
-    return Record(MEMORY, 0, n, "b", b"")
 
 
 def _check_evidence(h: Harness):
@@ -148,7 +136,7 @@ def test_replay_rebuilds_identical_projection(embedder):
     r.c.embedder = r.c.llm = None  # replay needs no model
     for eid, msg, at in h.log:
         r.n += 1
-        assert r.c.handle(_env(eid, msg, at), _rec(r.n), decide=False) == []
+        assert r.c.handle(msg, EventMeta(eid, at), decide=False) == []
     assert r.store.dump("b") == live
     assert [f.id for f, _ in r.store.facts("b", pending=True)] == \
         [f.id for f, _ in h.store.facts("b", pending=True)]
@@ -383,7 +371,7 @@ def test_contradictions_replay_identically(embedder):
     r.c.embedder = r.c.llm = None
     for eid, msg, at in h.log:
         r.n += 1
-        assert r.c.handle(_env(eid, msg, at), _rec(r.n), decide=False) == []
+        assert r.c.handle(msg, EventMeta(eid, at), decide=False) == []
     assert r.store.dump("b") == live
 
 

@@ -12,24 +12,12 @@ Failure policy (per record):
 * undecodable payload → dead-lettered at once (retrying cannot help);
 * handler raises → the batch prefix already handled is committed, then the record is
   retried with exponential backoff (``max_attempts`` in all); if it still fails it is
-  dead-lettered: a copy goes to ``mneme.dlq.v1`` in the same transaction that commits
-  its offset, so one poison event never stops a partition.
-
-A dead-lettered event that belongs to an operation (its message has ``bank_id`` and
-``operation_id``; see :func:`operation_failed`) also fails that operation: an
-``OperationProgress(state="failed", error=…)`` is produced on ``mneme.progress.v1`` in the
-same commit as the DLQ copy, so a sync retain returns FAILED at once instead of waiting
-for its deadline, and replay (which re-reads progress) shows the same state.
+  dead-lettered (:mod:`mneme.bus.dead_letter`: the DLQ copy, and the failed progress of
+  its operation) in the same transaction that commits its offset.
 
 When the log itself fails (a read or commit raises, e.g. the embedded log is damaged),
 the runner backs off exponentially up to ``error_backoff_max`` seconds and logs the
 failure once per streak (then every tenth time), rather than spinning.
-
-Dead-letter records keep the original key, value and headers (``ce_*``, ``content-type``,
-``traceparent``) and add ``dlq_topic``, ``dlq_partition``, ``dlq_offset``, ``dlq_group``,
-``dlq_attempts``, ``dlq_error`` ("ExcType: message"), ``dlq_traceback`` and ``dlq_time``.
-(``dlq_attempts`` is 0 for undecodable records.) A record that fails while being read
-*from* the DLQ is logged and dropped instead, so a DLQ reader cannot loop.
 
 Handlers run again after a crash for records whose batch was not committed yet, so their
 side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
@@ -47,16 +35,13 @@ import contextlib
 import logging
 import threading
 import time
-import traceback
-from datetime import datetime, timezone
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 from google.protobuf.message import Message
 
 from mneme import deadline, telemetry
-from mneme.bus import DLQ, StaleCommitError, default_partitions
-from mneme.bus.codec import Envelope, decode, encode, format_time
-from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
+from mneme.bus import DLQ, StaleCommitError, dead_letter, default_partitions
+from mneme.bus.codec import Envelope, decode
 from mneme.errors import Cancelled
 from mneme.ports import EventLog, OutRecord, Record
 
@@ -65,111 +50,8 @@ log = logging.getLogger(__name__)
 #: ``handler(envelope, record) -> records to produce`` (None means none).
 Handler = Callable[[Envelope, Record], "Sequence[OutRecord] | None"]
 
-#: ``fn(message, envelope) -> records to produce``; what :class:`Dispatcher` calls.
-MessageHandler = Callable[[Message, Envelope], "Sequence[OutRecord] | None"]
-
-_ERROR_CHARS = 2000
 #: Seconds between the consumer's own reads of its lag (:meth:`Consumer.lag_snapshot`).
 LAG_REFRESH_S = 1.0
-_TRACEBACK_CHARS = 8000
-
-
-def _retract_kind(m: Message) -> str | None:
-    if m.document_id:
-        return "delete_document"
-    return "delete_memory" if m.memory_ids else None
-
-
-def _observations_kind(m: Message) -> str | None:
-    # Other triggers follow an operation that already finished (a retain, a deletion):
-    # failing to project them does not undo that operation.
-    return "consolidate" if m.trigger in CONSOLIDATION_REQUEST_TRIGGERS else None
-
-
-#: Operation kind of each event type that belongs to an operation (message name → kind
-#: or a function of the message giving the kind, None for "not an operation's work").
-OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
-    "RetainRequested": "retain",
-    "FactsExtracted": "retain",
-    "DocumentDeleteRequested": "delete_document",
-    "MemoryDeleteRequested": "delete_memory",
-    "ConsolidationRequested": "consolidate",
-    "ConsolidationScheduled": "consolidate",
-    "FactsRetracted": _retract_kind,
-    "ObservationsChanged": _observations_kind,
-}
-
-
-#: (group, event type) pairs off an operation's path: the operation is done without
-#: them (a retain succeeds once search has projected its facts; consolidation follows
-#: on), so their dead letters do not fail it.
-SECONDARY = frozenset({("consolidation", "FactsExtracted"), ("consolidation", "FactsRetracted")})
-
-
-def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
-    """The ``OperationProgress(state="failed")`` record that fails the operation
-    ``env``'s message belongs to, or None when it belongs to none (no ``bank_id`` /
-    ``operation_id``, a type not in :data:`OPERATION_KINDS`, a group off the operation's
-    path (:data:`SECONDARY`), or progress itself, which would loop). ``error`` is the failure as users should see it; ``group`` the consumer
-    group that gave up (named in the error, and part of the deterministic event id, so
-    a redelivered dead letter yields the same progress event)."""
-    m = env.message
-    if m is None:
-        return None
-    bank_id, op_id = getattr(m, "bank_id", ""), getattr(m, "operation_id", "")
-    if (group, m.DESCRIPTOR.name) in SECONDARY:
-        return None
-    kind = OPERATION_KINDS.get(m.DESCRIPTOR.name)
-    if callable(kind):
-        kind = kind(m)
-    if not (bank_id and op_id and kind):
-        return None
-    from mneme.events.v1 import events_pb2 as ev  # lazy: keeps the runner proto-agnostic
-
-    total = (m.items_total if m.DESCRIPTOR.name == "FactsExtracted"
-             else len(m.items) if m.DESCRIPTOR.name == "RetainRequested" else 0)
-    facts = [f.id for f in m.facts] if m.DESCRIPTOR.name == "FactsExtracted" else []
-    progress = ev.OperationProgress(
-        bank_id=bank_id, operation_id=op_id, kind=kind, state="failed",
-        items_total=total, items_done=total, facts=len(facts), memory_ids=facts,
-        error=f"{group} could not process {m.DESCRIPTOR.name}: {error}"[:_ERROR_CHARS])
-    return encode(progress, bank_id=bank_id, source=f"mneme/{group}",
-                  event_id=derive_id(env.id, "dead-letter", group),
-                  traceparent=env.traceparent)
-
-
-class Dispatcher:
-    """Routes decoded events to one handler per message type; use it as a Consumer's
-    handler::
-
-        Dispatcher({events_pb2.RetainRequested: handle_retain,
-                    events_pb2.BankDeleted: handle_bank_deleted})
-
-    Each function is called as ``fn(message, envelope)`` and returns the records to
-    produce (or None). Types without a function are skipped (nothing produced), so a
-    service subscribes to a topic and handles only what concerns it.
-    """
-
-    def __init__(self, handlers: Mapping[type[Message], MessageHandler] | None = None) -> None:
-        self._handlers: dict[str, MessageHandler] = {}
-        for msg_type, fn in (handlers or {}).items():
-            self.register(msg_type, fn)
-
-    def register(self, message_type: type[Message], fn: MessageHandler) -> None:
-        """Route ``message_type`` to ``fn`` (replacing an earlier registration)."""
-        self._handlers[message_type.DESCRIPTOR.full_name] = fn
-
-    def handles(self, message_type: type[Message]) -> bool:
-        """True when ``message_type`` has a registered function."""
-        return message_type.DESCRIPTOR.full_name in self._handlers
-
-    def __call__(self, envelope: Envelope, record: Record) -> list[OutRecord]:
-        if envelope.message is None:
-            return []
-        fn = self._handlers.get(envelope.message.DESCRIPTOR.full_name)
-        if fn is None:
-            return []
-        return list(fn(envelope.message, envelope) or [])
 
 
 class LogMember:
@@ -224,7 +106,10 @@ class LogMember:
 class Consumer:
     """Runs consumer group ``group`` over ``topics`` of ``log`` in a background thread.
 
-    ``handler(envelope, record)`` returns the records to produce (see :data:`Handler`).
+    ``handler(envelope, record)`` returns the records to produce (see :data:`Handler`;
+    a :class:`mneme.router.Router` is one). ``fails_operation(message)``: whether a dead
+    letter of that message fails its operation (default yes; a Router's
+    :meth:`~mneme.router.Router.fails_operation` answers for its group).
     ``batch_size``: records read and committed at once per partition.
     ``max_attempts``: handler calls per record before it is dead-lettered (>= 1);
     retry *n* waits ``min(backoff * 2**(n-1), backoff_max)`` seconds.
@@ -244,7 +129,8 @@ class Consumer:
     def __init__(self, log: EventLog, group: str, topics: Iterable[str], handler: Handler, *,
                  batch_size: int = 100, max_attempts: int = 3, backoff: float = 0.05,
                  backoff_max: float = 2.0, idle_wait: float = 1.0,
-                 dlq_topic: str = DLQ, error_backoff_max: float = 30.0) -> None:
+                 dlq_topic: str = DLQ, error_backoff_max: float = 30.0,
+                 fails_operation: Callable[[Message], bool] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_attempts < 1:
@@ -261,6 +147,7 @@ class Consumer:
         self.backoff_max = backoff_max
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
+        self._fails_operation = fails_operation or (lambda m: True)
         self._until_stopped = deadline.Deadline(None, lambda: not self._stop.is_set())
         self._lag_snapshot: dict[tuple[str, int], int] = {}
         self._lag_at = float("-inf")
@@ -575,38 +462,9 @@ class Consumer:
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,
                      env: Envelope | None) -> list[OutRecord]:
-        """The DLQ copy of ``rec`` plus, when its event belongs to an operation, the
-        progress event failing it (:func:`operation_failed`); [] for a record read from
-        the DLQ itself, so a failing DLQ reader cannot feed the DLQ forever."""
         self.stats["dead_lettered"] += 1
-        telemetry.count_dead_letter(self.group, rec.topic)
-        if rec.topic == self.dlq_topic:
-            log.error("consumer %s: dropping dead letter %s[%d]@%d after %d attempts: %r",
-                      self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
-            return []
-        log.error("consumer %s: dead-lettering %s[%d]@%d after %d attempts: %r", self.group,
-                  rec.topic, rec.partition, rec.offset, attempts, exc)
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        headers = dict(rec.headers)
-        headers.update({
-            "dlq_topic": rec.topic,
-            "dlq_partition": str(rec.partition),
-            "dlq_offset": str(rec.offset),
-            "dlq_group": self.group,
-            "dlq_attempts": str(attempts),
-            "dlq_error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS],
-            "dlq_traceback": tb[-_TRACEBACK_CHARS:],
-            "dlq_time": format_time(datetime.now(timezone.utc)),
-        })
-        out = [OutRecord(topic=self.dlq_topic, key=rec.key, value=bytes(rec.value),
-                         headers=headers)]
-        failed = None
-        if env is not None:
-            try:
-                failed = operation_failed(env, f"{type(exc).__name__}: {exc}", self.group)
-            except Exception:  # never let the failure report stop the dead letter
-                log.exception("consumer %s: cannot build the failed progress", self.group)
-        return out + ([failed] if failed is not None else [])
+        return dead_letter.records(rec, exc, attempts, self.group, env, dlq_topic=self.dlq_topic,
+                                   fails_operation=self._fails_operation)
 
     def _commit(self, topic: str, partition: int, next_off: int,
                 outputs: Sequence[OutRecord]) -> bool:
@@ -635,5 +493,4 @@ def _end_offsets(log_: EventLog, tps: list[tuple[str, int]]) -> dict[tuple[str, 
     return {tp: log_.end_offset(*tp) for tp in tps}
 
 
-__all__ = ["Consumer", "Dispatcher", "Handler", "LogMember", "MessageHandler",
-           "OPERATION_KINDS", "operation_failed"]
+__all__ = ["Consumer", "Handler", "LogMember"]

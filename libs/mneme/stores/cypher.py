@@ -156,6 +156,11 @@ RETURN count(*) AS deleted
 
 # ---- reads ---------------------------------------------------------------------------------
 
+COUNT_ENTITIES = """
+MATCH (e:Entity {bank_id: $bank_id})
+RETURN count(e) AS entities
+"""
+
 COUNT_UNITS = """
 MATCH (n:Unit {bank_id: $bank_id})
 WHERE n.stub = false

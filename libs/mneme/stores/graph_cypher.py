@@ -171,6 +171,12 @@ class CypherGraphStore:
             return int(self._read(lambda run: _column(run, cypher.COUNT_UNITS,
                                                       bank_id=bank_id))[0])
 
+    def count_entities(self, bank_id: str) -> int:
+        """Number of the bank's entities."""
+        with self._lock:
+            return int(self._read(lambda run: _column(run, cypher.COUNT_ENTITIES,
+                                                      bank_id=bank_id))[0])
+
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """The bank's entities whose key (``mneme.domain.entity_key`` of a name they had)
         is in ``keys``, ordered by the first key they match, then id."""

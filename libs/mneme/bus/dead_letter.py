@@ -1,0 +1,134 @@
+"""The retry-then-dead-letter policy both runners share (the embedded log's
+:class:`mneme.bus.consumer.Consumer` and the Kafka subscribers of
+:mod:`mneme.runtime.kafka`).
+
+A record whose handler still fails after the retries (or whose payload cannot be
+decoded) is copied to ``mneme.dlq.v1`` with its key, value and headers (``ce_*``,
+``content-type``, ``traceparent``) plus ``dlq_topic``, ``dlq_partition``, ``dlq_offset``,
+``dlq_group``, ``dlq_attempts`` (0 for undecodable records), ``dlq_error`` ("ExcType:
+message"), ``dlq_traceback`` and ``dlq_time``; it is committed with the input offset, so
+one poison event never stops a partition. A record that fails while being read *from* the
+DLQ is logged and dropped instead, so a DLQ reader cannot loop.
+
+A dead-lettered event that belongs to an operation (its message has ``bank_id`` and
+``operation_id``, a type in :data:`OPERATION_KINDS`) also fails that operation: an
+``OperationProgress(state="failed", error=…)`` goes to ``mneme.progress.v1`` with the DLQ
+copy, so a sync retain returns FAILED at once instead of waiting for its deadline, and
+replay (which re-reads progress) shows the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from datetime import datetime, timezone
+from typing import Callable
+
+from google.protobuf.message import Message
+
+from mneme import telemetry
+from mneme.bus import DLQ
+from mneme.bus.codec import Envelope, encode, format_time
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
+from mneme.ports import OutRecord, Record
+
+log = logging.getLogger(__name__)
+
+_ERROR_CHARS = 2000
+_TRACEBACK_CHARS = 8000
+
+
+def _retract_kind(m: Message) -> str | None:
+    if m.document_id:
+        return "delete_document"
+    return "delete_memory" if m.memory_ids else None
+
+
+def _observations_kind(m: Message) -> str | None:
+    # Other triggers follow an operation that already finished (a retain, a deletion):
+    # failing to project them does not undo that operation.
+    return "consolidate" if m.trigger in CONSOLIDATION_REQUEST_TRIGGERS else None
+
+
+#: Operation kind of each event type that belongs to an operation (message name → kind
+#: or a function of the message giving the kind, None for "not an operation's work").
+OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
+    "RetainRequested": "retain",
+    "FactsExtracted": "retain",
+    "DocumentDeleteRequested": "delete_document",
+    "MemoryDeleteRequested": "delete_memory",
+    "ConsolidationRequested": "consolidate",
+    "ConsolidationScheduled": "consolidate",
+    "FactsRetracted": _retract_kind,
+    "ObservationsChanged": _observations_kind,
+}
+
+
+def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
+    """The ``OperationProgress(state="failed")`` record that fails the operation
+    ``env``'s message belongs to, or None when it belongs to none (no ``bank_id`` /
+    ``operation_id``, a type not in :data:`OPERATION_KINDS`, or progress itself, which
+    would loop). ``error`` is the failure as users should see it; ``group`` the consumer
+    group that gave up (named in the error, and part of the deterministic event id, so a
+    redelivered dead letter yields the same progress event)."""
+    m = env.message
+    if m is None:
+        return None
+    bank_id, op_id = getattr(m, "bank_id", ""), getattr(m, "operation_id", "")
+    kind = OPERATION_KINDS.get(m.DESCRIPTOR.name)
+    if callable(kind):
+        kind = kind(m)
+    if not (bank_id and op_id and kind):
+        return None
+    from mneme.events.v1 import events_pb2 as ev  # lazy: keeps the runner proto-agnostic
+
+    total = (m.items_total if m.DESCRIPTOR.name == "FactsExtracted"
+             else len(m.items) if m.DESCRIPTOR.name == "RetainRequested" else 0)
+    facts = [f.id for f in m.facts] if m.DESCRIPTOR.name == "FactsExtracted" else []
+    progress = ev.OperationProgress(
+        bank_id=bank_id, operation_id=op_id, kind=kind, state="failed",
+        items_total=total, items_done=total, facts=len(facts), memory_ids=facts,
+        error=f"{group} could not process {m.DESCRIPTOR.name}: {error}"[:_ERROR_CHARS])
+    return encode(progress, bank_id=bank_id, source=f"mneme/{group}",
+                  event_id=derive_id(env.id, "dead-letter", group),
+                  traceparent=env.traceparent)
+
+
+def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Envelope | None,
+            *, dlq_topic: str = DLQ,
+            fails_operation: Callable[[Message], bool] = lambda m: True) -> list[OutRecord]:
+    """What to produce for ``rec``, which failed ``attempts`` times with ``exc`` in
+    ``group``: its DLQ copy plus, when its event belongs to an operation and
+    ``fails_operation(message)`` (False for a group's off-path types:
+    :attr:`mneme.router.Group.secondary`), the progress event failing it
+    (:func:`operation_failed`); [] for a record read from ``dlq_topic`` itself."""
+    telemetry.count_dead_letter(group, rec.topic)
+    if rec.topic == dlq_topic:
+        log.error("consumer %s: dropping dead letter %s[%d]@%d after %d attempts: %r",
+                  group, rec.topic, rec.partition, rec.offset, attempts, exc)
+        return []
+    log.error("consumer %s: dead-lettering %s[%d]@%d after %d attempts: %r", group,
+              rec.topic, rec.partition, rec.offset, attempts, exc)
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    headers = dict(rec.headers)
+    headers.update({
+        "dlq_topic": rec.topic,
+        "dlq_partition": str(rec.partition),
+        "dlq_offset": str(rec.offset),
+        "dlq_group": group,
+        "dlq_attempts": str(attempts),
+        "dlq_error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS],
+        "dlq_traceback": tb[-_TRACEBACK_CHARS:],
+        "dlq_time": format_time(datetime.now(timezone.utc)),
+    })
+    out = [OutRecord(topic=dlq_topic, key=rec.key, value=bytes(rec.value), headers=headers)]
+    failed = None
+    if env is not None and env.message is not None and fails_operation(env.message):
+        try:
+            failed = operation_failed(env, f"{type(exc).__name__}: {exc}", group)
+        except Exception:  # never let the failure report stop the dead letter
+            log.exception("consumer %s: cannot build the failed progress", group)
+    return out + ([failed] if failed is not None else [])
+
+
+__all__ = ["OPERATION_KINDS", "operation_failed", "records"]

@@ -1,0 +1,211 @@
+"""Routing: each service's declaration of what it consumes and produces, and the router
+that runs its handlers on records.
+
+A service declares itself once, in ``services/<name>/routes.py``, as a :class:`Service`:
+its consumer groups (:class:`Group`: topic → {event type: handler}) and the event types
+it produces per topic. Everything else is derived from those declarations: the embedded
+runner and the Kafka subscribers (:mod:`mneme.runtime`), replay, the consumer lag of
+bank statistics and the AsyncAPI document (:mod:`mneme.bus.asyncapi`).
+
+A handler is a plain function over protobuf messages and ports::
+
+    def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *,
+                            extractor, embedder) -> list[Message]
+
+It sees no record, header, id or encoding. Its keyword-only parameters name its
+dependencies, bound by name when a :class:`Router` is built (a missing one is a
+ValueError then, not at the first event). The :class:`Router` decodes a record,
+dispatches by type, checks each output is a type the service declares, derives its
+deterministic id from the input's, sets the CloudEvents headers and ``traceparent``, and
+encodes it; the runner commits the outputs with the input offset.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from google.protobuf.message import Message
+
+from mneme.bus import codec
+from mneme.bus.codec import Envelope
+from mneme.domain import EventMeta, derive_id
+from mneme.ports import OutRecord, Record
+
+log = logging.getLogger(__name__)
+
+#: ``handler(message, meta, **deps) -> output messages`` (None or [] for none).
+Handler = Callable[..., "Iterable[Message] | None"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One consumer group of a service.
+
+    ``consumes``: topic → {event type: handler}; the group reads every record of those
+    topics and skips types it has no handler for. ``distributed_only``: the group runs
+    only when each service has its own process (a service's private copy of a projection
+    that the embedded process shares). ``replay``: the group is a projection that
+    ``mneme replay`` rebuilds from offset 0. ``secondary``: event types this group
+    handles off their operation's path (the operation is done without them), so their
+    dead letters do not fail the operation.
+    """
+
+    name: str
+    consumes: Mapping[str, Mapping[type[Message], Handler]]
+    distributed_only: bool = False
+    replay: bool = False
+    secondary: tuple[type[Message], ...] = ()
+
+    def __post_init__(self) -> None:
+        for topic, handlers in self.consumes.items():
+            for t in handlers:
+                if codec.topic_for(t) != topic:
+                    raise ValueError(f"group {self.name}: {t.DESCRIPTOR.name} is published on "
+                                     f"{codec.topic_for(t)}, not {topic}")
+
+    @property
+    def topics(self) -> tuple[str, ...]:
+        """The topics this group reads, in declaration order."""
+        return tuple(self.consumes)
+
+    def handled(self, topic: str) -> tuple[str, ...]:
+        """Names of the event types this group acts on in ``topic``."""
+        return tuple(t.DESCRIPTOR.name for t in self.consumes.get(topic, {}))
+
+
+@dataclass(frozen=True)
+class Service:
+    """A service's declaration: ``name`` (its ``ce_source`` is ``mneme/<name>``), its
+    consumer groups, and ``produces`` (topic → event types it publishes, from its
+    handlers and its API alike)."""
+
+    name: str
+    groups: tuple[Group, ...] = ()
+    produces: Mapping[str, tuple[type[Message], ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for topic, types in self.produces.items():
+            for t in types:
+                if codec.topic_for(t) != topic:
+                    raise ValueError(f"service {self.name}: {t.DESCRIPTOR.name} is published "
+                                     f"on {codec.topic_for(t)}, not {topic}")
+
+    @property
+    def source(self) -> str:
+        """The ``ce_source`` of what this service publishes."""
+        return f"mneme/{self.name}"
+
+    def group(self, name: str) -> Group:
+        """The group called ``name``; KeyError when the service has none."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"service {self.name} has no consumer group {name!r}")
+
+    def may_produce(self, message: Message) -> bool:
+        """True when ``message``'s type is one this service declares it publishes."""
+        return type(message) in self.produces.get(codec.topic_for(message), ())
+
+
+def _bind(fn: Handler, deps: Mapping[str, Any], where: str) -> Callable[[Message, EventMeta], Any]:
+    """``fn`` with the dependencies its keyword-only parameters name taken from ``deps``."""
+    kwargs = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
+            continue
+        if p.name in deps:
+            kwargs[p.name] = deps[p.name]
+        elif p.default is inspect.Parameter.empty:
+            raise ValueError(f"{where}: handler {fn.__qualname__} needs {p.name!r}, "
+                             f"which the composition root does not provide")
+
+    def call(message: Message, meta: EventMeta):
+        return fn(message, meta, **kwargs)
+
+    call.__qualname__ = fn.__qualname__
+    return call
+
+
+def meta_of(env: Envelope, record: Record) -> EventMeta:
+    """The :class:`EventMeta` handlers see: the event id and its time (``ce_time``, else
+    the record's timestamp, else now)."""
+    at = env.time
+    if at is None:
+        at = (datetime.fromtimestamp(record.timestamp, tz=timezone.utc) if record.timestamp
+              else datetime.now(timezone.utc))
+    return EventMeta(id=env.id, time=at)
+
+
+class Router:
+    """Runs one consumer group's handlers: ``router(envelope, record) -> [OutRecord]``.
+
+    ``deps`` are the ports and settings the handlers name (see the module docstring);
+    every handler's are checked here (ValueError naming the missing one). Types the group
+    has no handler for, and unknown types, yield nothing. Each output must be a type
+    ``service`` declares (TypeError otherwise: a handler bug is dead-lettered, never
+    published). Output ids are ``derive_id(input id, group, type, n)`` (n counts outputs
+    of one type), so a redelivered or replayed input yields the same ids.
+    """
+
+    def __init__(self, service: Service, group: str, deps: Mapping[str, Any]) -> None:
+        self.service = service
+        self.group = service.group(group)
+        self._handlers = {t.DESCRIPTOR.full_name: _bind(fn, deps, f"{service.name}/{group}")
+                          for handlers in self.group.consumes.values()
+                          for t, fn in handlers.items()}
+        self._secondary = {t.DESCRIPTOR.full_name for t in self.group.secondary}
+
+    @property
+    def topics(self) -> tuple[str, ...]:
+        return self.group.topics
+
+    def handles(self, message: Message) -> bool:
+        """True when this group has a handler for ``message``'s type."""
+        return message.DESCRIPTOR.full_name in self._handlers
+
+    def fails_operation(self, message: Message) -> bool:
+        """False for the types this group handles off their operation's path."""
+        return message.DESCRIPTOR.full_name not in self._secondary
+
+    def __call__(self, env: Envelope, record: Record) -> list[OutRecord]:
+        m = env.message
+        if m is None:
+            return []
+        fn = self._handlers.get(m.DESCRIPTOR.full_name)
+        if fn is None:
+            return []
+        outputs = list(fn(m, meta_of(env, record)) or [])
+        return self.encode(outputs, env)
+
+    def encode(self, outputs: Sequence[Message], env: Envelope) -> list[OutRecord]:
+        """``outputs`` of the handler of ``env`` as records (see the class docstring)."""
+        seen: dict[str, int] = {}
+        records = []
+        for out in outputs:
+            if not isinstance(out, Message):
+                raise TypeError(f"{self.group.name}: a handler returned {type(out).__name__}, "
+                                "expected an event message")
+            if not self.service.may_produce(out):
+                raise TypeError(f"{self.service.name} does not declare that it produces "
+                                f"{out.DESCRIPTOR.name} (services/{self.service.name}/routes.py)")
+            name = out.DESCRIPTOR.name
+            n = seen[name] = seen.get(name, -1) + 1
+            records.append(codec.encode(
+                out, bank_id=out.bank_id, source=self.service.source,
+                event_id=derive_id(env.id, self.group.name, name, str(n)),
+                traceparent=env.traceparent))
+        return records
+
+
+def groups_of(services: Iterable[Service], distributed: bool) -> dict[str, tuple[str, ...]]:
+    """Consumer group → topics, for the groups that run in the topology (``distributed``
+    includes the :attr:`Group.distributed_only` ones)."""
+    return {g.name: g.topics for s in services for g in s.groups
+            if distributed or not g.distributed_only}
+
+
+__all__ = ["Group", "Handler", "Router", "Service", "groups_of", "meta_of"]

@@ -1,0 +1,118 @@
+"""The embedded topology (``mneme up``): ingest, extraction, search, consolidation and
+reflect (calling search in process) in one process over the embedded log and stores,
+every gRPC API on one port."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health
+
+from mneme.bootstrap import (Root, ServiceParts, build_consolidation, build_extraction,
+                             build_ingest, build_reflect, build_search)
+from mneme.config import Settings
+from mneme.runtime import grpc_server
+from mneme.runtime.log_runner import LogRunner
+
+log = logging.getLogger("mneme")
+
+
+@dataclass
+class Embedded:
+    """Every service of mneme in one process. Build with :func:`bootstrap`; ``start()``
+    runs the consumer groups, ``serve()`` the gRPC server; ``close()`` stops both.
+    ``consumers`` maps each group to its :class:`mneme.bus.consumer.Consumer`."""
+
+    settings: Settings
+    log: object
+    catalog: object
+    stores: object
+    ingest: object
+    recall: object
+    reflect: object
+    runner: LogRunner
+    server: grpc.Server | None = None
+    root: Root | None = None
+    parts: list[ServiceParts] = field(default_factory=list)
+    _closing: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def consumers(self) -> dict:
+        return self.runner.consumers
+
+    def start(self, groups: tuple[str, ...] | None = None) -> None:
+        """Start every consumer group (or only ``groups``)."""
+        self.runner.start(groups)
+
+    def wait_idle(self, timeout: float = 600.0) -> bool:
+        """True once every group has caught up with the log (False after ``timeout`` s)."""
+        return self.runner.wait_idle(None, timeout)
+
+    def serve(self, address: str | None = None) -> int:
+        """Start the gRPC server (every API, health, reflection); returns the bound port."""
+        guard = grpc_server.guard(self.settings)
+        guard.audit = grpc_server.audit_to(self.log)
+        server = grpc_server.server(self.settings, guard)
+        names = [n for p in self.parts if p.register for n in p.register(server)]
+        health_servicer = grpc_server.add_health(server, names, grpc_server.SERVING)
+        port = grpc_server.bind(server, address or self.settings.grpc_address, self.settings)
+        if port == 0:
+            raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
+        server.start()
+        self.server = server
+        threading.Thread(target=self._watch_log, args=(health_servicer, names),
+                         name="log-health", daemon=True).start()
+        return port
+
+    def _watch_log(self, servicer: health.HealthServicer, names: list[str]) -> None:
+        """Health NOT_SERVING for good once the event log reports damage (its
+        ``check()``, a stat and a header read, at most every second): the data on disk
+        can no longer be trusted, and only a restart after recovery clears it."""
+        check = getattr(self.log, "check", None)
+        if check is None:
+            return
+        while not self._closing.wait(min(self.settings.health_interval_s, 1.0)):
+            try:
+                problem = check()
+            except Exception as exc:  # a probe that fails says the same
+                problem = repr(exc)
+            if problem:
+                log.error("event log damaged (%s): health NOT_SERVING; writes fail with "
+                          "UNAVAILABLE", problem)
+                for n in names + [""]:
+                    servicer.set(n, grpc_server.NOT_SERVING)
+                return
+
+    def close(self) -> None:
+        """Stop the server (5 s grace), then the consumer groups, then close the adapters."""
+        self._closing.set()
+        if self.server is not None:
+            self.server.stop(grace=5).wait()
+        self.runner.stop(timeout=30)
+        if self.root is not None:
+            self.root.close()
+
+
+def bootstrap(settings: Settings | None = None) -> Embedded:
+    """The embedded topology: open every adapter named by ``settings`` and wire every
+    service into one process (nothing runs yet). Raises
+    :class:`mneme.bootstrap.DataDirLocked` when another process uses the data directory."""
+    root = Root(settings)
+    try:
+        ingest = build_ingest(root)
+        exists = lambda bank_id: root.catalog.get_bank(bank_id) is not None  # noqa: E731
+        search = build_search(root, bank_exists=exists)
+        reflect = build_reflect(root, recall=search.api["recall"], bank_exists=exists)
+        parts = [ingest, build_extraction(root), search, reflect, build_consolidation(root)]
+    except BaseException:
+        root.close()
+        raise
+    runner = LogRunner(root.log, {g: r for p in parts for g, r in p.routers.items()})
+    for p in parts:
+        p.runner = runner
+    return Embedded(settings=root.settings, log=root.log, catalog=root.catalog,
+                    stores=root.stores, ingest=ingest.api["ingest"], recall=search.api["recall"],
+                    reflect=reflect.api["reflect"], runner=runner, root=root, parts=parts)

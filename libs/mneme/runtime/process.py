@@ -1,0 +1,219 @@
+"""The distributed topology: one service per process (``mneme serve <service>``,
+``python -m services.<service>``) over Kafka (``MNEME_BUS_URL=kafka://…``), each with
+its own data directory for local state, gRPC health and readiness."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import grpc
+from grpc_health.v1 import health
+
+from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
+from mneme.config import Settings
+from mneme.errors import Unavailable
+from mneme.runtime import grpc_server
+from mneme.runtime.log_runner import LogRunner
+
+log = logging.getLogger("mneme")
+
+
+class _Pending:
+    """Stands in for a service object until the process is ready: every use raises
+    :class:`mneme.errors.Unavailable` (gRPC UNAVAILABLE), so early calls fail fast."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._target = None
+
+    def set(self, target) -> None:
+        self._target = target
+
+    def _get(self):
+        if self._target is None:
+            raise Unavailable(f"{self._what} is starting (broker or stores not reachable yet)")
+        return self._target
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._get(), name)
+
+    def __call__(self, *args, **kwargs):
+        return self._get()(*args, **kwargs)
+
+
+class ServiceProcess:
+    """One service in its own process (distributed topology).
+
+    Lifecycle: :meth:`start` binds gRPC at once with health NOT_SERVING and the
+    service's API answering UNAVAILABLE, connects to the broker and opens the stores
+    (retrying until they answer or :meth:`stop` is called), starts the consumer groups
+    and turns health SERVING. A monitor thread re-checks the broker (and, for reflect,
+    search) every ``health_interval_s`` and flips health accordingly. :meth:`stop`
+    (SIGTERM) turns health NOT_SERVING, stops accepting gRPC calls and lets in-flight
+    ones finish for ``shutdown_grace_s``, then stops each consumer after the record in
+    hand (committing what it handled, leaving the group) and closes the adapters.
+    """
+
+    def __init__(self, name: str, settings: Settings | None = None) -> None:
+        if name not in BUILDERS:
+            raise ValueError(f"unknown service {name!r} (one of {', '.join(SERVICES)})")
+        self.name = name
+        self.settings = settings or Settings()
+        self.root: Root | None = None
+        self.parts: ServiceParts | None = None
+        self.runner = None  # runs the service's consumer groups once started
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._health: health.HealthServicer | None = None
+        self._names: list[str] = []
+
+    def _set_health(self, status) -> None:
+        if self._health is not None:
+            for n in self._names + [""]:
+                self._health.set(n, status)
+
+    def bind(self) -> int:
+        """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
+        self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
+                                                           "exists", "reflect", "reflect_stream",
+                                                           )}
+        self._guard = grpc_server.guard(self.settings)
+        server = grpc_server.server(self.settings, self._guard)
+        p = self._pending
+        if self.name == "ingest":
+            from services.ingest import grpc_api
+            self._names = grpc_api.register(server, p["ingest"])
+        elif self.name == "search":
+            from services.search import grpc_api
+            self._names = grpc_api.register(server, grpc_api.RecallServicer(
+                p["recall"], p["vectors"], p["exists"]))
+        elif self.name == "reflect":
+            from services.reflect import grpc_api
+            self._names = grpc_api.register(server, grpc_api.ReflectServicer(
+                p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]))
+        self._health = grpc_server.add_health(server, self._names, grpc_server.NOT_SERVING)
+        self.port = grpc_server.bind(server, self.settings.grpc_address, self.settings)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {self.settings.grpc_address}")
+        server.start()
+        self.server = server
+        return self.port
+
+    def start(self) -> None:
+        """Bind, connect (retrying), build, start the consumers, report SERVING.
+        Returns early (not ready) when :meth:`stop` is called meanwhile."""
+        if self.server is None:
+            self.bind()
+        while not self._stop.is_set():
+            root = Root(self.settings)  # DataDirLocked is fatal
+            try:
+                self.parts = BUILDERS[self.name](root)
+                root.log  # connect now (the builders of API-only services may not)
+                break
+            except ValueError:  # configuration errors are fatal
+                root.close()
+                raise
+            except Exception as exc:  # broker or store not reachable: retry
+                root.close()
+                log.warning("%s: dependencies not reachable yet (%r); retrying", self.name, exc)
+                self._stop.wait(2.0)
+        else:
+            return
+        self.root = root
+        self._guard.audit = grpc_server.audit_to(root.log)
+        api, p = self.parts.api, self._pending
+        if "ingest" in api:
+            p["ingest"].set(api["ingest"])
+        if "recall" in api:
+            p["recall"].set(api["recall"])
+            p["vectors"].set(root.stores.vectors)
+            p["exists"].set(api["bank_exists"])
+        if "reflect" in api:
+            p["reflect"].set(api["reflect"])
+            p["reflect_stream"].set(api["reflect_stream"])
+        self.parts.runner = self.runner = _runner(root, self.parts)
+        self.runner.start()
+        self._set_health(grpc_server.SERVING)
+        self.ready.set()
+        threading.Thread(target=self._monitor, name="health", daemon=True).start()
+        log.info("%s is ready on port %d (groups: %s)", self.name, self.port,
+                 ", ".join(self.parts.routers) or "none")
+
+    def _healthy(self) -> bool:
+        ping = getattr(self.root.log, "ping", None)
+        ok = ping() if ping is not None else True
+        return ok and all(check() for check in self.parts.checks)
+
+    def _monitor(self) -> None:
+        serving = True
+        while not self._stop.wait(self.settings.health_interval_s):
+            ok = self._healthy()
+            if ok != serving and not self._stop.is_set():
+                log.warning("%s: dependencies %s", self.name, "back" if ok else "unreachable")
+                self._set_health(grpc_server.SERVING if ok else grpc_server.NOT_SERVING)
+                serving = ok
+
+    def stop(self) -> None:
+        """Graceful shutdown (see the class docstring). Idempotent."""
+        if self._stop.is_set() and self.server is None:
+            return
+        self._stop.set()
+        self._set_health(grpc_server.NOT_SERVING)
+        if self.server is not None:
+            self.server.stop(grace=self.settings.shutdown_grace_s).wait()
+            self.server = None
+        if self.runner is not None:
+            self.runner.stop(timeout=30)
+            self.runner = None
+        if self.root is not None:
+            self.root.close()
+            self.root = None
+
+
+def run_service(name: str, settings: Settings | None = None) -> None:
+    """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
+    proc = ServiceProcess(name, settings)
+    grpc_server.setup_telemetry(f"mneme-{name}", proc.settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    proc.bind()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            proc.start()
+        except BaseException as exc:  # fatal (configuration, data dir locked)
+            log.exception("%s: cannot start", name)
+            failed.append(exc)
+            stop.set()
+
+    starter = threading.Thread(target=start, name="start", daemon=True)
+    starter.start()
+    stop.wait()
+    log.info("%s: stopping (drain, commit, close)", name)
+    proc.stop()
+    starter.join(5)
+    if failed:
+        raise SystemExit(1)
+
+
+def main_service(name: str) -> None:
+    """Entry point of ``python -m services.<name>``: logging, settings from MNEME_*."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    run_service(name)
+
+
+def _runner(root: Root, parts: ServiceParts):
+    """What runs the service's consumer groups: on Kafka the FastStream subscribers of
+    :mod:`mneme.runtime.kafka`; on another log a :class:`LogRunner`."""
+    return LogRunner(root.log, parts.routers)

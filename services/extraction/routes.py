@@ -1,0 +1,22 @@
+"""extraction's routes: intake → facts and retractions on ``mneme.memory.v1`` (group
+``extraction``). Bank upserts come through the same group (one partition, one order), so
+a bank's extraction mode is known before its retains when extraction runs alone."""
+
+from mneme import bank_catalog
+from mneme.bus import INTAKE, MEMORY
+from mneme.events.v1 import events_pb2 as ev
+from mneme.router import Group, Service
+from services.extraction import handlers
+
+SERVICE = Service(
+    "extraction",
+    groups=(Group("extraction", {INTAKE: {
+        ev.BankUpserted: bank_catalog.on_bank_upserted,
+        ev.BankDeleted: handlers.on_bank_deleted,
+        ev.RetainRequested: handlers.on_retain_requested,
+        ev.DocumentDeleteRequested: handlers.on_document_delete_requested,
+        ev.MemoryDeleteRequested: handlers.on_memory_delete_requested,
+        ev.ConsolidationRequested: handlers.on_consolidation_requested,
+    }}),),
+    produces={MEMORY: (ev.FactsExtracted, ev.FactsRetracted, ev.ConsolidationScheduled)},
+)

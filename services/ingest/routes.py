@@ -1,0 +1,24 @@
+"""ingest's routes: the catalog projection (group ``ingest``) and what its API appends."""
+
+from mneme import bank_catalog
+from mneme.bus import AUDIT, INTAKE, PROGRESS
+from mneme.events.v1 import events_pb2 as ev
+from mneme.router import Group, Service
+from services.ingest import handlers
+
+SERVICE = Service(
+    "ingest",
+    groups=(Group("ingest", {
+        INTAKE: {**bank_catalog.ROUTES,
+                 ev.RetainRequested: handlers.on_operation_requested,
+                 ev.DocumentDeleteRequested: handlers.on_operation_requested,
+                 ev.MemoryDeleteRequested: handlers.on_operation_requested,
+                 ev.ConsolidationRequested: handlers.on_operation_requested},
+        PROGRESS: {ev.OperationProgress: handlers.on_operation_progress},
+    }, replay=True),),
+    # the write API appends every intake event; the gRPC guard audits refused requests
+    produces={INTAKE: (ev.BankUpserted, ev.BankDeleted, ev.RetainRequested,
+                       ev.DocumentDeleteRequested, ev.MemoryDeleteRequested,
+                       ev.ConsolidationRequested),
+              AUDIT: (ev.AuditRecorded,)},
+)
