@@ -214,14 +214,14 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
         embedder=root.embedder, analyzer=QueryAnalyzer(), tokens=default_token_counter(),
         executor=pool, reranker=reranker))
     parts = ServiceParts("search", _routers(root, "search", stores=stores, **root.own_catalog()))
-    if bank_exists is None:
+    if bank_exists is None:  # its own catalog, projected by its distributed-only group
         catalog = root.catalog
+        group = next(g.name for g in services()["search"].groups if g.distributed_only)
 
         def bank_exists(bank_id: str) -> bool:
             # A bank created a moment ago may not be projected here yet: catch up briefly.
             return catalog.get_bank(bank_id) is not None or (
-                parts.runner.wait_idle("search-catalog", 2.0)
-                and catalog.get_bank(bank_id) is not None)
+                parts.runner.wait_idle(group, 2.0) and catalog.get_bank(bank_id) is not None)
     servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
     parts.register = lambda server: grpc_api.register(server, servicer)
     parts.api = {"recall": recall_fn, "bank_exists": bank_exists}

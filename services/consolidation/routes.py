@@ -3,7 +3,7 @@
 replay) and bank configs from ``mneme.intake.v1`` (its own catalog when it runs alone)."""
 
 from mneme import bank_catalog
-from mneme.bus import INTAKE, MEMORY, PROGRESS
+from mneme.bus import INTAKE, MEMORY
 from mneme.events.v1 import events_pb2 as ev
 from mneme.router import Group, Service
 from services.consolidation import handlers
@@ -19,5 +19,5 @@ SERVICE = Service(
         # A retain succeeds once search has projected its facts and a deletion once they
         # are gone; consolidating them follows on, so its failure fails neither.
     }, replay=True, secondary=(ev.FactsExtracted, ev.FactsRetracted)),),
-    produces={MEMORY: (ev.ObservationsChanged,), PROGRESS: (ev.OperationProgress,)},
+    produces={MEMORY: (ev.ObservationsChanged,)},
 )

@@ -51,3 +51,27 @@ def test_limits_are_in_the_limits_table():
     table = README[README.index("## Limits"):]
     for name, field in Limits.model_fields.items():
         assert re.search(rf"(?m)^\| `MNEME_LIMIT_{name.upper()}` \| {field.default} \|", table), name
+
+
+def test_the_services_table_matches_the_routes():
+    """"What runs" lists, per service, the topics its groups consume and those it produces
+    as services/<name>/routes.py declares them (reflect's input is gRPC)."""
+    from mneme.bootstrap import services
+
+    table = README[README.index("## What runs"):README.index("Stores (embedded defaults)")]
+    rows = {m.group(1): (set(re.findall(r"`(mneme\.[a-z]+\.v1)`", m.group(2))),
+                         set(re.findall(r"`(mneme\.[a-z]+\.v1)`", m.group(3))))
+            for m in re.finditer(r"(?m)^\| (\w+) \| [^|]* \| ([^|]*) \| ([^|]*) \|$", table)}
+    for name, svc in services().items():
+        consumed = {t for g in svc.groups for t in g.topics}
+        produced = {t for t in svc.produces if t != "mneme.audit.v1"}  # the audit trail: Security
+        assert rows[name] == (consumed, produced), name
+
+
+def test_the_retain_flow_names_files_that_exist():
+    section = README[README.index("## How a retain flows"):README.index("## Distributed topology")]
+    paths = set(re.findall(r"`((?:libs|services)/[\w/<>.]+)`", section))
+    assert len(paths) >= 10
+    for p in paths:
+        if "<name>" not in p:
+            assert (ROOT / p).exists(), p

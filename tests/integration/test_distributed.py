@@ -18,10 +18,12 @@ from datetime import datetime, timezone
 import pytest
 
 from mneme import locomo
+from mneme.bootstrap import services
 from mneme.bus import ALL_TOPICS, DLQ, INTAKE, MEMORY, PROGRESS, codec
 from mneme.client import MnemeClient
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
+from mneme.router import groups_of
 from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
@@ -34,8 +36,7 @@ NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now
 QUERIES = ["When did Caroline go to the LGBTQ support group?", "What did Melanie paint?",
            "What is Caroline's identity?", "When did Melanie run a charity race?",
            "What does Caroline want to research?"]
-GROUPS = {"ingest": (INTAKE, PROGRESS), "extraction": (INTAKE,), "search": (MEMORY,),
-          "search-catalog": (INTAKE,), "consolidation": (MEMORY, INTAKE)}
+GROUPS = groups_of(services().values(), distributed=True)  # from services/*/routes.py
 
 
 def _sessions():
