@@ -37,9 +37,10 @@ import threading
 import time
 from typing import Callable, Iterable, Sequence
 
+import tenacity
 from google.protobuf.message import Message
 
-from mneme import deadline, telemetry
+from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, StaleCommitError, dead_letter, default_partitions
 from mneme.bus.codec import Envelope, decode
 from mneme.errors import Cancelled
@@ -443,22 +444,36 @@ class Consumer:
         return outs
 
     def _retry(self, env: Envelope, rec: Record, exc: Exception) -> list[OutRecord] | None:
-        """Retry ``rec`` up to ``max_attempts`` in all; its outputs, a dead letter, or None
-        when stop was requested during a backoff."""
-        for attempt in range(2, self.max_attempts + 1):
-            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", self.group,
-                        rec.topic, rec.partition, rec.offset, attempt - 1, self.max_attempts,
-                        exc)
-            if self._stop.wait(min(self.backoff * 2 ** (attempt - 2), self.backoff_max)):
-                return None
+        """Retry ``rec`` up to ``max_attempts`` in all (the first, failed with ``exc``,
+        included); its outputs, a dead letter, or None when stop was requested meanwhile."""
+        first = [exc]
+
+        def attempt() -> list[OutRecord]:
+            if first:  # the attempt already made: its failure starts the policy
+                raise first.pop()
+            if self._stop.is_set():
+                raise Cancelled("stopping")
             self.stats["retries"] += 1
-            try:
-                return self._call(env, rec)
-            except Exception as again:
-                if isinstance(again, Cancelled) and self._stop.is_set():
-                    return None
-                exc = again
-        return self._dead_letter(rec, exc, attempts=self.max_attempts, env=env)
+            return self._call(env, rec)
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", self.group,
+                        rec.topic, rec.partition, rec.offset, state.attempt_number,
+                        self.max_attempts, state.outcome.exception())
+
+        stopping = lambda e: isinstance(e, Cancelled) and self._stop.is_set()  # noqa: E731
+        policy = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts),
+            wait=retry.backoff(self.backoff, self.backoff_max),
+            sleep=tenacity.sleep_using_event(self._stop),
+            retry=tenacity.retry_if_exception(lambda e: not stopping(e)),
+            before_sleep=warn, reraise=True)
+        try:
+            return policy(attempt)
+        except Exception as last:
+            if stopping(last):
+                return None
+            return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,
                      env: Envelope | None) -> list[OutRecord]:

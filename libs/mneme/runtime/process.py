@@ -10,15 +10,20 @@ import signal
 import threading
 
 import grpc
+import tenacity
 from grpc_health.v1 import health
 
-from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
+from mneme.bootstrap import BUILDERS, SERVICES, DataDirLocked, Root, ServiceParts
 from mneme.config import Settings
 from mneme.errors import Unavailable
 from mneme.runtime import grpc_server
 from mneme.runtime.log_runner import LogRunner
 
 log = logging.getLogger("mneme")
+
+
+class _Stopped(Exception):
+    """stop() was called while the process was still connecting."""
 
 
 class _Pending:
@@ -111,20 +116,29 @@ class ServiceProcess:
         Returns early (not ready) when :meth:`stop` is called meanwhile."""
         if self.server is None:
             self.bind()
-        while not self._stop.is_set():
+        def connect() -> Root:
+            if self._stop.is_set():
+                raise _Stopped()
             root = Root(self.settings)  # DataDirLocked is fatal
             try:
                 self.parts = BUILDERS[self.name](root)
                 root.log  # connect now (the builders of API-only services may not)
-                break
-            except ValueError:  # configuration errors are fatal
+                return root
+            except BaseException:
                 root.close()
                 raise
-            except Exception as exc:  # broker or store not reachable: retry
-                root.close()
-                log.warning("%s: dependencies not reachable yet (%r); retrying", self.name, exc)
-                self._stop.wait(2.0)
-        else:
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning("%s: dependencies not reachable yet (%r); retrying", self.name,
+                        state.outcome.exception())
+        # Configuration errors and a locked data dir are fatal; an unreachable broker or
+        # store is retried every 2 s until it answers or stop() is called.
+        try:
+            root = tenacity.Retrying(
+                retry=tenacity.retry_if_not_exception_type((ValueError, DataDirLocked, _Stopped)),
+                wait=tenacity.wait_fixed(2.0), sleep=tenacity.sleep_using_event(self._stop),
+                before_sleep=warn, reraise=True)(connect)
+        except _Stopped:
             return
         self.root = root
         self._guard.audit = grpc_server.audit_to(root.log)
