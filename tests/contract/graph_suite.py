@@ -94,6 +94,16 @@ class GraphStoreSuite:
         assert store.find_entities("a", ["alice", "bob"]) == []
         assert store.count("b") == 5 and len(store.find_entities("b", ["alice"])) == 1
 
+    def test_count_entities_per_bank_follows_deletes(self, store):
+        assert store.count_entities("a") == 0
+        store.upsert([unit("u1", entities=[ALICE, LYON]), unit("u2", entities=[ALICE, BOB]),
+                      unit("u9", bank_id="b", entities=[PIANO])])
+        assert (store.count_entities("a"), store.count_entities("b")) == (3, 1)
+        store.delete("a", ["u1"])  # LYON is mentioned by nothing else
+        assert store.count_entities("a") == 2
+        store.delete_where("a")
+        assert (store.count_entities("a"), store.count_entities("b")) == (0, 1)
+
     def test_delete_where_rejects_empty_document_id(self, store):
         store.upsert(chain())
         with pytest.raises(ValueError):
