@@ -7,14 +7,10 @@ asking ingest) apply the same two events the same way: :data:`ROUTES`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mneme.bus import codec
 from mneme.domain import EventMeta
 from mneme.events.v1 import events_pb2 as ev
-
-if TYPE_CHECKING:  # the port lands with the catalog contract suite
-    from mneme.ports import Catalog
+from mneme.ports import Catalog
 
 
 def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, catalog: Catalog | None = None):

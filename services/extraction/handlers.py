@@ -19,11 +19,10 @@ from mneme.bus import codec
 from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import Embedder
+from mneme.ports import Catalog, Embedder
 from services.extraction.llm import ExtractionIncomplete
 
 if TYPE_CHECKING:
-    from mneme.ports import Catalog
     from services.extraction.resolver import EntityResolver
 
 log = logging.getLogger(__name__)

@@ -6,19 +6,15 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from mneme.bus import codec
-from mneme.domain import Bank, BankConfig, EventMeta, RetainItem, derive_id
+from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
 from mneme.names import check_bank_id
-from mneme.ports import EventLog, Record
-from mneme.domain import Operation
-
-if TYPE_CHECKING:
-    from mneme.ports import Catalog, Llm
+from mneme.ports import Catalog, EventLog, Llm, Record
 
 #: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
 CONFIG_FIELDS = tuple(BankConfig.__dataclass_fields__)
@@ -26,7 +22,6 @@ MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 
 
 # ---- projection: the catalog of operations (banks: mneme.bank_catalog) ---------------------
-
 
 #: Operation kind of each request event.
 _KIND = {"RetainRequested": "retain", "DocumentDeleteRequested": "delete_document",
