@@ -5,7 +5,7 @@ A service declares itself once, in ``services/<name>/routes.py``, as a :class:`S
 its consumer groups (:class:`Group`: topic → {event type: handler}) and the event types
 it produces per topic. Everything else is derived from those declarations: the embedded
 runner and the Kafka subscribers (:mod:`mneme.runtime`), replay, the consumer lag of
-bank statistics and the AsyncAPI document (:mod:`mneme.bus.asyncapi`).
+bank statistics and the AsyncAPI document (:mod:`mneme.runtime.asyncapi`).
 
 A handler is a plain function over protobuf messages and ports::
 
@@ -131,13 +131,14 @@ def _bind(fn: Handler, deps: Mapping[str, Any], where: str) -> Callable[[Message
 
 
 def meta_of(env: Envelope, record: Record) -> EventMeta:
-    """The :class:`EventMeta` handlers see: the event id and its time (``ce_time``, else
-    the record's timestamp, else now)."""
+    """The :class:`EventMeta` handlers see: the event id (``ce_id``; for an event without
+    one, e.g. hand-written, its position ``topic/partition/offset``, which redelivery
+    keeps) and its time (``ce_time``, else the record's timestamp, else now)."""
     at = env.time
     if at is None:
         at = (datetime.fromtimestamp(record.timestamp, tz=timezone.utc) if record.timestamp
               else datetime.now(timezone.utc))
-    return EventMeta(id=env.id, time=at)
+    return EventMeta(id=env.id or f"{record.topic}/{record.partition}/{record.offset}", time=at)
 
 
 class Router:
@@ -178,11 +179,13 @@ class Router:
         fn = self._handlers.get(m.DESCRIPTOR.full_name)
         if fn is None:
             return []
-        outputs = list(fn(m, meta_of(env, record)) or [])
-        return self.encode(outputs, env)
+        meta = meta_of(env, record)
+        return self.encode(list(fn(m, meta) or []), meta.id, env.traceparent)
 
-    def encode(self, outputs: Sequence[Message], env: Envelope) -> list[OutRecord]:
-        """``outputs`` of the handler of ``env`` as records (see the class docstring)."""
+    def encode(self, outputs: Sequence[Message], cause: str,
+               traceparent: str | None = None) -> list[OutRecord]:
+        """``outputs`` of the handler of the event ``cause`` (its :class:`EventMeta` id) as
+        records (see the class docstring)."""
         seen: dict[str, int] = {}
         records = []
         for out in outputs:
@@ -196,8 +199,8 @@ class Router:
             n = seen[name] = seen.get(name, -1) + 1
             records.append(codec.encode(
                 out, bank_id=out.bank_id, source=self.service.source,
-                event_id=derive_id(env.id, self.group.name, name, str(n)),
-                traceparent=env.traceparent))
+                event_id=derive_id(cause, self.group.name, name, str(n)),
+                traceparent=traceparent))
         return records
 
 

@@ -823,6 +823,20 @@ def test_an_undeclared_output_is_refused_and_unhandled_types_yield_nothing():
     assert router(codec.decode(rec), rec) == []
 
 
+def test_events_without_a_ce_id_get_distinct_output_ids_that_redelivery_keeps():
+    # Hand-written external events may lack ce_id: their position stands in for it.
+    router = Router(bootstrap.services()["extraction"], "extraction", fake_deps("extraction"))
+    ids = []
+    for offset in (7, 8, 7):
+        msg = ev.DocumentDeleteRequested(bank_id="b", operation_id="op", document_id="d")
+        base = record(msg, "x")
+        rec = Record(base.topic, 0, offset, base.key, base.value,
+                     {k: v for k, v in base.headers.items() if k != "ce_id"}, T0.timestamp())
+        [out] = router(codec.decode(rec), rec)
+        ids.append(out.headers["ce_id"])
+    assert ids[0] != ids[1] and ids[0] == ids[2]
+
+
 def test_a_retain_end_to_end_through_the_routers():
     """RetainRequested → ingest (pending) → extraction → search and consolidation →
     progress → ingest (succeeded), each hop an encoded record, as on the log."""
