@@ -353,7 +353,29 @@ class KafkaEventLog:
         otherwise this is a "simple" commit, which Kafka accepts only while the group
         has no active members. Raises :class:`mneme.bus.StaleCommitError` when Kafka
         refuses the commit (a rebalance moved the partitions; the outputs are already
-        produced and will be produced again by the new owner, with the same ids)."""
+        produced and will be produced again by the new owner, with the same ids).
+
+        Stale-commit guard (the embedded log's rule): before producing, the group's
+        committed offsets are fetched (OffsetFetch); an offset below the committed one,
+        or equal to it while ``produce`` is non-empty, raises StaleCommitError with
+        nothing produced or committed. Without transactions a race remains: another
+        client committing between that fetch and this OffsetCommit is not seen, so both
+        produce their outputs (same ids; consumers are idempotent) and the later commit
+        wins, even if lower. Raises ValueError
+        for a negative offset."""
+        produce = list(produce)
+        if any(off < 0 for off in offsets.values()):
+            raise ValueError(f"negative offset in {offsets!r}")
+
+        async def _stored() -> list[tuple[tuple[str, int], int, int]]:
+            return [(tp, off, await self._committed(group, TopicPartition(*tp)))
+                    for tp, off in offsets.items()]
+        for (t, p), off, stored in self._loop.run(_stored()) if offsets else ():
+            # stored 0 is also "never committed" (and what reset_group stores): free
+            if off < stored or (off == stored and produce and stored > 0):
+                raise StaleCommitError(
+                    f"group {group!r} is at offset {stored} on {t}[{p}]; refusing commit "
+                    f"of {off}" + (" with records" if produce else ""))
         out = self.append(produce)
         member = self._members.get(group)
         if member is not None:
