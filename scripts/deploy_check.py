@@ -20,7 +20,7 @@ Checks (all offline; the tools are pinned in requirements.lock / tests/deploy/pa
 * asyncapi  ``check-jsonschema`` against the official AsyncAPI JSON schema of the
             document's own ``asyncapi`` version, from the pinned npm package
             ``@asyncapi/specs`` (``make schemas`` installs it under tests/deploy/), and
-            (for the shipped document) that it equals what ``mneme.bus.asyncapi`` generates.
+            (for the shipped document) that it equals what ``mneme.runtime.asyncapi`` generates.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def check_asyncapi(path: Path = ASYNCAPI_DOC, *, current: bool | None = None) ->
         current = path.resolve() == ASYNCAPI_DOC.resolve()
     if current:
         sys.path.insert(0, str(ROOT / "libs"))
-        from mneme.bus.asyncapi import document
+        from mneme.runtime.asyncapi import document
 
         if doc != document():
             raise CheckFailed(f"{path} is out of date: run `make asyncapi` and commit it")

@@ -230,4 +230,10 @@ def main_service(name: str) -> None:
 def _runner(root: Root, parts: ServiceParts):
     """What runs the service's consumer groups: on Kafka the FastStream subscribers of
     :mod:`mneme.runtime.kafka`; on another log a :class:`LogRunner`."""
+    from mneme.bus.kafka_log import KafkaEventLog  # lazy: aiokafka only on Kafka
+
+    if isinstance(root.log, KafkaEventLog) and parts.routers:
+        from mneme.runtime.kafka import KafkaRunner
+
+        return KafkaRunner(root.log, parts.routers)
     return LogRunner(root.log, parts.routers)
