@@ -108,7 +108,8 @@ def _header_types(doc, channel) -> set[str]:
 
 def test_the_document_lists_the_event_types_of_the_routes_per_topic(doc):
     """Each consumer group's channels carry the event types its routes handle in that
-    topic; each service's, the types it declares it produces; the DLQs, every type."""
+    topic; each service's, the types it declares it produces; the DLQs, every type; and
+    each group's dead letters, the failed progress of their operations."""
     expected: dict[str, set[str]] = {}
     every = {t[len(TYPE_PREFIX):] for t in TOPIC_OF_TYPE}
     for service in _routes().values():
@@ -116,6 +117,7 @@ def test_the_document_lists_the_event_types_of_the_routes_per_topic(doc):
             for topic, handlers in group.consumes.items():
                 expected[f"{group.name}.consume.{topic}"] = {t.DESCRIPTOR.name for t in handlers}
             expected[f"{group.name}.produce.{DLQ}"] = every
+            expected[f"{group.name}.dead-letter.mneme.progress.v1"] = {"OperationProgress"}
         for topic, types in service.produces.items():
             expected[f"{service.name}.produce.{topic}"] = {t.DESCRIPTOR.name for t in types}
     assert set(doc["channels"]) == set(expected)

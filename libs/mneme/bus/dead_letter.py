@@ -30,9 +30,13 @@ from mneme import telemetry
 from mneme.bus import DLQ
 from mneme.bus.codec import Envelope, encode, format_time
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
+from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
+
+#: The event type a dead letter produces besides the DLQ copy (the failed operation).
+FAILED_PROGRESS = ev.OperationProgress
 
 _ERROR_CHARS = 2000
 _TRACEBACK_CHARS = 8000
@@ -80,8 +84,6 @@ def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
         kind = kind(m)
     if not (bank_id and op_id and kind):
         return None
-    from mneme.events.v1 import events_pb2 as ev  # lazy: keeps the runner proto-agnostic
-
     total = (m.items_total if m.DESCRIPTOR.name == "FactsExtracted"
              else len(m.items) if m.DESCRIPTOR.name == "RetainRequested" else 0)
     facts = [f.id for f in m.facts] if m.DESCRIPTOR.name == "FactsExtracted" else []

@@ -37,7 +37,8 @@ from faststream.specification import AsyncAPI
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from mneme.bus import ALL_TOPICS, AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, TOPIC_PARTITIONS
+from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, TOPIC_PARTITIONS,
+                       dead_letter)
 from mneme.bus.codec import CONTENT_TYPE, SPECVERSION, TOPIC_OF_TYPE, TYPE_PREFIX
 from mneme.events.v1 import events_pb2
 from mneme.router import Service
@@ -245,6 +246,7 @@ def described_types() -> dict[str, tuple[str, ...]]:
             for topic in g.topics:
                 out[f"{g.name}.consume.{topic}"] = g.handled(topic)
             out[f"{g.name}.produce.{DLQ}"] = all_types
+            out[f"{g.name}.dead-letter.{PROGRESS}"] = (dead_letter.FAILED_PROGRESS.DESCRIPTOR.name,)
         for topic, types in s.produces.items():
             out[f"{s.name}.produce.{topic}"] = tuple(t.DESCRIPTOR.name for t in types)
     return out
@@ -336,6 +338,11 @@ def enrich(doc: dict[str, Any]) -> dict[str, Any]:
             channel["description"] = (f"Consumer group `{group}` (service `{service}`) "
                                       f"dead-letters what it cannot handle after retries. "
                                       f"{TOPIC_DESCRIPTIONS[DLQ]}")
+        elif action == "dead-letter":
+            channel["description"] = (f"Consumer group `{group}` (service `{service}`) fails "
+                                      "the operation of an event it dead-letters: an "
+                                      "OperationProgress in state `failed` naming the group "
+                                      "and the error, with the DLQ copy.")
         else:
             channel["description"] = (f"Service `{service}` (ce_source `mneme/{service}`) "
                                       f"publishes to `{topic}`: {TOPIC_DESCRIPTIONS[topic]}")

@@ -436,9 +436,18 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
                                            f"`{service.name}`) dead-letters what it cannot "
                                            "handle after retries.",
                                **({"schema": payload(_all_types())} if describe else {}))
+            # A dead letter of an operation's event fails the operation on progress.
+            failed = fs.publisher(PROGRESS, title=f"{group.name}.dead-letter.{PROGRESS}",
+                                  description=f"Consumer group `{group.name}` (service "
+                                              f"`{service.name}`) fails the operation of an "
+                                              "event it dead-letters (OperationProgress, "
+                                              "state `failed`).",
+                                  **({"schema": payload(
+                                      (dead_letter.FAILED_PROGRESS,))} if describe else {}))
             broker.include_router(fs)
             if run is not None:
                 run.publishers[delivery.dlq_topic] = dlq
+                run.publishers.setdefault(PROGRESS, failed)
         for topic, types in service.produces.items():
             pub = broker.publisher(topic, title=f"{service.name}.produce.{topic}",
                                    description=f"Service `{service.name}` (ce_source "
