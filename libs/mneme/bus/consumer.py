@@ -22,16 +22,14 @@ failure once per streak (then every tenth time), rather than spinning.
 Handlers run again after a crash for records whose batch was not committed yet, so their
 side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
 
-Partition assignment: the runner asks a *group member* which partitions it reads, where
-to read and how to commit. A log with a ``join(group, topics, on_revoked)`` method (the
-Kafka log) makes this process a member of the consumer group, and Kafka assigns the
-partitions, so several processes of one service share the work; any other log (the
-embedded SQLite log) gets :class:`LogMember`: every partition, offsets on the log.
+The runner reads every partition of its topics and keeps the group's offsets on the log
+itself (:class:`LogMember`): it runs the embedded topology, and replay on either log.
+Consumer groups shared by several processes run on Kafka through FastStream instead
+(:mod:`mneme.runtime.kafka`), where Kafka assigns the partitions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -56,12 +54,9 @@ LAG_REFRESH_S = 1.0
 
 
 class LogMember:
-    """Group membership on a log without partition assignment (the embedded log): the
-    member reads every partition of ``topics`` and commits with ``EventLog.commit``
-    (one transaction with the outputs there). See :class:`mneme.bus.kafka_log.
-    KafkaGroupMember` for the Kafka one; both have these methods."""
-
-    assigned = True
+    """A consumer group's view of a log without partition assignment: every partition
+    of ``topics``, offsets read and committed with ``EventLog.commit`` (one transaction
+    with the outputs on the embedded log)."""
 
     def __init__(self, log_: EventLog, group: str, topics: Sequence[str]) -> None:
         self.log, self.group, self.topics = log_, group, tuple(topics)
@@ -69,12 +64,6 @@ class LogMember:
     def assignments(self) -> list[tuple[str, int]]:
         """Every (topic, partition) of the topics."""
         return [(t, p) for t in self.topics for p in range(self.log.partitions(t))]
-
-    def owns(self, topic: str, partition: int) -> bool:
-        return True
-
-    def batch(self):
-        return contextlib.nullcontext()
 
     def read(self, topic: str, partition: int, offset: int, limit: int) -> list[Record]:
         return self.log.read(topic, partition, offset, limit)
@@ -99,9 +88,6 @@ class LogMember:
     def commit(self, offsets: dict[tuple[str, int], int],
                produce: Sequence[OutRecord] = ()) -> list[Record]:
         return self.log.commit(self.group, offsets, produce=produce)
-
-    def close(self) -> None:
-        pass
 
 
 class Consumer:
@@ -170,30 +156,13 @@ class Consumer:
         self._member = None
         telemetry.track_consumer(self)  # mneme.consumer.lag while it runs
 
-    # ---- membership --------------------------------------------------------------
-
     @property
-    def member(self):
-        """This consumer's group member (joins the group on first use)."""
+    def member(self) -> LogMember:
+        """This consumer's view of its group on the log (topics created on first use)."""
         if self._member is None:
             self._ensure_topics()
-            join = getattr(self.log, "join", None)
-            self._member = (join(self.group, self.topics, on_revoked=self._on_revoked)
-                            if join is not None else LogMember(self.log, self.group, self.topics))
+            self._member = LogMember(self.log, self.group, self.topics)
         return self._member
-
-    def _on_revoked(self, partitions: list[tuple[str, int]]) -> None:
-        # Another member may move these partitions on: re-read the committed offset if
-        # they come back.
-        with self._cond:
-            for tp in partitions:
-                self._positions.pop(tp, None)
-
-    def leave(self) -> None:
-        """Leave the consumer group (the Kafka member's partitions move at once)."""
-        member, self._member = self._member, None
-        if member is not None:
-            member.close()
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -204,7 +173,6 @@ class Consumer:
             raise RuntimeError(f"consumer {self.group!r} is already running")
         self._stop.clear()
         self._ensure_topics()
-        self.member  # join the group now, so the assignment starts before the first pass
         self._refresh_lag(force=True)
         self._thread = threading.Thread(target=self._run, name=f"consumer-{self.group}",
                                         daemon=True)
@@ -222,13 +190,11 @@ class Consumer:
             wake()
         thread = self._thread
         if thread is None:
-            self.leave()
             return True
         thread.join(timeout)
         if thread.is_alive():
             return False
         self._thread = None
-        self.leave()
         return True
 
     @property
@@ -245,8 +211,7 @@ class Consumer:
     # ---- progress ----------------------------------------------------------------
 
     def assignments(self) -> list[tuple[str, int]]:
-        """The (topic, partition)s this consumer reads now: every partition on the
-        embedded log; the group's current assignment to this process on Kafka."""
+        """The (topic, partition)s this consumer reads: every partition of its topics."""
         return self.member.assignments()
 
     def lag(self) -> dict[tuple[str, int], int]:
@@ -288,8 +253,6 @@ class Consumer:
 
     def _caught_up(self) -> bool:
         member = self.member
-        if not member.assigned:  # Kafka: no assignment yet, nothing is known
-            return False
         with self._cond:
             if self._busy:
                 return False
@@ -375,12 +338,6 @@ class Consumer:
 
     def _process(self, topic: str, partition: int) -> int:
         member = self.member
-        with member.batch():  # a rebalance waits until this batch is committed
-            if not member.owns(topic, partition):
-                return 0
-            return self._process_owned(member, topic, partition)
-
-    def _process_owned(self, member, topic: str, partition: int) -> int:
         start = self._position(topic, partition)
         records = member.read(topic, partition, start, self.batch_size)
         if not records:
