@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 from urllib.parse import parse_qs, urlsplit
 
+import tenacity
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
@@ -146,19 +147,25 @@ class KafkaEventLog:
 
     async def _connect(self) -> None:
         self._lock = asyncio.Lock()         # serialises the reader / probe consumers
-        deadline = time.monotonic() + self.options.connect_timeout_s
-        while True:
+
+        async def bootstrap() -> None:
+            self._meta = AIOKafkaClient(**self._common())
             try:
-                self._meta = AIOKafkaClient(**self._common())
                 await self._meta.bootstrap()
-                break
-            except KafkaError as exc:
+            except KafkaError:
                 await self._meta.close()
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"no Kafka broker at {self.bootstrap_servers} "
-                                          f"after {self.options.connect_timeout_s:.0f}s: "
-                                          f"{exc}") from exc
-                await asyncio.sleep(0.5)
+                raise
+
+        # A broker that is not up yet (compose, k8s start order): retry every 0.5 s for
+        # connect_timeout_s seconds, then give up with the last error.
+        try:
+            await tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception_type(KafkaError),
+                stop=tenacity.stop_after_delay(self.options.connect_timeout_s),
+                wait=tenacity.wait_fixed(0.5), reraise=True)(bootstrap)
+        except KafkaError as exc:
+            raise ConnectionError(f"no Kafka broker at {self.bootstrap_servers} "
+                                  f"after {self.options.connect_timeout_s:.0f}s: {exc}") from exc
         self._admin = AIOKafkaAdminClient(**self._common())
         await self._admin.start()
         self._producer = AIOKafkaProducer(

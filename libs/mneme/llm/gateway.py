@@ -4,7 +4,7 @@ It adds what litellm leaves to the caller: the model of each operation (see
 :mod:`mneme.llm.settings`), structured output by JSON schema with re-asking on
 malformed/truncated replies, a per-attempt timeout, retries with exponential backoff and
 jitter on 429/408/5xx, timeouts and connection errors (honouring ``Retry-After`` up to
-the backoff cap), a process-wide concurrency limit, and token/cost accounting returned
+the backoff cap; a tenacity policy from :mod:`mneme.retry`), a process-wide concurrency limit, and token/cost accounting returned
 with every result (:class:`Usage`) so callers can put it on the events they produce.
 
 litellm is imported on first use (it takes seconds and reads the network for its price
@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from mneme import telemetry
+import tenacity
+
+from mneme import retry, telemetry
 from mneme.deadline import current as current_deadline
+from mneme.errors import Cancelled, DeadlineExceeded
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.llm.settings import Endpoint, LlmSettings
@@ -249,60 +251,81 @@ class LlmGateway:
                                    f"(MNEME_{operation.upper()}_LLM_MODEL or MNEME_LLM_MODEL)")
         return ep
 
-    # ---- the retry loop --------------------------------------------------------------
+    # ---- the retry policy ------------------------------------------------------------
+
+    def _retrying(self, operation: str, ep: Endpoint, call) -> tenacity.Retrying:
+        """The retry policy of one model call: transient errors (:func:`_classify`) are
+        retried up to ``llm_max_retries`` times; retry *n* waits ``min(llm_backoff_max_s,
+        llm_backoff_s * 2**(n-1))`` s ±20 % jitter, raised to ``Retry-After`` (capped at
+        ``llm_backoff_max_s``) and cut to the caller's deadline ``call``; the last error
+        is re-raised as is."""
+        st = self.settings
+
+        def before_sleep(rs: tenacity.RetryCallState) -> None:
+            reason, _ = _classify(rs.outcome.exception())
+            METRICS.add("mneme.llm.retries", operation=operation, reason=reason)
+            log.info("%s call to %s: %s, retry %d in %.1fs", operation, ep.model, reason,
+                     rs.attempt_number, rs.upcoming_sleep)
+
+        wait = retry.at_least_hint(retry.backoff(st.llm_backoff_s, st.llm_backoff_max_s, 0.2),
+                                   _retry_after, st.llm_backoff_max_s)
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda exc: not isinstance(exc, (DeadlineExceeded, Cancelled)) and _classify(exc)[1]),
+            stop=tenacity.stop_after_attempt(st.llm_max_retries + 1),
+            wait=retry.within_deadline(wait, call), sleep=self._sleep,
+            before_sleep=before_sleep, reraise=True)
 
     def _call(self, operation: str, ep: Endpoint, fn, timeout: float | None = None,
               hold: bool = True):
         """Run ``fn(timeout)`` (one HTTP attempt) under the semaphore (``hold=False``: the
-        caller holds it), retrying transient failures with exponential backoff. Returns
-        (result, usage of the attempts without tokens). Raises LlmUnavailable /
-        LlmRequestError."""
-        st = self.settings
-        timeout = timeout or st.llm_timeout_s
+        caller holds it), retrying transient failures by :meth:`_retrying`. Each attempt
+        first checks the caller's deadline (raising DeadlineExceeded / Cancelled: no
+        attempt) and gets at most the time left as its timeout. Returns (result, usage of
+        the attempts without tokens). Raises LlmUnavailable / LlmRequestError."""
+        timeout = timeout or self.settings.llm_timeout_s
         usage = Usage(model=ep.model)
-        attempt = 0
         call = current_deadline()  # the gRPC caller's, when a request is being served
-        while True:
+        attempts = 0
+
+        def attempt():
+            nonlocal attempts
             call.check(f"{operation} model call")  # the caller stopped waiting: no attempt
             left = call.remaining()
             attempt_timeout = timeout if left is None else max(0.001, min(timeout, left))
+            attempts += 1
             t0 = time.monotonic()
             try:
                 with telemetry.span(f"llm {operation}", telemetry.SpanKind.CLIENT,
                                     gen_ai__operation__name=operation,
                                     gen_ai__request__model=ep.model,
-                                    mneme__llm__attempt=attempt + 1):
+                                    mneme__llm__attempt=attempts):
                     if hold:
                         with self._sem:
                             result = fn(attempt_timeout)
                     else:
                         result = fn(attempt_timeout)
-                usage.calls += 1
-                usage.latency_s += time.monotonic() - t0
-                return result, usage
-            except Exception as exc:  # litellm maps every provider error to its own classes
+            except Exception:
                 usage.failed_calls += 1
                 usage.latency_s += time.monotonic() - t0
-                reason, retryable = _classify(exc)
-                if not retryable or attempt >= st.llm_max_retries:
-                    METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
-                                outcome="error")
-                    msg = f"{operation} call to {ep.model} failed ({reason}) after " \
-                          f"{attempt + 1} attempt(s): {type(exc).__name__}: {str(exc)[:300]}"
-                    log.warning(msg)
-                    cls = LlmUnavailable if retryable else LlmRequestError
-                    raise cls(msg, reason, usage) from exc
-                backoff = min(st.llm_backoff_max_s, st.llm_backoff_s * 2 ** attempt)
-                backoff *= random.uniform(0.8, 1.2)  # jitter: retries of many workers spread out
-                hinted = _retry_after(exc)
-                if hinted is not None:
-                    backoff = min(st.llm_backoff_max_s, max(backoff, hinted))
-                METRICS.add("mneme.llm.retries", operation=operation, reason=reason)
-                log.info("%s call to %s: %s, retry %d in %.1fs", operation, ep.model, reason,
-                         attempt + 1, backoff)
-                left = call.remaining()
-                self._sleep(backoff if left is None else min(backoff, left))
-                attempt += 1
+                raise
+            usage.calls += 1
+            usage.latency_s += time.monotonic() - t0
+            return result
+
+        try:
+            return self._retrying(operation, ep, call)(attempt), usage
+        except (DeadlineExceeded, Cancelled):
+            raise
+        except Exception as exc:  # litellm maps every provider error to its own classes
+            reason, retryable = _classify(exc)
+            METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
+                        outcome="error")
+            msg = f"{operation} call to {ep.model} failed ({reason}) after " \
+                  f"{attempts} attempt(s): {type(exc).__name__}: {str(exc)[:300]}"
+            log.warning(msg)
+            cls = LlmUnavailable if retryable else LlmRequestError
+            raise cls(msg, reason, usage) from exc
 
     def _account(self, operation: str, ep: Endpoint, usage: Usage, response) -> None:
         """Fill tokens and cost of ``response`` into ``usage`` and the metrics."""
@@ -326,7 +349,7 @@ class LlmGateway:
                 strict, max_tokens, temperature) -> dict:
         kw: dict = {"model": ep.model, "messages": messages,
                     "max_tokens": max_tokens or self.settings.llm_max_output_tokens,
-                    # our retry loop is the only one: no hidden SDK retries under it
+                    # our retry policy is the only one: no hidden SDK retries under it
                     "num_retries": 0, "max_retries": 0, "drop_params": True}
         if ep.base_url:
             kw["api_base"] = ep.base_url
