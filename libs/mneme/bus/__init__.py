@@ -42,9 +42,6 @@ DEFAULT_PARTITIONS = 4
 TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1,
                                    AUDIT: 1}
 
-_M32 = 0xFFFFFFFF
-
-
 class StaleCommitError(RuntimeError):
     """A consumer-group commit was refused because the group's stored offset is already
     past it (or equal to it while records were to be produced): another consumer of the
@@ -52,47 +49,12 @@ class StaleCommitError(RuntimeError):
     the commit was written; re-read the committed offset and carry on from there."""
 
 
-def murmur2(data: bytes) -> int:
-    """32-bit MurmurHash2 exactly as Kafka's Java client computes it, as a signed int.
-
-    Port of ``org.apache.kafka.common.utils.Utils.murmur2`` (seed ``0x9747b28c``,
-    m = ``0x5bd1e995``, r = 24, little-endian 4-byte blocks, fall-through tail). Java's
-    ``int`` arithmetic wraps at 32 bits and ``>>>`` is an unsigned shift, so here every
-    step is masked to 32 bits and the result converted to signed at the end.
-
-    Example: ``murmur2(b"21") == -973932308``.
-    """
-    length = len(data)
-    m = 0x5BD1E995
-    h = (0x9747B28C ^ length) & _M32
-    n4 = length // 4
-    for i in range(n4):
-        k = int.from_bytes(data[4 * i:4 * i + 4], "little")
-        k = (k * m) & _M32
-        k ^= k >> 24
-        k = (k * m) & _M32
-        h = (h * m) & _M32
-        h ^= k
-    tail = length & ~3
-    rest = length % 4
-    if rest == 3:
-        h ^= data[tail + 2] << 16
-    if rest >= 2:
-        h ^= data[tail + 1] << 8
-    if rest >= 1:
-        h ^= data[tail]
-        h = (h * m) & _M32
-    h ^= h >> 13
-    h = (h * m) & _M32
-    h ^= h >> 15
-    return h - (1 << 32) if h & 0x80000000 else h
-
-
 def partition_for(key: str | bytes, partitions: int) -> int:
     """Partition of ``key`` among ``partitions``: Kafka's default partitioner for keyed
     records, ``toPositive(murmur2(utf8(key))) % partitions`` where ``toPositive(x) =
     x & 0x7fffffff`` (``org.apache.kafka.clients.producer.internals.BuiltInPartitioner
-    .partitionForKey``). So the embedded log and a Kafka producer put a bank on the same
+    .partitionForKey``), computed by aiokafka's ``DefaultPartitioner`` (the one its
+    producer uses). So the embedded log and a Kafka producer put a bank on the same
     partition number.
 
     Raises ValueError when ``partitions`` < 1.
@@ -104,8 +66,13 @@ def partition_for(key: str | bytes, partitions: int) -> int:
 
 @lru_cache(maxsize=65536)  # keys are bank ids, few and hot; murmur2 in Python is ~5 µs
 def _partition(key: str | bytes, partitions: int) -> int:
+    # Imported here, not at the top: ``aiokafka.partitioner`` runs aiokafka's package
+    # __init__ (client, consumer, producer, asyncio: ~100 ms), which importing mneme.bus
+    # (~6 ms, used by the CLI and every embedded process) should not pay.
+    from aiokafka.partitioner import DefaultPartitioner
+
     data = key.encode("utf-8") if isinstance(key, str) else key
-    return (murmur2(data) & 0x7FFFFFFF) % partitions
+    return DefaultPartitioner()(data, range(partitions), None)
 
 
 def default_partitions(topic: str) -> int:
@@ -150,6 +117,6 @@ def open_event_log(url: str, **kafka_options) -> "EventLog":
 
 __all__ = [
     "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "INTAKE", "MEMORY", "PROGRESS", "REFLECT",
-    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "murmur2", "open_event_log",
+    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "open_event_log",
     "partition_for",
 ]
