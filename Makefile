@@ -38,7 +38,9 @@ run: proto
 up: proto
 	$(BIN)/mneme up
 
+# Layer rules first ([tool.importlinter] in pyproject.toml): a broken one fails in seconds.
 test: proto schemas $(HELM)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests -q --ignore=tests/bench
 
 schemas: $(SCHEMAS_STAMP)
