@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import grpc
 
-from mneme.bus import ALL_TOPICS, AUDIT, DLQ, codec, default_partitions, open_event_log
+from mneme.bus import ALL_TOPICS, AUDIT, DLQ, codec, default_partitions
+from mneme.bus.logs import open_event_log
 from mneme.config import Settings
 from mneme.router import Router, Service, groups_of
 

@@ -16,7 +16,7 @@ from mneme.domain import (Bank, BankConfig, EntityRef, Fact, Filters, Hit, Opera
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
     from mneme.events.v1 import events_pb2 as ev
-    from mneme.llm.gateway import Completion, Connectivity, JsonResult, Usage
+    from mneme.llm.types import Completion, Connectivity, JsonResult, Usage
     from mneme.llm.settings import Endpoint, LlmSettings
 
 

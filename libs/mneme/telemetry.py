@@ -1,7 +1,7 @@
 """OpenTelemetry for mneme: one setup per process, spans, metrics and trace context in
 CloudEvents headers.
 
-:func:`setup` (called once by ``mneme up``, ``mneme serve`` and ``python -m services.X``)
+:func:`setup` (called once by ``mneme up`` and ``mneme serve``)
 installs the SDK's TracerProvider and MeterProvider for a service name
 (``OTEL_SERVICE_NAME`` wins when set), exports both by OTLP when
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (the exporter reads the other ``OTEL_EXPORTER_OTLP_*``

@@ -49,7 +49,7 @@ from datetime import date, datetime, timedelta, timezone
 from typing import Callable, Sequence
 
 from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
-from mneme.llm.gateway import LlmError, Usage
+from mneme.llm.types import LlmError, Usage
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
 from mneme.timeparse import day_window, parse_when

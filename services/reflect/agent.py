@@ -45,7 +45,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 from mneme.deadline import current as current_deadline
 from mneme.domain import BankConfig, Filters, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
-from mneme.llm.gateway import Completion, LlmError, Usage, tool_spec
+from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm

@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("tests.contract.catalog_suite", "tests.contract.e
                                "tests.contract.observation_suite")
 
 from .catalog_suite import T0, CatalogSuite, op
-from .entity_suite import EntityStoreSuite
+from .entity_suite import EntityStoreSuite, PersistentEntityStoreSuite
 from .observation_suite import ObservationStoreSuite, changed, fact, obs
 from mneme.domain import BankConfig, derive_id
 from mneme.ports import Catalog, EntityStore, ObservationStore
@@ -84,9 +84,7 @@ class TestMemoryObservationStore(ObservationStoreSuite):
 # ---- entities -----------------------------------------------------------------------------
 
 
-class TestSqliteEntityStore(EntityStoreSuite):
-    reopens = True
-
+class TestSqliteEntityStore(PersistentEntityStoreSuite):
     def make_entities(self, path):
         return SqliteEntityStore(str(path / "entities.db"))
 

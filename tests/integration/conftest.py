@@ -81,7 +81,7 @@ def tansu(tmp_path_factory):
 
 @pytest.fixture
 def kafka_log(tansu):
-    from mneme.bus import open_event_log
+    from mneme.bus.logs import open_event_log
     log = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
     yield log
     log.close()

@@ -73,7 +73,7 @@ def _wait_lag_zero(log, timeout: float = 90) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def bus(tansu):
-    from mneme.bus import open_event_log
+    from mneme.bus.logs import open_event_log
     log = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
     yield log
     log.close()

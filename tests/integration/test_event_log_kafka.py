@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mneme.bus import open_event_log
+from mneme.bus.logs import open_event_log
 from tests.contract.event_log_suite import EventLogSuite
 from tests.integration.conftest import KAFKA_TEST_OPTIONS
 

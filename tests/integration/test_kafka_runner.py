@@ -161,7 +161,7 @@ def test_a_failing_record_is_retried_then_dead_lettered_and_fails_its_operation(
 
 
 def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log, tansu):
-    from mneme.bus import open_event_log
+    from mneme.bus.logs import open_event_log
 
     group, toy = f"toy-{_uid()}", Toy()
     kafka_log.ensure_topic(INTAKE, 4)

@@ -144,16 +144,17 @@ def test_append_validates_and_is_all_or_nothing(elog):
 
 def test_open_event_log_by_url(tmp_path):
     p = tmp_path / "sub" / "dir" / "e.db"
-    log = bus.open_event_log(f"sqlite://{p}")
+    from mneme.bus.logs import open_event_log
+    log = open_event_log(f"sqlite://{p}")
     try:
         assert isinstance(log, SqliteEventLog) and log.path == str(p)
         assert p.exists()
     finally:
         log.close()
     with pytest.raises(ValueError, match="'redis'"):
-        bus.open_event_log("redis://localhost:6379")
+        open_event_log("redis://localhost:6379")
     with pytest.raises(ValueError, match="absolute path"):
-        bus.open_event_log("sqlite://")
+        open_event_log("sqlite://")
 
 
 # ---- consumer-group offsets, replay, transactions, durability ---------------------------

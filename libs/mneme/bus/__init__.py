@@ -11,18 +11,14 @@ Topics (DESIGN §3), each keyed by ``bank_id`` so one bank's events stay in orde
 ``mneme.audit.v1``    bank deletions, key use and refused requests (audit)
 ====================  =========================================================
 
-Adapters are chosen by URL with :func:`open_event_log`; the embedded one is
+Adapters are chosen by URL with :func:`mneme.bus.logs.open_event_log` (the composition
+root's; this package itself imports no adapter); the embedded one is
 :class:`mneme.bus.sqlite_log.SqliteEventLog`.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from mneme.ports import EventLog
 
 INTAKE = "mneme.intake.v1"
 MEMORY = "mneme.memory.v1"
@@ -81,42 +77,8 @@ def default_partitions(topic: str) -> int:
     return TOPIC_PARTITIONS.get(topic, DEFAULT_PARTITIONS)
 
 
-def open_event_log(url: str, **kafka_options) -> "EventLog":
-    """Open the event log named by ``url`` (``MNEME_BUS_URL``).
-
-    * ``sqlite:///abs/path/events.db`` → :class:`~mneme.bus.sqlite_log.SqliteEventLog`
-      on that file (created with its parent directories if missing).
-    * ``kafka://host:port[,host:port][?option=value]`` →
-      :class:`~mneme.bus.kafka_log.KafkaEventLog` (connects, retrying for
-      ``connect_timeout_s``); ``kafka_options`` (fields of
-      :class:`~mneme.bus.kafka_log.KafkaOptions`, None = default) override the query.
-      The sqlite log ignores them.
-
-    Raises ValueError for an unknown scheme (naming it) or a malformed URL;
-    ConnectionError when no Kafka broker answers.
-    """
-    parsed = urlparse(url)
-    scheme = parsed.scheme.lower()
-    if scheme == "sqlite":
-        path = unquote(parsed.path)
-        if parsed.netloc or not path or path == "/":
-            raise ValueError(f"sqlite event log URL needs an absolute path, as in "
-                             f"sqlite:///var/lib/mneme/events.db; got {url!r}")
-        if path.startswith("//"):  # SQLAlchemy-style sqlite:////abs/path
-            path = path[1:]
-        from mneme.bus.sqlite_log import SqliteEventLog  # lazy: it imports this module
-
-        return SqliteEventLog(path)
-    if scheme == "kafka":
-        from mneme.bus.kafka_log import open_kafka  # lazy: aiokafka only when used
-
-        return open_kafka(url, **kafka_options)
-    raise ValueError(f"unknown event log URL scheme {scheme!r} in {url!r} "
-                     f"(supported: sqlite, kafka)")
-
-
 __all__ = [
     "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "INTAKE", "MEMORY", "PROGRESS", "REFLECT",
-    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions", "open_event_log",
+    "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions",
     "partition_for",
 ]

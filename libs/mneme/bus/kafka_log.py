@@ -16,10 +16,9 @@ What it maps to in the Kafka protocol:
   replacement);
 * ``end_offset`` is the partition's high watermark as reported by a Fetch response
   (``highwater()``); ``committed``/``commit`` are OffsetFetch/OffsetCommit of the group;
-* :meth:`KafkaEventLog.join` makes this process a member of a consumer group
-  (JoinGroup/SyncGroup via ``subscribe``): Kafka assigns the partitions, and a
-  :class:`KafkaGroupMember` commits as that member. :class:`mneme.bus.consumer.Consumer`
-  uses it, so a service scales by starting more processes.
+* consumer groups whose partitions Kafka assigns to the processes of a service are run
+  by FastStream (:mod:`mneme.runtime.kafka`); this log's ``commit`` is a plain
+  OffsetCommit outside any membership (replay, tools).
 
 Delivery: a consumer stores its effects, then produces its outputs, then commits the
 offsets — at least once; consumers are idempotent (deterministic ids, upserts), so the
@@ -37,11 +36,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import tenacity
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
@@ -94,7 +93,7 @@ def _headers_in(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
     return {k: (v or b"").decode("utf-8", "replace") for k, v in headers or ()}
 
 
-def _record(msg) -> Record:
+def record_of(msg) -> Record:
     """aiokafka ConsumerRecord → Record (timestamp ms → epoch seconds)."""
     key = msg.key.decode("utf-8", "replace") if msg.key is not None else ""
     return Record(msg.topic, msg.partition, msg.offset, key, bytes(msg.value or b""),
@@ -115,8 +114,11 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        """Stop the loop and close it (its selector and self-pipe), once its thread ended."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class KafkaEventLog:
@@ -131,7 +133,6 @@ class KafkaEventLog:
         self._loop = _LoopThread(f"kafka-{self.options.client_id}")
         self._pcache: dict[str, int] = {}
         self._groups: dict[str, AIOKafkaConsumer] = {}   # offset queries/simple commits
-        self._members: dict[str, "KafkaGroupMember"] = {}
         self._closed = False
         try:
             self._loop.run(self._connect())
@@ -291,7 +292,7 @@ class KafkaEventLog:
                 got = (await c.getmany(tp, timeout_ms=50, max_records=limit)).get(tp, [])
                 if got:
                     self._reader_next[tp] = got[-1].offset + 1
-                    return [_record(m) for m in got]
+                    return [record_of(m) for m in got]
                 hw = c.highwater(tp)
                 if (hw is not None and hw <= offset) or time.monotonic() > deadline:
                     return []
@@ -384,11 +385,7 @@ class KafkaEventLog:
                     f"group {group!r} is at offset {stored} on {t}[{p}]; refusing commit "
                     f"of {off}" + (" with records" if produce else ""))
         out = self.append(produce)
-        member = self._members.get(group)
-        if member is not None:
-            member._commit_offsets(offsets)
-        else:
-            self._loop.run(self._simple_commit(group, offsets))
+        self._loop.run(self._simple_commit(group, offsets))
         return out
 
     async def _simple_commit(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
@@ -425,27 +422,13 @@ class KafkaEventLog:
         ends = self.end_offsets(tps)
         return {tp: max(0, ends[tp] - self.committed(group, *tp)) for tp in tps}
 
-    def join(self, group: str, topics: Sequence[str],
-             on_revoked: Callable[[list[tuple[str, int]]], None] | None = None
-             ) -> "KafkaGroupMember":
-        """Become a member of consumer group ``group`` subscribed to ``topics``; Kafka
-        assigns the partitions. ``on_revoked(partitions)`` is called (from the Kafka
-        loop thread) when partitions are taken away. One member per group per instance."""
-        if group in self._members:
-            raise RuntimeError(f"already a member of group {group!r}")
-        member = KafkaGroupMember(self, group, list(topics), on_revoked)
-        self._members[group] = member
-        return member
-
     # ---- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave every group, flush the producer and close the connections."""
+        """Flush the producer and close the connections."""
         if self._closed:
             return
         self._closed = True
-        for m in list(self._members.values()):
-            m.close()
 
         async def _close() -> None:
             for c in [*self._groups.values(), self._reader]:
@@ -470,157 +453,6 @@ class KafkaEventLog:
 
     def __repr__(self) -> str:
         return f"KafkaEventLog({self.bootstrap_servers!r})"
-
-
-class _Listener(ConsumerRebalanceListener):
-    def __init__(self, member: "KafkaGroupMember") -> None:
-        self.member = member
-
-    async def on_partitions_revoked(self, revoked) -> None:
-        await self.member._revoked(revoked)
-
-    async def on_partitions_assigned(self, assigned) -> None:
-        self.member._assigned.set()
-
-
-class KafkaGroupMember:
-    """This process's membership in one consumer group (see :meth:`KafkaEventLog.join`).
-
-    The :class:`mneme.bus.consumer.Consumer` runner calls, from its thread:
-    :meth:`assignments`, :meth:`read`, :meth:`wait`, :meth:`committed`,
-    :meth:`commit`, and wraps each handle-then-commit step in :meth:`batch`. Before a
-    rebalance takes partitions away, the revocation listener waits for the batch in hand
-    to be handled and committed ("commit before revocation"), then drops what was
-    fetched for the revoked partitions.
-    """
-
-    def __init__(self, log_: KafkaEventLog, group: str, topics: list[str],
-                 on_revoked: Callable[[list[tuple[str, int]]], None] | None) -> None:
-        self.log = log_
-        self.group = group
-        self.topics = topics
-        self.on_revoked = on_revoked
-        self._batch_lock = threading.Lock()
-        self._buffers: dict[TopicPartition, list] = {}
-        self._next: dict[TopicPartition, int] = {}
-        self._closed = False
-        o = log_.options
-        self._assigned = asyncio.Event()  # created here, used on the loop (py3.10+: no loop binding)
-
-        async def _start() -> None:  # aiokafka objects must be created on their loop
-            self._consumer = AIOKafkaConsumer(
-                **log_._common(), group_id=group, enable_auto_commit=False,
-                auto_offset_reset="earliest", session_timeout_ms=o.session_timeout_ms,
-                heartbeat_interval_ms=o.heartbeat_interval_ms,
-                max_poll_interval_ms=o.max_poll_interval_ms)
-            await self._consumer.start()
-            self._consumer.subscribe(topics, listener=_Listener(self))
-        log_._loop.run(_start())
-
-    @property
-    def assigned(self) -> bool:
-        """True once Kafka has assigned this member its partitions at least once."""
-        return self._assigned.is_set()
-
-    def assignments(self) -> list[tuple[str, int]]:
-        """The (topic, partition)s Kafka currently assigns to this member, sorted."""
-        return sorted((tp.topic, tp.partition) for tp in self._consumer.assignment())
-
-    def owns(self, topic: str, partition: int) -> bool:
-        return TopicPartition(topic, partition) in self._consumer.assignment()
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Hold off revocation while a batch is handled and committed."""
-        with self._batch_lock:
-            yield
-
-    async def _revoked(self, revoked) -> None:
-        # Wait (without blocking the loop: the runner's commit needs it) for the batch
-        # in hand, then forget what was fetched for the partitions that leave.
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._batch_lock.acquire)
-        try:
-            for tp in revoked:
-                self._buffers.pop(tp, None)
-                self._next.pop(tp, None)
-            if self.on_revoked is not None and revoked:
-                self.on_revoked([(tp.topic, tp.partition) for tp in revoked])
-        finally:
-            self._batch_lock.release()
-
-    def read(self, topic: str, partition: int, offset: int, limit: int) -> list[Record]:
-        """Up to ``limit`` fetched records of an assigned partition from ``offset``
-        (seeking there first if the member's position differs); [] when none is buffered
-        or the partition is not assigned. Never waits for the broker."""
-        return self.log._loop.run(self._read(TopicPartition(topic, partition), offset, limit))
-
-    async def _read(self, tp: TopicPartition, offset: int, limit: int) -> list[Record]:
-        c = self._consumer
-        if tp not in c.assignment():
-            return []
-        if self._next.get(tp) != offset:
-            c.seek(tp, offset)
-            self._buffers.pop(tp, None)
-            self._next[tp] = offset
-        buf = self._buffers.get(tp)
-        if not buf:
-            buf = (await c.getmany(tp, timeout_ms=0, max_records=limit)).get(tp, [])
-        got, rest = buf[:limit], buf[limit:]
-        self._buffers[tp] = rest
-        if got:  # after an out-of-range reset the first offset may be > offset
-            self._next[tp] = got[-1].offset + 1
-        return [_record(m) for m in got]
-
-    def token(self) -> None:
-        """No change token on Kafka (:meth:`wait` fetches); for the runner's protocol."""
-        return None
-
-    def wait(self, timeout: float, token=None, stop: threading.Event | None = None,
-             max_records: int = 500) -> bool:
-        """Block up to ``timeout`` seconds for records on any assigned partition (this is
-        also when the group's heartbeat/rebalance makes progress); they are kept for
-        :meth:`read`. True when something arrived."""
-        return self.log._loop.run(self._wait(timeout, max_records))
-
-    async def _wait(self, timeout: float, max_records: int) -> bool:
-        data = await self._consumer.getmany(timeout_ms=int(timeout * 1000),
-                                            max_records=max_records)
-        for tp, msgs in data.items():
-            if tp in self._consumer.assignment():
-                self._buffers.setdefault(tp, []).extend(msgs)
-        return bool(data)
-
-    def committed(self, topic: str, partition: int) -> int:
-        """The group's committed next offset (0 when none)."""
-        return self.log.committed(self.group, topic, partition)
-
-    def commit(self, offsets: dict[tuple[str, int], int],
-               produce: Sequence[OutRecord] = ()) -> list[Record]:
-        """Produce ``produce``, then commit ``offsets`` as this member (at least once).
-        Raises StaleCommitError when Kafka refuses the commit (partition revoked)."""
-        out = self.log.append(produce)
-        self._commit_offsets(offsets)
-        return out
-
-    def _commit_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
-        if not offsets:
-            return
-        tps = {TopicPartition(t, p): off for (t, p), off in offsets.items()}
-        try:
-            self.log._loop.run(self._consumer.commit(tps))
-        except (CommitFailedError, IllegalStateError) as exc:
-            raise StaleCommitError(f"group {self.group!r}: commit refused "
-                                   f"(rebalanced?): {exc}") from exc
-
-    def close(self) -> None:
-        """Leave the group (LeaveGroup, so the partitions move at once)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.log._members.pop(self.group, None)
-        with contextlib.suppress(Exception):
-            self.log._loop.run(self._consumer.stop(), 30)
 
 
 def _check(r: OutRecord) -> None:
@@ -653,4 +485,4 @@ def open_kafka(url: str, **overrides) -> KafkaEventLog:
     return KafkaEventLog(servers, KafkaOptions(**opts))
 
 
-__all__ = ["KafkaEventLog", "KafkaGroupMember", "KafkaOptions", "open_kafka", "parse_kafka_url"]
+__all__ = ["KafkaEventLog", "KafkaOptions", "open_kafka", "parse_kafka_url", "record_of"]

@@ -57,7 +57,7 @@ from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
 from mneme.bus.kafka_log import KafkaOptions
-from mneme.bus.kafka_log import _record as record_of  # the one Kafka → Record mapping
+from mneme.bus.kafka_log import record_of
 from mneme.errors import Cancelled
 from mneme.ports import OutRecord, Record
 from mneme.router import Router, Service
