@@ -10,15 +10,12 @@ up``), one service per process over Kafka (``mneme serve <service>``), and repla
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import importlib
 import logging
-import os
 from concurrent import futures
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Callable
 
 import grpc
@@ -26,6 +23,7 @@ import grpc
 from mneme.bus import ALL_TOPICS, AUDIT, DLQ, codec, default_partitions
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
+from mneme.datadir import DataDirLocked, lock, unlock
 from mneme.router import Router, Service, groups_of
 
 log = logging.getLogger("mneme")
@@ -39,21 +37,6 @@ def services() -> dict[str, Service]:
     return {n: importlib.import_module(f"services.{n}.routes").SERVICE for n in SERVICES}
 
 
-class DataDirLocked(RuntimeError):
-    """Another process holds the data directory (the embedded stores are single-process)."""
-
-
-def _lock(data_dir: Path) -> int:
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DataDirLocked(f"{data_dir} is in use by another mneme process "
-                            "(stop `mneme up` first)") from None
-    return fd
-
-
 class Root:
     """Settings plus every adapter they name, opened on first use and closed by
     :meth:`close` (in reverse order of opening). Locks ``settings.data_dir`` (raises
@@ -64,7 +47,7 @@ class Root:
         self.settings = settings or Settings()
         self.data_dir = self.settings.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = _lock(self.data_dir)
+        self._lock_fd: int | None = lock(self.data_dir)
         self._closers: list[Callable[[], None]] = []
 
     def _opened(self, obj, close: Callable[[], None] | None = None):
@@ -139,7 +122,7 @@ class Root:
                 log.exception("closing an adapter failed")
         self._closers.clear()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            unlock(self._lock_fd)
             self._lock_fd = None
 
 

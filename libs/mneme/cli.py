@@ -78,7 +78,7 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
        address: str = typer.Option(None, "--address", "-a", help="listen address, default 127.0.0.1:50051")):
     """Serve every API (ingest, search, reflect, health, reflection) on one port, with
     every service running in this process on the embedded stores."""
-    from mneme.bootstrap import DataDirLocked
+    from mneme.datadir import DataDirLocked
     from mneme.runtime.embedded import bootstrap
     from mneme.config import Settings
 
@@ -378,7 +378,7 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     stopped server's data dir. Calls no model: derived events carry facts and vectors.
     With MNEME_BUS_URL=kafka://… (distributed), rebuilds the search service's
     projections and rewinds its consumer groups; stop the search processes first."""
-    from mneme.bootstrap import DataDirLocked
+    from mneme.datadir import DataDirLocked
     from mneme.runtime.replay import replay
     from mneme.bus import StaleCommitError
     from mneme.config import Settings
@@ -469,7 +469,8 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
     offsets and consumer-group offsets; the damaged file is kept beside it
     (log.db.damaged-<time>). Stop the server first. Then `mneme replay` rebuilds the
     projections from what was kept."""
-    from mneme.bootstrap import DataDirLocked, Root
+    from mneme.bootstrap import Root
+    from mneme.datadir import DataDirLocked
     from mneme.bus.sqlite_log import recover
     from mneme.config import Settings
 

@@ -99,7 +99,7 @@ class Embedded:
 def bootstrap(settings: Settings | None = None) -> Embedded:
     """The embedded topology: open every adapter named by ``settings`` and wire every
     service into one process (nothing runs yet). Raises
-    :class:`mneme.bootstrap.DataDirLocked` when another process uses the data directory."""
+    :class:`mneme.datadir.DataDirLocked` when another process uses the data directory."""
     root = Root(settings)
     try:
         ingest = build_ingest(root)

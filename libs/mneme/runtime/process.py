@@ -12,7 +12,8 @@ import grpc
 import tenacity
 from grpc_health.v1 import health
 
-from mneme.bootstrap import BUILDERS, SERVICES, DataDirLocked, Root, ServiceParts
+from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
+from mneme.datadir import DataDirLocked
 from mneme.config import Settings
 from mneme.errors import Unavailable
 from mneme.runtime import grpc_server
