@@ -9,10 +9,12 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from mneme.runtime.embedded import bootstrap
+from mneme.bootstrap import services
 from mneme.cli import app
 from mneme.client import MnemeClient
 from mneme.config import Settings
+from mneme.router import groups_of
+from mneme.runtime.embedded import bootstrap
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,10 @@ def test_bank_stats_and_operations(server):
         assert s.facts == len(r.memory_ids) > 0
         assert s.observations >= 0 and s.entities > 0
         assert s.operations >= 1 and s.pending_operations == 0
-        assert {x.group for x in s.lag} >= {"ingest", "extraction", "search"}
+        # every group that runs embedded, as the routes declare them, on its topics
+        assert {(x.group, x.topic) for x in s.lag} == {
+            (g, t) for g, ts in groups_of(services().values(), distributed=False).items()
+            for t in ts}
         assert s.pending_records == sum(x.lag for x in s.lag)
         ops = list(m.list_operations("ops"))
         assert r.operation.name in {o.name for o in ops}
@@ -49,3 +54,19 @@ def test_bank_stats_and_operations(server):
     out = runner.invoke(app, ["operations", "--bank", "ops", "-a", server])
     assert out.exit_code == 0, out.output
     assert "succeeded" in out.output
+
+
+def test_a_service_launcher_enters_the_composition_root(tmp_path):
+    """`python -m services.<name>` runs `mneme serve <name>`: a configuration error (reflect
+    without the search service's address) is fatal at once, exit status 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MNEME_BUS_URL": "kafka://127.0.0.1:1", "MNEME_DATA_DIR": str(tmp_path),
+           "MNEME_GRPC_ADDRESS": "127.0.0.1:0", "MNEME_METRICS_PORT": "0"}
+    env.pop("MNEME_SEARCH_ADDRESS", None)
+    p = subprocess.run([sys.executable, "-m", "services.reflect"], env=env, timeout=120,
+                       capture_output=True, text=True)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "MNEME_SEARCH_ADDRESS" in p.stderr

@@ -1,10 +1,11 @@
-"""The distributed topology: one service per process (``mneme serve <service>``) over
-Kafka (``MNEME_BUS_URL=kafka://…``), each with its own data directory for local state,
+"""The distributed topology: one service per process (``mneme serve <service>``, or
+``python -m services.<service>``) over Kafka (``MNEME_BUS_URL=kafka://…``), each with its own data directory for local state,
 gRPC health and readiness."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -217,6 +218,15 @@ def run_service(name: str, settings: Settings | None = None) -> None:
     starter.join(5)
     if failed:
         raise SystemExit(1)
+
+
+def main_service(name: str) -> None:
+    """Entry point of ``python -m services.<name>`` (same as ``mneme serve <name>``):
+    logging, settings from MNEME_*."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    run_service(name)
 
 
 def _runner(root: Root, parts: ServiceParts):
