@@ -41,6 +41,15 @@ log = logging.getLogger(__name__)
 Handler = Callable[..., "Iterable[Message] | None"]
 
 
+def _check_topics(owner: str, by_topic: Mapping[str, Iterable[type[Message]]]) -> None:
+    """ValueError when an event type is declared under a topic it is not published on."""
+    for topic, types in by_topic.items():
+        for t in types:
+            if codec.topic_for(t) != topic:
+                raise ValueError(f"{owner}: {t.DESCRIPTOR.name} is published on "
+                                 f"{codec.topic_for(t)}, not {topic}")
+
+
 @dataclass(frozen=True)
 class Group:
     """One consumer group of a service.
@@ -61,11 +70,7 @@ class Group:
     secondary: tuple[type[Message], ...] = ()
 
     def __post_init__(self) -> None:
-        for topic, handlers in self.consumes.items():
-            for t in handlers:
-                if codec.topic_for(t) != topic:
-                    raise ValueError(f"group {self.name}: {t.DESCRIPTOR.name} is published on "
-                                     f"{codec.topic_for(t)}, not {topic}")
+        _check_topics(f"group {self.name}", self.consumes)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -88,11 +93,7 @@ class Service:
     produces: Mapping[str, tuple[type[Message], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for topic, types in self.produces.items():
-            for t in types:
-                if codec.topic_for(t) != topic:
-                    raise ValueError(f"service {self.name}: {t.DESCRIPTOR.name} is published "
-                                     f"on {codec.topic_for(t)}, not {topic}")
+        _check_topics(f"service {self.name}", self.produces)
 
     @property
     def source(self) -> str:

@@ -13,6 +13,14 @@ MEL = StoredEntity("e-mel", "melanie", "Melanie", "PERSON", "person")
 ROOM = StoredEntity("e-room", "room 101", "Room 101", "FAC", "place")
 PAINT = StoredEntity("e-paint", "painting", "painting", "CONCEPT", "")
 
+#: The first, one-entity-per-key schema of entities.db (files of earlier versions).
+ENTITIES_V1_SCHEMA = """
+  CREATE TABLE entities (bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL,
+    name TEXT NOT NULL, label TEXT NOT NULL, seq INTEGER NOT NULL,
+    PRIMARY KEY (bank_id, key));
+  CREATE TABLE aliases (bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
+    PRIMARY KEY (bank_id, alias));"""
+
 
 class EntityStoreSuite:
     reopens = False

@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("tests.contract.catalog_suite", "tests.contract.e
                                "tests.contract.observation_suite")
 
 from .catalog_suite import T0, CatalogSuite, op
-from .entity_suite import EntityStoreSuite, PersistentEntityStoreSuite
+from .entity_suite import ENTITIES_V1_SCHEMA, EntityStoreSuite, PersistentEntityStoreSuite
 from .observation_suite import ObservationStoreSuite, changed, fact, obs
 from mneme.domain import BankConfig, derive_id
 from mneme.ports import Catalog, EntityStore, ObservationStore
@@ -91,12 +91,7 @@ class TestSqliteEntityStore(PersistentEntityStoreSuite):
     def test_first_schema_is_migrated_with_ids_and_kinds(self, tmp_path):
         path = str(tmp_path / "entities.db")
         old = sqlite3.connect(path)
-        old.executescript("""
-          CREATE TABLE entities (bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL,
-            name TEXT NOT NULL, label TEXT NOT NULL, seq INTEGER NOT NULL,
-            PRIMARY KEY (bank_id, key));
-          CREATE TABLE aliases (bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
-            PRIMARY KEY (bank_id, alias));""")
+        old.executescript(ENTITIES_V1_SCHEMA)
         mel, paint = derive_id("entity", "b", "melanie"), derive_id("entity", "b", "painting")
         old.execute("INSERT INTO entities VALUES ('b', 'melanie', ?, 'Melanie', 'PERSON', 1)", (mel,))
         old.execute("INSERT INTO entities VALUES ('b', 'painting', ?, 'painting', 'CONCEPT', 2)",

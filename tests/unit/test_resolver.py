@@ -190,14 +190,11 @@ def test_number_tokens():
 def test_kinds_persist_and_an_old_schema_file_is_migrated(tmp_path):
     import sqlite3
 
+    from tests.contract.entity_suite import ENTITIES_V1_SCHEMA
+
     path = str(tmp_path / "entities.db")
     old = sqlite3.connect(path)  # the one-entity-per-key schema of earlier versions
-    old.executescript("""
-      CREATE TABLE entities (bank_id TEXT NOT NULL, key TEXT NOT NULL, id TEXT NOT NULL,
-        name TEXT NOT NULL, label TEXT NOT NULL, seq INTEGER NOT NULL,
-        PRIMARY KEY (bank_id, key));
-      CREATE TABLE aliases (bank_id TEXT NOT NULL, alias TEXT NOT NULL, key TEXT NOT NULL,
-        PRIMARY KEY (bank_id, alias));""")
+    old.executescript(ENTITIES_V1_SCHEMA)
     mel_id = derive_id("entity", "b", "melanie")
     old.execute("INSERT INTO entities VALUES ('b', 'melanie', ?, 'Melanie', 'PERSON', 1)",
                 (mel_id,))

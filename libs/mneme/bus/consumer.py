@@ -294,7 +294,7 @@ class Consumer:
                 failures += 1
                 self.stats["errors"] += 1
                 self.last_error = exc
-                delay = min(self.backoff * 2 ** failures, self.error_backoff_max)
+                delay = retry.backoff(self.backoff, self.error_backoff_max).delay(failures + 1)
                 if failures == 1:
                     log.exception("consumer %s: pass failed; backing off", self.group)
                 elif failures % 10 == 0:  # a damaged log: say so now and then, not always
