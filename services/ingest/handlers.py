@@ -63,8 +63,8 @@ class Ingest:
     retain_timeout_s: float = 600.0
     poll_s: float = 0.01
     llm: Llm | None = None  # for check_llm
-    group: str = "ingest"
-    source: str = "mneme/ingest"
+    group: str = ""   # the catalog projection's consumer group (services/ingest/routes.py)
+    source: str = ""  # ce_source of what it appends (the ingest Service's)
     #: For GetBankStats: search's projections when this process has them, and the
     #: consumer groups that run in the topology (group → topics).
     stores: object = None

@@ -31,7 +31,7 @@ class Cluster:
                 "MNEME_GRPC_ADDRESS": self.address[service],
                 "MNEME_SEARCH_ADDRESS": self.address["search"],
                 "MNEME_SHUTDOWN_GRACE_S": "2", "MNEME_HEALTH_INTERVAL_S": "1",
-                "MNEME_METRICS_PORT": "0"}
+                "MNEME_METRICS_PORT": "0", "PYTHONFAULTHANDLER": "1"}
 
     def start(self, *services: str, timeout: float = 120) -> "Cluster":
         services = services or SERVICES
@@ -75,6 +75,12 @@ class Cluster:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            except subprocess.TimeoutExpired:  # hung: its threads' stacks go to its log
+                proc.send_signal(signal.SIGABRT)
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                raise AssertionError(f"{s} did not stop within {timeout}s of SIGTERM; "
+                                     f"see {self.root / f'{s}.log'}") from None

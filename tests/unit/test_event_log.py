@@ -803,3 +803,30 @@ def test_read_connections_of_ended_threads_are_closed(tmp_path):
         t.join()
     assert fds() - before < 10
     log.close()
+
+
+def test_a_call_waiting_on_a_stopped_kafka_loop_ends_instead_of_hanging():
+    # A thread blocked on the Kafka client's loop when the log closes (a lag read during
+    # shutdown) must not wait forever: the process could not exit.
+    import asyncio
+    from concurrent.futures import CancelledError
+
+    from mneme.bus.kafka_log import _LoopThread
+
+    loop = _LoopThread("test-kafka-loop")
+    outcome = []
+
+    def call() -> None:
+        try:
+            loop.run(asyncio.sleep(3600))
+        except CancelledError:
+            outcome.append("cancelled")
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.2)
+    loop.stop()
+    t.join(5)
+    assert not t.is_alive() and outcome == ["cancelled"]
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.run(asyncio.sleep(0))

@@ -31,6 +31,7 @@ event loop in a daemon thread and the sync methods submit coroutines to it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -101,22 +102,47 @@ def record_of(msg) -> Record:
 
 
 class _LoopThread:
-    """One asyncio loop in a daemon thread; ``run`` submits a coroutine and waits."""
+    """One asyncio loop in a daemon thread; ``run`` submits a coroutine and waits.
+
+    After :meth:`stop`, calls still waiting (from other threads) end with
+    ``concurrent.futures.CancelledError`` and new ones raise RuntimeError at once: a
+    stopped loop never runs them, and a thread left waiting forever would keep the
+    process from exiting."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
+        self._pending: set[concurrent.futures.Future] = set()
+        self._guard = threading.Lock()
+        self._stopped = False
 
     def run(self, coro, timeout: float | None = None):
         if threading.current_thread() is self.thread:
+            coro.close()
             raise RuntimeError("blocking call from the Kafka loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        with self._guard:
+            if self._stopped:
+                coro.close()
+                raise RuntimeError("the Kafka connection is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.add(fut)
+        try:
+            return fut.result(timeout)
+        finally:
+            with self._guard:
+                self._pending.discard(fut)
 
     def stop(self) -> None:
-        """Stop the loop and close it (its selector and self-pipe), once its thread ended."""
+        """Stop the loop and close it (its selector and self-pipe), once its thread
+        ended; cancel the calls still waiting on it."""
+        with self._guard:
+            self._stopped = True
+            pending = list(self._pending)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        for fut in pending:
+            fut.cancel()
         if not self.thread.is_alive():
             self.loop.close()
 

@@ -538,7 +538,15 @@ class KafkaRunner:
 
     async def _start(self) -> None:
         self.delivery.stop_event()
-        await self._broker.start()
+        broker = self._broker
+        await broker.connect()
+        # KafkaBroker.start, but every subscriber joins its group at once: aiokafka's start
+        # waits for an assignment, and one after another each join would rebalance the
+        # members already in (a group's topics are one member each in this process).
+        await asyncio.gather(*(sub.start() for sub in broker.subscribers))
+        for pub in broker.publishers:
+            await pub.start()
+        broker.running = True
         for run in self.groups.values():
             run.running = True
         self._lag_task = asyncio.ensure_future(self._refresh_lag())
