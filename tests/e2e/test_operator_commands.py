@@ -70,3 +70,45 @@ def test_a_service_launcher_enters_the_composition_root(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "MNEME_SEARCH_ADDRESS" in p.stderr
+
+
+def test_a_refused_replay_wipes_nothing(tmp_path, monkeypatch):
+    """Replay checks that it may rewind every group before it resets any projection: when
+    the log refuses (Kafka: a group with live members), the stores and the catalog are
+    as they were."""
+    from mneme.bus import StaleCommitError
+    from mneme.bus.sqlite_log import SqliteEventLog
+    from mneme.runtime.replay import replay
+
+    settings = Settings(data_dir=tmp_path)
+    node = bootstrap(settings)
+    node.start()
+    port = node.serve("127.0.0.1:0")
+    try:
+        with MnemeClient(f"127.0.0.1:{port}", timeout=120) as m:
+            m.upsert_bank("keep")
+            m.retain("keep", [{"content": "Alice moved to Lisbon in May 2023."},
+                              {"content": "Bob plays the cello in Porto."}])
+            before = m.bank_stats("keep")
+    finally:
+        node.close()
+
+    def refuse(self, group, offsets, produce=()):
+        raise StaleCommitError(f"group {group!r} has live members")
+    monkeypatch.setattr(SqliteEventLog, "commit", refuse)
+    with pytest.raises(StaleCommitError):
+        replay(settings)
+    monkeypatch.undo()
+
+    node = bootstrap(settings)
+    node.start()
+    port = node.serve("127.0.0.1:0")
+    try:
+        with MnemeClient(f"127.0.0.1:{port}", timeout=120) as m:
+            after = m.bank_stats("keep")
+            assert (after.facts, after.entities, after.operations) == (
+                before.facts, before.entities, before.operations) and after.facts > 0
+            hits = m.recall("keep", "Where did Alice move?")
+            assert any("Lisbon" in r.memory.text for r in hits.results)
+    finally:
+        node.close()

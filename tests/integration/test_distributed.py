@@ -221,6 +221,14 @@ def test_poison_event_goes_to_the_dlq_and_the_partition_keeps_flowing(cluster, b
 
 def test_replay_rebuilds_the_search_projections(cluster, bus):
     before = _recall(cluster.address["search"])
+    # From elsewhere (its own data dir) while search runs: Kafka refuses the rewind of a
+    # group with live members, and replay stops before it wipes anything.
+    refused = subprocess.run([mneme_bin(), "replay"], timeout=300, capture_output=True,
+                             text=True, env={**cluster.env("search"),
+                                             "MNEME_DATA_DIR": str(cluster.root / "replay-elsewhere")})
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 1 and "stop the search processes first" in said, said[-3000:]
+    assert _recall(cluster.address["search"]) == before
     cluster.stop("search")
     out = subprocess.run([mneme_bin(), "replay"], env=cluster.env("search"),
                          capture_output=True, text=True, timeout=300)

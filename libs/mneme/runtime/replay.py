@@ -36,8 +36,8 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
       the data directory.
     * Distributed (kafka bus): the search service's projections (the stores its
       ``MNEME_*_URL``s name) and its bank catalog, reset to offset 0 and read outside the
-      consumer group. Stop the search processes first: Kafka refuses to reset a group
-      with active members (StaleCommitError)."""
+      consumer group. Stop the search processes first: while a group has live members
+      Kafka refuses, and replay raises StaleCommitError before it changes anything."""
     root = Root(settings)
     try:
         if root.distributed:
@@ -45,15 +45,22 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
         else:
             parts = [build_ingest(root), build_search(root, bank_exists=lambda b: True),
                      build_consolidation(root, decide=False)]
-            parts[2].api["observations"].reset()
+        routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
+        tps = {g: [(t, p) for t in r.topics for p in range(root.log.partitions(t))]
+               for g, r in routers.items()}
+        # Refuse before anything is wiped: committing each group's own offsets back is a
+        # no-op, which Kafka refuses (StaleCommitError) while the group has live members.
+        for g in routers:
+            root.log.commit(g, {tp: root.log.committed(g, *tp) for tp in tps[g]})
+        for p in parts:
+            if "observations" in p.api:
+                p.api["observations"].reset()
         root.stores.reset()
         root.catalog.reset()
-        routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
         total = 0
         for name, r in routers.items():
             root.log.reset_group(name, r.topics)
-            total += sum(root.log.end_offset(t, p) for t in r.topics
-                         for p in range(root.log.partitions(t)))
+            total += sum(root.log.end_offset(*tp) for tp in tps[name])
         done = _drain(LogRunner(root.log, routers), progress, total)
         if progress:
             progress(total, total)
