@@ -73,13 +73,13 @@ def test_full_values_enable_bundled_stores_auth_otel_and_replay(full):
         assert ("StatefulSet", f"mneme-{dep}") in full
     cm = full[("ConfigMap", "mneme")]["data"]
     assert cm["MNEME_BUS_URL"] == "kafka://mneme-kafka:9092"
-    assert cm["MNEME_AUTH_MODE"] == "api-key"
-    assert cm["MNEME_API_KEYS_FILE"] == "/etc/mneme/auth/api-keys.yaml"
+    assert cm["MNEME_AUTH_MODE"] == "api_key"
+    assert cm["MNEME_API_KEYS_FILE"] == "/etc/mneme/auth/api-keys.json"
     assert cm["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
     secret = full[("Secret", "mneme")]["stringData"]
     assert secret["MNEME_GRAPH_URL"].startswith("bolt://neo4j:") and "@mneme-neo4j:7687" in secret["MNEME_GRAPH_URL"]
     assert secret["MNEME_LLM_API_KEY"] == "sk-test"
-    assert "api-keys.yaml" in full[("Secret", "mneme-auth")]["stringData"]
+    assert "api-keys.json" in full[("Secret", "mneme-auth")]["stringData"]
     replay = full[("Job", "mneme-replay-ci")]["spec"]["template"]["spec"]
     assert replay["containers"][0]["args"] == ["replay"]
     assert {"name": "data", "persistentVolumeClaim": {"claimName": "mneme-search-data"}} in replay["volumes"]
@@ -119,3 +119,24 @@ def test_lint_rejects_a_broken_template(tmp_path):
 def test_autoscaling_a_stateful_service_is_refused():
     with pytest.raises(hc.CheckFailed, match="per-process state"):
         hc.template(sets=["services.search.autoscaling.enabled=true"])
+
+
+def test_the_rendered_auth_settings_are_ones_the_server_accepts(full, tmp_path):
+    """The chart's MNEME_AUTH_MODE and keys file, as a service reads them: the server's own
+    interceptor takes the mode, and its key store reads the mounted file."""
+    from mneme import auth
+
+    cm = full[("ConfigMap", "mneme")]["data"]
+    name = cm["MNEME_API_KEYS_FILE"].rsplit("/", 1)[1]
+    path = tmp_path / name
+    path.write_text(full[("Secret", "mneme-auth")]["stringData"][name])
+    keys = auth.KeyStore(path)
+    assert [e["id"] for e in keys.entries()] == ["ci"]
+    guard = auth.AuthInterceptor(cm["MNEME_AUTH_MODE"], keys)
+    assert guard.mode == "api_key"
+
+
+@pytest.mark.parametrize("mode", ["api-key", "mTLS", "none"])
+def test_an_auth_mode_the_server_does_not_accept_fails_the_render(mode):
+    with pytest.raises(hc.CheckFailed, match="auth.mode"):
+        hc.template(sets=[f"auth.mode={mode}"])
