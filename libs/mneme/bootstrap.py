@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import grpc
 
-from mneme.bus import ALL_TOPICS, AUDIT, DLQ, codec, default_partitions
+from mneme.bus import codec, topics
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
 from mneme.datadir import DataDirLocked, lock, unlock
@@ -61,12 +61,13 @@ class Root:
 
     @cached_property
     def log(self):
-        """The event log, with mneme's topics created."""
+        """The event log, with mneme's topics created; raises
+        :class:`mneme.bus.topics.TopicConfigError` (a configuration error) when a history
+        topic would lose records."""
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
-        for t in ALL_TOPICS:
-            event_log.ensure_topic(t, 1 if t in (DLQ, AUDIT)
-                                   else st.partitions or default_partitions(t))
+        topics.ensure(event_log, st.partitions)
+        topics.require_history(event_log)  # TopicConfigError: history would expire
         return event_log
 
     @cached_property

@@ -442,18 +442,50 @@ app.add_typer(topics_app, name="topics")
 
 @topics_app.command("create")
 def topics_create():
-    """Create every mneme topic on the event log of MNEME_BUS_URL (partitions:
-    MNEME_PARTITIONS; Kafka replication: MNEME_KAFKA_REPLICATION_FACTOR). Existing topics
-    are left alone. Used by the Helm chart's topics Job."""
-    from mneme.bootstrap import Root
-    from mneme.bus import ALL_TOPICS as TOPICS
-    root = Root()
+    """Create every mneme topic on the event log of MNEME_BUS_URL that is missing, with
+    its partitions (MNEME_PARTITIONS), replication (MNEME_KAFKA_REPLICATION_FACTOR) and
+    configs (history never expires), then check them (as `mneme topics check`). Existing
+    topics are left alone. Used by the Helm chart's topics Job."""
+    from mneme.bus import ALL_TOPICS
+    from mneme.bus.logs import open_event_log
+    from mneme.bus.topics import ensure
+    from mneme.config import Settings
+    st = Settings()
+    event_log = open_event_log(st.url("bus"), **st.kafka_options())
     try:
-        event_log = root.log  # ensures every topic
-        for t in TOPICS:
+        ensure(event_log, st.partitions)
+        for t in ALL_TOPICS:
             print(f"{t}\t{event_log.partitions(t)} partitions")
+        _report_topics(event_log)
     finally:
-        root.close()
+        event_log.close()
+
+
+@topics_app.command("check")
+def topics_check():
+    """Check the topics of MNEME_BUS_URL: exit 1 when a history topic (intake, memory)
+    would lose records (finite retention, or compaction), so that replay from offset 0
+    could not rebuild the projections; other configs that differ are warnings."""
+    from mneme.bus.logs import open_event_log
+    from mneme.config import Settings
+    st = Settings()
+    event_log = open_event_log(st.url("bus"), **st.kafka_options())
+    try:
+        _report_topics(event_log)
+    finally:
+        event_log.close()
+
+
+def _report_topics(event_log) -> None:
+    from mneme.bus.topics import check
+    report = check(event_log)
+    for w in report.warnings:
+        console.print(f"[yellow]warning[/yellow] {w}")
+    for e in report.errors:
+        console.print(f"[red]error[/red] {e}")
+    if report.errors:
+        raise typer.Exit(1)
+    console.print("topics ok")
 
 
 log_app = typer.Typer(help="The embedded event log (log.db): check and recover.",

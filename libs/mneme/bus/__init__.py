@@ -38,6 +38,24 @@ DEFAULT_PARTITIONS = 4
 TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1,
                                    AUDIT: 1}
 
+#: The history topics: their records are the source every projection is rebuilt from, so
+#: they must never expire (replay from offset 0).
+HISTORY_TOPICS: tuple[str, ...] = (INTAKE, MEMORY)
+
+#: Kafka topic configs mneme creates its topics with (and ``mneme topics check``
+#: verifies): history, reflections and the audit trail kept forever; progress (what
+#: read-your-writes waits on) for 7 days; dead letters for 30 days (time to inspect and
+#: re-publish them). ``min.insync.replicas`` comes from the replication factor.
+TOPIC_CONFIGS: dict[str, dict[str, str]] = {
+    INTAKE: {"retention.ms": "-1", "retention.bytes": "-1", "cleanup.policy": "delete"},
+    MEMORY: {"retention.ms": "-1", "retention.bytes": "-1", "cleanup.policy": "delete"},
+    REFLECT: {"retention.ms": "-1", "cleanup.policy": "delete"},
+    AUDIT: {"retention.ms": "-1", "cleanup.policy": "delete"},
+    PROGRESS: {"retention.ms": str(7 * 86_400_000), "cleanup.policy": "delete"},
+    DLQ: {"retention.ms": str(30 * 86_400_000), "cleanup.policy": "delete"},
+}
+
+
 class StaleCommitError(RuntimeError):
     """A consumer-group commit was refused because the group's stored offset is already
     past it (or equal to it while records were to be produced): another consumer of the
@@ -78,7 +96,8 @@ def default_partitions(topic: str) -> int:
 
 
 __all__ = [
-    "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "INTAKE", "MEMORY", "PROGRESS", "REFLECT",
+    "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "HISTORY_TOPICS", "INTAKE", "MEMORY", "PROGRESS",
+    "REFLECT", "TOPIC_CONFIGS",
     "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions",
     "partition_for",
 ]

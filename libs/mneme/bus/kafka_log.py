@@ -43,11 +43,13 @@ from urllib.parse import parse_qs, urlsplit
 import tenacity
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
                              TopicAlreadyExistsError)
 
-from mneme.bus import ALL_TOPICS, StaleCommitError, default_partitions, partition_for
+from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
+                       partition_for)
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -218,20 +220,45 @@ class KafkaEventLog:
     # ---- topics ------------------------------------------------------------------
 
     def ensure_topic(self, topic: str, partitions: int) -> None:
-        """Create ``topic`` with ``partitions`` partitions (replication factor from the
-        options) unless it exists; waits until the brokers' metadata shows it.
-        Raises ValueError for an empty name or ``partitions`` < 1."""
+        """Create ``topic`` with ``partitions`` partitions, the replication factor of the
+        options and its configs (:meth:`configs_for`) unless it exists; waits until the
+        brokers' metadata shows it. An existing topic is left as it is (``mneme topics
+        check`` reports what differs). Raises ValueError for an empty name or
+        ``partitions`` < 1."""
         if not topic:
             raise ValueError("topic name must not be empty")
         if partitions < 1:
             raise ValueError(f"partitions must be >= 1, got {partitions}")
         self._loop.run(self._ensure_topic(topic, partitions))
 
+    def configs_for(self, topic: str) -> dict[str, str]:
+        """The Kafka configs mneme wants ``topic`` to have: :data:`mneme.bus.TOPIC_CONFIGS`
+        plus ``min.insync.replicas`` (replication factor − 1, at least 1)."""
+        wanted = dict(TOPIC_CONFIGS.get(topic, {}))
+        wanted["min.insync.replicas"] = str(max(1, self.options.replication_factor - 1))
+        return wanted
+
+    def topic_configs(self, topics: Sequence[str]) -> dict[str, dict[str, str]]:
+        """The configs the brokers report for each of ``topics`` (name → value; a broker
+        may leave out the ones at their defaults). Raises KafkaError for an unknown
+        topic."""
+        async def describe() -> dict[str, dict[str, str]]:
+            out: dict[str, dict[str, str]] = {}
+            for resp in await self._admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, t) for t in topics]):
+                for code, message, _, name, entries in resp.resources:
+                    if code:
+                        raise KafkaError(f"describing topic {name}: error {code} {message}")
+                    out[name] = {e[0]: e[1] for e in entries if e[1] is not None}
+            return out
+        return self._loop.run(describe())
+
     async def _ensure_topic(self, topic: str, partitions: int) -> int:
         existing = await self._partitions(topic)
         if not existing:
             resp = await self._admin.create_topics(
-                [NewTopic(topic, partitions, self.options.replication_factor)])
+                [NewTopic(topic, partitions, self.options.replication_factor,
+                          topic_configs=self.configs_for(topic))])
             for _, code, message in resp.topic_errors:
                 if code not in (0, TopicAlreadyExistsError.errno):
                     raise KafkaError(f"creating topic {topic}: error {code} {message}")

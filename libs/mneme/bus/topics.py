@@ -1,0 +1,82 @@
+"""mneme's topics on the event log: created with their partitions and configs
+(:data:`mneme.bus.TOPIC_CONFIGS`) and checked, so that replay from offset 0 keeps working.
+
+On Kafka a history topic (:data:`mneme.bus.HISTORY_TOPICS`) whose records would expire or
+be compacted away is an error: projections could no longer be rebuilt from it, and it would
+happen silently (Apache Kafka's default ``retention.ms`` is 7 days). Every service checks
+at start and refuses to run (:class:`TopicConfigError`); ``mneme topics check`` reports the
+same. Configs of the other topics that differ from mneme's are warnings. The embedded log
+keeps every record, so it has nothing to check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mneme.bus import ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, default_partitions
+
+
+class TopicConfigError(ValueError):
+    """A history topic would lose records (the message names each topic and config)."""
+
+
+@dataclass
+class Report:
+    """What :func:`check` found: ``errors`` (history topics that would lose records) and
+    ``warnings`` (other configs that differ from mneme's), one line each."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def ensure(log, partitions: int | None = None) -> None:
+    """Create every mneme topic that is missing: the DLQ and the audit trail with one
+    partition (one total order for humans), the others with ``partitions`` or their
+    default (:func:`mneme.bus.default_partitions`)."""
+    for t in ALL_TOPICS:
+        log.ensure_topic(t, 1 if t in (DLQ, AUDIT) else partitions or default_partitions(t))
+
+
+def check(log) -> Report:
+    """Compare the topics' configs on ``log`` with mneme's (a log without
+    ``topic_configs``, the embedded one, passes)."""
+    report = Report()
+    describe = getattr(log, "topic_configs", None)
+    if describe is None:
+        return report
+    have = describe(list(ALL_TOPICS))
+    for t in ALL_TOPICS:
+        got, wanted = have.get(t, {}), log.configs_for(t)
+        if t in HISTORY_TOPICS:
+            for name in ("retention.ms", "retention.bytes"):
+                value = got.get(name)
+                if value is None and name == "retention.ms":
+                    report.errors.append(f"{t}: retention.ms is not set, so the broker's "
+                                         "default applies (7 days on Apache Kafka): history "
+                                         "would expire; set retention.ms=-1")
+                elif value is not None and value != "-1":
+                    report.errors.append(f"{t}: {name}={value} would expire history; "
+                                         f"set {name}=-1")
+            if "compact" in got.get("cleanup.policy", ""):
+                report.errors.append(f"{t}: cleanup.policy={got['cleanup.policy']} would "
+                                     "drop a bank's older events; set cleanup.policy=delete")
+            continue
+        for name, value in wanted.items():
+            if got.get(name, value) != value:
+                report.warnings.append(f"{t}: {name}={got[name]} (mneme creates it with "
+                                       f"{value})")
+    return report
+
+
+def require_history(log) -> None:
+    """Raise TopicConfigError when :func:`check` finds errors (the service refuses to
+    start: fix the topics with ``kafka-configs --alter`` or recreate them with ``mneme
+    topics create``)."""
+    errors = check(log).errors
+    if errors:
+        raise TopicConfigError("the event log's history topics would lose records, so "
+                               "replay could not rebuild the projections: "
+                               + "; ".join(errors) + " (see `mneme topics check`)")
+
+
+__all__ = ["Report", "TopicConfigError", "check", "ensure", "require_history"]

@@ -1,0 +1,100 @@
+"""Topic configuration owned by mneme, on a Kafka-protocol broker (tansu), each test on a
+fresh broker: topics are created with their configs (history never expires), `mneme
+topics check` refuses a history topic that would expire records, and a service refuses
+to start on one."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from aiokafka.admin import NewTopic
+
+from mneme.bus import ALL_TOPICS, INTAKE, MEMORY, PROGRESS
+from mneme.bus.logs import open_event_log
+from mneme.bus.topics import TopicConfigError, check, ensure, require_history
+from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, TANSU, Tansu, mneme_bin
+
+
+@pytest.fixture
+def broker(tmp_path):
+    if not TANSU.exists():
+        pytest.skip("tansu not installed")
+    b = Tansu(tmp_path / "tansu.log")
+    yield b
+    b.stop()
+
+
+def _env(broker, tmp_path) -> dict:
+    import os
+    return {**os.environ, **KAFKA_TEST_ENV, "MNEME_BUS_URL": broker.url,
+            "MNEME_DATA_DIR": str(tmp_path / "d"), "MNEME_METRICS_PORT": "0"}
+
+
+def test_topics_are_created_with_configs_that_keep_history(broker):
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:
+        ensure(log)
+        got = log.topic_configs(list(ALL_TOPICS))
+        for t in (INTAKE, MEMORY):
+            assert got[t]["retention.ms"] == "-1" and got[t]["retention.bytes"] == "-1"
+            assert got[t]["cleanup.policy"] == "delete"
+        assert got[PROGRESS]["retention.ms"] == str(7 * 86_400_000)
+        assert all(got[t]["min.insync.replicas"] == "1" for t in ALL_TOPICS)
+        report = check(log)
+        assert report.errors == [] and report.warnings == []
+        require_history(log)  # passes
+    finally:
+        log.close()
+
+
+def _make_intake_expiring(broker) -> None:
+    """An operator's topic from before: intake with Kafka's usual 7-day retention."""
+    import asyncio
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(INTAKE, 4, 1,
+                                                topic_configs={"retention.ms": "604800000"})])
+            await admin.create_topics([NewTopic(MEMORY, 4, 1)])  # no retention set at all
+        finally:
+            await admin.close()
+    asyncio.run(create())
+
+
+def test_check_and_a_service_refuse_history_topics_that_would_expire(broker, tmp_path):
+    _make_intake_expiring(broker)
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:
+        ensure(log)  # an existing topic is left as it is
+        report = check(log)
+        assert any(e.startswith(f"{INTAKE}: retention.ms=604800000") for e in report.errors)
+        assert any(e.startswith(f"{MEMORY}: retention.ms is not set") for e in report.errors)
+        with pytest.raises(TopicConfigError, match="history topics would lose records"):
+            require_history(log)
+    finally:
+        log.close()
+    out = subprocess.run([mneme_bin(), "topics", "check"], env=_env(broker, tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "retention.ms=604800000" in out.stdout + out.stderr
+    # a service refuses to start, at once and with the reason (a configuration error)
+    env = {**_env(broker, tmp_path), "MNEME_GRPC_ADDRESS": "127.0.0.1:0"}
+    out = subprocess.run([mneme_bin(), "serve", "extraction"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "would lose records" in out.stdout + out.stderr
+
+
+def test_topics_create_then_check_passes_on_a_new_broker(broker, tmp_path):
+    env = _env(broker, tmp_path)
+    out = subprocess.run([mneme_bin(), "topics", "create"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    said = out.stdout + out.stderr  # the report goes to stderr, the listing to stdout
+    assert out.returncode == 0 and "topics ok" in said and f"{INTAKE}\t4 partitions" in said
+    out = subprocess.run([mneme_bin(), "topics", "check"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "topics ok" in out.stdout + out.stderr, out.stderr
