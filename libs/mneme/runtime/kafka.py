@@ -37,6 +37,7 @@ committed, so its new owner starts after it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -133,19 +134,20 @@ class GroupRun:
     :func:`mneme.telemetry.track_consumer` reports (``group``, ``running``,
     :meth:`lag_snapshot`)."""
 
-    def __init__(self, router: Router, delivery: Delivery, broker: KafkaBroker) -> None:
+    def __init__(self, router: Router, delivery: Delivery) -> None:
         self.router = router
         self.group = router.group.name
         self.topics = router.topics
         self.delivery = delivery
-        self.broker = broker
         self.publishers: dict[str, Any] = {}
         self.stats = dict.fromkeys(("handled", "skipped", "dead_lettered", "retries",
                                     "commit_failures"), 0)
         self.running = False
         self._lag: dict[tuple[str, int], int] = {}
         self._lock: asyncio.Lock | None = None
-        self._inflight: dict[str, int] = {}   # topic → records in hand
+        # topic → the record in hand and its envelope (a subscriber handles one at a time;
+        # the middleware decodes it once and the handler takes it from here)
+        self._in_hand: dict[str, tuple[Record, Envelope]] = {}
         self._idle: dict[str, asyncio.Event] = {}
         self._until_stopped = deadline.Deadline(None, lambda: not delivery.stopping.is_set())
 
@@ -154,7 +156,7 @@ class GroupRun:
     @property
     def busy(self) -> bool:
         """True while a record of this group is in hand in this process."""
-        return any(self._inflight.values())
+        return bool(self._in_hand)
 
     def _idle_event(self, topic: str) -> asyncio.Event:
         ev = self._idle.get(topic)
@@ -163,14 +165,13 @@ class GroupRun:
             ev.set()
         return ev
 
-    def begin(self, topic: str) -> None:
-        self._inflight[topic] = self._inflight.get(topic, 0) + 1
-        self._idle_event(topic).clear()
+    def begin(self, rec: Record, env: Envelope | None) -> None:
+        self._in_hand[rec.topic] = (rec, env)
+        self._idle_event(rec.topic).clear()
 
     def end(self, topic: str) -> None:
-        self._inflight[topic] -= 1
-        if not self._inflight[topic]:
-            self._idle_event(topic).set()
+        self._in_hand.pop(topic, None)
+        self._idle_event(topic).set()
 
     async def wait_idle_topic(self, topic: str, timeout: float) -> bool:
         try:
@@ -191,20 +192,12 @@ class GroupRun:
         # (the outputs encoded inside carry it on); a stop cancels the deadline, so a
         # long handler stops between steps and the record is redelivered.
         with telemetry.consume_span(self.group, rec, env), deadline.bind(self._until_stopped):
-            outs = list(self.router(env, rec) or [])
-        for o in outs:  # a bad output fails the handler (retried, then dead-lettered)
-            if not isinstance(o, OutRecord):
-                raise TypeError(f"handler returned {type(o).__name__}, expected OutRecord")
-            if not isinstance(o.key, str) or not isinstance(o.value, (bytes, bytearray)):
-                raise TypeError(f"handler returned a record with key {type(o.key).__name__}"
-                                f" and value {type(o.value).__name__} (need str, bytes)")
-        return outs
+            return self.router(env, rec)
 
     async def handle(self, message) -> None:  # noqa: ANN001 - FastStream's KafkaMessage
         """The subscribers' handler: route the record, produce the outputs, wait for
         every send. Raises what the router or the brokers raise (the middleware retries)."""
-        rec = record_of(message.raw_message)
-        env = decode(rec)
+        rec, env = self._in_hand[message.raw_message.topic]
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -217,13 +210,10 @@ class GroupRun:
         partition) and wait until the brokers acknowledge all of them."""
         pending = []
         for r in records:
-            pub = self.publishers.get(r.topic)
-            kwargs = dict(key=r.key.encode("utf-8"), headers=dict(r.headers),
-                          correlation_id=r.headers.get("ce_id") or None, no_confirm=True)
-            if pub is not None:
-                pending.append(await pub.publish(bytes(r.value), **kwargs))
-            else:  # a topic no publisher declares (e.g. a dead letter's progress)
-                pending.append(await self.broker.publish(bytes(r.value), r.topic, **kwargs))
+            # every topic a router or a dead letter writes has its group's publisher
+            pending.append(await self.publishers[r.topic].publish(
+                bytes(r.value), key=r.key.encode("utf-8"), headers=dict(r.headers),
+                correlation_id=r.headers.get("ce_id") or None, no_confirm=True))
         for fut in pending:
             await fut
 
@@ -251,25 +241,25 @@ class DeliveryMiddleware(BaseMiddleware):
             await msg.nack()  # seek back: a later commit must not pass this record
             return None
         rec = record_of(msg.raw_message)
-        run.begin(rec.topic)
         try:
-            try:
-                env = decode(rec)
-            except Exception as exc:  # corrupt payload: retrying cannot help
-                outs = run.dead_letters(rec, exc, 0, None)
+            env = decode(rec)
+        except Exception as exc:  # corrupt payload: retrying cannot help
+            env, undecodable = None, exc
+        run.begin(rec, env)
+        try:
+            outs = []
+            if env is None:
+                outs = run.dead_letters(rec, undecodable, 0, None)
+            elif env.message is None or not run.router.handles(env.message):
+                run.stats["skipped"] += 1
             else:
-                if env.message is None or not run.router.handles(env.message):
-                    run.stats["skipped"] += 1
-                    outs = []
-                else:
-                    try:
-                        await self._attempts(call_next, msg, rec)
-                        outs = []
-                    except _Abandoned:
-                        await msg.nack()
-                        return None
-                    except Exception as exc:
-                        outs = run.dead_letters(rec, exc, self.attempts, env)
+                try:
+                    await self._attempts(call_next, msg, rec)
+                except _Abandoned:
+                    await msg.nack()
+                    return None
+                except Exception as exc:
+                    outs = run.dead_letters(rec, exc, self.attempts, env)
             try:
                 await run.produce(outs)
             except Exception:  # the brokers refuse: handle the record again
@@ -407,7 +397,7 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
             elif group.name not in routers or (wanted is not None and group.name not in wanted):
                 continue
             else:
-                run = GroupRun(routers[group.name], delivery, broker)
+                run = GroupRun(routers[group.name], delivery)
                 delivery.groups[group.name] = run
             # One FastStream router per group: its middleware is the group's policy.
             fs = KafkaRouter(middlewares=() if run is None else
@@ -513,11 +503,9 @@ class KafkaRunner:
         running; what the brokers raise when they cannot be reached in ``timeout`` s."""
         if self.running:
             raise RuntimeError("the Kafka runner is already running")
-        self.delivery = Delivery(max_attempts=self.delivery.max_attempts,
-                                 backoff=self.delivery.backoff,
-                                 backoff_max=self.delivery.backoff_max,
-                                 dlq_topic=self.delivery.dlq_topic,
-                                 revoke_wait_s=self.delivery.revoke_wait_s)
+        # the same policy, a fresh stop event and no groups yet
+        self.delivery = dataclasses.replace(self.delivery, stopping=threading.Event(),
+                                            groups={})
         self._ensure_topics(groups)
         self._broker = build_broker(self._services, self.routers,
                                     bootstrap_servers=self.log.bootstrap_servers,
@@ -608,16 +596,11 @@ class KafkaRunner:
 
     # ---- progress ----------------------------------------------------------------
 
-    def _partitions(self, group: str) -> list[tuple[str, int]]:
-        return [(t, p) for t in self.routers[group].topics for p in range(self.log.partitions(t))]
-
     def lag(self, group: str) -> dict[tuple[str, int], int]:
         """Records ``group`` has not committed yet per (topic, partition) of every
         partition of its topics (all processes' commits count): high watermark −
         committed offset. Raises KeyError for a group this runner does not run."""
-        tps = self._partitions(group)
-        ends = self.log.end_offsets(tps)
-        return {tp: max(0, ends[tp] - self.log.committed(group, *tp)) for tp in tps}
+        return self.log.lag(group, self.routers[group].topics)
 
     def lag_snapshot(self) -> dict[tuple[str, int], int]:
         """Every running group's lag as of at most :data:`LAG_REFRESH_S` ago, merged
@@ -654,11 +637,8 @@ class KafkaRunner:
             time.sleep(0.05)
 
     def _caught_up(self, group: str) -> bool:
-        run = self.groups[group]
-        tps = self._partitions(group)
-        ends = self.log.end_offsets(tps)
-        done = all(self.log.committed(group, *tp) >= ends[tp] for tp in tps)
-        return done and not run.busy  # read last: a record in hand is not done
+        done = not any(self.lag(group).values())
+        return done and not self.groups[group].busy  # read last: a record in hand is not done
 
 
 __all__ = ["Delivery", "DeliveryMiddleware", "GroupRun", "KafkaRunner", "SERVER",
