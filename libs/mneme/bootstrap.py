@@ -145,7 +145,7 @@ class ServiceParts:
 
 def _routers(root: Root, name: str, **deps) -> dict[str, Router]:
     return {g.name: Router(services()[name], g.name, deps) for g in services()[name].groups
-            if root.distributed or not g.distributed_only}
+            if g.runs_in(root.distributed)}
 
 
 def build_ingest(root: Root) -> ServiceParts:

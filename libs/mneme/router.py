@@ -22,6 +22,7 @@ encodes it; the runner commits the outputs with the input offset.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ class Group:
         """The topics this group reads, in declaration order."""
         return tuple(self.consumes)
 
+    def runs_in(self, distributed: bool) -> bool:
+        """True when the group runs in the topology (every group runs distributed)."""
+        return distributed or not self.distributed_only
+
     def handled(self, topic: str) -> tuple[str, ...]:
         """Names of the event types this group acts on in ``topic``."""
         return tuple(t.DESCRIPTOR.name for t in self.consumes.get(topic, {}))
@@ -123,12 +128,7 @@ def _bind(fn: Handler, deps: Mapping[str, Any], where: str) -> Callable[[Message
         elif p.default is inspect.Parameter.empty:
             raise ValueError(f"{where}: handler {fn.__qualname__} needs {p.name!r}, "
                              f"which the composition root does not provide")
-
-    def call(message: Message, meta: EventMeta):
-        return fn(message, meta, **kwargs)
-
-    call.__qualname__ = fn.__qualname__
-    return call
+    return functools.partial(fn, **kwargs)
 
 
 def meta_of(env: Envelope, record: Record) -> EventMeta:
@@ -208,8 +208,7 @@ class Router:
 def groups_of(services: Iterable[Service], distributed: bool) -> dict[str, tuple[str, ...]]:
     """Consumer group → topics, for the groups that run in the topology (``distributed``
     includes the :attr:`Group.distributed_only` ones)."""
-    return {g.name: g.topics for s in services for g in s.groups
-            if distributed or not g.distributed_only}
+    return {g.name: g.topics for s in services for g in s.groups if g.runs_in(distributed)}
 
 
 __all__ = ["Group", "Handler", "Router", "Service", "groups_of", "meta_of"]

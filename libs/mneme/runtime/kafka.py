@@ -144,7 +144,7 @@ class GroupRun:
                                     "commit_failures"), 0)
         self.running = False
         self._lag: dict[tuple[str, int], int] = {}
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # a group's handlers one at a time in this process
         # topic → the record in hand and its envelope (a subscriber handles one at a time;
         # the middleware decodes it once and the handler takes it from here)
         self._in_hand: dict[str, tuple[Record, Envelope]] = {}
@@ -198,8 +198,6 @@ class GroupRun:
         """The subscribers' handler: route the record, produce the outputs, wait for
         every send. Raises what the router or the brokers raise (the middleware retries)."""
         rec, env = self._in_hand[message.raw_message.topic]
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             outs = await asyncio.to_thread(self._call, env, rec)
         await self.produce(outs)
