@@ -164,8 +164,46 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.affinity }}
+{{- end -}}
+
+{{/* affinity of a pod: (dict "root" $ "component" NAME); component "" (Jobs): the values'
+   affinity only. A service's pods also get pod anti-affinity against the pods of the same
+   service (podAntiAffinity.mode), unless the values' affinity sets its own. */}}
+{{- define "mneme.affinity" -}}
+{{- $aff := deepCopy (.root.Values.affinity | default dict) }}
+{{- $anti := .root.Values.podAntiAffinity }}
+{{- if and .component (ne $anti.mode "none") (not (hasKey $aff "podAntiAffinity")) }}
+{{- $term := dict "topologyKey" $anti.topologyKey "labelSelector" (dict "matchLabels" (include "mneme.selectorLabels" . | fromYaml)) }}
+{{- if eq $anti.mode "required" }}
+{{- $_ := set $aff "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+{{- else }}
+{{- $_ := set $aff "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" (int $anti.weight) "podAffinityTerm" $term))) }}
+{{- end }}
+{{- end }}
+{{- with $aff -}}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* The data volume (MNEME_DATA_DIR) of one pod, from a service's dataDir values: an
+   emptyDir of sizeLimit, or a generic ephemeral volume (a PVC of its own per pod, deleted
+   with the pod). Never a claim shared by pods: each replica's data dir is its own cache. */}}
+{{- define "mneme.dataVolume" -}}
+- name: data
+  {{- if eq .type "ephemeral" }}
+  ephemeral:
+    volumeClaimTemplate:
+      spec:
+        accessModes: [ReadWriteOnce]
+        {{- with .storageClass }}
+        storageClassName: {{ . | quote }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ .sizeLimit | quote }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit | quote }}
+  {{- end }}
 {{- end -}}
