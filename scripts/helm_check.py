@@ -2,7 +2,8 @@
 same functions, plus broken values and manifests, to prove each check rejects them).
 
 For the default values and ci/full-values.yaml: ``helm lint --strict`` (template errors,
-warnings as failures), ``helm template`` (renders every manifest), then
+warnings as failures, and the values against helm/mneme/values.schema.json: a misspelled
+key or a wrong type fails), ``helm template`` (renders every manifest), then
 ``kubernetes-validate --strict`` on the rendered manifests (the Kubernetes OpenAPI schemas
 shipped in the PyPI package: unknown fields and wrong types fail).
 
@@ -65,13 +66,18 @@ def _values_args(values: list[Path], sets: list[str]) -> list[str]:
 
 
 def lint(chart: Path = CHART, values: list[Path] = (), sets: list[str] = ()) -> str:
+    """``helm lint --strict`` of ``chart`` with values files and ``--set`` strings; returns
+    helm's output, raises CheckFailed (with that output) when lint fails."""
     return _run([helm_binary(), "lint", "--strict", str(chart), *_values_args(list(values), list(sets))])
 
 
-def template(chart: Path = CHART, values: list[Path] = (), sets: list[str] = ()) -> str:
-    """The rendered manifests (one YAML stream)."""
+def template(chart: Path = CHART, values: list[Path] = (), sets: list[str] = (),
+             extra: list[str] = ()) -> str:
+    """The rendered manifests (one YAML stream) of release "mneme" in namespace "mneme";
+    ``extra`` are further helm flags (e.g. ``--skip-schema-validation``). Raises
+    CheckFailed when helm refuses the values or a template fails."""
     return _run([helm_binary(), "template", "mneme", str(chart), "--namespace", "mneme",
-                 *_values_args(list(values), list(sets))])
+                 *_values_args(list(values), list(sets)), *extra])
 
 
 def validate(manifests: str) -> str:
