@@ -223,11 +223,13 @@ def build_reflect(root: Root, recall: Callable | None = None,
     from services.reflect.handlers import Reflector
     checks = []
     if recall is None:
+        from mneme.grpc_util import ClientTLS
         from services.reflect.remote import RemoteRecall
         if not root.settings.search_address:
             raise ValueError("reflect needs MNEME_SEARCH_ADDRESS (the search service) "
                              "in the distributed topology")
-        remote = root._opened(RemoteRecall(root.settings.search_address))
+        remote = root._opened(RemoteRecall(root.settings.search_address,
+                                           tls=ClientTLS.from_settings(root.settings)))
         recall, checks = remote, [remote.ping]
     exists = bank_exists or (lambda bank_id: True)  # remote: search answers NOT_FOUND
     event_log, source = root.log, services()["reflect"].source

@@ -1,7 +1,8 @@
 """The ``mneme`` command line.
 
 ``mneme up`` runs every service in one process on the embedded stores; the other
-commands are gRPC clients of a running server (``--address``, or ``MNEME_ADDRESS``),
+commands are gRPC clients of a running server (``--address``, or ``MNEME_ADDRESS``; TLS
+with ``--tls-ca``/``--tls-cert``/``--tls-key`` or ``MNEME_CLIENT_TLS_*``),
 except ``replay``, which rebuilds the projections of a stopped server's data dir.
 """
 
@@ -37,9 +38,25 @@ AddressOpt = typer.Option(ADDRESS, "--address", "-a", help="gRPC address of a ru
 @app.callback()
 def _options(api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="MNEME_API_KEY",
-        help="API key sent to the server (MNEME_AUTH_MODE=api_key)")) -> None:
-    if api_key:
-        os.environ["MNEME_API_KEY"] = api_key
+        help="API key sent to the server (MNEME_AUTH_MODE=api_key)"),
+        tls_ca: Optional[str] = typer.Option(
+            None, "--tls-ca", envvar="MNEME_CLIENT_TLS_CA",
+            help="TLS to the server: CA (PEM) that signs its certificate"),
+        tls_cert: Optional[str] = typer.Option(
+            None, "--tls-cert", envvar="MNEME_CLIENT_TLS_CERT",
+            help="client certificate (PEM) for an mtls server"),
+        tls_key: Optional[str] = typer.Option(
+            None, "--tls-key", envvar="MNEME_CLIENT_TLS_KEY",
+            help="private key (PEM) of --tls-cert"),
+        tls_server_name: Optional[str] = typer.Option(
+            None, "--tls-server-name", envvar="MNEME_CLIENT_TLS_SERVER_NAME",
+            help="name expected in the server's certificate")) -> None:
+    # The client commands' MnemeClient reads these from the environment.
+    for var, value in (("MNEME_API_KEY", api_key), ("MNEME_CLIENT_TLS_CA", tls_ca),
+                       ("MNEME_CLIENT_TLS_CERT", tls_cert), ("MNEME_CLIENT_TLS_KEY", tls_key),
+                       ("MNEME_CLIENT_TLS_SERVER_NAME", tls_server_name)):
+        if value:
+            os.environ[var] = value
 
 
 def _client(address: str):

@@ -6,7 +6,8 @@
                            "timestamp": datetime(2024, 3, 1, tzinfo=timezone.utc)}])
         for r in m.recall("demo", "Where does Alice live?").results: ...
 
-Errors are ``grpc.RpcError`` with the server's status code (INVALID_ARGUMENT carries
+TLS/mTLS: ``MnemeClient(addr, tls=ClientTLS(ca=..., cert=..., key=...))`` or the
+``MNEME_CLIENT_TLS_*`` variables. Errors are ``grpc.RpcError`` with the server's status code (INVALID_ARGUMENT carries
 ``google.rpc.BadRequest`` field violations; see :func:`field_violations`).
 """
 
@@ -19,7 +20,7 @@ import grpc
 from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
-from mneme.grpc_util import dt_to_ts
+from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import observations_pb2, observations_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
@@ -97,24 +98,35 @@ class _Details(grpc.ClientCallDetails):
                                                                    compression)
 
 
-def api_channel(address: str, options=(), api_key: str | None = None) -> grpc.Channel:
+_UNSET = object()
+
+
+def api_channel(address: str, options=(), api_key: str | None = None,
+                tls: ClientTLS | None | object = _UNSET) -> grpc.Channel:
     """A channel to ``address`` carrying ``api_key`` (default ``$MNEME_API_KEY``) and trace
-    context on every call."""
+    context on every call. ``tls``: a :class:`mneme.grpc_util.ClientTLS` (its files are
+    re-read when they change), None for plaintext; default from ``MNEME_CLIENT_TLS_*``
+    (plaintext when none is set)."""
     import os
     key = api_key if api_key is not None else os.environ.get("MNEME_API_KEY") or None
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=list(options)),
-                                  _CallMetadata(key))
+    tls = ClientTLS.from_env() if tls is _UNSET else tls
+    return grpc.intercept_channel(secure_channel(address, tls, options), _CallMetadata(key))
 
 
 class MnemeClient:
     """Client of every mneme API on one address (``host:port``). ``timeout`` is the
     default per-call deadline in seconds; ``api_key`` (default ``$MNEME_API_KEY``) is sent
-    as ``authorization: Bearer <key>`` on every call."""
+    as ``authorization: Bearer <key>`` on every call. ``tls``: TLS, and the client
+    certificate for an mtls server, as a :class:`mneme.grpc_util.ClientTLS`, e.g.
+    ``ClientTLS(ca="ca.pem", cert="me.pem", key="me.key")``; None: plaintext; default
+    from ``MNEME_CLIENT_TLS_CA``/``_CERT``/``_KEY``/``_SERVER_NAME`` (plaintext when none
+    is set). The files are re-read when they change (a new channel after a rotation)."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, tls: ClientTLS | None | object = _UNSET):
         import os
-        self._raw = grpc.insecure_channel(address, options=[
+        self.tls = ClientTLS.from_env() if tls is _UNSET else tls
+        self._raw = secure_channel(address, self.tls, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20)])
         key = api_key if api_key is not None else os.environ.get("MNEME_API_KEY") or None

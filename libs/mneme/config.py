@@ -57,22 +57,61 @@ class Settings(BaseSettings):
     api_keys_file: str = Field(
         default="", description="Hashed API keys and their scopes (default "
                                 "$MNEME_DATA_DIR/api_keys.json; `mneme keys create`)")
-    tls_cert: str = Field(default="", description="Server certificate (PEM) for mtls")
-    tls_key: str = Field(default="", description="Server private key (PEM) for mtls")
+    tls_cert: str = Field(default="", description="Server certificate (PEM): TLS on the "
+                                                  "gRPC port (needed for mtls); re-read "
+                                                  "when the file changes")
+    tls_key: str = Field(default="", description="Server private key (PEM) of "
+                                                 "MNEME_TLS_CERT")
     tls_client_ca: str = Field(default="", description="CA (PEM) that signs client "
                                                        "certificates for mtls")
+    # gRPC clients (SDK, CLI, reflect → search); files are re-read when they change.
+    client_tls_ca: str = Field(
+        default="", description="gRPC client: CA (PEM) to trust for the server's "
+                                "certificate; setting any MNEME_CLIENT_TLS_* turns TLS on")
+    client_tls_cert: str = Field(
+        default="", description="gRPC client: certificate (PEM) sent to an mtls server")
+    client_tls_key: str = Field(
+        default="", description="gRPC client: private key (PEM) of MNEME_CLIENT_TLS_CERT")
+    client_tls_server_name: str = Field(
+        default="", description="gRPC client: name expected in the server's certificate "
+                                "(default: the host of the address)")
+    # Kafka (mneme.bus.security); a bad combination stops the process at start.
+    kafka_security_protocol: str = Field(
+        default="PLAINTEXT", description="Kafka: PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL")
+    kafka_ssl_cafile: str = Field(
+        default="", description="Kafka TLS: CA (PEM) of the brokers (default: system CAs)")
+    kafka_ssl_certfile: str = Field(
+        default="", description="Kafka TLS: client certificate (PEM), if brokers ask for one")
+    kafka_ssl_keyfile: str = Field(
+        default="", description="Kafka TLS: private key (PEM) of MNEME_KAFKA_SSL_CERTFILE")
+    kafka_ssl_check_hostname: bool = Field(
+        default=True, description="Kafka TLS: check the broker's name in its certificate")
+    kafka_sasl_mechanism: str = Field(
+        default="", description="Kafka SASL: PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 "
+                                "(default PLAIN)")
+    kafka_sasl_username: str = Field(default="", description="Kafka SASL: user name")
+    kafka_sasl_password: str = Field(default="", description="Kafka SASL: password")
     metrics_port: int = Field(
         default=9464, description="Prometheus scrape endpoint port (0: off)")
 
     def kafka_options(self) -> dict:
-        """The ``kafka_*`` settings as :class:`mneme.bus.kafka_log.KafkaOptions` fields."""
-        return {"replication_factor": self.kafka_replication_factor,
+        """The ``kafka_*`` settings as :class:`mneme.bus.kafka_log.KafkaOptions` fields
+        (``security``: :meth:`kafka_security`, so bad security settings raise here)."""
+        return {"security": self.kafka_security(),
+                "replication_factor": self.kafka_replication_factor,
                 "session_timeout_ms": self.kafka_session_timeout_ms,
                 "heartbeat_interval_ms": self.kafka_heartbeat_interval_ms,
                 "max_poll_interval_ms": self.kafka_max_poll_interval_ms,
                 "request_timeout_ms": self.kafka_request_timeout_ms,
                 "enable_idempotence": self.kafka_enable_idempotence,
                 "connect_timeout_s": self.kafka_connect_timeout_s}
+
+    def kafka_security(self):
+        """The ``kafka_security_protocol``/``kafka_ssl_*``/``kafka_sasl_*`` settings as a
+        :class:`mneme.bus.security.KafkaSecurity`; raises its KafkaSecurityError (a
+        ValueError) for a combination that cannot work."""
+        from mneme.bus.security import KafkaSecurity  # lazy: no bus import for config
+        return KafkaSecurity.from_settings(self)
 
     def url(self, kind: str) -> str:
         """The configured URL of ``kind`` (bus, vector, text, graph, catalog), or its

@@ -1,10 +1,13 @@
-"""gRPC transport helpers: map mneme errors to statuses with google.rpc details, and
-convert times between protobuf Timestamps and aware datetimes."""
+"""gRPC transport helpers: map mneme errors to statuses with google.rpc details,
+convert times between protobuf Timestamps and aware datetimes, and client channels with
+TLS whose certificate files are re-read when they change (:class:`ClientTLS`,
+:func:`secure_channel`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from datetime import datetime, timezone
 
 import grpc
@@ -151,3 +154,215 @@ class ValidationInterceptor(grpc.ServerInterceptor):
             return checked
 
         return wrap_handler(handler, wrap)
+
+
+# ---- client TLS (SDK, CLI, reflect → search) -------------------------------------
+
+class ClientTLS:
+    """TLS for a gRPC client: ``ca`` (PEM file of the CA that signs the server's
+    certificate; empty: the system's trust store), ``cert``/``key`` (PEM files of the
+    client certificate and its key, for an mtls server; both or neither),
+    ``server_name`` (the name expected in the server's certificate instead of the
+    address's host). ``check_every_s``: seconds between checks of the files' mtimes —
+    a channel made by :func:`secure_channel` is rebuilt from the new files after one
+    changed. Raises ValueError for a cert without a key or the other way round."""
+
+    def __init__(self, ca: str = "", cert: str = "", key: str = "", server_name: str = "",
+                 check_every_s: float = 2.0) -> None:
+        if bool(cert) != bool(key):
+            raise ValueError("a client certificate needs its key and the other way round "
+                             "(MNEME_CLIENT_TLS_CERT and MNEME_CLIENT_TLS_KEY)")
+        self.ca, self.cert, self.key = str(ca or ""), str(cert or ""), str(key or "")
+        self.server_name, self.check_every_s = server_name, check_every_s
+
+    @classmethod
+    def from_settings(cls, settings) -> "ClientTLS | None":
+        """The ``client_tls_*`` fields of :class:`mneme.config.Settings`
+        (``MNEME_CLIENT_TLS_CA``/``_CERT``/``_KEY``/``_SERVER_NAME``); None when none is
+        set (plaintext)."""
+        fields = (settings.client_tls_ca, settings.client_tls_cert, settings.client_tls_key,
+                  settings.client_tls_server_name)
+        return cls(*fields) if any(fields) else None
+
+    @classmethod
+    def from_env(cls) -> "ClientTLS | None":
+        """:meth:`from_settings` of the process's ``MNEME_*`` environment."""
+        from mneme.config import Settings
+        return cls.from_settings(Settings())
+
+    def files(self) -> tuple[str, ...]:
+        """The certificate files this TLS reads (the ones that are set)."""
+        return tuple(p for p in (self.ca, self.cert, self.key) if p)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Channel credentials from the files as they are now (OSError if one is
+        missing)."""
+        from pathlib import Path
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca),
+                                            private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+    def options(self) -> list[tuple[str, str]]:
+        """Channel options: the server name override, when set."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def __repr__(self) -> str:
+        return (f"ClientTLS(ca={self.ca!r}, cert={self.cert!r}, key={self.key!r}, "
+                f"server_name={self.server_name!r})")
+
+
+def file_signature(paths) -> tuple:
+    """What changes when a file is rewritten or replaced: (mtime ns, size, inode) of each
+    path, None for one that cannot be read."""
+    import os
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def secure_channel(address: str, tls: "ClientTLS | None", options=()) -> grpc.Channel:
+    """A channel to ``address``: plaintext when ``tls`` is None; else TLS with ``tls``'s
+    credentials, rebuilt from the files when they change (checked at most every
+    ``tls.check_every_s`` seconds, and at the next call after one ended UNAVAILABLE)."""
+    options = list(options)
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    if not tls.files():  # system trust store only: nothing to reload
+        return grpc.secure_channel(address, tls.credentials(), options=options + tls.options())
+    return _ReloadingChannel(
+        lambda: grpc.secure_channel(address, tls.credentials(), options=options + tls.options()),
+        tls.files(), tls.check_every_s)
+
+
+class _ReloadingChannel(grpc.Channel):
+    """A channel that hands every call to the current inner channel, and makes a new
+    inner channel (``build()``) once the watched files changed. The replaced channel
+    stays open until the next replacement or :meth:`close`, so calls in flight on it
+    finish."""
+
+    def __init__(self, build, files, check_every_s: float) -> None:
+        import threading
+        self._build, self._files, self._every = build, tuple(files), check_every_s
+        self._lock = threading.Lock()
+        self._sig = file_signature(self._files)
+        self._channel = build()
+        self._retired: grpc.Channel | None = None
+        self._checked = time.monotonic()
+
+    def current(self) -> grpc.Channel:
+        """The inner channel, rebuilt first when the files changed since it was made."""
+        now = time.monotonic()
+        if now - self._checked < self._every:
+            return self._channel
+        with self._lock:
+            self._checked = now
+            sig = file_signature(self._files)
+            if sig != self._sig and None not in sig:  # a file being replaced: next time
+                try:
+                    fresh = self._build()
+                except OSError as e:
+                    log.warning("TLS files %s unreadable, keeping the old channel: %s",
+                                self._files, e)
+                else:
+                    if self._retired is not None:
+                        self._retired.close()
+                    self._retired, self._channel, self._sig = self._channel, fresh, sig
+                    log.info("TLS files changed (%s): new channel", ", ".join(self._files))
+            return self._channel
+
+    def recheck(self) -> None:
+        """Check the files at the next call (after an UNAVAILABLE)."""
+        self._checked = float("-inf")
+
+    def _multi(self, kind: str, method, request_serializer, response_deserializer,
+               registered: bool):
+        return _ReloadingCallable(self, kind, method, request_serializer,
+                                  response_deserializer, registered)
+
+    def unary_unary(self, method, request_serializer=None, response_deserializer=None,
+                    _registered_method=False):
+        return self._multi("unary_unary", method, request_serializer, response_deserializer,
+                           _registered_method)
+
+    def unary_stream(self, method, request_serializer=None, response_deserializer=None,
+                     _registered_method=False):
+        return self._multi("unary_stream", method, request_serializer, response_deserializer,
+                           _registered_method)
+
+    def stream_unary(self, method, request_serializer=None, response_deserializer=None,
+                     _registered_method=False):
+        return self._multi("stream_unary", method, request_serializer, response_deserializer,
+                           _registered_method)
+
+    def stream_stream(self, method, request_serializer=None, response_deserializer=None,
+                      _registered_method=False):
+        return self._multi("stream_stream", method, request_serializer, response_deserializer,
+                           _registered_method)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self.current().subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        for ch in (self._channel, self._retired):
+            if ch is not None:
+                try:
+                    ch.unsubscribe(callback)
+                except (KeyError, ValueError):
+                    pass
+
+    def close(self):
+        with self._lock:
+            for ch in (self._channel, self._retired):
+                if ch is not None:
+                    ch.close()
+            self._retired = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class _ReloadingCallable:
+    """A multi-callable that resolves the inner channel's own at each call (cached per
+    inner channel)."""
+
+    def __init__(self, owner: _ReloadingChannel, kind: str, method, ser, deser,
+                 registered: bool) -> None:
+        self.owner, self.kind, self.method = owner, kind, method
+        self.ser, self.deser, self.registered = ser, deser, registered
+        self._for: tuple[grpc.Channel, object] | None = None
+
+    def _inner(self):
+        ch = self.owner.current()
+        cached = self._for
+        if cached is None or cached[0] is not ch:
+            cached = (ch, getattr(ch, self.kind)(self.method, self.ser, self.deser,
+                                                 _registered_method=self.registered))
+            self._for = cached
+        return cached[1]
+
+    def _watch(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.owner.recheck()
+            raise
+
+    def __call__(self, *args, **kwargs):
+        return self._watch(self._inner(), *args, **kwargs)
+
+    def with_call(self, *args, **kwargs):
+        return self._watch(self._inner().with_call, *args, **kwargs)
+
+    def future(self, *args, **kwargs):
+        return self._inner().future(*args, **kwargs)

@@ -1,6 +1,6 @@
 """reflect → search over gRPC: a ``recall`` function with the in-process signature
 (``RecallQuery -> RecallOutcome``) that calls search's RecallService, for the
-distributed topology (``MNEME_SEARCH_ADDRESS``)."""
+distributed topology (``MNEME_SEARCH_ADDRESS``; TLS/mTLS from ``MNEME_CLIENT_TLS_*``)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,14 @@ def memory_from_api(bank_id: str, m: resources_pb2.Memory) -> Fact:
 class RemoteRecall:
     """Calls search's RecallService at ``address`` (host:port). Maps NOT_FOUND →
     NotFound, INVALID_ARGUMENT → InvalidArgument, DEADLINE_EXCEEDED → DeadlineExceeded,
-    anything else (search down) → Unavailable. ``timeout``: seconds per call."""
+    anything else (search down) → Unavailable. ``timeout``: seconds per call. ``tls``: a
+    :class:`mneme.grpc_util.ClientTLS` (reflect's client certificate for an mtls search;
+    re-read when the files change), None for plaintext."""
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, timeout: float = 30.0, tls=None) -> None:
         from mneme.client import api_channel
         # MNEME_API_KEY: reflect's own key for search when search checks keys.
-        self.channel = api_channel(address)
+        self.channel = api_channel(address, tls=tls)
         self.stub = recall_pb2_grpc.RecallServiceStub(self.channel)
         self.timeout = timeout
 

@@ -50,6 +50,7 @@ from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
 
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
                        partition_for)
+from mneme.bus.security import KafkaSecurity
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KafkaOptions:
     """Client settings. Durations are milliseconds, as in Kafka's client configs.
+    ``security``: TLS and SASL of every client (:class:`mneme.bus.security.KafkaSecurity`).
 
     The defaults are Kafka's production defaults; tests against a single local broker
     lower ``session_timeout_ms``/``heartbeat_interval_ms`` so group joins take ~1 s.
@@ -67,6 +69,7 @@ class KafkaOptions:
     """
 
     client_id: str = "mneme"
+    security: KafkaSecurity = KafkaSecurity()
     replication_factor: int = 1
     session_timeout_ms: int = 45_000
     heartbeat_interval_ms: int = 3_000
@@ -171,8 +174,11 @@ class KafkaEventLog:
     # ---- connection --------------------------------------------------------------
 
     def _common(self) -> dict:
+        # Every client this log makes (metadata, admin, producer, consumers) goes
+        # through here, so each gets the TLS/SASL arguments.
         return dict(bootstrap_servers=self.bootstrap_servers, client_id=self.options.client_id,
-                    request_timeout_ms=self.options.request_timeout_ms)
+                    request_timeout_ms=self.options.request_timeout_ms,
+                    **self.options.security.client_kwargs())
 
     async def _connect(self) -> None:
         self._lock = asyncio.Lock()         # serialises the reader / probe consumers

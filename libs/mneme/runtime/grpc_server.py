@@ -1,8 +1,11 @@
-"""The gRPC server every topology runs: interceptors (tracing, auth, limits), TLS for
-mTLS, health and reflection, and the process's telemetry."""
+"""The gRPC server every topology runs: interceptors (tracing, auth, limits), TLS and
+mTLS (certificate files re-read on change), health and reflection, and the process's
+telemetry."""
 
 from __future__ import annotations
 
+import logging
+import ssl
 from concurrent import futures
 from pathlib import Path
 from typing import Callable
@@ -15,6 +18,7 @@ from mneme.config import Settings
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+log = logging.getLogger(__name__)
 
 
 def guard(settings: Settings):
@@ -52,18 +56,63 @@ def server(settings: Settings, guard=None) -> grpc.Server:
 
 
 def bind(server: grpc.Server, address: str, settings: Settings) -> int:
-    """Listen on ``address``: TLS requiring a client certificate for ``mtls``, plaintext
-    otherwise. Returns the port (0 when it cannot bind)."""
-    if settings.auth_mode != "mtls":
-        return server.add_insecure_port(address)
-    if not (settings.tls_cert and settings.tls_key and settings.tls_client_ca):
+    """Listen on ``address``: TLS when ``MNEME_TLS_CERT``/``MNEME_TLS_KEY`` are set
+    (any auth mode), requiring a client certificate signed by ``MNEME_TLS_CLIENT_CA`` for
+    ``mtls``; plaintext otherwise. The files are re-read when they change (every new
+    connection's handshake sees the current ones; see :func:`reloading_credentials`).
+    Returns the port (0 when it cannot bind). Raises ValueError for mtls without the
+    three files, or a key without a certificate; OSError when a file cannot be read."""
+    mtls = settings.auth_mode == "mtls"
+    if mtls and not (settings.tls_cert and settings.tls_key and settings.tls_client_ca):
         raise ValueError("MNEME_AUTH_MODE=mtls needs MNEME_TLS_CERT, MNEME_TLS_KEY and "
                          "MNEME_TLS_CLIENT_CA")
-    read = lambda p: Path(p).read_bytes()  # noqa: E731
-    creds = grpc.ssl_server_credentials([(read(settings.tls_key), read(settings.tls_cert))],
-                                        root_certificates=read(settings.tls_client_ca),
-                                        require_client_auth=True)
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ValueError("TLS needs both MNEME_TLS_CERT and MNEME_TLS_KEY")
+    if not settings.tls_cert:
+        return server.add_insecure_port(address)
+    creds = reloading_credentials(settings.tls_cert, settings.tls_key,
+                                  settings.tls_client_ca if mtls else "", require_client=mtls)
     return server.add_secure_port(address, creds)
+
+
+def reloading_credentials(cert: str, key: str, client_ca: str = "",
+                          require_client: bool = False) -> grpc.ServerCredentials:
+    """Server credentials from PEM files (``client_ca`` empty: no client CA) that follow
+    the files: gRPC asks for the configuration at each new TLS handshake, and the files
+    are read again only when one's mtime, size or inode changed. A rotation in progress
+    (a file missing or unreadable, a key that does not match its certificate) keeps the
+    last good configuration; the next handshake tries again. Raises OSError when a file
+    cannot be read at start."""
+    from mneme.grpc_util import file_signature
+    files = tuple(p for p in (cert, key, client_ca) if p)
+
+    def load():
+        # A key that does not match the certificate (half a rotation) raises here
+        # (ssl.SSLError is an OSError) instead of failing every handshake.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_server_certificate_configuration(
+            [(read(key), read(cert))], root_certificates=read(client_ca))
+
+    state = {"sig": file_signature(files)}
+    initial = load()
+
+    def fetch():
+        # Called by gRPC core on each handshake: must not raise; None = unchanged.
+        sig = file_signature(files)
+        if sig == state["sig"] or None in sig:
+            return None
+        try:
+            config = load()
+        except OSError as e:
+            log.warning("TLS files %s unusable, keeping the old ones: %s", files, e)
+            return None
+        state["sig"] = sig
+        log.info("TLS files changed (%s): new server certificate", ", ".join(files))
+        return config
+
+    return grpc.dynamic_ssl_server_credentials(initial, fetch,
+                                               require_client_authentication=require_client)
 
 
 def setup_telemetry(service_name: str, settings: Settings) -> dict:
