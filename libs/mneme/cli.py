@@ -28,9 +28,52 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="mneme: long-term memory for AI agents.")
 console = Console(stderr=True)
+
+
+def _configuration_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean "the configuration cannot work" rather than a bug: a MNEME_*
+    value of the wrong type (pydantic's ValidationError), Kafka TLS/SASL settings that
+    cannot work or files that cannot be read (KafkaSecurityError), a history topic that
+    would expire records (TopicConfigError). Imported lazily: most commands never see one."""
+    from pydantic import ValidationError
+    from mneme.bus.security import KafkaSecurityError
+    from mneme.bus.topics import TopicConfigError
+    return ValidationError, KafkaSecurityError, TopicConfigError
+
+
+def configuration_message(e: BaseException) -> str:
+    """One line for configuration error ``e``: a ValidationError of the settings names each
+    variable (``MNEME_PARTITIONS: Input should be a valid integer (got 'x')``, joined by
+    "; "); the others are their own message, which names the variable."""
+    from pydantic import ValidationError
+    if isinstance(e, ValidationError):
+        return "; ".join(
+            f"MNEME_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            + (f" (got {err['input']!r})" if "input" in err else "") for err in e.errors())
+    return " ".join(str(e).split())
+
+
+class _Commands(typer.core.TyperGroup):
+    """The root command group. Every command runs inside its :meth:`invoke`, so this is
+    the one place where a configuration error (see :func:`_configuration_errors`) becomes
+    exit status 1 with a one-line message on stderr instead of a traceback, for every
+    command that reads the settings or opens the event log."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            if not isinstance(e, _configuration_errors()):
+                raise
+            from rich.markup import escape
+            console.print(f"[red]configuration error[/red]: {escape(configuration_message(e))}",
+                          soft_wrap=True)
+            raise typer.Exit(1)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
+                  help="mneme: long-term memory for AI agents.")
 ADDRESS = os.environ.get("MNEME_ADDRESS", "127.0.0.1:50051")
 AddressOpt = typer.Option(ADDRESS, "--address", "-a", help="gRPC address of a running server")
 

@@ -132,6 +132,11 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
   secret:
     secretName: {{ include "mneme.authSecretName" . }}
 {{- end }}
+{{- with .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "mneme.commonMounts" -}}
@@ -144,6 +149,22 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
   mountPath: /etc/mneme/auth
   readOnly: true
 {{- end }}
+{{- if .Values.tls.secretName }}
+- name: tls
+  mountPath: /etc/mneme/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* How a probe reaches grpc.health.v1: Kubernetes' native gRPC probe (plaintext only),
+   or with TLS the image's health check script (the pod's MNEME_TLS_* / MNEME_CLIENT_TLS_*
+   settings, see deploy/healthcheck.py). */}}
+{{- define "mneme.probeAction" -}}
+{{- if .Values.tls.secretName -}}
+exec: {command: [python, /usr/local/lib/mneme/healthcheck.py]}
+{{- else -}}
+grpc: {port: {{ .Values.grpcPort }}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod-level settings shared by Deployments and Jobs. */}}
