@@ -14,7 +14,7 @@ HELM := tools/helm/bin/helm
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv proto run test bench up clean schemas asyncapi deploy-check helm helm-check
+.PHONY: venv proto run test bench bench-distributed up clean schemas asyncapi deploy-check helm helm-check
 
 venv: $(STAMP)
 
@@ -80,6 +80,15 @@ helm-check: venv $(HELM)
 
 bench: proto
 	$(BIN)/python tests/bench/locomo_retrieval.py --data $(DATA)
+
+# Five services as separate processes on tansu, 1 and REPLICAS replicas each, then the
+# 1-replica run again per fetch wait (BENCH_ARGS=--quick for a smoke run).
+REPLICAS ?= 3
+FETCH_WAITS ?= 10,50,100,500
+BENCH_JSON ?= .mneme/bench-distributed.json
+bench-distributed: proto
+	$(BIN)/python tests/bench/bench_distributed.py --data $(DATA) --replicas $(REPLICAS) \
+	  --fetch-max-wait-ms $(FETCH_WAITS) --json $(BENCH_JSON) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) libs/mneme/v1 libs/mneme/events .mneme tests/deploy/node_modules tools/helm/node_modules tools/helm/bin
