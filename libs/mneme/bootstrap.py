@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import grpc
 
-from mneme.bus import codec, topics
+from mneme.bus import codec, partition_for, topics
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
-from mneme.datadir import DataDirLocked, lock, unlock
-from mneme.router import Router, Service, groups_of
+from mneme.datadir import DataDirLocked, lock, replica_id, unlock
+from mneme.router import Group, Router, Service, group_ids
 
 log = logging.getLogger("mneme")
 
@@ -105,6 +105,36 @@ class Root:
         from mneme.llm import LlmGateway, LlmSettings
         return LlmGateway(LlmSettings())
 
+    @cached_property
+    def replica(self) -> str:
+        """This process's replica id (:func:`mneme.datadir.replica_id` of its data dir)."""
+        return replica_id(self.data_dir, self.settings.replica_id or None)
+
+    @property
+    def local_stores(self) -> bool:
+        """True when any of search's stores is a file of this process (embedded adapters),
+        so each search replica keeps its own copy (:attr:`mneme.router.Group.state`)."""
+        from mneme.stores import is_local
+        return any(is_local(self.settings.url(k)) for k in ("vector", "text", "graph"))
+
+    def group_id(self, group: Group) -> str:
+        """The consumer group id ``group`` runs under here: its name, or in the
+        distributed topology ``<name>.<replica>`` for a group each replica runs on its
+        own (:meth:`mneme.router.Group.per_replica`)."""
+        if self.distributed and group.per_replica(self.local_stores):
+            return f"{group.name}.{self.replica}"
+        return group.name
+
+    def group_ids(self) -> dict[str, tuple[str, ...]]:
+        """Every consumer group of the topology as the log knows it → its topics
+        (:func:`mneme.router.group_ids`): a group run per replica under this replica's
+        id and every other live replica's (a removed replica's copies are not pending
+        work)."""
+        own = [self.group_id(g) for s in services().values() for g in s.groups]
+        known = self.log.groups(live_only=True) if self.distributed else []
+        return group_ids(services().values(), self.distributed, [*known, *own],
+                         self.local_stores)
+
     def bank_config(self, bank_id: str):
         """The bank's config from this process's catalog, or None when unknown here."""
         bank = self.catalog.get_bank(bank_id)
@@ -141,11 +171,66 @@ class ServiceParts:
     api: dict = field(default_factory=dict)
     checks: list[Callable[[], bool]] = field(default_factory=list)
     runner: Any = None
+    restorers: dict[str, Router] = field(default_factory=dict)
 
 
 def _routers(root: Root, name: str, **deps) -> dict[str, Router]:
-    return {g.name: Router(services()[name], g.name, deps) for g in services()[name].groups
-            if g.runs_in(root.distributed)}
+    return {g.name: Router(services()[name], g.name, deps, group_id=root.group_id(g))
+            for g in services()[name].groups if g.runs_in(root.distributed)}
+
+
+def _restorers(root: Root, name: str, **deps) -> dict[str, Router]:
+    """The restore routers (:attr:`mneme.router.Group.restore`) of the service's groups
+    that keep replica-local state, in the distributed topology (embedded, one process
+    owns every partition and its state persists in the data dir)."""
+    if not root.distributed:
+        return {}
+    return {g.name: Router(services()[name], g.name, deps, group_id=root.group_id(g),
+                           restore=True)
+            for g in services()[name].groups if g.restore}
+
+
+#: Seconds a read waits for this replica's own copies to catch up (then it serves them).
+CATCH_UP_S = 5.0
+
+
+def _own_copies(parts: ServiceParts) -> list[Router]:
+    """The routers of ``parts`` whose group keeps this replica's own copy."""
+    return [r for r in parts.routers.values() if r.group_id != r.group.name]
+
+
+def _read_your_writes(root: Root, parts: ServiceParts) -> Callable[[str | None], bool]:
+    """``catch_up(bank_id)``: before a read of ``bank_id`` (every bank when None), wait
+    until this replica's own copies (groups run per replica) have handled every record
+    now on the bank's partitions, so a write another replica acknowledged is seen here.
+    True when caught up (or there is nothing to catch up), False after
+    :data:`CATCH_UP_S`."""
+    def catch_up(bank_id: str | None) -> bool:
+        if parts.runner is None:  # not consuming yet
+            return False
+        ok = True
+        for r in _own_copies(parts):
+            tps = []
+            for t in r.topics:
+                n = root.log.partitions(t)
+                tps += ([(t, partition_for(bank_id, n))] if bank_id is not None
+                        else [(t, p) for p in range(n)])
+            ok = parts.runner.catch_up(r.group.name, tps, CATCH_UP_S) and ok
+        return ok
+    return catch_up
+
+
+def _caught_up_once(parts: ServiceParts) -> Callable[[], bool]:
+    """A readiness check: False until this replica's own copies have caught up with the
+    log once (a fresh replica rebuilds them first), True from then on."""
+    state = {"ready": False}
+
+    def check() -> bool:
+        if not state["ready"] and parts.runner is not None:
+            state["ready"] = all(parts.runner.wait_idle(r.group.name, 0.0)
+                                 for r in _own_copies(parts))
+        return state["ready"]
+    return check
 
 
 def build_ingest(root: Root) -> ServiceParts:
@@ -155,11 +240,15 @@ def build_ingest(root: Root) -> ServiceParts:
     from services.ingest.handlers import Ingest
     svc = services()["ingest"]
     ingest = Ingest(root.log, root.catalog, root.settings.retain_timeout_s, llm=root.llm,
-                    group=svc.groups[0].name, source=svc.source,
-                    groups=groups_of(services().values(), root.distributed),
+                    group=root.group_id(svc.groups[0]), source=svc.source,
+                    groups=root.group_ids,
                     stores=None if root.distributed else root.stores)  # for GetBankStats
-    return ServiceParts("ingest", _routers(root, "ingest", catalog=root.catalog),
-                        lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
+    parts = ServiceParts("ingest", _routers(root, "ingest", catalog=root.catalog),
+                         lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
+    if _own_copies(parts):  # replicas each keep a catalog: reads catch up first
+        ingest.catch_up = _read_your_writes(root, parts)
+        parts.checks.append(_caught_up_once(parts))
+    return parts
 
 
 def build_extraction(root: Root) -> ServiceParts:
@@ -173,9 +262,10 @@ def build_extraction(root: Root) -> ServiceParts:
                                         bank_config=root.bank_config))
     extractor = BankModeExtractor(OfflineExtractor(resolver=root.resolver), llm,
                                   bank_config=root.bank_config)
-    return ServiceParts("extraction", _routers(
-        root, "extraction", extractor=extractor, embedder=root.embedder, resolver=root.resolver,
-        **root.own_catalog()))
+    deps = dict(extractor=extractor, embedder=root.embedder, resolver=root.resolver,
+                **root.own_catalog())
+    return ServiceParts("extraction", _routers(root, "extraction", **deps),
+                        restorers=_restorers(root, "extraction", **deps))
 
 
 def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -> ServiceParts:
@@ -200,13 +290,14 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
         executor=pool, reranker=reranker))
     parts = ServiceParts("search", _routers(root, "search", stores=stores, **root.own_catalog()))
     if bank_exists is None:  # its own catalog, projected by its distributed-only group
-        catalog = root.catalog
-        group = next(g.name for g in services()["search"].groups if g.distributed_only)
+        catalog, catch_up = root.catalog, _read_your_writes(root, parts)
+        parts.checks.append(_caught_up_once(parts))
 
         def bank_exists(bank_id: str) -> bool:
-            # A bank created a moment ago may not be projected here yet: catch up briefly.
-            return catalog.get_bank(bank_id) is not None or (
-                parts.runner.wait_idle(group, 2.0) and catalog.get_bank(bank_id) is not None)
+            # Every read names its bank first: this replica's copies (its catalog, and its
+            # stores when they are its own files) catch up with the bank's partitions.
+            catch_up(bank_id)
+            return catalog.get_bank(bank_id) is not None
     servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
     parts.register = lambda server: grpc_api.register(server, servicer)
     parts.api = {"recall": recall_fn, "bank_exists": bank_exists}
@@ -257,11 +348,19 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
     store = root._opened(SqliteObservationStore(str(root.data_dir / "observations.db")))
-    consolidator = Consolidator(store, root.bank_config, embedder=root.embedder if decide else None,
+    parts = ServiceParts("consolidation", api={"observations": store})
+    bank_config = root.bank_config
+    if root.distributed:  # its own catalog copy: a bank it does not know yet catches up
+        catch_up = _read_your_writes(root, parts)
+
+        def bank_config(bank_id: str):
+            return root.bank_config(bank_id) or (catch_up(bank_id) and root.bank_config(bank_id))
+    consolidator = Consolidator(store, bank_config, embedder=root.embedder if decide else None,
                                 llm=root.llm if decide else None)
-    return ServiceParts("consolidation", _routers(
-        root, "consolidation", consolidator=consolidator, decide=decide, **root.own_catalog()),
-        api={"observations": store})
+    deps = dict(consolidator=consolidator, decide=decide, **root.own_catalog())
+    parts.routers = _routers(root, "consolidation", **deps)
+    parts.restorers = _restorers(root, "consolidation", **deps)
+    return parts
 
 
 BUILDERS: dict[str, Callable[[Root], ServiceParts]] = {

@@ -33,13 +33,13 @@ console = Console(stderr=True)
 
 def _configuration_errors() -> tuple[type[BaseException], ...]:
     """The errors that mean "the configuration cannot work" rather than a bug: a MNEME_*
-    value of the wrong type (pydantic's ValidationError), Kafka TLS/SASL settings that
-    cannot work or files that cannot be read (KafkaSecurityError), a history topic that
-    would expire records (TopicConfigError). Imported lazily: most commands never see one."""
+    value of the wrong type (pydantic's ValidationError) and every
+    :class:`mneme.errors.ConfigurationError` (Kafka TLS/SASL settings that cannot work,
+    files that cannot be read, topics that would lose records). Imported lazily: most
+    commands never see one."""
     from pydantic import ValidationError
-    from mneme.bus.security import KafkaSecurityError
-    from mneme.bus.topics import TopicConfigError
-    return ValidationError, KafkaSecurityError, TopicConfigError
+    from mneme.errors import ConfigurationError
+    return ValidationError, ConfigurationError
 
 
 def configuration_message(e: BaseException) -> str:

@@ -50,6 +50,13 @@ class Settings(BaseSettings):
         default=True, description="Idempotent producer (needs broker support)")
     kafka_connect_timeout_s: float = Field(
         default=60.0, description="How long to retry an unreachable broker at startup")
+    kafka_fetch_max_wait_ms: int = Field(
+        default=100, description="Longest wait of a consumer's fetch for new records "
+                                 "(lower: less latency per hop, more fetches)")
+    replica_id: str = Field(
+        default="", description="This replica's name (e.g. the pod name; default the host "
+                                "name); its state's id adds a random suffix kept in the "
+                                "data dir")
 
     # ---- security and telemetry (mneme.auth, mneme.telemetry) ------------------------
     auth_mode: str = Field(
@@ -104,7 +111,8 @@ class Settings(BaseSettings):
                 "max_poll_interval_ms": self.kafka_max_poll_interval_ms,
                 "request_timeout_ms": self.kafka_request_timeout_ms,
                 "enable_idempotence": self.kafka_enable_idempotence,
-                "connect_timeout_s": self.kafka_connect_timeout_s}
+                "connect_timeout_s": self.kafka_connect_timeout_s,
+                "fetch_max_wait_ms": self.kafka_fetch_max_wait_ms}
 
     def kafka_security(self):
         """The ``kafka_security_protocol``/``kafka_ssl_*``/``kafka_sasl_*`` settings as a

@@ -29,3 +29,8 @@ class Cancelled(MnemeError):
 class Unavailable(MnemeError):
     """The service cannot answer now (starting, or a dependency such as the broker or
     another service is unreachable); the client may retry."""
+
+
+class ConfigurationError(MnemeError, ValueError):
+    """The settings or the deployment cannot work (a value, a file, the topics); the
+    message names what to fix. Processes stop with it at start (one line, exit 1)."""

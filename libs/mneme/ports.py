@@ -77,6 +77,10 @@ class EventLog(Protocol):
         does both in one transaction (exactly once); a Kafka adapter appends first, then
         commits (at least once, made exact by idempotent consumers)."""
 
+    def groups(self, live_only: bool = False) -> list[str]:
+        """Ids of the consumer groups the log knows (with committed offsets), sorted;
+        ``live_only``: those with members now, where the log knows membership."""
+
     def reset_group(self, group: str, topics: Sequence[str] | None = None) -> None:
         """Forget the group's offsets (on ``topics``, or all), so it re-reads from 0."""
 

@@ -62,6 +62,27 @@ class Group:
     ``mneme replay`` rebuilds from offset 0. ``secondary``: event types this group
     handles off their operation's path (the operation is done without them), so their
     dead letters do not fail the operation.
+
+    ``state`` says where the projection the group writes lives, which decides how its
+    replicas share the work (README "State"):
+
+    - ``"shared"``: the group's state is shared by its replicas or there is none; Kafka
+      balances the group's partitions over them (one consumer group, ``name``);
+    - ``"replica"``: every replica keeps its own full copy (a small table such as the
+      bank catalog), so every replica reads every partition under its own consumer group
+      (``<name>.<replica id>``, :func:`mneme.datadir.replica_id`);
+    - ``"stores"``: as ``"replica"`` while the process's search stores are files of its
+      own (the embedded adapters), as ``"shared"`` when they are servers.
+
+    ``restore``: topic → {event type: handler}, the changelog of a ``"shared"`` group's
+    replica-local state (the Kafka Streams model). When a replica is assigned partition
+    *p* of the group's topics it first applies these topics' partition *p* through these
+    handlers (outputs dropped), from where it last left them (else from offset 0): a topic
+    the group reads up to the group's committed offset, plus the outputs the group made
+    for those records beyond it; any other topic up to its end. So a replica that takes
+    over a bank resumes with the state its previous owner had after the last record it
+    committed (:meth:`mneme.runtime.kafka.GroupRun.restore`). Restore handlers must be
+    idempotent (they may see a record twice).
     """
 
     name: str
@@ -69,9 +90,20 @@ class Group:
     distributed_only: bool = False
     replay: bool = False
     secondary: tuple[type[Message], ...] = ()
+    state: str = "shared"
+    restore: Mapping[str, Mapping[type[Message], Handler]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_topics(f"group {self.name}", self.consumes)
+        _check_topics(f"group {self.name} (restore)", self.restore)
+        if self.state not in ("shared", "replica", "stores"):
+            raise ValueError(f"group {self.name}: state must be shared, replica or stores, "
+                             f"not {self.state!r}")
+
+    def per_replica(self, local_stores: bool) -> bool:
+        """True when each replica runs this group under its own consumer group: always
+        for ``state="replica"``, for ``"stores"`` when the stores are replica-local."""
+        return self.state == "replica" or (self.state == "stores" and local_stores)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -151,19 +183,44 @@ class Router:
     ``service`` declares (TypeError otherwise: a handler bug is dead-lettered, never
     published). Output ids are ``derive_id(input id, group, type, n)`` (n counts outputs
     of one type), so a redelivered or replayed input yields the same ids.
+
+    ``group_id`` is the consumer group's id on the event log: the group's name, or for a
+    group that runs once per replica (:meth:`Group.per_replica`) the replica's own id.
+    Output ids use the name, so every replica derives the same ones.
+
+    ``restore`` True: the router of the group's :attr:`Group.restore` handlers instead
+    (what a replica applies when it is assigned a partition).
     """
 
-    def __init__(self, service: Service, group: str, deps: Mapping[str, Any]) -> None:
+    def __init__(self, service: Service, group: str, deps: Mapping[str, Any],
+                 group_id: str | None = None, restore: bool = False) -> None:
         self.service = service
         self.group = service.group(group)
+        self.group_id = group_id or self.group.name
+        routes = self.group.restore if restore else self.group.consumes
+        self._topics = tuple(routes)
         self._handlers = {t.DESCRIPTOR.full_name: _bind(fn, deps, f"{service.name}/{group}")
-                          for handlers in self.group.consumes.values()
-                          for t, fn in handlers.items()}
+                          for handlers in routes.values() for t, fn in handlers.items()}
         self._secondary = {t.DESCRIPTOR.full_name for t in self.group.secondary}
 
     @property
     def topics(self) -> tuple[str, ...]:
-        return self.group.topics
+        """The topics this router's handlers read (the group's, or its restore topics)."""
+        return self._topics
+
+    @functools.cached_property
+    def types(self) -> frozenset[str]:
+        """The CloudEvents types (``ce_type``) this router has handlers for."""
+        return frozenset(codec.TYPE_PREFIX + name.rsplit(".", 1)[-1]
+                         for name in self._handlers)
+
+    def output_ids(self, causes: Iterable[str], topic: str, per_type: int = 8) -> set[str]:
+        """The ids :meth:`encode` gives the outputs on ``topic`` of the events ``causes``
+        (their :class:`EventMeta` ids): up to ``per_type`` outputs of each type the
+        service publishes there."""
+        names = [t.DESCRIPTOR.name for t in self.service.produces.get(topic, ())]
+        return {derive_id(c, self.group.name, name, str(n))
+                for c in causes for name in names for n in range(per_type)}
 
     def handles(self, message: Message) -> bool:
         """True when this group has a handler for ``message``'s type."""
@@ -211,4 +268,24 @@ def groups_of(services: Iterable[Service], distributed: bool) -> dict[str, tuple
     return {g.name: g.topics for s in services for g in s.groups if g.runs_in(distributed)}
 
 
-__all__ = ["Group", "Handler", "Router", "Service", "groups_of", "meta_of"]
+def group_ids(services: Iterable[Service], distributed: bool, known: Iterable[str] = (),
+              local_stores: bool = True) -> dict[str, tuple[str, ...]]:
+    """Consumer group id on the log → topics, for every group that runs in the topology:
+    a shared group under its name; a group run per replica (:meth:`Group.per_replica`,
+    distributed only) under each id of ``known`` (the log's groups, plus this replica's
+    own) that is ``<name>.<replica>``."""
+    known = sorted(set(known))
+    out: dict[str, tuple[str, ...]] = {}
+    for s in services:
+        for g in s.groups:
+            if not g.runs_in(distributed):
+                continue
+            if distributed and g.per_replica(local_stores):
+                out.update((k, g.topics) for k in known if k.startswith(g.name + ".")
+                           and "." not in k[len(g.name) + 1:])
+            else:
+                out[g.name] = g.topics
+    return out
+
+
+__all__ = ["Group", "Handler", "Router", "Service", "group_ids", "groups_of", "meta_of"]

@@ -263,3 +263,11 @@ def on_memory_event(m, meta: EventMeta, *, consolidator: Consolidator,
     """FactsExtracted, FactsRetracted, ConsolidationScheduled and consolidation's own
     ObservationsChanged (see :meth:`Consolidator.handle`)."""
     return consolidator.handle(m, meta, decide=decide)
+
+
+def on_memory_restore(m, meta: EventMeta, *, consolidator: Consolidator) -> list:
+    """Restore: a memory event applied as replay applies it (recorded decisions only,
+    nothing decided, no model), so a replica assigned a partition holds the observation
+    state its previous owners left. Produces nothing."""
+    consolidator.handle(m, meta, decide=False)
+    return []

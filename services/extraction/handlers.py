@@ -19,7 +19,7 @@ from mneme.bus import codec
 from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import Catalog, Embedder
+from mneme.ports import Catalog, Embedder, StoredEntity
 from services.extraction.llm import ExtractionIncomplete
 
 if TYPE_CHECKING:
@@ -30,14 +30,47 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
-                        embedder: Embedder) -> list[ev.FactsExtracted]:
-    """The request's items → one FactsExtracted. Fact ids derive from the operation, so a
-    retried request (same request_id, hence same operation) or a redelivered event yields
-    the same ids."""
+                        embedder: Embedder, resolver: EntityResolver
+                        ) -> list[ev.EntitiesResolved | ev.FactsExtracted]:
+    """The request's items → one FactsExtracted, preceded by the EntitiesResolved of the
+    entity-resolution decisions it took (none when it took none): the resolver's
+    changelog, which another replica restores (:func:`on_entities_resolved`). Fact ids
+    derive from the operation, so a retried request (same request_id, hence same
+    operation) or a redelivered event yields the same ids, and a redelivered event
+    resolves its mentions as they were resolved the first time."""
     facts = extract(m, m.operation_id, extractor, embedder, at=meta.time)
     if m.HasField("observation_scopes"):
         facts.observation_scopes.CopyFrom(m.observation_scopes)
-    return [facts]
+    entities, claims, aliases = resolver.drain(m.bank_id)
+    if not (entities or claims or aliases):
+        return [facts]
+
+    def resolved(e) -> ev.ResolvedEntity:
+        return ev.ResolvedEntity(id=e.id, key=e.key, name=e.name, label=e.label, kind=e.kind)
+    return [ev.EntitiesResolved(
+        bank_id=m.bank_id, operation_id=m.operation_id,
+        entities=[resolved(e) for e in entities], claims=[resolved(e) for e in claims],
+        aliases=[ev.EntityAlias(alias=a, entity_id=i) for a, i in aliases]), facts]
+
+
+def on_entities_resolved(m: ev.EntitiesResolved, meta: EventMeta, *,
+                         resolver: EntityResolver) -> list:
+    """Restore: another replica's resolution decisions become this resolver's
+    (:meth:`EntityResolver.learn`). Idempotent; produces nothing."""
+    def stored(e: ev.ResolvedEntity) -> StoredEntity:
+        return StoredEntity(id=e.id, key=e.key, name=e.name, label=e.label, kind=e.kind)
+    resolver.learn(m.bank_id, [stored(e) for e in m.entities], [stored(e) for e in m.claims],
+                   [(a.alias, a.entity_id) for a in m.aliases])
+    return []
+
+
+def on_bank_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
+                      resolver: EntityResolver) -> list:
+    """Restore: a deleted bank's entities are forgotten (in changelog order, so a bank
+    created again under the same id starts afresh). Other retractions change nothing."""
+    if m.bank_deleted:
+        resolver.forget(m.bank_id)
+    return []
 
 
 def on_consolidation_requested(m: ev.ConsolidationRequested,

@@ -131,6 +131,8 @@ class EntityResolver:
         self._lock = threading.RLock()
         self._banks: dict[str, _Bank] = {}
         self._store = store
+        # bank → decisions since the last drain (the changelog extraction publishes)
+        self._journal: dict[str, tuple[list, list, list]] = {}
 
     # ---- state --------------------------------------------------------------------------
 
@@ -219,18 +221,22 @@ class EntityResolver:
         return ent.ref
 
     def _persist(self, bank_id: str, pending: list[tuple]) -> None:
-        """Write one call's decisions to the store in one transaction. Entities are taken
-        as they are now (an entity created and claimed in the same call is stored claimed)."""
-        if self._store is None or not pending:
+        """Write one call's decisions to the store in one transaction, and to the bank's
+        journal (:meth:`drain`). Entities are taken as they are now (an entity created
+        and claimed in the same call is stored claimed)."""
+        if not pending:
             return
         def stored(e: _Entity) -> StoredEntity:
             return StoredEntity(id=e.ref.id, key=e.key, name=e.ref.name, label=e.ref.label,
                                 kind=e.kind)
-        self._store.persist(
-            bank_id,
-            entities=[stored(p[2]) for p in pending if p[0] == "entity"],
-            claims=[stored(p[2]) for p in pending if p[0] == "claim"],
-            aliases=[(p[2], p[3]) for p in pending if p[0] == "alias"])
+        entities = [stored(p[2]) for p in pending if p[0] == "entity"]
+        claims = [stored(p[2]) for p in pending if p[0] == "claim"]
+        aliases = [(p[2], p[3]) for p in pending if p[0] == "alias"]
+        journal = self._journal.setdefault(bank_id, ([], [], []))
+        for kept, new in zip(journal, (entities, claims, aliases)):
+            kept.extend(new)
+        if self._store is not None:
+            self._store.persist(bank_id, entities=entities, claims=claims, aliases=aliases)
 
     # ---- API ----------------------------------------------------------------------------
 
@@ -284,10 +290,45 @@ class EntityResolver:
             b = self._bank(bank_id)
             return {a: b.entities[ids[0]].key for a, ids in b.aliases.items()}
 
+    def drain(self, bank_id: str) -> tuple[list[StoredEntity], list[StoredEntity],
+                                             list[tuple[str, str]]]:
+        """The decisions made in ``bank_id`` since the last drain, and forgets them:
+        (entities created, claims, (alias, entity id) pairs), each in order. Extraction
+        publishes them (``EntitiesResolved``) so another replica can :meth:`learn` them."""
+        with self._lock:
+            entities, claims, aliases = self._journal.pop(bank_id, ([], [], []))
+            return entities, claims, aliases
+
+    def learn(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+              claims: Sequence[StoredEntity] = (),
+              aliases: Sequence[tuple[str, str]] = ()) -> None:
+        """Take decisions made elsewhere (a :meth:`drain` of another replica's resolver,
+        restored from the changelog) as if made here: entities in their creation order
+        (a known id is kept), claims, aliases. Idempotent; persisted to the store."""
+        with self._lock:
+            b = self._bank(bank_id)
+            for e in entities:
+                if e.id not in b.entities:
+                    b.add(_Entity(EntityRef(id=e.id, name=e.name, label=e.label), e.key, e.kind))
+            for c in claims:
+                ent = b.entities.get(c.id)
+                if ent is not None and not ent.kind and c.kind:
+                    ent.kind = c.kind
+                    ent.ref = EntityRef(id=ent.ref.id, name=ent.ref.name, label=c.label)
+                    if c.kind == "person":
+                        b.persons.append(ent.ref.id)
+            for alias, id_ in aliases:
+                if id_ in b.entities and id_ not in b.aliases.get(alias, ()):
+                    b.add_alias(alias, id_)
+            if self._store is not None:
+                self._store.persist(bank_id, entities=list(entities), claims=list(claims),
+                                    aliases=list(aliases))
+
     def forget(self, bank_id: str) -> None:
         """Drop everything known about the bank (when the bank is deleted)."""
         with self._lock:
             self._banks.pop(bank_id, None)
+            self._journal.pop(bank_id, None)
             if self._store is not None:
                 self._store.forget(bank_id)
 

@@ -1,6 +1,8 @@
 """extraction's routes: intake → facts and retractions on ``mneme.memory.v1`` (group
 ``extraction``). Bank upserts come through the same group (one partition, one order), so
-a bank's extraction mode is known before its retains when extraction runs alone."""
+a bank's extraction mode is known before its retains when extraction runs alone. The
+entity resolver is replica-local state: its decisions go out as ``EntitiesResolved``, and
+a replica assigned a partition restores both from the log (``restore``)."""
 
 from mneme import bank_catalog
 from mneme.bus import INTAKE, MEMORY
@@ -17,6 +19,13 @@ SERVICE = Service(
         ev.DocumentDeleteRequested: handlers.on_document_delete_requested,
         ev.MemoryDeleteRequested: handlers.on_memory_delete_requested,
         ev.ConsolidationRequested: handlers.on_consolidation_requested,
-    }}),),
-    produces={MEMORY: (ev.FactsExtracted, ev.FactsRetracted, ev.ConsolidationScheduled)},
+    }}, restore={
+        # A replica taking over a partition: the banks' configs, and the resolver's
+        # decisions as the partition's previous owners published them.
+        INTAKE: bank_catalog.ROUTES,
+        MEMORY: {ev.EntitiesResolved: handlers.on_entities_resolved,
+                 ev.FactsRetracted: handlers.on_bank_retracted},
+    }),),
+    produces={MEMORY: (ev.EntitiesResolved, ev.FactsExtracted, ev.FactsRetracted,
+                       ev.ConsolidationScheduled)},
 )

@@ -47,6 +47,7 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
     def ListBanks(self, request, context):
         size = paging.page_size(request.page_size)
         after = paging.decode_token(request.page_token, "banks") or ""
+        self.ingest.catch_up(None)
         banks = self.ingest.catalog.list_banks(size + 1, after)
         more = len(banks) > size
         banks = banks[:size]
@@ -74,7 +75,7 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         bank_id = bank_id_of(request.name, "name")
         self.ingest.require_bank(bank_id)  # NOT_FOUND for an unknown bank
         st = bank_stats(bank_id, log=self.ingest.log, catalog=self.ingest.catalog,
-                        stores=self.ingest.stores, groups=self.ingest.groups)
+                        stores=self.ingest.stores, groups=self.ingest.groups())
         lag = [banks_pb2.ConsumerLag(group=g, topic=t, partition=p, lag=n)
                for g, t, p, n in st["lag"]]
         return banks_pb2.BankStats(
@@ -158,6 +159,7 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
         # The token is bound to its parent: another bank's token is refused.
         kind = f"operations:{bank_id}"
         offset = paging.decode_token(request.page_token, kind, int) or 0
+        self.ingest.catch_up(bank_id or None)
         ops = self.ingest.catalog.list_operations(bank_id, size + 1, offset)
         more = len(ops) > size
         return operations_pb2.ListOperationsResponse(

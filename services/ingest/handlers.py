@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from mneme.bus import codec
@@ -66,9 +66,12 @@ class Ingest:
     group: str = ""   # the catalog projection's consumer group (services/ingest/routes.py)
     source: str = ""  # ce_source of what it appends (the ingest Service's)
     #: For GetBankStats: search's projections when this process has them, and the
-    #: consumer groups that run in the topology (group → topics).
+    #: consumer groups that run in the topology (``groups() -> {group id: topics}``).
     stores: object = None
-    groups: dict = field(default_factory=dict)
+    groups: Callable[[], dict] = dict
+    #: ``catch_up(bank_id | None)``: before a read, wait for this replica's catalog to
+    #: hold what other replicas wrote (distributed, :func:`mneme.bootstrap`); no-op here.
+    catch_up: Callable[[str | None], object] = lambda bank_id: True
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -93,6 +96,8 @@ class Ingest:
                    timeout, "catalog projection")
 
     def require_bank(self, bank_id: str) -> Bank:
+        """The bank, as every replica's writes left it; NotFound when it does not exist."""
+        self.catch_up(bank_id)
         bank = self.catalog.get_bank(bank_id)
         if bank is None:
             raise NotFound(f"bank {bank_id!r} not found")
@@ -238,6 +243,8 @@ class Ingest:
         return extraction, gw.check(ops) if ops else []
 
     def get_operation(self, operation_id: str) -> Operation:
+        """The operation, as every replica's writes left it; NotFound when unknown."""
+        self.catch_up(None)  # its bank is not in the name: every partition
         op = self.catalog.get_operation(operation_id)
         if op is None:
             raise NotFound(f"operation {operation_id!r} not found")

@@ -1,4 +1,5 @@
-"""ingest's routes: the catalog projection (group ``ingest``) and what its API appends."""
+"""ingest's routes: the catalog projection (group ``ingest``; each replica keeps its own
+copy, so any replica answers for any bank and operation) and what its API appends."""
 
 from mneme import bank_catalog
 from mneme.bus import AUDIT, INTAKE, PROGRESS
@@ -15,7 +16,7 @@ SERVICE = Service(
                  ev.MemoryDeleteRequested: handlers.on_operation_requested,
                  ev.ConsolidationRequested: handlers.on_operation_requested},
         PROGRESS: {ev.OperationProgress: handlers.on_operation_progress},
-    }, replay=True),),
+    }, replay=True, state="replica"),),  # every replica answers for every bank
     # the write API appends every intake event; the gRPC guard audits refused requests
     produces={INTAKE: (ev.BankUpserted, ev.BankDeleted, ev.RetainRequested,
                        ev.DocumentDeleteRequested, ev.MemoryDeleteRequested,

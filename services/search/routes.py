@@ -1,5 +1,7 @@
 """search's routes: its three projections of ``mneme.memory.v1`` (group ``search``) and,
-when it runs alone, its own bank catalog (group ``search-catalog``, for NOT_FOUND)."""
+when it runs alone, its own bank catalog (group ``search-catalog``, for NOT_FOUND). Each
+replica keeps its own catalog, and its own projections while its stores are local files;
+with store servers the replicas share the ``search`` group's partitions."""
 
 from mneme import bank_catalog
 from mneme.bus import AUDIT, INTAKE, MEMORY, PROGRESS
@@ -13,9 +15,9 @@ SERVICE = Service(
         Group("search", {MEMORY: {ev.FactsExtracted: handlers.on_facts_extracted,
                                   ev.FactsRetracted: handlers.on_facts_retracted,
                                   ev.ObservationsChanged: handlers.on_observations_changed}},
-              replay=True),
+              replay=True, state="stores"),
         Group("search-catalog", {INTAKE: bank_catalog.ROUTES}, distributed_only=True,
-              replay=True),
+              replay=True, state="replica"),
     ),
     produces={PROGRESS: (ev.OperationProgress,), AUDIT: (ev.AuditRecorded,)},
 )

@@ -52,6 +52,9 @@ def essence(r: Record) -> tuple:
 
 
 class EventLogSuite:
+    #: The log knows consumer-group membership (Kafka), so ``groups(live_only=True)``
+    #: leaves out groups without members.
+    KNOWS_MEMBERS = False
     #: True when ``commit`` appends its outputs and moves the offsets in one transaction
     #: (exactly once); False when it produces first and commits after (at least once).
     ATOMIC_COMMIT: bool
@@ -132,6 +135,13 @@ class EventLogSuite:
         assert log.committed(g2, t, 1) == 3
         # the committed offset is the next to read
         assert log.read(t, 0, log.committed(g1, t, 0))[0].offset == 2
+        # the log lists the groups that committed (a replica's stats find its peers)
+        listed = log.groups()
+        assert {g1, g2} <= set(listed) and listed == sorted(listed)
+        assert _name("never") not in listed
+        # no member of either group runs: neither is live where the log knows members
+        live = log.groups(live_only=True)
+        assert ({g1, g2} <= set(live)) == (not self.KNOWS_MEMBERS)
 
     # -- commit with outputs -------------------------------------------------------
 

@@ -17,30 +17,51 @@ from tests.integration.conftest import KAFKA_TEST_ENV, free_port, mneme_bin
 
 
 class Cluster:
-    """Five service processes on ``bus_url``; ``address[name]`` is each one's gRPC."""
+    """Service processes on ``bus_url``: one replica of each of the five services, named
+    after it, plus those :meth:`add` names (``search-2``, ...). ``address[name]`` is each
+    replica's gRPC address; each has its own data dir (``root/<name>``) and
+    ``MNEME_REPLICA_ID`` its name. ``extra_env`` goes into every process's environment."""
 
-    def __init__(self, root: Path, bus_url: str) -> None:
+    def __init__(self, root: Path, bus_url: str, extra_env: dict[str, str] | None = None
+                 ) -> None:
         self.root = root
         self.bus_url = bus_url
+        self.extra_env = dict(extra_env or {})
         self.address = {s: f"127.0.0.1:{free_port()}" for s in SERVICES}
+        self.service_of = {s: s for s in SERVICES}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def env(self, service: str) -> dict[str, str]:
+    def add(self, service: str, name: str | None = None) -> str:
+        """Declare another replica of ``service`` (not started); returns its name."""
+        n = sum(1 for s in self.service_of.values() if s == service) + 1
+        name = name or f"{service}-{n}"
+        self.address[name] = f"127.0.0.1:{free_port()}"
+        self.service_of[name] = service
+        return name
+
+    def replicas(self, service: str) -> list[str]:
+        """Names of the running replicas of ``service``."""
+        return [n for n in self.procs if self.service_of[n] == service]
+
+    def env(self, name: str) -> dict[str, str]:
         return {**os.environ, **KAFKA_TEST_ENV, "HF_HUB_OFFLINE": "1",
-                "MNEME_BUS_URL": self.bus_url, "MNEME_DATA_DIR": str(self.root / service),
-                "MNEME_GRPC_ADDRESS": self.address[service],
+                "MNEME_BUS_URL": self.bus_url, "MNEME_DATA_DIR": str(self.root / name),
+                "MNEME_GRPC_ADDRESS": self.address[name], "MNEME_REPLICA_ID": name,
                 "MNEME_SEARCH_ADDRESS": self.address["search"],
                 "MNEME_SHUTDOWN_GRACE_S": "2", "MNEME_HEALTH_INTERVAL_S": "1",
-                "MNEME_METRICS_PORT": "0", "PYTHONFAULTHANDLER": "1"}
+                "MNEME_METRICS_PORT": "0", "PYTHONFAULTHANDLER": "1", **self.extra_env}
 
-    def start(self, *services: str, timeout: float = 120) -> "Cluster":
-        services = services or SERVICES
-        for s in services:
-            out = open(self.root / f"{s}.log", "ab")
-            self.procs[s] = subprocess.Popen([mneme_bin(), "serve", s], env=self.env(s),
-                                             stdout=out, stderr=subprocess.STDOUT)
-        for s in services:
-            self.wait_serving(s, timeout)
+    def start(self, *names: str, timeout: float = 120) -> "Cluster":
+        """Start the replicas ``names`` (default: one of each service) and wait until
+        each serves."""
+        names = names or SERVICES
+        for n in names:
+            out = open(self.root / f"{n}.log", "ab")
+            self.procs[n] = subprocess.Popen([mneme_bin(), "serve", self.service_of[n]],
+                                             env=self.env(n), stdout=out,
+                                             stderr=subprocess.STDOUT)
+        for n in names:
+            self.wait_serving(n, timeout)
         return self
 
     def health(self, service: str) -> int:

@@ -23,7 +23,7 @@ from mneme.bus import ALL_TOPICS, DLQ, INTAKE, MEMORY, PROGRESS, codec
 from mneme.client import MnemeClient
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
-from mneme.router import groups_of
+from mneme.router import group_ids
 from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
@@ -36,7 +36,9 @@ NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now
 QUERIES = ["When did Caroline go to the LGBTQ support group?", "What did Melanie paint?",
            "What is Caroline's identity?", "When did Melanie run a charity race?",
            "What does Caroline want to research?"]
-GROUPS = groups_of(services().values(), distributed=True)  # from services/*/routes.py
+def _groups(log) -> dict[str, tuple[str, ...]]:
+    """Every consumer group on the log (per-replica ones under each replica's id)."""
+    return group_ids(services().values(), distributed=True, known=log.groups())
 
 
 def _sessions():
@@ -58,7 +60,8 @@ def _recall(address: str) -> dict[str, list[str]]:
                 for q in QUERIES}
 
 
-def _lag(log, groups=GROUPS) -> dict[str, int]:
+def _lag(log, groups=None) -> dict[str, int]:
+    groups = _groups(log) if groups is None else groups
     return {g: sum(log.lag(g, topics).values()) for g, topics in groups.items()}
 
 
@@ -221,19 +224,24 @@ def test_poison_event_goes_to_the_dlq_and_the_partition_keeps_flowing(cluster, b
 
 def test_replay_rebuilds_the_search_projections(cluster, bus):
     before = _recall(cluster.address["search"])
-    # From elsewhere (its own data dir) while search runs: Kafka refuses the rewind of a
-    # group with live members, and replay stops before it wipes anything.
+    # Each search replica keeps its own copy (local store files) under its own consumer
+    # group: a replay from another data dir builds that dir's copy and leaves the live
+    # replica alone; a replay of the live replica's dir is refused before it wipes it.
+    elsewhere = subprocess.run([mneme_bin(), "replay"], timeout=300, capture_output=True,
+                               text=True, env={**cluster.env("search"),
+                                               "MNEME_DATA_DIR": str(cluster.root / "elsewhere")})
+    assert elsewhere.returncode == 0, (elsewhere.stdout + elsewhere.stderr)[-3000:]
     refused = subprocess.run([mneme_bin(), "replay"], timeout=300, capture_output=True,
-                             text=True, env={**cluster.env("search"),
-                                             "MNEME_DATA_DIR": str(cluster.root / "replay-elsewhere")})
-    said = refused.stdout + refused.stderr
-    assert refused.returncode == 1 and "stop the search processes first" in said, said[-3000:]
+                             text=True, env=cluster.env("search"))
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 1 and "in use by another mneme process" in said, said[-3000:]
     assert _recall(cluster.address["search"]) == before
     cluster.stop("search")
     out = subprocess.run([mneme_bin(), "replay"], env=cluster.env("search"),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _lag(bus, {"search": (MEMORY,), "search-catalog": (INTAKE,)}) == {
-        "search": 0, "search-catalog": 0}
+    replica = (cluster.root / "search" / "replica-id").read_text().strip()
+    own = {f"search.{replica}": (MEMORY,), f"search-catalog.{replica}": (INTAKE,)}
+    assert _lag(bus, own) == dict.fromkeys(own, 0)
     cluster.start("search")
     assert _recall(cluster.address["search"]) == before

@@ -13,6 +13,7 @@ from tests.integration.conftest import KAFKA_TEST_OPTIONS
 
 class TestKafkaEventLog(EventLogSuite):
     ATOMIC_COMMIT = False  # produce (acks=all) first, then OffsetCommit: no transactions
+    KNOWS_MEMBERS = True
 
     @pytest.fixture
     def place(self, tansu):
@@ -28,3 +29,36 @@ class TestKafkaEventLog(EventLogSuite):
             raise RuntimeError("simulated crash")
 
         monkeypatch.setattr(log, "_simple_commit", crash)
+
+
+def test_a_group_is_live_while_a_member_runs(tansu):
+    # (tansu keeps a departed member listed, so the departure itself cannot be seen
+    # here; a group that only committed offsets, never joined, is the "not live" case)
+    import asyncio
+    import uuid
+
+    from aiokafka import AIOKafkaConsumer
+
+    log = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
+    topic, group = f"live.{uuid.uuid4().hex[:8]}", f"live-group.{uuid.uuid4().hex[:8]}"
+    committed_only = f"committed-only.{uuid.uuid4().hex[:8]}"
+    log.ensure_topic(topic, 1)
+    log.commit(committed_only, {(topic, 0): 0})
+
+    async def with_a_member() -> list[str]:
+        c = AIOKafkaConsumer(topic, bootstrap_servers=log.bootstrap_servers, group_id=group,
+                             session_timeout_ms=2000, heartbeat_interval_ms=300)
+        await c.start()
+        try:
+            await c.getmany(timeout_ms=500)  # joined: the group has a member
+            await c.commit({next(iter(c.assignment())): 0})
+            return await asyncio.to_thread(log.groups, True)
+        finally:
+            await c.stop()
+
+    try:
+        live = asyncio.run(with_a_member())
+        assert group in live and committed_only not in live
+        assert {group, committed_only} <= set(log.groups())  # both known by their offsets
+    finally:
+        log.close()

@@ -70,7 +70,7 @@ def test_check_and_a_service_refuse_history_topics_that_would_expire(broker, tmp
         report = check(log)
         assert any(e.startswith(f"{INTAKE}: retention.ms=604800000") for e in report.errors)
         assert any(e.startswith(f"{MEMORY}: retention.ms is not set") for e in report.errors)
-        with pytest.raises(TopicConfigError, match="history topics would lose records"):
+        with pytest.raises(TopicConfigError, match="history must never expire"):
             require_history(log)
     finally:
         log.close()
@@ -82,7 +82,8 @@ def test_check_and_a_service_refuse_history_topics_that_would_expire(broker, tmp
     env = {**_env(broker, tmp_path), "MNEME_GRPC_ADDRESS": "127.0.0.1:0"}
     out = subprocess.run([mneme_bin(), "serve", "extraction"], env=env, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 1 and "would lose records" in out.stdout + out.stderr
+    assert out.returncode == 1 and "history must never expire" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr  # a configuration error: one line
 
 
 def test_topics_create_then_check_passes_on_a_new_broker(broker, tmp_path):
@@ -94,3 +95,22 @@ def test_topics_create_then_check_passes_on_a_new_broker(broker, tmp_path):
     out = subprocess.run([mneme_bin(), "topics", "check"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "topics ok" in out.stdout + out.stderr, out.stderr
+
+
+def test_intake_and_memory_with_different_partition_counts_are_refused(broker, tmp_path):
+    # A replica restores a bank's state from intake and memory by partition number:
+    # topics created by hand with other counts would restore the wrong banks.
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:
+        log.ensure_topic(INTAKE, 4)
+        log.ensure_topic(MEMORY, 6)
+        ensure(log)
+        (error,) = [e for e in check(log).errors if "partitions" in e]
+        assert f"{INTAKE} has 4 partitions" in error and f"{MEMORY} has 6 partitions" in error
+        with pytest.raises(TopicConfigError, match="same partition count"):
+            require_history(log)
+    finally:
+        log.close()
+    out = subprocess.run([mneme_bin(), "serve", "extraction"], env=_env(broker, tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "same partition count" in out.stdout + out.stderr

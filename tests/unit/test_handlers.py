@@ -25,7 +25,7 @@ from mneme.llm.gateway import Usage
 from mneme.ports import Record
 from mneme.router import Group, Router, Service
 from mneme.stores.memory import MemoryCatalog, MemoryEntityStore, MemoryObservationStore
-from services.consolidation.handlers import Consolidator, on_memory_event
+from services.consolidation.handlers import Consolidator, on_memory_event, on_memory_restore
 from services.extraction import handlers as extraction
 from services.extraction.resolver import EntityResolver
 from services.ingest import handlers as ingest
@@ -176,7 +176,8 @@ def test_bank_events_without_a_catalog_do_nothing():
 def _extract(m, extractor=None, embedder=None, n=1):
     extractor = extractor or FakeExtractor()
     embedder = embedder or FakeEmbedder()
-    (out,) = extraction.on_retain_requested(m, meta(n), extractor=extractor, embedder=embedder)
+    (out,) = extraction.on_retain_requested(m, meta(n), extractor=extractor, embedder=embedder,
+                                            resolver=EntityResolver())
     assert isinstance(out, ev.FactsExtracted)
     return out
 
@@ -315,6 +316,72 @@ def test_deletions_become_retractions():
     (m,) = extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
         bank_id="b", operation_id="op-m", memory_id="m1"), meta())
     assert m == ev.FactsRetracted(bank_id="b", operation_id="op-m", memory_ids=["m1"])
+
+
+class _ResolvingExtractor(FakeExtractor):
+    """A FakeExtractor whose facts name the capitalised words of their item, resolved
+    through ``resolver`` (as the offline and LLM extractors resolve mentions)."""
+
+    def __init__(self, resolver: EntityResolver) -> None:
+        super().__init__()
+        self.resolver = resolver
+
+    def _fact(self, bank_id, item, i, source_id):
+        f = super()._fact(bank_id, item, i, source_id)
+        names = [(w.strip(".,"), "PERSON") for w in item.content.split() if w[:1].isupper()]
+        return replace(f, entities=self.resolver.resolve(bank_id, names))
+
+
+def _retain_named(op: str, *contents: str) -> ev.RetainRequested:
+    return ev.RetainRequested(bank_id="b", operation_id=op, items=[
+        ev.RetainItem(content=c) for c in contents])
+
+
+def test_retain_publishes_its_resolution_decisions_before_its_facts():
+    resolver = EntityResolver(MemoryEntityStore())
+    extractor = _ResolvingExtractor(resolver)
+    resolved, facts = extraction.on_retain_requested(
+        _retain_named("op1", "Melanie paints.", "Mel and Caroline swim."), meta(),
+        extractor=extractor, embedder=FakeEmbedder(), resolver=resolver)
+    assert isinstance(resolved, ev.EntitiesResolved) and isinstance(facts, ev.FactsExtracted)
+    assert (resolved.bank_id, resolved.operation_id) == ("b", "op1")
+    assert [e.name for e in resolved.entities] == ["Melanie", "Caroline"]
+    assert [(a.alias, a.entity_id) for a in resolved.aliases] == [
+        ("mel", resolved.entities[0].id)]
+    # decisions are published once: a retain that decides nothing new publishes none
+    (only,) = extraction.on_retain_requested(_retain_named("op2", "Melanie again."), meta(2),
+                                             extractor=extractor, embedder=FakeEmbedder(),
+                                             resolver=resolver)
+    assert isinstance(only, ev.FactsExtracted)
+
+
+def test_a_replica_restored_from_the_changelog_resolves_like_the_one_that_decided():
+    # Replica A extracts two retains; replica B restores A's decisions from the log and
+    # takes the bank over: its next retain resolves exactly as A's would have.
+    a, b = EntityResolver(MemoryEntityStore()), EntityResolver(MemoryEntityStore())
+    log = []
+    for n, contents in enumerate([("Melanie paints.", "Caroline swims."), ("Mel runs.",)]):
+        log += extraction.on_retain_requested(_retain_named(f"op{n}", *contents), meta(n),
+                                              extractor=_ResolvingExtractor(a),
+                                              embedder=FakeEmbedder(), resolver=a)
+    for m in log:
+        if isinstance(m, ev.EntitiesResolved):
+            assert extraction.on_entities_resolved(m, meta(), resolver=b) == []
+            extraction.on_entities_resolved(m, meta(), resolver=b)  # redelivered: idempotent
+    assert b.entities("b") == a.entities("b") and b.aliases("b") == a.aliases("b")
+    nxt = _retain_named("op9", "Mel met Caroline and Melissa.")
+    (_, fa), (_, fb) = (extraction.on_retain_requested(
+        nxt, meta(9), extractor=_ResolvingExtractor(r), embedder=FakeEmbedder(), resolver=r)
+        for r in (a, b))
+    assert [e.id for f in fb.facts for e in f.entities] == [
+        e.id for f in fa.facts for e in f.entities]
+    # a deleted bank's retraction on the log makes the restored replica forget it
+    assert extraction.on_bank_retracted(ev.FactsRetracted(bank_id="b", memory_ids=["x"]),
+                                        meta(), resolver=b) == []
+    assert b.entities("b")
+    extraction.on_bank_retracted(ev.FactsRetracted(bank_id="b", bank_deleted=True), meta(),
+                                 resolver=b)
+    assert b.entities("b") == []
 
 
 @pytest.mark.parametrize("own_catalog", [False, True])
@@ -535,6 +602,25 @@ def test_the_same_input_decides_the_same_observation_ids():
     a, b = Consolidation(), Consolidation()
     m = _facts_extracted(pb_fact("f1", HIKING, tags=["t"]))
     assert a.send(m) == b.send(m)
+
+
+def test_a_replica_restored_from_the_memory_topic_decides_on_like_the_previous_owner():
+    # Owner A decides f1 and f2, and f1 only is committed before it dies: the memory topic
+    # holds f1, A's decision, f2, A's decision. Replica B restores the whole partition
+    # (nothing decided), then handles from A's committed offset: f2 again is no new
+    # decision, and the next fact is decided exactly as A would have.
+    a = Consolidation()
+    f1 = _facts_extracted(pb_fact("f1", HIKING, tags=["t"], entities=["Alice"]))
+    f2 = _facts_extracted(pb_fact("f2", TEA, tags=["t"], emb=vec(0, 0, 1, 0)), op="op-2")
+    f3 = _facts_extracted(pb_fact("f3", HIKING2, tags=["t"], entities=["Alice"]), op="op-3")
+    log = [f1, *a.send(f1), f2, *a.send(f2)]
+    b = Consolidation()
+    for n, m in enumerate(log):
+        assert on_memory_restore(m, meta(50 + n), consolidator=b.c) == []
+    assert b.live() == a.live()
+    b.n = 1  # the same event times as A's (decisions record them)
+    assert b.send(f2) == []  # redelivered after the takeover: already decided
+    assert b.send(f3) == a.send(f3)
 
 
 def test_a_retracted_memory_deletes_the_observations_it_supported():

@@ -20,11 +20,13 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
+from mneme.errors import ConfigurationError
+
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
-class KafkaSecurityError(ValueError):
+class KafkaSecurityError(ConfigurationError):
     """A Kafka security setting that cannot work (named in the message by its
     ``MNEME_KAFKA_*`` variable); raised when the settings are read, at start."""
 

@@ -545,6 +545,13 @@ class SqliteEventLog:
         return 0 if row is None else row[0]
 
     @_guarded
+    def groups(self, live_only: bool = False) -> list[str]:
+        """Ids of the consumer groups that have committed offsets, sorted (the embedded
+        log has no membership: ``live_only`` changes nothing)."""
+        return [r[0] for r in self._reader().execute(
+            'SELECT DISTINCT "group" FROM group_offsets ORDER BY 1')]
+
+    @_guarded
     def commit(self, group: str, offsets: dict[tuple[str, int], int],
                produce: Sequence[OutRecord] = ()) -> list[Record]:
         """Append ``produce`` and set ``group``'s next offsets to ``offsets``

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mneme.bus import ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, default_partitions
+from mneme.bus import ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, INTAKE, MEMORY, default_partitions
+from mneme.errors import ConfigurationError
 
 
-class TopicConfigError(ValueError):
-    """A history topic would lose records (the message names each topic and config)."""
+class TopicConfigError(ConfigurationError):
+    """The topics are not as mneme needs them: a history topic would lose records, or
+    co-partitioned topics differ in partition count (the message names each)."""
 
 
 @dataclass
@@ -41,6 +43,13 @@ def check(log) -> Report:
     """Compare the topics' configs on ``log`` with mneme's (a log without
     ``topic_configs``, the embedded one, passes)."""
     report = Report()
+    counts = {t: log.partitions(t) for t in CO_PARTITIONED}
+    if len(set(counts.values()) - {0}) > 1:
+        report.errors.append(
+            " and ".join(f"{t} has {n} partitions" for t, n in counts.items())
+            + ": a replica restores a bank's state from these topics by partition number, "
+            "so they need the same partition count (recreate them with `mneme topics "
+            "create`)")
     describe = getattr(log, "topic_configs", None)
     if describe is None:
         return report
@@ -68,14 +77,20 @@ def check(log) -> Report:
     return report
 
 
+#: Topics read together by partition number (a partition's changelog restore,
+#: :attr:`mneme.router.Group.restore`): they must have the same partition count.
+CO_PARTITIONED = (INTAKE, MEMORY)
+
+
 def require_history(log) -> None:
     """Raise TopicConfigError when :func:`check` finds errors (the service refuses to
     start: fix the topics with ``kafka-configs --alter`` or recreate them with ``mneme
     topics create``)."""
     errors = check(log).errors
     if errors:
-        raise TopicConfigError("the event log's history topics would lose records, so "
-                               "replay could not rebuild the projections: "
+        raise TopicConfigError("the event log's topics are not as mneme needs them "
+                               "(history must never expire, so that replay and restore "
+                               "can rebuild the projections): "
                                + "; ".join(errors) + " (see `mneme topics check`)")
 
 

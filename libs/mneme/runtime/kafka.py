@@ -39,11 +39,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Union
 
 import tenacity
@@ -61,7 +64,7 @@ from mneme.bus.kafka_log import KafkaOptions
 from mneme.bus.kafka_log import record_of
 from mneme.errors import Cancelled
 from mneme.ports import OutRecord, Record
-from mneme.router import Router, Service
+from mneme.router import Router, Service, meta_of
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,50 @@ class Delivery:
             pass
 
 
+class Checkpoints:
+    """How far each restore (:attr:`mneme.router.Group.restore`) has brought this
+    replica's local state: (group, topic, partition) → the next changelog offset not yet
+    reflected in it. Kept in a JSON file (``path``; None: in memory only), replaced
+    atomically on every change. A lost or stale file only costs time: restoring from an
+    earlier offset applies idempotent records again."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._marks: dict[str, int] = {}
+        if path is not None and path.exists():
+            try:
+                self._marks = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+            except (ValueError, AttributeError):  # unreadable: restore from the start
+                log.warning("restore checkpoints %s unreadable; restoring from offset 0", path)
+
+    @staticmethod
+    def _key(group: str, topic: str, partition: int) -> str:
+        return f"{group}|{topic}|{partition}"
+
+    def get(self, group: str, topic: str, partition: int) -> int:
+        """The next offset to restore from (0 when never restored)."""
+        with self._lock:
+            return self._marks.get(self._key(group, topic, partition), 0)
+
+    def advance(self, group: str, marks: Mapping[tuple[str, int], int]) -> None:
+        """Record ``marks`` ((topic, partition) → next offset) for ``group``; a mark
+        never moves back here (a record reflected stays reflected)."""
+        with self._lock:
+            for (t, p), off in marks.items():
+                k = self._key(group, t, p)
+                self._marks[k] = max(off, self._marks.get(k, 0))
+            if self.path is not None:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self._marks, sort_keys=True))
+                os.replace(tmp, self.path)
+
+    def forget(self, group: str, topic: str, partition: int) -> None:
+        """Drop a mark (its topic was recreated: restore from 0)."""
+        with self._lock:
+            self._marks.pop(self._key(group, topic, partition), None)
+
+
 class GroupRun:
     """One consumer group's state in a working broker: its router, publishers (topic →
     FastStream publisher), counters (``stats``: handled, skipped, dead_lettered,
@@ -134,9 +181,15 @@ class GroupRun:
     :func:`mneme.telemetry.track_consumer` reports (``group``, ``running``,
     :meth:`lag_snapshot`)."""
 
-    def __init__(self, router: Router, delivery: Delivery) -> None:
+    def __init__(self, router: Router, delivery: Delivery, restorer: Router | None = None,
+                 event_log: Any = None, checkpoints: Checkpoints | None = None) -> None:
         self.router = router
+        self.restorer = restorer  # the group's restore handlers (None: no local state)
+        self.log = event_log
+        self.checkpoints = checkpoints or Checkpoints()
+        self.restored = 0  # changelog records applied by restores
         self.group = router.group.name
+        self.group_id = router.group_id  # the consumer group on the brokers
         self.topics = router.topics
         self.delivery = delivery
         self.publishers: dict[str, Any] = {}
@@ -149,6 +202,8 @@ class GroupRun:
         # the middleware decodes it once and the handler takes it from here)
         self._in_hand: dict[str, tuple[Record, Envelope]] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        # (topic, partition) → next offset this process committed there (catch_up)
+        self.done: dict[tuple[str, int], int] = {}
         self._until_stopped = deadline.Deadline(None, lambda: not delivery.stopping.is_set())
 
     # ---- bookkeeping (on the runner's loop) ---------------------------------------
@@ -221,6 +276,85 @@ class GroupRun:
         return dead_letter.records(rec, exc, attempts, self.group, env,
                                    dlq_topic=self.delivery.dlq_topic,
                                    fails_operation=self.router.fails_operation)
+
+    # ---- replica-local state (worker threads, under the group's lock) -------------
+
+    def restore(self, partitions: Sequence[int]) -> int:
+        """Bring the local state up to date for newly assigned ``partitions``
+        (:attr:`mneme.router.Group.restore`); returns the number of records applied.
+
+        Per restore topic and partition, from the checkpoint on: a topic the group reads
+        up to the group's committed offset (where this replica's consumer starts: the
+        records after it it handles itself, in order), plus the outputs its previous
+        owner produced beyond that offset for the records before it (its own decisions
+        that come back on the topic it reads, found by their derived ids); any other
+        topic up to its end."""
+        applied = 0
+        for t in self.restorer.topics:
+            consumed = t in self.topics
+            for p in partitions:
+                end = self.log.end_offset(t, p)
+                start = self.checkpoints.get(self.group, t, p)
+                if start > end:  # the topic was recreated since
+                    self.checkpoints.forget(self.group, t, p)
+                    start = 0
+                target = min(self.log.committed(self.group_id, t, p), end) if consumed else end
+                causes: list[str] = []
+                n, reached = self._apply(t, p, start, target, causes=causes)
+                applied += n
+                ids = self.router.output_ids(causes, t) if causes else set()
+                if ids:
+                    applied += self._apply(t, p, target, end, only=ids)[0]
+                self.checkpoints.advance(self.group, {(t, p): max(start, reached)})
+        self.restored += applied
+        return applied
+
+    def _apply(self, topic: str, partition: int, start: int, stop: int, *,
+               causes: list[str] | None = None, only: set[str] | None = None
+               ) -> tuple[int, int]:
+        """Apply the restore handlers to ``topic[partition]`` records in [start, stop)
+        (only those whose ``ce_id`` is in ``only``, when given); collect the applied
+        records' event ids in ``causes``. Returns (records applied, next offset)."""
+        applied, off, wanted = 0, start, self.restorer.types
+        while off < stop:
+            batch = self.log.read(topic, partition, off, limit=500)
+            if not batch:
+                break
+            for rec in batch:
+                if rec.offset >= stop:
+                    break
+                off = rec.offset + 1
+                if rec.headers.get("ce_type") not in wanted:
+                    continue  # not part of this state: no decode
+                if only is not None and rec.headers.get("ce_id") not in only:
+                    continue
+                try:
+                    env = decode(rec)
+                except Exception:  # a poison record: its live handler dead-letters it
+                    continue
+                self.restorer(env, rec)
+                applied += 1
+                if causes is not None:
+                    causes.append(meta_of(env, rec).id)
+            else:
+                continue
+            break
+        return applied, min(off, stop)
+
+    def leave(self, partitions: Sequence[int]) -> None:
+        """Partitions go to another replica (the record in hand is committed): mark how
+        far the local state reflects each restore topic, so a later restore resumes there
+        -- for a topic the group reads, what it handled; for another, its end now (the
+        outputs of everything handled are on it)."""
+        marks = {}
+        for t in self.restorer.topics:
+            for p in partitions:
+                if t in self.topics:
+                    if (t, p) in self.done:
+                        marks[(t, p)] = self.done[(t, p)]
+                else:
+                    marks[(t, p)] = self.log.end_offset(t, p)
+        self.checkpoints.advance(self.group, marks)
 
 
 class DeliveryMiddleware(BaseMiddleware):
@@ -304,6 +438,7 @@ class DeliveryMiddleware(BaseMiddleware):
     async def _ack(self, msg, rec: Record) -> None:  # noqa: ANN001
         try:
             await msg.ack()  # commits the consumer's position: this record and before
+            self.run.done[(rec.topic, rec.partition)] = rec.offset + 1
         except (KafkaError, IllegalStateError) as exc:
             # A rebalance moved the partition: its new owner handles the record again
             # (same output ids), so this is a duplicate, not a loss.
@@ -323,15 +458,34 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         if revoked and not await self.run.wait_idle_topic(self.topic, self.timeout):
             log.warning("consumer %s: partitions of %s revoked with a record in hand",
                         self.run.group, self.topic)
+        run = self.run
+        if revoked and run.restorer is not None:
+            parts = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
+            try:
+                await asyncio.to_thread(run.leave, parts)
+            except Exception:  # the next restore starts from an earlier mark: slower only
+                log.exception("consumer %s: cannot mark the local state of %s", run.group,
+                              parts)
 
     async def on_partitions_assigned(self, assigned) -> None:  # noqa: ANN001
-        pass
+        """Restore the local state of the new partitions before their first record
+        (aiokafka fetches for them only after this returns)."""
+        run = self.run
+        parts = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
+        if not parts or run.restorer is None:
+            return
+        started = time.monotonic()
+        async with run._lock:  # not while a handler of the group runs here
+            n = await asyncio.to_thread(run.restore, parts)
+        log.info("consumer %s: restored %d records of partitions %s in %.1fs", run.group,
+                 n, parts, time.monotonic() - started)
 
 
 def _consumer_settings(o: KafkaOptions) -> dict[str, Any]:
     return dict(session_timeout_ms=o.session_timeout_ms,
                 heartbeat_interval_ms=o.heartbeat_interval_ms,
-                max_poll_interval_ms=o.max_poll_interval_ms)
+                max_poll_interval_ms=o.max_poll_interval_ms,
+                fetch_max_wait_ms=o.fetch_max_wait_ms)
 
 
 def _stub(name: str, model: Any):
@@ -351,8 +505,9 @@ def _runtime_handler(run: GroupRun):
 
 def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | None = None,
                  *, bootstrap_servers: str = SERVER, options: KafkaOptions | None = None,
-                 delivery: Delivery | None = None, groups: Iterable[str] | None = None
-                 ) -> KafkaBroker:
+                 delivery: Delivery | None = None, groups: Iterable[str] | None = None,
+                 restorers: Mapping[str, Router] | None = None, event_log: Any = None,
+                 checkpoints: Checkpoints | None = None) -> KafkaBroker:
     """The KafkaBroker of ``services``: per consumer group and topic it reads, a
     subscriber (channel title ``<group>.consume.<topic>``); per group a DLQ publisher
     (``<group>.produce.<dlq>``); per service and topic it produces, a publisher
@@ -363,7 +518,9 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
     ``groups`` subset when given), each subscriber's handler is its router, and
     ``delivery`` (default :class:`Delivery()`) gets the :class:`GroupRun` of each group.
     ``options``: client settings (default :class:`KafkaOptions()`). Raises KeyError for
-    a group in ``groups`` that no router runs."""
+    a group in ``groups`` that no router runs. ``restorers`` (group → restore Router),
+    ``event_log`` (what they read) and ``checkpoints``: the replica-local state of the
+    groups that have it (:meth:`GroupRun.restore`)."""
     services = tuple(services)
     o = options or KafkaOptions()
     describe = routers is None
@@ -396,7 +553,8 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
             elif group.name not in routers or (wanted is not None and group.name not in wanted):
                 continue
             else:
-                run = GroupRun(routers[group.name], delivery)
+                run = GroupRun(routers[group.name], delivery,
+                               (restorers or {}).get(group.name), event_log, checkpoints)
                 delivery.groups[group.name] = run
             # One FastStream router per group: its middleware is the group's policy.
             fs = KafkaRouter(middlewares=() if run is None else
@@ -405,7 +563,8 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
                 sub = fs.subscriber(
                     Topic(topic, num_partitions=default_partitions(topic),
                           replication_factor=o.replication_factor),
-                    group_id=group.name, ack_policy=AckPolicy.MANUAL,
+                    group_id=group.name if run is None else run.group_id,
+                    ack_policy=AckPolicy.MANUAL,
                     auto_offset_reset="earliest", title=f"{group.name}.consume.{topic}",
                     description=f"Service `{service.name}`, consumer group `{group.name}`, "
                                 f"reads `{topic}`.",
@@ -461,17 +620,22 @@ class KafkaRunner:
     :class:`~mneme.bus.kafka_log.KafkaEventLog`: its brokers and options (unless
     ``options`` is given), topic creation, and the offsets :meth:`wait_idle` and
     :meth:`lag` read. ``max_attempts``, ``backoff``, ``backoff_max`` (seconds),
-    ``dlq_topic``: the retry-then-DLQ policy (:class:`Delivery`).
+    ``dlq_topic``: the retry-then-DLQ policy (:class:`Delivery`). ``restorers`` (group →
+    restore :class:`~mneme.router.Router`) restore a group's replica-local state when it
+    is assigned partitions, tracked in the ``checkpoints`` file (:class:`Checkpoints`).
 
     Several processes running the same groups share their partitions (Kafka consumer
     groups). Raises ValueError for ``max_attempts`` < 1."""
 
     def __init__(self, log, routers: Mapping[str, Router],  # noqa: ANN001 - KafkaEventLog
                  options: KafkaOptions | None = None, *, max_attempts: int = 3,
-                 backoff: float = 0.05, backoff_max: float = 2.0, dlq_topic: str = DLQ
-                 ) -> None:
+                 backoff: float = 0.05, backoff_max: float = 2.0, dlq_topic: str = DLQ,
+                 restorers: Mapping[str, Router] | None = None,
+                 checkpoints: Path | None = None) -> None:
         self.log = log
         self.routers = dict(routers)
+        self.restorers = dict(restorers or {})
+        self.checkpoints = Checkpoints(checkpoints)
         self.options = options or getattr(log, "options", None) or KafkaOptions()
         self.delivery = Delivery(max_attempts=max_attempts, backoff=backoff,
                                  backoff_max=backoff_max, dlq_topic=dlq_topic,
@@ -509,7 +673,8 @@ class KafkaRunner:
         self._broker = build_broker(self._services, self.routers,
                                     bootstrap_servers=self.log.bootstrap_servers,
                                     options=self.options, delivery=self.delivery,
-                                    groups=groups)
+                                    groups=groups, restorers=self.restorers,
+                                    event_log=self.log, checkpoints=self.checkpoints)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kafka-runner",
                                         daemon=True)
@@ -561,6 +726,13 @@ class KafkaRunner:
         if self._lag_task is not None:
             self._lag_task.cancel()
         await self._broker.stop()
+        for run in self.groups.values():  # where a restart's restores may resume
+            if run.restorer is not None:
+                parts = sorted({p for (t, p) in run.done if t in run.topics})
+                try:
+                    await asyncio.to_thread(run.leave, parts)
+                except Exception:
+                    log.exception("consumer %s: cannot mark its local state", run.group)
 
     def _shutdown_loop(self) -> bool:
         loop, thread = self._loop, self._thread
@@ -599,7 +771,7 @@ class KafkaRunner:
         """Records ``group`` has not committed yet per (topic, partition) of every
         partition of its topics (all processes' commits count): high watermark −
         committed offset. Raises KeyError for a group this runner does not run."""
-        return self.log.lag(group, self.routers[group].topics)
+        return self.log.lag(self.routers[group].group_id, self.routers[group].topics)
 
     def lag_snapshot(self) -> dict[tuple[str, int], int]:
         """Every running group's lag as of at most :data:`LAG_REFRESH_S` ago, merged
@@ -634,6 +806,29 @@ class KafkaRunner:
             if time.monotonic() >= end:
                 return False
             time.sleep(0.05)
+
+    def catch_up(self, group: str, partitions: Iterable[tuple[str, int]],
+                 timeout: float = 5.0) -> bool:
+        """Block until this process's ``group`` has handled every record that is on
+        ``partitions`` ((topic, partition) pairs) now: read-your-writes for a replica's
+        own copy of a projection (:attr:`mneme.router.Group.state`). True when caught
+        up, False after ``timeout`` seconds (the caller serves what it has). Raises
+        KeyError for a group this runner does not run."""
+        run, gid = self.groups[group], self.routers[group].group_id
+        tps = list(partitions)
+        end = time.monotonic() + timeout
+        try:
+            target = self.log.end_offsets(tps)
+        except KafkaError:
+            return False
+        for tp in tps:  # before the first record here: what the group committed before
+            if tp not in run.done and target[tp] > 0:
+                run.done.setdefault(tp, self.log.committed(gid, *tp))
+        while any(run.done.get(tp, 0) < target[tp] for tp in tps):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _caught_up(self, group: str) -> bool:
         done = not any(self.lag(group).values())

@@ -16,8 +16,9 @@ class LogRunner:
     ``consumers`` maps each group to its Consumer (counters, lag, ``run_once``)."""
 
     def __init__(self, log: EventLog, routers: Mapping[str, Router], **options) -> None:
-        self.consumers = {g: Consumer(log, g, r.topics, r, fails_operation=r.fails_operation,
-                                      **options) for g, r in routers.items()}
+        self.consumers = {g: Consumer(log, r.group_id, r.topics, r,
+                                      fails_operation=r.fails_operation, **options)
+                          for g, r in routers.items()}
 
     def start(self, groups: tuple[str, ...] | None = None) -> None:
         """Start the consumer thread of every group (or of ``groups`` only)."""

@@ -16,7 +16,7 @@ from grpc_health.v1 import health
 from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
 from mneme.datadir import DataDirLocked
 from mneme.config import Settings
-from mneme.errors import Unavailable
+from mneme.errors import ConfigurationError, Unavailable
 from mneme.runtime import grpc_server
 from mneme.runtime.log_runner import LogRunner
 
@@ -205,7 +205,11 @@ def run_service(name: str, settings: Settings | None = None) -> None:
     def start() -> None:
         try:
             proc.start()
-        except BaseException as exc:  # fatal (configuration, data dir locked)
+        except (ConfigurationError, DataDirLocked) as exc:  # the operator's to fix: one line
+            log.error("%s: cannot start: %s", name, " ".join(str(exc).split()))
+            failed.append(exc)
+            stop.set()
+        except BaseException as exc:  # fatal, unexpected
             log.exception("%s: cannot start", name)
             failed.append(exc)
             stop.set()
@@ -237,5 +241,6 @@ def _runner(root: Root, parts: ServiceParts):
     if isinstance(root.log, KafkaEventLog) and parts.routers:
         from mneme.runtime.kafka import KafkaRunner
 
-        return KafkaRunner(root.log, parts.routers)
+        return KafkaRunner(root.log, parts.routers, restorers=parts.restorers,
+                           checkpoints=root.data_dir / "restored.json")
     return LogRunner(root.log, parts.routers)

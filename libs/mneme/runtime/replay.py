@@ -36,8 +36,11 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
       the data directory.
     * Distributed (kafka bus): the search service's projections (the stores its
       ``MNEME_*_URL``s name) and its bank catalog, reset to offset 0 and read outside the
-      consumer group. Stop the search processes first: while a group has live members
-      Kafka refuses, and replay raises StaleCommitError before it changes anything."""
+      consumer group. With local store files these are one replica's own copies (its data
+      dir, its own consumer groups): stop that replica first, or the data dir's lock
+      refuses (DataDirLocked). With store servers the ``search`` group is shared: stop
+      every search process first; while the group has live members Kafka refuses, and
+      replay raises StaleCommitError before it changes anything."""
     root = Root(settings)
     try:
         if root.distributed:
@@ -50,8 +53,9 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
                for g, r in routers.items()}
         # Refuse before anything is wiped: committing each group's own offsets back is a
         # no-op, which Kafka refuses (StaleCommitError) while the group has live members.
-        for g in routers:
-            root.log.commit(g, {tp: root.log.committed(g, *tp) for tp in tps[g]})
+        for g, r in routers.items():
+            gid = r.group_id
+            root.log.commit(gid, {tp: root.log.committed(gid, *tp) for tp in tps[g]})
         for p in parts:
             if "observations" in p.api:
                 p.api["observations"].reset()
@@ -59,7 +63,7 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
         root.catalog.reset()
         total = 0
         for name, r in routers.items():
-            root.log.reset_group(name, r.topics)
+            root.log.reset_group(r.group_id, r.topics)
             total += sum(root.log.end_offset(*tp) for tp in tps[name])
         done = _drain(LogRunner(root.log, routers), progress, total)
         if progress:

