@@ -66,7 +66,7 @@ class Root:
         topic would lose records."""
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
-        topics.ensure(event_log, st.partitions)
+        topics.ensure(event_log, st.topic_partitions())
         topics.require_history(event_log)  # TopicConfigError: history would expire
         return event_log
 
@@ -208,15 +208,14 @@ def _read_your_writes(root: Root, parts: ServiceParts) -> Callable[[str | None],
     def catch_up(bank_id: str | None) -> bool:
         if parts.runner is None:  # not consuming yet
             return False
-        ok = True
+        wanted = {}
         for r in _own_copies(parts):
-            tps = []
+            tps = wanted[r.group.name] = []
             for t in r.topics:
                 n = root.log.partitions(t)
                 tps += ([(t, partition_for(bank_id, n))] if bank_id is not None
                         else [(t, p) for p in range(n)])
-            ok = parts.runner.catch_up(r.group.name, tps, CATCH_UP_S) and ok
-        return ok
+        return parts.runner.catch_up(wanted, CATCH_UP_S) if wanted else True
     return catch_up
 
 

@@ -513,7 +513,7 @@ def topics_create():
     st = Settings()
     event_log = open_event_log(st.url("bus"), **st.kafka_options())
     try:
-        ensure(event_log, st.partitions)
+        ensure(event_log, st.topic_partitions())
         for t in ALL_TOPICS:
             print(f"{t}\t{event_log.partitions(t)} partitions")
         _report_topics(event_log)

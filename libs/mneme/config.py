@@ -27,7 +27,9 @@ class Settings(BaseSettings):
     grpc_address: str = Field(default="127.0.0.1:50051", description="gRPC listen address")
     grpc_workers: int = Field(default=16, description="gRPC worker threads")
     retain_timeout_s: float = Field(default=600.0, description="Deadline of a sync retain")
-    partitions: int = Field(default=4, description="Partitions per topic (new topics)")
+    partitions: int | None = Field(
+        default=None, ge=1, description="Partitions per topic (new topics; default 4 embedded, "
+                                        "12 on Kafka)")
     # ---- distributed topology (one service per process) -----------------------------
     search_address: str = Field(
         default="", description="reflect → search: gRPC address of the search service")
@@ -120,6 +122,15 @@ class Settings(BaseSettings):
         ValueError) for a combination that cannot work."""
         from mneme.bus.security import KafkaSecurity  # lazy: no bus import for config
         return KafkaSecurity.from_settings(self)
+
+    def topic_partitions(self) -> int:
+        """Partitions of the topics mneme creates: ``partitions``, else 4 on the embedded
+        log and :data:`mneme.bus.KAFKA_PARTITIONS` on Kafka."""
+        from mneme.bus import DEFAULT_PARTITIONS, KAFKA_PARTITIONS
+        if self.partitions:
+            return self.partitions
+        kafka = self.url("bus").lower().startswith("kafka:")
+        return KAFKA_PARTITIONS if kafka else DEFAULT_PARTITIONS
 
     def url(self, kind: str) -> str:
         """The configured URL of ``kind`` (bus, vector, text, graph, catalog), or its

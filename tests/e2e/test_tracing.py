@@ -50,16 +50,18 @@ def test_retain_trace_crosses_every_hop(server):
     mine = [s for s in spans if s.context.trace_id == trace_id]
     by_id = {s.context.span_id: s for s in mine}
 
-    def consumer(group, topic):
+    def consumer(group, topic, event_type):
         found = [s for s in mine if s.kind == SpanKind.CONSUMER
                  and s.attributes["messaging.consumer.group.name"] == group
-                 and s.attributes["messaging.destination.name"] == topic]
-        assert found, f"no span of group {group} on {topic} in trace {_hex(trace_id)}"
+                 and s.attributes["messaging.destination.name"] == topic
+                 and s.attributes["cloudevents.event_type"] == f"mneme.events.v1.{event_type}"]
+        assert found, f"no {event_type} span of group {group} on {topic} in {_hex(trace_id)}"
         return found[0]
 
-    extraction = consumer("extraction", INTAKE)
-    search = consumer("search", MEMORY)
-    progress = consumer("ingest", PROGRESS)
+    extraction = consumer("extraction", INTAKE, "RetainRequested")
+    # (extraction's EntitiesResolved goes to search too, which has nothing to do with it)
+    search = consumer("search", MEMORY, "FactsExtracted")
+    progress = consumer("ingest", PROGRESS, "OperationProgress")
     # The chain: gRPC span → extraction (intake record) → search (memory record) → ingest.
     assert extraction.parent.span_id == rpc[0].context.span_id
     assert search.parent.span_id == extraction.context.span_id

@@ -30,7 +30,7 @@ from tests.integration.conftest import KAFKA_TEST_OPTIONS, Tansu, _require_tansu
 
 pytestmark = pytest.mark.slow
 
-PARTITIONS = 4          # the topics' default (MNEME_PARTITIONS)
+PARTITIONS = 4  # MNEME_PARTITIONS here (Kafka's default is 12): a bank on each, 3 replicas
 ITEMS_PER_BANK = 24
 BATCH = 3
 NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now"
@@ -111,7 +111,8 @@ def single_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(broker, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("replicas"), broker.url)
+    c = Cluster(tmp_path_factory.mktemp("replicas"), broker.url,
+                extra_env={"MNEME_PARTITIONS": str(PARTITIONS)})
     names = ["ingest", c.add("ingest"), "reflect"]
     for s in ("extraction", "search", "consolidation"):
         names += [s, c.add(s), c.add(s)]

@@ -91,7 +91,9 @@ def test_topics_create_then_check_passes_on_a_new_broker(broker, tmp_path):
     out = subprocess.run([mneme_bin(), "topics", "create"], env=env, capture_output=True,
                          text=True, timeout=120)
     said = out.stdout + out.stderr  # the report goes to stderr, the listing to stdout
-    assert out.returncode == 0 and "topics ok" in said and f"{INTAKE}\t4 partitions" in said
+    # without MNEME_PARTITIONS, Kafka topics get enough for 12 replicas of a shared group
+    assert out.returncode == 0 and "topics ok" in said and f"{INTAKE}\t12 partitions" in said
+    assert f"{MEMORY}\t12 partitions" in said
     out = subprocess.run([mneme_bin(), "topics", "check"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "topics ok" in out.stdout + out.stderr, out.stderr

@@ -33,6 +33,11 @@ ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
 #: (Kafka's ``auto.create.topics.enable`` with ``num.partitions``).
 DEFAULT_PARTITIONS = 4
 
+#: Partitions of the topics mneme creates on Kafka when ``MNEME_PARTITIONS`` is unset:
+#: a shared consumer group runs on at most this many replicas, and 12 splits evenly
+#: over 1, 2, 3, 4 or 6 of them.
+KAFKA_PARTITIONS = 12
+
 #: Default partition counts. The DLQ has one partition: it is low volume and read by
 #: humans, so one total order is more useful than parallelism.
 TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1,
@@ -96,7 +101,8 @@ def default_partitions(topic: str) -> int:
 
 
 __all__ = [
-    "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "HISTORY_TOPICS", "INTAKE", "MEMORY", "PROGRESS",
+    "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "HISTORY_TOPICS", "INTAKE", "KAFKA_PARTITIONS",
+    "MEMORY", "PROGRESS",
     "REFLECT", "TOPIC_CONFIGS",
     "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions",
     "partition_for",

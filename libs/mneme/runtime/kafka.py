@@ -807,24 +807,29 @@ class KafkaRunner:
                 return False
             time.sleep(0.05)
 
-    def catch_up(self, group: str, partitions: Iterable[tuple[str, int]],
+    def catch_up(self, partitions: Mapping[str, Iterable[tuple[str, int]]],
                  timeout: float = 5.0) -> bool:
-        """Block until this process's ``group`` has handled every record that is on
-        ``partitions`` ((topic, partition) pairs) now: read-your-writes for a replica's
-        own copy of a projection (:attr:`mneme.router.Group.state`). True when caught
-        up, False after ``timeout`` seconds (the caller serves what it has). Raises
-        KeyError for a group this runner does not run."""
-        run, gid = self.groups[group], self.routers[group].group_id
-        tps = list(partitions)
+        """Block until this process's groups (``partitions``: group → (topic,
+        partition) pairs) have handled every record that is on those partitions now:
+        read-your-writes for a replica's own copy of a projection
+        (:attr:`mneme.router.Group.state`). One read of the high watermarks for all of
+        them. True when caught up, False after ``timeout`` seconds (the caller serves
+        what it has) or when the brokers do not answer. KeyError for a group this
+        runner does not run."""
+        wanted = {g: list(tps) for g, tps in partitions.items()}
+        runs = {g: self.groups[g] for g in wanted}
         end = time.monotonic() + timeout
         try:
-            target = self.log.end_offsets(tps)
+            target = self.log.end_offsets({tp for tps in wanted.values() for tp in tps})
         except KafkaError:
             return False
-        for tp in tps:  # before the first record here: what the group committed before
-            if tp not in run.done and target[tp] > 0:
-                run.done.setdefault(tp, self.log.committed(gid, *tp))
-        while any(run.done.get(tp, 0) < target[tp] for tp in tps):
+        for g, tps in wanted.items():  # before a first record here: what the group committed
+            run, gid = runs[g], self.routers[g].group_id
+            for tp in tps:
+                if tp not in run.done and target[tp] > 0:
+                    run.done.setdefault(tp, self.log.committed(gid, *tp))
+        while any(runs[g].done.get(tp, 0) < target[tp] for g, tps in wanted.items()
+                  for tp in tps):
             if time.monotonic() >= end:
                 return False
             time.sleep(0.005)

@@ -1,0 +1,31 @@
+"""Settings that pick a default by topology, and the replica id a data dir keeps."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from mneme.config import Settings
+from mneme.datadir import replica_id
+
+
+def test_topics_get_enough_partitions_for_replicas_on_kafka_and_few_embedded(tmp_path):
+    embedded = Settings(data_dir=tmp_path)
+    kafka = Settings(data_dir=tmp_path, bus_url="kafka://kafka:9092")
+    assert (embedded.topic_partitions(), kafka.topic_partitions()) == (4, 12)
+    assert Settings(data_dir=tmp_path, bus_url="kafka://k:9092", partitions=6).topic_partitions() == 6
+    with pytest.raises(ValidationError):
+        Settings(partitions=0)
+
+
+def test_a_data_dir_keeps_its_replica_id_and_a_fresh_one_gets_another(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    first = replica_id(a, "search-7f9c")
+    assert first.startswith("search-7f9c-") and replica_id(a, "renamed") == first
+    assert replica_id(b, "search-7f9c") != first  # an empty dir rebuilds under a new group
+    assert replica_id(b, "Pod_Name.With Dots!").startswith("search-7f9c-")  # kept
+    odd = tmp_path / "c"
+    odd.mkdir()
+    rid = replica_id(odd, "Pod_Name.With Dots!")
+    assert "." not in rid and rid.startswith("pod-name-with-dots-")
