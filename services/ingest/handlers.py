@@ -95,8 +95,14 @@ class Ingest:
         self._wait(lambda: self.log.committed(self.group, rec.topic, rec.partition) > rec.offset,
                    timeout, "catalog projection")
 
-    def require_bank(self, bank_id: str) -> Bank:
-        """The bank, as every replica's writes left it; NotFound when it does not exist."""
+    def require_bank(self, bank_id: str, fresh: bool = True) -> Bank:
+        """The bank, as every replica's writes left it; NotFound when it does not exist.
+        ``fresh`` False: a bank this replica knows is taken as it is (a write needs only
+        to know that it exists; the event applies to the bank as the log has it), and the
+        catalog catches up only when it does not know it."""
+        bank = None if fresh else self.catalog.get_bank(bank_id)
+        if bank is not None:
+            return bank
         self.catch_up(bank_id)
         bank = self.catalog.get_bank(bank_id)
         if bank is None:
@@ -163,7 +169,8 @@ class Ingest:
         A ``request_id`` makes the call idempotent within this incarnation of the bank:
         the operation id derives from (bank incarnation, request_id), a known operation is
         not appended again, and fact ids derive from the operation."""
-        bank = self.require_bank(bank_id)
+        # a request_id is looked up among the operations: those of every replica
+        bank = self.require_bank(bank_id, fresh=bool(request_id))
         bad = _check_items(items, dict(rejected or {}))
         if len(bad) == len(items):
             violations = [v for i in sorted(bad) for v in bad[i]]
@@ -185,7 +192,7 @@ class Ingest:
 
     def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
                         timeout: float | None = None) -> Operation:
-        self.require_bank(bank_id)
+        self.require_bank(bank_id, fresh=False)
         if not document_id:
             raise InvalidArgument("document_id", "required")
         op_id = str(uuid.uuid4())
@@ -195,7 +202,7 @@ class Ingest:
 
     def delete_memory(self, bank_id: str, memory_id: str, wait: bool = True,
                       timeout: float | None = None) -> Operation:
-        self.require_bank(bank_id)
+        self.require_bank(bank_id, fresh=False)
         op_id = str(uuid.uuid4())
         rec = self._append(ev.MemoryDeleteRequested(
             bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)

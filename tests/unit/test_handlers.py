@@ -18,7 +18,7 @@ import pytest
 from mneme import bank_catalog, bootstrap
 from mneme.bus import codec
 from mneme.domain import BankConfig, EventMeta, RetainItem, derive_id
-from mneme.errors import Cancelled
+from mneme.errors import Cancelled, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.llm.fake import FakeLlm
 from mneme.llm.gateway import Usage
@@ -168,6 +168,46 @@ def test_bank_delete_drops_the_bank_and_its_operations():
 def test_bank_events_without_a_catalog_do_nothing():
     assert bank_catalog.on_bank_upserted(ev.BankUpserted(bank_id="b"), meta()) == []
     assert bank_catalog.on_bank_deleted(ev.BankDeleted(bank_id="b"), meta()) == []
+
+
+class _Log:
+    """An event log that records what is appended (for the ingest command tests)."""
+
+    def __init__(self) -> None:
+        self.appended = []
+
+    def append(self, records):
+        self.appended += records
+        return [Record(r.topic, 0, len(self.appended) - 1, r.key, r.value, r.headers, 0.0)
+                for r in records]
+
+
+def test_ingest_reads_catch_up_with_other_replicas_and_writes_only_when_needed():
+    # Another ingest replica created bank "elsewhere": this replica's catalog copy holds it
+    # only once it has caught up (the catch_up hook applies what the log holds by then).
+    catalog, calls = MemoryCatalog(), []
+    catalog.upsert_bank("here", "", BankConfig(), 0.0)
+
+    def catch_up(bank_id):
+        calls.append(bank_id)
+        catalog.upsert_bank("elsewhere", "made by another replica", BankConfig(), 1.0)
+        return True
+
+    cmd = ingest.Ingest(_Log(), catalog, source="mneme/ingest", catch_up=catch_up)
+    assert cmd.require_bank("elsewhere").display_name == "made by another replica"
+    assert calls == ["elsewhere"]
+    cmd.retain("here", [RetainItem(content="a", timestamp=T0)], wait=False)  # a known bank: no round trip
+    cmd.delete_document("here", "d", wait=False)
+    assert calls == ["elsewhere"]
+    cmd.retain("here", [RetainItem(content="b", timestamp=T0)], wait=False, request_id="r1")
+    assert calls[-1] == "here"  # a request id is looked up among every replica's operations
+    with pytest.raises(NotFound):
+        cmd.get_operation("op-unknown")
+    assert calls[-1] is None  # an operation's bank is not in its name: every partition
+    catalog.delete_bank("gone")
+    with pytest.raises(NotFound):
+        cmd.retain("gone", [RetainItem(content="c", timestamp=T0)], wait=False)
+    assert calls[-1] == "gone"  # unknown here: caught up before NOT_FOUND
 
 
 # ==== extraction ===========================================================================
