@@ -25,6 +25,8 @@ BAD = {
                        "MNEME_KAFKA_SSL_CAFILE": "/nonexistent/ca.pem"},
                       "MNEME_KAFKA_SSL_CAFILE"),
     "wrong-type": ({"MNEME_PARTITIONS": "four"}, "MNEME_PARTITIONS"),
+    "unknown-bus-scheme": ({"MNEME_BUS_URL": "kafak://127.0.0.1:9"}, "MNEME_BUS_URL"),
+    "kafka-without-host": ({"MNEME_BUS_URL": "kafka://"}, "MNEME_BUS_URL"),
 }
 
 
@@ -52,3 +54,14 @@ def test_topics_check_refuses_bad_settings_in_one_line(case, tmp_path):
 def test_every_command_opening_the_log_refuses_the_same_way(command, tmp_path):
     env, variable = BAD["sasl-without-credentials"]
     _assert_configuration_error(run(command, env, tmp_path), variable)
+
+
+def test_a_service_with_an_unknown_store_scheme_stops_at_once_in_one_line(tmp_path):
+    out = run(["serve", "search"], {"MNEME_VECTOR_URL": "qdarnt://qdrant:6333",
+                                    "MNEME_BUS_URL": f"sqlite:///{tmp_path}/log.db",
+                                    "MNEME_GRPC_ADDRESS": "127.0.0.1:0",
+                                    "MNEME_METRICS_PORT": "0"}, tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "cannot start" in x]
+    assert "MNEME_VECTOR_URL" in line and "qdarnt" in line

@@ -51,6 +51,7 @@ from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
                        partition_for)
 from mneme.bus.security import KafkaSecurity
+from mneme.errors import ConfigurationError
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,12 @@ class KafkaOptions:
 def parse_kafka_url(url: str) -> tuple[str, dict[str, str]]:
     """``kafka://host:port[,host:port][?option=value]`` → (bootstrap servers, options).
 
-    Raises ValueError when no host is given."""
+    Raises :class:`mneme.errors.ConfigurationError` (a ValueError) when no host is given."""
     parts = urlsplit(url)
     servers = parts.netloc
     if not servers or not all(s.strip() for s in servers.split(",")):
-        raise ValueError(f"kafka URL needs host:port[,host:port], as in kafka://kafka:9092; "
-                         f"got {url!r}")
+        raise ConfigurationError(f"MNEME_BUS_URL: a kafka URL needs host:port[,host:port], as "
+                                 f"in kafka://kafka:9092; got {url!r}")
     return servers, {k: v[-1] for k, v in parse_qs(parts.query).items()}
 
 
@@ -566,7 +567,7 @@ def open_kafka(url: str, **overrides) -> KafkaEventLog:
     opts: dict = {}
     for k, v in {**query, **{k: v for k, v in overrides.items() if v is not None}}.items():
         if k not in fields:
-            raise ValueError(f"unknown kafka option {k!r} (known: {', '.join(fields)})")
+            raise ConfigurationError(f"unknown kafka option {k!r} (known: {', '.join(fields)})")
         kind = fields[k].type
         if isinstance(v, str) and kind in ("int", "float", "bool"):
             v = (v.lower() in ("1", "true", "yes")) if kind == "bool" else \

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
+from mneme.errors import ConfigurationError
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from mneme.ports import EventLog
 
@@ -32,8 +34,8 @@ def open_event_log(url: str, **kafka_options) -> "EventLog":
     if scheme == "sqlite":
         path = unquote(parsed.path)
         if parsed.netloc or not path or path == "/":
-            raise ValueError(f"sqlite event log URL needs an absolute path, as in "
-                             f"sqlite:///var/lib/mneme/events.db; got {url!r}")
+            raise ConfigurationError(f"MNEME_BUS_URL: a sqlite event log URL needs an absolute "
+                                     f"path, as in sqlite:///var/lib/mneme/events.db; got {url!r}")
         if path.startswith("//"):  # SQLAlchemy-style sqlite:////abs/path
             path = path[1:]
         from mneme.bus.sqlite_log import SqliteEventLog  # lazy: SQLite only when used
@@ -43,8 +45,8 @@ def open_event_log(url: str, **kafka_options) -> "EventLog":
         from mneme.bus.kafka_log import open_kafka  # lazy: aiokafka only when used
 
         return open_kafka(url, **kafka_options)
-    raise ValueError(f"unknown event log URL scheme {scheme!r} in {url!r} "
-                     f"(supported: sqlite, kafka)")
+    raise ConfigurationError(f"MNEME_BUS_URL: unknown event log URL scheme {scheme!r} in "
+                             f"{url!r} (supported: sqlite, kafka)")
 
 
 __all__ = ["open_event_log"]

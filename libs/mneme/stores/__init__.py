@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 from urllib.parse import unquote, urlsplit
 
+from mneme.errors import ConfigurationError
 from mneme.ports import GraphStore, TextStore, VectorStore
 
 
@@ -37,7 +38,8 @@ def _local_path(url: str) -> str:
     parts = urlsplit(url)
     path = unquote(parts.path)
     if parts.netloc or not path.startswith("/") or not path.strip("/"):
-        raise ValueError(f"store URL {url!r} must name an absolute path: scheme:///abs/path")
+        raise ConfigurationError(f"store URL {url!r} must name an absolute path: "
+                                 "scheme:///abs/path")
     return "/" + path.lstrip("/")
 
 
@@ -108,8 +110,9 @@ def _opener(table: dict, url: str, kind: str) -> Callable:
     try:
         return table[scheme]
     except KeyError:
-        raise ValueError(f"unsupported {kind} store URL {url!r}; known schemes: "
-                         f"{', '.join(sorted(table))}") from None
+        raise ConfigurationError(f"MNEME_{kind.upper()}_URL: unsupported {kind} store URL "
+                                 f"{url!r}; known schemes: {', '.join(sorted(table))}"
+                                 ) from None
 
 
 def open_vector_store(url: str, dim: int) -> VectorStore:
