@@ -260,3 +260,87 @@ def test_records_of_one_partition_are_handled_in_order(kafka_log):
 @pytest.fixture(autouse=True)
 def _quiet_faststream(caplog):
     caplog.set_level("WARNING", logger="faststream")
+
+
+# ---- restore on assignment (Group.restore) -----------------------------------------------
+
+
+def _decide(m: ev.FactsExtracted, meta, *, seen: list):
+    """A consolidation-like handler: a decision per fact event, which comes back to it."""
+    seen.append(("live", "FactsExtracted", m.operation_id))
+    return [ev.ObservationsChanged(bank_id=m.bank_id, operation_id=m.operation_id)]
+
+
+def _apply(m: ev.ObservationsChanged, meta, *, seen: list):
+    seen.append(("live", "ObservationsChanged", m.operation_id))
+    return []
+
+
+def _restore(m, meta, *, seen: list):
+    seen.append(("restore", type(m).__name__, m.operation_id))
+    return []
+
+
+def _self_loop() -> Service:
+    kinds = (ev.FactsExtracted, ev.ObservationsChanged)
+    return Service("loop", groups=(Group(
+        "loop", {MEMORY: {ev.FactsExtracted: _decide, ev.ObservationsChanged: _apply}},
+        restore={MEMORY: dict.fromkeys(kinds, _restore)}),),
+        produces={MEMORY: (ev.ObservationsChanged,)})
+
+
+def test_a_new_owner_restores_up_to_the_committed_offset_and_its_decisions(fresh_tansu,
+                                                                          tmp_path):
+    # The previous owner handled f1 and f2 (committed 2) and had decided f3 too, without
+    # committing it: the log holds f1 f2 f3, then the decisions for all three, then one
+    # of another cause. A new owner restores f1, f2 and *their* decisions only, then
+    # handles f3 onwards itself, in order.
+    from mneme.bus.logs import open_event_log
+
+    log = open_event_log(fresh_tansu.url, **KAFKA_TEST_OPTIONS)
+    try:
+        log.ensure_topic(MEMORY, 1)
+        bank, svc = "b", _self_loop()
+        facts = log.append([codec.encode(ev.FactsExtracted(bank_id=bank, operation_id=f"f{i}"),
+                                         bank_id=bank, source="mneme/extraction")
+                            for i in (1, 2, 3)])
+        encoder = Router(svc, "loop", {"seen": []})
+        decisions = [encoder.encode([ev.ObservationsChanged(bank_id=bank, operation_id=f"f{i}")],
+                                    codec.decode(rec).id)[0] for i, rec in zip((1, 2, 3), facts)]
+        other = encoder.encode([ev.ObservationsChanged(bank_id=bank, operation_id="x")], "else")
+        log.append(decisions + other)
+        log.commit("loop", {(MEMORY, 0): 2})
+
+        def start(seen: list) -> KafkaRunner:
+            deps = {"seen": seen}
+            return KafkaRunner(log, {"loop": Router(svc, "loop", deps)},
+                               restorers={"loop": Router(svc, "loop", deps, restore=True)},
+                               checkpoints=tmp_path / "restored.json",
+                               dlq_topic=f"test.dlq.{_uid()}").start()
+
+        seen: list = []
+        r = start(seen)
+        try:
+            assert r.wait_idle(timeout=60), r.lag("loop")
+        finally:
+            assert r.stop(30)
+        assert [s for s in seen if s[0] == "restore"] == [
+            ("restore", "FactsExtracted", "f1"), ("restore", "FactsExtracted", "f2"),
+            ("restore", "ObservationsChanged", "f1"), ("restore", "ObservationsChanged", "f2")]
+        live = [s[1:] for s in seen if s[0] == "live"]
+        assert live[:5] == [("FactsExtracted", "f3"), ("ObservationsChanged", "f1"),
+                            ("ObservationsChanged", "f2"), ("ObservationsChanged", "f3"),
+                            ("ObservationsChanged", "x")]
+        assert ("ObservationsChanged", "f3") in live[5:]  # its own decision, come back
+        # a restart on the same data dir resumes its state where it left it: nothing to
+        # restore, and nothing handled twice
+        again: list = []
+        r = start(again)
+        try:
+            assert r.wait_idle(timeout=60)
+            assert r.groups["loop"].restored == 0
+        finally:
+            assert r.stop(30)
+        assert again == []
+    finally:
+        log.close()
