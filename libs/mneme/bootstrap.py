@@ -16,7 +16,7 @@ import logging
 from concurrent import futures
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import grpc
 
@@ -125,15 +125,13 @@ class Root:
             return f"{group.name}.{self.replica}"
         return group.name
 
-    def group_ids(self) -> dict[str, tuple[str, ...]]:
+    def group_ids(self, own: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
         """Every consumer group of the topology as the log knows it → its topics
-        (:func:`mneme.router.group_ids`): a group run per replica under this replica's
-        id and every other live replica's (a removed replica's copies are not pending
-        work)."""
-        own = [self.group_id(g) for s in services().values() for g in s.groups]
+        (:func:`mneme.router.group_ids`): a group run per replica under the id of every
+        live replica (a removed replica's copies are not pending work) and of ``own``
+        (this process's groups, which may not have committed yet)."""
         known = self.log.groups(live_only=True) if self.distributed else []
-        return group_ids(services().values(), self.distributed, [*known, *own],
-                         self.local_stores)
+        return group_ids(services().values(), self.distributed, [*known, *own])
 
     def bank_config(self, bank_id: str):
         """The bank's config from this process's catalog, or None when unknown here."""
@@ -233,16 +231,17 @@ def _caught_up_once(parts: ServiceParts) -> Callable[[], bool]:
 
 
 def build_ingest(root: Root) -> ServiceParts:
-    """ingest: the write API and its catalog projection. Sync retains wait for progress
-    events in the catalog."""
+    """ingest: the write API and its catalog projection. A sync retain waits until its
+    operation's progress is in the catalog, woken by each write of the projection."""
     from services.ingest import grpc_api
-    from services.ingest.handlers import Ingest
+    from services.ingest.handlers import CatalogChanges, Ingest
     svc = services()["ingest"]
-    ingest = Ingest(root.log, root.catalog, root.settings.retain_timeout_s, llm=root.llm,
+    catalog = CatalogChanges(root.catalog)  # its writes wake the sync waits
+    ingest = Ingest(root.log, catalog, root.settings.retain_timeout_s, llm=root.llm,
                     group=root.group_id(svc.groups[0]), source=svc.source,
-                    groups=root.group_ids,
+                    groups=lambda: root.group_ids([r.group_id for r in parts.routers.values()]),
                     stores=None if root.distributed else root.stores)  # for GetBankStats
-    parts = ServiceParts("ingest", _routers(root, "ingest", catalog=root.catalog),
+    parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
     if _own_copies(parts):  # replicas each keep a catalog: reads catch up first
         ingest.catch_up = _read_your_writes(root, parts)

@@ -268,23 +268,26 @@ def groups_of(services: Iterable[Service], distributed: bool) -> dict[str, tuple
     return {g.name: g.topics for s in services for g in s.groups if g.runs_in(distributed)}
 
 
-def group_ids(services: Iterable[Service], distributed: bool, known: Iterable[str] = (),
-              local_stores: bool = True) -> dict[str, tuple[str, ...]]:
-    """Consumer group id on the log → topics, for every group that runs in the topology:
-    a shared group under its name; a group run per replica (:meth:`Group.per_replica`,
-    distributed only) under each id of ``known`` (the log's groups, plus this replica's
-    own) that is ``<name>.<replica>``."""
+def group_ids(services: Iterable[Service], distributed: bool, known: Iterable[str] = ()
+              ) -> dict[str, tuple[str, ...]]:
+    """Consumer group id on the log → topics, for every group that runs in the topology.
+    Embedded, or for a ``"shared"`` group, its name. In the distributed topology a group
+    run per replica (``"replica"``) is listed under each id of ``known`` (the log's
+    groups) that is ``<name>.<replica>``; a ``"stores"`` group under its name when the
+    log knows it (the replicas share store servers), else under those ids."""
     known = sorted(set(known))
     out: dict[str, tuple[str, ...]] = {}
     for s in services:
         for g in s.groups:
             if not g.runs_in(distributed):
                 continue
-            if distributed and g.per_replica(local_stores):
-                out.update((k, g.topics) for k in known if k.startswith(g.name + ".")
-                           and "." not in k[len(g.name) + 1:])
-            else:
+            copies = [k for k in known if k.startswith(g.name + ".")
+                      and "." not in k[len(g.name) + 1:]]
+            if not distributed or g.state == "shared" or (g.state == "stores"
+                                                          and g.name in known):
                 out[g.name] = g.topics
+            else:
+                out.update((k, g.topics) for k in copies)
     return out
 
 

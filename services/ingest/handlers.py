@@ -3,6 +3,7 @@ for read-your-writes) and the catalog projection of intake and progress events."
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -49,6 +50,43 @@ def on_operation_progress(m: ev.OperationProgress, meta: EventMeta, *, catalog: 
     return []
 
 
+class CatalogChanges:
+    """The :class:`~mneme.ports.Catalog` ingest's group writes, which wakes the sync waits
+    (:attr:`changed`, a Condition) after every write, so a retain returns as soon as its
+    progress is projected rather than at the next poll. Reads pass through."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.changed = threading.Condition()
+
+    def _wrote(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def upsert_bank(self, *args, **kwargs) -> None:
+        self.catalog.upsert_bank(*args, **kwargs)
+        self._wrote()
+
+    def delete_bank(self, bank_id: str) -> None:
+        self.catalog.delete_bank(bank_id)
+        self._wrote()
+
+    def put_operation(self, op: Operation) -> None:
+        self.catalog.put_operation(op)
+        self._wrote()
+
+    def update_operation(self, op: Operation) -> None:
+        self.catalog.update_operation(op)
+        self._wrote()
+
+    def reset(self) -> None:
+        self.catalog.reset()
+        self._wrote()
+
+    def __getattr__(self, name: str):  # the reads (get_*, list_*, close)
+        return getattr(self.catalog, name)
+
+
 # ---- commands ----------------------------------------------------------------------------
 
 
@@ -61,7 +99,7 @@ class Ingest:
     log: EventLog
     catalog: Catalog
     retain_timeout_s: float = 600.0
-    poll_s: float = 0.01
+    poll_s: float = 0.05  # the longest sleep of a sync wait between catalog writes
     llm: Llm | None = None  # for check_llm
     group: str = ""   # the catalog projection's consumer group (services/ingest/routes.py)
     source: str = ""  # ce_source of what it appends (the ingest Service's)
@@ -76,24 +114,32 @@ class Ingest:
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
 
-    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str,
+              poll: float | None = None) -> None:
+        """Until ``done()``: woken by every catalog write (:class:`CatalogChanges`),
+        else every ``poll`` seconds (default ``poll_s``; deadline, damage and
+        cancellation are checked then too)."""
         deadline = time.monotonic() + timeout
         call = current_deadline()
-        while not done():
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{what} not finished within {timeout:.1f}s; it goes on")
-            damage = getattr(self.log, "damage", None)  # embedded log found damaged: no
-            if damage:  # consumer will finish the work, so do not wait for the deadline
-                raise Unavailable(f"{what}: the event log is damaged ({damage}); see "
-                                  "`mneme log recover`")
-            if call.cancelled():  # the caller went away: stop waiting (the work goes on)
-                raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
-            time.sleep(self.poll_s)
+        changed = getattr(self.catalog, "changed", None) or threading.Condition()
+        with changed:  # held while checking, so a write in between is not missed
+            while not done():
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"{what} not finished within {timeout:.1f}s; it goes on")
+                damage = getattr(self.log, "damage", None)  # embedded log found damaged: no
+                if damage:  # consumer will finish the work, so do not wait for the deadline
+                    raise Unavailable(f"{what}: the event log is damaged ({damage}); see "
+                                      "`mneme log recover`")
+                if call.cancelled():  # the caller went away: stop waiting (work goes on)
+                    raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
+                changed.wait(poll or self.poll_s)
 
     def _wait_projected(self, rec: Record, timeout: float) -> None:
         """Read-your-writes on the catalog: wait until the ingest group consumed ``rec``."""
+        # the commit follows the catalog write that wakes the wait: poll it closely
         self._wait(lambda: self.log.committed(self.group, rec.topic, rec.partition) > rec.offset,
-                   timeout, "catalog projection")
+                   timeout, "catalog projection", poll=0.01)
 
     def require_bank(self, bank_id: str, fresh: bool = True) -> Bank:
         """The bank, as every replica's writes left it; NotFound when it does not exist.

@@ -226,6 +226,15 @@ def test_a_write_acknowledged_by_one_replica_is_read_by_every_other_at_once(clus
             with MnemeClient(cluster.address[s]) as m:
                 hits = m.recall(bank, f"What is the lighthouse keeper's cat named{n}?").results
                 assert any(f"Orion{n}" in h.memory.text for h in hits), (s, n)
+    # pending work lists every live replica's own copies and the shared groups
+    rids = {n: (cluster.root / n / "replica-id").read_text().strip()
+            for n in [*ingest, *searches]}
+    with MnemeClient(cluster.address[ingest[-1]]) as r:
+        groups = {x.group for x in r.bank_stats("ryw-1").lag}
+    assert {"extraction", "consolidation"} <= groups
+    assert {f"search.{rids[s]}" for s in searches} <= groups
+    assert {f"ingest.{rids[i]}" for i in ingest} <= groups
+    assert "search" not in groups and "ingest" not in groups  # no such group: copies
     # a bank deleted through one replica is gone for the others
     with MnemeClient(cluster.address[ingest[0]]) as w, \
             MnemeClient(cluster.address[ingest[1]]) as r:

@@ -10,6 +10,7 @@ deterministic ids on redelivery and replay, and one retain end to end.
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
@@ -208,6 +209,27 @@ def test_ingest_reads_catch_up_with_other_replicas_and_writes_only_when_needed()
     with pytest.raises(NotFound):
         cmd.retain("gone", [RetainItem(content="c", timestamp=T0)], wait=False)
     assert calls[-1] == "gone"  # unknown here: caught up before NOT_FOUND
+
+
+def test_a_sync_wait_is_woken_by_the_catalog_write_that_finishes_it():
+    # poll_s is longer than the deadline: only the write's wake-up can end the wait in time
+    import threading
+
+    from mneme.domain import Operation
+    catalog = ingest.CatalogChanges(MemoryCatalog())
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    cmd = ingest.Ingest(_Log(), catalog, source="mneme/ingest", poll_s=120.0)
+    op = cmd.retain("b", [RetainItem(content="a", timestamp=T0)], wait=False)
+
+    def progress():  # ingest's group projects the retain's progress a moment later
+        time.sleep(0.2)
+        ingest.on_operation_requested(ev.RetainRequested(bank_id="b", operation_id=op.operation_id,
+                                                         items=[ev.RetainItem()]),
+                                      meta(1), catalog=catalog)
+        catalog.update_operation(Operation(op.operation_id, "b", "retain", "succeeded", 1, 1))
+    threading.Thread(target=progress, daemon=True).start()
+    done = cmd._finish(op.operation_id, None, "b", "retain", 1, True, 30.0)
+    assert done.state == "succeeded"
 
 
 # ==== extraction ===========================================================================

@@ -29,3 +29,22 @@ def test_a_data_dir_keeps_its_replica_id_and_a_fresh_one_gets_another(tmp_path):
     odd.mkdir()
     rid = replica_id(odd, "Pod_Name.With Dots!")
     assert "." not in rid and rid.startswith("pod-name-with-dots-")
+
+
+def test_the_groups_of_the_topology_as_the_log_names_them():
+    from mneme.bootstrap import services
+    from mneme.router import group_ids
+
+    svcs = services().values()
+    embedded = group_ids(svcs, distributed=False)
+    assert "ingest" in embedded and "search" in embedded and "search-catalog" not in embedded
+    known = ["ingest.pod-a-1234abcd", "ingest.pod-b-5678abcd", "search.pod-c-0000aaaa",
+             "search-catalog.pod-c-0000aaaa", "consolidation", "unrelated.group",
+             "ingest.x.y"]  # a name with a further dot is not a copy of ingest
+    got = group_ids(svcs, distributed=True, known=known)
+    assert {"ingest.pod-a-1234abcd", "ingest.pod-b-5678abcd", "search.pod-c-0000aaaa",
+            "search-catalog.pod-c-0000aaaa", "extraction", "consolidation"} <= set(got)
+    assert "ingest" not in got and "ingest.x.y" not in got and "unrelated.group" not in got
+    # search with store servers: its replicas share the "search" group
+    shared = group_ids(svcs, distributed=True, known=["search", "search-catalog.p-1"])
+    assert "search" in shared and "search-catalog.p-1" in shared
