@@ -124,13 +124,9 @@ class MnemeClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0,
                  api_key: str | None = None, tls: ClientTLS | None | object = _UNSET):
-        import os
-        self.tls = ClientTLS.from_env() if tls is _UNSET else tls
-        self._raw = secure_channel(address, self.tls, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20)])
-        key = api_key if api_key is not None else os.environ.get("MNEME_API_KEY") or None
-        self.channel = grpc.intercept_channel(self._raw, _CallMetadata(key))
+        self.channel = api_channel(address, [("grpc.max_receive_message_length", 64 << 20),
+                                             ("grpc.max_send_message_length", 64 << 20)],
+                                   api_key=api_key, tls=tls)
         self.timeout = timeout
         self.banks = banks_pb2_grpc.BankServiceStub(self.channel)
         self.memory = memory_pb2_grpc.MemoryServiceStub(self.channel)
@@ -146,11 +142,11 @@ class MnemeClient:
         self.close()
 
     def close(self) -> None:
-        self._raw.close()
+        self.channel.close()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server accepts connections (raises grpc.FutureTimeoutError)."""
-        grpc.channel_ready_future(self._raw).result(timeout=timeout)
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
 
     # banks
     def upsert_bank(self, bank_id: str, display_name: str = "", **config) -> resources_pb2.Bank:

@@ -56,7 +56,13 @@ def replica_id(data_dir: Path, name: str | None = None) -> str:
         return known
     base = re.sub(r"[^a-z0-9-]+", "-", (name or socket.gethostname() or "mneme").lower())
     rid = f"{base.strip('-')[:40] or 'mneme'}-{secrets.token_hex(4)}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(rid + "\n")
-    os.replace(tmp, path)  # atomic: a crash never leaves half an id
+    write_atomic(path, rid + "\n")
     return rid
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path``'s content with ``text`` in one step (a temporary file renamed over
+    it), so a crash leaves the old content or the new one, never half of it."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

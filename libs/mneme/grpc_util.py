@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -197,11 +200,9 @@ class ClientTLS:
     def credentials(self) -> grpc.ChannelCredentials:
         """Channel credentials from the files as they are now (OSError if one is
         missing)."""
-        from pathlib import Path
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return grpc.ssl_channel_credentials(root_certificates=read(self.ca),
-                                            private_key=read(self.key),
-                                            certificate_chain=read(self.cert))
+        return grpc.ssl_channel_credentials(root_certificates=read_pem(self.ca),
+                                            private_key=read_pem(self.key),
+                                            certificate_chain=read_pem(self.cert))
 
     def options(self) -> list[tuple[str, str]]:
         """Channel options: the server name override, when set."""
@@ -212,10 +213,15 @@ class ClientTLS:
                 f"server_name={self.server_name!r})")
 
 
+def read_pem(path: str) -> bytes | None:
+    """The bytes of the PEM file ``path``; None for an empty path (not configured).
+    OSError when it cannot be read."""
+    return Path(path).read_bytes() if path else None
+
+
 def file_signature(paths) -> tuple:
     """What changes when a file is rewritten or replaced: (mtime ns, size, inode) of each
     path, None for one that cannot be read."""
-    import os
     out = []
     for p in paths:
         try:
@@ -247,7 +253,6 @@ class _ReloadingChannel(grpc.Channel):
     finish."""
 
     def __init__(self, build, files, check_every_s: float) -> None:
-        import threading
         self._build, self._files, self._every = build, tuple(files), check_every_s
         self._lock = threading.Lock()
         self._sig = file_signature(self._files)

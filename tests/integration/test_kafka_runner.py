@@ -21,7 +21,7 @@ from mneme.bus import INTAKE, MEMORY, PROGRESS, codec, partition_for
 from mneme.events.v1 import events_pb2 as ev
 from mneme.router import Group, Router, Service
 from mneme.runtime.kafka import KafkaRunner
-from tests.integration.conftest import KAFKA_TEST_OPTIONS
+from tests.integration.conftest import KAFKA_TEST_OPTIONS, banks_over_partitions
 
 
 def _uid() -> str:
@@ -92,18 +92,6 @@ def mine(kafka_log, topic: str, banks: set[str] | None):
     return out
 
 
-def banks_on_distinct_partitions(n: int, partitions: int) -> list[str]:
-    """``n`` fresh bank ids, on as many different partitions as possible."""
-    seen: dict[int, str] = {}
-    tag = _uid()
-    i = 0
-    while len(seen) < min(n, partitions):
-        b = f"bank-{tag}-{i}"
-        seen.setdefault(partition_for(b, partitions), b)
-        i += 1
-    return list(seen.values()) + [f"bank-{tag}-x{j}" for j in range(n - len(seen))]
-
-
 def test_outputs_are_produced_then_the_offset_committed(kafka_log):
     group, toy = f"toy-{_uid()}", Toy()
     bank = f"bank-{_uid()}"
@@ -168,7 +156,7 @@ def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log,
 
     group, toy = f"toy-{_uid()}", Toy()
     kafka_log.ensure_topic(INTAKE, 4)
-    banks = banks_on_distinct_partitions(8, kafka_log.partitions(INTAKE))
+    banks = banks_over_partitions(kafka_log.partitions(INTAKE), 8, f"bank-{_uid()}-")
     other = open_event_log(tansu.url, **KAFKA_TEST_OPTIONS)
     a = runner(kafka_log, group, toy, "a").start()
     b = runner(other, group, toy, "b").start()
@@ -241,7 +229,7 @@ def test_a_new_runner_resumes_from_the_committed_offset_without_loss(kafka_log):
 def test_records_of_one_partition_are_handled_in_order(kafka_log):
     group, toy = f"toy-{_uid()}", Toy()
     kafka_log.ensure_topic(INTAKE, 4)
-    banks = banks_on_distinct_partitions(4, kafka_log.partitions(INTAKE))
+    banks = banks_over_partitions(kafka_log.partitions(INTAKE), 4, f"bank-{_uid()}-")
     # interleaved appends: each bank's records are in order on its own partition
     kafka_log.append([delete(bk, i) for i in range(15) for bk in banks])
     r = runner(kafka_log, group, toy).start()

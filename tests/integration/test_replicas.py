@@ -11,7 +11,6 @@ The tests share one fresh broker and one cluster and run in file order."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from datetime import datetime, timezone
@@ -21,12 +20,12 @@ import pytest
 
 from mneme import locomo
 from mneme.bootstrap import services
-from mneme.bus import partition_for
 from mneme.client import MnemeClient
 from mneme.router import group_ids
 from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
-from tests.integration.conftest import KAFKA_TEST_OPTIONS, Tansu, _require_tansu
+from tests.integration.conftest import (KAFKA_TEST_OPTIONS, banks_over_partitions,
+                                        running_tansu)
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +37,8 @@ QUERIES = ["What did Melanie paint?", "When did Caroline go to the support group
            "What does Caroline want to research?"]
 
 
-def _banks() -> list[str]:
-    """One bank per partition, so every partition has an owner to lose."""
-    by_partition: dict[int, str] = {}
-    for i in itertools.count():
-        name = f"replica-bank-{i}"
-        by_partition.setdefault(partition_for(name, PARTITIONS), name)
-        if len(by_partition) == PARTITIONS:
-            return [by_partition[p] for p in sorted(by_partition)]
-
-
-BANKS = _banks()
+#: One bank per partition, so every partition has an owner to lose.
+BANKS = banks_over_partitions(PARTITIONS, PARTITIONS, "replica-bank-")
 
 
 def _batches() -> dict[str, list[list[dict]]]:
@@ -83,11 +73,9 @@ def _snapshot(address: str) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory):
-    _require_tansu()
-    b = Tansu(tmp_path_factory.mktemp("replicas-broker") / "tansu.log")
-    yield b
-    b.stop()
+def broker(tmp_path_factory):  # its own: these topics get MNEME_PARTITIONS=4
+    with running_tansu(tmp_path_factory.mktemp("replicas-broker") / "tansu.log") as b:
+        yield b
 
 
 @pytest.fixture(scope="module")

@@ -477,29 +477,32 @@ class KafkaEventLog:
         """Ids of the consumer groups the brokers know (ListGroups: live ones and those
         with committed offsets), sorted; with ``live_only`` only those that have members
         now (DescribeGroups), e.g. not a removed replica's own groups."""
-        async def _list() -> list[str]:
-            ids = sorted({g[0] if isinstance(g, tuple) else g.get("group_id", "")
-                          for g in await self._admin.list_consumer_groups()} - {""})
-            if not live_only or not ids:
-                return ids
-            async def members(batch: list[str]) -> set[str]:
-                live = set()
-                for resp in await self._admin.describe_consumer_groups(batch):
-                    for g in resp.groups:  # (error, id, state, protocol type, protocol, members…)
-                        if len(g) > 5 and g[5]:
-                            live.add(g[1])
-                return live
-            try:
-                live = await members(ids)
-            except Exception:  # one group's answer the client cannot read: ask one by one
-                live = set()
-                for i in ids:
-                    try:
-                        live |= await members([i])
-                    except Exception:  # unknown: counted live rather than hidden
-                        live.add(i)
-            return [i for i in ids if i in live]
-        return self._loop.run(_list())
+        return self._loop.run(self._group_ids(live_only))
+
+    async def _group_ids(self, live_only: bool) -> list[str]:
+        # list_consumer_groups gives (group id, protocol type) tuples
+        ids = sorted({g[0] for g in await self._admin.list_consumer_groups()} - {""})
+        if not live_only or not ids:
+            return ids
+        try:
+            live = await self._with_members(ids)
+        except Exception:  # one group's answer the client cannot read: ask one by one
+            live = set()
+            for i in ids:
+                try:
+                    live |= await self._with_members([i])
+                except Exception:  # unknown: counted live rather than hidden
+                    live.add(i)
+        return [i for i in ids if i in live]
+
+    async def _with_members(self, ids: list[str]) -> set[str]:
+        """Those of ``ids`` that have members now (DescribeGroups)."""
+        live = set()
+        for resp in await self._admin.describe_consumer_groups(ids):
+            for g in resp.groups:  # (error, id, state, protocol type, protocol, members, …)
+                if len(g) > 5 and g[5]:
+                    live.add(g[1])
+        return live
 
     def group_offsets(self, group: str, topics: Iterable[str] = ALL_TOPICS
                       ) -> dict[tuple[str, int], int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import ssl
 from concurrent import futures
-from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -83,16 +82,15 @@ def reloading_credentials(cert: str, key: str, client_ca: str = "",
     (a file missing or unreadable, a key that does not match its certificate) keeps the
     last good configuration; the next handshake tries again. Raises OSError when a file
     cannot be read at start."""
-    from mneme.grpc_util import file_signature
+    from mneme.grpc_util import file_signature, read_pem
     files = tuple(p for p in (cert, key, client_ca) if p)
 
     def load():
         # A key that does not match the certificate (half a rotation) raises here
         # (ssl.SSLError is an OSError) instead of failing every handshake.
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
         return grpc.ssl_server_certificate_configuration(
-            [(read(key), read(cert))], root_certificates=read(client_ca))
+            [(read_pem(key), read_pem(cert))], root_certificates=read_pem(client_ca))
 
     state = {"sig": file_signature(files)}
     initial = load()

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -61,6 +60,7 @@ from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
 from mneme.bus.kafka_log import KafkaOptions
+from mneme.datadir import write_atomic
 from mneme.bus.kafka_log import record_of
 from mneme.errors import Cancelled
 from mneme.ports import OutRecord, Record
@@ -164,9 +164,7 @@ class Checkpoints:
                 k = self._key(group, t, p)
                 self._marks[k] = max(off, self._marks.get(k, 0))
             if self.path is not None:
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self._marks, sort_keys=True))
-                os.replace(tmp, self.path)
+                write_atomic(self.path, json.dumps(self._marks, sort_keys=True))
 
     def forget(self, group: str, topic: str, partition: int) -> None:
         """Drop a mark (its topic was recreated: restore from 0)."""
@@ -289,7 +287,7 @@ class GroupRun:
         owner produced beyond that offset for the records before it (its own decisions
         that come back on the topic it reads, found by their derived ids); any other
         topic up to its end."""
-        applied = 0
+        applied, marks = 0, {}
         for t in self.restorer.topics:
             consumed = t in self.topics
             for p in partitions:
@@ -305,7 +303,8 @@ class GroupRun:
                 ids = self.router.output_ids(causes, t) if causes else set()
                 if ids:
                     applied += self._apply(t, p, target, end, only=ids)[0]
-                self.checkpoints.advance(self.group, {(t, p): max(start, reached)})
+                marks[(t, p)] = max(start, reached)
+        self.checkpoints.advance(self.group, marks)  # one write for the assignment
         self.restored += applied
         return applied
 
@@ -315,31 +314,35 @@ class GroupRun:
         """Apply the restore handlers to ``topic[partition]`` records in [start, stop)
         (only those whose ``ce_id`` is in ``only``, when given); collect the applied
         records' event ids in ``causes``. Returns (records applied, next offset)."""
-        applied, off, wanted = 0, start, self.restorer.types
+        applied, reached, wanted = 0, start, self.restorer.types
+        for rec in self._records(topic, partition, start, stop):
+            reached = rec.offset + 1
+            if rec.headers.get("ce_type") not in wanted:
+                continue  # not part of this state: no decode
+            if only is not None and rec.headers.get("ce_id") not in only:
+                continue
+            try:
+                env = decode(rec)
+            except Exception:  # a poison record: its live handler dead-letters it
+                continue
+            self.restorer(env, rec)
+            applied += 1
+            if causes is not None:
+                causes.append(meta_of(env, rec).id)
+        return applied, reached
+
+    def _records(self, topic: str, partition: int, start: int, stop: int):
+        """The records of ``topic[partition]`` in [start, stop), in offset order."""
+        off = start
         while off < stop:
             batch = self.log.read(topic, partition, off, limit=500)
             if not batch:
-                break
+                return
             for rec in batch:
                 if rec.offset >= stop:
-                    break
-                off = rec.offset + 1
-                if rec.headers.get("ce_type") not in wanted:
-                    continue  # not part of this state: no decode
-                if only is not None and rec.headers.get("ce_id") not in only:
-                    continue
-                try:
-                    env = decode(rec)
-                except Exception:  # a poison record: its live handler dead-letters it
-                    continue
-                self.restorer(env, rec)
-                applied += 1
-                if causes is not None:
-                    causes.append(meta_of(env, rec).id)
-            else:
-                continue
-            break
-        return applied, min(off, stop)
+                    return
+                yield rec
+            off = batch[-1].offset + 1
 
     def leave(self, partitions: Sequence[int]) -> None:
         """Partitions go to another replica (the record in hand is committed): mark how
