@@ -351,13 +351,22 @@ class KafkaEventLog:
                 c.seek(tp, offset)
                 self._reader_next[tp] = offset
             deadline = time.monotonic() + timeout
+            # The end is known only from a Fetch *sent* after this call began: a high
+            # watermark from an earlier one may predate a record just produced. The
+            # second response processed since the start is such a one.
+            since_ms, first_ms = time.time() * 1000, None
             while True:
                 got = (await c.getmany(tp, timeout_ms=50, max_records=limit)).get(tp, [])
                 if got:
                     self._reader_next[tp] = got[-1].offset + 1
                     return [record_of(m) for m in got]
-                hw = c.highwater(tp)
-                if (hw is not None and hw <= offset) or time.monotonic() > deadline:
+                polled = c.last_poll_timestamp(tp)
+                if polled is not None and polled >= since_ms:
+                    first_ms = polled if first_ms is None else first_ms
+                    hw = c.highwater(tp)
+                    if polled > first_ms and hw is not None and hw <= offset:
+                        return []
+                if time.monotonic() > deadline:
                     return []
 
     def end_offset(self, topic: str, partition: int) -> int:

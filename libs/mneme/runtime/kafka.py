@@ -332,12 +332,19 @@ class GroupRun:
         return applied, reached
 
     def _records(self, topic: str, partition: int, start: int, stop: int):
-        """The records of ``topic[partition]`` in [start, stop), in offset order."""
-        off = start
+        """The records of ``topic[partition]`` in [start, stop), in offset order. They
+        are known to exist: a read that brings none is the brokers not answering
+        (RuntimeError after three tries), never the end."""
+        off, empty = start, 0
         while off < stop:
             batch = self.log.read(topic, partition, off, limit=500)
             if not batch:
-                return
+                empty += 1
+                if empty == 3:
+                    raise RuntimeError(f"restore of {topic}[{partition}]: no records from "
+                                       f"offset {off} though the partition ends at {stop}")
+                continue
+            empty = 0
             for rec in batch:
                 if rec.offset >= stop:
                     return
@@ -478,8 +485,19 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         if not parts or run.restorer is None:
             return
         started = time.monotonic()
-        async with run._lock:  # not while a handler of the group runs here
-            n = await asyncio.to_thread(run.restore, parts)
+
+        def warn(state: tenacity.RetryCallState) -> None:
+            log.warning("consumer %s: restoring partitions %s failed (%r); retrying",
+                        run.group, parts, state.outcome.exception())
+        # Records must not be handled on a state that is not restored: retry until the
+        # restore works (the brokers answer again) or the runner stops.
+        retrying = tenacity.AsyncRetrying(
+            wait=retry.backoff(0.5, 10.0), before_sleep=warn, reraise=True,
+            stop=lambda _: run.delivery.stopping.is_set(), sleep=run.delivery.sleep)
+        async for attempt in retrying:
+            with attempt:
+                async with run._lock:  # not while a handler of the group runs here
+                    n = await asyncio.to_thread(run.restore, parts)
         log.info("consumer %s: restored %d records of partitions %s in %.1fs", run.group,
                  n, parts, time.monotonic() - started)
 
