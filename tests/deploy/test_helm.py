@@ -2,7 +2,9 @@
 pass for the default and the full values (scripts/helm_check.py, `make helm-check`), the
 rendered objects have the shape the services need (many replicas per service, rolled out
 with none down, a PDB, an HPA when asked, anti-affinity, a data dir of each pod's own), the
-values schema rejects misspelled keys and wrong types, and broken manifests fail."""
+replay Job (`mneme replay --each` through search's headless Service, run against a real
+server) and Kafka TLS/SASL in every pod (the topics Job over a TLS listener), the values
+schema rejects misspelled keys and wrong types, and broken manifests fail."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import KAFKA_TEST_ENV, fresh_tansu, mneme_bin  # noqa: F401
+from tests.integration.test_kafka_tls import tls_kafka  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("ingest", "extraction", "search", "reflect", "consolidation")
@@ -90,7 +93,8 @@ def test_default_values_render_the_five_services_against_external_stores(default
     secret = default[("Secret", "mneme")]["stringData"]
     assert secret["MNEME_GRAPH_URL"] == "bolt://neo4j:7687"
     assert secret["MNEME_TEXT_URL"] == "http://opensearch:9200"
-    assert {n for k, n in default if k == "Service"} == {"mneme-ingest", "mneme-search", "mneme-reflect"}
+    assert {n for k, n in default if k == "Service"} == {
+        "mneme-ingest", "mneme-search", "mneme-reflect", "mneme-search-headless"}
     assert {n for k, n in default if k == "HorizontalPodAutoscaler"} == {"mneme-reflect"}
     reflect = _pod(default, "reflect")["containers"][0]
     assert {"name": "MNEME_SEARCH_ADDRESS", "value": "mneme-search:50051"} in reflect["env"]
@@ -108,10 +112,12 @@ def test_full_values_enable_bundled_stores_auth_otel_and_replay(full):
     assert secret["MNEME_GRAPH_URL"].startswith("bolt://neo4j:") and "@mneme-neo4j:7687" in secret["MNEME_GRAPH_URL"]
     assert secret["MNEME_LLM_API_KEY"] == "sk-test"
     assert "api-keys.json" in full[("Secret", "mneme-auth")]["stringData"]
-    # the replay Job is as before (no generation switch yet), minus search's old PVC
+    # the replay Job: the generation switch on every search replica (its own stores)
     replay = full[("Job", "mneme-replay-ci")]["spec"]["template"]["spec"]
-    assert replay["containers"][0]["args"] == ["replay"]
+    assert replay["containers"][0]["args"] == [
+        "replay", "--address", "mneme-search-headless:50051", "--each", "--force"]
     assert {"name": "data", "emptyDir": {}} in replay["volumes"]
+    assert _env(_pod(full, "search")["containers"][0])["MNEME_VECTOR_URL"]["value"].startswith("edge:")
     assert "PersistentVolumeClaim" not in {k for k, _ in full}
     # ingest: a generic ephemeral volume per pod (a claim of its own, deleted with the pod)
     data = next(v for v in _pod(full, "ingest")["volumes"] if v["name"] == "data")
@@ -195,6 +201,13 @@ def test_autoscaling_with_min_above_max_fails_the_render():
     (["podAntiAffinity.topologykey=zone"], "topologykey"),
     (["topicsJob.backofLimit=2"], "backofLimit"),
     (["securityContext.readOnlyRootFileSystem=false"], "readOnlyRootFileSystem"),
+    (["replay.hok=post-upgrade"], "hok"),
+    (["replay.activeDeadline=60"], "activeDeadline"),
+    (["replay.apiKeySecret.nme=k"], "nme"),
+    (["externalKafka.tls.secretname=k"], "secretname"),
+    (["externalKafka.tls.caFile=ca.pem"], "caFile"),
+    (["externalKafka.sasl.user=u"], "user"),
+    (["externalKafka.sasl.passwordSecret.secret=p"], "secret"),
 ], ids=lambda v: v if isinstance(v, str) else v[0].split("=")[0])
 def test_a_misspelled_value_fails_lint_and_template(sets, match):
     with pytest.raises(hc.CheckFailed, match=f"Additional property {match} is not allowed"):
@@ -221,6 +234,12 @@ def test_a_misspelled_key_in_a_values_file_fails_lint(tmp_path):
     (["grpcPort=0"], "grpcPort"),
     (["serviceType=Ingress"], "serviceType"),
     (["services.search.enabled=maybe"], "services.search.enabled"),
+    (["searchStores=own"], "searchStores"),
+    (["replay.hook=pre-upgrade"], "replay.hook"),
+    (["replay.activeDeadlineSeconds=0"], "activeDeadlineSeconds"),
+    (["replay.force=yes"], "replay.force"),
+    (["externalKafka.sasl.mechanism=SCRAM"], "mechanism"),
+    (["externalKafka.tls.checkHostname=no"], "checkHostname"),
 ], ids=lambda v: v if isinstance(v, str) else v[0])
 def test_a_wrong_type_or_value_fails_lint(sets, match):
     with pytest.raises(hc.CheckFailed, match=match):
@@ -346,3 +365,275 @@ def test_the_topics_job_fails_when_a_history_topic_would_lose_records(default, f
     out = _run_topics_job(default, fresh_tansu, tmp_path)
     assert out.returncode != 0, out.stdout + out.stderr   # the hook fails the release
     assert "retention.ms=604800000" in out.stdout + out.stderr
+
+
+# ---- the replay Job (the generation switch), the headless Service, local search stores ----
+
+REPLAY = ["replay.enabled=true", "searchStores=local"]
+
+
+def _job_pod(objs, name: str) -> dict:
+    return objs[("Job", name)]["spec"]["template"]["spec"]
+
+
+def test_the_headless_service_resolves_to_every_search_pod(default):
+    svc = default[("Service", "mneme-search-headless")]["spec"]
+    assert svc["clusterIP"] == "None"                 # DNS lists the pods, no virtual IP
+    assert not svc.get("publishNotReadyAddresses")    # only replicas that are serving
+    dep = default[("Deployment", "mneme-search")]["spec"]
+    assert svc["selector"] == dep["selector"]["matchLabels"]
+    port, = svc["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("grpc", 50051, "grpc")
+    grpc_port, = [p for p in dep["template"]["spec"]["containers"][0]["ports"] if p["name"] == "grpc"]
+    assert grpc_port["containerPort"] == 50051
+    off = _objects(hc.template(sets=["services.search.enabled=false"]))
+    assert ("Service", "mneme-search-headless") not in off
+
+
+def test_the_replay_job_replays_each_search_replica_through_the_headless_service():
+    objs = _objects(hc.check_chart(sets=REPLAY))
+    job = objs[("Job", "mneme-replay-1")]
+    assert "annotations" not in job["metadata"]       # a plain Job unless replay.hook
+    spec = job["spec"]
+    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) \
+        == (0, 3600, 86400)
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    c, = pod["containers"]
+    assert c["args"] == ["replay", "--address", "mneme-search-headless:50051", "--each"]
+    host, port = c["args"][2].rsplit(":", 1)
+    headless = objs[("Service", host)]["spec"]
+    assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == int(port)
+    # the same image, settings and mounts as the services' containers
+    search = _pod(objs, "search")["containers"][0]
+    assert (c["image"], c["envFrom"]) == (search["image"], search["envFrom"])
+    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    forced = _objects(hc.template(sets=[*REPLAY, "replay.force=true", "replay.runId=r2",
+                                        "replay.activeDeadlineSeconds=600"]))
+    job = forced[("Job", "mneme-replay-r2")]
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == ["--each", "--force"]
+    assert job["spec"]["activeDeadlineSeconds"] == 600
+
+
+def test_the_replay_job_as_a_hook_runs_after_the_topics_job():
+    objs = _objects(hc.check_chart(sets=[*REPLAY, "replay.hook=post-upgrade"]))
+    job = objs[("Job", "mneme-replay")]                # a hook replaces its previous run
+    ann = job["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "post-upgrade"
+    assert ann["helm.sh/hook-delete-policy"] == "before-hook-creation"
+    topics = objs[("Job", "mneme-topics")]["metadata"]["annotations"]
+    assert int(ann["helm.sh/hook-weight"]) > int(topics["helm.sh/hook-weight"])
+
+
+def test_the_replay_job_authenticates_like_the_charts_other_clients():
+    """API key from a Secret; with tls.secretName the pods' certificate as client
+    certificate, trusting ca.crt and expecting the search Service's name (the name the
+    certificate already has: --each dials pod IPs)."""
+    objs = _objects(hc.check_chart(sets=[*REPLAY, "auth.mode=mtls", "tls.secretName=mneme-tls",
+                                         "replay.apiKeySecret.name=replay-key"]))
+    pod = _job_pod(objs, "mneme-replay-1")
+    c, = pod["containers"]
+    env = _env(c)
+    assert env["MNEME_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "replay-key", "key": "api-key"}}
+    assert env["MNEME_CLIENT_TLS_SERVER_NAME"]["value"] == "mneme-search"
+    assert ("Service", "mneme-search") in objs
+    cm = objs[("ConfigMap", "mneme")]["data"]
+    assert (cm["MNEME_CLIENT_TLS_CA"], cm["MNEME_CLIENT_TLS_CERT"], cm["MNEME_CLIENT_TLS_KEY"]) == (
+        "/etc/mneme/tls/ca.crt", "/etc/mneme/tls/tls.crt", "/etc/mneme/tls/tls.key")
+    assert {"name": "tls", "mountPath": "/etc/mneme/tls", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "tls", "secret": {"secretName": "mneme-tls"}} in pod["volumes"]
+    # an explicit tls.serverName (in the ConfigMap) is every client's, the Job's too
+    named = _objects(hc.template(sets=[*REPLAY, "tls.secretName=mneme-tls", "tls.serverName=mneme.internal"]))
+    assert "MNEME_CLIENT_TLS_SERVER_NAME" not in _env(_job_pod(named, "mneme-replay-1")["containers"][0])
+    assert named[("ConfigMap", "mneme")]["data"]["MNEME_CLIENT_TLS_SERVER_NAME"] == "mneme.internal"
+    plain = _objects(hc.template(sets=REPLAY))
+    assert set(_env(_job_pod(plain, "mneme-replay-1")["containers"][0])) == {"OTEL_SERVICE_NAME"}
+
+
+def test_local_search_stores_are_each_replicas_own_files(tmp_path):
+    """searchStores=local: search's container overrides the shared servers' URLs with
+    files in its data dir, which mneme takes as stores of its own (so the replica serves
+    GenerationService and a new generation gets files next to the live one); the other
+    services keep the shared settings."""
+    from mneme.config import Settings
+    from mneme.generations import local_path, versioned_url
+    from mneme.stores import is_local
+
+    objs = _objects(hc.check_chart(sets=["searchStores=local"]))
+    base = {**objs[("ConfigMap", "mneme")]["data"], **objs[("Secret", "mneme")]["stringData"]}
+    for s in SERVICES:
+        c = _pod(objs, s)["containers"][0]
+        own = {k: e["value"] for k, e in _env(c).items() if "value" in e}
+        settings = Settings(**{k[len("MNEME_"):].lower(): v for k, v in {**base, **own}.items()
+                               if k in ("MNEME_VECTOR_URL", "MNEME_TEXT_URL", "MNEME_GRAPH_URL")})
+        local = [is_local(settings.url(k)) for k in ("vector", "text", "graph")]
+        assert local == ([True] * 3 if s == "search" else [False] * 3), s
+        if s == "search":
+            for k in ("vector", "text", "graph"):
+                path = local_path(versioned_url(k, settings.url(k), 2))
+                assert path.parent.as_posix() == "/var/lib/mneme", path   # the pod's data dir
+    shared = _objects(hc.template())
+    assert "MNEME_VECTOR_URL" not in _env(_pod(shared, "search")["containers"][0])
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["replay.enabled=true"], "searchStores=local"),                  # shared stores
+    ([*REPLAY, "services.search.enabled=false"], "services.search.enabled"),
+], ids=["shared-stores", "no-search"])
+def test_a_replay_job_that_cannot_work_fails_the_render(sets, match):
+    with pytest.raises(hc.CheckFailed, match=match):
+        hc.template(sets=sets)
+
+
+def test_the_replay_jobs_command_switches_a_running_servers_generation(tmp_path):
+    """The Job's container command and settings, run against a real `mneme up` in api_key
+    mode (the headless Service's name replaced by the server's address): with the key
+    from replay.apiKeySecret every replica's replay goes LIVE and it exits 0; without a
+    key it exits 1."""
+    from mneme.auth import KeyStore
+    from tests.e2e.server import Server
+
+    objs = _objects(hc.template(sets=[*REPLAY, "auth.mode=api_key", "replay.apiKeySecret.name=k"]))
+    c, = _job_pod(objs, "mneme-replay-1")["containers"]
+    assert "MNEME_API_KEY" in _env(c)
+    data = tmp_path / "d"
+    data.mkdir()
+    _, key = KeyStore(data / "api_keys.json").add(["*"], "write")
+    server = Server(data, env={"MNEME_AUTH_MODE": "api_key"}).start()
+    try:
+        args = [f"127.0.0.1:{server.port}" if a == "mneme-search-headless:50051" else a
+                for a in c["args"]]
+        env = {**os.environ, **objs[("ConfigMap", "mneme")]["data"], "HF_HUB_OFFLINE": "1",
+               "MNEME_DATA_DIR": str(tmp_path / "job"), "MNEME_METRICS_PORT": "0"}
+        env.pop("MNEME_API_KEY", None)
+        run = lambda e: subprocess.run([mneme_bin(), *args], env=e, capture_output=True,  # noqa: E731
+                                       text=True, timeout=300)
+        out = run({**env, "MNEME_API_KEY": key})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "generation 2: LIVE" in out.stdout + out.stderr
+        denied = run(env)
+        assert denied.returncode == 1, denied.stdout + denied.stderr
+        assert "UNAUTHENTICATED" in denied.stdout + denied.stderr
+        from mneme.client import MnemeClient
+        from mneme.v1 import generations_pb2
+        with MnemeClient(server.address, api_key=key) as m:   # the server's own record
+            live = [g.generation for g in m.list_generations()
+                    if g.state == generations_pb2.Generation.LIVE]
+        assert live == [2]
+    finally:
+        server.stop()
+
+
+# ---- Kafka TLS and SASL: certificate files and credentials in every mneme pod -------------
+
+KAFKA_SECURE = ["externalKafka.tls.secretName=kafka-certs",
+                "externalKafka.sasl.mechanism=SCRAM-SHA-512", "externalKafka.sasl.username=mneme",
+                "externalKafka.sasl.passwordSecret.name=kafka-user"]
+
+
+def _every_mneme_pod(objs) -> dict[str, dict]:
+    pods = {f"Deployment/{s}": _pod(objs, s) for s in SERVICES}
+    pods.update({f"Job/{n}": _job_pod(objs, n) for k, n in objs if k == "Job"})
+    return pods
+
+
+def test_kafka_certificates_and_credentials_reach_every_deployment_and_job():
+    objs = _objects(hc.check_chart(sets=[*KAFKA_SECURE, *REPLAY]))
+    cm = objs[("ConfigMap", "mneme")]["data"]
+    assert cm["MNEME_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+    assert (cm["MNEME_KAFKA_SSL_CAFILE"], cm["MNEME_KAFKA_SSL_CERTFILE"], cm["MNEME_KAFKA_SSL_KEYFILE"]) \
+        == ("/etc/mneme/kafka-tls/ca.crt", "/etc/mneme/kafka-tls/tls.crt", "/etc/mneme/kafka-tls/tls.key")
+    assert (cm["MNEME_KAFKA_SASL_MECHANISM"], cm["MNEME_KAFKA_SASL_USERNAME"]) == ("SCRAM-SHA-512", "mneme")
+    assert "MNEME_KAFKA_SASL_PASSWORD" not in cm and "MNEME_KAFKA_SSL_CHECK_HOSTNAME" not in cm
+    pods = _every_mneme_pod(objs)
+    assert set(pods) >= {"Job/mneme-topics", "Job/mneme-replay-1", "Deployment/search"}
+    for where, pod in pods.items():
+        assert {"name": "kafka-tls", "secret": {"secretName": "kafka-certs"}} in pod["volumes"], where
+        c, = pod["containers"]
+        assert {"name": "kafka-tls", "mountPath": "/etc/mneme/kafka-tls", "readOnly": True} \
+            in c["volumeMounts"], where
+        assert {"configMapRef": {"name": "mneme"}} in c["envFrom"], where
+        assert _env(c)["MNEME_KAFKA_SASL_PASSWORD"]["valueFrom"] == {
+            "secretKeyRef": {"name": "kafka-user", "key": "password"}}, where
+
+
+@pytest.mark.parametrize("sets,expected", [
+    (["externalKafka.tls.enabled=true"], {"MNEME_KAFKA_SECURITY_PROTOCOL": "SSL"}),  # system CAs
+    (["externalKafka.tls.secretName=k", "externalKafka.tls.caKey=ca.pem", "externalKafka.tls.certKey=",
+      "externalKafka.tls.checkHostname=false"],
+     {"MNEME_KAFKA_SECURITY_PROTOCOL": "SSL", "MNEME_KAFKA_SSL_CAFILE": "/etc/mneme/kafka-tls/ca.pem",
+      "MNEME_KAFKA_SSL_CHECK_HOSTNAME": "false"}),                                 # CA only
+    (["externalKafka.sasl.mechanism=PLAIN", "externalKafka.sasl.username=u",
+      "externalKafka.sasl.passwordSecret.name=p", "externalKafka.sasl.passwordSecret.key=pw"],
+     {"MNEME_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "MNEME_KAFKA_SASL_MECHANISM": "PLAIN",
+      "MNEME_KAFKA_SASL_USERNAME": "u"}),
+    ([], {}),                                                                       # the default
+], ids=["tls-system-cas", "tls-ca-only", "sasl-plaintext", "plaintext"])
+def test_kafka_security_settings_are_ones_mneme_accepts(sets, expected, tmp_path):
+    """The rendered MNEME_KAFKA_* settings (the mount at a directory holding the Secret's
+    files), read as a service reads them: mneme's own KafkaSecurity takes them."""
+    from mneme.bus.security import KafkaSecurity
+    from mneme.config import Settings
+    from tests.e2e.certs import HAVE_OPENSSL, make_ca
+
+    objs = _objects(hc.check_chart(sets=sets))
+    cm = objs[("ConfigMap", "mneme")]["data"]
+    kafka = {k: v for k, v in cm.items() if k.startswith("MNEME_KAFKA_") and k != "MNEME_KAFKA_REPLICATION_FACTOR"}
+    assert kafka == expected
+    c = _pod(objs, "ingest")["containers"][0]
+    secret = _env(c).get("MNEME_KAFKA_SASL_PASSWORD")
+    if "SASL" in expected.get("MNEME_KAFKA_SECURITY_PROTOCOL", ""):
+        assert secret["valueFrom"]["secretKeyRef"]["name"] == "p"
+        kafka["MNEME_KAFKA_SASL_PASSWORD"] = "from-the-secret"
+    else:
+        assert secret is None
+    if "MNEME_KAFKA_SSL_CAFILE" in kafka:
+        if not HAVE_OPENSSL:
+            pytest.skip("no openssl")
+        (tmp_path / "ca.pem").write_bytes(make_ca(tmp_path / "gen").read_bytes())
+        kafka = {k: v.replace("/etc/mneme/kafka-tls", str(tmp_path)) for k, v in kafka.items()}
+    sec = KafkaSecurity.from_settings(Settings(**{k[len("MNEME_"):].lower(): v for k, v in kafka.items()}))
+    assert sec.protocol == expected.get("MNEME_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT")
+    assert set(sec.client_kwargs()) >= {"security_protocol"}
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["kafka.enabled=true", "externalKafka.tls.enabled=true"], "plaintext only"),
+    (["kafka.enabled=true", "externalKafka.sasl.mechanism=PLAIN", "externalKafka.sasl.username=u",
+      "externalKafka.sasl.passwordSecret.name=p"], "plaintext only"),
+    (["externalKafka.sasl.mechanism=PLAIN", "externalKafka.sasl.username=u"], "passwordSecret.name"),
+    (["externalKafka.sasl.mechanism=PLAIN", "externalKafka.sasl.passwordSecret.name=p"], "sasl.username"),
+], ids=["tls-bundled", "sasl-bundled", "sasl-no-password", "sasl-no-user"])
+def test_kafka_security_that_cannot_work_fails_the_render(sets, match):
+    with pytest.raises(hc.CheckFailed, match=match):
+        hc.template(sets=sets)
+
+
+def test_the_topics_job_creates_the_topics_over_kafka_tls_with_the_mounted_files(tmp_path, tls_kafka):
+    """The topics Job's command with the rendered Kafka TLS settings, the Secret's files
+    (ca.crt, tls.crt, tls.key) where the chart mounts them (a directory here): it creates
+    the topics through the TLS listener."""
+    from tests.e2e.certs import issue
+
+    proxy, bootstrap, ca = tls_kafka
+    objs = _objects(hc.template(sets=["externalKafka.tls.secretName=kafka-certs"]))
+    c, = _job_pod(objs, "mneme-topics")["containers"]
+    mount, = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "kafka-tls"]
+    certs = tmp_path / "kafka-certs"
+    certs.mkdir()
+    (certs / "ca.crt").write_bytes(Path(ca).read_bytes())
+    # a client certificate of the brokers' CA (the proxy does not ask for one; mneme loads it)
+    gen = Path(ca).parent
+    cert, key = issue(gen, f"client-{os.getpid()}", "mneme")
+    (certs / "tls.crt").write_bytes(cert.read_bytes())
+    (certs / "tls.key").write_bytes(key.read_bytes())
+    cm = {k: v.replace(mount, str(certs)) for k, v in objs[("ConfigMap", "mneme")]["data"].items()}
+    assert cm["MNEME_KAFKA_SECURITY_PROTOCOL"] == "SSL"
+    env = {**os.environ, **cm, **KAFKA_TEST_ENV, "MNEME_BUS_URL": f"kafka://{bootstrap}",
+           "MNEME_DATA_DIR": str(tmp_path / "d"), "MNEME_METRICS_PORT": "0"}
+    before = proxy.handshakes
+    out = subprocess.run([mneme_bin(), *c["args"]], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "mneme.intake.v1\t12 partitions" in out.stdout
+    assert proxy.handshakes > before

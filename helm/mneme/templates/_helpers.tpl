@@ -110,6 +110,43 @@ app.kubernetes.io/part-of: mneme
 {{- end -}}
 {{- end -}}
 
+{{/* Kafka transport security (externalKafka.tls, externalKafka.sasl): the
+   MNEME_KAFKA_SECURITY_PROTOCOL they make, "" when both are off (the server default,
+   PLAINTEXT). The bundled broker is plaintext only, so either with kafka.enabled fails. */}}
+{{- define "mneme.kafkaTls" -}}
+{{- if or .Values.externalKafka.tls.enabled .Values.externalKafka.tls.secretName -}}true{{- end -}}
+{{- end -}}
+
+{{- define "mneme.kafkaProtocol" -}}
+{{- $tls := include "mneme.kafkaTls" . -}}
+{{- $sasl := .Values.externalKafka.sasl.mechanism -}}
+{{- if and .Values.kafka.enabled (or $tls $sasl) -}}
+{{- fail "externalKafka.tls/sasl: the bundled broker (kafka.enabled) is plaintext only" -}}
+{{- end -}}
+{{- if and $sasl (not .Values.externalKafka.sasl.username) -}}
+{{- fail "externalKafka.sasl.mechanism needs externalKafka.sasl.username" -}}
+{{- end -}}
+{{- if and $sasl (not .Values.externalKafka.sasl.passwordSecret.name) -}}
+{{- fail "externalKafka.sasl.mechanism needs externalKafka.sasl.passwordSecret.name (a Secret holding the password)" -}}
+{{- end -}}
+{{- if and $tls $sasl -}}SASL_SSL
+{{- else if $sasl -}}SASL_PLAINTEXT
+{{- else if $tls -}}SSL
+{{- end -}}
+{{- end -}}
+
+{{/* env entries of every mneme container that come from elsewhere than the ConfigMap and
+   the Secret: the Kafka SASL password (a secretKeyRef of a Secret the user manages). */}}
+{{- define "mneme.kafkaEnv" -}}
+{{- with .Values.externalKafka.sasl }}
+{{- if .mechanism }}
+- name: MNEME_KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ .passwordSecret.name | quote }}, key: {{ .passwordSecret.key | quote }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* The pod-level parts every mneme container shares: env sources and mounts. */}}
 {{- define "mneme.envFrom" -}}
 - configMapRef:
@@ -123,7 +160,8 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
 checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256sum }}
 {{- end -}}
 
-{{/* Volumes every mneme pod has besides its data dir: /tmp and the API-keys file. */}}
+{{/* Volumes every mneme pod has besides its data dir: /tmp, the API-keys file, the gRPC
+   certificates and the Kafka certificates. */}}
 {{- define "mneme.commonVolumes" -}}
 - name: tmp
   emptyDir: {}
@@ -134,6 +172,11 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
 {{- end }}
 {{- with .Values.tls.secretName }}
 - name: tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- with .Values.externalKafka.tls.secretName }}
+- name: kafka-tls
   secret:
     secretName: {{ . }}
 {{- end }}
@@ -152,6 +195,11 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
 {{- if .Values.tls.secretName }}
 - name: tls
   mountPath: /etc/mneme/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.externalKafka.tls.secretName }}
+- name: kafka-tls
+  mountPath: /etc/mneme/kafka-tls
   readOnly: true
 {{- end }}
 {{- end -}}
