@@ -82,6 +82,11 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.ObservationService/GetObservation": (READ, "child:name"),
     "/mneme.v1.ReflectService/Reflect": (READ, "parent"),
     "/mneme.v1.ReflectService/StreamReflect": (READ, "parent"),
+    # Generations span every bank's projections: a * key (write to replay or drop).
+    "/mneme.v1.GenerationService/CreateGeneration": (WRITE, ALL_BANKS),
+    "/mneme.v1.GenerationService/GetGeneration": (READ, ALL_BANKS),
+    "/mneme.v1.GenerationService/ListGenerations": (READ, ALL_BANKS),
+    "/mneme.v1.GenerationService/DeleteGeneration": (WRITE, ALL_BANKS),
 }
 #: Services that stay open in every mode.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")

@@ -84,14 +84,48 @@ class Root:
         return default_embedder()
 
     @cached_property
-    def stores(self):
-        """search's three projections (vector, text, graph), by URL."""
+    def generations(self):
+        """The generations of search's stores in this data dir
+        (:class:`mneme.generations.Generations`); one left BUILDING by a process that
+        stopped is marked FAILED here (this process holds the data dir)."""
+        from mneme.generations import Generations
+        gens = Generations(self.data_dir)
+        gens.recover()
+        return gens
+
+    def store_urls(self, generation: int) -> dict[str, str]:
+        """kind (vector, text, graph) → the URL of that store of ``generation``
+        (:func:`mneme.generations.versioned_url`)."""
+        from mneme.generations import versioned_url
+        return {k: versioned_url(k, self.settings.url(k), generation)
+                for k in ("vector", "text", "graph")}
+
+    def open_stores(self, generation: int):
+        """search's three stores of ``generation``, opened (the caller closes them)."""
         from mneme.stores import open_graph_store, open_text_store, open_vector_store
         from services.search.handlers import Projections
-        st = self.settings
-        stores = Projections(open_vector_store(st.url("vector"), dim=self.embedder.dim),
-                             open_text_store(st.url("text")), open_graph_store(st.url("graph")))
-        return self._opened(stores, lambda: [s.close() for s in stores.all()])
+        urls = self.store_urls(generation)
+        opened = []
+        try:
+            opened.append(open_vector_store(urls["vector"], dim=self.embedder.dim))
+            opened.append(open_text_store(urls["text"]))
+            opened.append(open_graph_store(urls["graph"]))
+        except BaseException:
+            for s in opened:
+                s.close()
+            raise
+        return Projections(*opened)
+
+    @cached_property
+    def stores(self):
+        """search's three projections (vector, text, graph) of the live generation, each
+        a :class:`mneme.generations.Switchable` (a replay switches them to a new
+        generation while they serve)."""
+        from mneme.generations import Switchable
+        from services.search.handlers import Projections
+        live = self.open_stores(self.generations.live())
+        stores = Projections(*(Switchable(s) for s in live.all()))
+        return self._opened(stores, lambda: [s.target.close() for s in stores.all()])
 
     @cached_property
     def resolver(self):
@@ -281,11 +315,14 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     if root.llm.configured("rerank"):  # cross-encoder over the fused head
         from mneme.llm.rerank import Reranker
         reranker = Reranker(root.llm)
-    # Observations are units too: recall returns them only when `types` asks for them.
-    recall_fn = with_default_types(functools.partial(
-        recall, vectors=stores.vectors, text=stores.text, graph=stores.graph,
-        embedder=root.embedder, analyzer=QueryAnalyzer(), tokens=default_token_counter(),
-        executor=pool, reranker=reranker))
+    analyzer, tokens = QueryAnalyzer(), default_token_counter()
+
+    def recall_over(s):
+        # Observations are units too: recall returns them only when `types` asks for them.
+        return with_default_types(functools.partial(
+            recall, vectors=s.vectors, text=s.text, graph=s.graph, embedder=root.embedder,
+            analyzer=analyzer, tokens=tokens, executor=pool, reranker=reranker))
+    recall_fn = recall_over(stores)
     parts = ServiceParts("search", _routers(root, "search", stores=stores, **root.own_catalog()))
     if bank_exists is None:  # its own catalog, projected by its distributed-only group
         catalog, catch_up = root.catalog, _read_your_writes(root, parts)
@@ -297,8 +334,19 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             catch_up(bank_id)
             return catalog.get_bank(bank_id) is not None
     servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
-    parts.register = lambda server: grpc_api.register(server, servicer)
     parts.api = {"recall": recall_fn, "bank_exists": bank_exists}
+    from mneme.runtime.live_replay import LiveReplay
+    svc = services()["search"]
+
+    def make_router(other, group_id: str) -> Router:
+        return Router(svc, "search", {"stores": other, **root.own_catalog()}, group_id=group_id)
+    # Replays of this process's stores (GenerationService where it owns them: embedded,
+    # or a replica's local files; see mneme.runtime.process for store servers).
+    replay = root._opened(LiveReplay(root, parts.routers["search"], make_router, recall_over))
+    parts.api["replay"] = replay
+    generations = grpc_api.GenerationServicer(replay)
+    parts.register = lambda server: (grpc_api.register(server, servicer)
+                                     + grpc_api.register_generations(server, generations))
     return parts
 
 

@@ -433,13 +433,46 @@ def reconsolidate(bank: str, address: str = AddressOpt):
 
 
 @app.command("replay")
-def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
-    """Rebuild every projection (vectors, text, graph, catalog) from the event log of a
-    stopped server's data dir. Calls no model: derived events carry facts and vectors.
-    With MNEME_BUS_URL=kafka://… (distributed), rebuilds the search service's
-    projections and rewinds its consumer groups; stop the search processes first."""
+def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
+               address: Optional[str] = typer.Option(
+                   None, "--address", "-a", help="replay a running server's stores while it serves"),
+               force: bool = typer.Option(False, "--force", help="switch even when the check "
+                                          "finds the new generation differs from the live one"),
+               each: bool = typer.Option(False, "--each", help="with --address: every address "
+                                         "its host resolves to (a headless Service's replicas), "
+                                         "one after the other")):
+    """Rebuild search's stores (vectors, text, graph) from the event log into a new
+    generation, check it against the live one (units per bank, sampled recalls) and
+    switch to it; the old generation stays until `mneme generations drop`. Calls no
+    model: derived events carry facts and vectors. A failed replay changes nothing.
+
+    With --address, a running server (`mneme up`, or a search replica with local store
+    files) replays while it serves. Without, the data dir's server must be stopped; the
+    catalog and consolidation's projection are rebuilt too (with MNEME_BUS_URL=kafka://…,
+    search's catalog: stop that search replica first)."""
+    if address:
+        failed = 0
+        targets = _each_address(address) if each else [address]
+        for target in targets:
+            if each:
+                console.print(f"replica {target}")
+            with _client(target) as m, _progress() as prog:
+                task = prog.add_task("replaying the log", total=None)
+                try:
+                    g = m.replay(force=force, progress=lambda d, t: prog.update(
+                        task, completed=d, total=t or None))
+                except grpc.RpcError as e:
+                    if not each:
+                        _fail(e)
+                    console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+                    failed += 1
+                    continue
+            failed += not _report_generation(g)
+        if failed:
+            raise typer.Exit(1)
+        return
     from mneme.datadir import DataDirLocked
-    from mneme.runtime.replay import replay
+    from mneme.runtime.replay import ReplayFailed, replay
     from mneme.bus import StaleCommitError
     from mneme.config import Settings
 
@@ -451,14 +484,110 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d")):
             prog.update(task, completed=done, total=total)
         from mneme.bus.sqlite_log import LogDamaged
         try:
-            stats = replay(settings, progress)
-        except (DataDirLocked, LogDamaged) as e:
+            stats = replay(settings, progress, force=force)
+        except (DataDirLocked, LogDamaged, ReplayFailed) as e:
             console.print(f"[red]{e}[/red]")
+            if isinstance(e, DataDirLocked):
+                console.print("a running server replays while it serves: "
+                              "mneme replay --address HOST:PORT")
+            elif isinstance(e, ReplayFailed) and e.generation.check.get("problems"):
+                console.print("to switch anyway (the live generation is damaged): --force")
             raise typer.Exit(1)
         except StaleCommitError as e:  # Kafka: the search group still has members
             console.print(f"[red]stop the search processes first: {e}[/red]")
             raise typer.Exit(1)
-    console.print(f"replayed {stats['records']} records")
+    console.print(f"replayed {stats['records']} records; generation {stats['generation']} is live")
+
+
+def _each_address(address: str) -> list[str]:
+    """Every ``ip:port`` that ``host:port`` resolves to (a headless Service lists its
+    ready pods); with TLS the certificate is still checked against the host's name."""
+    import socket
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        console.print(f"[red]--address must be HOST:PORT, got {address!r}[/red]")
+        raise typer.Exit(2)
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        console.print(f"[red]cannot resolve {host}: {e}[/red]")
+        raise typer.Exit(1)
+    if any(os.environ.get(f"MNEME_CLIENT_TLS_{k}") for k in ("CA", "CERT", "KEY")):
+        os.environ.setdefault("MNEME_CLIENT_TLS_SERVER_NAME", host.strip("[]"))
+    ips = sorted({i[4][0] for i in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
+def _report_generation(g) -> bool:
+    """Print a generation's outcome; False when it FAILED."""
+    from mneme.v1 import generations_pb2
+    state = generations_pb2.Generation.State.Name(g.state)
+    console.print(f"generation {g.generation}: {state}, {g.records_done} records, "
+                  f"{g.check.banks} banks, {g.check.units} units, {g.check.recalls} recalls "
+                  f"agreeing {g.check.agreement:.2f}")
+    for p in g.check.problems:
+        console.print(f"  [yellow]{p}[/yellow]")
+    if g.state == generations_pb2.Generation.FAILED:
+        console.print(f"[red]{g.error}[/red] (the live generation is unchanged)")
+        return False
+    return True
+
+
+generations_app = typer.Typer(help="Generations of search's stores (see `mneme replay`).",
+                              no_args_is_help=True)
+app.add_typer(generations_app, name="generations")
+
+
+@generations_app.command("list")
+def generations_list(address: Optional[str] = typer.Option(None, "--address", "-a"),
+                     data_dir: Path = typer.Option(None, "--data-dir", "-d")):
+    """List the generations of a running server (--address) or of a data dir."""
+    t = Table("generation", "state", "records", "units", "updated", "error")
+    if address:
+        from mneme.v1 import generations_pb2
+        with _client(address) as m:
+            try:
+                for g in m.list_generations():
+                    t.add_row(str(g.generation), generations_pb2.Generation.State.Name(g.state),
+                              str(g.records_done), str(g.check.units),
+                              g.update_time.ToDatetime().isoformat(timespec="seconds"), g.error)
+            except grpc.RpcError as e:
+                _fail(e)
+    else:
+        from datetime import datetime, timezone
+        from mneme.config import Settings
+        from mneme.generations import Generations
+        st = Settings(**({"data_dir": data_dir} if data_dir else {}))
+        for g in Generations(st.data_dir.resolve()).list():
+            t.add_row(str(g.generation), g.state, str(g.records_done), str(g.check.get("units", "")),
+                      datetime.fromtimestamp(g.update_time, timezone.utc).isoformat(timespec="seconds"),
+                      g.error)
+    Console().print(t)
+
+
+@generations_app.command("drop")
+def generations_drop(generation: int,
+                     address: Optional[str] = typer.Option(None, "--address", "-a"),
+                     data_dir: Path = typer.Option(None, "--data-dir", "-d")):
+    """Delete a RETIRED or FAILED generation's stores, on a running server (--address) or
+    in a stopped server's data dir."""
+    if address:
+        with _client(address) as m:
+            try:
+                m.delete_generation(generation)
+            except grpc.RpcError as e:
+                _fail(e)
+    else:
+        from mneme.config import Settings
+        from mneme.datadir import DataDirLocked
+        from mneme.runtime.replay import drop_generation
+        settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+        try:
+            drop_generation(settings, generation)
+        except (DataDirLocked, KeyError, ValueError) as e:
+            console.print(f"[red]{e if not isinstance(e, KeyError) else f'no generation {generation}'}[/red]")
+            raise typer.Exit(1)
+    console.print(f"dropped generation {generation}")
 
 
 @app.command()

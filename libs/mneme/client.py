@@ -21,7 +21,7 @@ from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
-from mneme.v1 import observations_pb2, observations_pb2_grpc
+from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
                       reflect_pb2_grpc, resources_pb2)
@@ -134,6 +134,7 @@ class MnemeClient:
         self.reflect_stub = reflect_pb2_grpc.ReflectServiceStub(self.channel)
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
+        self.generations = generations_pb2_grpc.GenerationServiceStub(self.channel)
 
     def __enter__(self):
         return self
@@ -208,6 +209,43 @@ class MnemeClient:
             token = r.next_page_token
             if not token:
                 return
+
+    # store generations (replay while serving)
+    def replay(self, force: bool = False, wait: bool = True, poll_s: float = 0.5,
+               progress=None) -> generations_pb2.Generation:
+        """Rebuild the server's search stores from the log into a new generation while the
+        live one serves; it becomes live after a check (``force``: despite the check).
+        ``wait``: poll until it is LIVE or FAILED (``progress(done, total)`` on each poll)
+        and return it; else return it BUILDING. FAILED_PRECONDITION while a replay runs."""
+        import time
+        g = self.generations.CreateGeneration(
+            generations_pb2.CreateGenerationRequest(force=force), timeout=self.timeout)
+        while wait and g.state == generations_pb2.Generation.BUILDING:
+            time.sleep(poll_s)
+            g = self.get_generation(g.generation)
+            if progress:
+                progress(g.records_done, g.records_total)
+        return g
+
+    def get_generation(self, generation: int) -> generations_pb2.Generation:
+        return self.generations.GetGeneration(generations_pb2.GetGenerationRequest(
+            name=f"generations/{generation}"), timeout=self.timeout)
+
+    def list_generations(self, page_size: int = 100):
+        """Yield the server's store generations, oldest first."""
+        token = ""
+        while True:
+            r = self.generations.ListGenerations(generations_pb2.ListGenerationsRequest(
+                page_size=page_size, page_token=token), timeout=self.timeout)
+            yield from r.generations
+            token = r.next_page_token
+            if not token:
+                return
+
+    def delete_generation(self, generation: int) -> None:
+        """Drop a RETIRED or FAILED generation's stores (cancels a BUILDING one)."""
+        self.generations.DeleteGeneration(generations_pb2.DeleteGenerationRequest(
+            name=f"generations/{generation}"), timeout=self.timeout)
 
     # memory
     def retain(self, bank_id: str, items: Iterable[Mapping | memory_pb2.RetainItem],

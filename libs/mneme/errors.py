@@ -1,5 +1,5 @@
 """Errors handlers raise; transports map them to their status codes
-(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, DEADLINE_EXCEEDED, CANCELLED)."""
+(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED)."""
 
 
 class MnemeError(Exception):
@@ -24,6 +24,11 @@ class DeadlineExceeded(MnemeError):
 
 class Cancelled(MnemeError):
     """The caller cancelled the request; its work was stopped."""
+
+
+class FailedPrecondition(MnemeError):
+    """The resource is not in a state that allows the call (e.g. a replay already runs,
+    or the generation to delete is live); the message says what would allow it."""
 
 
 class Unavailable(MnemeError):

@@ -19,7 +19,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mneme.domain import clamp_time
-from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                          Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
 
 def translate_errors(method):
     """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
-    BadRequest listing the field violations; NotFound → NOT_FOUND; DeadlineExceeded →
+    BadRequest listing the field violations; NotFound → NOT_FOUND; FailedPrecondition →
+    FAILED_PRECONDITION; DeadlineExceeded →
     DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; anything else →
     UNKNOWN (logged by gRPC). The call's deadline is :func:`mneme.deadline.current` while
     the method runs."""
@@ -45,7 +47,8 @@ def translate_errors(method):
         try:
             with deadline.bind(call_deadline(context)):  # deadline.current() in the work
                 return method(self, request, context)
-        except (InvalidArgument, NotFound, DeadlineExceeded, Cancelled, Unavailable) as e:
+        except (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled,
+                Unavailable) as e:
             abort_for(context, e)
 
     return wrapper
@@ -63,6 +66,8 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
     elif isinstance(e, DeadlineExceeded):
         _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    elif isinstance(e, FailedPrecondition):
+        _abort(context, code_pb2.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION, str(e))
     elif isinstance(e, Cancelled):
         _abort(context, code_pb2.CANCELLED, grpc.StatusCode.CANCELLED, str(e))
     elif isinstance(e, Unavailable):

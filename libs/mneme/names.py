@@ -74,3 +74,12 @@ def bank_name(bank_id: str) -> str:
 
 def memory_name(bank_id: str, memory_id: str) -> str:
     return f"banks/{bank_id}/memories/{memory_id}"
+
+
+def generation_of(name: str, field: str = "name") -> int:
+    """``generations/{n}`` → n (>= 1). Raises InvalidArgument naming ``field``."""
+    parts = (name or "").split("/")
+    if len(parts) != 2 or parts[0] != "generations" or not parts[1].isdigit() \
+            or int(parts[1]) < 1 or len(parts[1]) > 9:
+        raise InvalidArgument(field, f"must be 'generations/{{n}}' with n >= 1, got {name!r}")
+    return int(parts[1])

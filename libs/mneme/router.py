@@ -22,9 +22,11 @@ encodes it; the runner commits the outputs with the input offset.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -190,6 +192,10 @@ class Router:
 
     ``restore`` True: the router of the group's :attr:`Group.restore` handlers instead
     (what a replica applies when it is assigned a partition).
+
+    Calls are serialised (the runners call one group's router one record at a time
+    anyway); :meth:`paused` holds them between two records, where the position of every
+    partition is known (a replay's switch to a new store generation).
     """
 
     def __init__(self, service: Service, group: str, deps: Mapping[str, Any],
@@ -202,6 +208,17 @@ class Router:
         self._handlers = {t.DESCRIPTOR.full_name: _bind(fn, deps, f"{service.name}/{group}")
                           for handlers in routes.values() for t, fn in handlers.items()}
         self._secondary = {t.DESCRIPTOR.full_name for t in self.group.secondary}
+        self._gate = threading.Lock()
+        self._next: dict[tuple[str, int], int] = {}
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold every call until the block ends, after the one in progress; yields
+        (topic, partition) → the offset after the last record this router was called with
+        in this process (partitions it has not seen are absent: their position is the
+        group's committed offset)."""
+        with self._gate:
+            yield dict(self._next)
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -231,6 +248,11 @@ class Router:
         return message.DESCRIPTOR.full_name not in self._secondary
 
     def __call__(self, env: Envelope, record: Record) -> list[OutRecord]:
+        with self._gate:
+            self._next[(record.topic, record.partition)] = record.offset + 1
+            return self._handle(env, record)
+
+    def _handle(self, env: Envelope, record: Record) -> list[OutRecord]:
         m = env.message
         if m is None:
             return []

@@ -33,7 +33,7 @@ class Projections:
         """(store, span) for every store: one ``store.<op>`` span around each write."""
         for kind, s in (("vector", self.vectors), ("text", self.text), ("graph", self.graph)):
             with telemetry.span(f"store.{op} {kind}", mneme__store=kind,
-                                mneme__store_class=type(s).__name__, mneme__bank_id=bank_id):
+                                mneme__store_class=type(getattr(s, "target", s)).__name__, mneme__bank_id=bank_id):
                 yield s
 
     def reset(self) -> None:

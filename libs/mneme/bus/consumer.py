@@ -141,6 +141,9 @@ class Consumer:
         #: False: commit offsets only, produce nothing, dead letters included (replay:
         #: everything the handlers would produce is on the log already).
         self.produce = True
+        #: (topic, partition) → offset to stop before (None: no bound; a partition not
+        #: named is not read): a replay catching up to exactly where another consumer is.
+        self.until: dict[tuple[str, int], int] | None = None
         self.error_backoff_max = error_backoff_max
         #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors.
         self.stats = dict.fromkeys(
@@ -339,7 +342,12 @@ class Consumer:
     def _process(self, topic: str, partition: int) -> int:
         member = self.member
         start = self._position(topic, partition)
-        records = member.read(topic, partition, start, self.batch_size)
+        limit = self.batch_size
+        if self.until is not None:
+            limit = min(limit, self.until.get((topic, partition), 0) - start)
+            if limit <= 0:
+                return 0
+        records = member.read(topic, partition, start, limit)
         if not records:
             return 0
         with self._cond:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health
 from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
 from mneme.datadir import DataDirLocked
 from mneme.config import Settings
-from mneme.errors import ConfigurationError, Unavailable
+from mneme.errors import ConfigurationError, FailedPrecondition, Unavailable
 from mneme.runtime import grpc_server
 from mneme.runtime.log_runner import LogRunner
 
@@ -50,6 +50,16 @@ class _Pending:
 
     def __call__(self, *args, **kwargs):
         return self._get()(*args, **kwargs)
+
+
+class _SharedStores:
+    """GenerationService of a search replica on store servers: the replicas share the
+    stores, so one of them cannot switch them alone (README "Replay generations")."""
+
+    def __getattr__(self, name: str):
+        raise FailedPrecondition(
+            "this search replica's stores are servers its replicas share: stop the search "
+            "replicas and run `mneme replay`, or see README 'Replay generations'")
 
 
 class ServiceProcess:
@@ -89,7 +99,7 @@ class ServiceProcess:
         """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
         self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
                                                            "exists", "reflect", "reflect_stream",
-                                                           )}
+                                                           "replay")}
         self._guard = grpc_server.guard(self.settings)
         server = grpc_server.server(self.settings, self._guard)
         p = self._pending
@@ -99,7 +109,8 @@ class ServiceProcess:
         elif self.name == "search":
             from services.search import grpc_api
             self._names = grpc_api.register(server, grpc_api.RecallServicer(
-                p["recall"], p["vectors"], p["exists"]))
+                p["recall"], p["vectors"], p["exists"])) + grpc_api.register_generations(
+                server, grpc_api.GenerationServicer(p["replay"]))
         elif self.name == "reflect":
             from services.reflect import grpc_api
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
@@ -150,6 +161,7 @@ class ServiceProcess:
             p["recall"].set(api["recall"])
             p["vectors"].set(root.stores.vectors)
             p["exists"].set(api["bank_exists"])
+            p["replay"].set(api["replay"] if root.local_stores else _SharedStores())
         if "reflect" in api:
             p["reflect"].set(api["reflect"])
             p["reflect_stream"].set(api["reflect_stream"])

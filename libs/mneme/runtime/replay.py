@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mneme.bootstrap import Root, build_consolidation, build_ingest, build_search
 from mneme.config import Settings
+from mneme.generations import remove_local
 from mneme.runtime.log_runner import LogRunner
 
 
@@ -23,24 +24,32 @@ def _drain(runner: LogRunner, progress, total: int) -> int:
     return done
 
 
-def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
+def replay(settings: Settings | None = None, progress=None, force: bool = False
+           ) -> dict[str, int]:
     """Rebuild projections from the log; no model is called (derived events carry the
     facts and embeddings) and nothing is appended (the progress events the projections
     would emit are already on the log). ``progress(done, total)`` is called as records
-    are consumed. Returns {"records": n}. The groups replayed are those the routes mark
-    :attr:`~mneme.router.Group.replay` among the services whose state this process holds:
+    are consumed. Returns {"records": n, "generation": the live store generation}. The
+    groups replayed are those the routes mark :attr:`~mneme.router.Group.replay` among
+    the services whose state this process holds:
 
-    * Embedded (sqlite bus): the search stores (observations included), the catalog and
-      consolidation's observation projection of the (stopped) server's data dir
-      (consolidation: recorded decisions only). Raises DataDirLocked while a server uses
-      the data directory.
-    * Distributed (kafka bus): the search service's projections (the stores its
-      ``MNEME_*_URL``s name) and its bank catalog, reset to offset 0 and read outside the
-      consumer group. With local store files these are one replica's own copies (its data
-      dir, its own consumer groups): stop that replica first, or the data dir's lock
-      refuses (DataDirLocked). With store servers the ``search`` group is shared: stop
-      every search process first; while the group has live members Kafka refuses, and
-      replay raises StaleCommitError before it changes anything."""
+    * search's stores are rebuilt into a new generation up to the search group's
+      committed offsets, checked against the live generation and switched to
+      (:class:`mneme.runtime.live_replay.LiveReplay`; ``force``: switch despite the
+      check), then brought to the end of the log. A failed or refused replay raises
+      :class:`ReplayFailed` and leaves the live generation, the catalog and every
+      group's offsets as they were.
+    * The other replayed groups' state is rebuilt in place from offset 0: embedded (sqlite
+      bus), the catalog and consolidation's observation projection of the (stopped)
+      server's data dir (consolidation: recorded decisions only); distributed (kafka
+      bus), search's bank catalog. Raises DataDirLocked while a server uses the data
+      directory (a running server replays its stores itself: ``mneme replay
+      --address``).
+    * Distributed, the groups are read outside the consumer group. With local store files
+      they are one replica's own copies (its data dir, its own consumer groups). With
+      store servers the ``search`` group is shared: stop every search process first;
+      while the group has live members Kafka refuses, and replay raises StaleCommitError
+      before it changes anything."""
     root = Root(settings)
     try:
         if root.distributed:
@@ -56,18 +65,51 @@ def replay(settings: Settings | None = None, progress=None) -> dict[str, int]:
         for g, r in routers.items():
             gid = r.group_id
             root.log.commit(gid, {tp: root.log.committed(gid, *tp) for tp in tps[g]})
+        search = next(p for p in parts if p.name == "search")
+        gen = search.api["replay"].run(force=force, progress=progress)
+        if gen.state != "LIVE":
+            raise ReplayFailed(gen)
         for p in parts:
             if "observations" in p.api:
                 p.api["observations"].reset()
-        root.stores.reset()
         root.catalog.reset()
         total = 0
         for name, r in routers.items():
-            root.log.reset_group(r.group_id, r.topics)
-            total += sum(root.log.end_offset(*tp) for tp in tps[name])
+            if name != "search":  # search goes on from its offsets, into the new generation
+                root.log.reset_group(r.group_id, r.topics)
+            total += sum(root.log.end_offset(*tp) - root.log.committed(r.group_id, *tp)
+                         for tp in tps[name])
         done = _drain(LogRunner(root.log, routers), progress, total)
         if progress:
             progress(total, total)
-        return {"records": done}
+        return {"records": gen.records_done + done, "generation": gen.generation}
+    finally:
+        root.close()
+
+
+class ReplayFailed(RuntimeError):
+    """A replay that did not switch; ``generation`` is its FAILED record (its ``error``
+    says why, e.g. the check's differences)."""
+
+    def __init__(self, generation) -> None:
+        self.generation = generation
+        super().__init__(f"replay into generation {generation.generation} failed; the live "
+                         f"generation is unchanged: {generation.error}")
+
+
+def drop_generation(settings: Settings | None, generation: int) -> None:
+    """Delete a RETIRED or FAILED generation of a stopped server's data dir (its store
+    files, or its server collections emptied, and its record). KeyError when unknown,
+    ValueError for the live one, DataDirLocked while a server runs (drop through it:
+    ``mneme generations drop N --address``)."""
+    root = Root(settings)
+    try:
+        rec = root.generations.get(generation)
+        if rec is None:
+            raise KeyError(generation)
+        if rec.state == "LIVE":
+            raise ValueError(f"generation {generation} is live")
+        remove_local(root.store_urls(generation))
+        root.generations.forget(generation)
     finally:
         root.close()

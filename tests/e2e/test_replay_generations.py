@@ -1,0 +1,264 @@
+"""Replay while serving (issue 15, item 3) against a real ``mneme up``: the search stores
+are rebuilt from the log into a new generation while recall keeps answering and retains
+keep arriving; the switch happens after the check; results are the same after it; a
+cancelled replay and one whose check fails leave the live generation serving unchanged;
+old generations are dropped on command; a restart keeps the generation that was live."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mneme import locomo
+from mneme.v1 import generations_pb2
+from tests.e2e.server import Server, conversation_file
+
+pytestmark = pytest.mark.slow
+
+NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)
+BANK, OTHER = "conv-26", "during"
+QUERIES = ["When did Melanie run a charity race?", "What is Caroline's identity?",
+           "What did Melanie paint?", "Where did Caroline move from?",
+           "What books has Melanie read?"]
+G = generations_pb2.Generation
+
+
+def _results(m, bank: str = BANK) -> dict:
+    return {q: [(x.memory.id, round(x.scores.final, 6)) for x in
+                m.recall(bank, q, max_tokens=2048, query_timestamp=NOW).results]
+            for q in QUERIES}
+
+
+def _settle(m, bank: str = BANK, timeout: float = 300) -> None:
+    """Wait until every group has handled the bank's records (consolidation goes on
+    after a sync retain returns, and its observations change recall's scores)."""
+    end = time.monotonic() + timeout
+    while m.bank_stats(bank).pending_records and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not m.bank_stats(bank).pending_records
+
+
+def _state(data_dir: Path) -> dict:
+    return json.loads((data_dir / "generations.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("gen") / "data"
+    s = Server(data).start()
+    conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == BANK)
+    with s.client() as m:
+        m.upsert_bank(BANK)
+        m.upsert_bank(OTHER)
+        for sess in locomo.sessions(conv)[:6]:
+            assert m.retain(BANK, sess.items).operation.state == 3
+        _settle(m)
+    yield s
+    s.stop()
+
+
+def _during(server, work, *tasks) -> None:
+    """Run ``work()`` while each of ``tasks(stop)`` runs in a thread of its own."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=t, args=(stop,)) for t in tasks]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        work()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+def test_replay_while_serving_switches_to_an_equal_generation(server):
+    with server.client() as m:
+        before = _results(m)
+        errors, recalls, retained, out = [], [0], [], {}
+
+        def read(stop) -> None:  # recall must answer throughout, the switch included
+            with server.client(timeout=60) as c:
+                while not stop.is_set():
+                    try:
+                        assert c.recall(BANK, QUERIES[0], query_timestamp=NOW).results
+                        recalls[0] += 1
+                    except Exception as e:  # noqa: BLE001 - every failure is a finding
+                        errors.append(repr(e))
+
+        def write(stop) -> None:  # writes during a replay land in the generation that wins
+            with server.client(timeout=120) as c:
+                n = 0
+                while not stop.is_set():
+                    r = c.retain(OTHER, [{"content": f"Visitor {n} came to Lisbon on day {n}."}])
+                    assert r.operation.state == 3
+                    retained.append(n)
+                    n += 1
+
+        _during(server, lambda: out.setdefault(2, m.replay(poll_s=0.2)), read)
+        g = out[2]
+        assert g.state == G.LIVE, g
+        assert g.generation == 2 and not g.check.problems
+        assert g.check.banks == 2 and g.check.recalls > 0 and g.check.agreement >= 0.8
+        assert errors == [] and recalls[0] > 5
+        assert _results(m) == before
+
+        # With retains arriving throughout, every one acknowledged before, during and after
+        # the switch is in the live generation exactly once (the live group went on from
+        # its own offsets). (BM25's statistics span banks, so the new bank's texts move
+        # the other bank's scores: the comparisons below start from here.)
+        _during(server, lambda: out.setdefault(3, m.replay(poll_s=0.2)), read, write)
+        g = out[3]
+        assert g.state == G.LIVE and g.generation == 3 and not g.check.problems, g
+        assert errors == [] and retained
+        texts = [x.text for x in m.list_memories(OTHER)]
+        assert sorted(texts) == sorted(f"Visitor {n} came to Lisbon on day {n}." for n in retained)
+        before = _results(m)
+        gens = {x.generation: x.state for x in m.list_generations()}
+        assert gens == {1: G.RETIRED, 2: G.RETIRED, 3: G.LIVE}
+        assert _state(server.data_dir)["live"] == 3
+        assert (server.data_dir / "vectors.g3").is_dir() and any(server.data_dir.glob("graph.g3.db*"))
+
+        # The live generation cannot be dropped; the retired ones can, and they are gone.
+        with pytest.raises(grpc.RpcError) as e:
+            m.delete_generation(3)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        m.delete_generation(1)
+        m.delete_generation(2)
+        assert not (server.data_dir / "vectors").exists()
+        assert not (server.data_dir / "text").exists() and not any(server.data_dir.glob("graph.db*"))
+        assert not (server.data_dir / "vectors.g2").exists()
+        assert not any(server.data_dir.glob("graph.g2.db*"))
+        assert [x.generation for x in m.list_generations()] == [3]
+        assert _results(m) == before
+        with pytest.raises(grpc.RpcError) as e:
+            m.get_generation(1)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            m.generations.GetGeneration(generations_pb2.GetGenerationRequest(name="generation/x"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in e.value.details()
+
+    # A restart opens the generation that was live.
+    server.stop()
+    server.start()
+    with server.client() as m:
+        assert _results(m) == before
+        m.retain(BANK, [{"content": "Melanie adopted a grey cat named Pixel in 2024."}])
+        assert any("Pixel" in x.memory.text for x in
+                   m.recall(BANK, "What is the name of Melanie's cat?").results)
+        _settle(m)
+        before = _results(m)
+
+    # An offline replay (server stopped) builds generation 3 the same way.
+    server.replay()
+    with server.client() as m:
+        assert _results(m) == before
+        assert {x.generation: x.state for x in m.list_generations()} == {3: G.RETIRED, 4: G.LIVE}
+
+
+def test_a_cancelled_replay_leaves_the_live_generation_serving(server):
+    with server.client() as m:
+        before = _results(m)
+        live = _state(server.data_dir)["live"]
+        g = m.replay(wait=False)
+        assert g.state == G.BUILDING
+        # A second replay is refused while one runs.
+        with pytest.raises(grpc.RpcError) as e:
+            m.replay(wait=False)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        m.delete_generation(g.generation)  # cancels it halfway
+        assert _results(m) == before
+        assert _state(server.data_dir)["live"] == live
+        assert g.generation not in {x.generation for x in m.list_generations()}
+        assert not (server.data_dir / f"vectors.g{g.generation}").exists()
+        assert not any(server.data_dir.glob(f"graph.g{g.generation}.db*"))
+
+
+@pytest.fixture
+def node(tmp_path):
+    """An embedded node in this process (its stores can be damaged or made to fail)."""
+    from mneme.client import MnemeClient
+    from mneme.config import Settings
+    from mneme.runtime.embedded import bootstrap
+    n = bootstrap(Settings(data_dir=tmp_path / "data"))
+    n.start()
+    port = n.serve("127.0.0.1:0")
+    n.client = m = MnemeClient(f"127.0.0.1:{port}", timeout=120)
+    m.upsert_bank("b")
+    m.retain("b", [{"content": f"Alice met friend number {i} in Porto in May 2023."}
+                   for i in range(30)])
+    _settle(m, "b")
+    yield n
+    n.client.close()
+    n.close()
+
+
+def _ids(m) -> list[list[str]]:
+    return [[x.memory.id for x in m.recall("b", q, query_timestamp=NOW).results]
+            for q in ("Who did Alice meet?", "Where was Alice in May 2023?")]
+
+
+def test_a_replay_whose_check_fails_does_not_switch_and_force_repairs(node):
+    m, live = node.client, node.stores.vectors
+    n = live.count("b")
+    (first,), _ = live.scroll("b", 1)
+    live.target.delete("b", [first.id])  # damage the live generation's vector store
+    before = _ids(m)
+    g = m.replay()
+    assert g.state == G.FAILED and "the live generation" not in g.error
+    assert f"vector store has {n} units, live {n - 1}" in g.error
+    assert list(g.check.problems) and live.count("b") == n - 1 and _ids(m) == before
+    assert _state(node.settings.data_dir)["live"] == 1
+    assert not (node.settings.data_dir / "vectors.g2").exists()
+    # Forced, the replay switches to the rebuilt generation, which has the unit again.
+    g = m.replay(force=True)
+    assert g.state == G.LIVE and g.generation == 3, g
+    assert live.count("b") == n and live.get("b", [first.id])
+
+
+def test_a_replay_failing_halfway_leaves_the_live_generation_serving(node, monkeypatch):
+    """The new generation's vector store fails after a few writes (a full disk): the
+    replay ends FAILED with the store's error, the live generation serves and keeps
+    projecting as before, and a later replay succeeds."""
+    from mneme.bootstrap import Root
+    m = node.client
+    m.retain("b", [{"content": f"Bob rowed boat number {i} on the Douro."} for i in range(12)])
+    _settle(m, "b")
+    before = _ids(m)
+    opened = Root.open_stores
+
+    class FullDisk:
+        def __init__(self, store) -> None:
+            self.store, self.writes = store, 0
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+        def upsert(self, *a, **k):
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(28, "No space left on device")
+            return self.store.upsert(*a, **k)
+
+    def failing(self, generation):
+        stores = opened(self, generation)
+        stores.vectors = FullDisk(stores.vectors)
+        return stores
+    monkeypatch.setattr(Root, "open_stores", failing)
+    g = m.replay()
+    assert g.state == G.FAILED, g
+    assert "could not be projected" in g.error and "No space left on device" in g.error
+    assert _state(node.settings.data_dir)["live"] == 1 and _ids(m) == before
+    # The live group was released: a write after the failed replay is projected at once.
+    m.retain("b", [{"content": "Carol sang fado in Lisbon on 2023-06-01."}])
+    assert "fado" in m.recall("b", "Who sang fado?").results[0].memory.text
+    monkeypatch.undo()
+    assert m.replay().state == G.LIVE
+    assert "fado" in m.recall("b", "Who sang fado?").results[0].memory.text
