@@ -24,6 +24,7 @@ from mneme.bus import codec, partition_for, topics
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
 from mneme.datadir import DataDirLocked, lock, replica_id, unlock
+from mneme.generations import generation_group
 from mneme.router import Group, Router, Service, group_ids
 
 log = logging.getLogger("mneme")
@@ -89,9 +90,17 @@ class Root:
         (:class:`mneme.generations.Generations`); one left BUILDING by a process that
         stopped is marked FAILED here (this process holds the data dir)."""
         from mneme.generations import Generations
-        gens = Generations(self.data_dir)
+        gens = Generations(self.data_dir, None if self.owns_stores else
+                           self.settings.store_generation)
         gens.recover()
         return gens
+
+    @property
+    def owns_stores(self) -> bool:
+        """True when search's stores are this process's own (embedded, or a replica's
+        local files): it switches their generations itself. False with store servers the
+        search replicas share (the generation is ``MNEME_STORE_GENERATION``)."""
+        return not self.distributed or self.local_stores
 
     def store_urls(self, generation: int) -> dict[str, str]:
         """kind (vector, text, graph) → the URL of that store of ``generation``
@@ -157,6 +166,8 @@ class Root:
         own (:meth:`mneme.router.Group.per_replica`)."""
         if self.distributed and group.per_replica(self.local_stores):
             return f"{group.name}.{self.replica}"
+        if group.state == "stores" and not self.owns_stores:
+            return generation_group(group.name, self.settings.store_generation)
         return group.name
 
     def group_ids(self, own: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
@@ -165,7 +176,13 @@ class Root:
         live replica (a removed replica's copies are not pending work) and of ``own``
         (this process's groups, which may not have committed yet)."""
         known = self.log.groups(live_only=True) if self.distributed else []
-        return group_ids(services().values(), self.distributed, [*known, *own])
+        ids = group_ids(services().values(), self.distributed, [*known, *own])
+        if self.distributed and not self.local_stores:  # shared stores: the live generation's
+            for g in (g for svc in services().values() for g in svc.groups):
+                if g.state == "stores":
+                    ids.pop(g.name, None)
+                    ids[self.group_id(g)] = g.topics
+        return ids
 
     def bank_config(self, bank_id: str):
         """The bank's config from this process's catalog, or None when unknown here."""

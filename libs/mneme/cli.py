@@ -496,7 +496,14 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
         except StaleCommitError as e:  # Kafka: the search group still has members
             console.print(f"[red]stop the search processes first: {e}[/red]")
             raise typer.Exit(1)
-    console.print(f"replayed {stats['records']} records; generation {stats['generation']} is live")
+    g = stats["generation"]
+    if stats["state"] == "READY":  # store servers the search replicas share
+        console.print(f"replayed {stats['records']} records into generation {g}, checked; "
+                      f"to switch, set MNEME_STORE_GENERATION={g} on the search replicas "
+                      f"(Helm: storeGeneration) and roll them; then `mneme generations drop "
+                      f"{g - 1}`")
+    else:
+        console.print(f"replayed {stats['records']} records; generation {g} is live")
 
 
 def _each_address(address: str) -> list[str]:

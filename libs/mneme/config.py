@@ -59,6 +59,12 @@ class Settings(BaseSettings):
         default="", description="This replica's name (e.g. the pod name; default the host "
                                 "name); its state's id adds a random suffix kept in the "
                                 "data dir")
+    store_generation: int = Field(
+        default=1, ge=1, description="With store servers the search replicas share: the "
+                                     "generation of search's stores they serve (`mneme "
+                                     "replay` builds the next one; README 'Replay "
+                                     "generations'). Local store files record theirs in the "
+                                     "data dir instead")
 
     # ---- security and telemetry (mneme.auth, mneme.telemetry) ------------------------
     auth_mode: str = Field(

@@ -32,8 +32,10 @@ from mneme.errors import ConfigurationError
 POINTER = "generations.json"
 
 #: Generation states: BUILDING (replaying the log), LIVE (serving), RETIRED (was live;
-#: kept until dropped), FAILED (a replay that failed or was cancelled; kept to be dropped).
-STATES = ("BUILDING", "LIVE", "RETIRED", "FAILED")
+#: kept until dropped), FAILED (a replay that failed or was cancelled; kept to be dropped),
+#: READY (built and checked on shared store servers; live once the replicas are
+#: configured with it).
+STATES = ("BUILDING", "LIVE", "RETIRED", "FAILED", "READY")
 
 # The name each server adapter takes from its URL, and its default (the adapters' own).
 _SERVER_NAMES = {"http": None, "https": None, "qdrant": ("collection", "mneme_facts"),
@@ -84,6 +86,13 @@ def versioned_url(kind: str, url: str, generation: int) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+def generation_group(name: str, generation: int) -> str:
+    """The consumer group id of a projection group ``name`` over shared store servers in
+    ``generation``: ``name`` for 1, ``<name>@g<n>`` after (each generation's stores are
+    at their own offsets)."""
+    return name if generation == 1 else f"{name}@g{generation}"
+
+
 def local_path(url: str) -> Path | None:
     """The file or directory of a local store URL (None for a server)."""
     parts = urlsplit(url)
@@ -130,18 +139,29 @@ class Generation:
 class Generations:
     """The generations of one data dir's search stores, kept in ``<data_dir>/
     generations.json`` (rewritten atomically on every change; thread-safe). A data dir
-    without the file has generation 1 live."""
+    without the file has generation 1 live.
 
-    def __init__(self, data_dir: Path) -> None:
+    ``configured``: the live generation is configuration (``MNEME_STORE_GENERATION``,
+    store servers every replica shares), not the file's; the file then only records
+    this process's replays (READY or FAILED)."""
+
+    def __init__(self, data_dir: Path, configured: int | None = None) -> None:
         self.path = Path(data_dir) / POINTER
+        self.configured = configured
         self._lock = threading.Lock()
 
     def _load(self) -> dict[int, Generation]:
         try:
             raw = json.loads(self.path.read_text())
+            gens = {int(g["generation"]): Generation(**g) for g in raw.get("generations", [])}
         except FileNotFoundError:
-            return {1: Generation(1, "LIVE")}
-        return {int(g["generation"]): Generation(**g) for g in raw.get("generations", [])}
+            gens = {1: Generation(1, "LIVE")}
+        if self.configured is not None:  # the configuration says which one serves
+            for x in gens.values():
+                if x.state in ("LIVE", "RETIRED"):
+                    x.state = "RETIRED"
+            gens.setdefault(self.configured, Generation(self.configured, "LIVE")).state = "LIVE"
+        return gens
 
     def _save(self, gens: dict[int, Generation]) -> None:
         write_atomic(self.path, json.dumps(
@@ -212,6 +232,21 @@ class Generations:
                 self._save(gens)
 
 
+def drop_stores(stores: Any, urls: dict[str, str]) -> None:
+    """Delete a generation's stores for good. ``stores``: its opened ``Projections``
+    (vectors, text, graph; None: nothing opened); a server's is dropped (the adapter's
+    ``drop()`` deletes the collection, index or graph; ``reset()`` empties it where the
+    adapter cannot delete it) and closed. Then the local files among ``urls`` (kind →
+    URL) are removed."""
+    for kind, s in zip(("vector", "text", "graph"), stores.all() if stores else ()):
+        try:
+            if local_path(urls[kind]) is None:
+                (getattr(s, "drop", None) or s.reset)()
+        finally:
+            s.close()
+    remove_local(urls)
+
+
 class Switchable:
     """A store port whose adapter can be replaced while it is in use: every attribute
     is looked up on the current ``target`` (so a call started before :meth:`swap` ends
@@ -230,5 +265,6 @@ class Switchable:
         return old
 
 
-__all__ = ["Generation", "Generations", "STATES", "Switchable", "local_path", "remove_local",
-           "versioned_url"]
+__all__ = ["Generation", "Generations", "STATES", "Switchable", "drop_stores", "generation_group",
+           "local_path",
+           "remove_local", "versioned_url"]

@@ -236,6 +236,14 @@ def test_replay_rebuilds_the_search_projections(cluster, bus):
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 1 and "in use by another mneme process" in said, said[-3000:]
     assert _recall(cluster.address["search"]) == before
+    # The running replica replays its own stores while it serves (the Helm Job's command:
+    # every address of the host, one after the other), and switches to an equal generation.
+    live = subprocess.run([mneme_bin(), "replay", "--address", cluster.address["search"],
+                           "--each"], timeout=300, capture_output=True, text=True,
+                          env=cluster.env("search"))
+    said = " ".join((live.stdout + live.stderr).split())
+    assert live.returncode == 0 and "generation 2: LIVE" in said, said[-3000:]
+    assert _recall(cluster.address["search"]) == before
     cluster.stop("search")
     out = subprocess.run([mneme_bin(), "replay"], env=cluster.env("search"),
                          capture_output=True, text=True, timeout=300)

@@ -10,12 +10,14 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from mneme.bus.consumer import Consumer
-from mneme.generations import Generation, remove_local
+from mneme.generations import Generation, drop_stores, generation_group, remove_local
 
 log = logging.getLogger("mneme")
 
 #: Recalls compared per bank by the check before a switch, and banks sampled.
 CHECK_QUERIES, CHECK_BANKS = 3, 10
+#: Checks of a generation on shared stores while the replicas go on writing.
+CHECK_ATTEMPTS = 5
 #: Least mean agreement (shared ids / ids) of the sampled recalls' top results. Below 1:
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
@@ -107,14 +109,16 @@ class LiveReplay:
         return True
 
     def drop(self, generation: int) -> None:
-        """Delete a RETIRED or FAILED generation's stores and its record (a BUILDING one
-        is cancelled first). KeyError when unknown; ValueError for the LIVE one."""
+        """Delete a generation's stores and its record, unless it is live (a BUILDING
+        one is cancelled first). KeyError when this process knows no such generation (on
+        shared store servers any other number is dropped: a replay elsewhere may have
+        built it); ValueError for the live one."""
         rec = self.generations.get(generation)
-        if rec is None:
+        if rec is None and not self.shared:
             raise KeyError(generation)
-        if rec.state == "LIVE":
+        if generation == self.generations.live():
             raise ValueError(f"generation {generation} is live; replay to switch first")
-        if rec.state == "BUILDING":
+        if rec is not None and rec.state == "BUILDING":
             self.cancel(generation)
             self.wait(60)
         old = self._retired.pop(generation, None)
@@ -122,6 +126,13 @@ class LiveReplay:
             _close(old)
         self._discard(generation, None)
         self.generations.forget(generation)
+
+    @property
+    def shared(self) -> bool:
+        """True on store servers the search replicas share: a replay builds and checks
+        the next generation (READY) without switching; the replicas switch when they are
+        configured with it (``MNEME_STORE_GENERATION``)."""
+        return not self.root.owns_stores
 
     # -- the replay --
 
@@ -132,7 +143,10 @@ class LiveReplay:
             new = self.root.open_stores(g)
             new.reset()  # a server collection of that name from a crashed replay
             live_gid = self.router.group_id
-            gid = f"{live_gid}@g{g}"
+            # Shared stores: the group the replicas of generation g will run under (they go
+            # on from where the replay stops); own stores: the replay's alone.
+            gid = (generation_group(self.router.group.name, g) if self.shared
+                   else f"{live_gid}@g{g}")
             topics = self.router.topics
             log_ = self.root.log
             log_.reset_group(gid, topics)
@@ -169,17 +183,30 @@ class LiveReplay:
                 if behind <= c.batch_size:
                     break
                 drain(target)
-            # 2: exactly where the live group is, holding it between two records.
+            # 2: exactly where the live group is, holding it between two records (when it
+            # runs in this process; replicas elsewhere go on: their moving banks are
+            # compared again, a few times, and reported when they never hold still).
             with self.router.paused() as nexts:
-                target = {tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
-                drain(target)
-                check = self._check(new)
+                for attempt in range(CHECK_ATTEMPTS if self.shared else 1):
+                    target = {tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
+                    drain(target)
+                    check = self._check(new, live_gid, target if self.shared else None)
+                    if not check["problems"]:
+                        break
+                    time.sleep(0.5 * (attempt + 1))
                 if c.failures:  # the live group may have dropped the same records: say so
                     check["problems"].append(
                         f"{c.failures} records could not be projected (last: {c.last_failure})")
                 self.generations.update(g, check=check)
                 if check["problems"] and not force:
                     raise CheckFailed("; ".join(check["problems"][:5]))
+                if self.shared:
+                    self.generations.update(g, state="READY", records_done=done)
+                    _close(new)
+                    log.info("replay: generation %d is built and checked (%d records); set "
+                             "MNEME_STORE_GENERATION=%d on the search replicas to switch",
+                             g, done, g)
+                    return
                 live = self.root.stores
                 old = type(new)(*(s.swap(n) for s, n in zip(live.all(), new.all())))
                 prev = self.generations.live()
@@ -197,9 +224,12 @@ class LiveReplay:
         finally:
             self._building = None
 
-    def _check(self, new) -> dict:
+    def _check(self, new, live_gid: str, stable: dict | None = None) -> dict:
         """Compare ``new`` with the live stores: per bank unit counts, then sampled
-        recalls. Returns {"banks", "units", "recalls", "agreement", "problems": [...]}."""
+        recalls. ``stable``: (topic, partition) → the offset both are at; a bank whose
+        partition the live group has moved past meanwhile is not compared (``moving``).
+        Returns {"banks", "units", "recalls", "agreement", "moving", "problems": [...]}."""
+        from mneme.bus import partition_for
         from mneme.domain import RecallQuery
         live = self.root.stores
         banks, after = [], ""
@@ -209,13 +239,21 @@ class LiveReplay:
             if len(page) < 500:
                 break
             after = page[-1].bank_id
-        problems, units = [], 0
+        problems, units, moving = [], 0, 0
         for b in banks:
+            differ = []
             for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
                 n_live, n_new = a.count(b), z.count(b)
                 units += n_new
                 if n_live != n_new:
-                    problems.append(f"bank {b}: {kind} store has {n_new} units, live {n_live}")
+                    differ.append(f"bank {b}: {kind} store has {n_new} units, live {n_live}")
+            if differ and stable is not None and any(
+                    self.root.log.committed(live_gid, t, p) != off
+                    for (t, p), off in stable.items()
+                    if p == partition_for(b, self.root.log.partitions(t))):
+                moving += 1  # written meanwhile: not comparable now
+                continue
+            problems += differ
         old_recall, new_recall = self.recall_over(live), self.recall_over(new)
         scores = []
         now = datetime.now(timezone.utc)
@@ -230,7 +268,7 @@ class LiveReplay:
         if agreement < CHECK_AGREEMENT:
             problems.append(f"sampled recalls agree {agreement:.2f} < {CHECK_AGREEMENT}")
         return {"banks": len(banks), "units": units, "recalls": len(scores),
-                "agreement": round(agreement, 3), "problems": problems}
+                "agreement": round(agreement, 3), "moving": moving, "problems": problems}
 
     def _retire(self, generation: int, stores) -> None:
         self._retired[generation] = stores
@@ -243,10 +281,11 @@ class LiveReplay:
         t.start()
 
     def _discard(self, generation: int, stores) -> None:
-        """Close ``stores`` (when open) and remove generation's local files."""
-        if stores is not None:
-            _close(stores)
-        remove_local(self.root.store_urls(generation))
+        """Delete ``generation``'s stores: ``stores`` when open, else (on servers) opened
+        to be dropped; local files removed."""
+        if stores is None and self.shared:
+            stores = self.root.open_stores(generation)
+        drop_stores(stores, self.root.store_urls(generation))
 
     def close(self) -> None:
         """Cancel a running replay and close retired stores still open."""

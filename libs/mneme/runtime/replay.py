@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from mneme.bootstrap import Root, build_consolidation, build_ingest, build_search
 from mneme.config import Settings
-from mneme.generations import remove_local
 from mneme.runtime.log_runner import LogRunner
 
 
@@ -29,27 +28,28 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
     """Rebuild projections from the log; no model is called (derived events carry the
     facts and embeddings) and nothing is appended (the progress events the projections
     would emit are already on the log). ``progress(done, total)`` is called as records
-    are consumed. Returns {"records": n, "generation": the live store generation}. The
+    are consumed. Returns {"records": n, "generation": g, "state": LIVE | READY}. The
     groups replayed are those the routes mark :attr:`~mneme.router.Group.replay` among
     the services whose state this process holds:
 
     * search's stores are rebuilt into a new generation up to the search group's
-      committed offsets, checked against the live generation and switched to
-      (:class:`mneme.runtime.live_replay.LiveReplay`; ``force``: switch despite the
-      check), then brought to the end of the log. A failed or refused replay raises
-      :class:`ReplayFailed` and leaves the live generation, the catalog and every
-      group's offsets as they were.
-    * The other replayed groups' state is rebuilt in place from offset 0: embedded (sqlite
-      bus), the catalog and consolidation's observation projection of the (stopped)
-      server's data dir (consolidation: recorded decisions only); distributed (kafka
-      bus), search's bank catalog. Raises DataDirLocked while a server uses the data
-      directory (a running server replays its stores itself: ``mneme replay
-      --address``).
-    * Distributed, the groups are read outside the consumer group. With local store files
-      they are one replica's own copies (its data dir, its own consumer groups). With
-      store servers the ``search`` group is shared: stop every search process first;
-      while the group has live members Kafka refuses, and replay raises StaleCommitError
-      before it changes anything."""
+      committed offsets and checked against the live generation
+      (:class:`mneme.runtime.live_replay.LiveReplay`; ``force``: despite the check). A
+      failed or refused replay raises :class:`ReplayFailed` and leaves the live
+      generation, the catalog and every group's offsets as they were.
+    * Stores of this data dir (embedded, or a search replica's local files; its server
+      stopped, else DataDirLocked: a running server replays itself, ``mneme replay
+      --address``): the new generation is switched to and brought to the end of the log;
+      then the other replayed groups' state is rebuilt in place from offset 0 -- embedded,
+      the catalog and consolidation's observation projection (recorded decisions only);
+      distributed, search's bank catalog. Those groups are read outside their consumer
+      group; Kafka refuses (StaleCommitError, before anything changes) while one has
+      live members.
+    * Store servers the search replicas share (distributed): the replicas keep serving.
+      This process's bank catalog is rebuilt first (the check's bank list), then the
+      generation after ``MNEME_STORE_GENERATION`` is built under the consumer group it
+      will run under and left READY; the replicas switch to it when they are configured
+      with it (their group goes on from where the replay stopped)."""
     root = Root(settings)
     try:
         if root.distributed:
@@ -60,31 +60,47 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
         routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
         tps = {g: [(t, p) for t in r.topics for p in range(root.log.partitions(t))]
                for g, r in routers.items()}
+        live_replay = next(p for p in parts if p.name == "search").api["replay"]
+        if live_replay.shared:  # the replicas go on serving the live generation meanwhile
+            routers.pop("search")
         # Refuse before anything is wiped: committing each group's own offsets back is a
         # no-op, which Kafka refuses (StaleCommitError) while the group has live members.
         for g, r in routers.items():
             gid = r.group_id
             root.log.commit(gid, {tp: root.log.committed(gid, *tp) for tp in tps[g]})
-        search = next(p for p in parts if p.name == "search")
-        gen = search.api["replay"].run(force=force, progress=progress)
-        if gen.state != "LIVE":
+        if live_replay.shared:  # this process's bank catalog first: the check's bank list
+            _rebuild(root, parts, routers, tps, progress)
+        gen = live_replay.run(force=force, progress=progress)
+        if gen.state not in ("LIVE", "READY"):
             raise ReplayFailed(gen)
-        for p in parts:
-            if "observations" in p.api:
-                p.api["observations"].reset()
-        root.catalog.reset()
-        total = 0
-        for name, r in routers.items():
-            if name != "search":  # search goes on from its offsets, into the new generation
-                root.log.reset_group(r.group_id, r.topics)
-            total += sum(root.log.end_offset(*tp) - root.log.committed(r.group_id, *tp)
-                         for tp in tps[name])
-        done = _drain(LogRunner(root.log, routers), progress, total)
-        if progress:
-            progress(total, total)
-        return {"records": gen.records_done + done, "generation": gen.generation}
+        if live_replay.shared:
+            return {"records": gen.records_done, "generation": gen.generation,
+                    "state": gen.state}
+        done = _rebuild(root, parts, routers, tps, progress)
+        return {"records": gen.records_done + done, "generation": gen.generation,
+                "state": gen.state}
     finally:
         root.close()
+
+
+def _rebuild(root: Root, parts, routers: dict, tps: dict, progress) -> int:
+    """Rebuild the state of ``routers`` from offset 0, except search's stores, which go on
+    from their group's offsets (into the generation just switched to); returns the
+    records consumed."""
+    for p in parts:
+        if "observations" in p.api:
+            p.api["observations"].reset()
+    root.catalog.reset()
+    total = 0
+    for name, r in routers.items():
+        if name != "search":
+            root.log.reset_group(r.group_id, r.topics)
+        total += sum(root.log.end_offset(*tp) - root.log.committed(r.group_id, *tp)
+                     for tp in tps[name])
+    done = _drain(LogRunner(root.log, routers), progress, total)
+    if progress:
+        progress(total, total)
+    return done
 
 
 class ReplayFailed(RuntimeError):
@@ -98,18 +114,13 @@ class ReplayFailed(RuntimeError):
 
 
 def drop_generation(settings: Settings | None, generation: int) -> None:
-    """Delete a RETIRED or FAILED generation of a stopped server's data dir (its store
-    files, or its server collections emptied, and its record). KeyError when unknown,
+    """Delete a generation of search's stores that is not live, with the server stopped
+    (local files; on store servers its collection, index and graph: any number but
+    ``MNEME_STORE_GENERATION``). KeyError when the data dir knows no such generation,
     ValueError for the live one, DataDirLocked while a server runs (drop through it:
     ``mneme generations drop N --address``)."""
     root = Root(settings)
     try:
-        rec = root.generations.get(generation)
-        if rec is None:
-            raise KeyError(generation)
-        if rec.state == "LIVE":
-            raise ValueError(f"generation {generation} is live")
-        remove_local(root.store_urls(generation))
-        root.generations.forget(generation)
+        build_search(root, bank_exists=lambda b: True).api["replay"].drop(generation)
     finally:
         root.close()

@@ -224,6 +224,14 @@ class FalkorServerGraphStore(_FalkorGraph):
             db.close()
             raise
 
+    def drop(self) -> None:
+        """Delete the graph's key on the server (an old store generation)."""
+        with self._lock:
+            try:
+                self._graph.delete()
+            except redis.ResponseError:
+                pass  # an empty graph has no key
+
     def close(self) -> None:
         """Disconnect (the server and its data stay); further calls raise RuntimeError."""
         with self._lock:

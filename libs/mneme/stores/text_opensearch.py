@@ -258,6 +258,15 @@ class OpenSearchTextStore:
             pass
         self._ensure_index()
 
+    def drop(self) -> None:
+        """Delete the index and its template (an old store generation)."""
+        for delete, kw in ((self.client.indices.delete, {"index": self.index}),
+                           (self.client.indices.delete_index_template, {"name": self.index})):
+            try:
+                delete(**kw)
+            except NotFoundError:
+                pass
+
     # -- writes --
 
     def _doc_id(self, bank_id: str, fact_id: str) -> str:

