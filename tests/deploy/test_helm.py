@@ -2,8 +2,9 @@
 pass for the default and the full values (scripts/helm_check.py, `make helm-check`), the
 rendered objects have the shape the services need (many replicas per service, rolled out
 with none down, a PDB, an HPA when asked, anti-affinity, a data dir of each pod's own), the
-replay Job (`mneme replay --each` through search's headless Service, run against a real
-server) and Kafka TLS/SASL in every pod (the topics Job over a TLS listener), the values
+replay Job (local stores: `mneme replay --each` through search's headless Service, run
+against a real server; shared store servers: `mneme replay` in the Job with the search pods'
+settings, storeGeneration in every service's config, the drop Job) and Kafka TLS/SASL in every pod (the topics Job over a TLS listener), the values
 schema rejects misspelled keys and wrong types, and broken manifests fail."""
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def test_default_values_render_the_five_services_against_external_stores(default
     assert cm["MNEME_GRPC_ADDRESS"] == "0.0.0.0:50051"
     assert cm["MNEME_METRICS_PORT"] == "9464"
     assert cm["MNEME_DATA_DIR"] == "/var/lib/mneme"
+    assert cm["MNEME_STORE_GENERATION"] == "1"
     secret = default[("Secret", "mneme")]["stringData"]
     assert secret["MNEME_GRAPH_URL"] == "bolt://neo4j:7687"
     assert secret["MNEME_TEXT_URL"] == "http://opensearch:9200"
@@ -208,6 +210,8 @@ def test_autoscaling_with_min_above_max_fails_the_render():
     (["externalKafka.tls.caFile=ca.pem"], "caFile"),
     (["externalKafka.sasl.user=u"], "user"),
     (["externalKafka.sasl.passwordSecret.secret=p"], "secret"),
+    (["replay.dropGeneraton=1"], "dropGeneraton"),
+    (["externalNeo4j.db=mneme"], "db"),
 ], ids=lambda v: v if isinstance(v, str) else v[0].split("=")[0])
 def test_a_misspelled_value_fails_lint_and_template(sets, match):
     with pytest.raises(hc.CheckFailed, match=f"Additional property {match} is not allowed"):
@@ -240,6 +244,11 @@ def test_a_misspelled_key_in_a_values_file_fails_lint(tmp_path):
     (["replay.force=yes"], "replay.force"),
     (["externalKafka.sasl.mechanism=SCRAM"], "mechanism"),
     (["externalKafka.tls.checkHostname=no"], "checkHostname"),
+    (["storeGeneration=0"], "storeGeneration"),
+    (["storeGeneration=two"], "storeGeneration"),
+    (["storeGeneration=1.5"], "storeGeneration"),
+    (["replay.dropGeneration=-1"], "dropGeneration"),
+    (["externalNeo4j.database=my_db"], "database"),
 ], ids=lambda v: v if isinstance(v, str) else v[0])
 def test_a_wrong_type_or_value_fails_lint(sets, match):
     with pytest.raises(hc.CheckFailed, match=match):
@@ -478,9 +487,18 @@ def test_local_search_stores_are_each_replicas_own_files(tmp_path):
 
 
 @pytest.mark.parametrize("sets,match", [
-    (["replay.enabled=true"], "searchStores=local"),                  # shared stores
     ([*REPLAY, "services.search.enabled=false"], "services.search.enabled"),
-], ids=["shared-stores", "no-search"])
+    (["replay.enabled=true", "services.search.enabled=false", "externalNeo4j.database=mneme"],
+     "services.search.enabled"),
+    # shared stores: generation 2 on Neo4j is a database of its own
+    (["replay.enabled=true"], "set externalNeo4j.database"),
+    (["replay.enabled=true", "neo4j.enabled=true"], "bundled Neo4j"),
+    (["replay.enabled=true", "externalNeo4j.database=mneme", "replay.hook=post-upgrade"],
+     "replay.hook needs searchStores=local"),
+    (["replay.dropGeneration=1"], "generation 1 is the live one"),
+    ([*REPLAY, "replay.dropGeneration=1"], "dropGeneration needs searchStores shared"),
+], ids=["no-search", "shared-no-search", "shared-neo4j-no-database", "shared-bundled-neo4j",
+        "shared-hook", "drop-live", "drop-local"])
 def test_a_replay_job_that_cannot_work_fails_the_render(sets, match):
     with pytest.raises(hc.CheckFailed, match=match):
         hc.template(sets=sets)
@@ -523,6 +541,122 @@ def test_the_replay_jobs_command_switches_a_running_servers_generation(tmp_path)
         assert live == [2]
     finally:
         server.stop()
+
+
+# ---- store generations on the shared servers: storeGeneration, the replay and drop Jobs ----
+
+DB = "externalNeo4j.database=mneme"
+SHARED = ["replay.enabled=true", DB]
+
+
+def _settings(objs, container: dict):
+    """mneme's Settings as ``container`` reads them: the rendered ConfigMap and Secret
+    (envFrom) under the container's own env values."""
+    from mneme.config import Settings
+
+    env = {**objs[("ConfigMap", "mneme")]["data"], **objs[("Secret", "mneme")]["stringData"],
+           **{k: e["value"] for k, e in _env(container).items() if "value" in e}}
+    fields = set(Settings.model_fields)
+    return Settings(**{k[len("MNEME_"):].lower(): v for k, v in env.items()
+                       if k.startswith("MNEME_") and k[len("MNEME_"):].lower() in fields})
+
+
+def test_store_generation_is_every_services_setting_and_rolls_their_pods():
+    """storeGeneration is MNEME_STORE_GENERATION in the ConfigMap every service reads
+    (ingest's bank stats name the live search group too), so a change rolls every
+    Deployment (checksum/config); mneme reads it as the generation its stores and its
+    search group are named after."""
+    from mneme.generations import generation_group, versioned_url
+
+    one = _objects(hc.template(sets=[DB]))
+    three = _objects(hc.check_chart(sets=["storeGeneration=3", DB, "externalNeo4j.password=pw"]))
+    assert three[("ConfigMap", "mneme")]["data"]["MNEME_STORE_GENERATION"] == "3"
+    assert three[("Secret", "mneme")]["stringData"]["MNEME_GRAPH_URL"] == "bolt://neo4j:pw@neo4j:7687/mneme"
+    for s in SERVICES:
+        pod = three[("Deployment", f"mneme-{s}")]["spec"]["template"]
+        c, = pod["spec"]["containers"]
+        assert {"configMapRef": {"name": "mneme"}} in c["envFrom"], s
+        settings = _settings(three, c)
+        assert settings.store_generation == 3, s
+        before = one[("Deployment", f"mneme-{s}")]["spec"]["template"]["metadata"]["annotations"]
+        assert pod["metadata"]["annotations"]["checksum/config"] != before["checksum/config"], s
+    search = _settings(three, _pod(three, "search")["containers"][0])
+    assert generation_group("search", search.store_generation) == "search@g3"
+    assert versioned_url("graph", search.url("graph"), 3) == "bolt://neo4j:pw@neo4j:7687/mneme-g3"
+    assert versioned_url("vector", search.url("vector"), 3).endswith("collection=mneme_facts_g3")
+    assert "MNEME_STORE_GENERATION" not in _env(_pod(three, "search")["containers"][0])
+    with pytest.raises(hc.CheckFailed, match="set storeGeneration, not MNEME_STORE_GENERATION"):
+        hc.template(sets=["extraEnv.MNEME_STORE_GENERATION=2"])   # services would disagree
+
+
+def test_the_shared_store_replay_job_replays_in_the_job_with_the_search_pods_settings():
+    """searchStores=shared: the Job runs `mneme replay` itself (no --address: the replicas
+    serve on, nothing stops) with the search pods' image, ConfigMap, Secret, Kafka
+    credentials and mounts, so it reaches the same store servers and brokers, and builds
+    storeGeneration+1 in a data dir (emptyDir) of its own, with search's resources."""
+    from mneme.generations import versioned_url
+
+    objs = _objects(hc.check_chart(sets=[*SHARED, "storeGeneration=2", *KAFKA_SECURE,
+                                         "replay.apiKeySecret.name=unused"]))
+    job = objs[("Job", "mneme-replay-1")]
+    assert "annotations" not in job["metadata"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
+    c, = pod["containers"]
+    assert c["args"] == ["replay"]
+    search_pod = _pod(objs, "search")
+    search = search_pod["containers"][0]
+    assert (c["image"], c["envFrom"], c["volumeMounts"]) == (
+        search["image"], search["envFrom"], search["volumeMounts"])
+    # the Kafka password, as the search pods get it; no client key (it calls no server)
+    assert set(_env(c)) == {"OTEL_SERVICE_NAME", "MNEME_KAFKA_SASL_PASSWORD"}
+    assert _env(c)["MNEME_KAFKA_SASL_PASSWORD"] == _env(search)["MNEME_KAFKA_SASL_PASSWORD"]
+    assert [v for v in pod["volumes"] if v["name"] != "data"] == \
+        [v for v in search_pod["volumes"] if v["name"] != "data"]
+    assert {"name": "data", "emptyDir": {}} in pod["volumes"]
+    job_settings, search_settings = _settings(objs, c), _settings(objs, search)
+    assert job_settings.data_dir.as_posix() == "/var/lib/mneme"   # the emptyDir's mount
+    assert {"name": "data", "mountPath": "/var/lib/mneme"} in c["volumeMounts"]
+    for k in ("vector", "text", "graph"):
+        assert job_settings.url(k) == search_settings.url(k), k
+        # generation 3 (storeGeneration + 1) has names of its own on those servers
+        assert versioned_url(k, job_settings.url(k), 3) != job_settings.url(k), k
+    assert job_settings.store_generation == search_settings.store_generation == 2
+    assert job_settings.bus_url == search_settings.bus_url
+    assert c["resources"] == search["resources"]     # it does search's work
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    forced = _objects(hc.template(sets=[*SHARED, "replay.force=true", "replay.runId=r2",
+                                        "replay.buildResources.requests.cpu=2"]))
+    c, = _job_pod(forced, "mneme-replay-r2")["containers"]
+    assert c["args"] == ["replay", "--force"]
+    assert c["resources"] == {"requests": {"cpu": 2}}
+
+
+def test_the_local_store_replay_job_is_unchanged_by_store_generations():
+    """searchStores=local keeps `--address <headless>:<port> --each`, the polling
+    resources and the client settings, whatever the shared-store values say."""
+    objs = _objects(hc.check_chart(sets=[*REPLAY, DB, "replay.buildResources.requests.cpu=2",
+                                         "replay.apiKeySecret.name=replay-key"]))
+    c, = _job_pod(objs, "mneme-replay-1")["containers"]
+    assert c["args"] == ["replay", "--address", "mneme-search-headless:50051", "--each"]
+    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+    assert set(_env(c)) == {"OTEL_SERVICE_NAME", "MNEME_API_KEY"}
+    assert objs[("ConfigMap", "mneme")]["data"]["MNEME_STORE_GENERATION"] == "1"
+    assert not any(k == "Job" and n.startswith("mneme-drop") for k, n in objs)
+    with pytest.raises(hc.CheckFailed, match="searchStores=local each replica records its own"):
+        hc.template(sets=[*REPLAY, "storeGeneration=2"])
+
+
+def test_the_drop_job_deletes_an_old_generation_with_the_search_pods_settings():
+    objs = _objects(hc.check_chart(sets=["storeGeneration=2", DB, "replay.dropGeneration=1"]))
+    assert not any(k == "Job" and n.startswith("mneme-replay") for k, n in objs)
+    pod = _job_pod(objs, "mneme-drop-g1")
+    c, = pod["containers"]
+    assert c["args"] == ["generations", "drop", "1"]
+    search = _pod(objs, "search")["containers"][0]
+    assert (c["image"], c["envFrom"], c["resources"]) == (search["image"], search["envFrom"], search["resources"])
+    assert pod["restartPolicy"] == "Never"
+    assert {"name": "data", "emptyDir": {}} in pod["volumes"]   # not the server's data dir
 
 
 # ---- Kafka TLS and SASL: certificate files and credentials in every mneme pod -------------

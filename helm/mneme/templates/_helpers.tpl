@@ -101,12 +101,29 @@ app.kubernetes.io/part-of: mneme
 {{- end -}}
 
 {{- define "mneme.neo4jUrl" -}}
+{{- $db := "" -}}
+{{- with .Values.externalNeo4j.database }}{{ $db = printf "/%s" . }}{{ end -}}
 {{- if .Values.neo4j.enabled -}}
 {{- printf "bolt://neo4j:%s@%s-neo4j:7687" (.Values.neo4j.password | urlquery) (include "mneme.fullname" .) -}}
 {{- else if .Values.externalNeo4j.password -}}
-{{- printf "bolt://%s:%s@%s" (.Values.externalNeo4j.user | urlquery) (.Values.externalNeo4j.password | urlquery) .Values.externalNeo4j.host -}}
+{{- printf "bolt://%s:%s@%s%s" (.Values.externalNeo4j.user | urlquery) (.Values.externalNeo4j.password | urlquery) .Values.externalNeo4j.host $db -}}
 {{- else -}}
-{{- printf "bolt://%s" .Values.externalNeo4j.host -}}
+{{- printf "bolt://%s%s" .Values.externalNeo4j.host $db -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails the render when search's stores on the shared servers cannot have generation
+   .generation (> 1): on Neo4j it is the database <db>-g<n>, so the URL must name
+   generation 1's database, and the bundled Neo4j (Community edition) has one database
+   only. With existingSecret the URL is not the chart's to check (mneme refuses it). */}}
+{{- define "mneme.checkGeneration" -}}
+{{- $v := .root.Values -}}
+{{- if and (gt (int .generation) 1) (ne $v.searchStores "local") (not $v.existingSecret) -}}
+{{- if $v.neo4j.enabled -}}
+{{- fail (printf "%s: store generation %d needs a Neo4j database of its own; the bundled Neo4j (neo4j.enabled, Community edition) has one: use an external Neo4j Enterprise with externalNeo4j.database" .what (int .generation)) -}}
+{{- else if not $v.externalNeo4j.database -}}
+{{- fail (printf "%s: store generation %d is the Neo4j database <db>-g%d: set externalNeo4j.database (generation 1's database)" .what (int .generation) (int .generation)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
