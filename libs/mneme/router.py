@@ -209,7 +209,19 @@ class Router:
                           for handlers in routes.values() for t, fn in handlers.items()}
         self._secondary = {t.DESCRIPTOR.full_name for t in self.group.secondary}
         self._gate = threading.Lock()
+        self._seen = threading.Lock()  # guards _next, read while a call runs
         self._next: dict[tuple[str, int], int] = {}
+        self._busy: tuple[str, int] | None = None  # the partition of the call running
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """(topic, partition) → the offset after the last record this router was called
+        with in this process (now, without waiting)."""
+        with self._seen:
+            return dict(self._next)
+
+    def in_progress(self) -> tuple[str, int] | None:
+        """(topic, partition) of the record being handled now, or None."""
+        return self._busy
 
     @contextlib.contextmanager
     def paused(self):
@@ -218,7 +230,7 @@ class Router:
         in this process (partitions it has not seen are absent: their position is the
         group's committed offset)."""
         with self._gate:
-            yield dict(self._next)
+            yield self.positions()
 
     @property
     def topics(self) -> tuple[str, ...]:
@@ -249,8 +261,14 @@ class Router:
 
     def __call__(self, env: Envelope, record: Record) -> list[OutRecord]:
         with self._gate:
-            self._next[(record.topic, record.partition)] = record.offset + 1
-            return self._handle(env, record)
+            tp = (record.topic, record.partition)
+            with self._seen:
+                self._next[tp] = record.offset + 1
+                self._busy = tp
+            try:
+                return self._handle(env, record)
+            finally:
+                self._busy = None
 
     def _handle(self, env: Envelope, record: Record) -> list[OutRecord]:
         m = env.message

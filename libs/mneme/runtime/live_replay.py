@@ -38,25 +38,30 @@ class LiveReplay:
     """Rebuild search's projections from the log into a new generation while the live
     one serves, then switch (DESIGN: every store is a projection of the log).
 
-    ``router``: the live ``search`` group's Router (running or not); ``make_router(stores,
-    group_id)``: a Router of the same group over other stores; ``recall_over(stores)``:
-    the recall function over ``stores``. Steps (:meth:`start` runs them in a thread):
+    ``router``: the live ``search`` group's Router (running in this process or not);
+    ``make_router(stores, group_id)``: a Router of the same group over other stores;
+    ``recall_over(stores)``: the recall function over ``stores``. Steps (:meth:`start`
+    runs them in a thread, :meth:`run` in the caller's):
 
     1. open generation *g* (:meth:`mneme.bootstrap.Root.open_stores`, empty) and replay
-       the group's topics into it under the consumer group ``<live group id>@g<g>``,
-       never past the live group's committed offsets, projecting only (nothing is
-       appended);
-    2. hold the live group between two records (:meth:`mneme.router.Router.paused`),
-       replay exactly up to where it is, and check: every bank's units in each store are
-       as many as in the live generation, and sampled recalls (:data:`CHECK_QUERIES` of
-       :data:`CHECK_BANKS` banks) agree (:data:`CHECK_AGREEMENT`);
-    3. switch the live stores (:class:`mneme.generations.Switchable`) to *g*, record *g*
-       LIVE, and let the live group go on: from its own offsets, now into *g*. The old
-       generation is RETIRED; its stores are closed after :data:`RETIRE_GRACE_S` and kept
-       on disk until :meth:`drop`.
+       the group's topics into it under a consumer group of its own, never past where the
+       live group is (:meth:`mneme.router.Router.positions`, else its committed offsets),
+       projecting only (nothing is appended);
+    2. check, while the live group goes on: every bank's units in each store are as many
+       as in the live generation, and sampled recalls (:data:`CHECK_QUERIES` queries of
+       :data:`CHECK_BANKS` banks) agree (:data:`CHECK_AGREEMENT`); a bank the live group
+       wrote meanwhile is looked at again (up to :data:`CHECK_ATTEMPTS` times), a
+       difference twice;
+    3. own stores: hold the live group between two records
+       (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
+       stores (:class:`mneme.generations.Switchable`) to *g* and record it LIVE; the live
+       group goes on from its own offsets, now into *g*. The old generation is RETIRED;
+       its stores close after :data:`RETIRE_GRACE_S` and stay until :meth:`drop`.
+       Shared store servers (:attr:`shared`): *g* is left READY under the consumer group
+       its replicas will run under.
 
     A failure or :meth:`cancel` at any step leaves the live generation serving as before
-    and records *g* FAILED with the reason (its stores are removed). Progress and results
+    and records *g* FAILED with the reason (its stores are deleted). Progress and results
     are in :class:`mneme.generations.Generations`. ``force``: switch even when the check
     fails (the live generation is known to be damaged)."""
 
@@ -154,59 +159,68 @@ class LiveReplay:
             c = _Builder(log_, gid, topics, router, fails_operation=router.fails_operation)
             c.produce = False  # the outputs of these records are on the log already
             tps = [(t, p) for t in topics for p in range(log_.partitions(t))]
-            done = 0
+            done, saved = 0, 0.0
+
+            def position() -> dict:
+                # Where the live group is: the offset after the last record its router was
+                # called with here, else its committed offset (replicas elsewhere: that).
+                seen = self.router.positions()
+                return {tp: seen.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
 
             def drain(until: dict) -> None:
-                nonlocal done
+                nonlocal done, saved
                 c.until = until
                 total = sum(until.values())
-                self.generations.update(g, records_total=total)
                 while True:
                     if self._cancel.is_set():
                         raise ReplayCancelled("cancelled")
                     n = c.run_once()
                     done += n
-                    if n:
-                        self.generations.update(g, records_done=done)
-                        if progress:
-                            progress(done, total)
+                    if n and progress:
+                        progress(done, total)
+                    if time.monotonic() - saved > 0.5:  # the record, twice a second at most
+                        self.generations.update(g, records_done=done, records_total=total)
+                        saved = time.monotonic()
                     if n == 0 and all(log_.committed(gid, *tp) >= until.get(tp, 0)
                                       for tp in tps):
                         return
                     if n == 0:  # Kafka: a fetch may come back empty early
                         time.sleep(0.05)
 
-            # 1: up to the live group's committed offsets, while it goes on.
+            # 1: up to where the live group is, while it goes on.
             for _ in range(20):
-                target = {tp: log_.committed(live_gid, *tp) for tp in tps}
-                behind = sum(target[tp] - log_.committed(gid, *tp) for tp in tps)
-                if behind <= c.batch_size:
+                target = position()
+                if sum(target[tp] - log_.committed(gid, *tp) for tp in tps) <= c.batch_size:
                     break
                 drain(target)
-            # 2: exactly where the live group is, holding it between two records (when it
-            # runs in this process; replicas elsewhere go on: their moving banks are
-            # compared again, a few times, and reported when they never hold still).
+            # 2: the check, while the live group goes on: a bank it wrote meanwhile is not
+            # comparable and is looked at again; a difference is looked at twice.
+            for attempt in range(CHECK_ATTEMPTS):
+                target = position()
+                drain(target)
+                check = self._check(new, position, target)
+                if not check["moving"] and not check["problems"]:
+                    break
+                if check["problems"] and attempt >= 1:
+                    break
+                time.sleep(0.2 * (attempt + 1))
+            if c.failures:  # the live group may have dropped the same records: say so
+                check["problems"].append(
+                    f"{c.failures} records could not be projected (last: {c.last_failure})")
+            self.generations.update(g, check=check, records_done=done)
+            if check["problems"] and not force:
+                raise CheckFailed("; ".join(check["problems"][:5]))
+            if self.shared:
+                self.generations.update(g, state="READY")
+                _close(new)
+                log.info("replay: generation %d is built and checked (%d records); set "
+                         "MNEME_STORE_GENERATION=%d on the search replicas to switch",
+                         g, done, g)
+                return
+            # 3: the switch, holding the live group between two records: replay exactly up
+            # to where it is, then it goes on into the new stores.
             with self.router.paused() as nexts:
-                for attempt in range(CHECK_ATTEMPTS if self.shared else 1):
-                    target = {tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
-                    drain(target)
-                    check = self._check(new, live_gid, target if self.shared else None)
-                    if not check["problems"]:
-                        break
-                    time.sleep(0.5 * (attempt + 1))
-                if c.failures:  # the live group may have dropped the same records: say so
-                    check["problems"].append(
-                        f"{c.failures} records could not be projected (last: {c.last_failure})")
-                self.generations.update(g, check=check)
-                if check["problems"] and not force:
-                    raise CheckFailed("; ".join(check["problems"][:5]))
-                if self.shared:
-                    self.generations.update(g, state="READY", records_done=done)
-                    _close(new)
-                    log.info("replay: generation %d is built and checked (%d records); set "
-                             "MNEME_STORE_GENERATION=%d on the search replicas to switch",
-                             g, done, g)
-                    return
+                drain({tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps})
                 live = self.root.stores
                 old = type(new)(*(s.swap(n) for s, n in zip(live.all(), new.all())))
                 prev = self.generations.live()
@@ -224,14 +238,16 @@ class LiveReplay:
         finally:
             self._building = None
 
-    def _check(self, new, live_gid: str, stable: dict | None = None) -> dict:
-        """Compare ``new`` with the live stores: per bank unit counts, then sampled
-        recalls. ``stable``: (topic, partition) → the offset both are at; a bank whose
-        partition the live group has moved past meanwhile is not compared (``moving``).
-        Returns {"banks", "units", "recalls", "agreement", "moving", "problems": [...]}."""
+    def _check(self, new, position: Callable[[], dict], at: dict) -> dict:
+        """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
+        live stores: per bank unit counts, then sampled recalls. A bank whose partition
+        the live group has moved past ``at`` (``position()``) is not comparable and is
+        counted as ``moving``. Returns {"banks", "units", "recalls", "agreement",
+        "moving", "problems": [...]}."""
         from mneme.bus import partition_for
         from mneme.domain import RecallQuery
         live = self.root.stores
+        busy = self.router.in_progress()  # its units may be half written in the live stores
         banks, after = [], ""
         while True:
             page = self.root.catalog.list_banks(500, after)
@@ -247,10 +263,9 @@ class LiveReplay:
                 units += n_new
                 if n_live != n_new:
                     differ.append(f"bank {b}: {kind} store has {n_new} units, live {n_live}")
-            if differ and stable is not None and any(
-                    self.root.log.committed(live_gid, t, p) != off
-                    for (t, p), off in stable.items()
-                    if p == partition_for(b, self.root.log.partitions(t))):
+            if differ and any((position()[(t, p)] != off or busy == (t, p))
+                              for (t, p), off in at.items()
+                              if p == partition_for(b, self.root.log.partitions(t))):
                 moving += 1  # written meanwhile: not comparable now
                 continue
             problems += differ
