@@ -176,13 +176,15 @@ class Root:
         live replica (a removed replica's copies are not pending work) and of ``own``
         (this process's groups, which may not have committed yet)."""
         known = self.log.groups(live_only=True) if self.distributed else []
-        ids = group_ids(services().values(), self.distributed, [*known, *own])
-        if self.distributed and not self.local_stores:  # shared stores: the live generation's
-            for g in (g for svc in services().values() for g in svc.groups):
-                if g.state == "stores":
-                    ids.pop(g.name, None)
-                    ids[self.group_id(g)] = g.topics
-        return ids
+        # A group on shared store servers runs under its generation's id (search@g2):
+        # looked up by name, listed under that id. Which layout runs is what the log knows
+        # (another service's settings may name other stores than search's own).
+        live = {g.name: self.group_id(g) for svc in services().values() for g in svc.groups
+                if g.state == "stores" and self.distributed and not self.local_stores}
+        by_id = {gid: name for name, gid in live.items()}
+        ids = group_ids(services().values(), self.distributed,
+                        [by_id.get(k, k) for k in [*known, *own]])
+        return {live.get(k, k): t for k, t in ids.items()}
 
     def bank_config(self, bank_id: str):
         """The bank's config from this process's catalog, or None when unknown here."""

@@ -167,3 +167,30 @@ def test_the_search_group_of_a_generation_on_shared_servers_is_its_own(tmp_path)
         assert local.owns_stores and local.group_id(search) == f"search.{local.replica}"
     finally:
         local.close()
+
+
+def test_bank_stats_name_the_search_group_the_log_knows(tmp_path, monkeypatch):
+    """Pending work is listed under the group that runs: search@g2 on shared servers in
+    generation 2, the replicas' own copies when search runs on local files (whatever store
+    URLs this service was given)."""
+    servers = dict(bus_url="kafka://127.0.0.1:1", vector_url="http://q:6333",
+                   text_url="http://os:9200", graph_url="bolt://neo4j:7687/mneme")
+    root = Root(Settings(data_dir=tmp_path / "a", store_generation=2, **servers))
+
+    class Log:
+        known: list = []
+
+        def groups(self, live_only=False):
+            return self.known
+    monkeypatch.setattr(Root, "log", Log(), raising=False)
+    try:
+        Log.known = ["search@g2", "extraction"]
+        ids = root.group_ids()
+        assert ids["search@g2"] == (MEMORY,) and "search" not in ids
+        Log.known = ["search.pod-a-1234abcd", "search.pod-b-5678abcd"]
+        ids = root.group_ids()
+        assert {k for k in ids if k.startswith("search")} >= {"search.pod-a-1234abcd",
+                                                              "search.pod-b-5678abcd"}
+        assert "search@g2" not in ids
+    finally:
+        root.close()
