@@ -332,3 +332,62 @@ def test_a_new_owner_restores_up_to_the_committed_offset_and_its_decisions(fresh
         assert again == []
     finally:
         log.close()
+
+
+def _slow_restore(m, meta, *, seen: list):
+    time.sleep(0.03)  # a long history: the restore outlasts max.poll.interval.ms
+    seen.append(("restore", type(m).__name__, m.operation_id, time.monotonic()))
+    return []
+
+
+def test_a_restore_longer_than_the_poll_interval_keeps_the_member_and_the_other_partitions(
+        fresh_tansu, tmp_path):
+    """A partition's restore runs step by step while the partition is paused: the
+    consumer goes on polling, so a restore longer than ``max.poll.interval.ms`` does not
+    drop the member (which would restore again, forever), and the group's other
+    partitions are handled meanwhile; the restored partition's records come after."""
+    from mneme.bus.logs import open_event_log
+
+    log = open_event_log(fresh_tansu.url, **{**KAFKA_TEST_OPTIONS, "max_poll_interval_ms": 2000})
+    try:
+        log.ensure_topic(MEMORY, 2)
+        old, new = banks_over_partitions(2, 2)
+        kinds = (ev.FactsExtracted, ev.ObservationsChanged)
+        svc = Service("slow", groups=(Group(
+            "slow", {MEMORY: {ev.FactsExtracted: _decide, ev.ObservationsChanged: _apply}},
+            restore={MEMORY: dict.fromkeys(kinds, _slow_restore)}),),
+            produces={MEMORY: (ev.ObservationsChanged,)})
+        history = 150
+        log.append([codec.encode(ev.FactsExtracted(bank_id=old, operation_id=f"h{i}"),
+                                 bank_id=old, source="mneme/extraction") for i in range(history)])
+        p_old = partition_for(old, 2)
+        log.commit("slow", {(MEMORY, p_old): history})  # handled before: restored, not decided
+        seen: list = []
+        deps = {"seen": seen}
+        r = KafkaRunner(log, {"slow": Router(svc, "slow", deps)},
+                        restorers={"slow": Router(svc, "slow", deps, restore=True)},
+                        checkpoints=tmp_path / "restored.json",
+                        dlq_topic=f"test.dlq.{_uid()}").start()
+        try:
+            deadline_at = time.monotonic() + 60
+            while not any(s[0] == "restore" for s in seen) and time.monotonic() < deadline_at:
+                time.sleep(0.05)
+            # During the restore: a record of the other partition, and one of the restoring.
+            log.append([codec.encode(ev.FactsExtracted(bank_id=b, operation_id=f"n-{b}"),
+                                     bank_id=b, source="mneme/extraction") for b in (new, old)])
+            assert r.wait_idle(timeout=120), r.lag("slow")
+        finally:
+            assert r.stop(30)
+        restores = [s for s in seen if s[0] == "restore"]
+        assert [s[2] for s in restores] == [f"h{i}" for i in range(history)]  # once, in order
+        assert restores[-1][3] - restores[0][3] > 2.0  # longer than the poll interval
+        live = [s[1:] for s in seen if s[0] == "live"]
+        order = [s[:2] for s in seen]
+        # the other partition was handled while the restore ran; the restored one after it
+        assert order.index(("live", "FactsExtracted")) < len(restores)
+        assert ("FactsExtracted", f"n-{old}") in live and ("FactsExtracted", f"n-{new}") in live
+        first_old = next(i for i, s in enumerate(seen) if s[0] == "live" and s[2] == f"n-{old}")
+        assert first_old > seen.index(restores[-1])
+        assert r.groups["slow"].restored == history
+    finally:
+        log.close()

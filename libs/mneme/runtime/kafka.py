@@ -73,6 +73,9 @@ SERVER = "kafka:9092"
 
 #: Seconds between a runner's reads of its groups' lag (:meth:`GroupRun.lag_snapshot`).
 LAG_REFRESH_S = 1.0
+#: Seconds a restore runs at most between two chances for the group's other partitions
+#: to be handled (it holds the group's lock meanwhile).
+RESTORE_STEP_S = 0.05
 
 
 class _Abandoned(Exception):
@@ -202,6 +205,9 @@ class GroupRun:
         self._idle: dict[str, asyncio.Event] = {}
         # (topic, partition) → next offset this process committed there (catch_up)
         self.done: dict[tuple[str, int], int] = {}
+        # partition → the assignment restoring it now (its records wait, paused)
+        self.restoring: dict[int, object] = {}
+        self.restore_tasks: set[asyncio.Future] = set()
         self._until_stopped = deadline.Deadline(None, lambda: not delivery.stopping.is_set())
 
     # ---- bookkeeping (on the runner's loop) ---------------------------------------
@@ -278,8 +284,21 @@ class GroupRun:
     # ---- replica-local state (worker threads, under the group's lock) -------------
 
     def restore(self, partitions: Sequence[int]) -> int:
+        """Bring the local state up to date for newly assigned ``partitions`` in one go
+        (:meth:`restore_steps`); returns the number of records applied."""
+        steps = self.restore_steps(partitions)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def restore_steps(self, partitions: Sequence[int], step: float = RESTORE_STEP_S):
         """Bring the local state up to date for newly assigned ``partitions``
-        (:attr:`mneme.router.Group.restore`); returns the number of records applied.
+        (:attr:`mneme.router.Group.restore`), as a generator that yields about every
+        ``step`` seconds (a caller may let other work run in between); its return
+        value is the number of records applied. The checkpoints are written once, at the
+        end: a restore stopped halfway leaves them as they were.
 
         Per restore topic and partition, from the checkpoint on: a topic the group reads
         up to the group's committed offset (where this replica's consumer starts: the
@@ -298,24 +317,28 @@ class GroupRun:
                     start = 0
                 target = min(self.log.committed(self.group_id, t, p), end) if consumed else end
                 causes: list[str] = []
-                n, reached = self._apply(t, p, start, target, causes=causes)
+                n, reached = yield from self._apply(t, p, start, target, step, causes=causes)
                 applied += n
                 ids = self.router.output_ids(causes, t) if causes else set()
                 if ids:
-                    applied += self._apply(t, p, target, end, only=ids)[0]
+                    applied += (yield from self._apply(t, p, target, end, step, only=ids))[0]
                 marks[(t, p)] = max(start, reached)
         self.checkpoints.advance(self.group, marks)  # one write for the assignment
         self.restored += applied
         return applied
 
-    def _apply(self, topic: str, partition: int, start: int, stop: int, *,
-               causes: list[str] | None = None, only: set[str] | None = None
-               ) -> tuple[int, int]:
+    def _apply(self, topic: str, partition: int, start: int, stop: int, step: float, *,
+               causes: list[str] | None = None, only: set[str] | None = None):
         """Apply the restore handlers to ``topic[partition]`` records in [start, stop)
-        (only those whose ``ce_id`` is in ``only``, when given); collect the applied
-        records' event ids in ``causes``. Returns (records applied, next offset)."""
+        (only those whose ``ce_id`` is in ``only``, when given), yielding about every
+        ``step`` seconds; collect the applied records' event ids in ``causes``. Returns
+        (records applied, next offset)."""
         applied, reached, wanted = 0, start, self.restorer.types
+        pause_at = time.monotonic() + step
         for rec in self._records(topic, partition, start, stop):
+            if time.monotonic() >= pause_at:
+                yield
+                pause_at = time.monotonic() + step
             reached = rec.offset + 1
             if rec.headers.get("ce_type") not in wanted:
                 continue  # not part of this state: no decode
@@ -359,6 +382,8 @@ class GroupRun:
         marks = {}
         for t in self.restorer.topics:
             for p in partitions:
+                if p in self.restoring:  # not restored: its state reflects no more than before
+                    continue
                 if t in self.topics:
                     if (t, p) in self.done:
                         marks[(t, p)] = self.done[(t, p)]
@@ -459,10 +484,17 @@ class DeliveryMiddleware(BaseMiddleware):
 
 class _RevokeAfterCommit(ConsumerRebalanceListener):
     """Before partitions of ``topic`` leave this process, wait (up to ``timeout`` s)
-    for the record in hand to be handled and committed."""
+    for the record in hand to be handled and committed. When partitions arrive, restore
+    their local state first: they are paused (no record of theirs is fetched) while a
+    task restores them step by step under the group's lock, so the consumer goes on
+    polling -- the other partitions' records are handled between the steps, and a restore
+    longer than ``max.poll.interval.ms`` does not drop the member -- and resumed once
+    restored. ``subscriber``: the FastStream subscriber whose consumer this listens to
+    (set after it is built)."""
 
     def __init__(self, run: GroupRun, topic: str, timeout: float) -> None:
         self.run, self.topic, self.timeout = run, topic, timeout
+        self.subscriber: Any = None
 
     async def on_partitions_revoked(self, revoked) -> None:  # noqa: ANN001
         if revoked and not await self.run.wait_idle_topic(self.topic, self.timeout):
@@ -472,19 +504,37 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         if revoked and run.restorer is not None:
             parts = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
             try:
-                await asyncio.to_thread(run.leave, parts)
+                await asyncio.to_thread(run.leave, parts)  # not those still restoring
+                for p in parts:  # their restore stops at its next step
+                    run.restoring.pop(p, None)
             except Exception:  # the next restore starts from an earlier mark: slower only
                 log.exception("consumer %s: cannot mark the local state of %s", run.group,
                               parts)
 
     async def on_partitions_assigned(self, assigned) -> None:  # noqa: ANN001
-        """Restore the local state of the new partitions before their first record
-        (aiokafka fetches for them only after this returns)."""
+        """Pause the new partitions and restore each one's local state in a task; each is
+        resumed when its restore is done (no record is handled on a state not restored)."""
         run = self.run
-        parts = sorted(tp.partition for tp in assigned if tp.topic == self.topic)
+        tps = [tp for tp in assigned if tp.topic == self.topic]
+        parts = sorted(tp.partition for tp in tps)
         if not parts or run.restorer is None:
             return
+        consumer = self.subscriber.consumer
+        consumer.pause(*tps)
+        for tp in tps:  # one task each: a short restore does not wait for a long one
+            token = run.restoring[tp.partition] = object()
+            task = asyncio.ensure_future(self._restore([tp.partition], [tp], consumer, token))
+            run.restore_tasks.add(task)
+            task.add_done_callback(run.restore_tasks.discard)
+
+    async def _restore(self, parts: list[int], tps: list, consumer: Any, token: object
+                       ) -> None:
+        run = self.run
         started = time.monotonic()
+
+        def current() -> bool:  # still this assignment's, and the runner goes on
+            return (not run.delivery.stopping.is_set()
+                    and all(run.restoring.get(p) is token for p in parts))
 
         def warn(state: tenacity.RetryCallState) -> None:
             log.warning("consumer %s: restoring partitions %s failed (%r); retrying",
@@ -494,12 +544,37 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         retrying = tenacity.AsyncRetrying(
             wait=retry.backoff(0.5, 10.0), before_sleep=warn, reraise=True,
             stop=lambda _: run.delivery.stopping.is_set(), sleep=run.delivery.sleep)
-        async for attempt in retrying:
-            with attempt:
-                async with run._lock:  # not while a handler of the group runs here
-                    n = await asyncio.to_thread(run.restore, parts)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    steps, n = run.restore_steps(parts), None
+                    while n is None:
+                        if not current():
+                            return  # revoked meanwhile (or stopping): its next owner restores
+                        async with run._lock:  # not while a handler of the group runs here
+                            n = await asyncio.to_thread(_step, steps)
+        except Exception:
+            if current():
+                log.exception("consumer %s: restoring partitions %s failed", run.group, parts)
+            return
+        if not current():
+            return
+        for p in parts:
+            run.restoring.pop(p, None)
+        mine = consumer.assignment()
+        consumer.resume(*[tp for tp in tps if tp in mine])
         log.info("consumer %s: restored %d records of partitions %s in %.1fs", run.group,
                  n, parts, time.monotonic() - started)
+
+
+def _step(steps) -> int | None:
+    """Run one step of a :meth:`GroupRun.restore_steps` generator: None while it goes
+    on, its result when it is done."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    return None
 
 
 def _consumer_settings(o: KafkaOptions) -> dict[str, Any]:
@@ -581,6 +656,8 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
             fs = KafkaRouter(middlewares=() if run is None else
                              (functools.partial(DeliveryMiddleware, run=run),))
             for topic, handlers in group.consumes.items():
+                listener = None if run is None else _RevokeAfterCommit(
+                    run, topic, delivery.revoke_wait_s)
                 sub = fs.subscriber(
                     Topic(topic, num_partitions=default_partitions(topic),
                           replication_factor=o.replication_factor),
@@ -589,9 +666,9 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
                     auto_offset_reset="earliest", title=f"{group.name}.consume.{topic}",
                     description=f"Service `{service.name}`, consumer group `{group.name}`, "
                                 f"reads `{topic}`.",
-                    listener=None if run is None else
-                    _RevokeAfterCommit(run, topic, delivery.revoke_wait_s),
-                    **_consumer_settings(o))
+                    listener=listener, **_consumer_settings(o))
+                if listener is not None:
+                    listener.subscriber = sub  # its consumer pauses restoring partitions
                 if run is None:
                     for t in handlers:
                         name = t.DESCRIPTOR.name
@@ -746,6 +823,8 @@ class KafkaRunner:
     async def _stop(self) -> None:
         if self._lag_task is not None:
             self._lag_task.cancel()
+        for run in self.groups.values():  # a restore stops at its next step
+            await asyncio.gather(*run.restore_tasks, return_exceptions=True)
         await self._broker.stop()
         for run in self.groups.values():  # where a restart's restores may resume
             if run.restorer is not None:
