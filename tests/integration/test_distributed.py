@@ -238,11 +238,26 @@ def test_replay_rebuilds_the_search_projections(cluster, bus):
     assert _recall(cluster.address["search"]) == before
     # The running replica replays its own stores while it serves (the Helm Job's command:
     # every address of the host, one after the other), and switches to an equal generation.
-    live = subprocess.run([mneme_bin(), "replay", "--address", cluster.address["search"],
-                           "--each"], timeout=300, capture_output=True, text=True,
-                          env=cluster.env("search"))
+    answers, errors, stop = [], [], threading.Event()
+
+    def read() -> None:  # recall answers throughout, with the same results
+        while not stop.is_set():
+            try:
+                answers.append(_recall(cluster.address["search"]) == before)
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                errors.append(repr(e))
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        live = subprocess.run([mneme_bin(), "replay", "--address", cluster.address["search"],
+                               "--each"], timeout=300, capture_output=True, text=True,
+                              env=cluster.env("search"))
+    finally:
+        stop.set()
+        reader.join(60)
     said = " ".join((live.stdout + live.stderr).split())
     assert live.returncode == 0 and "generation 2: LIVE" in said, said[-3000:]
+    assert errors == [] and answers and all(answers), (errors[:3], answers.count(False))
     assert _recall(cluster.address["search"]) == before
     cluster.stop("search")
     out = subprocess.run([mneme_bin(), "replay"], env=cluster.env("search"),
