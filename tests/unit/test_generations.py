@@ -194,3 +194,34 @@ def test_bank_stats_name_the_search_group_the_log_knows(tmp_path, monkeypatch):
         assert "search@g2" not in ids
     finally:
         root.close()
+
+
+def test_on_shared_servers_a_generation_the_replicas_serve_is_neither_built_nor_dropped(
+        tmp_path, monkeypatch):
+    """A replay run with the wrong MNEME_STORE_GENERATION would build (and first empty)
+    or drop the collections the replicas serve: it is refused while that generation's
+    consumer group has live members, and nothing of it is touched."""
+    from mneme.runtime.live_replay import LiveReplay
+    servers = dict(bus_url="kafka://127.0.0.1:1", vector_url="http://q:6333",
+                   text_url="http://os:9200", graph_url="bolt://neo4j:7687/mneme")
+    root = Root(Settings(data_dir=tmp_path, store_generation=1, **servers))
+
+    class Log:
+        def groups(self, live_only=False):
+            return ["search@g2"]  # the replicas already run generation 2
+    monkeypatch.setattr(Root, "log", Log(), raising=False)
+    opened = []
+    monkeypatch.setattr(Root, "open_stores", lambda self, g: opened.append(g))
+    try:
+        router = Router(services()["search"], "search", {"stores": None})
+        replay = LiveReplay(root, router, make_router=None, recall_over=None)
+        assert replay.shared
+        g = replay.run()
+        assert g.generation == 2 and g.state == "FAILED" and "is served" in g.error
+        with pytest.raises(RuntimeError, match="live members"):
+            replay.drop(2)
+        with pytest.raises(ValueError, match="live"):
+            replay.drop(1)
+        assert opened == []  # no store of generation 2 was opened, emptied or dropped
+    finally:
+        root.close()

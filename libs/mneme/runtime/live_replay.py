@@ -16,8 +16,8 @@ log = logging.getLogger("mneme")
 
 #: Recalls compared per bank by the check before a switch, and banks sampled.
 CHECK_QUERIES, CHECK_BANKS = 3, 10
-#: Checks of a generation on shared stores while the replicas go on writing.
-CHECK_ATTEMPTS = 5
+#: Looks at a bank the live group writes meanwhile, and differences reported at most.
+CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
 #: Least mean agreement (shared ids / ids) of the sampled recalls' top results. Below 1:
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
@@ -123,6 +123,7 @@ class LiveReplay:
             raise KeyError(generation)
         if generation == self.generations.live():
             raise ValueError(f"generation {generation} is live; replay to switch first")
+        self._refuse_in_use(generation)
         if rec is not None and rec.state == "BUILDING":
             self.cancel(generation)
             self.wait(60)
@@ -131,6 +132,19 @@ class LiveReplay:
             _close(old)
         self._discard(generation, None)
         self.generations.forget(generation)
+
+    def _refuse_in_use(self, generation: int) -> None:
+        """On shared store servers, RuntimeError when replicas run ``generation`` (its
+        consumer group has live members): this process's MNEME_STORE_GENERATION is not
+        theirs, and building or dropping it would wipe what they serve."""
+        if not self.shared:
+            return
+        gid = generation_group(self.router.group.name, generation)
+        if gid in self.root.log.groups(live_only=True):
+            raise RuntimeError(
+                f"generation {generation} is served: consumer group {gid} has live members "
+                f"(MNEME_STORE_GENERATION here is {self.generations.live()}; set it to the "
+                "replicas' value)")
 
     @property
     def shared(self) -> bool:
@@ -143,6 +157,13 @@ class LiveReplay:
 
     def _run(self, g: int, force: bool, progress=None) -> None:
         new = None
+        try:
+            self._refuse_in_use(g)
+        except Exception as exc:  # nothing of generation g is touched: it is someone's
+            log.warning("replay refused: %s", exc)
+            self.generations.update(g, state="FAILED", error=str(exc))
+            self._building = None
+            return
         try:
             remove_local(self.root.store_urls(g))  # a crashed replay's files, if any
             new = self.root.open_stores(g)
@@ -231,7 +252,10 @@ class LiveReplay:
         except BaseException as exc:
             log.warning("replay of generation %d failed, generation %d still serves: %s",
                         g, self.generations.live(), exc)
-            self._discard(g, new)
+            try:
+                self._discard(g, new)
+            except Exception:  # e.g. the store server is away: drop it later, by command
+                log.exception("replay: cannot delete the stores of generation %d", g)
             self.generations.update(g, state="FAILED", error=str(exc) or type(exc).__name__)
             if not isinstance(exc, Exception):
                 raise
@@ -255,20 +279,25 @@ class LiveReplay:
             if len(page) < 500:
                 break
             after = page[-1].bank_id
-        problems, units, moving = [], 0, 0
+        units, differ = 0, {}
         for b in banks:
-            differ = []
             for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
                 n_live, n_new = a.count(b), z.count(b)
                 units += n_new
                 if n_live != n_new:
-                    differ.append(f"bank {b}: {kind} store has {n_new} units, live {n_live}")
-            if differ and any((position()[(t, p)] != off or busy == (t, p))
-                              for (t, p), off in at.items()
-                              if p == partition_for(b, self.root.log.partitions(t))):
+                    differ.setdefault(b, []).append(
+                        f"bank {b}: {kind} store has {n_new} units, live {n_live}")
+        now_at = position() if differ else at  # positions only grow: one look suffices
+        moved = {tp for tp, off in at.items() if now_at[tp] != off or busy == tp}
+        problems, moving = [], 0
+        for b, found in differ.items():
+            if any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved):
                 moving += 1  # written meanwhile: not comparable now
-                continue
-            problems += differ
+            else:
+                problems += found
+        if len(problems) > CHECK_PROBLEMS:
+            problems = problems[:CHECK_PROBLEMS] + [
+                f"... and {len(problems) - CHECK_PROBLEMS} more differences"]
         old_recall, new_recall = self.recall_over(live), self.recall_over(new)
         scores = []
         now = datetime.now(timezone.utc)
