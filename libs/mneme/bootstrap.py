@@ -89,9 +89,8 @@ class Root:
         """The generations of search's stores in this data dir
         (:class:`mneme.generations.Generations`); one left BUILDING by a process that
         stopped is marked FAILED here (this process holds the data dir)."""
-        from mneme.generations import Generations
-        gens = Generations(self.data_dir, None if self.owns_stores else
-                           self.settings.store_generation)
+        from mneme.generations import Generations, configured
+        gens = Generations(self.data_dir, configured(self.settings))
         gens.recover()
         return gens
 

@@ -563,9 +563,9 @@ def generations_list(address: Optional[str] = typer.Option(None, "--address", "-
     else:
         from datetime import datetime, timezone
         from mneme.config import Settings
-        from mneme.generations import Generations
+        from mneme.generations import Generations, configured
         st = Settings(**({"data_dir": data_dir} if data_dir else {}))
-        for g in Generations(st.data_dir.resolve()).list():
+        for g in Generations(st.data_dir.resolve(), configured(st)).list():
             t.add_row(str(g.generation), g.state, str(g.records_done), str(g.check.get("units", "")),
                       datetime.fromtimestamp(g.update_time, timezone.utc).isoformat(timespec="seconds"),
                       g.error)

