@@ -531,7 +531,9 @@ def _report_generation(g) -> bool:
     state = generations_pb2.Generation.State.Name(g.state)
     console.print(f"generation {g.generation}: {state}, {g.records_done} records, "
                   f"{g.check.banks} banks, {g.check.units} units, {g.check.recalls} recalls "
-                  f"agreeing {g.check.agreement:.2f}")
+                  f"agreeing {g.check.agreement:.2f}"
+                  + (f", {g.check.gained} banks repaired" if g.check.gained else "")
+                  + (f", {g.check.moving} banks written meanwhile" if g.check.moving else ""))
     for p in g.check.problems:
         console.print(f"  [yellow]{p}[/yellow]")
     if g.state == generations_pb2.Generation.FAILED:

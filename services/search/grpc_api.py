@@ -186,7 +186,7 @@ def generation_to_api(g) -> generations_pb2.Generation:
     return msg
 
 
-_CHECK_FIELDS = ("banks", "units", "recalls", "agreement", "problems")
+_CHECK_FIELDS = ("banks", "units", "recalls", "agreement", "problems", "gained", "moving")
 
 
 def register_generations(server, servicer: GenerationServicer) -> list[str]:

@@ -47,11 +47,12 @@ class LiveReplay:
        the group's topics into it under a consumer group of its own, never past where the
        live group is (:meth:`mneme.router.Router.positions`, else its committed offsets),
        projecting only (nothing is appended);
-    2. check, while the live group goes on: every bank's units in each store are as many
-       as in the live generation, and sampled recalls (:data:`CHECK_QUERIES` queries of
-       :data:`CHECK_BANKS` banks) agree (:data:`CHECK_AGREEMENT`); a bank the live group
-       wrote meanwhile is looked at again (up to :data:`CHECK_ATTEMPTS` times), a
-       difference twice;
+    2. check, while the live group goes on: no bank has fewer units in a store than in
+       the live generation (more is what the live one could not project, e.g. dead
+       letters: ``gained``, repaired by the switch), and sampled recalls of banks with
+       the same units (:data:`CHECK_QUERIES` queries of :data:`CHECK_BANKS` banks) agree
+       (:data:`CHECK_AGREEMENT`); a bank the live group wrote meanwhile is looked at
+       again (up to :data:`CHECK_ATTEMPTS` times), a difference twice;
     3. own stores: hold the live group between two records
        (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
        stores (:class:`mneme.generations.Switchable`) to *g* and record it LIVE; the live
@@ -264,10 +265,11 @@ class LiveReplay:
 
     def _check(self, new, position: Callable[[], dict], at: dict) -> dict:
         """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
-        live stores: per bank unit counts, then sampled recalls. A bank whose partition
-        the live group has moved past ``at`` (``position()``) is not comparable and is
-        counted as ``moving``. Returns {"banks", "units", "recalls", "agreement",
-        "moving", "problems": [...]}."""
+        live stores: per bank unit counts (fewer is a problem, more is ``gained``), then
+        sampled recalls of banks with equal counts. A bank whose partition the live group
+        has moved past ``at`` (``position()``) is not comparable and is counted as
+        ``moving``. Returns {"banks", "units", "recalls", "agreement", "moving",
+        "gained", "problems": [...]}."""
         from mneme.bus import partition_for
         from mneme.domain import RecallQuery
         live = self.root.stores
@@ -279,29 +281,34 @@ class LiveReplay:
             if len(page) < 500:
                 break
             after = page[-1].bank_id
-        units, differ = 0, {}
+        units, differ, more = 0, {}, set()
         for b in banks:
             for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
                 n_live, n_new = a.count(b), z.count(b)
                 units += n_new
-                if n_live != n_new:
+                if n_new > n_live:  # what the live one could not project (dead letters)
+                    more.add(b)
+                elif n_new < n_live:  # the switch would lose units
                     differ.setdefault(b, []).append(
                         f"bank {b}: {kind} store has {n_new} units, live {n_live}")
-        now_at = position() if differ else at  # positions only grow: one look suffices
+        now_at = position() if differ or more else at  # positions only grow: one look
         moved = {tp for tp, off in at.items() if now_at[tp] != off or busy == tp}
-        problems, moving = [], 0
+
+        def moving_bank(b: str) -> bool:  # written meanwhile: not comparable now
+            return any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved)
+        problems, moving = [], {b for b in {*differ, *more} if moving_bank(b)}
         for b, found in differ.items():
-            if any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved):
-                moving += 1  # written meanwhile: not comparable now
-            else:
+            if b not in moving:
                 problems += found
+        gained = more - moving - set(differ)
         if len(problems) > CHECK_PROBLEMS:
             problems = problems[:CHECK_PROBLEMS] + [
                 f"... and {len(problems) - CHECK_PROBLEMS} more differences"]
         old_recall, new_recall = self.recall_over(live), self.recall_over(new)
         scores = []
         now = datetime.now(timezone.utc)
-        for b in banks[:CHECK_BANKS]:
+        alike = [b for b in banks if b not in differ and b not in more]  # same units
+        for b in alike[:CHECK_BANKS]:
             facts, _ = new.vectors.scroll(b, CHECK_QUERIES)
             for f in facts:
                 q = RecallQuery(bank_id=b, query=f.text[:500], query_timestamp=now)
@@ -312,7 +319,8 @@ class LiveReplay:
         if agreement < CHECK_AGREEMENT:
             problems.append(f"sampled recalls agree {agreement:.2f} < {CHECK_AGREEMENT}")
         return {"banks": len(banks), "units": units, "recalls": len(scores),
-                "agreement": round(agreement, 3), "moving": moving, "problems": problems}
+                "agreement": round(agreement, 3), "moving": len(moving),
+                "gained": len(gained), "problems": problems}
 
     def _retire(self, generation: int, stores) -> None:
         self._retired[generation] = stores
