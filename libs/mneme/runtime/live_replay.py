@@ -358,7 +358,9 @@ class _Builder(Consumer):
     def _dead_letter(self, rec, exc, attempts, env):
         self.failures += 1
         self.last_failure = f"{rec.topic}[{rec.partition}]@{rec.offset}: {exc!r}"[:500]
-        return super()._dead_letter(rec, exc, attempts, env)
+        log.warning("replay (%s): %s[%d]@%d could not be projected after %d attempts: %r",
+                    self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
+        return []  # nothing to append: the check reports it
 
 
 def _close(stores) -> None:
