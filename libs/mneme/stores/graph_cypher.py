@@ -41,17 +41,23 @@ def hub_damping(degree: int) -> float:
 
 def spread_activation(
     starts: dict[str, float], hops: int, decay: float,
-    neighbours: Callable[[list[str]], Iterable[tuple[str, str, float]]],
+    neighbours: Callable[[list[str]], Iterable[tuple[Sequence[str], Sequence[str], float]]],
     frontier_cap: int,
 ) -> dict[str, float]:
     """Backend-independent spreading activation.
 
     ``starts``: unit id → initial activation. Each hop, every unit whose activation rose
     in the previous hop (at most ``frontier_cap`` of the most activated) passes
-    ``activation × decay × w`` to each neighbour, where ``neighbours(ids)`` yields
-    ``(source_id, unit_id, w)`` edges (w = link weight or hub damping). A unit keeps the
-    maximum it receives (not the sum), so activation never grows along a path and a
-    unit ``n`` hops away gets at most ``decay**n`` of its source. Returns unit → activation.
+    ``activation × decay × w`` to each neighbour, where ``neighbours(ids)`` yields edge
+    groups ``(sources, units, w)``: every source is joined to every unit with weight w
+    (an entity's mentions, w = hub damping; or one LINK edge, w = its weight). A unit
+    keeps the maximum it receives (not the sum), so activation never grows along a path
+    and a unit ``n`` hops away gets at most ``decay**n`` of its source; no unit
+    activates itself. Returns unit → activation.
+
+    Since only the maximum counts, a group passes each unit the best of its sources
+    (the second best to that source itself): O(sources + units) per group, not their
+    product -- a hub entity joins hundreds of frontier units to its ``fanout`` mentions.
     """
     act = dict(starts)
     frontier = dict(starts)
@@ -61,13 +67,21 @@ def spread_activation(
         top = sorted(frontier.items(), key=lambda kv: (-kv[1], kv[0]))[:frontier_cap]
         source_act = dict(top)
         risen: dict[str, float] = {}
-        for src, unit, w in neighbours(list(source_act)):
-            if unit == src or w <= 0:
+        for sources, units, w in neighbours(list(source_act)):
+            if w <= 0 or not sources:
                 continue
-            a = source_act[src] * decay * w
-            if a > act.get(unit, 0.0) + 1e-12:
-                act[unit] = a
-                risen[unit] = a
+            best = second = (0.0, "")
+            for src in sources:
+                cand = (source_act[src], src)
+                if cand[0] > best[0]:
+                    best, second = cand, best
+                elif cand[0] > second[0] and src != best[1]:
+                    second = cand
+            for unit in units:
+                a = (second[0] if unit == best[1] else best[0]) * decay * w
+                if a > act.get(unit, 0.0) + 1e-12:
+                    act[unit] = a
+                    risen[unit] = a
         frontier = risen
     return act
 
@@ -226,22 +240,21 @@ class CypherGraphStore:
             starts, hops, decay, lambda ids: self._neighbours(run, bank_id, ids),
             frontier_cap=max(4 * k, MIN_FRONTIER))
 
-    def _neighbours(self, run: Run, bank_id: str,
-                    ids: list[str]) -> Iterable[tuple[str, str, float]]:
-        """(source, neighbour, weight) edges one hop from ``ids``."""
+    def _neighbours(self, run: Run, bank_id: str, ids: list[str]
+                    ) -> Iterable[tuple[Sequence[str], Sequence[str], float]]:
+        """Edge groups one hop from ``ids`` (see :func:`spread_activation`): per entity
+        the frontier units mentioning it × its units (at most ``fanout``), then each
+        unit's LINK edges (its ``fanout`` heaviest)."""
         for _, sources, degree, units in run(cypher.ENTITY_NEIGHBOURS, {
                 "bank_id": bank_id, "ids": ids, "fanout": self.fanout}):
-            w = hub_damping(degree)
-            for src in sources:
-                for uid in units:
-                    yield src, uid, w
+            yield sources, units, hub_damping(degree)
         per_source: dict[str, list[tuple[float, str]]] = defaultdict(list)
         for src, uid, _kind, weight in run(cypher.LINK_NEIGHBOURS,
                                            {"bank_id": bank_id, "ids": ids}):
             per_source[src].append((float(weight if weight is not None else 1.0), uid))
         for src, edges in per_source.items():
             for weight, uid in sorted(edges, reverse=True)[:self.fanout]:
-                yield src, uid, weight
+                yield (src,), (uid,), weight
 
 
 # ---- units of work (plain functions of a Run, so a managed transaction may retry them) ----
