@@ -14,6 +14,7 @@ Nothing is fetched at run time: no model hub, no network.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -158,14 +159,21 @@ class OnnxEmbedder:
         return out
 
 
+#: Texts whose token counts a counter keeps (recall counts the same facts query after
+#: query; a fact's text is at most a few KB, so this bounds the cache to tens of MB).
+TOKEN_CACHE = 65_536
+
+
 class MiniLMTokenCounter:
     """:class:`mneme.ports.TokenCounter` with all-MiniLM-L6-v2's WordPiece tokenizer:
     the number of tokens of a text without special tokens ([CLS]/[SEP]) and without
-    truncation. Loads lazily, thread-safe."""
+    truncation. Loads lazily, thread-safe. The counts of the last :data:`TOKEN_CACHE`
+    texts counted one at a time are kept (LRU)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._tok = None
+        self._cached = functools.lru_cache(maxsize=TOKEN_CACHE)(self._count)
 
     def _load(self):
         if self._tok is None:
@@ -178,6 +186,9 @@ class MiniLMTokenCounter:
         """Token count of ``text`` (0 for the empty string)."""
         if not text:
             return 0
+        return self._cached(text)
+
+    def _count(self, text: str) -> int:
         return len(self._load().encode(text, add_special_tokens=False).ids)
 
     def count_many(self, texts: Sequence[str]) -> list[int]:

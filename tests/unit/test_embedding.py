@@ -97,3 +97,13 @@ def test_token_counter():
     assert tc.count("Caroline went to the LGBTQ support group") > 7
     assert tc.count("word " * 600) == 600  # no truncation when counting
     assert tc.count_many(["hello world", ""]) == [2, 0]
+
+
+def test_token_counts_are_kept_for_texts_counted_again():
+    from mneme.embedding import MiniLMTokenCounter
+    c = MiniLMTokenCounter()
+    text = "Melanie ran a charity race for mental health in May 2023."
+    n = c.count(text)
+    assert n == len(c._load().encode(text, add_special_tokens=False).ids) > 0
+    assert c.count(text) == n and c._cached.cache_info().hits == 1
+    assert c.count("") == 0 and c.count_many([text, "a b"]) == [n, 2]
