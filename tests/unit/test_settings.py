@@ -48,3 +48,24 @@ def test_the_groups_of_the_topology_as_the_log_names_them():
     # search with store servers: its replicas share the "search" group
     shared = group_ids(svcs, distributed=True, known=["search", "search-catalog.p-1"])
     assert "search" in shared and "search-catalog.p-1" in shared
+
+
+def test_a_readiness_check_that_raises_makes_the_service_not_ready_and_the_monitor_goes_on(
+        tmp_path):
+    """The health monitor asks every check each interval; a check that raises (a broker
+    read cancelled or failing) means NOT_SERVING for now, not a dead monitor thread that
+    would leave the last status forever."""
+    from types import SimpleNamespace
+    from mneme.runtime.process import ServiceProcess
+    p = ServiceProcess("search", Settings(data_dir=tmp_path))
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError("broker away")
+        return True
+    p.root = SimpleNamespace(log=SimpleNamespace(ping=lambda: True))
+    p.parts = SimpleNamespace(checks=[flaky])
+    assert p._healthy() is False
+    assert p._healthy() is True and len(calls) == 2

@@ -174,9 +174,17 @@ class ServiceProcess:
                  ", ".join(self.parts.routers) or "none")
 
     def _healthy(self) -> bool:
-        ping = getattr(self.root.log, "ping", None)
-        ok = ping() if ping is not None else True
-        return ok and all(check() for check in self.parts.checks)
+        """True when the broker answers and every readiness check passes; a check that
+        raises (a broker read failing or cancelled) counts as not healthy, so the monitor
+        keeps running."""
+        try:
+            ping = getattr(self.root.log, "ping", None)
+            ok = ping() if ping is not None else True
+            return ok and all(check() for check in self.parts.checks)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not ready now"
+            if not self._stop.is_set():
+                log.warning("%s: health check failed: %r", self.name, exc)
+            return False
 
     def _monitor(self) -> None:
         serving = True
