@@ -99,7 +99,8 @@ class Root:
         """True when search's stores are this process's own (embedded, or a replica's
         local files): it switches their generations itself. False with store servers the
         search replicas share (the generation is ``MNEME_STORE_GENERATION``)."""
-        return not self.distributed or self.local_stores
+        from mneme.generations import configured
+        return configured(self.settings) is None
 
     def store_urls(self, generation: int) -> dict[str, str]:
         """kind (vector, text, graph) → the URL of that store of ``generation``
@@ -179,7 +180,7 @@ class Root:
         # looked up by name, listed under that id. Which layout runs is what the log knows
         # (another service's settings may name other stores than search's own).
         live = {g.name: self.group_id(g) for svc in services().values() for g in svc.groups
-                if g.state == "stores" and self.distributed and not self.local_stores}
+                if g.state == "stores" and not self.owns_stores}
         by_id = {gid: name for name, gid in live.items()}
         ids = group_ids(services().values(), self.distributed,
                         [by_id.get(k, k) for k in [*known, *own]])

@@ -59,9 +59,8 @@ from google.protobuf.message import Message
 from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
-from mneme.bus.kafka_log import KafkaOptions
+from mneme.bus.kafka_log import KafkaOptions, record_of
 from mneme.datadir import write_atomic
-from mneme.bus.kafka_log import record_of
 from mneme.errors import Cancelled
 from mneme.ports import OutRecord, Record
 from mneme.router import Router, Service, meta_of
@@ -287,11 +286,9 @@ class GroupRun:
         """Bring the local state up to date for newly assigned ``partitions`` in one go
         (:meth:`restore_steps`); returns the number of records applied."""
         steps = self.restore_steps(partitions)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        while (applied := _step(steps)) is None:
+            pass
+        return applied
 
     def restore_steps(self, partitions: Sequence[int], step: float = RESTORE_STEP_S):
         """Bring the local state up to date for newly assigned ``partitions``
@@ -523,18 +520,16 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         consumer.pause(*tps)
         for tp in tps:  # one task each: a short restore does not wait for a long one
             token = run.restoring[tp.partition] = object()
-            task = asyncio.ensure_future(self._restore([tp.partition], [tp], consumer, token))
+            task = asyncio.ensure_future(self._restore(tp, consumer, token))
             run.restore_tasks.add(task)
             task.add_done_callback(run.restore_tasks.discard)
 
-    async def _restore(self, parts: list[int], tps: list, consumer: Any, token: object
-                       ) -> None:
-        run = self.run
+    async def _restore(self, tp: Any, consumer: Any, token: object) -> None:
+        run, parts = self.run, [tp.partition]
         started = time.monotonic()
 
         def current() -> bool:  # still this assignment's, and the runner goes on
-            return (not run.delivery.stopping.is_set()
-                    and all(run.restoring.get(p) is token for p in parts))
+            return not run.delivery.stopping.is_set() and run.restoring.get(tp.partition) is token
 
         def warn(state: tenacity.RetryCallState) -> None:
             log.warning("consumer %s: restoring partitions %s failed (%r); retrying",
@@ -559,10 +554,9 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
             return
         if not current():
             return
-        for p in parts:
-            run.restoring.pop(p, None)
-        mine = consumer.assignment()
-        consumer.resume(*[tp for tp in tps if tp in mine])
+        run.restoring.pop(tp.partition, None)
+        if tp in consumer.assignment():
+            consumer.resume(tp)
         log.info("consumer %s: restored %d records of partitions %s in %.1fs", run.group,
                  n, parts, time.monotonic() - started)
 

@@ -119,8 +119,12 @@ def drop_generation(settings: Settings | None, generation: int) -> None:
     ``MNEME_STORE_GENERATION``). KeyError when the data dir knows no such generation,
     ValueError for the live one, DataDirLocked while a server runs (drop through it:
     ``mneme generations drop N --address``)."""
+    from mneme.bootstrap import services
+    from mneme.router import Router
+    from mneme.runtime.live_replay import LiveReplay
     root = Root(settings)
-    try:
-        build_search(root, bank_exists=lambda b: True).api["replay"].drop(generation)
+    try:  # the search group's name is all a drop needs of it: the live stores stay shut
+        live = Router(services()["search"], "search", {"stores": None})
+        LiveReplay(root, live, make_router=None, recall_over=None).drop(generation)
     finally:
         root.close()
