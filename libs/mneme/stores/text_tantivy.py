@@ -271,6 +271,9 @@ class TantivyTextStore:
             self.writer.delete_all_documents()
             self._commit()
 
+    def flush(self) -> None:
+        """No-op: every write commits before it returns (durable already)."""
+
     def close(self) -> None:
         """Finish merges and release the writer lock; further writes raise RuntimeError."""
         with self._lock:

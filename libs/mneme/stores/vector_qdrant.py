@@ -263,6 +263,10 @@ class QdrantVectorStore:
                 client, self._client = self._client, None
                 client.close()
 
+    def flush(self) -> None:
+        """No-op: every write returns once the server has applied it (``wait=True``:
+        in its WAL), and local mode persists each write before it returns."""
+
     def reset(self) -> None:
         """Drop every bank's points: the collection is deleted and recreated empty."""
         with self._lock:
