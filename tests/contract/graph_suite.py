@@ -4,10 +4,13 @@ implement ``make_store(path)`` (same path → same data, for reopen tests)."""
 from __future__ import annotations
 
 import dataclasses
+import random
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from mneme.domain import EntityRef, Fact, Link, entity_key
+from mneme.stores import cypher
 
 ALICE = EntityRef("e-alice", "Alice", "PERSON")
 BOB = EntityRef("e-bob", "the Bob's", "PERSON")
@@ -166,6 +169,78 @@ class GraphStoreSuite:
         assert ids(hits)[:2] == ["src", "r"]
         assert hits[1].score == pytest.approx(0.5)
         assert all(h.score < 0.5 for h in hits[2:])
+
+    # -- the in-memory adjacency (mneme.stores.graph_cypher.Adjacency) --
+
+    def _random_bank(self, store, rng: random.Random, bank_id: str = "a") -> list[str]:
+        """120 units over 25 entities (some hubs), links to units that may never arrive
+        (stubs), then deletes and re-upserts with renamed entities; returns the unit ids
+        ever written."""
+        ents = [EntityRef(f"e{i}", f"Name {i}", "PERSON") for i in range(25)]
+        day = datetime(2024, 1, 1, tzinfo=timezone.utc)
+
+        def fact(i: int, names: int = 0) -> Fact:
+            picked = rng.sample(ents[:5], rng.randint(0, 2)) + rng.sample(ents, rng.randint(0, 3))
+            picked = [dataclasses.replace(e, name=f"{e.name} v{names}") for e in picked]
+            return Fact(id=f"u{i}", bank_id=bank_id, text=f"t{i}", entities=picked,
+                        occurred_start=rng.choice([None, day + timedelta(days=rng.randrange(9))]),
+                        links=[Link(f"u{rng.randrange(140)}", rng.choice(["causal", "temporal"]),
+                                    rng.choice([0.2, 0.5, 1.0])) for _ in range(rng.randint(0, 3))])
+        store.upsert([fact(i) for i in range(120)])
+        store.delete(bank_id, [f"u{i}" for i in rng.sample(range(120), 15)])
+        store.upsert([fact(i, names=1) for i in rng.sample(range(120), 20)])
+        return [f"u{i}" for i in range(140)]
+
+    def test_adjacency_in_memory_answers_as_cypher(self, store):
+        """Spread and entity lookup from the in-memory copy equal the hop-by-hop Cypher
+        answers on a random bank with hubs, stubs, deletes and renames."""
+        from mneme.stores import graph_cypher as gc
+        rng = random.Random(11)
+        units = self._random_bank(store, rng)
+        self._random_bank(store, random.Random(12), bank_id="b")  # same ids, other bank
+        for _ in range(gc.SNAPSHOT_AFTER):
+            adjacency = store.adjacency("a")
+        assert isinstance(adjacency, gc.Adjacency)
+        assert store.snapshot_stats["builds"] == 1
+        entity_ids = [f"e{i}" for i in range(25)] + ["e-none"]
+        for trial in range(40):
+            seeds = {u: rng.choice([1.0, 0.6, 0.3]) for u in rng.sample(units, rng.randint(0, 4))}
+            ents = rng.sample(entity_ids, rng.randint(0, 3))
+            k, hops = rng.choice([1, 5, 20]), rng.choice([0, 1, 2, 3])
+            by_cypher = store._read(lambda run: store._spread(run, "a", seeds, ents, k, hops, 0.5))
+            in_memory = gc._spread_from(adjacency, seeds, ents, k, hops, 0.5)
+            assert in_memory.keys() == by_cypher.keys(), (seeds, ents, hops)
+            assert in_memory == pytest.approx(by_cypher)
+            top = sorted(by_cypher.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+            hits = store.spread("a", seeds, ents, k=k, hops=hops, decay=0.5)
+            assert [(h.id, pytest.approx(h.score)) for h in hits] == top
+        keys = [entity_key(f"Name {i} v{v}") for i in range(25) for v in (0, 1)] + ["nobody"]
+        for _ in range(10):
+            ks = rng.sample(keys, rng.randint(1, 6))
+            by_cypher = store._read(lambda run: run(cypher.FIND_ENTITIES,
+                                                    {"bank_id": "a", "keys": ks}))
+            assert sorted(map(tuple, adjacency.find_entities(ks))) == sorted(
+                (r[0], r[1] or "", r[2] or "", r[3] or "") for r in by_cypher)
+        assert store.snapshot_stats["hits"] == 40 and store.snapshot_stats["builds"] == 1
+
+    def test_adjacency_is_replaced_after_every_write(self, store):
+        """A write renews the bank's token: the next reads answer from the graph as it
+        is now (by Cypher until a new copy is made), never from the old copy."""
+        from mneme.stores import graph_cypher as gc
+        store.upsert(chain())
+        for _ in range(gc.SNAPSHOT_AFTER + 1):
+            assert ids(store.spread("a", {"u1": 1.0}, [], k=10, hops=3)) == ["u1", "u2", "u3", "u4"]
+        assert store.snapshot_stats["hits"] >= 1
+        store.delete("a", ["u3"])
+        assert ids(store.spread("a", {"u1": 1.0}, [], k=10, hops=3)) == ["u1", "u2"]
+        store.upsert([unit("u5", entities=[ALICE])])
+        for _ in range(gc.SNAPSHOT_AFTER + 1):
+            assert ids(store.spread("a", {"u1": 1.0}, [], k=10, hops=1)) == ["u1", "u2", "u5"]
+            assert [e.id for e in store.find_entities("a", [entity_key("Alice")])] == [ALICE.id]
+        store.delete_where("a", None)
+        assert store.spread("a", {"u1": 1.0}, [], k=10) == []
+        assert store.find_entities("a", [entity_key("Alice")]) == []
+        assert store.snapshot_stats["builds"] >= 2
 
     def test_bank_isolation(self, store):
         store.upsert(chain("a"))

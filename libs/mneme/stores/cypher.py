@@ -12,10 +12,14 @@ Model::
     (:Entity {id, bank_id, name, key, label, aliases})
     (:Unit)-[:MENTIONS]->(:Entity)
     (:Unit)-[:LINK {kind, weight}]->(:Unit)
+    (:Bank {bank_id, version})
 
 A ``stub`` Unit is a link target whose fact has not arrived (or was deleted while other
 units still link to it); it is never counted or returned. ``Entity.key`` is
 ``mneme.domain.entity_key`` of the latest name, ``aliases`` every key it has had.
+``Bank.version`` is a fresh token written by every unit of work that changes the bank's
+units or edges, last (see :data:`TOUCH_BANK`): a reader that holds a copy of the bank's
+adjacency knows it is current while the token has not changed.
 """
 
 # ---- index DDL, per backend -----------------------------------------------------------------
@@ -27,6 +31,7 @@ FALKOR_INDEXES = (
     "CREATE INDEX FOR (e:Entity) ON (e.id)",
     "CREATE INDEX FOR (e:Entity) ON (e.bank_id)",
     "CREATE INDEX FOR (e:Entity) ON (e.key)",
+    "CREATE INDEX FOR (b:Bank) ON (b.bank_id)",
 )
 
 #: Neo4j 5+: idempotent (``IF NOT EXISTS``). (bank_id, id) is a composite uniqueness
@@ -37,6 +42,7 @@ NEO4J_INDEXES = (
     "FOR (n:Unit) REQUIRE (n.bank_id, n.id) IS UNIQUE",
     "CREATE CONSTRAINT entity_bank_id IF NOT EXISTS "
     "FOR (e:Entity) REQUIRE (e.bank_id, e.id) IS UNIQUE",
+    "CREATE CONSTRAINT bank_id IF NOT EXISTS FOR (b:Bank) REQUIRE b.bank_id IS UNIQUE",
     "CREATE INDEX unit_bank_doc IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.document_id)",
     "CREATE INDEX entity_bank_key IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.key)",
 )
@@ -145,10 +151,16 @@ WITH e LIMIT $limit
 DETACH DELETE e
 RETURN count(*) AS deleted
 """
+#: A new $version token for the bank, the last query of every write unit of work.
+TOUCH_BANK = """
+MERGE (b:Bank {bank_id: $bank_id})
+SET b.version = $version
+"""
+
 #: Every bank's nodes, $limit per query (Neo4j's reset; FalkorDB drops its graph key).
 DELETE_ALL = """
 MATCH (n)
-WHERE n:Unit OR n:Entity
+WHERE n:Unit OR n:Entity OR n:Bank
 WITH n LIMIT $limit
 DETACH DELETE n
 RETURN count(*) AS deleted
@@ -172,6 +184,33 @@ FIND_ENTITIES = """
 MATCH (e:Entity {bank_id: $bank_id})
 WHERE e.key IN $keys OR any(a IN coalesce(e.aliases, []) WHERE a IN $keys)
 RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key
+"""
+
+#: The bank's version token (no row for a bank no write of this version has touched).
+BANK_VERSION = """
+MATCH (b:Bank {bank_id: $bank_id})
+RETURN b.version AS version
+"""
+
+#: The bank's adjacency, read whole into memory (:class:`mneme.stores.graph_cypher.Adjacency`):
+#: its live units, every MENTIONS edge, every LINK edge (targets may be stubs) and its
+#: entities.
+ADJACENCY_UNITS = """
+MATCH (n:Unit {bank_id: $bank_id})
+WHERE n.stub = false
+RETURN n.id AS unit_id, n.occurred_start AS occurred_start
+"""
+ADJACENCY_MENTIONS = """
+MATCH (n:Unit {bank_id: $bank_id})-[:MENTIONS]->(e:Entity)
+RETURN n.id AS unit_id, e.id AS entity_id, n.occurred_start AS occurred_start
+"""
+ADJACENCY_LINKS = """
+MATCH (n:Unit {bank_id: $bank_id})-[l:LINK]->(m:Unit)
+RETURN n.id AS source_id, m.id AS target_id, l.weight AS weight
+"""
+ADJACENCY_ENTITIES = """
+MATCH (e:Entity {bank_id: $bank_id})
+RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key, e.aliases AS aliases
 """
 
 #: Which of $ids are live units of the bank (spreading-activation seeds).

@@ -3,15 +3,26 @@ query set of :mod:`mneme.stores.cypher`; subclasses only say how a unit of work 
 their database (FalkorDB embedded or server in :mod:`mneme.stores.graph_falkor`, Neo4j in
 :mod:`mneme.stores.graph_neo4j`).
 
-Spreading activation fetches neighbours hop by hop with Cypher and computes activation in
-Python (:func:`spread_activation`), so it is the same on every backend.
+Spreading activation computes activation in Python (:func:`spread_activation`), so it is
+the same on every backend. Its neighbours come from one of two places with the same answer:
+
+- an in-memory copy of the bank's adjacency (:class:`Adjacency`: live units, mentions,
+  links, entities), read whole and used while the bank's version token
+  (``cypher.TOUCH_BANK``, renewed by every write) is unchanged; a read then costs one
+  round trip for the token instead of one per hop. A copy is made only once
+  :data:`SNAPSHOT_AFTER` reads in a row have seen the same token, so a bank written
+  between most reads keeps the second way and does not pay for copies it would throw
+  away; banks above :data:`SNAPSHOT_MAX_UNITS` live units are never copied;
+- Cypher, hop by hop.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections import defaultdict
+import uuid
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from mneme.domain import EntityRef, Fact, Hit, entity_key, to_epoch
@@ -26,6 +37,13 @@ BATCH = 256
 MIN_FRONTIER = 64
 #: Nodes deleted per query by a bank-wide delete (bounds one transaction's size).
 DELETE_BATCH = 10_000
+#: Banks whose adjacency one store keeps in memory (the least recently read is dropped).
+SNAPSHOT_BANKS = 8
+#: Largest bank (live units) whose adjacency is kept in memory (~0.5 KB per unit).
+SNAPSHOT_MAX_UNITS = 20_000
+#: Reads of a bank that must see the same version token before its adjacency is copied
+#: (a recall reads twice: its query entities, then the spread).
+SNAPSHOT_AFTER = 3
 
 #: ``run(query, params)`` → result rows (lists of column values), inside one unit of work.
 Run = Callable[[str, dict[str, Any]], list[list[Any]]]
@@ -95,6 +113,89 @@ def _column(run: Run, query: str, **params: Any) -> list[Any]:
     return [row[0] for row in run(query, params)]
 
 
+def _recent_first(occurred_start: Any, unit_id: str) -> tuple[float, str]:
+    # ENTITY_UNITS' order: coalesce(occurred_start, 0) DESC, id
+    return (-float(occurred_start or 0), unit_id)
+
+
+@dataclass(frozen=True)
+class Adjacency:
+    """One bank's graph in memory, as of version ``token``; answers what the hop-by-hop
+    queries of :mod:`mneme.stores.cypher` answer, from the same edges.
+
+    ``live``: the bank's live units. ``entities_of``: unit → the entities it mentions.
+    ``mentions``: entity → (degree, its ``fanout`` most recent mentioning units).
+    ``links``: unit → its ``fanout`` heaviest LINK edges in either direction to other live
+    units, as (weight, unit), heaviest first. ``entities``: entity id → (name, label,
+    key); ``keys``: a key or former key → the entity ids that had it."""
+
+    token: str
+    live: frozenset[str]
+    entities_of: dict[str, tuple[str, ...]]
+    mentions: dict[str, tuple[int, tuple[str, ...]]]
+    links: dict[str, tuple[tuple[float, str], ...]]
+    entities: dict[str, tuple[str, str, str]]
+    keys: dict[str, tuple[str, ...]]
+
+    @classmethod
+    def read(cls, run: Run, bank_id: str, token: str, fanout: int) -> "Adjacency":
+        """The bank's adjacency read with four queries (``cypher.ADJACENCY_*``)."""
+        params = {"bank_id": bank_id}
+        live = frozenset(r[0] for r in run(cypher.ADJACENCY_UNITS, params))
+        entities_of: dict[str, list[str]] = defaultdict(list)
+        mentioning: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        for uid, eid, occurred_start in run(cypher.ADJACENCY_MENTIONS, params):
+            entities_of[uid].append(eid)
+            mentioning[eid].append(_recent_first(occurred_start, uid))
+        mentions = {eid: (len(units), tuple(u for _, u in sorted(units)[:fanout]))
+                    for eid, units in mentioning.items()}
+        edges: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        for src, dst, weight in run(cypher.ADJACENCY_LINKS, params):
+            if src == dst:
+                continue
+            w = float(weight if weight is not None else 1.0)
+            if dst in live:
+                edges[src].append((w, dst))
+            if src in live:
+                edges[dst].append((w, src))
+        links = {u: tuple(sorted(es, reverse=True)[:fanout]) for u, es in edges.items()}
+        entities: dict[str, tuple[str, str, str]] = {}
+        keys: dict[str, list[str]] = defaultdict(list)
+        for eid, name, label, key, aliases in run(cypher.ADJACENCY_ENTITIES, params):
+            entities[eid] = (name or "", label or "", key or "")
+            for k in dict.fromkeys([key, *(aliases or [])]):
+                if k:
+                    keys[k].append(eid)
+        return cls(token, live, {u: tuple(es) for u, es in entities_of.items()}, mentions,
+                   links, entities, {k: tuple(v) for k, v in keys.items()})
+
+    def entity_units(self, entity_ids: Sequence[str]) -> Iterable[tuple[int, tuple[str, ...]]]:
+        """(degree, units) per entity of ``entity_ids`` that any unit mentions
+        (``cypher.ENTITY_UNITS``)."""
+        for eid in entity_ids:
+            if eid in self.mentions:
+                yield self.mentions[eid]
+
+    def neighbours(self, ids: Sequence[str]
+                   ) -> Iterable[tuple[Sequence[str], Sequence[str], float]]:
+        """The edge groups of :meth:`CypherGraphStore._neighbours`, from memory."""
+        sources: dict[str, list[str]] = defaultdict(list)
+        for uid in dict.fromkeys(ids):
+            for eid in self.entities_of.get(uid, ()):
+                sources[eid].append(uid)
+        for eid, srcs in sources.items():
+            degree, units = self.mentions[eid]
+            yield srcs, units, hub_damping(degree)
+        for uid in ids:
+            for weight, other in self.links.get(uid, ()):
+                yield (uid,), (other,), weight
+
+    def find_entities(self, keys: Sequence[str]) -> list[list[str]]:
+        """Rows (id, name, label, key) of ``cypher.FIND_ENTITIES``."""
+        found = dict.fromkeys(eid for k in keys for eid in self.keys.get(k, ()))
+        return [[eid, *self.entities[eid]] for eid in found]
+
+
 class CypherGraphStore:
     """:class:`mneme.ports.GraphStore` over the shared Cypher query set.
 
@@ -112,6 +213,11 @@ class CypherGraphStore:
     def __init__(self, fanout: int = FANOUT, lock: Any = None) -> None:
         self.fanout = fanout
         self._lock = lock if lock is not None else threading.RLock()
+        # bank → its Adjacency (LRU); bank → (the token reads last saw, how many did)
+        self._snapshots: OrderedDict[str, Adjacency] = OrderedDict()
+        self._seen: dict[str, tuple[str | None, int]] = {}
+        self._snapshot_lock = threading.Lock()
+        self.snapshot_stats = {"hits": 0, "builds": 0, "misses": 0}
 
     # -- backend hooks --
 
@@ -167,8 +273,8 @@ class CypherGraphStore:
         with self._lock:
             if document_id is None:
                 for query in (cypher.DELETE_BANK_UNITS, cypher.DELETE_BANK_ENTITIES):
-                    while self._write(lambda run, q=query: deleted(run(
-                            q, {"bank_id": bank_id, "limit": DELETE_BATCH}))) >= DELETE_BATCH:
+                    while self._write(lambda run, q=query: _touch(run, bank_id, deleted(run(
+                            q, {"bank_id": bank_id, "limit": DELETE_BATCH})))) >= DELETE_BATCH:
                         pass
                 return
             ids = self._read(lambda run: _column(run, cypher.UNITS_OF_DOCUMENT,
@@ -198,8 +304,9 @@ class CypherGraphStore:
         if not keys:
             return []
         with self._lock:
-            rows = self._read(lambda run: run(cypher.FIND_ENTITIES,
-                                              {"bank_id": bank_id, "keys": keys}))
+            adjacency = self.adjacency(bank_id)
+            rows = adjacency.find_entities(keys) if adjacency is not None else self._read(
+                lambda run: run(cypher.FIND_ENTITIES, {"bank_id": bank_id, "keys": keys}))
         rank = {k: i for i, k in enumerate(keys)}
         rows.sort(key=lambda r: (rank.get(r[3], len(keys)), r[0]))
         return [EntityRef(r[0], r[1] or "", r[2] or "") for r in rows]
@@ -212,14 +319,65 @@ class CypherGraphStore:
         Hops follow shared entities (weight = hub damping) and LINK edges in either
         direction (weight = link weight). Returns the ``k`` most activated live units of
         the bank, seeds included, best first (ties by id); ``Hit.score`` = activation.
-        All hops read in one unit of work."""
+        Reads the bank's :meth:`adjacency` from memory when it is current, else every hop
+        with Cypher in one unit of work (the same result)."""
         if k <= 0:
             return []
         with self._lock:
-            act = self._read(lambda run: self._spread(run, bank_id, seeds, entity_ids,
-                                                      k, hops, decay))
+            adjacency = self.adjacency(bank_id)
+            if adjacency is None:
+                act = self._read(lambda run: self._spread(run, bank_id, seeds, entity_ids,
+                                                          k, hops, decay))
+        if adjacency is not None:  # from memory: the store's lock is not needed
+            act = _spread_from(adjacency, seeds, entity_ids, k, hops, decay)
         best = sorted(act.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
         return [Hit(uid, a) for uid, a in best]
+
+    def adjacency(self, bank_id: str) -> Adjacency | None:
+        """The bank's current :class:`Adjacency` (one round trip for its version token;
+        read whole once :data:`SNAPSHOT_AFTER` calls saw the same token), or None: read
+        the bank with Cypher (its token is too recent, it has none yet or the bank is
+        larger than :data:`SNAPSHOT_MAX_UNITS`). ``snapshot_stats`` counts hits, builds
+        and misses."""
+        token = self._read(lambda run: _column(run, cypher.BANK_VERSION, bank_id=bank_id))
+        token = token[0] if token else None
+        with self._snapshot_lock:
+            seen, n = self._seen.get(bank_id, (None, 0))
+            n = n + 1 if seen == token else 1
+            self._seen[bank_id] = (token, n)
+            if len(self._seen) > 64 * SNAPSHOT_BANKS:  # bounded: forget the oldest
+                self._seen.pop(next(iter(self._seen)))
+            snap = self._snapshots.get(bank_id)
+            if snap is not None and snap.token == token:
+                self._snapshots.move_to_end(bank_id)
+                self.snapshot_stats["hits"] += 1
+                return snap
+        if token is None or n < SNAPSHOT_AFTER:
+            self.snapshot_stats["misses"] += 1
+            return None
+        snap = self._read(lambda run: self._read_adjacency(run, bank_id, token))
+        if not isinstance(snap, Adjacency):
+            self.snapshot_stats["misses"] += 1
+            if snap == "too large":  # not again until the bank changes
+                with self._snapshot_lock:
+                    self._seen[bank_id] = (token, -math.inf)
+            return None
+        with self._snapshot_lock:
+            self._snapshots[bank_id] = snap
+            self._snapshots.move_to_end(bank_id)
+            while len(self._snapshots) > SNAPSHOT_BANKS:
+                self._snapshots.popitem(last=False)
+        self.snapshot_stats["builds"] += 1
+        return snap
+
+    def _read_adjacency(self, run: Run, bank_id: str, token: str) -> Adjacency | str:
+        if int(_column(run, cypher.COUNT_UNITS, bank_id=bank_id)[0]) > SNAPSHOT_MAX_UNITS:
+            return "too large"
+        snap = Adjacency.read(run, bank_id, token, self.fanout)
+        # a write between the token and the last query (no multi-query transaction, or
+        # a read-committed one) would leave a mixed copy: keep it only if none happened
+        after = _column(run, cypher.BANK_VERSION, bank_id=bank_id)
+        return snap if after and after[0] == token else "changed"
 
     def _spread(self, run: Run, bank_id: str, seeds: dict[str, float],
                 entity_ids: Sequence[str], k: int, hops: int,
@@ -257,7 +415,29 @@ class CypherGraphStore:
                 yield (src,), (uid,), weight
 
 
+def _spread_from(adjacency: Adjacency, seeds: dict[str, float], entity_ids: Sequence[str],
+                 k: int, hops: int, decay: float) -> dict[str, float]:
+    """:meth:`CypherGraphStore._spread` over an in-memory :class:`Adjacency`."""
+    starts: dict[str, float] = {}
+    for uid, a in seeds.items():
+        if uid in adjacency.live:
+            starts[uid] = max(starts.get(uid, 0.0), float(a))
+    for degree, units in adjacency.entity_units(list(entity_ids)):
+        a = hub_damping(degree)
+        for uid in units:
+            starts[uid] = max(starts.get(uid, 0.0), a)
+    starts = {u: a for u, a in starts.items() if a > 0}
+    return spread_activation(starts, hops, decay, adjacency.neighbours,
+                             frontier_cap=max(4 * k, MIN_FRONTIER))
+
+
 # ---- units of work (plain functions of a Run, so a managed transaction may retry them) ----
+
+
+def _touch(run: Run, bank_id: str, result: T = None) -> T:
+    """Renew the bank's version token (the last query of a write); returns ``result``."""
+    run(cypher.TOUCH_BANK, {"bank_id": bank_id, "version": uuid.uuid4().hex})
+    return result
 
 
 def _upsert_units(run: Run, bank_id: str, facts: list[Fact]) -> None:
@@ -280,6 +460,7 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact]) -> None:
     if links:
         run(cypher.MERGE_LINKS, {"bank_id": bank_id, "rows": links})
     _cleanup(run, bank_id, old_targets, old_entities)
+    _touch(run, bank_id)
 
 
 def _delete_units(run: Run, bank_id: str, ids: list[str]) -> None:
@@ -288,6 +469,7 @@ def _delete_units(run: Run, bank_id: str, ids: list[str]) -> None:
     run(cypher.CLEAR_UNIT_EDGES, {"bank_id": bank_id, "ids": ids})
     run(cypher.MARK_STUBS, {"bank_id": bank_id, "ids": ids})
     _cleanup(run, bank_id, ids + old_targets, old_entities)
+    _touch(run, bank_id)
 
 
 def _cleanup(run: Run, bank_id: str, stub_ids: list[str], entity_ids: list[str]) -> None:
