@@ -177,8 +177,12 @@ class EdgeVectorStore:
 
     ``dim`` is the embedding dimension (384 for all-MiniLM-L6-v2); distance is cosine, so
     stored vectors come back L2-normalised. The shard is created when ``path`` holds none
-    and loaded otherwise; every write is flushed before it returns, so acknowledged data
-    survives a crash. All methods are serialised by one lock (thread-safe).
+    and loaded otherwise (creation, its payload indexes and :meth:`optimize` are flushed
+    at once). A write is visible to reads when it returns but durable only after
+    :meth:`flush` or :meth:`close` (an fsync: ~10 ms on a disk, so the consumers flush
+    once per batch, before committing its offsets; a crash before then redelivers the
+    records and their idempotent upserts are made again). All methods are serialised by
+    one lock (thread-safe).
 
     Every bank shares the shard and a fact's point id is its own id, so fact ids must be
     unique across banks (they are: uuid5 of the causing event and position).
@@ -190,6 +194,7 @@ class EdgeVectorStore:
         self.path = os.path.abspath(path)
         self.dim = dim
         self._lock = threading.RLock()
+        self._dirty = False  # a write since the last flush
         self._shard: EdgeShard | None = self._open()
 
     # -- lifecycle --
@@ -229,11 +234,20 @@ class EdgeVectorStore:
             raise RuntimeError("EdgeVectorStore is closed")
         return self._shard
 
+    def flush(self) -> None:
+        """Make every write so far durable (one fsync of the shard); nothing when none
+        was made since the last flush, or once closed (:meth:`close` flushed them)."""
+        with self._lock:
+            if self._dirty and self._shard is not None:
+                self._shard.flush()
+                self._dirty = False
+
     def close(self) -> None:
         """Flush and release the shard; further calls raise RuntimeError."""
         with self._lock:
             if self._shard is not None:
                 self._shard.flush()
+                self._dirty = False
                 self._shard.close()
                 self._shard = None
 
@@ -255,7 +269,8 @@ class EdgeVectorStore:
         request."""
         with self._lock:
             changed = bool(self.shard.optimize())
-            self.shard.flush()
+            self.shard.flush()  # every write so far, too
+            self._dirty = False
             return changed
 
     # -- writes --
@@ -273,8 +288,8 @@ class EdgeVectorStore:
         if not points:
             return
         with self._lock:
+            self._dirty = True  # set first: a failed update may have applied a part
             self.shard.update(UpdateOperation.upsert_points(points))
-            self.shard.flush()
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Delete the bank's facts with these ids (ids of other banks are left alone)."""
@@ -283,8 +298,8 @@ class EdgeVectorStore:
         flt = Filter(must=[_match("bank_id", bank_id),
                            HasIdCondition({point_id(i) for i in ids})])
         with self._lock:
+            self._dirty = True
             self.shard.update(UpdateOperation.delete_points_by_filter(flt))
-            self.shard.flush()
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
         """Delete the bank's facts of ``document_id`` (all of the bank when None);
@@ -295,8 +310,8 @@ class EdgeVectorStore:
         with self._lock:
             ids = [p["id"] for p in self._scan(flt, payload=["id"])]
             if ids:
+                self._dirty = True
                 self.shard.update(UpdateOperation.delete_points_by_filter(flt))
-                self.shard.flush()
         return ids
 
     # -- reads --
