@@ -110,6 +110,15 @@ def record_of(msg) -> Record:
                   _headers_in(msg.headers), (msg.timestamp or 0) / 1000.0)
 
 
+async def _cancel_tasks(timeout: float) -> None:
+    """Cancel every other task of the running loop and wait up to ``timeout`` s for them."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
 class _LoopThread:
     """One asyncio loop in a daemon thread; ``run`` submits a coroutine and waits.
 
@@ -143,11 +152,17 @@ class _LoopThread:
                 self._pending.discard(fut)
 
     def stop(self) -> None:
-        """Stop the loop and close it (its selector and self-pipe), once its thread
-        ended; cancel the calls still waiting on it."""
+        """Cancel the tasks still on the loop and wait (at most 5 s) until they end, then
+        stop the loop and close it (its selector and self-pipe), once its thread ended;
+        cancel the calls still waiting on it."""
         with self._guard:
             self._stopped = True
             pending = list(self._pending)
+        if self.thread.is_alive():
+            # a task left pending when the loop closes is destroyed mid-await (an
+            # unraisable "coroutine ignored GeneratorExit"): cancel each and let it unwind
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(5.0), self.loop).result(6)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         for fut in pending:
