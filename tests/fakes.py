@@ -147,6 +147,9 @@ class FakeStore:
     def reset(self) -> None:
         self.units.clear()
 
+    def flush(self) -> None:
+        self.flushes = getattr(self, "flushes", 0) + 1  # not in ``calls``: runners flush
+
     def close(self) -> None:
         pass
 

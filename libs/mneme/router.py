@@ -85,6 +85,11 @@ class Group:
     over a bank resumes with the state its previous owner had after the last record it
     committed (:meth:`mneme.runtime.kafka.GroupRun.restore`). Restore handlers must be
     idempotent (they may see a record twice).
+
+    ``durable``: the names of the deps whose writes become durable only when their
+    ``flush()`` runs (:meth:`mneme.ports.VectorStore.flush`); the runners call
+    :meth:`Router.flush` before they commit the group's offsets, so a committed record's
+    writes survive a crash (one flush per batch of records, not one per write).
     """
 
     name: str
@@ -94,6 +99,7 @@ class Group:
     secondary: tuple[type[Message], ...] = ()
     state: str = "shared"
     restore: Mapping[str, Mapping[type[Message], Handler]] = field(default_factory=dict)
+    durable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_topics(f"group {self.name}", self.consumes)
@@ -196,6 +202,10 @@ class Router:
     Calls are serialised (the runners call one group's router one record at a time
     anyway); :meth:`paused` holds them between two records, where the position of every
     partition is known (a replay's switch to a new store generation).
+
+    :meth:`flush` makes the writes of the records handled so far durable (the group's
+    :attr:`Group.durable` deps, each of which must be in ``deps`` with a callable
+    ``flush``: ValueError naming it otherwise); runners call it before every commit.
     """
 
     def __init__(self, service: Service, group: str, deps: Mapping[str, Any],
@@ -208,6 +218,15 @@ class Router:
         self._handlers = {t.DESCRIPTOR.full_name: _bind(fn, deps, f"{service.name}/{group}")
                           for handlers in routes.values() for t, fn in handlers.items()}
         self._secondary = {t.DESCRIPTOR.full_name for t in self.group.secondary}
+        self._durable = []
+        for name in self.group.durable:
+            if name not in deps:
+                raise ValueError(f"{service.name}/{group}: durable dep {name!r} is not "
+                                 "provided by the composition root")
+            if not callable(getattr(deps[name], "flush", None)):
+                raise ValueError(f"{service.name}/{group}: durable dep {name!r} "
+                                 f"({type(deps[name]).__name__}) has no flush()")
+            self._durable.append(deps[name])
         self._gate = threading.Lock()
         self._seen = threading.Lock()  # guards _next, read while a call runs
         self._next: dict[tuple[str, int], int] = {}
@@ -231,6 +250,15 @@ class Router:
         group's committed offset)."""
         with self._gate:
             yield self.positions()
+
+    def flush(self) -> None:
+        """Make the writes of every record handled so far durable: ``flush()`` of each
+        :attr:`Group.durable` dep, in order (nothing when the group names none). Call it
+        before committing their offsets; raises what a flush raises (then commit
+        nothing: the records are handled again, idempotently). Not serialised with
+        calls: a write made meanwhile is flushed too, which is harmless."""
+        for dep in self._durable:
+            dep.flush()
 
     @property
     def topics(self) -> tuple[str, ...]:

@@ -40,6 +40,19 @@ class Projections:
         for s in self.all():
             s.reset()
 
+    def flush(self) -> None:
+        """Make every write to the three stores durable (``VectorStore.flush``): the
+        runners call it before they commit the offsets of the records written. Raises
+        what a store raises (after flushing the others: a retry has less to do)."""
+        errors = []
+        for s in self.all():
+            try:
+                s.flush()
+            except Exception as exc:  # flush the others anyway
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
     def upsert(self, bank_id: str, facts) -> None:
         """Upsert ``facts`` (of ``bank_id``) into every store, all or nothing: when a
         store fails, the units are deleted again from every store written so far (the

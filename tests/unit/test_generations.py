@@ -20,6 +20,7 @@ from mneme.generations import Generations, Switchable, generation_group, remove_
 from mneme.names import generation_of
 from mneme.ports import OutRecord
 from mneme.router import Router, Service
+from tests.fakes import fake_projections
 from mneme.bus import codec
 
 
@@ -117,7 +118,7 @@ def _record(log, bank: str, n: int) -> None:
 def test_a_paused_router_holds_the_next_record_and_knows_each_partitions_position(tmp_path):
     seen = []
     svc = Service("t", groups=(services()["search"].group("search"),))
-    router = Router(svc, "search", {"stores": None})
+    router = Router(svc, "search", {"stores": fake_projections()})
     router._handlers = {ev.FactsRetracted.DESCRIPTOR.full_name:
                         lambda m, meta: seen.append(m.memory_ids[0]) or []}
     log = SqliteEventLog(str(tmp_path / "log.db"))
@@ -213,7 +214,7 @@ def test_on_shared_servers_a_generation_the_replicas_serve_is_neither_built_nor_
     opened = []
     monkeypatch.setattr(Root, "open_stores", lambda self, g: opened.append(g))
     try:
-        router = Router(services()["search"], "search", {"stores": None})
+        router = Router(services()["search"], "search", {"stores": fake_projections()})
         replay = LiveReplay(root, router, make_router=None, recall_over=None)
         assert replay.shared
         g = replay.run()

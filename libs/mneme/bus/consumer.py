@@ -22,6 +22,13 @@ failure once per streak (then every tenth time), rather than spinning.
 Handlers run again after a crash for records whose batch was not committed yet, so their
 side effects outside the log (projections) must be idempotent upserts (DESIGN §3).
 
+Writes a handler makes outside the log may become durable only when flushed (a store's
+``flush()``, :attr:`mneme.router.Group.durable`): before every commit the runner calls
+``flush`` (a Router's :meth:`~mneme.router.Router.flush`), once per committed batch, not
+per record. A flush that raises commits nothing: the position stays where it was, the
+runner backs off as after a failure of the log (``stats["flush_failures"]``), and the
+records are read and handled again (idempotently) before the next try.
+
 The runner reads every partition of its topics and keeps the group's offsets on the log
 itself (:class:`LogMember`): it runs the embedded topology, and replay on either log.
 Consumer groups shared by several processes run on Kafka through FastStream instead
@@ -51,6 +58,11 @@ Handler = Callable[[Envelope, Record], "Sequence[OutRecord] | None"]
 
 #: Seconds between the consumer's own reads of its lag (:meth:`Consumer.lag_snapshot`).
 LAG_REFRESH_S = 1.0
+
+
+class FlushFailed(RuntimeError):
+    """The handler's writes could not be made durable, so their offsets were not
+    committed (the records are handled again)."""
 
 
 class LogMember:
@@ -104,6 +116,10 @@ class Consumer:
     ``wait_for_append`` wakes it earlier; logs without one are polled at this period).
     ``error_backoff_max``: cap in seconds of the exponential backoff after the log itself
     fails (n failures in a row wait ``min(backoff * 2**n, error_backoff_max)``).
+    ``flush``: called before every commit to make the handler's writes durable (default:
+    the handler's own ``flush`` when it has one, as a Router does; else nothing). When it
+    raises, nothing is committed and the pass fails with :class:`FlushFailed` (the
+    background thread backs off as above; a caller of :meth:`run_once` sees it).
 
     The consumer creates missing topics (and the DLQ) with
     :func:`mneme.bus.default_partitions`. One Consumer per group per process. On Kafka
@@ -117,7 +133,8 @@ class Consumer:
                  batch_size: int = 100, max_attempts: int = 3, backoff: float = 0.05,
                  backoff_max: float = 2.0, idle_wait: float = 1.0,
                  dlq_topic: str = DLQ, error_backoff_max: float = 30.0,
-                 fails_operation: Callable[[Message], bool] | None = None) -> None:
+                 fails_operation: Callable[[Message], bool] | None = None,
+                 flush: Callable[[], None] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_attempts < 1:
@@ -135,6 +152,9 @@ class Consumer:
         self.idle_wait = idle_wait
         self.dlq_topic = dlq_topic
         self._fails_operation = fails_operation or (lambda m: True)
+        if flush is None:
+            flush = getattr(handler, "flush", None)
+        self._flush = flush if callable(flush) else (lambda: None)
         self._until_stopped = deadline.Deadline(None, lambda: not self._stop.is_set())
         self._lag_snapshot: dict[tuple[str, int], int] = {}
         self._lag_at = float("-inf")
@@ -145,9 +165,11 @@ class Consumer:
         #: named is not read): a replay catching up to exactly where another consumer is.
         self.until: dict[tuple[str, int], int] | None = None
         self.error_backoff_max = error_backoff_max
-        #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors.
+        #: Counters: handled, skipped, dead_lettered, retries, stale_commits, errors,
+        #: flush_failures (flushes that raised: those commits were not made).
         self.stats = dict.fromkeys(
-            ("handled", "skipped", "dead_lettered", "retries", "stale_commits", "errors"), 0)
+            ("handled", "skipped", "dead_lettered", "retries", "stale_commits", "errors",
+             "flush_failures"), 0)
         #: The last exception the run loop caught (log or commit failure), if any.
         self.last_error: BaseException | None = None
         self._positions: dict[tuple[str, int], int] = {}
@@ -448,8 +470,17 @@ class Consumer:
 
     def _commit(self, topic: str, partition: int, next_off: int,
                 outputs: Sequence[OutRecord]) -> bool:
-        """Commit ``next_off`` with ``outputs``; False when the log refused it as stale
-        (another consumer of the group got there first: carry on from its offset)."""
+        """Flush the handler's writes, then commit ``next_off`` with ``outputs``; False
+        when the log refused it as stale (another consumer of the group got there first:
+        carry on from its offset). :class:`FlushFailed` when the flush raised (nothing
+        committed; the position stays where it was)."""
+        try:
+            self._flush()
+        except Exception as exc:
+            self.stats["flush_failures"] += 1
+            raise FlushFailed(f"consumer {self.group}: cannot make the writes of "
+                              f"{topic}[{partition}] up to offset {next_off} durable; "
+                              f"not committed: {exc!r}") from exc
         try:
             self.member.commit({(topic, partition): next_off},
                                produce=outputs if self.produce else ())
@@ -473,4 +504,4 @@ def _end_offsets(log_: EventLog, tps: list[tuple[str, int]]) -> dict[tuple[str, 
     return {tp: log_.end_offset(*tp) for tp in tps}
 
 
-__all__ = ["Consumer", "Handler", "LogMember"]
+__all__ = ["Consumer", "FlushFailed", "Handler", "LogMember"]

@@ -23,7 +23,12 @@ publisher, and per group one to the DLQ. Without routers the broker is only desc
    by :meth:`KafkaRunner.stop`, then produces its outputs and waits for every send;
 3. the middleware retries a failing handler (tenacity, exponential backoff), then
    produces the dead letters (:func:`mneme.bus.dead_letter.records`: the DLQ copy and
-   the failed progress of its operation), and commits the input offset.
+   the failed progress of its operation);
+4. it makes the group's writes durable (:meth:`mneme.router.Router.flush`, in a worker
+   thread) and commits the input offset. The outputs -- a sync retain's progress among
+   them -- are on the brokers before the flush, so it is off the request's path. A
+   flush that raises is never followed by a commit: the record is sought back (handled
+   again, idempotently) after a backoff.
 
 Delivery is at least once: the offset is committed only after the outputs are on the
 brokers, and outputs have deterministic ids, so a redelivered record yields duplicates
@@ -177,7 +182,7 @@ class Checkpoints:
 class GroupRun:
     """One consumer group's state in a working broker: its router, publishers (topic →
     FastStream publisher), counters (``stats``: handled, skipped, dead_lettered,
-    retries, commit_failures), the records in hand and its lag. Also what
+    retries, commit_failures, flush_failures), the records in hand and its lag. Also what
     :func:`mneme.telemetry.track_consumer` reports (``group``, ``running``,
     :meth:`lag_snapshot`)."""
 
@@ -194,7 +199,7 @@ class GroupRun:
         self.delivery = delivery
         self.publishers: dict[str, Any] = {}
         self.stats = dict.fromkeys(("handled", "skipped", "dead_lettered", "retries",
-                                    "commit_failures"), 0)
+                                    "commit_failures", "flush_failures"), 0)
         self.running = False
         self._lag: dict[tuple[str, int], int] = {}
         self._lock = asyncio.Lock()  # a group's handlers one at a time in this process
@@ -202,8 +207,11 @@ class GroupRun:
         # the middleware decodes it once and the handler takes it from here)
         self._in_hand: dict[str, tuple[Record, Envelope]] = {}
         self._idle: dict[str, asyncio.Event] = {}
-        # (topic, partition) → next offset this process committed there (catch_up)
+        # (topic, partition) → next offset this process committed there (flushed first)
         self.done: dict[tuple[str, int], int] = {}
+        # (topic, partition) → next offset this process handled there: its writes are
+        # visible (maybe not flushed nor committed yet), what read-your-writes waits for
+        self.handled_to: dict[tuple[str, int], int] = {}
         # partition → the assignment restoring it now (its records wait, paused)
         self.restoring: dict[int, object] = {}
         self.restore_tasks: set[asyncio.Future] = set()
@@ -320,6 +328,7 @@ class GroupRun:
                 if ids:
                     applied += (yield from self._apply(t, p, target, end, step, only=ids))[0]
                 marks[(t, p)] = max(start, reached)
+        self.restorer.flush()  # a mark says what the local state reflects durably
         self.checkpoints.advance(self.group, marks)  # one write for the assignment
         self.restored += applied
         return applied
@@ -386,6 +395,7 @@ class GroupRun:
                         marks[(t, p)] = self.done[(t, p)]
                 else:
                     marks[(t, p)] = self.log.end_offset(t, p)
+        self.router.flush()  # the handlers' writes those marks count, durable first
         self.checkpoints.advance(self.group, marks)
 
 
@@ -429,6 +439,18 @@ class DeliveryMiddleware(BaseMiddleware):
             except Exception:  # the brokers refuse: handle the record again
                 log.exception("consumer %s: cannot produce the dead letters of %s[%d]@%d",
                               run.group, rec.topic, rec.partition, rec.offset)
+                await msg.nack()
+                await delivery.sleep(delivery.backoff_max)
+                return None
+            tp = (rec.topic, rec.partition)
+            run.handled_to[tp] = max(run.handled_to.get(tp, 0), rec.offset + 1)
+            try:  # the commit below covers this record's writes: durable first
+                await asyncio.to_thread(run.router.flush)
+            except Exception:  # never commit: handle the record again after a backoff
+                run.stats["flush_failures"] += 1
+                log.exception("consumer %s: cannot make the writes of %s[%d]@%d durable; "
+                              "not committing", run.group, rec.topic, rec.partition,
+                              rec.offset)
                 await msg.nack()
                 await delivery.sleep(delivery.backoff_max)
                 return None
@@ -922,7 +944,9 @@ class KafkaRunner:
             for tp in tps:
                 if tp not in run.done and target[tp] > 0:
                     run.done.setdefault(tp, self.log.committed(gid, *tp))
-        while any(runs[g].done.get(tp, 0) < target[tp] for g, tps in wanted.items()
+        def reached(run: GroupRun, tp: tuple[str, int]) -> int:  # handled is visible
+            return max(run.done.get(tp, 0), run.handled_to.get(tp, 0))
+        while any(reached(runs[g], tp) < target[tp] for g, tps in wanted.items()
                   for tp in tps):
             if time.monotonic() >= end:
                 return False

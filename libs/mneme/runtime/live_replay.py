@@ -46,7 +46,8 @@ class LiveReplay:
     1. open generation *g* (:meth:`mneme.bootstrap.Root.open_stores`, empty) and replay
        the group's topics into it under a consumer group of its own, never past where the
        live group is (:meth:`mneme.router.Router.positions`, else its committed offsets),
-       projecting only (nothing is appended);
+       projecting only (nothing is appended; the builder flushes *g*'s stores before
+       each commit of its offsets, :meth:`mneme.router.Router.flush`);
     2. check, while the live group goes on: no bank has fewer units in a store than in
        the live generation (more is what the live one could not project, e.g. dead
        letters: ``gained``, repaired by the switch), and sampled recalls of banks with
@@ -243,6 +244,10 @@ class LiveReplay:
             # to where it is, then it goes on into the new stores.
             with self.router.paused() as nexts:
                 drain({tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps})
+                # The builder flushed before each commit; flush again so that nothing of
+                # g is only in memory when it goes live (nothing to do when clean). The
+                # retired stores are flushed when they close.
+                new.flush()
                 live = self.root.stores
                 old = type(new)(*(s.swap(n) for s, n in zip(live.all(), new.all())))
                 prev = self.generations.live()

@@ -119,12 +119,13 @@ def drop_generation(settings: Settings | None, generation: int) -> None:
     ``MNEME_STORE_GENERATION``). KeyError when the data dir knows no such generation,
     ValueError for the live one, DataDirLocked while a server runs (drop through it:
     ``mneme generations drop N --address``)."""
+    from types import SimpleNamespace
+
     from mneme.bootstrap import services
-    from mneme.router import Router
     from mneme.runtime.live_replay import LiveReplay
     root = Root(settings)
     try:  # the search group's name is all a drop needs of it: the live stores stay shut
-        live = Router(services()["search"], "search", {"stores": None})
+        live = SimpleNamespace(group=services()["search"].group("search"))
         LiveReplay(root, live, make_router=None, recall_over=None).drop(generation)
     finally:
         root.close()
