@@ -158,8 +158,10 @@ def test_neo4j_upsert_is_one_write_transaction_with_plain_parameters():
     assert {c.mode for c in driver.calls} == {"write"}
     assert [c.query for c in driver.calls] == [
         cypher.UNIT_ENTITIES, cypher.UNIT_LINK_TARGETS, cypher.CLEAR_UNIT_EDGES,
-        cypher.UPSERT_UNITS, cypher.MERGE_MENTIONS, cypher.MERGE_LINKS]
+        cypher.UPSERT_UNITS, cypher.MERGE_MENTIONS, cypher.MERGE_LINKS, cypher.TOUCH_BANK]
     by_query = {c.query: c.params for c in driver.calls}
+    # the bank's version token, renewed last in the write (readers' adjacency copies)
+    assert re.fullmatch(r"[0-9a-f]{32}", by_query[cypher.TOUCH_BANK]["version"])
     units = by_query[cypher.UPSERT_UNITS]["units"]
     assert by_query[cypher.UPSERT_UNITS]["bank_id"] == "a"
     assert units[0] == {"id": f.id, "document_id": "doc-7", "fact_type": "experience",
@@ -188,8 +190,35 @@ def test_neo4j_spread_reads_in_one_read_transaction():
     assert {c.mode for c in driver.calls} == {"read"}
     assert [h.id for h in hits][:3] == ["u1", "u2", "u3"]
     assert dict((h.id, h.score) for h in hits)["u4"] == pytest.approx(0.25)
-    first = driver.calls[0]
+    token, first = driver.calls[0], driver.calls[1]  # no version token yet: by Cypher
+    assert token.query == cypher.BANK_VERSION
     assert first.query == cypher.EXISTING_UNITS and sorted(first.params["ids"]) == ["gone", "u1"]
+
+
+def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
+    answers = {
+        cypher.BANK_VERSION: [["t1"]], cypher.COUNT_UNITS: [[4]],
+        cypher.ADJACENCY_UNITS: [["u1", None], ["u2", None], ["u3", None], ["u4", None]],
+        cypher.ADJACENCY_MENTIONS: [["u2", "e1", None], ["u3", "e1", None]],
+        cypher.ADJACENCY_LINKS: [["u1", "u4", 0.5]],
+        cypher.ADJACENCY_ENTITIES: [["e1", "Alice", "PERSON", "alice", ["alice"]]],
+        cypher.EXISTING_UNITS: [["u1"]],
+        cypher.ENTITY_UNITS: [["e1", 2, ["u2", "u3"]]],
+        cypher.ENTITY_NEIGHBOURS: [],
+        cypher.LINK_NEIGHBOURS: [["u1", "u4", "causal", 0.5]],
+    }
+    driver = BoltDriverDouble(lambda q, p: answers.get(q, []))
+    store = Neo4jGraphStore(driver=driver)
+    results = []
+    for _ in range(4):  # the third read with one token makes the copy
+        driver.calls.clear()
+        hits = store.spread("a", {"u1": 1.0, "gone": 1.0}, ["e1"], k=10, hops=1, decay=0.5)
+        results.append([(h.id, round(h.score, 6)) for h in hits])
+    assert results[0] == results[2] == results[3]
+    assert [c.query for c in driver.calls] == [cypher.BANK_VERSION]
+    assert {c.mode for c in driver.calls} == {"read"}
+    assert store.snapshot_stats == {"hits": 1, "builds": 1, "misses": 2}
+    assert [e.id for e in store.find_entities("a", ["alice"])] == ["e1"]
 
 
 def test_neo4j_deletes_and_reset_are_batched_writes():
@@ -201,8 +230,8 @@ def test_neo4j_deletes_and_reset_are_batched_writes():
     store.delete_where("a")
     store.reset()
     assert [(c.mode, c.query, c.params.get("limit")) for c in driver.calls] == [
-        ("write", cypher.DELETE_BANK_UNITS, 10_000), ("write", cypher.DELETE_BANK_ENTITIES,
-                                                      10_000),
+        ("write", cypher.DELETE_BANK_UNITS, 10_000), ("write", cypher.TOUCH_BANK, None),
+        ("write", cypher.DELETE_BANK_ENTITIES, 10_000), ("write", cypher.TOUCH_BANK, None),
         ("write", cypher.DELETE_ALL, 10_000)]
     driver.calls.clear()
     store.delete_where("a", "d1")
