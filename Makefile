@@ -14,7 +14,7 @@ HELM := tools/helm/bin/helm
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv proto run test bench bench-distributed up clean schemas asyncapi deploy-check helm helm-check
+.PHONY: venv proto run test bench bench-load bench-distributed up clean schemas asyncapi deploy-check helm helm-check
 
 venv: $(STAMP)
 
@@ -80,6 +80,14 @@ helm-check: venv $(HELM)
 
 bench: proto
 	$(BIN)/python tests/bench/locomo_retrieval.py --data $(DATA)
+
+# Recall/retain under load (issue 13); PEER_URL=http://127.0.0.1:18888 adds a Hindsight peer
+# (../shared/peers/hindsight/README.md) side by side. LOAD_ARGS e.g. --facts 10000 --json.
+PEER_URL ?=
+LOAD_ARGS ?=
+bench-load: proto
+	$(BIN)/python tests/bench/recall_load.py --data $(DATA) \
+	  $(if $(PEER_URL),--peer-url $(PEER_URL)) $(LOAD_ARGS)
 
 # Five services as separate processes on tansu, 1 and REPLICAS replicas each, then the
 # 1-replica run again per fetch wait (BENCH_ARGS=--quick for a smoke run).
