@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -53,8 +53,25 @@ class Settings(BaseSettings):
     kafka_connect_timeout_s: float = Field(
         default=60.0, description="How long to retry an unreachable broker at startup")
     kafka_fetch_max_wait_ms: int = Field(
-        default=100, description="Longest wait of a consumer's fetch for new records "
-                                 "(lower: less latency per hop, more fetches)")
+        default=100, ge=0, le=60_000,
+        description="Longest wait of a consumer's fetch for new records "
+                    "(lower: less latency per hop, more fetches)")
+    kafka_topic_fetch_max_wait_ms: dict[str, int] = Field(
+        default_factory=dict,
+        description='Per topic, the fetch wait of the consumers reading it, as JSON '
+                    '({"mneme.progress.v1": 10}); other topics use kafka_fetch_max_wait_ms')
+
+    @field_validator("kafka_topic_fetch_max_wait_ms")
+    @classmethod
+    def _known_topics(cls, waits: dict[str, int]) -> dict[str, int]:
+        from mneme.bus import ALL_TOPICS  # a typo would silently change nothing
+
+        for topic, ms in waits.items():
+            if topic not in ALL_TOPICS:
+                raise ValueError(f"unknown topic {topic!r} (topics: {', '.join(ALL_TOPICS)})")
+            if not 0 <= ms <= 60_000:
+                raise ValueError(f"{topic}: {ms} ms is not 0..60000")
+        return waits
     replica_id: str = Field(
         default="", description="This replica's name (e.g. the pod name; default the host "
                                 "name); its state's id adds a random suffix kept in the "
@@ -120,7 +137,9 @@ class Settings(BaseSettings):
                 "request_timeout_ms": self.kafka_request_timeout_ms,
                 "enable_idempotence": self.kafka_enable_idempotence,
                 "connect_timeout_s": self.kafka_connect_timeout_s,
-                "fetch_max_wait_ms": self.kafka_fetch_max_wait_ms}
+                "fetch_max_wait_ms": self.kafka_fetch_max_wait_ms,
+                "topic_fetch_max_wait_ms": tuple(sorted(
+                    self.kafka_topic_fetch_max_wait_ms.items()))}
 
     def kafka_security(self):
         """The ``kafka_security_protocol``/``kafka_ssl_*``/``kafka_sasl_*`` settings as a

@@ -68,7 +68,9 @@ class KafkaOptions:
     it; the ``tansu`` test broker does not). ``connect_timeout_s``: how long the
     constructor retries an unreachable broker before raising ConnectionError.
     ``fetch_max_wait_ms``: how long the services' group consumers let a fetch wait for
-    records (aiokafka's default, 500 ms, is paid by every hop of a sync retain).
+    records (aiokafka's default, 500 ms, is paid by every hop of a sync retain);
+    ``topic_fetch_max_wait_ms``: (topic, ms) pairs overriding it for the consumers of
+    those topics (:meth:`fetch_wait`). ValueError for a wait outside 0..60000 ms.
     """
 
     client_id: str = "mneme"
@@ -81,6 +83,17 @@ class KafkaOptions:
     enable_idempotence: bool = True
     connect_timeout_s: float = 60.0
     fetch_max_wait_ms: int = 100
+    topic_fetch_max_wait_ms: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, ms in (("fetch_max_wait_ms", self.fetch_max_wait_ms),
+                         *self.topic_fetch_max_wait_ms):
+            if not isinstance(ms, int) or not 0 <= ms <= 60_000:
+                raise ValueError(f"fetch wait of {name}: {ms!r} is not 0..60000 ms")
+
+    def fetch_wait(self, topic: str) -> int:
+        """The fetch wait (ms) of the group consumers reading ``topic``."""
+        return dict(self.topic_fetch_max_wait_ms).get(topic, self.fetch_max_wait_ms)
 
 
 def parse_kafka_url(url: str) -> tuple[str, dict[str, str]]:

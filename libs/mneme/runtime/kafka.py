@@ -593,11 +593,11 @@ def _step(steps) -> int | None:
     return None
 
 
-def _consumer_settings(o: KafkaOptions) -> dict[str, Any]:
+def _consumer_settings(o: KafkaOptions, topic: str) -> dict[str, Any]:
     return dict(session_timeout_ms=o.session_timeout_ms,
                 heartbeat_interval_ms=o.heartbeat_interval_ms,
                 max_poll_interval_ms=o.max_poll_interval_ms,
-                fetch_max_wait_ms=o.fetch_max_wait_ms)
+                fetch_max_wait_ms=o.fetch_wait(topic))
 
 
 def _stub(name: str, model: Any):
@@ -682,7 +682,7 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
                     auto_offset_reset="earliest", title=f"{group.name}.consume.{topic}",
                     description=f"Service `{service.name}`, consumer group `{group.name}`, "
                                 f"reads `{topic}`.",
-                    listener=listener, **_consumer_settings(o))
+                    listener=listener, **_consumer_settings(o, topic))
                 if listener is not None:
                     listener.subscriber = sub  # its consumer pauses restoring partitions
                 if run is None:
