@@ -138,8 +138,10 @@ class FakeStore:
     def ids(self, bank_id: str) -> set[str]:
         return set(self.units.get(bank_id, {}))
 
-    def count(self, bank_id: str) -> int:
-        return len(self.units.get(bank_id, {}))
+    def count(self, bank_id: str, filters=None) -> int:
+        from mneme.stores.filters import fact_matches
+        return sum(1 for f in self.units.get(bank_id, {}).values()
+                   if filters is None or fact_matches(f, filters))
 
     def count_entities(self, bank_id: str) -> int:
         return len({e.id for f in self.units.get(bank_id, {}).values() for e in f.entities})

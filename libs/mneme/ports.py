@@ -116,7 +116,9 @@ class VectorStore(Protocol):
                filters: Filters | None = None) -> tuple[list[Fact], str | None]:
         """Page through the bank's facts in a stable order; returns (page, next cursor)."""
 
-    def count(self, bank_id: str) -> int: ...
+    def count(self, bank_id: str, filters: Filters | None = None) -> int:
+        """Number of the bank's units matching ``filters`` (all when None), exact, counted
+        by the store (no paging through them)."""
 
     def reset(self) -> None:
         """Drop every bank's data (used by replay before rebuilding)."""
@@ -272,6 +274,9 @@ class Catalog(Protocol):
 
     def get_operation(self, operation_id: str) -> Operation | None:
         """The operation (a fresh copy: mutating it changes nothing stored), or None."""
+
+    def count_operations(self, bank_id: str) -> tuple[int, int]:
+        """(operations, of which not yet terminal) of the bank, counted by the catalog."""
 
     def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
         """Newest first (``created_at`` descending, then ``operation_id`` ascending),

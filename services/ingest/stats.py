@@ -3,6 +3,8 @@
 * facts, observations, entities: counted in search's projections when this process has
   them (the embedded topology); -1 when it does not (the distributed ingest process holds
   only the catalog: ask the embedded server, or read the stores directly).
+  Every figure is a count the store or the catalog makes (no paging), so the call costs
+  the same at any bank size.
 * pending work: the operations of the bank not yet terminal (catalog), and the records
   every consumer group has not yet committed on the bank's partition of its topics
   (events are keyed by bank, so one partition holds all of a bank's events; other banks
@@ -16,14 +18,9 @@ from mneme.bus import partition_for
 
 def _count_observations(vectors, bank_id: str) -> int:
     """Observations in the vector store (units with fact_type ``observation``, see
-    ``services.search.observations``), counted by paging through them."""
+    ``services.search.observations``), counted by the store."""
     from mneme.domain import Filters
-    n, after = 0, None
-    while True:
-        page, after = vectors.scroll(bank_id, 1000, after, Filters(types=("observation",)))
-        n += len(page)
-        if not after:
-            return n
+    return int(vectors.count(bank_id, Filters(types=("observation",))))
 
 
 def consumer_lag(log, bank_id: str, groups) -> list[tuple[str, str, int, int]]:
@@ -48,14 +45,6 @@ def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
         # the vector store holds the observations too
         stats["facts"] = int(stores.vectors.count(bank_id)) - stats["observations"]
         stats["entities"] = stores.graph.count_entities(bank_id)
-    ops, offset = [], 0
-    while True:
-        page = catalog.list_operations(bank_id, 500, offset)
-        ops += page
-        offset += len(page)
-        if len(page) < 500:
-            break
-    stats["pending_operations"] = sum(1 for o in ops if not o.done)
-    stats["operations"] = len(ops)
+    stats["operations"], stats["pending_operations"] = catalog.count_operations(bank_id)
     stats["lag"] = consumer_lag(log, bank_id, groups)
     return stats

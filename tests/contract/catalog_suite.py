@@ -125,6 +125,18 @@ class CatalogSuite:
         got = cat.get_operation("o1")
         assert (got.state, got.items_done, got.facts, got.error) == (first, 2, 5, "")
 
+    def test_count_operations_counts_the_banks_and_its_unfinished(self, cat):
+        assert cat.count_operations("a") == (0, 0)
+        for i, state in enumerate(["pending", "running", "succeeded", "failed", "pending"]):
+            cat.put_operation(op(f"o{i}", "a", state=state, at=T0 + i))
+        cat.put_operation(op("x1", "b", state="pending"))
+        assert cat.count_operations("a") == (5, 3)
+        cat.update_operation(op("o0", "a", state="succeeded"))
+        assert cat.count_operations("a") == (5, 2)
+        assert cat.count_operations("b") == (1, 1) and cat.count_operations("zzz") == (0, 0)
+        cat.delete_bank("a")
+        assert cat.count_operations("a") == (0, 0)
+
     def test_operations_of_a_deleted_bank_never_return(self, cat):
         cat.upsert_bank("a", "A", BankConfig(), T0)
         cat.put_operation(op("o1", "a"))

@@ -73,6 +73,13 @@ class VectorStoreSuite:
         store.upsert(corpus("a", 6) + corpus("b", 4))
         assert (store.count("a"), store.count("b"), store.count("zzz")) == (6, 4, 0)
 
+    def test_count_with_filters_counts_what_fact_matches_keeps(self, store):
+        facts = corpus("a", 24) + corpus("b", 5)
+        store.upsert(facts)
+        for flt in filter_cases():
+            want = sum(1 for f in facts if f.bank_id == "a" and fact_matches(f, flt))
+            assert store.count("a", flt) == want, flt
+
     # -- kNN --
 
     def test_knn_nearest_first_with_cosine_scores(self, store):

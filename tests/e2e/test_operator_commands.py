@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 import grpc
@@ -43,6 +44,12 @@ def test_bank_stats_and_operations(server):
         assert s.pending_records == sum(x.lag for x in s.lag)
         ops = list(m.list_operations("ops"))
         assert r.operation.name in {o.name for o in ops}
+        assert s.operations == len(ops)
+        end = time.monotonic() + 60  # consolidation done: its observations are counted
+        while (s := m.bank_stats("ops")).pending_records and time.monotonic() < end:
+            time.sleep(0.2)
+        observed = list(m.list_observations("ops"))
+        assert s.observations == len(observed) > 0
         with pytest.raises(grpc.RpcError) as e:
             m.bank_stats("nope")
         assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -152,6 +152,16 @@ class SqliteCatalog:
                                    (operation_id,)).fetchone()
         return _op(row) if row else None
 
+    def count_operations(self, bank_id: str) -> tuple[int, int]:
+        """(operations, of which not yet terminal) of the bank: one indexed count."""
+        terminal = sorted(TERMINAL)
+        marks = ",".join("?" * len(terminal))
+        with self._lock:
+            total, pending = self._db.execute(
+                f"SELECT count(*), coalesce(sum(state NOT IN ({marks})), 0) FROM operations "
+                "WHERE bank_id=?", (*terminal, bank_id)).fetchone()
+        return int(total), int(pending)
+
     def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
         """Newest first; ``bank_id`` empty lists every bank."""
         q = f"SELECT {_OP_COLUMNS} FROM operations"

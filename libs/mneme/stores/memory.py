@@ -98,6 +98,12 @@ class MemoryCatalog:
             op = self._ops.get(operation_id)
             return _copy_op(op) if op is not None else None
 
+    def count_operations(self, bank_id: str) -> tuple[int, int]:
+        """(operations, of which not yet terminal) of the bank."""
+        with self._lock:
+            ops = [o for o in self._ops.values() if o.bank_id == bank_id]
+            return len(ops), sum(1 for o in ops if not o.done)
+
     def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
         with self._lock:
             ops = [o for o in self._ops.values() if not bank_id or o.bank_id == bank_id]

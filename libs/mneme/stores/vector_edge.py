@@ -356,10 +356,11 @@ class EdgeVectorStore:
         page = [payload_to_fact(r.payload) for r in records]
         return page, (_encode_cursor(str(nxt)) if nxt is not None else None)
 
-    def count(self, bank_id: str) -> int:
-        """Number of facts in the bank (exact)."""
+    def count(self, bank_id: str, filters: Filters | None = None) -> int:
+        """Number of the bank's units matching ``filters`` (all when None), exact."""
         with self._lock:
-            return int(self.shard.count(CountRequest(filter=qdrant_filter(bank_id), exact=True)))
+            return int(self.shard.count(CountRequest(filter=qdrant_filter(bank_id, filters),
+                                                     exact=True)))
 
     def _scan(self, flt: Filter, payload: list[str]) -> list[dict[str, Any]]:
         """Every matching point's (partial) payload; caller holds the lock."""

@@ -363,10 +363,11 @@ class QdrantVectorStore:
         page = [payload_to_fact(r.payload) for r in records]
         return page, (_encode_cursor(str(nxt)) if nxt is not None else None)
 
-    def count(self, bank_id: str) -> int:
-        """Number of facts in the bank (exact)."""
+    def count(self, bank_id: str, filters: Filters | None = None) -> int:
+        """Number of the bank's units matching ``filters`` (all when None), exact."""
         with self._lock:
-            return int(self.client.count(self.collection, count_filter=client_filter(bank_id),
+            return int(self.client.count(self.collection,
+                                         count_filter=client_filter(bank_id, filters),
                                          exact=True).count)
 
     def _scan(self, flt: m.Filter, payload: list[str]) -> list[dict[str, Any]]:
