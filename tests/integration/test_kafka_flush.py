@@ -9,10 +9,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from mneme.bus import INTAKE, MEMORY
+from mneme.bus.logs import open_event_log
 from mneme.events.v1 import events_pb2 as ev
 from mneme.router import Group, Router, Service
 from mneme.runtime.kafka import KafkaRunner
+from tests.integration.conftest import KAFKA_TEST_OPTIONS
 from tests.integration.test_kafka_runner import Toy, _uid, delete, mine, on_delete
 
 
@@ -33,6 +37,15 @@ class DurableToy(Toy):
         self.flushes += 1
         if self.failing.is_set():
             raise OSError("disk full")
+
+
+@pytest.fixture
+def kafka_log(fresh_tansu):
+    """A log on a broker of this test's own: the group reads its topic from the start,
+    and a flush failing on another test's record would hold it there."""
+    log = open_event_log(fresh_tansu.url, **KAFKA_TEST_OPTIONS)
+    yield log
+    log.close()
 
 
 def test_a_failing_flush_is_never_followed_by_a_commit_and_the_offsets_follow_once_it_works(

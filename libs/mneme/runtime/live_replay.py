@@ -178,7 +178,10 @@ class LiveReplay:
             topics = self.router.topics
             log_ = self.root.log
             log_.reset_group(gid, topics)
-            router = self.make_router(new, gid)
+            # writes buffered per consumer batch: a Tantivy commit and a graph round
+            # trip per batch, not per record (nothing reads g before it is flushed)
+            router = self.make_router(
+                type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid)
             c = _Builder(log_, gid, topics, router, fails_operation=router.fails_operation)
             c.produce = False  # the outputs of these records are on the log already
             tps = [(t, p) for t in topics for p in range(log_.partitions(t))]
@@ -351,6 +354,85 @@ class LiveReplay:
             self.wait(30)
         for g in list(self._retired):
             _close(self._retired.pop(g))
+
+
+class WriteBehind:
+    """A store port that buffers writes (``upsert``, ``delete``, ``delete_where``) until
+    :meth:`flush`, which applies them in order -- consecutive upserts as one call, the
+    last version of a unit kept -- then flushes the store. Any other call flushes first,
+    so a read sees every write made before it. For a replay's builder: its consumer
+    flushes before each commit of its offsets (:attr:`mneme.router.Group.durable`), so a
+    batch of records costs one write per store instead of one per record. At most
+    :attr:`limit` units wait; more flush at once. ``delete_where`` returns [] (the ids
+    are not known until the flush). Not thread-safe: one consumer's.
+
+    ``empty``: the store was empty when wrapped and is written only through this
+    wrapper (a new generation), so a delete of what was never written here is dropped
+    (a replayed retain deletes its document's earlier units first, which in a new
+    generation are almost never there; kept, each would end a run of upserts)."""
+
+    limit = 5_000
+
+    def __init__(self, target, empty: bool = False) -> None:
+        self.target = target
+        self._ops: list[tuple[str, tuple]] = []
+        self._units = 0
+        # what was written here, when the store started empty (None: unknown)
+        self._written: dict[str, tuple[set, set]] | None = {} if empty else None
+
+    def _never_written(self, bank_id: str, *, document_id=None, ids=None) -> bool:
+        if self._written is None:
+            return False
+        if bank_id not in self._written:
+            return True
+        units, docs = self._written[bank_id]
+        if ids is not None:
+            return not any(i in units for i in ids)
+        return document_id is not None and document_id not in docs
+
+    def upsert(self, facts) -> None:
+        facts = list(facts)
+        if self._written is not None:
+            for f in facts:
+                units, docs = self._written.setdefault(f.bank_id, (set(), set()))
+                units.add(f.id)
+                docs.add(f.document_id)
+        if self._ops and self._ops[-1][0] == "upsert":
+            self._ops[-1][1][0].extend(facts)
+        else:
+            self._ops.append(("upsert", (facts,)))
+        self._units += len(facts)
+        if self._units >= self.limit:
+            self.flush()
+
+    def delete(self, bank_id: str, ids) -> None:
+        ids = list(ids)
+        if not self._never_written(bank_id, ids=ids):
+            self._ops.append(("delete", (bank_id, ids)))
+
+    def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
+        from mneme.stores.filters import check_document_id
+        check_document_id(document_id)  # refused now, as the store would
+        if not self._never_written(bank_id, document_id=document_id):
+            self._ops.append(("delete_where", (bank_id, document_id)))
+        return []
+
+    def flush(self) -> None:
+        """Apply the buffered writes in order, then make them durable (the store's
+        flush). On an error the writes not yet applied stay buffered for the next try
+        (re-applying one is harmless: each write is idempotent)."""
+        while self._ops:
+            op, args = self._ops[0]
+            if op == "upsert":  # the last version of each unit, in first-seen order
+                args = (list({(f.bank_id, f.id): f for f in args[0]}.values()),)
+            getattr(self.target, op)(*args)
+            self._ops.pop(0)
+        self._units = 0
+        self.target.flush()
+
+    def __getattr__(self, name: str):
+        self.flush()
+        return getattr(self.target, name)
 
 
 class _Builder(Consumer):
