@@ -53,7 +53,7 @@ import os
 import sqlite3
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -659,18 +659,25 @@ class SqliteEventLog:
     # ---- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Close every connection. Stop consumers first; later calls raise RuntimeError
-        (or ``sqlite3.ProgrammingError`` from a thread's closed connection)."""
+        """Close every connection, the readers first, then checkpoint the WAL into the
+        main file (TRUNCATE) and close the writer, so a log at rest is one whole file
+        (what the next open's header check judges). Stop consumers first; later calls
+        raise RuntimeError (or ``sqlite3.ProgrammingError`` from a thread's closed
+        connection)."""
         if self._closed:
             return
         self._closed = True
         self.wake()
-        with self._shared.write_lock:
-            self._writer.close()
         with self._readers_lock:
             for _, conn in self._readers:
                 conn.close()
             self._readers.clear()
+        with self._shared.write_lock:
+            # SQLite checkpoints when the last connection closes, but not while another
+            # one (another instance on the file) is open: do it here, best effort
+            with suppress(sqlite3.Error):
+                self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            self._writer.close()
 
     def __enter__(self) -> "SqliteEventLog":
         return self
