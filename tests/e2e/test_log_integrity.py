@@ -38,6 +38,8 @@ def _filled(tmp_path: Path) -> Path:
                 assert m.retain("ops", [{"content": text}]).operation.state == 3  # SUCCEEDED
     finally:
         server.stop()
+    wal = data / "log.db-wal"  # a clean stop folds the WAL into log.db (SqliteEventLog.close)
+    assert not wal.exists() or wal.stat().st_size == 0, wal.stat().st_size
     return data
 
 
