@@ -445,7 +445,8 @@ class DeliveryMiddleware(BaseMiddleware):
             tp = (rec.topic, rec.partition)
             run.handled_to[tp] = max(run.handled_to.get(tp, 0), rec.offset + 1)
             try:  # the commit below covers this record's writes: durable first
-                await asyncio.to_thread(run.router.flush)
+                if run.router.group.durable:  # else nothing to flush: no thread hop
+                    await asyncio.to_thread(run.router.flush)
             except Exception:  # never commit: handle the record again after a backoff
                 run.stats["flush_failures"] += 1
                 log.exception("consumer %s: cannot make the writes of %s[%d]@%d durable; "

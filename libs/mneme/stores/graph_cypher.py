@@ -169,6 +169,10 @@ class Adjacency:
         return cls(token, live, {u: tuple(es) for u, es in entities_of.items()}, mentions,
                    links, entities, {k: tuple(v) for k, v in keys.items()})
 
+    def live_units(self, ids: Sequence[str]) -> list[str]:
+        """Which of ``ids`` are live units of the bank (``cypher.EXISTING_UNITS``)."""
+        return [u for u in ids if u in self.live]
+
     def entity_units(self, entity_ids: Sequence[str]) -> Iterable[tuple[int, tuple[str, ...]]]:
         """(degree, units) per entity of ``entity_ids`` that any unit mentions
         (``cypher.ENTITY_UNITS``)."""
@@ -178,7 +182,7 @@ class Adjacency:
 
     def neighbours(self, ids: Sequence[str]
                    ) -> Iterable[tuple[Sequence[str], Sequence[str], float]]:
-        """The edge groups of :meth:`CypherGraphStore._neighbours`, from memory."""
+        """The edge groups of :meth:`_CypherView.neighbours`, from memory."""
         sources: dict[str, list[str]] = defaultdict(list)
         for uid in dict.fromkeys(ids):
             for eid in self.entities_of.get(uid, ()):
@@ -382,52 +386,61 @@ class CypherGraphStore:
     def _spread(self, run: Run, bank_id: str, seeds: dict[str, float],
                 entity_ids: Sequence[str], k: int, hops: int,
                 decay: float) -> dict[str, float]:
-        starts: dict[str, float] = {}
-        if seeds:
-            for uid in _column(run, cypher.EXISTING_UNITS, bank_id=bank_id, ids=list(seeds)):
-                starts[uid] = max(starts.get(uid, 0.0), float(seeds[uid]))
-        if entity_ids:
-            for _, degree, units in run(cypher.ENTITY_UNITS, {
-                    "bank_id": bank_id, "entity_ids": list(entity_ids),
-                    "fanout": self.fanout}):
-                a = hub_damping(degree)
-                for uid in units:
-                    starts[uid] = max(starts.get(uid, 0.0), a)
-        starts = {u: a for u, a in starts.items() if a > 0}
-        return spread_activation(
-            starts, hops, decay, lambda ids: self._neighbours(run, bank_id, ids),
-            frontier_cap=max(4 * k, MIN_FRONTIER))
+        return _spread_from(_CypherView(run, bank_id, self.fanout), seeds, entity_ids,
+                            k, hops, decay)
 
-    def _neighbours(self, run: Run, bank_id: str, ids: list[str]
-                    ) -> Iterable[tuple[Sequence[str], Sequence[str], float]]:
+
+class _CypherView:
+    """The questions spreading activation asks of a bank (as :class:`Adjacency` answers
+    them from memory), answered with Cypher inside one unit of work ``run``."""
+
+    def __init__(self, run: Run, bank_id: str, fanout: int) -> None:
+        self.run, self.bank_id, self.fanout = run, bank_id, fanout
+
+    def live_units(self, ids: Sequence[str]) -> list[str]:
+        """Which of ``ids`` are live units of the bank (``cypher.EXISTING_UNITS``)."""
+        if not ids:
+            return []
+        return _column(self.run, cypher.EXISTING_UNITS, bank_id=self.bank_id, ids=list(ids))
+
+    def entity_units(self, entity_ids: Sequence[str]) -> Iterable[tuple[int, Sequence[str]]]:
+        """(degree, units) per entity of ``entity_ids`` that any unit mentions."""
+        if not entity_ids:
+            return []
+        return [(degree, units) for _, degree, units in self.run(cypher.ENTITY_UNITS, {
+            "bank_id": self.bank_id, "entity_ids": list(entity_ids), "fanout": self.fanout})]
+
+    def neighbours(self, ids: list[str]
+                   ) -> Iterable[tuple[Sequence[str], Sequence[str], float]]:
         """Edge groups one hop from ``ids`` (see :func:`spread_activation`): per entity
         the frontier units mentioning it × its units (at most ``fanout``), then each
         unit's LINK edges (its ``fanout`` heaviest)."""
-        for _, sources, degree, units in run(cypher.ENTITY_NEIGHBOURS, {
-                "bank_id": bank_id, "ids": ids, "fanout": self.fanout}):
+        for _, sources, degree, units in self.run(cypher.ENTITY_NEIGHBOURS, {
+                "bank_id": self.bank_id, "ids": ids, "fanout": self.fanout}):
             yield sources, units, hub_damping(degree)
         per_source: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for src, uid, _kind, weight in run(cypher.LINK_NEIGHBOURS,
-                                           {"bank_id": bank_id, "ids": ids}):
+        for src, uid, _kind, weight in self.run(cypher.LINK_NEIGHBOURS,
+                                                {"bank_id": self.bank_id, "ids": ids}):
             per_source[src].append((float(weight if weight is not None else 1.0), uid))
         for src, edges in per_source.items():
             for weight, uid in sorted(edges, reverse=True)[:self.fanout]:
                 yield (src,), (uid,), weight
 
 
-def _spread_from(adjacency: Adjacency, seeds: dict[str, float], entity_ids: Sequence[str],
-                 k: int, hops: int, decay: float) -> dict[str, float]:
-    """:meth:`CypherGraphStore._spread` over an in-memory :class:`Adjacency`."""
+def _spread_from(view: "Adjacency | _CypherView", seeds: dict[str, float],
+                 entity_ids: Sequence[str], k: int, hops: int, decay: float
+                 ) -> dict[str, float]:
+    """:func:`spread_activation` from ``seeds`` and the units mentioning ``entity_ids``
+    over ``view`` (the bank in memory, or read with Cypher: the same answers)."""
     starts: dict[str, float] = {}
-    for uid, a in seeds.items():
-        if uid in adjacency.live:
-            starts[uid] = max(starts.get(uid, 0.0), float(a))
-    for degree, units in adjacency.entity_units(list(entity_ids)):
+    for uid in view.live_units(list(seeds)):
+        starts[uid] = max(starts.get(uid, 0.0), float(seeds[uid]))
+    for degree, units in view.entity_units(list(entity_ids)):
         a = hub_damping(degree)
         for uid in units:
             starts[uid] = max(starts.get(uid, 0.0), a)
     starts = {u: a for u, a in starts.items() if a > 0}
-    return spread_activation(starts, hops, decay, adjacency.neighbours,
+    return spread_activation(starts, hops, decay, view.neighbours,
                              frontier_cap=max(4 * k, MIN_FRONTIER))
 
 
