@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from typing import Callable, Iterator
 
+from tests.ports import free_port  # noqa: F401 - re-exported for the contract suites
+
 
 @dataclass(frozen=True)
 class Server:
@@ -23,11 +25,6 @@ class Server:
     port: int
     log: str
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(ready: Callable[[], bool], proc: subprocess.Popen, log: str, what: str,

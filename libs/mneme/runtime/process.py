@@ -118,7 +118,8 @@ class ServiceProcess:
         self._health = grpc_server.add_health(server, self._names, grpc_server.NOT_SERVING)
         self.port = grpc_server.bind(server, self.settings.grpc_address, self.settings)
         if self.port == 0:
-            raise RuntimeError(f"cannot bind {self.settings.grpc_address}")
+            raise RuntimeError(f"cannot listen on {self.settings.grpc_address}: the port is "
+                               f"taken (another server?) or not an address of this host")
         server.start()
         self.server = server
         return self.port
