@@ -16,6 +16,7 @@ import logging
 from concurrent import futures
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import grpc
@@ -409,10 +410,32 @@ def build_reflect(root: Root, recall: Callable | None = None,
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     """consolidation: facts → ObservationsChanged, over its projection
     ``<data_dir>/observations.db``. Decisions use the "consolidation" model when one is
-    configured, else the offline rules; ``decide=False`` (replay) only rebuilds it."""
+    configured, else the offline rules; ``decide=False`` (replay) only rebuilds it.
+
+    Embedded, the projection is a generation like search's stores: the live
+    generation's file (``observations.g<n>.db`` for n > 1), switched by a replay through
+    ``api["follower"]`` (:class:`mneme.runtime.live_replay.Follower`). Distributed, it is
+    replica-local state restored on partition assignment (``observations.db``)."""
+    from mneme.generations import Switchable, versioned_file
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
-    store = root._opened(SqliteObservationStore(str(root.data_dir / "observations.db")))
+    base = root.data_dir / "observations.db"
+
+    def path(g: int) -> Path:
+        return versioned_file(base, g)
+    live_file = base
+    if not root.distributed:
+        live_file = path(root.generations.live())
+        if not live_file.exists() and base.exists():
+            # written before the projection had generations (search's stores went on
+            # without it): it is the live generation's state, so it takes that name,
+            # and dropping generation 1 later cannot delete it (the data dir is ours)
+            for suffix in ("", "-wal", "-shm"):
+                src = base.with_name(base.name + suffix)
+                if src.exists():
+                    src.rename(live_file.with_name(live_file.name + suffix))
+    store = Switchable(SqliteObservationStore(str(live_file)))
+    root._opened(store, lambda: store.target.close())
     parts = ServiceParts("consolidation", api={"observations": store})
     bank_config = root.bank_config
     if root.distributed:  # its own catalog copy: a bank it does not know yet catches up
@@ -425,6 +448,18 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     deps = dict(consolidator=consolidator, decide=decide, **root.own_catalog())
     parts.routers = _routers(root, "consolidation", **deps)
     parts.restorers = _restorers(root, "consolidation", **deps)
+    if not root.distributed:
+        from mneme.runtime.live_replay import Follower
+        svc = services()["consolidation"]
+
+        def make_router(other, group_id: str) -> Router:
+            # its restore handlers: the recorded decisions applied, nothing decided
+            return Router(svc, "consolidation", {"consolidator": Consolidator(
+                other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
+        parts.api["follower"] = Follower(
+            router=parts.routers["consolidation"], make_router=make_router,
+            open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store,
+            counts=lambda s, bank_id: s.counts(bank_id))
     return parts
 
 

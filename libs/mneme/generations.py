@@ -1,4 +1,5 @@
-"""Projection generations: search's stores (vectors, text, graph) are numbered sets.
+"""Projection generations: search's stores (vectors, text, graph) and, embedded,
+consolidation's observation projection are numbered sets.
 
 A replay builds generation *n + 1* next to the live generation *n* while *n* keeps
 serving, and switches only when the new one has caught up and passed a check
@@ -87,6 +88,21 @@ def versioned_url(kind: str, url: str, generation: int) -> str:
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     query[key] = f"{query.get(key) or default}_{g}"
     return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def versioned_file(path: Path, generation: int) -> Path:
+    """The file of a local single-file projection (consolidation's ``observations.db``)
+    in ``generation``: ``path`` itself for 1, ``observations.g2.db`` for 2 (as the
+    FalkorDB file of :func:`versioned_url`). ValueError for ``generation`` < 1."""
+    if generation < 1:
+        raise ValueError(f"generation must be >= 1, got {generation}")
+    return path if generation == 1 else path.with_name(f"{path.stem}.g{generation}{path.suffix}")
+
+
+def remove_file(path: Path) -> None:
+    """Delete a SQLite projection file and its ``-wal``/``-shm`` companions."""
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        p.unlink(missing_ok=True)
 
 
 def configured(settings) -> int | None:
@@ -278,4 +294,5 @@ class Switchable:
 
 
 __all__ = ["Generation", "Generations", "STATES", "Switchable", "configured", "drop_stores",
-           "generation_group", "local_path", "remove_local", "versioned_url"]
+           "generation_group", "local_path", "remove_file", "remove_local", "versioned_file",
+           "versioned_url"]

@@ -331,6 +331,10 @@ class ObservationStore(Protocol):
         mark ``reset_memory_ids`` pending and ``consolidated_memory_ids`` consolidated
         (unknown ids ignored). Idempotent: applying it again changes nothing."""
 
+    def counts(self, bank_id: str) -> tuple[int, int, int]:
+        """(facts, of them consolidated, observation states incl. deleted ones) of the
+        bank, counted in the store: what a replay's check compares."""
+
     def dump(self, bank_id: str) -> list[bytes]:
         """Every observation state of the bank (deleted ones included), ordered by id, as
         deterministic protobuf bytes: what a replay must reproduce byte for byte."""

@@ -144,3 +144,17 @@ class ObservationStoreSuite:
         assert len(store.dump("a")) == 1
         store.reset()
         assert store.facts("b") == [] and store.dump("a") == store.dump("b") == []
+
+    def test_counts_facts_consolidated_and_observation_states_per_bank(self, store):
+        assert store.counts("a") == (0, 0, 0)
+        store.add_facts("a", [(fact("f1"), [[]]), (fact("f2"), [[]]), (fact("f3"), [[]])])
+        store.add_facts("b", [(fact("f1"), [[]])])
+        store.apply(changed(observations=[obs("o1", 1), obs("o2", 1, deleted=True)],
+                            consolidated=["f1", "f3"]))
+        assert store.counts("a") == (3, 2, 2)  # a deleted state is still a state
+        assert store.counts("b") == (1, 0, 0)
+        store.apply(changed(reset=["f3"]))
+        store.delete_facts("a", ["f2"])
+        assert store.counts("a") == (2, 1, 2)
+        store.delete_bank("a")
+        assert store.counts("a") == (0, 0, 0) and store.counts("b") == (1, 0, 0)

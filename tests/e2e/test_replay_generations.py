@@ -48,6 +48,18 @@ def _state(data_dir: Path) -> dict:
     return json.loads((data_dir / "generations.json").read_text())
 
 
+def _consolidation(path: Path, bank: str = BANK) -> tuple[tuple, list[bytes]]:
+    """consolidation's projection in one generation's file, read beside the server:
+    (facts, consolidated, observation states) and every observation state's bytes."""
+    from mneme.stores.observations_sqlite import SqliteObservationStore
+    assert path.exists(), path
+    s = SqliteObservationStore(str(path))  # SQLite in WAL mode: a reader beside the writer
+    try:
+        return s.counts(bank), s.dump(bank)
+    finally:
+        s.close()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("gen") / "data"
@@ -109,6 +121,12 @@ def test_replay_while_serving_switches_to_an_equal_generation(server):
         assert g.check.banks == 2 and g.check.recalls > 0 and g.check.agreement >= 0.8
         assert errors == [] and recalls[0] > 5
         assert _results(m) == before
+        # consolidation's projection is part of the generation: rebuilt from the recorded
+        # decisions into its own file, the same state byte for byte
+        d = server.data_dir
+        counts, states = _consolidation(d / "observations.g2.db")
+        assert counts[0] > 0 and counts[2] > 0 and states
+        assert _consolidation(d / "observations.db") == (counts, states)
 
         # With retains arriving throughout, every one acknowledged before, during and after
         # the switch is in the live generation exactly once (the live group went on from
@@ -125,6 +143,8 @@ def test_replay_while_serving_switches_to_an_equal_generation(server):
         assert gens == {1: G.RETIRED, 2: G.RETIRED, 3: G.LIVE}
         assert _state(server.data_dir)["live"] == 3
         assert (server.data_dir / "vectors.g3").is_dir() and any(server.data_dir.glob("graph.g3.db*"))
+        _settle(m, OTHER)
+        assert _consolidation(d / "observations.g3.db", OTHER)[0][0] == len(retained)
 
         # The live generation cannot be dropped; the retired ones can, and they are gone.
         with pytest.raises(grpc.RpcError) as e:
@@ -136,6 +156,7 @@ def test_replay_while_serving_switches_to_an_equal_generation(server):
         assert not (server.data_dir / "text").exists() and not any(server.data_dir.glob("graph.db*"))
         assert not (server.data_dir / "vectors.g2").exists()
         assert not any(server.data_dir.glob("graph.g2.db*"))
+        assert not any(d.glob("observations.db*")) and not any(d.glob("observations.g2.db*"))
         assert [x.generation for x in m.list_generations()] == [3]
         assert _results(m) == before
         with pytest.raises(grpc.RpcError) as e:
@@ -145,16 +166,22 @@ def test_replay_while_serving_switches_to_an_equal_generation(server):
             m.generations.GetGeneration(generations_pb2.GetGenerationRequest(name="generation/x"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "name" in e.value.details()
 
-    # A restart opens the generation that was live.
+    # A restart opens the generation that was live, consolidation's projection included,
+    # and consolidation goes on deciding into it.
+    consolidated = _consolidation(d / "observations.g3.db")
     server.stop()
     server.start()
     with server.client() as m:
         assert _results(m) == before
-        m.retain(BANK, [{"content": "Melanie adopted a grey cat named Pixel in 2024."}])
+        r = m.retain(BANK, [{"content": "Melanie adopted a grey cat named Pixel in 2024."}])
         assert any("Pixel" in x.memory.text for x in
                    m.recall(BANK, "What is the name of Melanie's cat?").results)
         _settle(m)
         before = _results(m)
+        (facts, done, _), _ = _consolidation(d / "observations.g3.db")
+        assert facts == consolidated[0][0] + len(r.memory_ids)
+        assert done - consolidated[0][1] == len(r.memory_ids)  # decided in generation 3
+        assert not (d / "observations.db").exists()
 
     # An offline replay (server stopped) builds generation 3 the same way.
     server.replay()
@@ -239,6 +266,47 @@ def test_a_replay_repairs_what_the_live_generation_lost(node):
     g = m.replay()
     assert g.state == G.LIVE and not g.check.problems and g.check.gained == 1, g
     assert live.count("b") == n and live.get("b", [first.id])
+
+
+def _observation_store(node):
+    return next(p for p in node.parts if p.name == "consolidation").api["observations"]
+
+
+def test_consolidation_state_the_log_does_not_hold_stops_the_switch_unless_forced(node):
+    """consolidation's projection is checked like search's stores: an observation state
+    written behind mneme's back would be lost by the switch, so the replay does not
+    switch (naming consolidation); forced, it switches and the stray state is gone, and
+    the new generation's file serves."""
+    from mneme.events.v1 import events_pb2 as ev
+    obs = _observation_store(node)
+    counts = obs.counts("b")
+    obs.target.apply(ev.ObservationsChanged(bank_id="b", observations=[ev.Observation(
+        id="stray", version=1, text="written behind mneme's back")]))
+    g = node.client.replay()
+    assert g.state == G.FAILED and "consolidation has" in g.error, g
+    assert obs.counts("b") == (counts[0], counts[1], counts[2] + 1)
+    data = node.settings.data_dir
+    assert not any(data.glob("observations.g2.db*")) and (data / "observations.db").exists()
+    g = node.client.replay(force=True)
+    assert g.state == G.LIVE and g.generation == 3, g
+    assert obs.counts("b") == counts and "stray" not in obs.observations("b", include_deleted=True)
+    assert obs.target is not None and Path(obs.target._db.execute(
+        "PRAGMA database_list").fetchone()[2]) == data / "observations.g3.db"
+
+
+def test_a_replay_repairs_what_consolidation_lost_and_it_decides_on(node):
+    """Facts consolidation's live projection lost are on the log: the new generation has
+    them back, and the facts retained after the switch are decided in it."""
+    obs, m = _observation_store(node), node.client
+    counts = obs.counts("b")
+    lost = [f.id for f, _ in obs.facts("b")][:5]
+    obs.target.delete_facts("b", lost)
+    g = m.replay()
+    assert g.state == G.LIVE and not g.check.problems, g
+    assert obs.counts("b") == counts and len(obs.facts_by_id("b", lost)) == 5
+    r = m.retain("b", [{"content": "Alice met friend number 99 in Braga in June 2023."}])
+    _settle(m, "b")
+    assert obs.counts("b")[:2] == (counts[0] + len(r.memory_ids), counts[1] + len(r.memory_ids))
 
 
 def test_a_replay_failing_halfway_leaves_the_live_generation_serving(node, monkeypatch):

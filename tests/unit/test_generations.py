@@ -235,3 +235,26 @@ def test_versioned_server_names_start_from_the_adapters_own_defaults():
     assert versioned_url("vector", "http://q:6333", 3).endswith(f"collection={COLLECTION}_g3")
     assert versioned_url("text", "http://o:9200", 3).endswith(f"index={INDEX}_g3")
     assert versioned_url("graph", "redis://f:6379", 3).endswith(f"graph={GRAPH_NAME}_g3")
+
+
+def test_consolidation_state_from_before_generations_takes_the_live_generations_name(tmp_path):
+    """A data dir whose search stores were replayed (generation 2 live) while
+    consolidation's projection was one ``observations.db``: at start that file becomes
+    generation 2's, with its state, so dropping generation 1 cannot delete it."""
+    from mneme.bootstrap import build_consolidation
+    from mneme.events.v1 import events_pb2 as ev
+    from mneme.generations import Generations
+    from mneme.stores.observations_sqlite import SqliteObservationStore
+    old = SqliteObservationStore(str(tmp_path / "observations.db"))
+    old.add_facts("b", [(ev.Fact(id="f1", text="Alice met Bob."), [[]])])
+    old.close()
+    gens = Generations(tmp_path)
+    gens.update(gens.begin().generation, state="LIVE")
+    root = Root(Settings(data_dir=tmp_path))
+    try:
+        store = build_consolidation(root, decide=False).api["observations"]
+        assert store.counts("b") == (1, 0, 0)
+    finally:
+        root.close()
+    assert (tmp_path / "observations.g2.db").exists()
+    assert not any(tmp_path.glob("observations.db*"))

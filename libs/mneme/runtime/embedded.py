@@ -107,7 +107,11 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
         exists = lambda bank_id: root.catalog.get_bank(bank_id) is not None  # noqa: E731
         search = build_search(root, bank_exists=exists)
         reflect = build_reflect(root, recall=search.api["recall"], bank_exists=exists)
-        parts = [ingest, build_extraction(root), search, reflect, build_consolidation(root)]
+        consolidation = build_consolidation(root)
+        parts = [ingest, build_extraction(root), search, reflect, consolidation]
+        # one generation holds every projection: a replay rebuilds and switches
+        # consolidation's with search's stores
+        search.api["replay"].followers.append(consolidation.api["follower"])
     except BaseException:
         root.close()
         raise

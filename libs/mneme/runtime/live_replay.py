@@ -1,16 +1,21 @@
-"""Replay while serving: search's projections rebuilt into a new store generation
-(:mod:`mneme.generations`) next to the live one, checked, then switched in place."""
+"""Replay while serving: search's projections (and, embedded, consolidation's) rebuilt
+into a new store generation (:mod:`mneme.generations`) next to the live one, checked,
+then switched in place."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from mneme.bus.consumer import Consumer
-from mneme.generations import Generation, drop_stores, generation_group, remove_local
+from mneme.generations import (Generation, drop_stores, generation_group, remove_file,
+                               remove_local)
 
 log = logging.getLogger("mneme")
 
@@ -32,6 +37,58 @@ class ReplayCancelled(RuntimeError):
 
 class CheckFailed(RuntimeError):
     """The new generation does not match the live one (no switch)."""
+
+
+@dataclass
+class Follower:
+    """Another group's projection that a replay rebuilds into the same generation as
+    search's stores and switches with them (embedded: consolidation's observation
+    store, ``observations.g<n>.db``).
+
+    ``router``: the live group's Router; ``make_router(store, group_id)``: a Router of
+    that group over ``store`` that only projects (its restore handlers: recorded
+    decisions applied, nothing decided, no model); ``open(g)``: the store of generation
+    *g*, opened; ``path(g)``: its file; ``live``: the store serving now (a
+    :class:`mneme.generations.Switchable`); ``counts(store, bank_id)``: what the check
+    compares per bank (a tuple of ints: fewer in the new store than in the live one is
+    a difference)."""
+
+    router: Any
+    make_router: Callable[[Any, str], Any]
+    open: Callable[[int], Any]
+    path: Callable[[int], Path]
+    live: Any
+    counts: Callable[[Any, str], tuple]
+
+
+class _Build:
+    """One group's replay into a generation: a builder consumer under ``gid`` that reads
+    the live group's topics (``live``: its Router) and projects them through ``router``
+    (nothing appended)."""
+
+    def __init__(self, log_, live, router, gid: str) -> None:
+        self.log, self.live, self.gid = log_, live, gid
+        log_.reset_group(gid, live.topics)
+        self.consumer = _Builder(log_, gid, live.topics, router,
+                                 fails_operation=router.fails_operation)
+        self.consumer.produce = False  # the outputs of these records are on the log already
+        self.tps = [(t, p) for t in live.topics for p in range(log_.partitions(t))]
+        self.done = 0
+        self.total = 0
+
+    def position(self) -> dict:
+        """Where the live group is: the offset after the last record its router was called
+        with here, else its committed offset (replicas elsewhere: that)."""
+        seen = self.live.positions()
+        return {tp: seen.get(tp, self.log.committed(self.live.group_id, *tp)) for tp in self.tps}
+
+    def behind(self, target: dict) -> int:
+        """Records between this build's committed offsets and ``target``."""
+        return sum(target[tp] - self.log.committed(self.gid, *tp) for tp in self.tps)
+
+    def reached(self, until: dict) -> bool:
+        """True once this build's committed offsets are at ``until`` or past it."""
+        return all(self.log.committed(self.gid, *tp) >= until.get(tp, 0) for tp in self.tps)
 
 
 class LiveReplay:
@@ -62,21 +119,29 @@ class LiveReplay:
        Shared store servers (:attr:`shared`): *g* is left READY under the consumer group
        its replicas will run under.
 
+    :attr:`followers` (other groups' projections; embedded: consolidation's) are built
+    alongside under consumer groups of their own, checked by their per-bank counts, and
+    switched in the same step: every live group is held, each replayed exactly up to
+    where it is held, then all the stores switch at once.
+
     A failure or :meth:`cancel` at any step leaves the live generation serving as before
     and records *g* FAILED with the reason (its stores are deleted). Progress and results
     are in :class:`mneme.generations.Generations`. ``force``: switch even when the check
     fails (the live generation is known to be damaged)."""
 
-    def __init__(self, root, router, make_router: Callable, recall_over: Callable) -> None:
+    def __init__(self, root, router, make_router: Callable, recall_over: Callable,
+                 followers: list[Follower] | None = None) -> None:
         self.root = root
         self.router = router
         self.make_router = make_router
         self.recall_over = recall_over
+        #: Other groups' projections replayed into the same generation (:class:`Follower`).
+        self.followers: list[Follower] = list(followers or [])
         self.generations = root.generations
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
         self._building: int | None = None
-        self._retired: dict[int, object] = {}  # generation → its stores, until closed
+        self._retired: dict[int, list] = {}  # generation → its stores, until closed
         self._lock = threading.Lock()
 
     def start(self, force: bool = False) -> Generation:
@@ -158,7 +223,7 @@ class LiveReplay:
     # -- the replay --
 
     def _run(self, g: int, force: bool, progress=None) -> None:
-        new = None
+        new, extra = None, []  # extra: the followers' stores of g, as opened
         try:
             self._refuse_in_use(g)
         except Exception as exc:  # nothing of generation g is touched: it is someone's
@@ -168,92 +233,82 @@ class LiveReplay:
             return
         try:
             remove_local(self.root.store_urls(g))  # a crashed replay's files, if any
+            for f in self.followers:
+                remove_file(f.path(g))
             new = self.root.open_stores(g)
             new.reset()  # a server collection of that name from a crashed replay
-            live_gid = self.router.group_id
             # Shared stores: the group the replicas of generation g will run under (they go
             # on from where the replay stops); own stores: the replay's alone.
             gid = (generation_group(self.router.group.name, g) if self.shared
-                   else f"{live_gid}@g{g}")
-            topics = self.router.topics
-            log_ = self.root.log
-            log_.reset_group(gid, topics)
+                   else f"{self.router.group_id}@g{g}")
             # writes buffered per consumer batch: a Tantivy commit and a graph round
             # trip per batch, not per record (nothing reads g before it is flushed)
-            router = self.make_router(
-                type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid)
-            c = _Builder(log_, gid, topics, router, fails_operation=router.fails_operation)
-            c.produce = False  # the outputs of these records are on the log already
-            tps = [(t, p) for t in topics for p in range(log_.partitions(t))]
-            done, saved = 0, 0.0
+            search = _Build(self.root.log, self.router, self.make_router(
+                type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid), gid)
+            builds = [search]
+            for f in self.followers:
+                extra.append(f.open(g))
+                fgid = f"{f.router.group_id}@g{g}"
+                builds.append(_Build(self.root.log, f.router, f.make_router(extra[-1], fgid),
+                                     fgid))
 
-            def position() -> dict:
-                # Where the live group is: the offset after the last record its router was
-                # called with here, else its committed offset (replicas elsewhere: that).
-                seen = self.router.positions()
-                return {tp: seen.get(tp, log_.committed(live_gid, *tp)) for tp in tps}
+            def drain_all(targets: list[dict]) -> None:
+                for b, until in zip(builds, targets):
+                    self._drain(g, b, until, builds, progress)
 
-            def drain(until: dict) -> None:
-                nonlocal done, saved
-                c.until = until
-                total = sum(until.values())
-                while True:
-                    if self._cancel.is_set():
-                        raise ReplayCancelled("cancelled")
-                    n = c.run_once()
-                    done += n
-                    if n and progress:
-                        progress(done, total)
-                    if time.monotonic() - saved > 0.5:  # the record, twice a second at most
-                        self.generations.update(g, records_done=done, records_total=total)
-                        saved = time.monotonic()
-                    if n == 0 and all(log_.committed(gid, *tp) >= until.get(tp, 0)
-                                      for tp in tps):
-                        return
-                    if n == 0:  # Kafka: a fetch may come back empty early
-                        time.sleep(0.05)
-
-            # 1: up to where the live group is, while it goes on.
+            # 1: up to where the live groups are, while they go on.
             for _ in range(20):
-                target = position()
-                if sum(target[tp] - log_.committed(gid, *tp) for tp in tps) <= c.batch_size:
+                targets = [b.position() for b in builds]
+                if all(b.behind(t) <= b.consumer.batch_size for b, t in zip(builds, targets)):
                     break
-                drain(target)
-            # 2: the check, while the live group goes on: a bank it wrote meanwhile is not
+                drain_all(targets)
+            # 2: the check, while the live groups go on: a bank written meanwhile is not
             # comparable and is looked at again; a difference is looked at twice.
             for attempt in range(CHECK_ATTEMPTS):
-                target = position()
-                drain(target)
-                check = self._check(new, position, target)
+                targets = [b.position() for b in builds]
+                drain_all(targets)
+                check = self._check(new, search.position, targets[0])
+                for f, b, store, t in zip(self.followers, builds[1:], extra, targets[1:]):
+                    moving, problems = self._check_follower(f, store, b.position, t)
+                    check["moving"] += moving
+                    check["problems"] += problems
                 if not check["moving"] and not check["problems"]:
                     break
                 if check["problems"] and attempt >= 1:
                     break
                 time.sleep(0.2 * (attempt + 1))
-            if c.failures:  # the live group may have dropped the same records: say so
-                check["problems"].append(
-                    f"{c.failures} records could not be projected (last: {c.last_failure})")
+            for c in (b.consumer for b in builds if b.consumer.failures):
+                # the live group may have dropped the same records: say so
+                check["problems"].append(f"{c.failures} records of {c.group} could not be "
+                                         f"projected (last: {c.last_failure})")
+            done = sum(b.done for b in builds)
             self.generations.update(g, check=check, records_done=done)
             if check["problems"] and not force:
                 raise CheckFailed("; ".join(check["problems"][:5]))
             if self.shared:
                 self.generations.update(g, state="READY")
-                _close(new)
+                _close(new.all())
                 log.info("replay: generation %d is built and checked (%d records); set "
                          "MNEME_STORE_GENERATION=%d on the search replicas to switch",
                          g, done, g)
                 return
-            # 3: the switch, holding the live group between two records: replay exactly up
-            # to where it is, then it goes on into the new stores.
-            with self.router.paused() as nexts:
-                drain({tp: nexts.get(tp, log_.committed(live_gid, *tp)) for tp in tps})
-                # The builder flushed before each commit; flush again so that nothing of
+            # 3: the switch, holding every live group between two records (in a fixed
+            # order; no handler waits for another router): replay each exactly up to
+            # where it is held, then switch all the stores at once; the groups go on
+            # from their own offsets, now into g.
+            with contextlib.ExitStack() as held:
+                nexts = [held.enter_context(b.live.paused()) for b in builds]
+                drain_all([{tp: n.get(tp, b.log.committed(b.live.group_id, *tp))
+                            for tp in b.tps} for b, n in zip(builds, nexts)])
+                # The builders flushed before each commit; flush again so that nothing of
                 # g is only in memory when it goes live (nothing to do when clean). The
                 # retired stores are flushed when they close.
                 new.flush()
                 live = self.root.stores
-                old = type(new)(*(s.swap(n) for s, n in zip(live.all(), new.all())))
+                old = [s.swap(n) for s, n in zip(live.all(), new.all())]
+                old += [f.live.swap(store) for f, store in zip(self.followers, extra)]
                 prev = self.generations.live()
+                done = sum(b.done for b in builds)
                 self.generations.update(g, state="LIVE", records_done=done)
             self._retire(prev, old)
             log.info("replay: generation %d is live (%d records; generation %d retired)",
@@ -262,6 +317,7 @@ class LiveReplay:
             log.warning("replay of generation %d failed, generation %d still serves: %s",
                         g, self.generations.live(), exc)
             try:
+                _close(extra)
                 self._discard(g, new)
             except Exception:  # e.g. the store server is away: drop it later, by command
                 log.exception("replay: cannot delete the stores of generation %d", g)
@@ -271,6 +327,65 @@ class LiveReplay:
         finally:
             self._building = None
 
+    def _drain(self, g: int, b: "_Build", until: dict, builds: list, progress) -> None:
+        """Run ``b``'s builder until its committed offsets reach ``until``; records the
+        progress of all ``builds`` in generation ``g``'s record (twice a second at most).
+        ReplayCancelled on :meth:`cancel`."""
+        c = b.consumer
+        c.until = until
+        b.total = sum(until.values())
+        saved = 0.0
+        while True:
+            if self._cancel.is_set():
+                raise ReplayCancelled("cancelled")
+            n = c.run_once()
+            b.done += n
+            done, total = sum(x.done for x in builds), sum(x.total for x in builds)
+            if n and progress:
+                progress(done, total)
+            if time.monotonic() - saved > 0.5:
+                self.generations.update(g, records_done=done, records_total=total)
+                saved = time.monotonic()
+            if n == 0 and b.reached(until):
+                return
+            if n == 0:  # Kafka: a fetch may come back empty early
+                time.sleep(0.05)
+
+    def _banks(self) -> list[str]:
+        """Every bank of this process's catalog."""
+        banks, after = [], ""
+        while True:
+            page = self.root.catalog.list_banks(500, after)
+            banks += [b.bank_id for b in page]
+            if len(page) < 500:
+                return banks
+            after = page[-1].bank_id
+
+    def _moving(self, router, banks, at: dict, position: Callable[[], dict]) -> set[str]:
+        """Those of ``banks`` whose partition ``router``'s live group has moved past ``at``
+        (now: ``position()``) or is in the middle of: not comparable now."""
+        from mneme.bus import partition_for
+        if not banks:
+            return set()
+        busy = router.in_progress()  # its units may be half written in the live stores
+        now_at = position()
+        moved = {tp for tp, off in at.items() if now_at[tp] != off or busy == tp}
+        return {b for b in banks
+                if any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved)}
+
+    def _check_follower(self, f: Follower, new, position: Callable[[], dict], at: dict
+                        ) -> tuple[int, list[str]]:
+        """Compare a follower's store of the new generation, replayed up to ``at``, with
+        its live one, bank by bank (:attr:`Follower.counts`): returns (banks not
+        comparable now, differences)."""
+        differ = {}
+        for b in self._banks():
+            n_live, n_new = f.counts(f.live, b), f.counts(new, b)
+            if any(z < a for a, z in zip(n_live, n_new)):
+                differ[b] = f"bank {b}: {f.router.group.name} has {n_new}, live {n_live}"
+        moving = self._moving(f.router, differ, at, position)
+        return len(moving), [d for b, d in differ.items() if b not in moving][:CHECK_PROBLEMS]
+
     def _check(self, new, position: Callable[[], dict], at: dict) -> dict:
         """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
         live stores: per bank unit counts (fewer is a problem, more is ``gained``), then
@@ -278,17 +393,9 @@ class LiveReplay:
         has moved past ``at`` (``position()``) is not comparable and is counted as
         ``moving``. Returns {"banks", "units", "recalls", "agreement", "moving",
         "gained", "problems": [...]}."""
-        from mneme.bus import partition_for
         from mneme.domain import RecallQuery
         live = self.root.stores
-        busy = self.router.in_progress()  # its units may be half written in the live stores
-        banks, after = [], ""
-        while True:
-            page = self.root.catalog.list_banks(500, after)
-            banks += [b.bank_id for b in page]
-            if len(page) < 500:
-                break
-            after = page[-1].bank_id
+        banks = self._banks()
         units, differ, more = 0, {}, set()
         for b in banks:
             for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
@@ -299,12 +406,8 @@ class LiveReplay:
                 elif n_new < n_live:  # the switch would lose units
                     differ.setdefault(b, []).append(
                         f"bank {b}: {kind} store has {n_new} units, live {n_live}")
-        now_at = position() if differ or more else at  # positions only grow: one look
-        moved = {tp for tp, off in at.items() if now_at[tp] != off or busy == tp}
-
-        def moving_bank(b: str) -> bool:  # written meanwhile: not comparable now
-            return any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved)
-        problems, moving = [], {b for b in {*differ, *more} if moving_bank(b)}
+        moving = self._moving(self.router, {*differ, *more}, at, position)
+        problems = []
         for b, found in differ.items():
             if b not in moving:
                 problems += found
@@ -346,6 +449,8 @@ class LiveReplay:
         if stores is None and self.shared:
             stores = self.root.open_stores(generation)
         drop_stores(stores, self.root.store_urls(generation))
+        for f in self.followers:
+            remove_file(f.path(generation))
 
     def close(self) -> None:
         """Cancel a running replay and close retired stores still open."""
@@ -451,7 +556,8 @@ class _Builder(Consumer):
 
 
 def _close(stores) -> None:
-    for s in stores.all():
+    """Close each of ``stores`` (an iterable of store adapters), logging failures."""
+    for s in stores:
         try:
             s.close()
         except Exception:  # keep closing the others

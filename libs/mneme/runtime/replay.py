@@ -39,10 +39,11 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
       generation, the catalog and every group's offsets as they were.
     * Stores of this data dir (embedded, or a search replica's local files; its server
       stopped, else DataDirLocked: a running server replays itself, ``mneme replay
-      --address``): the new generation is switched to and brought to the end of the log;
-      then the other replayed groups' state is rebuilt in place from offset 0 -- embedded,
-      the catalog and consolidation's observation projection (recorded decisions only);
-      distributed, search's bank catalog. Those groups are read outside their consumer
+      --address``): the new generation is switched to (embedded, consolidation's
+      observation projection is part of it: recorded decisions only, up to its group's
+      offsets) and search's stores are brought to the end of the log; then the catalog
+      (embedded: ingest's; distributed: search's bank catalog) is rebuilt in place from
+      offset 0. Those groups are read outside their consumer
       group; Kafka refuses (StaleCommitError, before anything changes) while one has
       live members.
     * Store servers the search replicas share (distributed): the replicas keep serving.
@@ -57,6 +58,8 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
         else:
             parts = [build_ingest(root), build_search(root, bank_exists=lambda b: True),
                      build_consolidation(root, decide=False)]
+            # consolidation's projection is rebuilt into the new generation with search's
+            parts[1].api["replay"].followers.append(parts[2].api["follower"])
         routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
         tps = {g: [(t, p) for t in r.topics for p in range(root.log.partitions(t))]
                for g, r in routers.items()}
@@ -84,12 +87,11 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
 
 
 def _rebuild(root: Root, parts, routers: dict, tps: dict, progress) -> int:
-    """Rebuild the state of ``routers`` from offset 0, except search's stores, which go on
-    from their group's offsets (into the generation just switched to); returns the
-    records consumed."""
-    for p in parts:
-        if "observations" in p.api:
-            p.api["observations"].reset()
+    """Rebuild the state of ``routers`` from offset 0 in place (the catalog), except the
+    projections of the generation just switched to (search's stores and consolidation's
+    observation projection), which go on from their groups' offsets; returns the records
+    consumed."""
+    routers = {n: r for n, r in routers.items() if n != "consolidation"}
     root.catalog.reset()
     total = 0
     for name, r in routers.items():

@@ -225,6 +225,12 @@ class MemoryObservationStore:
             self._mark(m.bank_id, m.reset_memory_ids, False)
             self._mark(m.bank_id, m.consolidated_memory_ids, True)
 
+    def counts(self, bank_id: str) -> tuple[int, int, int]:
+        with self._lock:
+            facts = self._facts.get(bank_id, {}).values()
+            return (len(facts), sum(1 for f in facts if f[3]),
+                    len(self._obs.get(bank_id, {})))
+
     def dump(self, bank_id: str) -> list[bytes]:
         with self._lock:
             return [r[3] for _, r in sorted(self._obs.get(bank_id, {}).items())]

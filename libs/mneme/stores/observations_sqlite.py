@@ -149,6 +149,16 @@ class SqliteObservationStore:
                 self._db.execute("ROLLBACK")
                 raise
 
+    def counts(self, bank_id: str) -> tuple[int, int, int]:
+        """(facts, consolidated facts, observation states incl. deleted) of the bank."""
+        with self._lock:
+            facts, done = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(consolidated), 0) FROM facts WHERE bank_id=?",
+                (bank_id,)).fetchone()
+            [obs] = self._db.execute("SELECT COUNT(*) FROM observations WHERE bank_id=?",
+                                     (bank_id,)).fetchone()
+        return facts, done, obs
+
     def dump(self, bank_id: str) -> list[bytes]:
         """Every observation state of the bank (deleted included) as bytes, by id: what
         replay must reproduce byte for byte."""
