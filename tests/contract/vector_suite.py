@@ -63,6 +63,33 @@ class VectorStoreSuite:
         [got] = store.get("a", [f.id])
         assert (got.text, got.tags) == ("changed", ("new",))
 
+    def test_get_after_each_write_sees_the_write(self, store):
+        """Reads right after a replace, a delete by id, a delete by document and a reset
+        see them (an adapter that keeps hydrated units must drop what a write touched),
+        repeats of one id come back once, and a returned fact is the caller's own."""
+        facts = [dataclasses.replace(f, document_id=f"d{i % 2}")
+                 for i, f in enumerate(corpus(n=6))]
+        store.upsert(facts)
+        ids = [f.id for f in facts]
+        assert [f.id for f in store.get("a", ids + ids[:2])] == ids  # hydrated once...
+        got = store.get("a", ids)  # ...and again
+        got[0].text = "changed by a caller"
+        got[0].tags = ("caller",)
+        [again] = store.get("a", ids[:1])
+        assert (again.text, again.tags) == (facts[0].text, facts[0].tags)
+        store.upsert([dataclasses.replace(facts[1], text="replaced")])
+        assert store.get("a", [ids[1]])[0].text == "replaced"
+        store.delete("a", [ids[2]])
+        assert [f.id for f in store.get("a", ids)] == [i for i in ids if i != ids[2]]
+        gone = set(store.delete_where("a", document_id="d1"))
+        assert gone == {f.id for f in facts if f.document_id == "d1"}
+        assert [f.id for f in store.get("a", ids)] == [
+            f.id for f in facts if f.document_id == "d0" and f.id != ids[2]]
+        store.reset()
+        assert store.get("a", ids) == []
+        store.upsert(facts[:1])
+        assert [f.text for f in store.get("a", ids)] == [facts[0].text]
+
     def test_wrong_dimension_is_rejected(self, store):
         f = dataclasses.replace(corpus(n=1)[0], embedding=[1.0, 0.0])
         with pytest.raises(ValueError):

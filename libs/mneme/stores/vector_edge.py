@@ -8,10 +8,12 @@ request is filtered by it. The payload carries the whole :class:`~mneme.domain.F
 from __future__ import annotations
 
 import base64
+import copy
 import os
 import shutil
 import threading
 import uuid
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from qdrant_edge import (
@@ -186,7 +188,16 @@ class EdgeVectorStore:
 
     Every bank shares the shard and a fact's point id is its own id, so fact ids must be
     unique across banks (they are: uuid5 of the causing event and position).
+
+    :meth:`get` without vectors keeps the last :attr:`cache_units` units it hydrated
+    (LRU): recall hydrates ~130 candidates per query, and turning the binding's payloads
+    into facts cost more than the rest of the vector arm. The shard is this process's
+    own (the directory is opened by one process), so every write passes through here and
+    drops the units it touches from the cache.
     """
+
+    #: Units kept hydrated by :meth:`get` (about 1-2 KB each).
+    cache_units = 20_000
 
     def __init__(self, path: str, dim: int) -> None:
         if dim <= 0:
@@ -195,6 +206,7 @@ class EdgeVectorStore:
         self.dim = dim
         self._lock = threading.RLock()
         self._dirty = False  # a write since the last flush
+        self._cache: OrderedDict[tuple[str, str], Fact] = OrderedDict()
         self._shard: EdgeShard | None = self._open()
 
     # -- lifecycle --
@@ -250,13 +262,14 @@ class EdgeVectorStore:
                 self._dirty = False
                 self._shard.close()
                 self._shard = None
+            self._cache.clear()
 
     def reset(self) -> None:
         """Drop every bank's points (the shard directory is recreated empty)."""
         with self._lock:
             if self._shard is None:
                 raise RuntimeError("EdgeVectorStore is closed")
-            self.close()
+            self.close()  # (clears the cache)
             shutil.rmtree(self.path, ignore_errors=True)
             self._shard = self._open()
 
@@ -278,17 +291,19 @@ class EdgeVectorStore:
     def upsert(self, facts: Sequence[Fact]) -> None:
         """Insert or replace ``facts`` by id. Each needs an embedding of ``dim`` floats
         (ValueError otherwise, before anything is written)."""
-        points = []
+        points, keys = [], []
         for fact in storable_facts(facts):  # the same text as every other store holds
             if len(fact.embedding) != self.dim:
                 raise ValueError(f"fact {fact.id}: embedding has {len(fact.embedding)} "
                                  f"dimensions, the store expects {self.dim}")
             points.append(Point(point_id(fact.id), [float(x) for x in fact.embedding],
                                 fact_to_payload(fact)))
+            keys.append((fact.bank_id, fact.id))
         if not points:
             return
         with self._lock:
             self._dirty = True  # set first: a failed update may have applied a part
+            self._forget(keys)
             self.shard.update(UpdateOperation.upsert_points(points))
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
@@ -299,6 +314,7 @@ class EdgeVectorStore:
                            HasIdCondition({point_id(i) for i in ids})])
         with self._lock:
             self._dirty = True
+            self._forget((bank_id, i) for i in ids)
             self.shard.update(UpdateOperation.delete_points_by_filter(flt))
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
@@ -311,8 +327,14 @@ class EdgeVectorStore:
             ids = [p["id"] for p in self._scan(flt, payload=["id"])]
             if ids:
                 self._dirty = True
+                self._forget((bank_id, i) for i in ids)
                 self.shard.update(UpdateOperation.delete_points_by_filter(flt))
         return ids
+
+    def _forget(self, keys) -> None:
+        """Drop (bank_id, fact id) ``keys`` from the hydration cache; caller holds the lock."""
+        for k in keys:
+            self._cache.pop(k, None)
 
     # -- reads --
 
@@ -336,10 +358,30 @@ class EdgeVectorStore:
         banks and repeats are skipped. Embeddings only when ``with_vectors``."""
         if not ids:
             return []
+        if with_vectors:
+            with self._lock:
+                records = self.shard.retrieve(list({point_id(i) for i in ids}),
+                                              with_payload=True, with_vector=True)
+            return facts_in_order(records, ids, bank_id, True)
+        found: dict[str, Fact] = {}
         with self._lock:
-            records = self.shard.retrieve(list({point_id(i) for i in ids}),
-                                          with_payload=True, with_vector=with_vectors)
-        return facts_in_order(records, ids, bank_id, with_vectors)
+            missing = []
+            for i in dict.fromkeys(ids):
+                f = self._cache.get((bank_id, i))
+                if f is None:
+                    missing.append(i)
+                else:
+                    self._cache.move_to_end((bank_id, i))
+                    found[i] = f
+            if missing:
+                records = self.shard.retrieve([point_id(i) for i in missing],
+                                              with_payload=True, with_vector=False)
+                for f in facts_in_order(records, missing, bank_id, False):
+                    found[f.id] = self._cache[(bank_id, f.id)] = f
+                while len(self._cache) > self.cache_units:
+                    self._cache.popitem(last=False)
+        # copies: a caller that sets a field must not change what the next caller gets
+        return [copy.copy(found[i]) for i in dict.fromkeys(ids) if i in found]
 
     def scroll(self, bank_id: str, limit: int, after: str | None = None,
                filters: Filters | None = None) -> tuple[list[Fact], str | None]:
