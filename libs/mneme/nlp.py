@@ -10,6 +10,7 @@ would serialise most of the work anyway). Queries get a second copy of the pipel
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from datetime import datetime
@@ -326,36 +327,51 @@ class QueryAnalyzer:
     on its own -- including lowercase names ("what did caroline paint") that NER misses.
     Keys that name no stored entity simply match nothing, so the list errs on the side of
     recall. ``time_window`` delegates to :func:`mneme.timeparse.query_window`.
+
+    The keys of the last :data:`QUERY_CACHE` distinct queries are kept (spaCy is most of
+    a recall's time, and a query often comes twice: reflect recalls with its question, an
+    agent repeats one).
     """
 
     def entity_keys(self, query: str) -> list[str]:
         """Canonical keys (``entity_key``) of the entities the query mentions, in order."""
         if not query or not query.strip():
             return []
-        doc = parse(query, pipeline="query")
-        keys: list[str] = []
-
-        def add(name: str) -> None:
-            k = entity_key(name)
-            if len(k) >= 2 and not k.isdigit() and k not in keys and not has_unspaced_script(k):
-                keys.append(k)  # (entity_mentions never makes names of unspaced scripts)
-
-        for name, label in entity_mentions(doc):
-            add(name)
-            words = entity_key(name).split()
-            for i in range(1, len(words) - 1):
-                add(" ".join(words[i:]))
-        for t in doc:
-            if t.ent_type_ in _VALUE_LABELS or t.is_stop or t.is_punct or not t.is_alpha:
-                continue
-            if t.pos_ == "PROPN" or (t.pos_ == "NOUN" and t.lower_ not in _GENERIC):
-                add(t.text)
-                if t.tag_ == "NNS":
-                    add(t.lemma_)
-        return keys
+        return list(_query_entity_keys(query))
 
     def time_window(self, query: str, now: datetime) -> TimeWindow | None:
         """The window the query names relative to ``now`` ("last week"), or None."""
         from mneme.timeparse import query_window
 
         return query_window(query, now)
+
+
+#: Distinct queries whose entity keys :class:`QueryAnalyzer` keeps.
+QUERY_CACHE = 1024
+
+
+@functools.lru_cache(maxsize=QUERY_CACHE)
+def _query_entity_keys(query: str) -> tuple[str, ...]:
+    """:meth:`QueryAnalyzer.entity_keys` of one non-blank query (cached: a pure function
+    of the text and the pinned model)."""
+    doc = parse(query, pipeline="query")
+    keys: list[str] = []
+
+    def add(name: str) -> None:
+        k = entity_key(name)
+        if len(k) >= 2 and not k.isdigit() and k not in keys and not has_unspaced_script(k):
+            keys.append(k)  # (entity_mentions never makes names of unspaced scripts)
+
+    for name, label in entity_mentions(doc):
+        add(name)
+        words = entity_key(name).split()
+        for i in range(1, len(words) - 1):
+            add(" ".join(words[i:]))
+    for t in doc:
+        if t.ent_type_ in _VALUE_LABELS or t.is_stop or t.is_punct or not t.is_alpha:
+            continue
+        if t.pos_ == "PROPN" or (t.pos_ == "NOUN" and t.lower_ not in _GENERIC):
+            add(t.text)
+            if t.tag_ == "NNS":
+                add(t.lemma_)
+    return tuple(keys)

@@ -246,6 +246,12 @@ def test_query_analyzer():
     assert keys[:2] == ["caroline", "lgbtq support group"] and "support group" in keys
     assert "caroline" in qa.entity_keys("what did caroline paint last week?")  # lowercase name
     assert qa.entity_keys("") == []
+    # a repeated query is answered from the cache, and each caller gets its own list
+    from mneme.nlp import _query_entity_keys
+    hits = _query_entity_keys.cache_info().hits
+    keys.append("changed by the caller")
+    assert qa.entity_keys("When did Caroline go to the LGBTQ support group?") == keys[:-1]
+    assert _query_entity_keys.cache_info().hits == hits + 1
     now = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
     w = qa.time_window("what did I do last week?", now)
     assert (w.start, w.end.date()) == (datetime(2023, 5, 1, tzinfo=UTC), (now - timedelta(days=1)).date())
