@@ -171,6 +171,7 @@ class Consolidator:
                     else:
                         current[o.id] = o
             touched: list[str] = []
+            index = None  # the scope's embeddings as one matrix, kept in step with current
             if self.llm is not None and self.llm.configured("consolidation"):
                 try:
                     touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause, cfg)
@@ -180,11 +181,17 @@ class Consolidator:
                 except Exception as e:  # the model failed: decide offline, say so in the log
                     log.warning("consolidation model failed (%r); deciding offline", e)
                     touched = []
-                    self._offline(scope, scope_facts, current, change, at, cause, model, touched)
+                    index = engine.ScopeIndex(current)
+                    self._offline(scope, scope_facts, current, change, at, cause, model,
+                                  touched, index)
             else:
-                self._offline(scope, scope_facts, current, change, at, cause, model, touched)
-            for o in engine.reconcile(current, touched, cfg.dedup_threshold, at):
-                self._put(change, o)
+                index = engine.ScopeIndex(current)
+                self._offline(scope, scope_facts, current, change, at, cause, model, touched,
+                              index)
+            if touched and cfg.dedup_threshold < 1.0:
+                for o in engine.reconcile(current, touched, cfg.dedup_threshold, at,
+                                          index or engine.ScopeIndex(current)):
+                    self._put(change, o)
             for o in current.values():  # the scope is consolidated now: nothing is stale
                 if o.stale and not o.deleted:
                     new = engine.next_state(o, at)
@@ -194,13 +201,15 @@ class Consolidator:
         have = set(change.consolidated_memory_ids)
         change.consolidated_memory_ids.extend(sorted(done - have))
 
-    def _offline(self, scope, facts, current, change, at, cause, model, touched) -> None:
+    def _offline(self, scope, facts, current, change, at, cause, model, touched,
+                 index: engine.ScopeIndex) -> None:
         def lookup(ids):
             return self.store.facts_by_id(change.bank_id, ids)
         for f in facts:
-            new = engine.decide_offline(f, scope, current, at, cause, model, lookup)
+            new = engine.decide_offline(f, scope, current, at, cause, model, lookup, index)
             if new is not None:
                 current[new.id] = new
+                index.put(new)
                 self._put(change, new)
                 touched.append(new.id)
 

@@ -79,8 +79,8 @@ def messages(facts: Sequence[ev.Fact], current: Sequence[ev.Observation], missio
 def nearest(facts: Sequence[ev.Fact], current: dict[str, ev.Observation]) -> list[ev.Observation]:
     """The scope's observations most similar to any of ``facts`` (at most
     :data:`MAX_OBSERVATIONS_SHOWN`), in id order."""
-    scored = sorted(current.values(), key=lambda o: (-max(
-        (engine.cosine(f.embedding, o.embedding) for f in facts), default=0.0), o.id))
+    best = engine.ScopeIndex(current).best_of([f.embedding for f in facts])
+    scored = sorted(current.values(), key=lambda o: (-best.get(o.id, 0.0), o.id))
     return sorted(scored[:MAX_OBSERVATIONS_SHOWN], key=lambda o: o.id)
 
 

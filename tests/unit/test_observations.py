@@ -164,6 +164,48 @@ def test_near_duplicates_merge_and_a_negated_twin_stays_apart():
     assert not engine.compatible("Alice met Bob.", "Alice met Carol.")
 
 
+def test_scope_index_answers_as_cosine_pair_by_pair():
+    """ScopeIndex (one matrix product per query) gives what :func:`engine.cosine` over
+    every pair gives -- nearest (ties to the lowest id), those above a threshold, the
+    best of several vectors -- with deleted states, zero vectors, vectors of another
+    dimension, replaced states, exact ties and growth past its first capacity."""
+    import random
+    rng = random.Random(7)
+
+    def rvec(d=8):
+        return [rng.choice([0.0, rng.uniform(-1, 1)]) for _ in range(d)]
+    current = {}
+    for i in range(40):
+        vec = [] if i % 13 == 0 else rvec(6 if i % 11 == 0 else 8)
+        current[f"o{i:02d}"] = ev.Observation(id=f"o{i:02d}", embedding=vec,
+                                              deleted=(i % 7 == 0))
+    current["o03"].embedding[:] = list(current["o05"].embedding)  # an exact tie
+    index = engine.ScopeIndex(current)
+    for i in range(40, 140):  # past the first capacity (len + 64)
+        o = ev.Observation(id=f"o{i:03d}", embedding=rvec(), deleted=(i % 9 == 0))
+        current[o.id] = o
+        index.put(o)
+    for i in (1, 2, 4):  # replaced, and deleted later
+        o = ev.Observation(id=f"o{i:02d}", embedding=rvec(), deleted=(i == 4))
+        current[o.id] = o
+        index.put(o)
+    live = {k: o for k, o in current.items() if not o.deleted}
+    for q in [rvec() for _ in range(30)] + [list(current["o05"].embedding), [], [0.0] * 8,
+                                            rvec(6)]:
+        sims = {k: engine.cosine(q, o.embedding) for k, o in live.items()}
+        best_id, best = None, -1.0
+        for k in sorted(live):  # the loop decide_offline ran before
+            if sims[k] > best:
+                best_id, best = k, sims[k]
+        got_id, got = index.nearest(q)
+        assert got_id == best_id and got == pytest.approx(best, abs=1e-12)
+        assert index.similar(q, 0.3) == sorted(k for k, s in sims.items() if s >= 0.3)
+    qs = [rvec() for _ in range(3)]
+    want = {k: max(engine.cosine(q, o.embedding) for q in qs) for k, o in live.items()}
+    assert index.best_of(qs) == pytest.approx(want, abs=1e-12)
+    assert engine.ScopeIndex({}).nearest(rvec()) == (None, -1.0)
+
+
 def test_scopes(embedder):
     S = ev.ObservationScopes
     assert engine.scopes_for(["b", "a"], None) == [["a", "b"]]
