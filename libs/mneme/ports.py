@@ -327,7 +327,9 @@ class ObservationStore(Protocol):
 
     def apply(self, m: "ev.ObservationsChanged") -> None:
         """Apply one ObservationsChanged atomically: store each observation state whose
-        ``version`` is higher than the stored one (an equal or older one is ignored), then
+        ``version`` is higher than the stored one (an equal or older one is ignored; a
+        deleted state is stored as its tombstone, ``mneme.stores.observations_sqlite.
+        tombstone``: id, scope, version, times, none of its text, evidence or history), then
         mark ``reset_memory_ids`` pending and ``consolidated_memory_ids`` consolidated
         (unknown ids ignored). Idempotent: applying it again changes nothing."""
 

@@ -117,11 +117,30 @@ class ObservationStoreSuite:
         store.apply(changed(observations=[obs("o1", 2, deleted=True)]))
         assert store.observations("a") == {}
         assert store.observations("a", include_deleted=True)["o1"].deleted
+        store.apply(changed(observations=[obs("o1", 1)]))  # an older version stays ignored
+        assert store.observations("a") == {}
+
+    def test_a_deleted_observation_keeps_none_of_its_content(self, store):
+        gone = obs("o1", 2, ["t"], text="Alice's number is +44 7700 900123", deleted=True)
+        gone.history.add(text="Alice's number was +44 7700 900000", reason="updated")
+        gone.embedding.extend([0.5, 0.25])
+        gone.created_at.FromSeconds(100)
+        gone.updated_at.FromSeconds(200)
+        store.apply(changed(observations=[obs("o1", 1, ["t"]), obs("o2", 1)]))
+        store.apply(changed(observations=[gone]))
+        kept = store.observations("a", include_deleted=True)["o1"]
+        expected = ev.Observation(id="o1", scope=["t"], version=2, deleted=True)
+        expected.created_at.FromSeconds(100)
+        expected.updated_at.FromSeconds(200)
+        assert kept == expected
+        assert store.dump("a")[0] == expected.SerializeToString(deterministic=True)
+        assert store.observations("a") == {"o2": obs("o2", 1)}
 
     def test_dump_is_deterministic_bytes_by_id(self, store):
         store.apply(changed(observations=[obs("o2", 1), obs("o1", 1, deleted=True)]))
-        assert store.dump("a") == [obs("o1", 1, deleted=True).SerializeToString(deterministic=True),
-                                   obs("o2", 1).SerializeToString(deterministic=True)]
+        assert store.dump("a") == [  # a deleted one as its tombstone
+            ev.Observation(id="o1", version=1, deleted=True).SerializeToString(deterministic=True),
+            obs("o2", 1).SerializeToString(deterministic=True)]
         assert store.dump("other") == []
 
     def test_returned_messages_are_copies(self, store):

@@ -14,7 +14,7 @@ from .corpus import DIM, corpus
 from .graph_suite import GraphStoreSuite, unit
 from mneme.domain import EntityRef
 from mneme.stores import open_graph_store, open_text_store, open_vector_store
-from mneme.stores.graph_falkor import FalkorGraphStore, hub_damping
+from mneme.stores.graph_falkor import GRAPH_NAME, FalkorGraphStore, hub_damping
 from mneme.stores.text_tantivy import TantivyTextStore
 from mneme.stores.vector_edge import EdgeVectorStore
 from .text_suite import TextStoreSuite
@@ -167,6 +167,26 @@ class TestFalkorGraphStore(GraphStoreSuite):
         for t in threads:
             t.join()
         assert not errors and store.count("a") == 40
+
+    def test_keeps_no_log_of_queries_and_their_parameters(self, tmp_path):
+        """FalkorDB's query telemetry (the last 1000 queries with their parameters,
+        persisted with the graph) would keep every unit text and entity name written,
+        deleted ones too: it is off, and nothing of a written name is left in it."""
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        try:
+            s.upsert([unit("m1", entities=[EntityRef("e-z", "Zanzibarina", "PERSON")])])
+            s.spread("a", {"m1": 1.0}, ["e-z"], k=5)
+            s.delete("a", ["m1"])
+            client = s._db.client
+            # the server keeps no query in its telemetry stream (it writes that lazily,
+            # so the setting is what a short test can see)
+            assert client.execute_command("GRAPH.CONFIG", "GET", "MAX_INFO_QUERIES")[1] == 0
+            assert not [k for k in client.keys("telemetry*")]
+            others = [k for k in client.keys("*")
+                      if (k.decode() if isinstance(k, bytes) else k) != GRAPH_NAME]
+            assert not any(b"Zanzibarina" in (client.dump(k) or b"") for k in others)
+        finally:
+            s.close()
 
     def test_hub_damping_curve(self):
         assert hub_damping(2) == 1.0 and hub_damping(1) == 1.0

@@ -60,6 +60,26 @@ class TestSqliteObservationStore(ObservationStoreSuite):
     def make_observations(self, path):
         return SqliteObservationStore(str(path / "observations.db"))
 
+    def test_deleted_facts_and_observations_leave_no_bytes_in_the_files(self, tmp_path):
+        """SQLite leaves a deleted row's bytes in freed pages and in the WAL: with
+        secure_delete and the WAL truncated after a delete, neither file holds them,
+        while the store is open and after it closes."""
+        marker = "Zanzibarina's phone is +44 7700 900123"
+        s = self.make_observations(tmp_path)
+        s.add_facts("a", [(fact("f1", text=marker), [[]]), (fact("f2"), [[]])])
+        s.apply(changed(observations=[obs("o1", 1, text=marker)], consolidated=["f1"]))
+        s.delete_facts("a", ["f1"])
+        s.apply(changed(observations=[obs("o1", 2, text=marker, deleted=True)]))
+
+        def leftovers() -> list[str]:
+            return [p.name for p in tmp_path.iterdir()
+                    if p.is_file() and marker.encode() in p.read_bytes()]
+        try:
+            assert leftovers() == [] and s.counts("a") == (1, 0, 1)
+        finally:
+            s.close()
+        assert leftovers() == []
+
     def test_reopen_keeps_facts_states_and_order(self, tmp_path):
         s = self.make_observations(tmp_path)
         s.add_facts("a", [(fact("f2"), [["x"]]), (fact("f1"), [[]])])

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 
 from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
+from mneme.stores import sqlite_erase
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS banks (
@@ -46,6 +47,7 @@ class SqliteCatalog:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA busy_timeout=10000")
+        sqlite_erase.secure(self._db)  # a deleted bank's rows leave no bytes behind
         self._db.executescript(_SCHEMA)
         for table, column, ddl in _MIGRATIONS:
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
@@ -93,7 +95,8 @@ class SqliteCatalog:
                 (bank_id, display_name, config_json, at, at, incarnation))
 
     def delete_bank(self, bank_id: str) -> None:
-        """Delete the bank and its operations (they belong to this incarnation only)."""
+        """Delete the bank and its operations (they belong to this incarnation only); their
+        rows are overwritten in the file and the WAL truncated (:mod:`~mneme.stores.sqlite_erase`)."""
         with self._lock:
             self._db.execute("DELETE FROM banks WHERE bank_id=?", (bank_id,))
             # A bank made before generations were counted was its first incarnation.
@@ -101,6 +104,7 @@ class SqliteCatalog:
             self._db.execute("INSERT OR IGNORE INTO deleted_operations "
                              "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
+            sqlite_erase.truncate_wal(self._db)
 
     def get_bank(self, bank_id: str) -> Bank | None:
         with self._lock:

@@ -13,6 +13,7 @@ import threading
 from typing import Sequence
 
 from mneme.ports import StoredEntity
+from mneme.stores import sqlite_erase
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entities_v2 (
@@ -51,6 +52,7 @@ class SqliteEntityStore:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        sqlite_erase.secure(self._db)  # a forgotten bank's names leave no bytes behind
         self._db.executescript(_SCHEMA)
         self._migrate()
         row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities_v2").fetchone()
@@ -103,10 +105,14 @@ class SqliteEntityStore:
                                  "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
 
     def forget(self, bank_id: str) -> None:
-        with self._lock, self._db:
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
+        """Drop the bank's entities and aliases, overwritten in the file and out of the
+        WAL (:mod:`~mneme.stores.sqlite_erase`)."""
+        with self._lock:
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
+            sqlite_erase.truncate_wal(self._db)
 
     def close(self) -> None:
         with self._lock:

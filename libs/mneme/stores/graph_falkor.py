@@ -178,6 +178,7 @@ class FalkorGraphStore(_FalkorGraph):
         )
         self._watchdog = _watch(db)
         try:
+            _no_query_log(db.client, graph)
             super().__init__(db, graph, fanout)
         except BaseException:
             _shutdown(db)
@@ -243,6 +244,17 @@ class FalkorServerGraphStore(_FalkorGraph):
                 return
             self._graph = None
             self._db.close()
+
+
+def _no_query_log(client, graph: str) -> None:
+    """Stop FalkorDB keeping queries: it writes the last ``MAX_INFO_QUERIES`` (default
+    1000) queries *with their parameters* -- entity names, every value written -- to a
+    stream key ``telemetry{<graph>}`` persisted with the graph, so deleted data would
+    live on there. ``CMD_INFO no`` alone does not stop it (falkordblite's 4.x engine),
+    ``MAX_INFO_QUERIES 0`` trims every entry; the stream held so far is dropped."""
+    client.execute_command("GRAPH.CONFIG", "SET", "CMD_INFO", "no")
+    client.execute_command("GRAPH.CONFIG", "SET", "MAX_INFO_QUERIES", "0")
+    client.delete(f"telemetry{{{graph}}}")
 
 
 def _shutdown(db: FalkorDB) -> None:

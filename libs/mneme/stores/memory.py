@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
+from mneme.stores.observations_sqlite import tombstone
 
 
 # ---- catalog -------------------------------------------------------------------------------
@@ -220,6 +221,7 @@ class MemoryObservationStore:
                 old = bank.get(o.id)
                 if old is not None and old[1] >= o.version:
                     continue
+                o = tombstone(o)  # as the SQLite store keeps a deleted one
                 bank[o.id] = (_scope_key(o.scope), o.version, bool(o.deleted),
                               o.SerializeToString(deterministic=True))
             self._mark(m.bank_id, m.reset_memory_ids, False)

@@ -5,7 +5,12 @@ every observation. Rebuilt on replay from ``FactsExtracted`` / ``FactsRetracted`
 
 Observation states are stored as deterministic protobuf bytes (``ev.Observation``);
 :meth:`apply` keeps the highest ``version`` of each, so re-applying an event it already
-applied (its own decision coming back from the log, a redelivery) changes nothing.
+applied (its own decision coming back from the log, a redelivery) changes nothing. A
+deleted observation is kept as a :func:`tombstone` (its version, without its text,
+evidence or history), so nothing of the facts it was built from outlives them.
+
+Deleted rows leave no bytes in the file (:mod:`mneme.stores.sqlite_erase`: secure_delete,
+and the WAL truncated after every call that deleted something).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import threading
 from typing import Iterable
 
 from mneme.events.v1 import events_pb2 as ev
+from mneme.stores import sqlite_erase
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS facts (
@@ -31,6 +37,21 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 """
 
 
+def tombstone(o: ev.Observation) -> ev.Observation:
+    """What a store keeps of a deleted observation state ``o``: id, scope, version,
+    ``deleted`` and its created/updated times -- enough to order later states by version
+    and to count it in :meth:`SqliteObservationStore.dump`; its text, evidence (quotes),
+    history, embedding and entities are dropped (they are the deleted facts' content).
+    A live ``o`` is returned as it is."""
+    if not o.deleted:
+        return o
+    t = ev.Observation(id=o.id, scope=o.scope, version=o.version, deleted=True)
+    for name in ("created_at", "updated_at"):
+        if o.HasField(name):
+            getattr(t, name).CopyFrom(getattr(o, name))
+    return t
+
+
 def _scope_key(tags: Iterable[str]) -> str:
     """The stored key of a scope (a tag set): JSON of the sorted, deduplicated tags."""
     return json.dumps(sorted(set(tags)))
@@ -42,6 +63,7 @@ class SqliteObservationStore:
     def __init__(self, path: str):
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
+        sqlite_erase.secure(self._db)
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
 
@@ -52,6 +74,7 @@ class SqliteObservationStore:
         """Forget everything (replay rebuilds it)."""
         with self._lock:
             self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters;")
+            sqlite_erase.truncate_wal(self._db)
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -99,14 +122,25 @@ class SqliteObservationStore:
                 (bank_id, document_id))]
 
     def delete_facts(self, bank_id: str, ids: Iterable[str]) -> None:
+        """Forget these facts (one transaction; the WAL truncated when any was held)."""
         with self._lock:
-            self._db.executemany("DELETE FROM facts WHERE bank_id=? AND id=?",
-                                 [(bank_id, i) for i in ids])
+            before = self._db.total_changes
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("DELETE FROM facts WHERE bank_id=? AND id=?",
+                                     [(bank_id, i) for i in ids])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if self._db.total_changes != before:
+                sqlite_erase.truncate_wal(self._db)
 
     def delete_bank(self, bank_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM facts WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
+            sqlite_erase.truncate_wal(self._db)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
         self._db.executemany("UPDATE facts SET consolidated=? WHERE bank_id=? AND id=?",
@@ -130,7 +164,9 @@ class SqliteObservationStore:
 
     def apply(self, m: ev.ObservationsChanged) -> None:
         """Apply one ObservationsChanged: upsert each state whose version is newer than
-        the stored one; mark consolidated and reset facts. Idempotent."""
+        the stored one (a deleted one as its :func:`tombstone`, after which the WAL is
+        truncated); mark consolidated and reset facts. Idempotent."""
+        erased = False
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -139,6 +175,8 @@ class SqliteObservationStore:
                                            (m.bank_id, o.id)).fetchone()
                     if row is not None and row[0] >= o.version:
                         continue
+                    erased |= o.deleted and row is not None
+                    o = tombstone(o)
                     self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
                                      (m.bank_id, o.id, _scope_key(o.scope), o.version,
                                       int(o.deleted), o.SerializeToString(deterministic=True)))
@@ -148,6 +186,8 @@ class SqliteObservationStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            if erased:
+                sqlite_erase.truncate_wal(self._db)
 
     def counts(self, bank_id: str) -> tuple[int, int, int]:
         """(facts, consolidated facts, observation states incl. deleted) of the bank."""
