@@ -168,6 +168,23 @@ class TestFalkorGraphStore(GraphStoreSuite):
             t.join()
         assert not errors and store.count("a") == 40
 
+    def test_adjacency_copies_are_bounded_by_their_units_in_all(self, tmp_path, monkeypatch):
+        """In-memory adjacencies are dropped least recently read first once their units
+        together pass SNAPSHOT_TOTAL_UNITS (the newest is kept even alone above it)."""
+        from mneme.stores import graph_cypher
+        monkeypatch.setattr(graph_cypher, "SNAPSHOT_TOTAL_UNITS", 5)
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        try:
+            for b in ("a", "b"):
+                s.upsert([unit(f"{b}{i}", bank_id=b) for i in range(3)])
+            for b in ("a", "b"):
+                for _ in range(graph_cypher.SNAPSHOT_AFTER):
+                    s.adjacency(b)
+            assert list(s._snapshots) == ["b"]  # 3 + 3 units > 5: a went
+            assert s.adjacency("b") is not None and s.snapshot_stats["builds"] == 2
+        finally:
+            s.close()
+
     def test_keeps_no_log_of_queries_and_their_parameters(self, tmp_path):
         """FalkorDB's query telemetry (the last 1000 queries with their parameters,
         persisted with the graph) would keep every unit text and entity name written,
