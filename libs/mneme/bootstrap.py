@@ -416,7 +416,7 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     generation's file (``observations.g<n>.db`` for n > 1), switched by a replay through
     ``api["follower"]`` (:class:`mneme.runtime.live_replay.Follower`). Distributed, it is
     replica-local state restored on partition assignment (``observations.db``)."""
-    from mneme.generations import Switchable, versioned_file
+    from mneme.generations import Switchable, sqlite_files, versioned_file
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
     base = root.data_dir / "observations.db"
@@ -430,10 +430,9 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
             # written before the projection had generations (search's stores went on
             # without it): it is the live generation's state, so it takes that name,
             # and dropping generation 1 later cannot delete it (the data dir is ours)
-            for suffix in ("", "-wal", "-shm"):
-                src = base.with_name(base.name + suffix)
+            for src, dst in zip(sqlite_files(base), sqlite_files(live_file)):
                 if src.exists():
-                    src.rename(live_file.with_name(live_file.name + suffix))
+                    src.rename(dst)
     store = Switchable(SqliteObservationStore(str(live_file)))
     root._opened(store, lambda: store.target.close())
     parts = ServiceParts("consolidation", api={"observations": store})
@@ -458,8 +457,7 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
                 other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
         parts.api["follower"] = Follower(
             router=parts.routers["consolidation"], make_router=make_router,
-            open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store,
-            counts=lambda s, bank_id: s.counts(bank_id))
+            open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store)
     return parts
 
 

@@ -99,9 +99,14 @@ def versioned_file(path: Path, generation: int) -> Path:
     return path if generation == 1 else path.with_name(f"{path.stem}.g{generation}{path.suffix}")
 
 
+def sqlite_files(path: Path) -> tuple[Path, Path, Path]:
+    """A SQLite database file and its ``-wal``/``-shm`` companions (whether they exist or not)."""
+    return path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")
+
+
 def remove_file(path: Path) -> None:
-    """Delete a SQLite projection file and its ``-wal``/``-shm`` companions."""
-    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+    """Delete a SQLite projection file and its companions (:func:`sqlite_files`)."""
+    for p in sqlite_files(path):
         p.unlink(missing_ok=True)
 
 
@@ -294,5 +299,5 @@ class Switchable:
 
 
 __all__ = ["Generation", "Generations", "STATES", "Switchable", "configured", "drop_stores",
-           "generation_group", "local_path", "remove_file", "remove_local", "versioned_file",
-           "versioned_url"]
+           "generation_group", "local_path", "remove_file", "remove_local", "sqlite_files",
+           "versioned_file", "versioned_url"]

@@ -171,26 +171,23 @@ class Consolidator:
                     else:
                         current[o.id] = o
             touched: list[str] = []
-            index = None  # the scope's embeddings as one matrix, kept in step with current
+            by_model = False
             if self.llm is not None and self.llm.configured("consolidation"):
                 try:
                     touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause, cfg)
-                    change.decided_by = "llm"
+                    change.decided_by, by_model = "llm", True
                 except Cancelled:  # the process is stopping: decide again after the restart
                     raise
                 except Exception as e:  # the model failed: decide offline, say so in the log
                     log.warning("consolidation model failed (%r); deciding offline", e)
                     touched = []
-                    index = engine.ScopeIndex(current)
-                    self._offline(scope, scope_facts, current, change, at, cause, model,
-                                  touched, index)
-            else:
-                index = engine.ScopeIndex(current)
+            # the scope's embeddings as one matrix, kept in step with every decision
+            index = engine.ScopeIndex(current)
+            if not by_model:
                 self._offline(scope, scope_facts, current, change, at, cause, model, touched,
                               index)
             if touched and cfg.dedup_threshold < 1.0:
-                for o in engine.reconcile(current, touched, cfg.dedup_threshold, at,
-                                          index or engine.ScopeIndex(current)):
+                for o in engine.reconcile(current, touched, cfg.dedup_threshold, at, index):
                     self._put(change, o)
             for o in current.values():  # the scope is consolidated now: nothing is stale
                 if o.stale and not o.deleted:

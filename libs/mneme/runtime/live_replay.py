@@ -49,16 +49,15 @@ class Follower:
     that group over ``store`` that only projects (its restore handlers: recorded
     decisions applied, nothing decided, no model); ``open(g)``: the store of generation
     *g*, opened; ``path(g)``: its file; ``live``: the store serving now (a
-    :class:`mneme.generations.Switchable`); ``counts(store, bank_id)``: what the check
-    compares per bank (a tuple of ints: fewer in the new store than in the live one is
-    a difference)."""
+    :class:`mneme.generations.Switchable`). The check compares the stores'
+    ``counts(bank_id)`` (:meth:`mneme.ports.ObservationStore.counts`): fewer in the new
+    store than in the live one is a difference."""
 
     router: Any
     make_router: Callable[[Any, str], Any]
     open: Callable[[int], Any]
     path: Callable[[int], Path]
     live: Any
-    counts: Callable[[Any, str], tuple]
 
 
 class _Build:
@@ -267,9 +266,10 @@ class LiveReplay:
             for attempt in range(CHECK_ATTEMPTS):
                 targets = [b.position() for b in builds]
                 drain_all(targets)
-                check = self._check(new, search.position, targets[0])
+                banks = self._banks()
+                check = self._check(new, search.position, targets[0], banks)
                 for f, b, store, t in zip(self.followers, builds[1:], extra, targets[1:]):
-                    moving, problems = self._check_follower(f, store, b.position, t)
+                    moving, problems = self._check_follower(f, store, b.position, t, banks)
                     check["moving"] += moving
                     check["problems"] += problems
                 if not check["moving"] and not check["problems"]:
@@ -373,29 +373,28 @@ class LiveReplay:
         return {b for b in banks
                 if any(p == partition_for(b, self.root.log.partitions(t)) for t, p in moved)}
 
-    def _check_follower(self, f: Follower, new, position: Callable[[], dict], at: dict
-                        ) -> tuple[int, list[str]]:
+    def _check_follower(self, f: Follower, new, position: Callable[[], dict], at: dict,
+                        banks: list[str]) -> tuple[int, list[str]]:
         """Compare a follower's store of the new generation, replayed up to ``at``, with
-        its live one, bank by bank (:attr:`Follower.counts`): returns (banks not
+        its live one, for each of ``banks`` (their ``counts``): returns (banks not
         comparable now, differences)."""
         differ = {}
-        for b in self._banks():
-            n_live, n_new = f.counts(f.live, b), f.counts(new, b)
+        for b in banks:
+            n_live, n_new = f.live.counts(b), new.counts(b)
             if any(z < a for a, z in zip(n_live, n_new)):
                 differ[b] = f"bank {b}: {f.router.group.name} has {n_new}, live {n_live}"
         moving = self._moving(f.router, differ, at, position)
         return len(moving), [d for b, d in differ.items() if b not in moving][:CHECK_PROBLEMS]
 
-    def _check(self, new, position: Callable[[], dict], at: dict) -> dict:
+    def _check(self, new, position: Callable[[], dict], at: dict, banks: list[str]) -> dict:
         """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
-        live stores: per bank unit counts (fewer is a problem, more is ``gained``), then
+        live stores for each of ``banks``: per bank unit counts (fewer is a problem, more is ``gained``), then
         sampled recalls of banks with equal counts. A bank whose partition the live group
         has moved past ``at`` (``position()``) is not comparable and is counted as
         ``moving``. Returns {"banks", "units", "recalls", "agreement", "moving",
         "gained", "problems": [...]}."""
         from mneme.domain import RecallQuery
         live = self.root.stores
-        banks = self._banks()
         units, differ, more = 0, {}, set()
         for b in banks:
             for kind, a, z in zip(("vector", "text", "graph"), live.all(), new.all()):
