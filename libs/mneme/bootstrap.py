@@ -62,15 +62,50 @@ class Root:
         return self.settings.url("bus").lower().startswith("kafka:")
 
     @cached_property
-    def log(self):
-        """The event log, with mneme's topics created; raises
+    def raw_log(self):
+        """The event log adapter itself, with mneme's topics created; raises
         :class:`mneme.bus.topics.TopicConfigError` (a configuration error) when a history
-        topic would lose records."""
+        topic would lose records. What it holds is sealed; read it through :attr:`log`."""
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
         topics.ensure(event_log, st.topic_partitions())
         topics.require_history(event_log)  # TopicConfigError: history would expire
         return event_log
+
+    @cached_property
+    def log(self):
+        """The event log as every service uses it: user content sealed on append and
+        opened on read (:class:`mneme.bus.sealing.SealedLog`)."""
+        from mneme.bus.sealing import SealedLog
+        if self.sealer is None:
+            return self.raw_log
+        return SealedLog(self.raw_log, self.sealer)
+
+    @cached_property
+    def keyring(self):
+        """The data keys of crypto-shredding (:class:`mneme.keys.Keyring`): the key store
+        of the topology (a file in the data dir embedded, the compacted key topic on
+        Kafka) under the master key of :func:`mneme.keys.local_kms`."""
+        from mneme.keys import Keyring, local_kms
+        if self.distributed:  # the key topic's store is not there yet: plaintext
+            return None
+        from mneme.stores.keys_sqlite import SqliteKeyStore
+        kms = local_kms(self.data_dir)
+        store = SqliteKeyStore(str(self.data_dir / "keys.db"))
+        return Keyring(self._opened(store), kms)
+
+    @cached_property
+    def sealer(self):
+        """Seals and opens user content on the log (:class:`mneme.bus.sealing.Sealer`),
+        per bank as its ``erasure`` setting says (a bank unknown here is sealed)."""
+        from mneme.bus.sealing import Sealer
+        if self.keyring is None:
+            return None
+
+        def erasure(bank_id: str) -> bool:
+            config = self.bank_config(bank_id)
+            return config is None or config.erasure != "none"
+        return Sealer(self.keyring, erasure)
 
     @cached_property
     def catalog(self):
@@ -294,7 +329,8 @@ def build_ingest(root: Root) -> ServiceParts:
     ingest = Ingest(root.log, catalog, root.settings.retain_timeout_s, llm=root.llm,
                     group=root.group_id(svc.groups[0]), source=svc.source,
                     groups=lambda: root.group_ids([r.group_id for r in parts.routers.values()]),
-                    stores=None if root.distributed else root.stores)  # for GetBankStats
+                    stores=None if root.distributed else root.stores,  # for GetBankStats
+                    keys=root.keyring)
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
     if _own_copies(parts):  # replicas each keep a catalog: reads catch up first

@@ -84,6 +84,9 @@ class BankConfig:
     auto_consolidate: bool = True
     dedup_threshold: float = 0.97
     extraction_mode: str = "auto"  # auto: the LLM when a retain model is configured
+    #: "crypto_shred": user content is sealed on the log with keys deletions destroy
+    #: (mneme.bus.sealing); "none": plaintext topics (no erasure on the log).
+    erasure: str = "crypto_shred"
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "memory_id": ("id_chars", "id"),
     "page_token": ("id_chars", "id"),
     "extraction_mode": ("id_chars", "id"),
+    "erasure": ("id_chars", "id"),
     "paths": ("id_chars", "id"),
 }
 _REPEATED_RULES: dict[str, str] = {"items": "items", "tags": "tags", "scope": "tags",

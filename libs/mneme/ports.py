@@ -387,6 +387,62 @@ class EntityStore(Protocol):
         """Release the storage; later calls may raise."""
 
 
+@dataclass(frozen=True)
+class StoredKey:
+    """One data key as a :class:`KeyStore` keeps it: its ``scope`` (what a deletion
+    destroys together: ``d:<document>``, ``r:<operation>``, ``q``, ``bank``) and the key
+    ``wrapped`` by the bank key (RFC 3394, 40 bytes), None once destroyed (a tombstone:
+    the id can never be created again)."""
+
+    scope: str
+    wrapped: bytes | None
+
+
+class KeyStore(Protocol):
+    """The wrapped keys of crypto-shredding (:mod:`mneme.keys`): per bank, its bank key
+    (wrapped by the :class:`Kms`) and its data keys by id. First writer wins: adding a
+    key that exists returns the stored one. Adapters: ``mneme.stores.keys_sqlite``
+    (embedded, a file in the data dir); ``mneme.stores.keys_kafka`` (a compacted topic
+    every process materialises)."""
+
+    def bank_key(self, bank_id: str) -> bytes | None:
+        """The bank's wrapped bank key, or None (never made, or the bank was deleted)."""
+
+    def add_bank_key(self, bank_id: str, wrapped: bytes) -> bytes:
+        """Store the bank key unless the bank has one: the stored wrapped key."""
+
+    def get(self, bank_id: str, key_id: str) -> StoredKey | None:
+        """The key ``key_id`` (a tombstone when destroyed), or None when unknown."""
+
+    def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
+        """Store a new key unless ``key_id`` exists (live or tombstone): the stored row."""
+
+    def current(self, bank_id: str, scope: str) -> str | None:
+        """The id of the newest live generation key of ``scope`` (``<scope>#<gen>``;
+        not the other keys in the scope, such as a fact's own), or None."""
+
+    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
+        """Tombstone every live key of ``scope``: the ids destroyed."""
+
+    def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
+        """Tombstone these ids (unknown ones too, so they are never created): the ids."""
+
+    def destroy_bank(self, bank_id: str) -> None:
+        """Drop the bank key and every row of the bank."""
+
+    def close(self) -> None: ...
+
+
+class Kms(Protocol):
+    """Wraps bank keys with a master key held outside the key store (``mneme.keys.
+    LocalKms``: an env-provided key; Vault transit or a cloud KMS behind the same calls).
+    ``unwrap`` raises ValueError for a blob it did not wrap for that bank."""
+
+    def wrap(self, bank_id: str, key: bytes) -> bytes: ...
+
+    def unwrap(self, bank_id: str, blob: bytes) -> bytes: ...
+
+
 class Llm(Protocol):
     """The model calls handlers and agents make (``mneme.llm.gateway.LlmGateway``; the
     fake is ``mneme.llm.fake.FakeLlm``). ``operation`` is one of retain, reflect,

@@ -157,6 +157,9 @@ class _Instruments:
         self.dlq = m.create_counter("mneme.dlq.records", description="Records dead-lettered")
         self.auth = m.create_counter("mneme.auth.requests",
                                      description="gRPC calls by authentication outcome")
+        self.erased = m.create_counter(
+            "mneme.erased.contents",
+            description="Sealed contents read whose key was destroyed (skipped, not errors)")
 
 
 _cache: dict = {}
@@ -192,6 +195,13 @@ def count_retain_documents(succeeded: int, no_facts: int, failed: int) -> None:
 def count_dead_letter(group: str, topic: str) -> None:
     _instruments().dlq.add(1, {"messaging.consumer.group.name": group,
                                "messaging.destination.name": topic})
+
+
+def count_erased(topic: str, n: int) -> None:
+    """``n`` sealed contents of a record on ``topic`` could not be opened: their key was
+    destroyed by a deletion (crypto-shredding), so they were skipped."""
+    if n:
+        _instruments().erased.add(n, {"messaging.destination.name": topic})
 
 
 def count_auth(outcome: str) -> None:

@@ -44,13 +44,23 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
     entities, claims, aliases = resolver.drain(m.bank_id)
     if not (entities or claims or aliases):
         return [facts]
+    # An entity's name is sealed with the keys of the items that mention it: deleting
+    # every document that named it makes the name unreadable on the log.
+    keys_of: dict[str, list[str]] = {}
+    for f in facts.facts:
+        for e in f.entities:
+            ks = keys_of.setdefault(e.id, [])
+            ks.extend(k for k in f.seal.keys if k not in ks)
+    every = list(dict.fromkeys(k for it in m.items for k in it.seal.keys))
 
     def resolved(e) -> ev.ResolvedEntity:
-        return ev.ResolvedEntity(id=e.id, key=e.key, name=e.name, label=e.label, kind=e.kind)
+        return ev.ResolvedEntity(id=e.id, key=e.key, name=e.name, label=e.label, kind=e.kind,
+                                 seal=ev.Seal(keys=keys_of.get(e.id) or every))
     return [ev.EntitiesResolved(
         bank_id=m.bank_id, operation_id=m.operation_id,
         entities=[resolved(e) for e in entities], claims=[resolved(e) for e in claims],
-        aliases=[ev.EntityAlias(alias=a, entity_id=i) for a, i in aliases]), facts]
+        aliases=[ev.EntityAlias(alias=a, entity_id=i, seal=ev.Seal(keys=keys_of.get(i) or every))
+                 for a, i in aliases]), facts]
 
 
 def on_entities_resolved(m: ev.EntitiesResolved, meta: EventMeta, *,
@@ -154,11 +164,14 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
         usage = ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
                             input_tokens=u.input_tokens, output_tokens=u.output_tokens,
                             cost_usd=u.cost_usd)
-    return ev.FactsExtracted(
+    out = ev.FactsExtracted(
         bank_id=m.bank_id, operation_id=m.operation_id,
         facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
         replaced_document_ids=docs, items_total=len(m.items), failures=failures,
         no_fact_items=no_fact_items, llm_usage=usage)
+    for f in out.facts:  # a fact is sealed with its item's keys (mneme.bus.sealing)
+        f.seal.keys.extend(m.items[f.item_index].seal.keys)
+    return out
 
 
 def _extract_items(m: ev.RetainRequested, items: list, source_id: str,

@@ -14,6 +14,7 @@ from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, der
 from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from mneme.events.v1 import events_pb2 as ev
+from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.names import check_bank_id
 from mneme.ports import Catalog, EventLog, Llm, Record
 
@@ -110,6 +111,12 @@ class Ingest:
     #: ``catch_up(bank_id | None)``: before a read, wait for this replica's catalog to
     #: hold what other replicas wrote (distributed, :func:`mneme.bootstrap`); no-op here.
     catch_up: Callable[[str | None], object] = lambda bank_id: True
+    #: The data keys of crypto-shredding (:class:`mneme.keys.Keyring`), or None. A
+    #: deletion destroys its keys *before* its request is appended: once the call
+    #: returns, nothing deleted can be read back from the log, and a retain that follows
+    #: gets new keys. (A failed append leaves the content unreadable on the log but in
+    #: the stores until the deletion is retried.)
+    keys: Keyring | None = None
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -196,6 +203,8 @@ class Ingest:
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> None:
         """Delete a bank; its memories are retracted from every store asynchronously."""
         self.require_bank(bank_id)
+        if self.keys is not None:
+            self.keys.destroy_bank(bank_id)
         rec = self._append(ev.BankDeleted(bank_id=bank_id), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
 
@@ -242,6 +251,8 @@ class Ingest:
         if not document_id:
             raise InvalidArgument("document_id", "required")
         op_id = str(uuid.uuid4())
+        if self.keys is not None:
+            self.keys.destroy_scope(bank_id, document_scope(document_id))
         rec = self._append(ev.DocumentDeleteRequested(
             bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_document", 0, wait, timeout)
@@ -250,6 +261,8 @@ class Ingest:
                       timeout: float | None = None) -> Operation:
         self.require_bank(bank_id, fresh=False)
         op_id = str(uuid.uuid4())
+        if self.keys is not None:
+            self.keys.destroy(bank_id, [fact_key_id(memory_id)])
         rec = self._append(ev.MemoryDeleteRequested(
             bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
@@ -313,6 +326,8 @@ def _check_config(c: BankConfig) -> None:
         raise InvalidArgument("bank.config.dedup_threshold", "must be in (0, 1]")
     if c.extraction_mode not in ("auto", "offline", "llm"):
         raise InvalidArgument("bank.config.extraction_mode", "must be 'auto', 'offline' or 'llm'")
+    if c.erasure not in ("crypto_shred", "none"):
+        raise InvalidArgument("bank.config.erasure", "must be 'crypto_shred' or 'none'")
 
 
 def _check_items(items: Sequence[RetainItem],

@@ -110,7 +110,7 @@ def test_every_event_type_round_trips(msg):
 def test_topic_map_covers_every_top_level_event():
     nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure", "LlmUsage",
               "ObservationScopes", "ScopeTags", "Evidence", "ObservationRevision", "Observation",
-              "ResolvedEntity", "EntityAlias"}
+              "ResolvedEntity", "EntityAlias", "Seal"}
     names = set(ev.DESCRIPTOR.message_types_by_name) - nested
     assert {t.removeprefix(codec.TYPE_PREFIX) for t in codec.TOPIC_OF_TYPE} == names
     assert set(EXPECTED_TOPIC) == names

@@ -291,7 +291,7 @@ def bank_config_to_pb(config: BankConfig) -> events_pb2.BankConfig:
         observations_mission=config.observations_mission,
         skepticism=config.skepticism, literalism=config.literalism, empathy=config.empathy,
         auto_consolidate=config.auto_consolidate, dedup_threshold=config.dedup_threshold,
-        extraction_mode=config.extraction_mode)
+        extraction_mode=config.extraction_mode, erasure=config.erasure)
 
 
 def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
@@ -311,7 +311,8 @@ def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
         empathy=pb.empathy or d.empathy,
         auto_consolidate=pb.auto_consolidate,
         dedup_threshold=pb.dedup_threshold,
-        extraction_mode=pb.extraction_mode or d.extraction_mode)
+        extraction_mode=pb.extraction_mode or d.extraction_mode,
+        erasure=pb.erasure or d.erasure)
 
 
 __all__ = [

@@ -48,6 +48,7 @@ from google.protobuf.message import Message
 from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, StaleCommitError, dead_letter, default_partitions
 from mneme.bus.codec import Envelope, decode
+from mneme.bus.sealing import check_opened, erased_record
 from mneme.errors import Cancelled
 from mneme.ports import EventLog, OutRecord, Record
 
@@ -380,11 +381,12 @@ class Consumer:
         handled = 0
         for rec in records:
             try:
+                check_opened(rec)
                 env = decode(rec)
             except Exception as exc:  # corrupt payload: retries cannot help
                 outs = self._dead_letter(rec, exc, attempts=0, env=None)
             else:
-                if env.message is None:
+                if env.message is None or erased_record(rec):  # erased: keys destroyed
                     self.stats["skipped"] += 1
                     outs = []
                 else:

@@ -65,6 +65,7 @@ from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
 from mneme.bus.kafka_log import KafkaOptions, record_of
+from mneme.bus.sealing import erased_record
 from mneme.datadir import write_atomic
 from mneme.errors import Cancelled
 from mneme.ports import OutRecord, Record
@@ -269,9 +270,17 @@ class GroupRun:
         await self.produce(outs)
         self.stats["handled"] += 1
 
+    @property
+    def sealer(self):
+        """The log's :class:`~mneme.bus.sealing.Sealer`, or None (content in plaintext)."""
+        return getattr(self.log, "sealer", None)
+
     async def produce(self, records: Sequence[OutRecord]) -> None:
         """Send ``records`` (keyed: aiokafka's partitioner puts a bank on Kafka's default
-        partition) and wait until the brokers acknowledge all of them."""
+        partition), their user content sealed, and wait until the brokers acknowledge all
+        of them."""
+        if records and self.sealer is not None:  # key lookups may block: off the loop
+            records = await asyncio.to_thread(lambda: [self.sealer.seal(r) for r in records])
         pending = []
         for r in records:
             # every topic a router or a dead letter writes has its group's publisher
@@ -416,6 +425,8 @@ class DeliveryMiddleware(BaseMiddleware):
             return None
         rec = record_of(msg.raw_message)
         try:
+            if run.sealer is not None:  # key lookups may block: off the loop
+                rec = await asyncio.to_thread(run.sealer.open, rec)
             env = decode(rec)
         except Exception as exc:  # corrupt payload: retrying cannot help
             env, undecodable = None, exc
@@ -424,7 +435,8 @@ class DeliveryMiddleware(BaseMiddleware):
             outs = []
             if env is None:
                 outs = run.dead_letters(rec, undecodable, 0, None)
-            elif env.message is None or not run.router.handles(env.message):
+            elif (env.message is None or not run.router.handles(env.message)
+                  or erased_record(rec)):  # erased: its keys were destroyed
                 run.stats["skipped"] += 1
             else:
                 try:

@@ -259,7 +259,7 @@ def _runner(root: Root, parts: ServiceParts):
     :mod:`mneme.runtime.kafka`; on another log a :class:`LogRunner`."""
     from mneme.bus.kafka_log import KafkaEventLog  # lazy: aiokafka only on Kafka
 
-    if isinstance(root.log, KafkaEventLog) and parts.routers:
+    if isinstance(root.raw_log, KafkaEventLog) and parts.routers:
         from mneme.runtime.kafka import KafkaRunner
 
         return KafkaRunner(root.log, parts.routers, restorers=parts.restorers,

@@ -1,0 +1,330 @@
+"""Crypto-shredding on the log: user content in every event is sealed (AES-256-GCM) with
+data keys that deletions destroy (:mod:`mneme.keys`), so a deleted document leaves no
+readable trace on the topics, in their backups, or in a replay.
+
+What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
+(``mneme.events.v1.Seal``: key ids, nonce, ciphertext)::
+
+    RetainItem          content, context, metadata     keys: its document's (or retain's)
+    Fact                text, context, metadata,        keys: its item's + its own f:<id>
+                        entities, embedding
+    ResolvedEntity      key, name                       keys: the items' that mention it
+    EntityAlias         alias                           keys: the items' that mention it
+    Observation         text, evidence, history,        keys: every key of every fact it
+                        embedding, entities                   has cited
+    ReflectionRecorded  query, answer                   keys: its own q:<id> + its facts'
+
+Ids, bank ids, document ids, tags, times, types, links and counters stay in the clear:
+routing, ordering, replay and the projections' bookkeeping work on them. A sealed
+submessage's content fields are empty on the log. The ciphertext is bound to the bank,
+the message type and the element's id (AES-GCM associated data), so it cannot be moved.
+
+Producers may name an element's keys beforehand (``seal.keys``): extraction gives a fact
+its item's keys, consolidation an observation its facts' keys. The :class:`Sealer` adds
+the defaults, creates missing keys, and seals; when a named key is already destroyed (the
+document was deleted while its facts were being extracted) the content is sealed with a
+key nobody keeps -- erased at birth.
+
+Reading (:meth:`Sealer.open`): each sealed element is opened and its content restored;
+``seal.keys`` stays (so derived content can name its sources' keys), ``nonce`` and
+``ciphertext`` are cleared. An element whose key is gone is *erased*: a fact,
+observation, entity or alias is dropped from its list, a retained item stays as an empty
+placeholder listed in ``rejected_items`` (reason ``erased``), and a reflection makes the
+whole record erased. Such records carry the header ``mneme-erased`` (the count, or
+``record``); consumers skip wholly erased records and count them
+(``mneme.erased.contents``) -- never an error, never a dead letter.
+
+Per bank, ``BankConfig.erasure`` "none" leaves the bank's content in plaintext (cheaper;
+no erasure on the log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Callable, Iterable, Sequence
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import Message
+
+from mneme import telemetry
+from mneme.bus.codec import message_class
+from mneme.events.v1 import events_pb2 as ev
+from mneme.keys import KEY_BYTES, Keyring, document_scope, fact_key_id, retain_scope, scope_of
+from mneme.ports import OutRecord, Record
+
+#: The content fields sealed, per message type.
+SEALED: dict[str, tuple[str, ...]] = {
+    "RetainItem": ("content", "context", "metadata"),
+    "Fact": ("text", "context", "metadata", "entities", "embedding"),
+    "ResolvedEntity": ("key", "name"),
+    "EntityAlias": ("alias",),
+    "Observation": ("text", "evidence", "history", "embedding", "entities"),
+    "ReflectionRecorded": ("query", "answer"),
+}
+#: The event types that carry sealed content.
+SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
+    "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
+    "ReflectionRecorded"))
+#: The header a read record carries when contents of it were erased.
+ERASED_HEADER = "mneme-erased"
+#: The header of a record read whose seal does not authenticate (its consumer
+#: dead-letters it, like any corrupt payload).
+SEAL_ERROR_HEADER = "mneme-seal-error"
+#: The key of content with no finer owner (destroyed with the bank).
+BANK_KEY_ID = "bank"
+_NONCE = 12
+_ERASED_ITEM = "erased: the key of this item was destroyed (its document or memory was deleted)"
+
+
+def erased_record(record: Record) -> bool:
+    """True when nothing of ``record`` can be read any more (its consumers skip it)."""
+    return record.headers.get(ERASED_HEADER) == "record"
+
+
+def check_opened(record: Record) -> None:
+    """Raise ValueError when :class:`SealedLog` could not open ``record`` (a seal that
+    does not authenticate: tampered or corrupt)."""
+    error = record.headers.get(SEAL_ERROR_HEADER)
+    if error:
+        raise ValueError(error)
+
+
+def _element_id(msg: Message) -> str:
+    name = msg.DESCRIPTOR.name
+    if name == "EntityAlias":
+        return msg.entity_id
+    if name == "RetainItem":
+        return msg.document_id
+    return getattr(msg, "id", "")
+
+
+def _aad(bank_id: str, msg: Message) -> bytes:
+    return f"{bank_id}\0{msg.DESCRIPTOR.name}\0{_element_id(msg)}".encode()
+
+
+def _has_content(msg: Message, fields: Sequence[str]) -> bool:
+    return any(fd.name in fields for fd, _ in msg.ListFields())
+
+
+def _split(msg: Message, fields: Sequence[str]) -> bytes:
+    """The content fields of ``msg`` serialised (as a message of its type) and cleared."""
+    part = type(msg)()
+    part.CopyFrom(msg)
+    for fd, _ in part.ListFields():
+        if fd.name not in fields:
+            part.ClearField(fd.name)
+    for f in fields:
+        msg.ClearField(f)
+    return part.SerializeToString(deterministic=True)
+
+
+class Sealer:
+    """Seals the user content of outgoing records and opens it in records read, with the
+    keys of ``keyring``. ``erasure(bank_id)`` → False leaves a bank's content in
+    plaintext (its ``BankConfig.erasure`` is "none"); default True for every bank."""
+
+    def __init__(self, keyring: Keyring, erasure: Callable[[str], bool] = lambda bank: True):
+        self.keyring, self.erasure = keyring, erasure
+
+    # ---- sealing ----------------------------------------------------------------------
+
+    def seal(self, record: OutRecord) -> OutRecord:
+        """``record`` with its content sealed (unchanged when its type carries none, its
+        bank keeps plaintext, or it is sealed already)."""
+        ce_type = record.headers.get("ce_type", "")
+        if ce_type not in SEALING_TYPES:
+            return record
+        bank = record.headers.get("ce_subject") or record.key
+        if not self.erasure(bank):
+            return record
+        cls = message_class(ce_type)
+        msg = cls.FromString(record.value)
+        if not self._seal_event(msg, bank, record.headers.get("ce_id", "")):
+            return record
+        return dataclasses.replace(record, value=msg.SerializeToString())
+
+    def _seal_event(self, m: Message, bank: str, event_id: str) -> int:
+        kr, n = self.keyring, 0
+        if isinstance(m, ev.RetainRequested):
+            for item in m.items:
+                if not item.seal.keys:
+                    scope = (document_scope(item.document_id) if item.document_id
+                             else retain_scope(m.operation_id))
+                    item.seal.keys.append(kr.current(bank, scope))
+                n += self._seal(item, bank)
+        elif isinstance(m, ev.FactsExtracted):
+            for f in m.facts:
+                if not f.seal.keys:
+                    scope = (document_scope(f.document_id) if f.document_id
+                             else retain_scope(m.operation_id))
+                    f.seal.keys.append(kr.current(bank, scope))
+                own = fact_key_id(f.id)
+                if own not in f.seal.keys:
+                    # The fact's own key lives in its item key's scope (deleting the
+                    # document destroys it); none is made once the item key is gone.
+                    scope = kr.scope(bank, f.seal.keys[0])
+                    if scope is not None:
+                        kr.ensure(bank, own, scope)
+                    f.seal.keys.append(own)
+                n += self._seal(f, bank)
+        elif isinstance(m, ev.EntitiesResolved):
+            for e in (*m.entities, *m.claims, *m.aliases):
+                n += self._seal(e, bank)
+        elif isinstance(m, ev.ObservationsChanged):
+            for o in m.observations:
+                n += self._seal(o, bank)
+        elif isinstance(m, ev.ReflectionRecorded):
+            if not m.seal.keys:
+                own = f"q:{event_id or secrets.token_hex(8)}"
+                kr.ensure(bank, own, scope_of(own))
+                m.seal.keys.append(own)
+                for i in m.based_on:
+                    k = fact_key_id(i)
+                    if k not in m.seal.keys and kr.key(bank, k) is not None:
+                        m.seal.keys.append(k)
+            n += self._seal(m, bank)
+        return n
+
+    def _seal(self, msg: Message, bank: str) -> int:
+        """Seal one element in place: 1 when it was sealed, 0 when it had nothing to seal
+        or was sealed already."""
+        fields = SEALED[msg.DESCRIPTOR.name]
+        if msg.seal.ciphertext or not _has_content(msg, fields):
+            return 0
+        if not msg.seal.keys:
+            self.keyring.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
+            msg.seal.keys.append(BANK_KEY_ID)
+        key = self.keyring.combined(bank, msg.seal.keys)
+        plain = _split(msg, fields)
+        # A destroyed key: sealed under a key nobody keeps (erased at birth).
+        nonce = secrets.token_bytes(_NONCE)
+        sealed = AESGCM(key or secrets.token_bytes(KEY_BYTES)).encrypt(nonce, plain,
+                                                                      _aad(bank, msg))
+        msg.seal.nonce, msg.seal.ciphertext = nonce, sealed
+        return 1
+
+    # ---- opening ----------------------------------------------------------------------
+
+    def open(self, record: Record) -> Record:
+        """``record`` with its sealed content opened (see the module docstring for what
+        an erased element becomes). Raises ValueError for a ciphertext that does not
+        authenticate under live keys (tampered or corrupt: dead-lettered like any
+        corrupt payload)."""
+        ce_type = record.headers.get("ce_type", "")
+        if ce_type not in SEALING_TYPES:
+            return record
+        cls = message_class(ce_type)
+        try:
+            msg = cls.FromString(record.value)
+        except Exception:  # noqa: BLE001 - the consumer's decode reports it
+            return record
+        bank = record.headers.get("ce_subject") or record.key
+        opened, erased, whole = self._open_event(msg, bank)
+        if not (opened or erased):
+            return record
+        headers = record.headers
+        if erased:
+            telemetry.count_erased(record.topic, erased)
+            headers = {**headers, ERASED_HEADER: "record" if whole else str(erased)}
+        return dataclasses.replace(record, value=msg.SerializeToString(), headers=headers)
+
+    def _open_event(self, m: Message, bank: str) -> tuple[int, int, bool]:
+        opened = erased = 0
+
+        def each(container, field: str) -> None:
+            nonlocal opened, erased
+            items = getattr(container, field)
+            for i in reversed(range(len(items))):
+                ok = self._open(items[i], bank)
+                if ok is False:
+                    erased += 1
+                    del items[i]
+                elif ok:
+                    opened += 1
+
+        if isinstance(m, ev.RetainRequested):
+            rejected = {r.item_index for r in m.rejected_items}
+            for i, item in enumerate(m.items):
+                ok = self._open(item, bank)
+                if ok:
+                    opened += 1
+                elif ok is False:
+                    erased += 1
+                    if i not in rejected:
+                        m.rejected_items.add(item_index=i, error=_ERASED_ITEM,
+                                             field=f"items[{i}]", reason="erased")
+        elif isinstance(m, ev.FactsExtracted):
+            each(m, "facts")
+        elif isinstance(m, ev.EntitiesResolved):
+            for f in ("entities", "claims", "aliases"):
+                each(m, f)
+        elif isinstance(m, ev.ObservationsChanged):
+            each(m, "observations")
+        elif isinstance(m, ev.ReflectionRecorded):
+            ok = self._open(m, bank)
+            if ok is False:
+                return opened, 1, True
+            opened += bool(ok)
+        return opened, erased, False
+
+    def _open(self, msg: Message, bank: str) -> bool | None:
+        """Open one element in place: True opened, False erased (a key is gone), None
+        when it was not sealed."""
+        seal = msg.seal
+        if not seal.ciphertext:
+            return None
+        key = self.keyring.combined(bank, seal.keys)
+        if key is None:
+            return False
+        try:
+            plain = AESGCM(key).decrypt(seal.nonce, seal.ciphertext, _aad(bank, msg))
+        except InvalidTag:
+            raise ValueError(f"sealed {msg.DESCRIPTOR.name} of bank {bank!r} does not "
+                             f"authenticate under keys {list(seal.keys)}") from None
+        msg.MergeFromString(plain)
+        msg.seal.ClearField("nonce")
+        msg.seal.ClearField("ciphertext")
+        return True
+
+
+class SealedLog:
+    """An :class:`~mneme.ports.EventLog` that seals what is appended or produced with a
+    commit and opens what is read (through ``sealer``); every other call goes to
+    ``inner``."""
+
+    def __init__(self, inner, sealer: Sealer) -> None:
+        self.inner, self.sealer = inner, sealer
+
+    def append(self, records: Iterable[OutRecord]):
+        """Append the records sealed: the records as stored (sealed values)."""
+        return self.inner.append([self.sealer.seal(r) for r in records])
+
+    def commit(self, group: str, offsets: dict[tuple[str, int], int],
+               produce: Sequence[OutRecord] = ()) -> list[Record]:
+        """``inner.commit`` with ``produce`` sealed."""
+        return self.inner.commit(group, offsets, [self.sealer.seal(r) for r in produce])
+
+    def read(self, topic: str, partition: int, offset: int, limit: int = 100) -> list[Record]:
+        """The records of ``inner.read``, opened; one whose seal does not authenticate
+        comes as it is, with the reason in its :data:`SEAL_ERROR_HEADER` header
+        (:func:`check_opened`)."""
+        return [self._open(r) for r in self.inner.read(topic, partition, offset, limit)]
+
+    def _open(self, record: Record) -> Record:
+        try:
+            return self.sealer.open(record)
+        except ValueError as e:
+            return dataclasses.replace(record, headers={**record.headers,
+                                                        SEAL_ERROR_HEADER: str(e)})
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"SealedLog({self.inner!r})"
+
+
+__all__ = ["BANK_KEY_ID", "ERASED_HEADER", "SEALED", "SEALING_TYPES", "SEAL_ERROR_HEADER",
+           "SealedLog", "Sealer", "check_opened", "erased_record"]

@@ -1,0 +1,318 @@
+"""Data keys for crypto-shredding: a key per document (or per retain), a key per fact, a
+key per bank above them, and a master key (KMS) above those.
+
+Hierarchy (envelope encryption, as in NIST SP 800-57 and every cloud KMS)::
+
+    master key (Kms port: env-provided by default; Vault transit / cloud KMS plug in)
+      └─ bank key           32 random bytes, stored wrapped by the master key
+           └─ data key      32 random bytes per key id, stored wrapped by the bank key
+                            (AES key wrap, RFC 3394)
+
+Key ids (strings, in the clear on the log) and their *scope* -- what a deletion destroys:
+
+* ``d:<document_id>#<gen>``: retained items of a document; scope ``d:<document_id>``.
+  A document deleted and then retained again gets a new generation.
+* ``r:<operation_id>#<gen>``: items retained without a document; scope ``r:<operation_id>``.
+* ``f:<fact_id>``: one fact's own key (deterministic, so a redelivered extraction reuses
+  it); scope = its item key's scope, so deleting the document destroys it too, and
+  DeleteMemory destroys it alone.
+* ``q:<event_id>``: one reflection's own key; scope ``q``.
+* ``bank``: content with no finer owner; scope ``bank``.
+
+Destroying a key keeps a tombstone (the id, no key bytes) so a redelivered record can never
+create it again; DeleteBank drops every row of the bank and its bank key. Unwrapped keys
+are cached in memory, bounded (:data:`CACHE_KEYS`).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
+
+from mneme.errors import ConfigurationError
+from mneme.ports import KeyStore, Kms, StoredKey
+
+#: Bytes of every key (AES-256).
+KEY_BYTES = 32
+#: Unwrapped data keys kept in memory per process (an LRU; ~100 bytes each).
+CACHE_KEYS = 100_000
+#: The environment variable of :class:`LocalKms`'s master key (base64 of 32 bytes).
+MASTER_KEY_ENV = "MNEME_MASTER_KEY"
+
+
+def document_scope(document_id: str) -> str:
+    """The scope of a document's item keys (what DeleteDocument destroys)."""
+    return f"d:{document_id}"
+
+
+def retain_scope(operation_id: str) -> str:
+    """The scope of the item keys of a retain's items that have no document."""
+    return f"r:{operation_id}"
+
+
+def fact_key_id(fact_id: str) -> str:
+    """The id of a fact's own key (what DeleteMemory destroys)."""
+    return f"f:{fact_id}"
+
+
+def scope_of(key_id: str) -> str:
+    """The scope a new key of ``key_id`` belongs to, for ids whose scope is in the id
+    (``d:``/``r:`` generations, ``q:`` reflections, ``bank``); ``f:`` keys take their
+    item key's scope (:meth:`Keyring.ensure`)."""
+    if key_id.startswith(("d:", "r:")):
+        return key_id.rsplit("#", 1)[0]
+    if key_id.startswith("q:"):
+        return "q"
+    return key_id
+
+
+class LocalKms:
+    """The default :class:`~mneme.ports.Kms`: a master key held by this process. Each
+    bank's key-encryption key is HKDF-SHA256 of the master key with the bank id as info,
+    so a wrapped bank key is bound to its bank. Raises ValueError for a master key that
+    is not 32 bytes.
+
+    Another KMS plugs in behind the same two calls: HashiCorp Vault transit
+    (``wrap`` = ``POST transit/encrypt/<name>`` with the bank id as ``context``,
+    ``unwrap`` = ``transit/decrypt``) or a cloud KMS (AWS ``Encrypt``/``Decrypt`` with an
+    encryption context; GCP ``encrypt``/``decrypt`` with additional authenticated data)."""
+
+    def __init__(self, master: bytes) -> None:
+        if len(master) != KEY_BYTES:
+            raise ValueError(f"the master key must be {KEY_BYTES} bytes, got {len(master)}")
+        self._master = master
+
+    def _kek(self, bank_id: str) -> bytes:
+        return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                    info=b"mneme/bank-kek/v1\0" + bank_id.encode()).derive(self._master)
+
+    def wrap(self, bank_id: str, key: bytes) -> bytes:
+        """``key`` (32 bytes) wrapped for ``bank_id`` (40 bytes)."""
+        return aes_key_wrap(self._kek(bank_id), key)
+
+    def unwrap(self, bank_id: str, blob: bytes) -> bytes:
+        """The key ``wrap`` wrapped; ValueError when ``blob`` was not wrapped by this
+        master key for this bank."""
+        try:
+            return aes_key_unwrap(self._kek(bank_id), blob)
+        except InvalidUnwrap:
+            raise ValueError(f"bank {bank_id!r}: its key was not wrapped by this master key "
+                             f"(is {MASTER_KEY_ENV} the one it was written with?)") from None
+
+
+def local_kms(data_dir: Path | None, environ: dict | None = None) -> LocalKms:
+    """The :class:`LocalKms` of ``MNEME_MASTER_KEY`` (base64 of 32 bytes) when set;
+    otherwise, with a ``data_dir`` (embedded), the key in ``<data_dir>/master.key``
+    (created with mode 0600 on first use). Raises ConfigurationError for a malformed
+    variable, or when neither is available (a service without a data dir needs the
+    variable, e.g. from a Kubernetes Secret)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(MASTER_KEY_ENV, "").strip()
+    if raw:
+        try:
+            master = base64.b64decode(raw, validate=True)
+        except ValueError:
+            raise ConfigurationError(f"{MASTER_KEY_ENV}: not base64") from None
+        if len(master) != KEY_BYTES:
+            raise ConfigurationError(f"{MASTER_KEY_ENV}: must decode to {KEY_BYTES} bytes, "
+                                     f"got {len(master)} (make one with: openssl rand "
+                                     f"-base64 32)")
+        return LocalKms(master)
+    if data_dir is None:
+        raise ConfigurationError(f"{MASTER_KEY_ENV} is not set (base64 of 32 random bytes; "
+                                 f"make one with: openssl rand -base64 32)")
+    path = Path(data_dir) / "master.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+    master = path.read_bytes()
+    if len(master) != KEY_BYTES:
+        raise ConfigurationError(f"{path}: a master key is {KEY_BYTES} bytes, the file has "
+                                 f"{len(master)}")
+    return LocalKms(master)
+
+
+def combine(key_ids: Sequence[str], keys: Sequence[bytes]) -> bytes:
+    """The AES-256 key of a seal over ``keys`` (in the order of ``key_ids``):
+    HKDF-SHA256 (RFC 5869) of their concatenation, the ids as info -- so content under
+    several keys (an observation citing facts of several documents) is unreadable once
+    any one of them is destroyed."""
+    info = b"mneme/seal/v1\0" + "\0".join(key_ids).encode()
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                info=info).derive(b"".join(keys))
+
+
+class Keyring:
+    """Data keys of every bank over a :class:`~mneme.ports.KeyStore` and a
+    :class:`~mneme.ports.Kms`, with the unwrapped keys cached (LRU of ``cache`` keys).
+    Thread-safe. A key that is destroyed (or never existed) reads as None."""
+
+    def __init__(self, store: KeyStore, kms: Kms, cache: int = CACHE_KEYS) -> None:
+        self.store, self.kms, self.cache = store, kms, cache
+        self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._banks: dict[str, bytes] = {}
+        self._combined: OrderedDict[tuple[str, tuple[str, ...]], bytes] = OrderedDict()
+        self._lock = threading.RLock()
+
+    # ---- reading ----------------------------------------------------------------------
+
+    def _bank_key(self, bank_id: str, create: bool) -> bytes | None:
+        key = self._banks.get(bank_id)
+        if key is not None:
+            return key
+        wrapped = self.store.bank_key(bank_id)
+        if wrapped is None:
+            if not create:
+                return None
+            wrapped = self.store.add_bank_key(
+                bank_id, self.kms.wrap(bank_id, secrets.token_bytes(KEY_BYTES)))
+        key = self.kms.unwrap(bank_id, wrapped)
+        self._banks[bank_id] = key
+        return key
+
+    def _remember(self, bank_id: str, key_id: str, key: bytes) -> bytes:
+        self._keys[(bank_id, key_id)] = key
+        self._keys.move_to_end((bank_id, key_id))
+        while len(self._keys) > self.cache:
+            self._keys.popitem(last=False)
+        return key
+
+    def key(self, bank_id: str, key_id: str) -> bytes | None:
+        """The data key ``key_id`` of ``bank_id`` (32 bytes), or None when it is
+        destroyed or unknown."""
+        with self._lock:
+            hit = self._keys.get((bank_id, key_id))
+            if hit is not None:
+                self._keys.move_to_end((bank_id, key_id))
+                return hit
+            row = self.store.get(bank_id, key_id)
+            if row is None or row.wrapped is None:
+                return None
+            bank = self._bank_key(bank_id, create=False)
+            if bank is None:
+                return None
+            try:
+                key = aes_key_unwrap(bank, row.wrapped)
+            except InvalidUnwrap:  # wrapped by an earlier incarnation's bank key
+                return None
+            return self._remember(bank_id, key_id, key)
+
+    def keys(self, bank_id: str, key_ids: Iterable[str]) -> list[bytes] | None:
+        """The data keys of ``key_ids`` in order, or None when any one is gone."""
+        out = []
+        for k in key_ids:
+            key = self.key(bank_id, k)
+            if key is None:
+                return None
+            out.append(key)
+        return out
+
+    def combined(self, bank_id: str, key_ids: Sequence[str]) -> bytes | None:
+        """The seal key over ``key_ids`` (:func:`combine`), or None when any is gone.
+        Cached (bounded like the data keys); a destruction drops what it touches."""
+        ids = tuple(key_ids)
+        with self._lock:
+            hit = self._combined.get((bank_id, ids))
+            if hit is not None:
+                self._combined.move_to_end((bank_id, ids))
+                return hit
+            keys = self.keys(bank_id, ids)
+            if keys is None:
+                return None
+            key = combine(ids, keys)
+            self._combined[(bank_id, ids)] = key
+            while len(self._combined) > self.cache:
+                self._combined.popitem(last=False)
+            return key
+
+    def scope(self, bank_id: str, key_id: str) -> str | None:
+        """The scope of a live key, or None."""
+        row = self.store.get(bank_id, key_id)
+        return row.scope if row is not None and row.wrapped is not None else None
+
+    # ---- creating ---------------------------------------------------------------------
+
+    def current(self, bank_id: str, scope: str) -> str:
+        """A live key id of ``scope`` (``d:<doc>`` / ``r:<op>``), creating a new
+        generation when it has none (never before, or destroyed)."""
+        with self._lock:
+            live = self.store.current(bank_id, scope)
+            if live is not None:
+                return live
+            key_id = f"{scope}#{secrets.token_hex(8)}"
+            self._add(bank_id, key_id, scope)
+            return key_id
+
+    def ensure(self, bank_id: str, key_id: str, scope: str) -> bytes | None:
+        """The key ``key_id``, created in ``scope`` when it does not exist yet; None when
+        it was destroyed (a destroyed id is never made again)."""
+        with self._lock:
+            key = self.key(bank_id, key_id)
+            if key is not None:
+                return key
+            row = self.store.get(bank_id, key_id)
+            if row is not None and row.wrapped is None:
+                return None
+            return self._add(bank_id, key_id, scope)
+
+    def _add(self, bank_id: str, key_id: str, scope: str) -> bytes | None:
+        bank = self._bank_key(bank_id, create=True)
+        row = self.store.add(bank_id, key_id, scope,
+                             aes_key_wrap(bank, secrets.token_bytes(KEY_BYTES)))
+        if row.wrapped is None:
+            return None
+        return self._remember(bank_id, key_id, aes_key_unwrap(bank, row.wrapped))
+
+    # ---- destroying -------------------------------------------------------------------
+
+    def forget(self, bank_id: str, key_ids: Iterable[str] | None = None) -> None:
+        """Drop cached keys (all of the bank's, with its bank key, when ``key_ids`` is
+        None): called after a destruction, here or learnt from another replica."""
+        with self._lock:
+            if key_ids is None:
+                self._banks.pop(bank_id, None)
+                for k in [k for k in self._keys if k[0] == bank_id]:
+                    del self._keys[k]
+                for k in [k for k in self._combined if k[0] == bank_id]:
+                    del self._combined[k]
+                return
+            gone = set(key_ids)
+            for k in gone:
+                self._keys.pop((bank_id, k), None)
+            for k in [k for k in self._combined if k[0] == bank_id and gone.intersection(k[1])]:
+                del self._combined[k]
+
+    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
+        """Destroy every key of ``scope`` (a document's, a retain's): the ids destroyed."""
+        with self._lock:
+            gone = self.store.destroy_scope(bank_id, scope)
+            self.forget(bank_id, gone)
+            return gone
+
+    def destroy(self, bank_id: str, key_ids: Iterable[str]) -> list[str]:
+        """Destroy these keys (tombstones also for ids not created yet): the ids."""
+        with self._lock:
+            gone = self.store.destroy(bank_id, list(key_ids))
+            self.forget(bank_id, gone)
+            return gone
+
+    def destroy_bank(self, bank_id: str) -> None:
+        """Destroy the bank key and every data key of the bank."""
+        with self._lock:
+            self.store.destroy_bank(bank_id)
+            self.forget(bank_id)
+
+
+__all__ = ["CACHE_KEYS", "KEY_BYTES", "Keyring", "LocalKms", "MASTER_KEY_ENV", "StoredKey",
+           "combine", "document_scope", "fact_key_id", "local_kms", "retain_scope",
+           "scope_of"]

@@ -1,0 +1,118 @@
+"""The :class:`mneme.ports.KeyStore` in SQLite (``<data_dir>/keys.db``): the embedded
+topology's wrapped keys. A destroyed key's bytes are overwritten in the file
+(``secure_delete``) and cut from the WAL at once (:mod:`mneme.stores.sqlite_erase`), so
+erasure does not wait for a vacuum.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from typing import Sequence
+
+from mneme.ports import StoredKey
+from mneme.stores import sqlite_erase
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS bank_keys (bank_id TEXT PRIMARY KEY, wrapped BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS data_keys (
+  bank_id TEXT NOT NULL, key_id TEXT NOT NULL, scope TEXT NOT NULL, wrapped BLOB,
+  created REAL NOT NULL, PRIMARY KEY (bank_id, key_id));
+CREATE INDEX IF NOT EXISTS data_keys_scope ON data_keys(bank_id, scope, created);
+"""
+
+
+class SqliteKeyStore:
+    """Bank keys and data keys in one SQLite file (``path``, created if missing;
+    ":memory:" for tests). Thread-safe (one lock)."""
+
+    def __init__(self, path: str):
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a key lost is content lost
+        sqlite_erase.secure(self._db)
+        self._db.executescript(_SCHEMA)
+
+    def bank_key(self, bank_id: str) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT wrapped FROM bank_keys WHERE bank_id=?",
+                                   (bank_id,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def add_bank_key(self, bank_id: str, wrapped: bytes) -> bytes:
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO bank_keys(bank_id, wrapped) VALUES (?, ?)",
+                             (bank_id, wrapped))
+            row = self._db.execute("SELECT wrapped FROM bank_keys WHERE bank_id=?",
+                                   (bank_id,)).fetchone()
+        return bytes(row[0])
+
+    def get(self, bank_id: str, key_id: str) -> StoredKey | None:
+        with self._lock:
+            row = self._db.execute("SELECT scope, wrapped FROM data_keys WHERE bank_id=? AND "
+                                   "key_id=?", (bank_id, key_id)).fetchone()
+        if row is None:
+            return None
+        return StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
+
+    def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, wrapped, "
+                             "created) VALUES (?, ?, ?, ?, ?)",
+                             (bank_id, key_id, scope, wrapped, time.time()))
+            row = self._db.execute("SELECT scope, wrapped FROM data_keys WHERE bank_id=? AND "
+                                   "key_id=?", (bank_id, key_id)).fetchone()
+        return StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
+
+    def current(self, bank_id: str, scope: str) -> str | None:
+        with self._lock:
+            # a scope's generations (<scope>#<gen>), not the other keys in it (f:<fact>)
+            row = self._db.execute("SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? "
+                                   "AND wrapped IS NOT NULL AND substr(key_id, 1, ?) = ? "
+                                   "ORDER BY created DESC LIMIT 1",
+                                   (bank_id, scope, len(scope) + 1, scope + "#")).fetchone()
+        return row[0] if row else None
+
+    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? AND wrapped IS NOT "
+                "NULL", (bank_id, scope))]
+            if ids:
+                self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND scope=?",
+                                 (bank_id, scope))
+                sqlite_erase.truncate_wal(self._db)
+        return ids
+
+    def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
+        if not key_ids:
+            return []
+        now = time.time()
+        with self._lock:
+            self._db.execute("BEGIN")
+            for k in key_ids:
+                self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
+                                 "wrapped, created) VALUES (?, ?, '', NULL, ?)",
+                                 (bank_id, k, now))
+                self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
+                                 "key_id=?", (bank_id, k))
+            self._db.execute("COMMIT")
+            sqlite_erase.truncate_wal(self._db)
+        return list(key_ids)
+
+    def destroy_bank(self, bank_id: str) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM data_keys WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM bank_keys WHERE bank_id=?", (bank_id,))
+            self._db.execute("COMMIT")
+            sqlite_erase.truncate_wal(self._db)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+__all__ = ["SqliteKeyStore"]
