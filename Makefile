@@ -14,7 +14,7 @@ HELM := tools/helm/bin/helm
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv proto run test bench bench-load bench-distributed up clean schemas asyncapi deploy-check helm helm-check
+.PHONY: venv proto run test bench bench-load bench-erasure bench-distributed up clean schemas asyncapi deploy-check helm helm-check
 
 venv: $(STAMP)
 
@@ -88,6 +88,11 @@ LOAD_ARGS ?=
 bench-load: proto
 	$(BIN)/python tests/bench/recall_load.py --data $(DATA) \
 	  $(if $(PEER_URL),--peer-url $(PEER_URL)) $(LOAD_ARGS)
+
+# The same load with crypto-shredding (the default) and with plaintext banks (erasure none):
+# the ratio column is crypto-shredding's cost on retain and recall (issue 11).
+bench-erasure: proto
+	$(BIN)/python tests/bench/recall_load.py --data $(DATA) --compare-erasure $(LOAD_ARGS)
 
 # Five services as separate processes on tansu, 1 and REPLICAS replicas each, then the
 # 1-replica run again per fetch wait (BENCH_ARGS=--quick for a smoke run).

@@ -21,6 +21,7 @@ import logging
 from datetime import datetime
 from typing import Callable
 
+from mneme.bus import codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
@@ -109,17 +110,19 @@ class Consolidator:
         """Record ``obs`` in ``change`` (replacing this event's earlier state of it). A live
         one is stamped with the occurred span of its evidence first — the one place every
         decision (offline, model, merge, stale marks) passes, so the span never lags."""
-        cited = self.store.facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
-        if not obs.deleted:
+        if obs.deleted:  # no content: the deletion stays readable once its keys are gone
+            obs = codec.tombstone(obs)
+        else:
+            cited = self.store.facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
             engine.stamp_occurred(obs, cited.values())
-        # Sealed with every key of every fact it has ever cited (its history quotes them):
-        # deleting any of those facts makes all of its states unreadable on the log.
-        keys = list(obs.seal.keys)
-        for f in cited.values():
-            keys.extend(k for k in f.seal.keys if k not in keys)
-        if keys != list(obs.seal.keys):
-            obs.seal.ClearField("keys")
-            obs.seal.keys.extend(keys)
+            # Sealed with every key of every fact it has ever cited (its history quotes
+            # them): deleting any of those facts makes all its states unreadable on the log.
+            keys = list(obs.seal.keys)
+            for f in cited.values():
+                keys.extend(k for k in f.seal.keys if k not in keys)
+            if keys != list(obs.seal.keys):
+                obs.seal.ClearField("keys")
+                obs.seal.keys.extend(keys)
         for i, o in enumerate(change.observations):
             if o.id == obs.id:
                 change.observations[i].CopyFrom(obs)

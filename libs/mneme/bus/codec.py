@@ -284,6 +284,23 @@ def retain_item_from_pb(pb: events_pb2.RetainItem) -> RetainItem:
                       metadata=dict(pb.metadata))
 
 
+def tombstone(o: events_pb2.Observation) -> events_pb2.Observation:
+    """What is kept of a deleted observation state ``o``, in the event that deletes it
+    and in the stores: id, scope, version, ``deleted`` and its created/updated times --
+    enough to order later states by version and to count it
+    (:meth:`mneme.ports.ObservationStore.dump`); its text, evidence (quotes), history,
+    embedding and entities are dropped (they are the deleted facts' content, and a
+    deletion must stay readable once their keys are destroyed). A live ``o`` is returned
+    as it is."""
+    if not o.deleted:
+        return o
+    t = events_pb2.Observation(id=o.id, scope=o.scope, version=o.version, deleted=True)
+    for name in ("created_at", "updated_at"):
+        if o.HasField(name):
+            getattr(t, name).CopyFrom(getattr(o, name))
+    return t
+
+
 def bank_config_to_pb(config: BankConfig) -> events_pb2.BankConfig:
     """Domain BankConfig → ``events_pb2.BankConfig`` (every field, exact)."""
     return events_pb2.BankConfig(
@@ -319,5 +336,6 @@ __all__ = [
     "CONTENT_TYPE", "Envelope", "SPECVERSION", "TOPIC_OF_TYPE", "TYPE_PREFIX",
     "bank_config_from_pb", "bank_config_to_pb", "decode", "encode", "event_type",
     "fact_from_pb", "fact_to_pb", "format_time", "message_class", "retain_item_from_pb",
-    "retain_item_to_pb", "timestamp_from_pb", "timestamp_to_pb", "to_float32", "topic_for",
+    "retain_item_to_pb", "timestamp_from_pb", "timestamp_to_pb", "to_float32", "tombstone",
+    "topic_for",
 ]

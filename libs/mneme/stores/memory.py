@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
-from mneme.stores.observations_sqlite import tombstone
+from mneme.bus.codec import tombstone
 
 
 # ---- catalog -------------------------------------------------------------------------------

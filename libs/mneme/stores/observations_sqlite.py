@@ -20,6 +20,7 @@ import sqlite3
 import threading
 from typing import Iterable
 
+from mneme.bus.codec import tombstone
 from mneme.events.v1 import events_pb2 as ev
 from mneme.stores import sqlite_erase
 
@@ -35,21 +36,6 @@ CREATE TABLE IF NOT EXISTS observations (
 CREATE INDEX IF NOT EXISTS obs_scope ON observations (bank_id, scope);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-
-
-def tombstone(o: ev.Observation) -> ev.Observation:
-    """What a store keeps of a deleted observation state ``o``: id, scope, version,
-    ``deleted`` and its created/updated times -- enough to order later states by version
-    and to count it in :meth:`SqliteObservationStore.dump`; its text, evidence (quotes),
-    history, embedding and entities are dropped (they are the deleted facts' content).
-    A live ``o`` is returned as it is."""
-    if not o.deleted:
-        return o
-    t = ev.Observation(id=o.id, scope=o.scope, version=o.version, deleted=True)
-    for name in ("created_at", "updated_at"):
-        if o.HasField(name):
-            getattr(t, name).CopyFrom(getattr(o, name))
-    return t
 
 
 def _scope_key(tags: Iterable[str]) -> str:

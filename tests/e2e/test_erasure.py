@@ -1,0 +1,179 @@
+"""Erasure you can prove, embedded: after DeleteDocument nothing of the document can be
+read back from the event log (every record, raw or opened with every key there is), the
+key file, the SQLite stores, the APIs, or a replay; DeleteBank likewise for a bank."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from array import array
+from pathlib import Path
+
+import pytest
+
+from mneme.bus.sealing import Sealer
+from mneme.events.v1 import events_pb2 as ev
+from mneme.bus.codec import decode
+from mneme.keys import Keyring, local_kms
+from mneme.ports import Record
+from mneme.stores.keys_sqlite import SqliteKeyStore
+from tests.e2e.server import Server
+
+MARKER = "415-555-0187"
+SECRET = [f"Alice said her new phone number is {MARKER}; she wants a call on Friday.",
+          f"Alice repeated it: {MARKER}, and said to text before calling."]
+KEEP = ["Bob bought a red bicycle in Paris last summer.",
+        "Bob rides his red bicycle to work every morning."]
+# the search stores' own files are checked by the stores' erasure test; these are the log,
+# the key file and the SQLite stores
+SEARCH_STORES = ("vectors", "text", "graph")
+
+
+def _records(data: Path) -> list[Record]:
+    db = sqlite3.connect(f"file:{data / 'log.db'}?mode=ro", uri=True)
+    try:
+        return [Record(topic=t, partition=p, offset=o, key=k, value=bytes(v),
+                       headers=json.loads(h))
+                for t, p, o, k, v, h in db.execute(
+                    "SELECT topic, partition, offset, key, value, headers FROM records "
+                    "ORDER BY topic, partition, offset")]
+    finally:
+        db.close()
+
+
+class Everything:
+    """An external consumer holding every key there is (the data dir's key file and
+    master key): what it can open of the log."""
+
+    def __init__(self, data: Path):
+        self.store = SqliteKeyStore(str(data / "keys.db"))
+        self.sealer = Sealer(Keyring(self.store, local_kms(data)))
+        self.data = data
+
+    def opened(self) -> list:
+        out = []
+        for rec in _records(self.data):
+            rec = self.sealer.open(rec)
+            out.append((rec, decode(rec).message))
+        return out
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _files(data: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in data.rglob("*")
+            if p.is_file()
+            and p.relative_to(data).parts[0].split(".")[0] not in SEARCH_STORES}
+
+
+def _texts(m, bank: str) -> str:
+    out = [x.text for x in m.list_memories(bank)]
+    out += [o.text for o in m.list_observations(bank)]
+    for q in ("What is Alice's phone number?", "Alice call Friday", MARKER):
+        for budget in ("low", "high"):
+            r = m.recall(bank, q, budget=budget, max_tokens=8192,
+                         types=["world", "experience", "observation"])
+            out += [x.memory.text for x in r.results]
+            out += [e.name for x in r.results for e in x.memory.entities]
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def erased(tmp_path_factory):
+    """A bank with a secret and a kept document, extracted, consolidated and recalled;
+    the secret document then deleted. Yields (server, facts before, embeddings of the
+    secret facts)."""
+    data = tmp_path_factory.mktemp("erasure") / "data"
+    server = Server(data).start()
+    try:
+        with server.client() as m:
+            m.upsert_bank("er")
+            m.retain("er", [{"content": c, "document_id": "secret"} for c in SECRET]
+                     + [{"content": c, "document_id": "keep"} for c in KEEP])
+            assert m.consolidate("er").state == 3
+            assert MARKER in _texts(m, "er")  # recalled, and in an observation
+            assert any(MARKER in o.text for o in m.list_observations("er"))
+            ext = Everything(data)
+            try:
+                facts = [f for _, msg in ext.opened() if isinstance(msg, ev.FactsExtracted)
+                         for f in msg.facts]
+            finally:
+                ext.close()
+            vectors = [array("f", f.embedding).tobytes() for f in facts
+                       if f.document_id == "secret"]
+            assert vectors and any(MARKER in f.text for f in facts)
+            op = m.delete_document("er", "secret")
+            assert op.state == 3, op
+        yield server, facts, vectors
+    finally:
+        server.stop()
+
+
+def test_nothing_of_the_deleted_document_is_on_the_log_or_in_the_files(erased):
+    server, _, vectors = erased
+    files = _files(server.data_dir)
+    assert server.data_dir / "log.db" in files and server.data_dir / "keys.db" in files
+    for path, data in files.items():
+        assert MARKER.encode() not in data, path
+        for v in vectors:  # the float32 bytes of every secret fact's embedding
+            assert v not in data and v[:32] not in data, path
+
+
+def test_a_consumer_with_every_key_opens_the_other_document_but_nothing_of_the_deleted(erased):
+    server, facts, _ = erased
+    ext = Everything(server.data_dir)
+    try:
+        opened = ext.opened()
+    finally:
+        ext.close()
+    assert MARKER not in "\n".join(str(msg) for _, msg in opened)
+    kept = {f.text for _, msg in opened if isinstance(msg, ev.FactsExtracted)
+            for f in msg.facts}
+    assert kept == {f.text for f in facts if f.document_id == "keep"}
+    retained = [i.content for _, msg in opened if isinstance(msg, ev.RetainRequested)
+                for i in msg.items if i.content]
+    assert sorted(retained) == sorted(KEEP)
+    erased_records = [r for r, _ in opened if r.headers.get("mneme-erased")]
+    assert erased_records  # the deleted document's records are there, undecryptable
+
+
+def test_recall_memories_and_observations_return_nothing_of_it(erased):
+    server, _, _ = erased
+    with server.client() as m:
+        texts = _texts(m, "er")
+        assert MARKER not in texts
+        assert "red bicycle" in texts  # the other document is untouched
+        assert not list(m.list_memories("er", document_id="secret"))
+
+
+def test_a_replay_brings_nothing_of_it_back(erased):
+    server, facts, _ = erased
+    server.replay()
+    with server.client() as m:
+        texts = _texts(m, "er")
+        assert MARKER not in texts
+        assert {x.text for x in m.list_memories("er")} == \
+            {f.text for f in facts if f.document_id == "keep"}
+    for path, data in _files(server.data_dir).items():
+        assert MARKER.encode() not in data, path
+
+
+def test_deleting_the_bank_leaves_nothing_of_it_decryptable(erased):
+    server, _, _ = erased
+    with server.client() as m:
+        m.upsert_bank("gone")
+        m.retain("gone", [{"content": f"Carol's locker code is 9931-{i}", "document_id": f"d{i}"}
+                          for i in range(3)])
+        m.delete_bank("gone")
+    ext = Everything(server.data_dir)
+    try:
+        opened = ext.opened()
+        assert ext.store.bank_key("gone") is None
+    finally:
+        ext.close()
+    of_bank = [(r, msg) for r, msg in opened if r.key == "gone"]
+    assert of_bank
+    assert "9931" not in "\n".join(str(msg) for _, msg in of_bank)
+    for path, data in _files(server.data_dir).items():
+        assert b"9931" not in data, path

@@ -1,0 +1,269 @@
+"""Crypto-shredding: the key hierarchy (mneme.keys) and the sealing of events
+(mneme.bus.sealing) over the SQLite key store."""
+
+from __future__ import annotations
+
+import base64
+import os
+from array import array
+
+import pytest
+
+from mneme.bus import codec
+from mneme.bus.sealing import (ERASED_HEADER, SEAL_ERROR_HEADER, SealedLog, Sealer,
+                               check_opened, erased_record)
+from mneme.bus.sqlite_log import SqliteEventLog
+from mneme.errors import ConfigurationError
+from mneme.events.v1 import events_pb2 as ev
+from mneme.keys import Keyring, LocalKms, local_kms
+from mneme.ports import Record
+from mneme.stores.keys_sqlite import SqliteKeyStore
+
+MARKER = "415-555-0199"
+
+
+@pytest.fixture
+def keyring(tmp_path):
+    store = SqliteKeyStore(str(tmp_path / "keys.db"))
+    yield Keyring(store, LocalKms(os.urandom(32)))
+    store.close()
+
+
+def _as_read(out, offset: int = 0) -> Record:
+    return Record(topic=out.topic, partition=0, offset=offset, key=out.key, value=out.value,
+                  headers=dict(out.headers))
+
+
+def _retain(*docs: str, op: str = "op1") -> ev.RetainRequested:
+    return ev.RetainRequested(bank_id="b", operation_id=op, items=[
+        ev.RetainItem(content=f"{d}: call me on {MARKER}" if d == "secret" else f"{d} text",
+                      context="ctx", document_id=d, metadata={"k": "v"}) for d in docs])
+
+
+def _facts(*pairs: tuple[str, str], op: str = "op2", keys: list[str] | None = None):
+    return ev.FactsExtracted(bank_id="b", operation_id=op, facts=[
+        ev.Fact(id=fid, text=f"{doc} says {MARKER}", document_id=doc,
+                embedding=codec.to_float32([0.1 * (i + 1)] * 8),
+                entities=[ev.Entity(id="e1", name="Alice")],
+                seal=ev.Seal(keys=keys or []))
+        for i, (fid, doc) in enumerate(pairs)])
+
+
+def _seal_open(sealer: Sealer, msg, event_id: str | None = None):
+    out = sealer.seal(codec.encode(msg, bank_id="b", source="t", event_id=event_id))
+    return out, sealer.open(_as_read(out))
+
+
+def test_content_is_sealed_and_opens_back_exactly(keyring):
+    sealer = Sealer(keyring)
+    msg = _retain("secret", "keep")
+    out, opened = _seal_open(sealer, msg)
+    assert MARKER.encode() not in out.value and b"ctx" not in out.value
+    sealed = ev.RetainRequested.FromString(out.value)
+    assert [i.document_id for i in sealed.items] == ["secret", "keep"]  # ids in the clear
+    assert all(i.seal.ciphertext and not i.content for i in sealed.items)
+    back = ev.RetainRequested.FromString(opened.value)
+    for a, b in zip(back.items, msg.items):
+        assert (a.content, a.context, dict(a.metadata)) == (b.content, b.context, dict(b.metadata))
+        assert not a.seal.ciphertext and a.seal.keys  # keys kept for derived content
+    assert ERASED_HEADER not in opened.headers
+
+
+def test_the_embedding_bytes_are_not_on_the_log(keyring):
+    sealer = Sealer(keyring)
+    msg = _facts(("f1", "secret"))
+    out, opened = _seal_open(sealer, msg)
+    vector = array("f", msg.facts[0].embedding).tobytes()
+    assert vector not in out.value and vector[:16] not in out.value
+    assert list(ev.FactsExtracted.FromString(opened.value).facts[0].embedding) == \
+        list(msg.facts[0].embedding)
+
+
+def test_deleting_a_document_erases_its_items_and_facts_and_nothing_else(keyring):
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _retain("secret", "keep"))
+    items = ev.RetainRequested.FromString(out.value).items
+    facts_out, _ = _seal_open(sealer, _facts(("f1", "secret"), ("f2", "keep"),
+                                             keys=None))
+    keyring.destroy_scope("b", "d:secret")
+    opened = sealer.open(_as_read(out))
+    back = ev.RetainRequested.FromString(opened.value)
+    assert back.items[0].content == "" and back.items[1].content == "keep text"
+    assert [(r.item_index, r.reason) for r in back.rejected_items] == [(0, "erased")]
+    assert opened.headers[ERASED_HEADER] == "1" and not erased_record(opened)
+    facts = ev.FactsExtracted.FromString(sealer.open(_as_read(facts_out)).value).facts
+    assert [f.id for f in facts] == ["f2"]
+    assert items[0].seal.keys[0].startswith("d:secret#")
+
+
+def test_a_document_retained_again_after_its_deletion_gets_a_new_key(keyring):
+    sealer = Sealer(keyring)
+    first, _ = _seal_open(sealer, _retain("secret"))
+    keyring.destroy_scope("b", "d:secret")
+    second, opened = _seal_open(sealer, _retain("secret", op="op9"))
+    k1 = ev.RetainRequested.FromString(first.value).items[0].seal.keys[0]
+    k2 = ev.RetainRequested.FromString(second.value).items[0].seal.keys[0]
+    assert k1 != k2
+    assert ev.RetainRequested.FromString(opened.value).items[0].content.startswith("secret")
+    assert ev.RetainRequested.FromString(sealer.open(_as_read(first)).value).items[0].content == ""
+
+
+def test_deleting_a_memory_erases_that_fact_only_and_its_id_stays_destroyed(keyring):
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _facts(("f1", "d"), ("f2", "d")))
+    keyring.destroy("b", ["f:f1"])
+    assert [f.id for f in ev.FactsExtracted.FromString(sealer.open(_as_read(out)).value).facts] \
+        == ["f2"]
+    # a redelivered extraction cannot bring the destroyed key back
+    again, opened = _seal_open(sealer, _facts(("f1", "d"), ("f2", "d")))
+    assert [f.id for f in ev.FactsExtracted.FromString(opened.value).facts] == ["f2"]
+
+
+def test_facts_of_an_item_whose_key_is_gone_are_erased_at_birth(keyring):
+    """Extraction still working on a document deleted meanwhile: its facts name the
+    item's (destroyed) key and are sealed under a key nobody keeps."""
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _retain("secret"))
+    item_key = ev.RetainRequested.FromString(out.value).items[0].seal.keys[0]
+    keyring.destroy_scope("b", "d:secret")
+    facts_out, opened = _seal_open(sealer, _facts(("f1", "secret"), keys=[item_key]))
+    assert MARKER.encode() not in facts_out.value
+    assert not ev.FactsExtracted.FromString(opened.value).facts
+    assert keyring.store.get("b", "f:f1") is None  # no key made for it
+
+
+def test_an_observation_is_erased_when_any_fact_it_cited_is(keyring):
+    sealer = Sealer(keyring)
+    f_out, _ = _seal_open(sealer, _facts(("f1", "d1"), ("f2", "d2")))
+    facts = ev.FactsExtracted.FromString(sealer.open(_as_read(f_out)).value).facts
+    keys = list(dict.fromkeys(k for f in facts for k in f.seal.keys))
+    obs = ev.ObservationsChanged(bank_id="b", observations=[
+        ev.Observation(id="o1", text=f"Alice: {MARKER}", seal=ev.Seal(keys=keys)),
+        ev.Observation(id="o2", text="only d2", seal=ev.Seal(keys=list(facts[1].seal.keys)))])
+    out, opened = _seal_open(sealer, obs)
+    assert MARKER.encode() not in out.value
+    assert [o.id for o in ev.ObservationsChanged.FromString(opened.value).observations] == \
+        ["o1", "o2"]
+    keyring.destroy_scope("b", "d:d1")
+    assert [o.id for o in ev.ObservationsChanged.FromString(
+        sealer.open(_as_read(out)).value).observations] == ["o2"]
+
+
+def test_a_reflection_is_wholly_erased_with_a_fact_it_is_based_on(keyring):
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "secret")))
+    out, opened = _seal_open(sealer, ev.ReflectionRecorded(
+        bank_id="b", query="phone?", answer=MARKER, based_on=["f1"]), event_id="e1")
+    assert MARKER.encode() not in out.value
+    assert ev.ReflectionRecorded.FromString(opened.value).answer == MARKER
+    keyring.destroy_scope("b", "d:secret")
+    gone = sealer.open(_as_read(out))
+    assert erased_record(gone)
+
+
+def test_deleting_the_bank_erases_everything_of_it_and_a_new_bank_starts_afresh(keyring):
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _retain("keep"))
+    keyring.destroy_bank("b")
+    assert ev.RetainRequested.FromString(sealer.open(_as_read(out)).value).items[0].content == ""
+    again, opened = _seal_open(sealer, _retain("keep", op="op3"))
+    assert ev.RetainRequested.FromString(opened.value).items[0].content == "keep text"
+
+
+def test_a_bank_with_erasure_none_stays_in_plaintext(keyring):
+    sealer = Sealer(keyring, erasure=lambda bank: bank != "b")
+    out, opened = _seal_open(sealer, _retain("secret"))
+    assert MARKER.encode() in out.value
+    assert opened.value == out.value
+
+
+def test_a_tampered_seal_is_an_error_not_an_erasure(keyring, tmp_path):
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _retain("secret"))
+    msg = ev.RetainRequested.FromString(out.value)
+    ct = bytearray(msg.items[0].seal.ciphertext)
+    ct[0] ^= 1
+    msg.items[0].seal.ciphertext = bytes(ct)
+    bad = _as_read(codec.encode(msg, bank_id="b", source="t"))
+    with pytest.raises(ValueError, match="does not authenticate"):
+        sealer.open(bad)
+    # another document's id on the same ciphertext: the associated data no longer matches
+    moved = ev.RetainRequested.FromString(out.value)
+    moved.items[0].document_id = "keep"
+    with pytest.raises(ValueError, match="does not authenticate"):
+        sealer.open(_as_read(codec.encode(moved, bank_id="b", source="t")))
+
+
+def test_the_sealed_log_seals_appends_and_commits_and_opens_reads(keyring, tmp_path):
+    inner = SqliteEventLog(str(tmp_path / "log.db"))
+    log = SealedLog(inner, Sealer(keyring))
+    try:
+        log.ensure_topic("mneme.intake.v1", 1)
+        log.ensure_topic("mneme.memory.v1", 1)
+        log.append([codec.encode(_retain("secret"), bank_id="b", source="t")])
+        log.commit("g", {("mneme.intake.v1", 0): 1},
+                   [codec.encode(_facts(("f1", "secret")), bank_id="b", source="t")])
+        for topic in ("mneme.intake.v1", "mneme.memory.v1"):
+            assert MARKER.encode() not in inner.read(topic, 0, 0)[0].value
+            assert MARKER in str(codec.decode(log.read(topic, 0, 0)[0]).message)
+        # a record that does not authenticate comes marked, for its consumer's DLQ
+        msg = ev.RetainRequested.FromString(inner.read("mneme.intake.v1", 0, 0)[0].value)
+        msg.items[0].document_id = "other"
+        inner.append([codec.encode(msg, bank_id="b", source="t")])
+        rec = log.read("mneme.intake.v1", 0, 1)[0]
+        assert "does not authenticate" in rec.headers[SEAL_ERROR_HEADER]
+        with pytest.raises(ValueError):
+            check_opened(rec)
+        check_opened(log.read("mneme.intake.v1", 0, 0)[0])
+    finally:
+        inner.close()
+
+
+def test_key_loss_for_one_document_leaves_the_others_readable(keyring, tmp_path):
+    sealer = Sealer(keyring)
+    outs = [_seal_open(sealer, _retain(d, op=f"op-{d}"))[0] for d in ("a", "b", "c")]
+    # the key file loses one row (e.g. a damaged page): only that document is gone
+    key_a = ev.RetainRequested.FromString(outs[0].value).items[0].seal.keys[0]
+    keyring.store._db.execute("DELETE FROM data_keys WHERE key_id=?", (key_a,))
+    keyring.forget("b", [key_a])
+    contents = [ev.RetainRequested.FromString(sealer.open(_as_read(o)).value).items[0].content
+                for o in outs]
+    assert contents == ["", "b text", "c text"]
+
+
+def test_the_master_key_comes_from_the_environment_or_the_data_dir(tmp_path):
+    key = os.urandom(32)
+    kms = local_kms(None, {"MNEME_MASTER_KEY": base64.b64encode(key).decode()})
+    assert kms.unwrap("b", kms.wrap("b", key)) == key
+    with pytest.raises(ValueError):
+        kms.unwrap("other-bank", kms.wrap("b", key))  # bound to its bank
+    with pytest.raises(ConfigurationError, match="32 bytes"):
+        local_kms(None, {"MNEME_MASTER_KEY": base64.b64encode(b"short").decode()})
+    with pytest.raises(ConfigurationError, match="not set"):
+        local_kms(None, {})
+    made = local_kms(tmp_path, {})
+    assert (tmp_path / "master.key").stat().st_mode & 0o777 == 0o600
+    again = local_kms(tmp_path, {})
+    assert again.unwrap("b", made.wrap("b", key)) == key
+
+
+def test_destroyed_keys_leave_no_bytes_in_the_key_file(tmp_path):
+    store = SqliteKeyStore(str(tmp_path / "keys.db"))
+    kr = Keyring(store, LocalKms(os.urandom(32)))
+    kid = kr.current("b", "d:secret")
+    wrapped = store.get("b", kid).wrapped
+    kr.destroy_scope("b", "d:secret")
+    assert store.get("b", kid).wrapped is None
+    store.close()
+    data = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+    assert wrapped not in data
+
+
+def test_the_key_caches_are_bounded(tmp_path):
+    store = SqliteKeyStore(":memory:")
+    kr = Keyring(store, LocalKms(os.urandom(32)), cache=10)
+    for i in range(50):
+        kr.ensure("b", f"f:{i}", "d:x")
+        kr.combined("b", [f"f:{i}"])
+    assert len(kr._keys) <= 10 and len(kr._combined) <= 10
+    assert kr.key("b", "f:3") is not None  # evicted from the cache, still in the store
