@@ -210,3 +210,25 @@ def test_remote_keys_batches_and_ages_out():
     assert calls[-1] == ["a"]
     with pytest.raises(ValueError, match="32"):
         RemoteKeys(lambda b, ids: ({"x": b"short"}, [])).combined("b", ["x"])
+
+
+def test_records_of_kafka_clients_are_opened(served):
+    """aiokafka / kafka-python records (attributes, headers as [(name, bytes)]) and
+    confluent-kafka messages (methods) open like the log's own records."""
+    import types
+
+    keyring, address = served
+    rec = _sealed(Sealer(keyring), ev.FactsExtracted(bank_id="alice", operation_id="op", facts=[
+        ev.Fact(id="f9", text="Alice likes figs", document_id="d9")]))
+    headers = [(k, v.encode()) for k, v in rec.headers.items()]
+    aiokafka = types.SimpleNamespace(topic=rec.topic, partition=3, offset=7, key=b"alice",
+                                     value=rec.value, headers=headers)
+    confluent = types.SimpleNamespace(topic=lambda: rec.topic, partition=lambda: 3,
+                                      offset=lambda: 7, key=lambda: b"alice",
+                                      value=lambda: rec.value, headers=lambda: headers)
+    with MnemeClient(address, api_key="") as m:
+        opener = m.history_opener()
+        for r in (aiokafka, confluent):
+            e = opener.open(r)
+            assert (e.bank_id, e.record.partition, e.record.offset) == ("alice", 3, 7)
+            assert [f.text for f in e.message.facts] == ["Alice likes figs"]
