@@ -420,7 +420,8 @@ def keys(action: str = typer.Argument("list", help="create | list | revoke"),
             raise typer.Exit(1)
         console.print(f"revoked {key_id}")
     else:
-        console.print("usage: mneme keys [list | create --bank B --scope read|write|history | revoke ID]")
+        console.print("usage: mneme keys [list | create --bank B --scope read|write|history | "
+                      "revoke ID]")
         raise typer.Exit(2)
 
 

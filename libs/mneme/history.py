@@ -75,14 +75,14 @@ class RemoteKeys:
             wanted = [k for k in dict.fromkeys(key_ids) if not self._cached(bank_id, k, now)[0]]
         for i in range(0, len(wanted), self.batch):
             chunk = wanted[i:i + self.batch]
-            found, missing = self.fetch(bank_id, chunk)
-            self.calls += 1
+            found, _missing = self.fetch(bank_id, chunk)
             for k, key in found.items():
                 if len(key) != KEY_BYTES:
                     raise ValueError(f"data key {k!r} of bank {bank_id!r}: {len(key)} bytes, "
                                      f"expected {KEY_BYTES}")
             stamp = self.clock()
             with self._lock:
+                self.calls += 1
                 for k in chunk:  # an id the server did not answer counts as missing
                     self._keys[(bank_id, k)] = (stamp, found.get(k))
                     self._keys.move_to_end((bank_id, k))

@@ -12,7 +12,8 @@ from mneme import apiconv, auth, limits, paging
 from mneme.errors import FailedPrecondition, InvalidArgument
 from mneme.grpc_util import remaining, translate_errors
 from mneme.names import bank_id_of, memory_of, operation_of
-from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2, memory_pb2_grpc
+from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
+from mneme.v1 import memory_pb2_grpc
 from mneme.v1 import operations_pb2, operations_pb2_grpc
 from services.ingest.handlers import Ingest
 

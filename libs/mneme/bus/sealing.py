@@ -28,12 +28,12 @@ key nobody keeps -- erased at birth.
 Reading (:meth:`Opener.open`, which :class:`Sealer` inherits; an :class:`Opener` alone
 needs only a :class:`~mneme.ports.SealKeys`, e.g. the SDK's keys from the KeyService):
 each sealed element is opened and its content restored; ``seal.keys`` stays (so derived
-content can name its sources' keys), ``nonce`` and ``ciphertext`` are cleared. An element whose key is gone is *erased*: a fact,
-observation, entity or alias is dropped from its list, a retained item stays as an empty
-placeholder listed in ``rejected_items`` (reason ``erased``), and a reflection makes the
-whole record erased. Such records carry the header ``mneme-erased`` (the count, or
-``record``); consumers skip wholly erased records and count them
-(``mneme.erased.contents``) -- never an error, never a dead letter.
+content can name its sources' keys), ``nonce`` and ``ciphertext`` are cleared. An element
+whose key is gone is *erased*: a fact, observation, entity or alias is dropped from its
+list, a retained item stays as an empty placeholder listed in ``rejected_items`` (reason
+``erased``), and a reflection makes the whole record erased. Such records carry the
+header ``mneme-erased`` (the count, or ``record``); consumers skip wholly erased records
+and count them (``mneme.erased.contents``) -- never an error, never a dead letter.
 
 Per bank, ``BankConfig.erasure`` "none" leaves the bank's content in plaintext (cheaper;
 no erasure on the log).
