@@ -16,18 +16,24 @@ plain hash is enough; the key is shown once, by ``mneme keys create``). The file
 re-read when it changes, so new keys work without a restart::
 
     {"keys": [{"id": "k3f9a1c2e", "hash": "sha256:…", "banks": ["alice"] | ["*"],
-               "scope": "read" | "write", "created": "2026-…", "subject": "CN (mTLS)"}]}
+               "scope": "read" | "write" | "history" | "write,history",
+               "created": "2026-…", "subject": "CN (mTLS)"}]}
 
-Each RPC is a ``read`` or a ``write`` of the bank its request names (:data:`RULES`); a
-``write`` key may also read. No key or an unknown key → UNAUTHENTICATED; a key without
-the bank or without write for a write → PERMISSION_DENIED; either way the servicer is
-not called, so nothing is written. Listing every bank (ListBanks, ListOperations without
+Each RPC is a ``read``, a ``write`` or a ``history`` access of the bank its request names
+(:data:`RULES`). A key's scope is one of :data:`SCOPES` or a comma-separated set of them;
+every key may read, ``write`` adds the writes, ``history`` adds the data keys of the
+bank's history (KeyService.BatchGetDataKeys: whoever holds them can decrypt every sealed
+record of the bank on the topics and in their backups, so neither a read nor a write key
+gets them; a consumer of the history gets a key of its own, ``--scope history``). No key
+or an unknown key → UNAUTHENTICATED; a key without the bank, or without the scope the RPC
+needs → PERMISSION_DENIED; either way the servicer is not called, so nothing is written
+and no key is served. Listing every bank (ListBanks, ListOperations without
 a parent) needs a ``*`` key. GetOperation checks the operation's bank in the servicer
 (:func:`require`).
 
 Audit: :class:`AuthInterceptor` calls ``audit(AuditRecorded)`` (appended to
 ``mneme.audit.v1``) for every DeleteBank (in every mode), and when authentication is on,
-for every write made with a key and every refused call.
+for every write and every history-key request made with a key and every refused call.
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ from mneme.names import bank_id_of, memory_of
 log = logging.getLogger(__name__)
 
 MODES = ("open", "api_key", "mtls")
-READ, WRITE = "read", "write"
+READ, WRITE, HISTORY = "read", "write", "history"
+#: The scopes a key may hold (``read`` is implied by the others).
+SCOPES = (READ, WRITE, HISTORY)
 ALL_BANKS = "*"
 
 #: RPC → (access, how to find its bank: a request field holding ``banks/{id}`` (or a
@@ -87,6 +95,8 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.GenerationService/GetGeneration": (READ, ALL_BANKS),
     "/mneme.v1.GenerationService/ListGenerations": (READ, ALL_BANKS),
     "/mneme.v1.GenerationService/DeleteGeneration": (WRITE, ALL_BANKS),
+    # The keys of sealed content on the log: a key with the history scope.
+    "/mneme.v1.KeyService/BatchGetDataKeys": (HISTORY, "parent"),
 }
 #: Services that stay open in every mode.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -95,6 +105,25 @@ AUDITED_ALWAYS = {"/mneme.v1.BankService/DeleteBank"}
 
 def hash_key(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_scope(scope: str) -> str:
+    """The normalised form of a key's scope: one of :data:`SCOPES` or a comma-separated
+    set of them, e.g. ``"history, write"`` → ``"write,history"`` (``read`` dropped when
+    another scope implies it). Raises ValueError for an empty or unknown scope."""
+    parts = {p.strip() for p in (scope or "").split(",") if p.strip()}
+    unknown = sorted(parts - set(SCOPES))
+    if not parts or unknown:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)} or a comma-separated "
+                         f"set of them, got {scope!r}")
+    if len(parts) > 1:
+        parts.discard(READ)
+    return ",".join(s for s in SCOPES if s in parts)
+
+
+def _scopes(scope) -> set[str]:
+    """The scopes of a stored entry's ``scope`` (unknown words grant nothing)."""
+    return {p.strip() for p in str(scope or "").split(",")} & set(SCOPES)
 
 
 def new_key() -> tuple[str, str]:
@@ -106,21 +135,27 @@ def new_key() -> tuple[str, str]:
 @dataclass(frozen=True)
 class Principal:
     """Who calls: ``name`` (``key:<id>``, ``cert:<CN>`` or ``anonymous``), the banks it may
-    use (None: every bank) and whether it may write."""
+    use (None: every bank), whether it may write and whether it may get the data keys of
+    the history (:data:`HISTORY`)."""
 
     name: str
     banks: frozenset[str] | None
     write: bool
+    history: bool = False
 
     def allows(self, bank_id: str, access: str) -> bool:
+        """True when this principal may ``access`` (READ, WRITE, HISTORY) ``bank_id``
+        (ALL_BANKS: every bank)."""
         if access == WRITE and not self.write:
+            return False
+        if access == HISTORY and not self.history:
             return False
         if self.banks is None:
             return True
         return bank_id != ALL_BANKS and bank_id in self.banks
 
 
-ANONYMOUS = Principal("anonymous", None, True)
+ANONYMOUS = Principal("anonymous", None, True, history=True)
 _current: contextvars.ContextVar[Principal] = contextvars.ContextVar("principal",
                                                                      default=ANONYMOUS)
 
@@ -138,7 +173,15 @@ def require(bank_id: str, access: str = READ) -> None:
     """Raise :class:`PermissionDenied` unless the current caller may ``access`` the bank
     (for servicers that learn the bank late, e.g. GetOperation)."""
     if not current().allows(bank_id, access):
-        raise PermissionDenied(f"this key may not {access} bank {bank_id!r}")
+        raise PermissionDenied(refusal(access, f"bank {bank_id!r}"))
+
+
+def refusal(access: str, what: str) -> str:
+    """The message of a PERMISSION_DENIED for ``access`` to ``what`` ("bank 'x'")."""
+    if access == HISTORY:
+        return (f"this key may not get the history keys of {what}: it needs the "
+                f"'{HISTORY}' scope for it (mneme keys create --scope {HISTORY})")
+    return f"this key may not {access} {what}"
 
 
 # ---- the keys file ------------------------------------------------------------------------
@@ -181,9 +224,9 @@ class KeyStore:
         return list(data.get("keys", []))
 
     def add(self, banks: list[str], scope: str, subject: str = "") -> tuple[str, str]:
-        """Store a new key's hash; returns (key id, key): the key is not kept."""
-        if scope not in (READ, WRITE):
-            raise ValueError("scope must be 'read' or 'write'")
+        """Store a new key's hash; returns (key id, key): the key is not kept. ``scope``:
+        see :func:`parse_scope` (ValueError for an unknown one, or no bank)."""
+        scope = parse_scope(scope)
         if not banks:
             raise ValueError("name at least one bank (or '*')")
         key_id, key = new_key()
@@ -212,9 +255,10 @@ class KeyStore:
     @staticmethod
     def _principal(prefix: str, e: dict) -> Principal:
         banks = e.get("banks") or []
+        scopes = _scopes(e.get("scope"))
         return Principal(f"{prefix}:{e.get('id') or e.get('subject')}",
                          None if ALL_BANKS in banks else frozenset(banks),
-                         e.get("scope") == WRITE)
+                         WRITE in scopes, HISTORY in scopes)
 
     def by_key(self, key: str) -> Principal | None:
         self._load()
@@ -361,8 +405,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if bank is not None and how and not principal.allows(bank, access):
             what = "every bank" if bank == ALL_BANKS else f"bank {bank!r}"
             self._refuse(context, method, bank, access, grpc.StatusCode.PERMISSION_DENIED,
-                         "permission_denied", f"this key may not {access} {what}",
-                         principal)
+                         "permission_denied", refusal(access, what), principal)
         telemetry.count_auth("allowed")
         return principal, bank or "", access
 
@@ -385,7 +428,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def after(self, method, checked, context, code: str) -> None:
         principal, bank, access = checked
-        if method in AUDITED_ALWAYS or (self.mode != "open" and access == WRITE):
+        if method in AUDITED_ALWAYS or (self.mode != "open" and access in (WRITE, HISTORY)):
             self.record(method, bank, principal.name, access, "allowed", code, context)
 
 

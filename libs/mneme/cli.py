@@ -385,18 +385,23 @@ def import_locomo(file: Path, conversation: List[str] = typer.Option([], "--conv
 def keys(action: str = typer.Argument("list", help="create | list | revoke"),
          key_id: Optional[str] = typer.Argument(None, help="revoke: the key id"),
          bank: List[str] = typer.Option([], "--bank", "-b", help="bank id, repeatable; * for all"),
-         scope: str = typer.Option("read", "--scope", help="read | write"),
+         scope: str = typer.Option("read", "--scope",
+                                   help="read | write | history, or a comma-separated set "
+                                        "(write,history); history: the data keys to decrypt "
+                                        "the bank's event history"),
          subject: str = typer.Option("", "--subject", help="mTLS: client certificate CN"),
          data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     """Manage API keys (MNEME_API_KEYS_FILE, default $MNEME_DATA_DIR/api_keys.json): only
     their hashes are stored; `create` prints the key once. A running server picks up
-    changes to the file at once."""
-    from mneme.auth import KeyStore, default_keys_file
+    changes to the file at once. Every key may read; `write` adds the writes, `history`
+    the data keys of the bank's event history (KeyService, for consumers of the topics)."""
+    from mneme.auth import KeyStore, default_keys_file, parse_scope
     from mneme.config import Settings
     store = KeyStore(default_keys_file(Settings(**({"data_dir": data_dir} if data_dir else {}))))
     if action == "create":
         try:
             key_id, key = store.add(bank, scope, subject)
+            scope = parse_scope(scope)
         except ValueError as e:
             console.print(f"[red]{e}[/red]")
             raise typer.Exit(2)
@@ -415,7 +420,8 @@ def keys(action: str = typer.Argument("list", help="create | list | revoke"),
             raise typer.Exit(1)
         console.print(f"revoked {key_id}")
     else:
-        console.print("usage: mneme keys [list | create --bank B --scope read|write | revoke ID]")
+        console.print("usage: mneme keys [list | create --bank B --scope read|write|history | "
+                      "revoke ID]")
         raise typer.Exit(2)
 
 

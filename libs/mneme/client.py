@@ -22,6 +22,7 @@ from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
+from mneme.v1 import keys_pb2, keys_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
                       reflect_pb2_grpc, resources_pb2)
@@ -135,6 +136,7 @@ class MnemeClient:
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
         self.generations = generations_pb2_grpc.GenerationServiceStub(self.channel)
+        self.key_service = keys_pb2_grpc.KeyServiceStub(self.channel)
 
     def __enter__(self):
         return self
@@ -360,6 +362,27 @@ class MnemeClient:
         yield from self.reflect_stub.StreamReflect(self._reflect_request(
             bank_id, query, context, budget, response_schema, query_timestamp),
             timeout=self.timeout)
+
+    # the history (external consumers of the log)
+
+    def batch_get_data_keys(self, bank_id: str, key_ids: Iterable[str]
+                            ) -> tuple[dict[str, bytes], list[str]]:
+        """The data keys ``key_ids`` of ``bank_id`` (at most 1000): ``({key_id: 32
+        bytes}, missing key ids)`` -- missing ones are destroyed (deleted content) or
+        unknown. Needs a key with the ``history`` scope for the bank (else
+        PERMISSION_DENIED)."""
+        r = self.key_service.BatchGetDataKeys(keys_pb2.BatchGetDataKeysRequest(
+            parent=f"banks/{bank_id}", key_ids=list(key_ids)), timeout=self.timeout)
+        return {k.key_id: k.key for k in r.data_keys}, list(r.missing_key_ids)
+
+    def history_opener(self, cache: int = 100_000, max_age_s: float = 300.0):
+        """A :class:`mneme.history.HistoryOpener`: ``open(record)`` decodes a record of
+        the topics (or the embedded log) with its sealed content opened, with keys from
+        :meth:`batch_get_data_keys` (cached: ``cache`` keys for ``max_age_s`` seconds).
+        Content whose key was destroyed comes erased (README "Reading the history")."""
+        from mneme.history import HistoryOpener, RemoteKeys
+        return HistoryOpener(RemoteKeys(self.batch_get_data_keys, cache=cache,
+                                        max_age_s=max_age_s))
 
     def get_operation(self, operation_id: str) -> operations_pb2.Operation:
         return self.operations.GetOperation(operations_pb2.GetOperationRequest(

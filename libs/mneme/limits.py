@@ -64,6 +64,18 @@ class Limits(BaseSettings):
     max_tokens: int = Field(1_000_000, description="Largest Recall max_tokens")
     request_bytes: int = Field(32 << 20, description="A whole gRPC request, encoded "
                                                      "(larger: RESOURCE_EXHAUSTED)")
+    key_ids: int = Field(1_000, description="Key ids per BatchGetDataKeys request")
+
+    @property
+    def key_id_chars(self) -> int:
+        """A data key id (``d:<document_id>#<generation>``): an id plus its prefix and
+        generation (:data:`KEY_ID_OVERHEAD`)."""
+        return self.id_chars + KEY_ID_OVERHEAD
+
+
+#: Characters a data key id adds to the id it is made of ("d:" + "#" + 16 hex digits,
+#: with room to spare).
+KEY_ID_OVERHEAD = 32
 
 
 @lru_cache(maxsize=1)
@@ -91,9 +103,10 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "extraction_mode": ("id_chars", "id"),
     "erasure": ("id_chars", "id"),
     "paths": ("id_chars", "id"),
+    "key_ids": ("key_id_chars", "id"),
 }
 _REPEATED_RULES: dict[str, str] = {"items": "items", "tags": "tags", "scope": "tags",
-                                   "metadata": "metadata_entries"}
+                                   "metadata": "metadata_entries", "key_ids": "key_ids"}
 _INT_RULES: dict[str, str] = {"page_size": "page_size", "max_tokens": "max_tokens"}
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -433,6 +433,16 @@ class KeyStore(Protocol):
     def close(self) -> None: ...
 
 
+class SealKeys(Protocol):
+    """Where a reader of sealed content gets its keys (:class:`mneme.bus.sealing.Opener`):
+    :class:`mneme.keys.Keyring` in the services, ``mneme.client.RemoteKeys`` (the
+    KeyService) in the SDK."""
+
+    def combined(self, bank_id: str, key_ids: Sequence[str]) -> bytes | None:
+        """The 32-byte seal key over ``key_ids`` (:func:`mneme.keys.combine` of their data
+        keys, in that order), or None when any of them is destroyed or unknown."""
+
+
 class Kms(Protocol):
     """Wraps bank keys with a master key held outside the key store (``mneme.keys.
     LocalKms``: an env-provided key; Vault transit or a cloud KMS behind the same calls).

@@ -1,5 +1,6 @@
-"""ingest's gRPC servicers: BankService, MemoryService (writes), OperationService.
-They translate messages and call :class:`services.ingest.handlers.Ingest`."""
+"""ingest's gRPC servicers: BankService, MemoryService (writes), OperationService, and
+KeyService (the data keys of the history, for external consumers of the log). They
+translate messages and call :class:`services.ingest.handlers.Ingest`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from datetime import datetime, timezone
 from google.protobuf import empty_pb2
 
 from mneme import apiconv, auth, limits, paging
-from mneme.errors import InvalidArgument
+from mneme.errors import FailedPrecondition, InvalidArgument
 from mneme.grpc_util import remaining, translate_errors
 from mneme.names import bank_id_of, memory_of, operation_of
-from mneme.v1 import banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc
+from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
+from mneme.v1 import memory_pb2_grpc
 from mneme.v1 import operations_pb2, operations_pb2_grpc
 from services.ingest.handlers import Ingest
 
@@ -167,11 +169,53 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
             next_page_token=paging.encode_token(kind, offset + size) if more else "")
 
 
+def key_ids_of(request) -> list[str]:
+    """The distinct key ids of a BatchGetDataKeysRequest, in request order. Raises
+    InvalidArgument naming ``key_ids`` (none) or ``key_ids[i]`` (an empty one); lengths,
+    counts and characters are the limits interceptor's (:mod:`mneme.limits`)."""
+    if not request.key_ids:
+        raise InvalidArgument("key_ids", "required: at least one key id (the keys of a "
+                                         "Seal, e.g. 'd:<document_id>#<generation>')")
+    for i, k in enumerate(request.key_ids):
+        if not k:
+            raise InvalidArgument(f"key_ids[{i}]", "must not be empty")
+    return list(dict.fromkeys(request.key_ids))
+
+
+class KeyServicer(keys_pb2_grpc.KeyServiceServicer):
+    """BatchGetDataKeys over ``keys`` (a :class:`mneme.keys.Keyring`; None when this
+    process's log is not sealed, e.g. the distributed topology until its key store
+    exists). The interceptor has checked the caller's history scope for the bank."""
+
+    def __init__(self, keys) -> None:
+        self.keys = keys
+
+    @translate_errors
+    def BatchGetDataKeys(self, request, context):
+        bank_id = bank_id_of(request.parent, "parent")
+        key_ids = key_ids_of(request)
+        if self.keys is None:
+            raise FailedPrecondition(
+                "this server keeps no data keys: its event log is not sealed (the Kafka "
+                "topology writes content in plaintext until its key store exists), so "
+                "records need no key")
+        resp = keys_pb2.BatchGetDataKeysResponse()
+        for k in key_ids:
+            key = self.keys.key(bank_id, k)  # None: destroyed or unknown
+            if key is None:
+                resp.missing_key_ids.append(k)
+            else:
+                resp.data_keys.add(key_id=k, key=key)
+        return resp
+
+
 def register(server, ingest: Ingest) -> list[str]:
     """Add ingest's servicers to ``server``; returns their full service names."""
     banks_pb2_grpc.add_BankServiceServicer_to_server(BankServicer(ingest), server)
     memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(ingest), server)
     operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(ingest), server)
+    keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(ingest.keys), server)
     return [banks_pb2.DESCRIPTOR.services_by_name["BankService"].full_name,
             memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name,
-            operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name]
+            operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
+            keys_pb2.DESCRIPTOR.services_by_name["KeyService"].full_name]

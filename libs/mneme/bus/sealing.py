@@ -25,14 +25,15 @@ the defaults, creates missing keys, and seals; when a named key is already destr
 document was deleted while its facts were being extracted) the content is sealed with a
 key nobody keeps -- erased at birth.
 
-Reading (:meth:`Sealer.open`): each sealed element is opened and its content restored;
-``seal.keys`` stays (so derived content can name its sources' keys), ``nonce`` and
-``ciphertext`` are cleared. An element whose key is gone is *erased*: a fact,
-observation, entity or alias is dropped from its list, a retained item stays as an empty
-placeholder listed in ``rejected_items`` (reason ``erased``), and a reflection makes the
-whole record erased. Such records carry the header ``mneme-erased`` (the count, or
-``record``); consumers skip wholly erased records and count them
-(``mneme.erased.contents``) -- never an error, never a dead letter.
+Reading (:meth:`Opener.open`, which :class:`Sealer` inherits; an :class:`Opener` alone
+needs only a :class:`~mneme.ports.SealKeys`, e.g. the SDK's keys from the KeyService):
+each sealed element is opened and its content restored; ``seal.keys`` stays (so derived
+content can name its sources' keys), ``nonce`` and ``ciphertext`` are cleared. An element
+whose key is gone is *erased*: a fact, observation, entity or alias is dropped from its
+list, a retained item stays as an empty placeholder listed in ``rejected_items`` (reason
+``erased``), and a reflection makes the whole record erased. Such records carry the
+header ``mneme-erased`` (the count, or ``record``); consumers skip wholly erased records
+and count them (``mneme.erased.contents``) -- never an error, never a dead letter.
 
 Per bank, ``BankConfig.erasure`` "none" leaves the bank's content in plaintext (cheaper;
 no erasure on the log).
@@ -52,7 +53,7 @@ from mneme import telemetry
 from mneme.bus.codec import message_class
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import KEY_BYTES, Keyring, document_scope, fact_key_id, retain_scope, scope_of
-from mneme.ports import OutRecord, Record
+from mneme.ports import OutRecord, Record, SealKeys
 
 #: The content fields sealed, per message type.
 SEALED: dict[str, tuple[str, ...]] = {
@@ -120,12 +121,120 @@ def _split(msg: Message, fields: Sequence[str]) -> bytes:
     return part.SerializeToString(deterministic=True)
 
 
-class Sealer:
+def sealed_key_ids(msg: Message) -> set[str]:
+    """The key ids named by the seals still closed in event ``msg`` (what opening it will
+    ask its :class:`~mneme.ports.SealKeys` for; to fetch them in one batch)."""
+    out: set[str] = set()
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        for sub in (value if fd.is_repeated else [value]):
+            if fd.name == "seal" and fd.message_type is ev.Seal.DESCRIPTOR:
+                if sub.ciphertext:
+                    out.update(sub.keys)
+            else:
+                out |= sealed_key_ids(sub)
+    return out
+
+
+class Opener:
+    """Opens the sealed user content of records read, with the keys of ``keys`` (any
+    :class:`~mneme.ports.SealKeys`: the services' :class:`~mneme.keys.Keyring`, or the
+    SDK's keys fetched from the KeyService); it creates no key and seals nothing."""
+
+    def __init__(self, keys: SealKeys) -> None:
+        self.keys = keys
+
+    def open(self, record: Record) -> Record:
+        """``record`` with its sealed content opened (see the module docstring for what
+        an erased element becomes). Raises ValueError for a ciphertext that does not
+        authenticate under live keys (tampered or corrupt: dead-lettered like any
+        corrupt payload)."""
+        ce_type = record.headers.get("ce_type", "")
+        if ce_type not in SEALING_TYPES:
+            return record
+        cls = message_class(ce_type)
+        try:
+            msg = cls.FromString(record.value)
+        except Exception:  # noqa: BLE001 - the consumer's decode reports it
+            return record
+        bank = record.headers.get("ce_subject") or record.key
+        opened, erased, whole = self._open_event(msg, bank)
+        if not (opened or erased):
+            return record
+        headers = record.headers
+        if erased:
+            telemetry.count_erased(record.topic, erased)
+            headers = {**headers, ERASED_HEADER: "record" if whole else str(erased)}
+        return dataclasses.replace(record, value=msg.SerializeToString(), headers=headers)
+
+    def _open_event(self, m: Message, bank: str) -> tuple[int, int, bool]:
+        opened = erased = 0
+
+        def each(container, field: str) -> None:
+            nonlocal opened, erased
+            items = getattr(container, field)
+            for i in reversed(range(len(items))):
+                ok = self._open(items[i], bank)
+                if ok is False:
+                    erased += 1
+                    del items[i]
+                elif ok:
+                    opened += 1
+
+        if isinstance(m, ev.RetainRequested):
+            rejected = {r.item_index for r in m.rejected_items}
+            for i, item in enumerate(m.items):
+                ok = self._open(item, bank)
+                if ok:
+                    opened += 1
+                elif ok is False:
+                    erased += 1
+                    if i not in rejected:
+                        m.rejected_items.add(item_index=i, error=_ERASED_ITEM,
+                                             field=f"items[{i}]", reason="erased")
+        elif isinstance(m, ev.FactsExtracted):
+            each(m, "facts")
+        elif isinstance(m, ev.EntitiesResolved):
+            for f in ("entities", "claims", "aliases"):
+                each(m, f)
+        elif isinstance(m, ev.ObservationsChanged):
+            each(m, "observations")
+        elif isinstance(m, ev.ReflectionRecorded):
+            ok = self._open(m, bank)
+            if ok is False:
+                return opened, 1, True
+            opened += bool(ok)
+        return opened, erased, False
+
+    def _open(self, msg: Message, bank: str) -> bool | None:
+        """Open one element in place: True opened, False erased (a key is gone), None
+        when it was not sealed."""
+        seal = msg.seal
+        if not seal.ciphertext:
+            return None
+        key = self.keys.combined(bank, seal.keys)
+        if key is None:
+            return False
+        try:
+            plain = AESGCM(key).decrypt(seal.nonce, seal.ciphertext, _aad(bank, msg))
+        except InvalidTag:
+            raise ValueError(f"sealed {msg.DESCRIPTOR.name} of bank {bank!r} does not "
+                             f"authenticate under keys {list(seal.keys)}") from None
+        msg.MergeFromString(plain)
+        msg.seal.ClearField("nonce")
+        msg.seal.ClearField("ciphertext")
+        return True
+
+
+class Sealer(Opener):
     """Seals the user content of outgoing records and opens it in records read, with the
-    keys of ``keyring``. ``erasure(bank_id)`` → False leaves a bank's content in
-    plaintext (its ``BankConfig.erasure`` is "none"); default True for every bank."""
+    keys of ``keyring`` (which creates them). ``erasure(bank_id)`` → False leaves a bank's
+    content in plaintext (its ``BankConfig.erasure`` is "none"); default True for every
+    bank."""
 
     def __init__(self, keyring: Keyring, erasure: Callable[[str], bool] = lambda bank: True):
+        super().__init__(keyring)
         self.keyring, self.erasure = keyring, erasure
 
     # ---- sealing ----------------------------------------------------------------------
@@ -205,89 +314,6 @@ class Sealer:
         msg.seal.nonce, msg.seal.ciphertext = nonce, sealed
         return 1
 
-    # ---- opening ----------------------------------------------------------------------
-
-    def open(self, record: Record) -> Record:
-        """``record`` with its sealed content opened (see the module docstring for what
-        an erased element becomes). Raises ValueError for a ciphertext that does not
-        authenticate under live keys (tampered or corrupt: dead-lettered like any
-        corrupt payload)."""
-        ce_type = record.headers.get("ce_type", "")
-        if ce_type not in SEALING_TYPES:
-            return record
-        cls = message_class(ce_type)
-        try:
-            msg = cls.FromString(record.value)
-        except Exception:  # noqa: BLE001 - the consumer's decode reports it
-            return record
-        bank = record.headers.get("ce_subject") or record.key
-        opened, erased, whole = self._open_event(msg, bank)
-        if not (opened or erased):
-            return record
-        headers = record.headers
-        if erased:
-            telemetry.count_erased(record.topic, erased)
-            headers = {**headers, ERASED_HEADER: "record" if whole else str(erased)}
-        return dataclasses.replace(record, value=msg.SerializeToString(), headers=headers)
-
-    def _open_event(self, m: Message, bank: str) -> tuple[int, int, bool]:
-        opened = erased = 0
-
-        def each(container, field: str) -> None:
-            nonlocal opened, erased
-            items = getattr(container, field)
-            for i in reversed(range(len(items))):
-                ok = self._open(items[i], bank)
-                if ok is False:
-                    erased += 1
-                    del items[i]
-                elif ok:
-                    opened += 1
-
-        if isinstance(m, ev.RetainRequested):
-            rejected = {r.item_index for r in m.rejected_items}
-            for i, item in enumerate(m.items):
-                ok = self._open(item, bank)
-                if ok:
-                    opened += 1
-                elif ok is False:
-                    erased += 1
-                    if i not in rejected:
-                        m.rejected_items.add(item_index=i, error=_ERASED_ITEM,
-                                             field=f"items[{i}]", reason="erased")
-        elif isinstance(m, ev.FactsExtracted):
-            each(m, "facts")
-        elif isinstance(m, ev.EntitiesResolved):
-            for f in ("entities", "claims", "aliases"):
-                each(m, f)
-        elif isinstance(m, ev.ObservationsChanged):
-            each(m, "observations")
-        elif isinstance(m, ev.ReflectionRecorded):
-            ok = self._open(m, bank)
-            if ok is False:
-                return opened, 1, True
-            opened += bool(ok)
-        return opened, erased, False
-
-    def _open(self, msg: Message, bank: str) -> bool | None:
-        """Open one element in place: True opened, False erased (a key is gone), None
-        when it was not sealed."""
-        seal = msg.seal
-        if not seal.ciphertext:
-            return None
-        key = self.keyring.combined(bank, seal.keys)
-        if key is None:
-            return False
-        try:
-            plain = AESGCM(key).decrypt(seal.nonce, seal.ciphertext, _aad(bank, msg))
-        except InvalidTag:
-            raise ValueError(f"sealed {msg.DESCRIPTOR.name} of bank {bank!r} does not "
-                             f"authenticate under keys {list(seal.keys)}") from None
-        msg.MergeFromString(plain)
-        msg.seal.ClearField("nonce")
-        msg.seal.ClearField("ciphertext")
-        return True
-
 
 class SealedLog:
     """An :class:`~mneme.ports.EventLog` that seals what is appended or produced with a
@@ -327,4 +353,4 @@ class SealedLog:
 
 
 __all__ = ["BANK_KEY_ID", "ERASED_HEADER", "SEALED", "SEALING_TYPES", "SEAL_ERROR_HEADER",
-           "SealedLog", "Sealer", "check_opened", "erased_record"]
+           "Opener", "SealedLog", "Sealer", "check_opened", "erased_record", "sealed_key_ids"]

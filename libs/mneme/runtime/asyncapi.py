@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, TOPIC_PARTITIONS,
                        dead_letter)
 from mneme.bus.codec import CONTENT_TYPE, SPECVERSION, TOPIC_OF_TYPE, TYPE_PREFIX
+from mneme.bus.sealing import SEALED, SEALING_TYPES
 from mneme.events.v1 import events_pb2
 from mneme.router import Service
 
@@ -55,12 +56,39 @@ TOPIC_DESCRIPTIONS = {
             "changes (full observation state).",
     PROGRESS: "Operation progress and projection watermarks (read-your-writes).",
     REFLECT: "Reflections, for audit.",
-    AUDIT: "Audit trail of the gRPC APIs: bank deletions, writes made with an API key and "
-           "requests refused (no key, or a key without the bank or the write scope).",
+    AUDIT: "Audit trail of the gRPC APIs: bank deletions, writes and history-key requests "
+           "(KeyService) made with an API key, and requests refused (no key, or a key "
+           "without the bank or the scope).",
     DLQ: "Records that failed after retries: the original key, value and headers, plus "
          "`dlq_*` headers naming the source topic, partition, offset, consumer group and "
          "the error.",
 }
+
+_SEALING_DOC = (
+    "User content is sealed (crypto-shredding, `mneme.bus.sealing`): in RetainItem, Fact, "
+    "ResolvedEntity, EntityAlias, Observation and ReflectionRecorded the content fields are "
+    "empty on the topic and encrypted (AES-256-GCM) into the element's `seal` under the "
+    "data keys `seal.keys` names; ids, bank and document ids, tags, times, types, links "
+    "and counters stay in the clear. Consumers open sealed content with the SDK "
+    "(`MnemeClient.history_opener`), which fetches the keys from KeyService."
+    "BatchGetDataKeys (API key scope `history`). Deleting a document, memory or bank "
+    "destroys its keys: that content can never be opened again (erased). A bank with "
+    "`erasure: none` is written in plaintext.")
+
+
+def _sealed_doc(name: str) -> str:
+    """What of message ``name`` is sealed on the log ("" when nothing)."""
+    out = ""
+    if name in SEALED:
+        fields = ", ".join(f"`{f}`" for f in SEALED[name])
+        out += (f" Sealed on the log: {fields} are empty on the topic and encrypted into "
+                "`seal` (`seal.ciphertext`, under the data keys `seal.keys`); an opener "
+                "with the keys restores them, and without them (deleted content) the "
+                "element is erased.")
+    if TYPE_PREFIX + name in SEALING_TYPES and name not in SEALED:
+        out += " Carries sealed user content (see the `seal` of its elements)."
+    return out
+
 
 _HEADER_DOC = ("CloudEvents Kafka protocol binding v1.0, binary content mode: the record "
                "value is the protobuf-encoded event, context attributes are `ce_*` headers.")
@@ -187,6 +215,8 @@ class _Builder:
         doc = f"Field {f.number}, {kind}."
         if f.full_name in self.comments:
             doc += " " + self.comments[f.full_name]
+        if f.name in SEALED.get(f.containing_type.name, ()):
+            doc += " Sealed: empty on the topic, encrypted into `seal`."
 
         def schema_extra(s: dict[str, Any]) -> None:
             (s.get(where, s) if where else s).update(extra)
@@ -201,6 +231,8 @@ class _Builder:
         doc = f"Protobuf message `{d.full_name}` ({PROTO_FILE})."
         if d.full_name in self.comments:
             doc += " " + self.comments[d.full_name]
+        if d.full_name.startswith("mneme.events.v1."):
+            doc += _sealed_doc(d.name)
         if (TYPE_PREFIX + d.name) in TOPIC_OF_TYPE:
             doc += (f" Event type (`ce_type`) `{TYPE_PREFIX}{d.name}` on topic "
                     f"`{TOPIC_OF_TYPE[TYPE_PREFIX + d.name]}`.")
@@ -318,7 +350,8 @@ def enrich(doc: dict[str, Any]) -> dict[str, Any]:
         "Values are protobuf messages of package `mneme.events.v1` "
         f"(`{PROTO_FILE}`); the payload schemas below are their proto3 JSON mapping. "
         + _HEADER_DOC + " Delivery is at least once; ids are deterministic, so consumers "
-        "deduplicate by `ce_id`. External consumers may replay any topic from offset 0.")
+        "deduplicate by `ce_id`. External consumers may replay any topic from offset 0. "
+        + _SEALING_DOC)
     types, owners = described_types(), _owners()
     messages = doc["components"]["messages"]
     for key, channel in doc["channels"].items():
