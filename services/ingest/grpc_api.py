@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from google.protobuf import empty_pb2
 
 from mneme import apiconv, auth, limits, paging
-from mneme.errors import FailedPrecondition, InvalidArgument
+from mneme.errors import InvalidArgument
 from mneme.grpc_util import remaining, translate_errors
 from mneme.names import bank_id_of, memory_of, operation_of
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
@@ -183,29 +183,19 @@ def key_ids_of(request) -> list[str]:
 
 
 class KeyServicer(keys_pb2_grpc.KeyServiceServicer):
-    """BatchGetDataKeys over ``keys`` (a :class:`mneme.keys.Keyring`; None when this
-    process's log is not sealed, e.g. the distributed topology until its key store
-    exists). The interceptor has checked the caller's history scope for the bank."""
+    """BatchGetDataKeys over :meth:`Ingest.data_keys`. The interceptor has checked the
+    caller's history scope for the bank."""
 
-    def __init__(self, keys) -> None:
-        self.keys = keys
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
 
     @translate_errors
     def BatchGetDataKeys(self, request, context):
-        bank_id = bank_id_of(request.parent, "parent")
-        key_ids = key_ids_of(request)
-        if self.keys is None:
-            raise FailedPrecondition(
-                "this server keeps no data keys: its event log is not sealed (the Kafka "
-                "topology writes content in plaintext until its key store exists), so "
-                "records need no key")
-        resp = keys_pb2.BatchGetDataKeysResponse()
-        for k in key_ids:
-            key = self.keys.key(bank_id, k)  # None: destroyed or unknown
-            if key is None:
-                resp.missing_key_ids.append(k)
-            else:
-                resp.data_keys.add(key_id=k, key=key)
+        found, missing = self.ingest.data_keys(bank_id_of(request.parent, "parent"),
+                                               key_ids_of(request))
+        resp = keys_pb2.BatchGetDataKeysResponse(missing_key_ids=missing)
+        for k, key in found:
+            resp.data_keys.add(key_id=k, key=key)
         return resp
 
 
@@ -214,7 +204,7 @@ def register(server, ingest: Ingest) -> list[str]:
     banks_pb2_grpc.add_BankServiceServicer_to_server(BankServicer(ingest), server)
     memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(ingest), server)
     operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(ingest), server)
-    keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(ingest.keys), server)
+    keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(ingest), server)
     return [banks_pb2.DESCRIPTOR.services_by_name["BankService"].full_name,
             memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name,
             operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,

@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 from mneme.bus import codec
 from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
-from mneme.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                          NotFound, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.names import check_bank_id
@@ -266,6 +267,24 @@ class Ingest:
         rec = self._append(ev.MemoryDeleteRequested(
             bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
+
+    def data_keys(self, bank_id: str, key_ids: Sequence[str]
+                  ) -> tuple[list[tuple[str, bytes]], list[str]]:
+        """The data keys of ``key_ids`` for an external reader of the history: ([(key id,
+        32 bytes)] found, [key ids missing: destroyed or unknown]), in request order.
+        FailedPrecondition when this process keeps no keys (its log is not sealed)."""
+        if self.keys is None:
+            raise FailedPrecondition(
+                "this server keeps no data keys: its event log is not sealed, so records "
+                "need no key")
+        found, missing = [], []
+        for k in key_ids:
+            key = self.keys.key(bank_id, k)
+            if key is None:
+                missing.append(k)
+            else:
+                found.append((k, key))
+        return found, missing
 
     def consolidate(self, bank_id: str, action: str = "consolidate",
                     observation_scopes: ev.ObservationScopes | None = None, memory_id: str = "",

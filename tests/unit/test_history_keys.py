@@ -23,6 +23,7 @@ from mneme.runtime import grpc_server
 from mneme.stores.keys_sqlite import SqliteKeyStore
 from mneme.v1 import keys_pb2
 from services.ingest.grpc_api import KeyServicer, key_ids_of
+from services.ingest.handlers import Ingest
 
 
 @pytest.fixture
@@ -36,7 +37,8 @@ def _serve(keys, guard=None):
     settings = Settings()
     server = grpc_server.server(settings, guard)
     from mneme.v1 import keys_pb2_grpc
-    keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(keys), server)
+    ingest = Ingest(log=None, catalog=None, keys=keys)  # data_keys needs only the keys
+    keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(ingest), server)
     port = grpc_server.bind(server, "127.0.0.1:0", settings)
     server.start()
     return server, f"127.0.0.1:{port}"
