@@ -265,6 +265,30 @@ class Keyring:
                 return None
             return self._add(bank_id, key_id, scope)
 
+    def ensure_many(self, bank_id: str, wanted: Sequence[tuple[str, str]]
+                    ) -> dict[str, bytes | None]:
+        """:meth:`ensure` of every (key_id, scope), the missing ones created in one write
+        of the store: key id → key, or None when destroyed."""
+        with self._lock:
+            out: dict[str, bytes | None] = {}
+            new: list[tuple[str, str, bytes]] = []
+            bank = None
+            for key_id, scope in dict.fromkeys(wanted):
+                key = self.key(bank_id, key_id)
+                if key is not None:
+                    out[key_id] = key
+                    continue
+                row = self.store.get(bank_id, key_id)
+                if row is not None:  # a tombstone (a live row would have opened above)
+                    out[key_id] = None
+                    continue
+                bank = bank or self._bank_key(bank_id, create=True)
+                new.append((key_id, scope, aes_key_wrap(bank, secrets.token_bytes(KEY_BYTES))))
+            for key_id, row in self.store.add_many(bank_id, new).items():
+                out[key_id] = (None if row.wrapped is None else
+                               self._remember(bank_id, key_id, aes_key_unwrap(bank, row.wrapped)))
+            return out
+
     def _add(self, bank_id: str, key_id: str, scope: str) -> bytes | None:
         bank = self._bank_key(bank_id, create=True)
         row = self.store.add(bank_id, key_id, scope,

@@ -417,6 +417,11 @@ class KeyStore(Protocol):
     def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
         """Store a new key unless ``key_id`` exists (live or tombstone): the stored row."""
 
+    def add_many(self, bank_id: str, rows: Sequence[tuple[str, str, bytes]]
+                 ) -> dict[str, StoredKey]:
+        """:meth:`add` of every (key_id, scope, wrapped) in one write (the keys a record
+        needs: one durable write per record, not per key): key id → the stored row."""
+
     def current(self, bank_id: str, scope: str) -> str | None:
         """The id of the newest live generation key of ``scope`` (``<scope>#<gen>``;
         not the other keys in the scope, such as a fact's own), or None."""

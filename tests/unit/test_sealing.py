@@ -267,3 +267,22 @@ def test_the_key_caches_are_bounded(tmp_path):
         kr.combined("b", [f"f:{i}"])
     assert len(kr._keys) <= 10 and len(kr._combined) <= 10
     assert kr.key("b", "f:3") is not None  # evicted from the cache, still in the store
+
+
+def test_ensure_many_creates_the_missing_keys_in_one_write_and_never_a_destroyed_one(tmp_path):
+    store = SqliteKeyStore(str(tmp_path / "keys.db"))
+    kr = Keyring(store, LocalKms(os.urandom(32)))
+    try:
+        first = kr.ensure("b", "f:1", "d:x")
+        kr.destroy("b", ["f:2"])
+        writes = []
+        add_many = store.add_many
+        store.add_many = lambda bank, rows: writes.append(len(rows)) or add_many(bank, rows)
+        got = kr.ensure_many("b", [("f:1", "d:x"), ("f:2", "d:x"), ("f:3", "d:x"),
+                                   ("f:4", "d:x")])
+        assert got["f:1"] == first and got["f:2"] is None
+        assert got["f:3"] and got["f:4"] and got["f:3"] != got["f:4"]
+        assert writes == [2]  # the two new keys, together
+        assert kr.key("b", "f:3") == got["f:3"] and store.get("b", "f:4").scope == "d:x"
+    finally:
+        store.close()

@@ -264,6 +264,8 @@ class Sealer(Opener):
                     item.seal.keys.append(kr.current(bank, scope))
                 n += self._seal(item, bank)
         elif isinstance(m, ev.FactsExtracted):
+            scopes: dict[str, str | None] = {}  # item key → its scope (None: destroyed)
+            wanted = []
             for f in m.facts:
                 if not f.seal.keys:
                     scope = (document_scope(f.document_id) if f.document_id
@@ -273,10 +275,14 @@ class Sealer(Opener):
                 if own not in f.seal.keys:
                     # The fact's own key lives in its item key's scope (deleting the
                     # document destroys it); none is made once the item key is gone.
-                    scope = kr.scope(bank, f.seal.keys[0])
-                    if scope is not None:
-                        kr.ensure(bank, own, scope)
+                    item = f.seal.keys[0]
+                    if item not in scopes:
+                        scopes[item] = kr.scope(bank, item)
+                    if scopes[item] is not None:
+                        wanted.append((own, scopes[item]))
                     f.seal.keys.append(own)
+            kr.ensure_many(bank, wanted)  # one durable write for the record's new keys
+            for f in m.facts:
                 n += self._seal(f, bank)
         elif isinstance(m, ev.EntitiesResolved):
             for e in (*m.entities, *m.claims, *m.aliases):

@@ -66,6 +66,28 @@ class SqliteKeyStore:
                                    "key_id=?", (bank_id, key_id)).fetchone()
         return StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
 
+    def add_many(self, bank_id: str, rows: Sequence[tuple[str, str, bytes]]
+                 ) -> dict[str, StoredKey]:
+        if not rows:
+            return {}
+        now = time.time()
+        out: dict[str, StoredKey] = {}
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for key_id, scope, wrapped in rows:
+                    self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
+                                     "wrapped, created) VALUES (?, ?, ?, ?, ?)",
+                                     (bank_id, key_id, scope, wrapped, now))
+                    row = self._db.execute("SELECT scope, wrapped FROM data_keys WHERE "
+                                           "bank_id=? AND key_id=?", (bank_id, key_id)).fetchone()
+                    out[key_id] = StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return out
+
     def current(self, bank_id: str, scope: str) -> str | None:
         with self._lock:
             # a scope's generations (<scope>#<gen>), not the other keys in it (f:<fact>)
