@@ -128,7 +128,13 @@ class VectorStore(Protocol):
         return; they are durable only after flush (or close). Consumers call it before
         committing the offsets of the records whose writes these were (a crash before
         the commit redelivers those records, and the idempotent writes are made again).
-        An adapter whose writes are durable on return implements it as a no-op."""
+        An adapter whose writes are durable on return implements it as a no-op.
+
+        Deletions, too, are physical once it returns: no file of the store holds the
+        deleted units' text or vectors any more (an adapter whose deletes leave them in
+        its files until a compaction runs it here, once for every deletion since the
+        last flush; the consumers call it before committing, so a deletion's operation
+        succeeds only after it)."""
 
     def close(self) -> None:
         """Flush (see :meth:`flush`) and release the store."""
@@ -153,7 +159,7 @@ class TextStore(Protocol):
     def reset(self) -> None: ...
 
     def flush(self) -> None:
-        """As :meth:`VectorStore.flush`: every write so far durable."""
+        """As :meth:`VectorStore.flush`: every write so far durable, deletions physical."""
 
     def close(self) -> None:
         """Flush and release the store."""
@@ -188,7 +194,7 @@ class GraphStore(Protocol):
     def reset(self) -> None: ...
 
     def flush(self) -> None:
-        """As :meth:`VectorStore.flush`: every write so far durable."""
+        """As :meth:`VectorStore.flush`: every write so far durable, deletions physical."""
 
     def close(self) -> None:
         """Flush and release the store."""

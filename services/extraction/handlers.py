@@ -113,7 +113,8 @@ def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, resolver: EntityResol
     all of its facts retracted."""
     bank_catalog.on_bank_deleted(m, meta, catalog=catalog)
     resolver.forget(m.bank_id)
-    return [ev.FactsRetracted(bank_id=m.bank_id, bank_deleted=True)]
+    return [ev.FactsRetracted(bank_id=m.bank_id, bank_deleted=True,
+                              operation_id=m.operation_id)]
 
 
 def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder,

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+from mneme import bank_catalog
 from mneme.bus import codec
 from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
@@ -28,6 +29,7 @@ MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 
 #: Operation kind of each request event.
 _KIND = {"RetainRequested": "retain", "DocumentDeleteRequested": "delete_document",
+         "BankDeleted": "delete_bank",
          "MemoryDeleteRequested": "delete_memory", "ConsolidationRequested": "consolidate"}
 
 
@@ -38,6 +40,15 @@ def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
     total = len(m.items) if isinstance(m, ev.RetainRequested) else 0
     catalog.put_operation(Operation(m.operation_id, m.bank_id, _KIND[m.DESCRIPTOR.name],
                                     items_total=total, created_at=at, updated_at=at))
+    return []
+
+
+def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog) -> list:
+    """The bank leaves the catalog (its operations with it); its deletion becomes a
+    pending operation of its own when it has one. Idempotent; produces nothing."""
+    bank_catalog.on_bank_deleted(m, meta, catalog=catalog)
+    if m.operation_id:
+        on_operation_requested(m, meta, catalog=catalog)
     return []
 
 
@@ -201,13 +212,16 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_bank(bank_id)
 
-    def delete_bank(self, bank_id: str, timeout: float | None = None) -> None:
-        """Delete a bank; its memories are retracted from every store asynchronously."""
+    def delete_bank(self, bank_id: str, timeout: float | None = None) -> Operation:
+        """Delete a bank; returns once search has purged its units from its stores (the
+        operation, kind "delete_bank", terminal) or raises DeadlineExceeded."""
         self.require_bank(bank_id)
         if self.keys is not None:
             self.keys.destroy_bank(bank_id)
-        rec = self._append(ev.BankDeleted(bank_id=bank_id), bank_id)
+        op_id = str(uuid.uuid4())
+        rec = self._append(ev.BankDeleted(bank_id=bank_id, operation_id=op_id), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self._finish(op_id, rec, bank_id, "delete_bank", 0, True, timeout)
 
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
                timeout: float | None = None, request_id: str = "",

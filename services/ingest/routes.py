@@ -10,7 +10,7 @@ from services.ingest import handlers
 SERVICE = Service(
     "ingest",
     groups=(Group("ingest", {
-        INTAKE: {**bank_catalog.ROUTES,
+        INTAKE: {**bank_catalog.ROUTES, ev.BankDeleted: handlers.on_bank_deleted,
                  ev.RetainRequested: handlers.on_operation_requested,
                  ev.DocumentDeleteRequested: handlers.on_operation_requested,
                  ev.MemoryDeleteRequested: handlers.on_operation_requested,

@@ -13,7 +13,7 @@ from mneme.bus import codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, EventMeta
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import GraphStore, TextStore, VectorStore
-from services.search.observations import project_observations
+from services.search.observations import project_observations, retract_observations
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +99,28 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
 def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
                        stores: Projections) -> list[ev.OperationProgress]:
     """A deleted bank, document or memories out of every store; the deletion's progress
-    (none for a retraction that is not an operation: a deleted bank)."""
+    (none for a retraction that is not an operation: a bank deleted before DeleteBank
+    had one). The progress is committed after the stores' flush, which makes the
+    deletion physical (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
     if m.bank_deleted:
         for s in stores.each("delete", m.bank_id):
             s.delete_where(m.bank_id, None)
+    gone = list(m.memory_ids)
     if m.document_id:
         for s in stores.each("delete", m.bank_id):
-            s.delete_where(m.bank_id, m.document_id)
+            ids = s.delete_where(m.bank_id, m.document_id)
+            if s is stores.vectors:
+                gone.extend(ids or ())
     if m.memory_ids:
         for s in stores.each("delete", m.bank_id):
             s.delete(m.bank_id, list(m.memory_ids))
+    if gone and not m.bank_deleted:
+        # the observations quoting them hold their text and (one source) their vector
+        retract_observations(stores.vectors, m.bank_id, gone)
     if not m.operation_id:
         return []
-    kind = "delete_document" if m.document_id else "delete_memory"
+    kind = ("delete_bank" if m.bank_deleted else
+            "delete_document" if m.document_id else "delete_memory")
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id, kind=kind,
                                  state="succeeded")]
 

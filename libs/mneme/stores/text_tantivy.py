@@ -14,10 +14,19 @@ and its Latin-script text is searched as before; CJK text it holds was indexed a
 runs and is found by keyword only after ``mneme replay`` rebuilds the index. The file
 :data:`VERSION_FILE` in the index directory records the analysis version; opening an
 index without it (or with an older one) logs that warning once and records the version.
+
+Deletions are made physical by :meth:`TantivyTextStore.flush`: Tantivy only marks a
+deleted document, which stays in its segment's files until a merge rewrites the segment
+(and the binding offers no merge). Every field is stored, so a flush after deletions
+re-indexes the live documents of each segment that holds a deleted one: the segment is
+then wholly deleted, Tantivy drops it on commit and its files are garbage-collected. An
+index written before fields were stored cannot be rewritten so (its text is not stored):
+it says so once, and ``mneme replay`` rebuilds it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -52,20 +61,38 @@ VERSION_FILE = "mneme-analysis-version"
 log = logging.getLogger(__name__)
 
 
-def _schema() -> tantivy.Schema:
+def _schema(stored: bool = True) -> tantivy.Schema:
+    """The index schema; every field ``stored`` (so a segment can be re-indexed from its
+    documents, see :meth:`TantivyTextStore.purge`), or only ``id`` (indexes written
+    before deletions were physical)."""
     sb = SchemaBuilder()
-    sb.add_text_field("key", tokenizer_name="raw")  # bank_id + id: delete/upsert handle
+    sb.add_text_field("key", stored=stored, tokenizer_name="raw")  # bank_id + id: the handle
     sb.add_text_field("id", stored=True, tokenizer_name="raw")
-    sb.add_text_field("bank_id", tokenizer_name="raw")
-    sb.add_text_field("text", tokenizer_name="en_stem")
-    sb.add_text_field("fact_type", tokenizer_name="raw")
-    sb.add_text_field("document_id", tokenizer_name="raw")
-    sb.add_text_field("tags", tokenizer_name="raw")
-    sb.add_integer_field("n_tags", indexed=True)  # distinct tags; 0 selects untagged units
+    sb.add_text_field("bank_id", stored=stored, tokenizer_name="raw")
+    sb.add_text_field("text", stored=stored, tokenizer_name="en_stem")
+    sb.add_text_field("fact_type", stored=stored, tokenizer_name="raw")
+    sb.add_text_field("document_id", stored=stored, tokenizer_name="raw")
+    sb.add_text_field("tags", stored=stored, tokenizer_name="raw")
+    # distinct tags; 0 selects untagged units
+    sb.add_integer_field("n_tags", stored=stored, indexed=True)
     # Effective bounds: a missing end is taken from the other one (TimeWindow.overlaps).
-    sb.add_float_field("occurred_start", indexed=True, fast=True)
-    sb.add_float_field("occurred_end", indexed=True, fast=True)
+    sb.add_float_field("occurred_start", stored=stored, indexed=True, fast=True)
+    sb.add_float_field("occurred_end", stored=stored, indexed=True, fast=True)
     return sb.build()
+
+
+def _stores_text(path: str) -> bool:
+    """Whether the index in ``path`` stores its text field (True when there is none
+    yet: it is created with the current schema)."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            fields = json.load(f)["schema"]
+    except FileNotFoundError:
+        return True
+    for field in fields:
+        if field.get("name") == "text":
+            return bool(field.get("options", {}).get("stored"))
+    return True
 
 
 def _query_analyzer() -> tantivy.TextAnalyzer:
@@ -86,16 +113,25 @@ class TantivyTextStore:
     (created when absent, reopened otherwise).
 
     Every write commits and reloads the searcher before returning, so it is durable and
-    searchable at once. One writer per directory: a second store (or process) on the
-    same ``path`` fails with Tantivy's lock error. Thread-safe (one lock).
+    searchable at once. Deletions are physical once :meth:`flush` returns (it runs
+    :meth:`purge` after any). One writer per directory: a second store (or process) on
+    the same ``path`` fails with Tantivy's lock error. Thread-safe (one lock).
     """
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, exist_ok=True)
-        self._schema = _schema()
+        #: False for an index written before every field was stored: its deleted
+        #: documents stay in their segments until a merge (``mneme replay`` rebuilds it).
+        self.physical_deletes = _stores_text(self.path)
+        self._schema = _schema(stored=self.physical_deletes)
+        if not self.physical_deletes:
+            log.warning("text index %s does not store its documents, so deleted ones stay "
+                        "in its segment files until Tantivy merges them; `mneme replay` "
+                        "rebuilds it in the current format", self.path)
         self._index = Index(self._schema, path=self.path, reuse=True)
         self._writer: tantivy.IndexWriter | None = self._index.writer(_WRITER_HEAP, 1)
+        self._deleted = False  # a deletion not purged yet
         self._check_version()
         self._analyzer = _query_analyzer()
         self._lock = threading.RLock()
@@ -223,9 +259,13 @@ class TantivyTextStore:
         """Remove the bank's documents with these fact ids."""
         if not ids:
             return
+        keys = [bank_id + _KEY_SEP + i for i in ids]
         with self._lock:
-            for i in ids:
-                self.writer.delete_documents_by_term("key", bank_id + _KEY_SEP + i)
+            if not self._any(Query.term_set_query(self._schema, "key", keys)):
+                return
+            for key in keys:
+                self.writer.delete_documents_by_term("key", key)
+            self._deleted = True
             self._commit()
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
@@ -234,9 +274,17 @@ class TantivyTextStore:
         check_document_id(document_id)
         document_id = storable(document_id)
         filters = Filters(document_id=document_id) if document_id else None
+        query = self._scoped(bank_id, filters)
         with self._lock:
-            self.writer.delete_documents_by_query(self._scoped(bank_id, filters))
+            if not self._any(query):  # (a retain deletes its document's old units first)
+                return
+            self.writer.delete_documents_by_query(query)
+            self._deleted = True
             self._commit()
+
+    def _any(self, query: Query) -> bool:
+        """Whether ``query`` matches a live document; caller holds the lock."""
+        return bool(self._index.searcher().search(query, limit=1, count=True).count)
 
     def search(self, bank_id: str, query: str, k: int,
                filters: Filters | None = None) -> list[Hit]:
@@ -269,14 +317,65 @@ class TantivyTextStore:
         """Delete every bank's documents."""
         with self._lock:
             self.writer.delete_all_documents()
+            self._deleted = True
             self._commit()
 
     def flush(self) -> None:
-        """No-op: every write commits before it returns (durable already)."""
+        """Every write commits before it returns (durable already); after deletions,
+        :meth:`purge` makes them physical."""
+        with self._lock:
+            if self._deleted and self._writer is not None:
+                self.purge()
+
+    def purge(self) -> int:
+        """Drop deleted documents from the files: finish running merges (one could be
+        copying a deleted document into a new segment), then re-index the live documents
+        of every segment that holds a deleted one, from their stored fields, in one
+        commit; those segments are then wholly deleted, which Tantivy drops on commit,
+        and their files are garbage-collected. Returns the documents re-indexed. Costs
+        about the size of those segments; :meth:`flush` calls it once per batch of
+        deletions. Nothing (0) for an index that does not store its fields."""
+        with self._lock:
+            self._deleted = False
+            if not self.physical_deletes:
+                return 0
+            w, self._writer = self.writer, None
+            w.wait_merging_threads()  # (the binding's writer is spent by this)
+            self._writer = self._index.writer(_WRITER_HEAP, 1)
+            self._index.reload()
+            searcher = self._index.searcher()
+            with open(os.path.join(self.path, "meta.json")) as f:
+                segments = json.load(f)["segments"]
+            # The searcher's segment ordinals follow meta.json's order (no merge runs
+            # now); when the live counts disagree, every segment is re-indexed.
+            live = [s["max_doc"] - ((s.get("deletes") or {}).get("num_deleted_docs") or 0)
+                    for s in segments]
+            hits = searcher.search(Query.all_query(), limit=max(1, searcher.num_docs)).hits
+            per_segment = [0] * len(segments)
+            for _, addr in hits:
+                if addr.segment_ord < len(per_segment):
+                    per_segment[addr.segment_ord] += 1
+            if per_segment != live or searcher.num_segments != len(segments):
+                dirty = set(range(searcher.num_segments))
+            else:
+                dirty = {i for i, s in enumerate(segments) if live[i] < s["max_doc"]}
+            n = 0
+            for _, addr in hits:
+                if addr.segment_ord in dirty:
+                    doc = searcher.doc(addr)
+                    self.writer.delete_documents_by_term("key", doc.get_first("key"))
+                    self.writer.add_document(doc)
+                    n += 1
+            self._commit()
+            self.writer.garbage_collect_files()
+            return n
 
     def close(self) -> None:
-        """Finish merges and release the writer lock; further writes raise RuntimeError."""
+        """Purge deletions (see :meth:`flush`), finish merges and release the writer
+        lock; further writes raise RuntimeError."""
         with self._lock:
+            if self._deleted and self._writer is not None:
+                self.purge()
             if self._writer is not None:
                 w, self._writer = self._writer, None
                 w.wait_merging_threads()

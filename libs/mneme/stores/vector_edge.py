@@ -3,12 +3,20 @@
 One shard holds every bank; ``bank_id`` is a tenant-keyword payload field and every
 request is filtered by it. The payload carries the whole :class:`~mneme.domain.Fact`
 (see :func:`fact_to_payload`), so ``get``/``scroll`` hydrate facts without another store.
+
+Deletions are made physical by :meth:`EdgeVectorStore.flush`: Qdrant only marks a deleted
+point, its vector and payload stay in the segment files (and its upsert in the write-ahead
+log) until the segment is rebuilt. So the shard has no WAL (the consumers flush before they
+commit, which is the durability mneme needs) and its vacuum optimizer rebuilds every
+segment holding a deleted point; a flush after deletions runs it, once per batch.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
+import logging
 import os
 import shutil
 import threading
@@ -20,6 +28,7 @@ from qdrant_edge import (
     CountRequest,
     Distance,
     EdgeConfig,
+    EdgeOptimizersConfig,
     EdgeShard,
     EdgeVectorParams,
     FieldCondition,
@@ -43,10 +52,15 @@ from mneme.domain import EntityRef, Fact, Filters, Hit, Link, from_epoch, to_epo
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 from mneme.stores.storable import storable, storable_facts
 
+log = logging.getLogger(__name__)
+
 #: Payload fields with an index, so filters on them are pushed down cheaply.
 _KEYWORD_FIELDS = ("fact_type", "tags", "document_id")
 _FLOAT_FIELDS = ("occurred_start", "occurred_end")
 _SCROLL_BATCH = 256
+#: Vacuum any segment with a deleted point (Qdrant's defaults wait for 20% deleted in
+#: segments of 1000+ vectors): what makes a flush after deletions physical.
+_PURGING_OPTIMIZERS = dict(deleted_threshold=0.0, vacuum_min_vector_number=1)
 
 
 # ---- payload <-> Fact ---------------------------------------------------------------------
@@ -186,6 +200,12 @@ class EdgeVectorStore:
     records and their idempotent upserts are made again). All methods are serialised by
     one lock (thread-safe).
 
+    Deletions are physical once :meth:`flush` returns: a flush after any deletion runs
+    the vacuum (:meth:`purge`), which rebuilds the segments holding deleted points, so no
+    file of the shard keeps their vectors or payloads. The shard keeps no write-ahead log
+    (it would hold every upsert ever made); a shard made with one by an older version is
+    copied once into one without, when opened.
+
     Every bank shares the shard and a fact's point id is its own id, so fact ids must be
     unique across banks (they are: uuid5 of the causing event and position).
 
@@ -206,16 +226,22 @@ class EdgeVectorStore:
         self.dim = dim
         self._lock = threading.RLock()
         self._dirty = False  # a write since the last flush
+        self._deleted = False  # a deletion not purged yet (see purge)
         self._cache: OrderedDict[tuple[str, str], Fact] = OrderedDict()
         self._shard: EdgeShard | None = self._open()
 
     # -- lifecycle --
 
-    def _config(self) -> EdgeConfig:
-        return EdgeConfig(vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine))
+    def _config(self, wal: bool = False) -> EdgeConfig:
+        return EdgeConfig(vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine),
+                          optimizers=EdgeOptimizersConfig(**_PURGING_OPTIMIZERS),
+                          wal_enabled=wal)
 
     def _open(self) -> EdgeShard:
-        if os.path.exists(os.path.join(self.path, "edge_config.json")):
+        config_file = os.path.join(self.path, "edge_config.json")
+        if os.path.exists(config_file) and _has_wal(config_file):
+            self._drop_wal()
+        if os.path.exists(config_file):
             # passing the config makes Edge check the stored vectors have our dimension
             try:
                 shard = EdgeShard.load(self.path, self._config())
@@ -240,6 +266,38 @@ class EdgeVectorStore:
         shard.flush()
         return shard
 
+    def _drop_wal(self) -> None:
+        """Copy a shard made with a write-ahead log (before deletions were physical) into
+        one without, point by point with vectors and payloads, then put it in its place.
+        The copy is complete before the swap, so a crash leaves either shard whole (a
+        leftover copy is made again)."""
+        tmp = self.path + ".nowal"
+        shutil.rmtree(tmp, ignore_errors=True)
+        old = EdgeShard.load(self.path, EdgeConfig(
+            vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine)))
+        try:
+            new = EdgeShard.create(tmp, self._config())
+            offset, n = None, 0
+            while True:
+                records, offset = old.scroll(ScrollRequest(
+                    offset=offset, limit=_SCROLL_BATCH, with_payload=True, with_vector=True))
+                if records:
+                    new.update(UpdateOperation.upsert_points(
+                        [Point(r.id, r.vector, r.payload) for r in records]))
+                    n += len(records)
+                if offset is None:
+                    break
+            new.flush()
+            new.close()
+        finally:
+            old.close()
+        gone = self.path + ".wal-old"
+        os.replace(self.path, gone)
+        os.replace(tmp, self.path)
+        shutil.rmtree(gone, ignore_errors=True)
+        log.warning("vector store %s: copied %d points into a shard without write-ahead "
+                    "log (deleted points are now purged from the files)", self.path, n)
+
     @property
     def shard(self) -> EdgeShard:
         if self._shard is None:
@@ -247,17 +305,36 @@ class EdgeVectorStore:
         return self._shard
 
     def flush(self) -> None:
-        """Make every write so far durable (one fsync of the shard); nothing when none
-        was made since the last flush, or once closed (:meth:`close` flushed them)."""
+        """Make every write so far durable (one fsync of the shard) and, after deletions,
+        physical (:meth:`purge`); nothing when no write was made since the last flush, or
+        once closed (:meth:`close` flushed them)."""
         with self._lock:
+            if self._deleted and self._shard is not None:
+                self.purge()
             if self._dirty and self._shard is not None:
                 self._shard.flush()
                 self._dirty = False
 
+    def purge(self) -> bool:
+        """Rebuild every segment holding a deleted point (Qdrant's vacuum, with the
+        thresholds of :data:`_PURGING_OPTIMIZERS`) and flush, so no file keeps a deleted
+        point's vector or payload; True if a segment was rebuilt. :meth:`flush` calls it
+        after deletions: one purge covers every deletion since the last. It runs Qdrant's
+        other optimizers too (an HNSW build when the new points grew past the indexing
+        threshold: seconds at 20k points, then ~0.5 s per purge) and holds the lock."""
+        with self._lock:
+            changed = bool(self.shard.optimize())
+            self.shard.flush()
+            self._dirty = self._deleted = False
+            return changed
+
     def close(self) -> None:
-        """Flush and release the shard; further calls raise RuntimeError."""
+        """Flush (deletions purged) and release the shard; further calls raise
+        RuntimeError."""
         with self._lock:
             if self._shard is not None:
+                if self._deleted:
+                    self.purge()
                 self._shard.flush()
                 self._dirty = False
                 self._shard.close()
@@ -283,7 +360,7 @@ class EdgeVectorStore:
         with self._lock:
             changed = bool(self.shard.optimize())
             self.shard.flush()  # every write so far, too
-            self._dirty = False
+            self._dirty = self._deleted = False  # (the vacuum ran too)
             return changed
 
     # -- writes --
@@ -313,7 +390,7 @@ class EdgeVectorStore:
         flt = Filter(must=[_match("bank_id", bank_id),
                            HasIdCondition({point_id(i) for i in ids})])
         with self._lock:
-            self._dirty = True
+            self._dirty = self._deleted = True
             self._forget((bank_id, i) for i in ids)
             self.shard.update(UpdateOperation.delete_points_by_filter(flt))
 
@@ -326,7 +403,7 @@ class EdgeVectorStore:
         with self._lock:
             ids = [p["id"] for p in self._scan(flt, payload=["id"])]
             if ids:
-                self._dirty = True
+                self._dirty = self._deleted = True
                 self._forget((bank_id, i) for i in ids)
                 self.shard.update(UpdateOperation.delete_points_by_filter(flt))
         return ids
@@ -415,6 +492,13 @@ class EdgeVectorStore:
             out.extend(r.payload for r in records)
             if offset is None:
                 return out
+
+
+def _has_wal(config_file: str) -> bool:
+    """Whether the shard whose ``edge_config.json`` this is keeps a write-ahead log
+    (Qdrant Edge's default, so a config without the key has one)."""
+    with open(config_file) as f:
+        return json.load(f).get("wal_enabled", True) is not False
 
 
 def _encode_cursor(pid: str) -> str:
