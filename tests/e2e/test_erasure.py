@@ -24,9 +24,6 @@ SECRET = [f"Alice said her new phone number is {MARKER}; she wants a call on Fri
           f"Alice repeated it: {MARKER}, and said to text before calling."]
 KEEP = ["Bob bought a red bicycle in Paris last summer.",
         "Bob rides his red bicycle to work every morning."]
-# the search stores' own files are checked by the stores' erasure test; these are the log,
-# the key file and the SQLite stores
-SEARCH_STORES = ("vectors", "text", "graph")
 
 
 def _records(data: Path) -> list[Record]:
@@ -62,9 +59,7 @@ class Everything:
 
 
 def _files(data: Path) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in data.rglob("*")
-            if p.is_file()
-            and p.relative_to(data).parts[0].split(".")[0] not in SEARCH_STORES}
+    return {p: p.read_bytes() for p in data.rglob("*") if p.is_file()}
 
 
 def _texts(m, bank: str) -> str:
@@ -110,7 +105,7 @@ def erased(tmp_path_factory):
         server.stop()
 
 
-def test_nothing_of_the_deleted_document_is_on_the_log_or_in_the_files(erased):
+def test_nothing_of_the_deleted_document_is_in_any_file_of_the_data_dir(erased):
     server, _, vectors = erased
     files = _files(server.data_dir)
     assert server.data_dir / "log.db" in files and server.data_dir / "keys.db" in files
