@@ -138,6 +138,16 @@ class FakeStore:
     def ids(self, bank_id: str) -> set[str]:
         return set(self.units.get(bank_id, {}))
 
+    def scroll(self, bank_id: str, limit: int, after: str | None = None, filters=None
+               ) -> tuple[list[Fact], str | None]:
+        """The bank's units by id after ``after``, ``limit`` at a time (as the ports say)."""
+        from mneme.stores.filters import fact_matches
+        ids = sorted(i for i, f in self.units.get(bank_id, {}).items()
+                     if (after is None or i > after)
+                     and (filters is None or fact_matches(f, filters)))
+        page = [replace(self.units[bank_id][i], embedding=[]) for i in ids[:limit]]
+        return page, (page[-1].id if len(ids) > limit else None)
+
     def count(self, bank_id: str, filters=None) -> int:
         from mneme.stores.filters import fact_matches
         return sum(1 for f in self.units.get(bank_id, {}).values()
