@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mneme.bus import DLQ
 from mneme.bus.sealing import Sealer
 from mneme.events.v1 import events_pb2 as ev
 from mneme.bus.codec import decode
@@ -172,3 +173,25 @@ def test_deleting_the_bank_leaves_nothing_of_it_decryptable(erased):
     assert "9931" not in "\n".join(str(msg) for _, msg in of_bank)
     for path, data in _files(server.data_dir).items():
         assert b"9931" not in data, path
+
+
+def test_a_bank_with_erasure_none_writes_plaintext_until_it_changes(erased):
+    server, _, _ = erased
+    with server.client() as m:
+        m.upsert_bank("plain", erasure="none")
+        assert m.get_bank("plain").config.erasure == "none"
+        m.retain("plain", [{"content": "Dave's gate code is 7741-plain.", "document_id": "d1"}])
+        m.update_bank("plain", erasure="crypto_shred")
+        m.retain("plain", [{"content": "Dave's new gate code is 5530-sealed.",
+                            "document_id": "d2"}])
+        assert {"7741-plain", "5530-sealed"} <= {w.strip(".") for x in m.list_memories("plain")
+                                                  for w in x.text.split()}
+    log = (server.data_dir / "log.db").read_bytes() + (
+        (server.data_dir / "log.db-wal").read_bytes()
+        if (server.data_dir / "log.db-wal").exists() else b"")
+    assert b"7741-plain" in log and b"5530-sealed" not in log
+
+
+def test_nothing_went_to_the_dead_letter_topic(erased):
+    server, _, _ = erased
+    assert [r for r in _records(server.data_dir) if r.topic == DLQ] == []
