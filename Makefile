@@ -89,10 +89,10 @@ bench-load: proto
 	$(BIN)/python tests/bench/recall_load.py --data $(DATA) \
 	  $(if $(PEER_URL),--peer-url $(PEER_URL)) $(LOAD_ARGS)
 
-# The same load with crypto-shredding (the default) and with plaintext banks (erasure none):
-# the ratio column is crypto-shredding's cost on retain and recall (issue 11).
+# Retain, recall and delete with crypto-shredding (the default) and with plaintext banks
+# (erasure none) in one server, alternated: crypto-shredding's cost as ratios (issue 11).
 bench-erasure: proto
-	$(BIN)/python tests/bench/recall_load.py --data $(DATA) --compare-erasure $(LOAD_ARGS)
+	$(BIN)/python tests/bench/erasure_overhead.py --data $(DATA) $(ERASURE_ARGS)
 
 # Five services as separate processes on tansu, 1 and REPLICAS replicas each, then the
 # 1-replica run again per fetch wait (BENCH_ARGS=--quick for a smoke run).

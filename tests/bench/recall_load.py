@@ -42,14 +42,8 @@ Prints a table (rich) with the ratios mneme / Hindsight, the phase times, and wi
 same keys, or null}}`` (``facts``: facts per bank, the mean over the banks). Progress and
 phase notes go to stderr. Not part of ``make test``: no assertion on any figure.
 
-``--compare-erasure`` runs mneme twice instead (no peer): banks with the default
-``erasure: crypto_shred`` (user content sealed on the log), then the same workload with
-``erasure: none`` (plaintext topics); the ratio column is then crypto-shredding's cost
-(``make bench-erasure``).
-
 Usage: python tests/bench/recall_load.py --data FILE [--conversations ID ...] [--facts N]
        [--clients 1 4 16] [--peer-url URL] [--peer-db-port 55432] [--max-queries N] [--json]
-       [--compare-erasure]
 ``make bench-load`` runs it on the dev split (``PEER_URL=http://127.0.0.1:18888`` adds the peer).
 """
 
@@ -157,11 +151,8 @@ class MnemeSide:
     name = "mneme"
     async_rest = True  # the second half as async retains
 
-    def __init__(self, tmp: Path, erasure: str = "crypto_shred"):
-        self.server = Server(tmp / f"data-{erasure}")
-        self.erasure = erasure
-        if erasure != "crypto_shred":
-            self.name = f"mneme (erasure {erasure})"
+    def __init__(self, tmp: Path):
+        self.server = Server(tmp / "data")
 
     def start(self) -> None:
         self.server.start()
@@ -172,7 +163,7 @@ class MnemeSide:
         self.server.stop()
 
     def create_bank(self, bank: str) -> None:
-        self.client.upsert_bank(bank, erasure=self.erasure)
+        self.client.upsert_bank(bank)
 
     def retain(self, bank: str, items: list[dict], async_: bool) -> None:
         self.client.retain(bank, items, async_=async_)
@@ -542,8 +533,7 @@ def ratio(a, b) -> str:
 
 def report(res: dict, runners: list[Runner], wl: Workload, console: Console) -> None:
     peer = res["peer"]
-    other = runners[1].side.name if peer else ""
-    cols = ["", "mneme"] + ([other, f"mneme / {other}"] if peer else [])
+    cols = ["", "mneme"] + (["Hindsight", "mneme / Hindsight"] if peer else [])
     t = Table(*cols, title=f"recall/retain load ({len(wl.banks)} banks: {', '.join(wl.banks)}; "
                            f"{len(wl.queries)} queries, budget {BUDGET}, max_tokens {MAX_TOKENS}, "
                            f"types {'+'.join(TYPES)}; {os.cpu_count()} cores)")
@@ -587,9 +577,6 @@ def main() -> int:
                     help="the peer's PostgreSQL port (its memory is shown apart)")
     ap.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
-    ap.add_argument("--compare-erasure", action="store_true",
-                    help="instead of a peer: mneme again with banks of erasure 'none' "
-                         "(plaintext topics); the ratio column is crypto-shredding's cost")
     args = ap.parse_args()
     console = Console(stderr=True)
     wl = workload(args.data, args.conversations, args.max_queries)
@@ -599,13 +586,7 @@ def main() -> int:
         runners.append(r)
         res = r.run()
     res["peer"] = None
-    if args.compare_erasure:  # the same run with plaintext banks, as the "peer"
-        with tempfile.TemporaryDirectory(prefix="mneme-load-") as tmp:
-            r = Runner(MnemeSide(Path(tmp), erasure="none"), wl, args.clients, args.facts,
-                       console)
-            runners.append(r)
-            res["peer"] = r.run()
-    elif args.peer_url:
+    if args.peer_url:
         r = Runner(HindsightSide(args.peer_url, args.peer_db_port), wl, args.clients,
                    args.facts, console)
         runners.append(r)
