@@ -91,17 +91,18 @@ class Root:
         own so that its background reads never wait on the services' ones), and
         ``MNEME_MASTER_KEY`` is required (every process unwraps every bank's key);
         ConfigurationError without it."""
-        from mneme.keys import Keyring, local_kms
+        from mneme.keys import MASTER_KEY_ENV, Keyring, local_kms
+        env = {MASTER_KEY_ENV: self.settings.master_key}
         if self.distributed:
             from mneme.stores.keys_kafka import KafkaKeyStore
-            kms = local_kms(None)  # ConfigurationError before any connection
+            kms = local_kms(None, env)  # ConfigurationError before any connection
             self.raw_log  # noqa: B018 - the topics (the key topic too) exist and are checked
             st = self.settings
             conn = self._opened(open_event_log(st.url("bus"), **st.kafka_options(),
                                                client_id="mneme-keys"))
             return Keyring(self._opened(KafkaKeyStore(conn)), kms)
         from mneme.stores.keys_sqlite import SqliteKeyStore
-        kms = local_kms(self.data_dir)
+        kms = local_kms(self.data_dir, env)
         store = SqliteKeyStore(str(self.data_dir / "keys.db"))
         return Keyring(self._opened(store), kms)
 
