@@ -24,7 +24,8 @@ the bank's older records stay dropped in a replay).
 
 Every process reads the topic from offset 0 at open and catches up to the partition's
 high watermark (the reader's highwater from a Fetch sent after the call began, via
-:meth:`mneme.ports.EventLog.read`) before it answers a miss, before ``add`` decides (it
+:meth:`mneme.ports.EventLog.read`) before it answers a miss (an id or bank key it does
+not know), before ``add`` decides (it
 produces, then reads until its own record: the first candidate in partition order wins,
 and ``add`` returns the winner), before ``current``, and every ``poll_s`` seconds in a
 background thread, so that a destruction made by another process reaches this one's
@@ -267,11 +268,12 @@ class KafkaKeyStore:
     def get(self, bank_id: str, key_id: str) -> StoredKey | None:
         with self._view:
             row = self._row(bank_id, key_id)
-        if row is not None and row.wrapped is None:
-            return row  # a tombstone is final
-        # A miss, or a live key another process may have destroyed meanwhile: catch up.
-        # (The Keyring caches the keys it unwrapped, so this is paid once per key.)
-        self.catch_up()
+        if row is not None:
+            # Known: a tombstone is final; a live key destroyed by another process since
+            # the last catch-up reads live until the next (within poll_s), as a key the
+            # Keyring has cached would (what it seals then opens nothing: erased at birth).
+            return row
+        self.catch_up()  # a miss: maybe made by another process
         with self._view:
             return self._row(bank_id, key_id)
 
