@@ -68,7 +68,7 @@ class Root:
         topic would lose records. What it holds is sealed; read it through :attr:`log`."""
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
-        topics.ensure(event_log, st.topic_partitions())
+        topics.ensure(event_log, st.topic_partitions(), keys=self.distributed)
         topics.require_history(event_log)  # TopicConfigError: history would expire
         return event_log
 
@@ -84,13 +84,25 @@ class Root:
     @cached_property
     def keyring(self):
         """The data keys of crypto-shredding (:class:`mneme.keys.Keyring`): the key store
-        of the topology (a file in the data dir embedded, the compacted key topic on
-        Kafka) under the master key of :func:`mneme.keys.local_kms`."""
-        from mneme.keys import Keyring, local_kms
-        if self.distributed:  # the key topic's store is not there yet: plaintext
-            return None
+        of the topology under the master key of :func:`mneme.keys.local_kms`. Embedded:
+        a file in the data dir, the master key from ``MNEME_MASTER_KEY`` or
+        ``<data_dir>/master.key``. Distributed: the compacted key topic
+        (:class:`mneme.stores.keys_kafka.KafkaKeyStore`, over a Kafka connection of its
+        own so that its background reads never wait on the services' ones), and
+        ``MNEME_MASTER_KEY`` is required (every process unwraps every bank's key);
+        ConfigurationError without it."""
+        from mneme.keys import MASTER_KEY_ENV, Keyring, local_kms
+        env = {MASTER_KEY_ENV: self.settings.master_key}
+        if self.distributed:
+            from mneme.stores.keys_kafka import KafkaKeyStore
+            kms = local_kms(None, env)  # ConfigurationError before any connection
+            self.raw_log  # noqa: B018 - the topics (the key topic too) exist and are checked
+            st = self.settings
+            conn = self._opened(open_event_log(st.url("bus"), **st.kafka_options(),
+                                               client_id="mneme-keys"))
+            return Keyring(self._opened(KafkaKeyStore(conn)), kms)
         from mneme.stores.keys_sqlite import SqliteKeyStore
-        kms = local_kms(self.data_dir)
+        kms = local_kms(self.data_dir, env)
         store = SqliteKeyStore(str(self.data_dir / "keys.db"))
         return Keyring(self._opened(store), kms)
 

@@ -648,9 +648,10 @@ app.add_typer(topics_app, name="topics")
 def topics_create():
     """Create every mneme topic on the event log of MNEME_BUS_URL that is missing, with
     its partitions (MNEME_PARTITIONS), replication (MNEME_KAFKA_REPLICATION_FACTOR) and
-    configs (history never expires), then check them (as `mneme topics check`). Existing
+    configs (history never expires, the key topic is compacted), then check them (as
+    `mneme topics check`). Existing
     topics are left alone. Used by the Helm chart's topics Job."""
-    from mneme.bus import ALL_TOPICS
+    from mneme.bus import MANAGED_TOPICS
     from mneme.bus.logs import open_event_log
     from mneme.bus.topics import ensure
     from mneme.config import Settings
@@ -658,7 +659,7 @@ def topics_create():
     event_log = open_event_log(st.url("bus"), **st.kafka_options())
     try:
         ensure(event_log, st.topic_partitions())
-        for t in ALL_TOPICS:
+        for t in MANAGED_TOPICS:
             print(f"{t}\t{event_log.partitions(t)} partitions")
         _report_topics(event_log)
     finally:

@@ -123,6 +123,11 @@ class Settings(BaseSettings):
                                 "(default PLAIN)")
     kafka_sasl_username: str = Field(default="", description="Kafka SASL: user name")
     kafka_sasl_password: str = Field(default="", description="Kafka SASL: password")
+    master_key: str = Field(
+        default="", repr=False,
+        description="crypto-shredding's master key, base64 of 32 bytes (openssl rand -base64 "
+                    "32); required in the distributed topology (every process the same), "
+                    "embedded default <data_dir>/master.key")
     metrics_port: int = Field(
         default=9464, description="Prometheus scrape endpoint port (0: off)")
 

@@ -155,7 +155,9 @@ def combine(key_ids: Sequence[str], keys: Sequence[bytes]) -> bytes:
 class Keyring:
     """Data keys of every bank over a :class:`~mneme.ports.KeyStore` and a
     :class:`~mneme.ports.Kms`, with the unwrapped keys cached (LRU of ``cache`` keys).
-    Thread-safe. A key that is destroyed (or never existed) reads as None."""
+    Thread-safe. A key that is destroyed (or never existed) reads as None. Listens to
+    the store (:meth:`~mneme.ports.KeyStore.listen`): keys destroyed by another process
+    leave the caches when the store learns of it."""
 
     def __init__(self, store: KeyStore, kms: Kms, cache: int = CACHE_KEYS) -> None:
         self.store, self.kms, self.cache = store, kms, cache
@@ -163,6 +165,8 @@ class Keyring:
         self._banks: dict[str, bytes] = {}
         self._combined: OrderedDict[tuple[str, tuple[str, ...]], bytes] = OrderedDict()
         self._lock = threading.RLock()
+        # destructions the store learns of (another process's, on a shared store)
+        store.listen(self.forget)
 
     # ---- reading ----------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 from mneme.domain import (Bank, BankConfig, EntityRef, Fact, Filters, Hit, Operation, RetainItem,
                           TimeWindow)
@@ -440,6 +440,12 @@ class KeyStore(Protocol):
 
     def destroy_bank(self, bank_id: str) -> None:
         """Drop the bank key and every row of the bank."""
+
+    def listen(self, callback: Callable[[str, "list[str] | None"], None]) -> None:
+        """Call ``callback(bank_id, key_ids)`` after keys are destroyed (``key_ids``
+        None: the whole bank), by this process or -- for a store shared between
+        processes -- another one, so caches of unwrapped keys drop them
+        (:meth:`mneme.keys.Keyring.forget`). Called with no lock of the store held."""
 
     def close(self) -> None: ...
 

@@ -32,7 +32,9 @@ KAFKA_TEST_OPTIONS = dict(session_timeout_ms=2000, heartbeat_interval_ms=300,
 #: The same as MNEME_* environment variables, for service processes.
 KAFKA_TEST_ENV = {"MNEME_KAFKA_SESSION_TIMEOUT_MS": "2000",
                   "MNEME_KAFKA_HEARTBEAT_INTERVAL_MS": "300",
-                  "MNEME_KAFKA_ENABLE_IDEMPOTENCE": "false"}
+                  "MNEME_KAFKA_ENABLE_IDEMPOTENCE": "false",
+                  # the distributed topology's processes share one master key (a test one)
+                  "MNEME_MASTER_KEY": "dGVzdC1tYXN0ZXIta2V5LW9mLXRoZS1rYWZrYS10ZXM="}
 
 
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from aiokafka.admin import NewTopic
 
-from mneme.bus import ALL_TOPICS, INTAKE, MEMORY, PROGRESS
+from mneme.bus import ALL_TOPICS, INTAKE, KEYS, MANAGED_TOPICS, MEMORY, PROGRESS
 from mneme.bus.logs import open_event_log
 from mneme.bus.topics import TopicConfigError, check, ensure, require_history
 from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, mneme_bin
@@ -37,6 +37,8 @@ def test_topics_are_created_with_configs_that_keep_history(broker):
             assert got[t]["cleanup.policy"] == "delete"
         assert got[PROGRESS]["retention.ms"] == str(7 * 86_400_000)
         assert all(got[t]["min.insync.replicas"] == "1" for t in ALL_TOPICS)
+        keys = log.topic_configs([KEYS])[KEYS]  # the key topic: compacted, one partition
+        assert keys["cleanup.policy"] == "compact" and log.partitions(KEYS) == 1
         report = check(log)
         assert report.errors == [] and report.warnings == []
         require_history(log)  # passes
@@ -116,3 +118,31 @@ def test_intake_and_memory_with_different_partition_counts_are_refused(broker, t
     out = subprocess.run([mneme_bin(), "serve", "extraction"], env=_env(broker, tmp_path),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "same partition count" in out.stdout + out.stderr
+
+
+def test_a_key_topic_that_would_expire_keys_is_refused(broker):
+    """Keys expiring would make every bank's content unreadable: a key topic that is not
+    compacted (the broker default, delete) or has several partitions is an error."""
+    import asyncio
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(KEYS, 3, 1)])  # no config: delete, 7 days
+        finally:
+            await admin.close()
+    asyncio.run(create())
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:
+        ensure(log)
+        errors = [e for e in check(log).errors if e.startswith(KEYS)]
+        assert any("would expire the wrapped keys" in e for e in errors), errors
+        assert any("3 partitions" in e for e in errors), errors
+        with pytest.raises(TopicConfigError):
+            require_history(log)
+        assert set(log.topic_configs(list(MANAGED_TOPICS))) == set(MANAGED_TOPICS)
+    finally:
+        log.close()

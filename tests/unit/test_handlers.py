@@ -778,8 +778,14 @@ def _fake_root(tmp_path, distributed: bool):
     root.data_dir, root._lock_fd, root._closers = tmp_path, None, []
     root.__dict__.update(log=object(), catalog=MemoryCatalog(), embedder=FakeEmbedder(),
                          stores=fake_projections(), resolver=EntityResolver(MemoryEntityStore()),
-                         llm=FakeLlm(()))
+                         llm=FakeLlm(()), keyring=_memory_keyring())
     return root
+
+
+def _memory_keyring():
+    from mneme.keys import Keyring, LocalKms
+    from mneme.stores.keys_sqlite import SqliteKeyStore
+    return Keyring(SqliteKeyStore(":memory:"), LocalKms(bytes(32)))
 
 
 def _root_deps(tmp_path, monkeypatch, distributed: bool) -> dict[str, dict]:

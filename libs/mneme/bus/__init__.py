@@ -9,6 +9,8 @@ Topics (DESIGN §3), each keyed by ``bank_id`` so one bank's events stay in orde
 ``mneme.reflect.v1``  reflections (audit)
 ``mneme.dlq.v1``      events that failed after retries, with the error
 ``mneme.audit.v1``    bank deletions, key use and refused requests (audit)
+``mneme.keys.v1``     crypto-shredding's wrapped keys (Kafka only; compacted
+                      state, not events: :mod:`mneme.stores.keys_kafka`)
 ====================  =========================================================
 
 Adapters are chosen by URL with :func:`mneme.bus.logs.open_event_log` (the composition
@@ -26,8 +28,18 @@ PROGRESS = "mneme.progress.v1"
 REFLECT = "mneme.reflect.v1"
 DLQ = "mneme.dlq.v1"
 AUDIT = "mneme.audit.v1"
+#: The wrapped keys of crypto-shredding in the distributed topology: a compacted topic of
+#: one partition whose records (JSON, no CloudEvents) every process materialises
+#: (:mod:`mneme.stores.keys_kafka`). Not an event topic: not in :data:`ALL_TOPICS`
+#: (what the services consume and the AsyncAPI document describes), and not for other
+#: consumers.
+KEYS = "mneme.keys.v1"
 
+#: The event topics.
 ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
+
+#: Every topic mneme creates and checks on Kafka (``mneme topics create|check``).
+MANAGED_TOPICS: tuple[str, ...] = (*ALL_TOPICS, KEYS)
 
 #: Partitions of a topic a consumer or producer creates when it finds none
 #: (Kafka's ``auto.create.topics.enable`` with ``num.partitions``).
@@ -41,7 +53,7 @@ KAFKA_PARTITIONS = 12
 #: Default partition counts. The DLQ has one partition: it is low volume and read by
 #: humans, so one total order is more useful than parallelism.
 TOPIC_PARTITIONS: dict[str, int] = {INTAKE: 4, MEMORY: 4, PROGRESS: 4, REFLECT: 4, DLQ: 1,
-                                   AUDIT: 1}
+                                   AUDIT: 1, KEYS: 1}
 
 #: The history topics: their records are the source every projection is rebuilt from, so
 #: they must never expire (replay from offset 0).
@@ -50,7 +62,9 @@ HISTORY_TOPICS: tuple[str, ...] = (INTAKE, MEMORY)
 #: Kafka topic configs mneme creates its topics with (and ``mneme topics check``
 #: verifies): history, reflections and the audit trail kept forever; progress (what
 #: read-your-writes waits on) for 7 days; dead letters for 30 days (time to inspect and
-#: re-publish them). ``min.insync.replicas`` comes from the replication factor.
+#: re-publish them); the key topic compacted (each record key's latest value kept for ever,
+#: so a destroyed key's wrapped bytes go and its "destroyed" marker stays).
+#: ``min.insync.replicas`` comes from the replication factor.
 TOPIC_CONFIGS: dict[str, dict[str, str]] = {
     INTAKE: {"retention.ms": "-1", "retention.bytes": "-1", "cleanup.policy": "delete"},
     MEMORY: {"retention.ms": "-1", "retention.bytes": "-1", "cleanup.policy": "delete"},
@@ -58,6 +72,7 @@ TOPIC_CONFIGS: dict[str, dict[str, str]] = {
     AUDIT: {"retention.ms": "-1", "cleanup.policy": "delete"},
     PROGRESS: {"retention.ms": str(7 * 86_400_000), "cleanup.policy": "delete"},
     DLQ: {"retention.ms": str(30 * 86_400_000), "cleanup.policy": "delete"},
+    KEYS: {"cleanup.policy": "compact", "retention.ms": "-1"},
 }
 
 
@@ -102,7 +117,7 @@ def default_partitions(topic: str) -> int:
 
 __all__ = [
     "ALL_TOPICS", "DEFAULT_PARTITIONS", "DLQ", "HISTORY_TOPICS", "INTAKE", "KAFKA_PARTITIONS",
-    "MEMORY", "PROGRESS",
+    "KEYS", "MANAGED_TOPICS", "MEMORY", "PROGRESS",
     "REFLECT", "TOPIC_CONFIGS",
     "StaleCommitError", "TOPIC_PARTITIONS", "default_partitions",
     "partition_for",

@@ -241,7 +241,8 @@ class Sealer(Opener):
 
     def seal(self, record: OutRecord) -> OutRecord:
         """``record`` with its content sealed (unchanged when its type carries none, its
-        bank keeps plaintext, or it is sealed already)."""
+        bank keeps plaintext, it is sealed already, or its value does not decode as its
+        type: the dead letter of a corrupt record, produced as it was read)."""
         ce_type = record.headers.get("ce_type", "")
         if ce_type not in SEALING_TYPES:
             return record
@@ -249,7 +250,10 @@ class Sealer(Opener):
         if not self.erasure(bank):
             return record
         cls = message_class(ce_type)
-        msg = cls.FromString(record.value)
+        try:
+            msg = cls.FromString(record.value)
+        except Exception:  # noqa: BLE001 - not an event (a poison record's dead letter):
+            return record  # it goes as it was read, there is no content to seal in it
         if not self._seal_event(msg, bank, record.headers.get("ce_id", "")):
             return record
         return dataclasses.replace(record, value=msg.SerializeToString())

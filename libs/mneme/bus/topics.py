@@ -5,15 +5,18 @@ On Kafka a history topic (:data:`mneme.bus.HISTORY_TOPICS`) whose records would 
 be compacted away is an error: projections could no longer be rebuilt from it, and it would
 happen silently (Apache Kafka's default ``retention.ms`` is 7 days). Every service checks
 at start and refuses to run (:class:`TopicConfigError`); ``mneme topics check`` reports the
-same. Configs of the other topics that differ from mneme's are warnings. The embedded log
-keeps every record, so it has nothing to check.
+same. So is a key topic (:data:`mneme.bus.KEYS`) that is not compacted (its keys would
+expire, and every bank's content with them) or has more than one partition. Configs of
+the other topics that differ from mneme's are warnings. The embedded log keeps every
+record, so it has nothing to check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mneme.bus import ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, INTAKE, MEMORY, default_partitions
+from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, INTAKE, KEYS, MANAGED_TOPICS,
+                       MEMORY, default_partitions)
 from mneme.errors import ConfigurationError
 
 
@@ -31,12 +34,14 @@ class Report:
     warnings: list[str] = field(default_factory=list)
 
 
-def ensure(log, partitions: int | None = None) -> None:
+def ensure(log, partitions: int | None = None, keys: bool = True) -> None:
     """Create every mneme topic that is missing: the DLQ and the audit trail with one
-    partition (one total order for humans), the others with ``partitions`` or their
-    default (:func:`mneme.bus.default_partitions`)."""
-    for t in ALL_TOPICS:
-        log.ensure_topic(t, 1 if t in (DLQ, AUDIT) else partitions or default_partitions(t))
+    partition (one total order for humans), the key topic with one (its order is its
+    state; only with ``keys``: the embedded topology keeps its keys in a file), the
+    others with ``partitions`` or their default (:func:`mneme.bus.default_partitions`)."""
+    for t in MANAGED_TOPICS if keys else ALL_TOPICS:
+        log.ensure_topic(t, 1 if t in (DLQ, AUDIT, KEYS)
+                         else partitions or default_partitions(t))
 
 
 def check(log) -> Report:
@@ -53,9 +58,12 @@ def check(log) -> Report:
     describe = getattr(log, "topic_configs", None)
     if describe is None:
         return report
-    have = describe(list(ALL_TOPICS))
-    for t in ALL_TOPICS:
+    have = describe(list(MANAGED_TOPICS))
+    for t in MANAGED_TOPICS:
         got, wanted = have.get(t, {}), log.configs_for(t)
+        if t == KEYS:
+            report.errors += _key_topic_errors(got, log.partitions(t))
+            continue
         if t in HISTORY_TOPICS:
             for name in ("retention.ms", "retention.bytes"):
                 value = got.get(name)
@@ -75,6 +83,23 @@ def check(log) -> Report:
                 report.warnings.append(f"{t}: {name}={got[name]} (mneme creates it with "
                                        f"{value})")
     return report
+
+
+def _key_topic_errors(got: dict[str, str], partitions: int) -> list[str]:
+    errors = []
+    policy = got.get("cleanup.policy")
+    if policy is None or "compact" not in policy:
+        errors.append(f"{KEYS}: cleanup.policy={policy or '(not set: the broker default, delete)'}"
+                      " would expire the wrapped keys, and every bank's content with them; "
+                      "set cleanup.policy=compact")
+    elif "delete" in policy and got.get("retention.ms") != "-1":
+        errors.append(f"{KEYS}: cleanup.policy={policy} with retention.ms="
+                      f"{got.get('retention.ms', '(not set)')} would expire the wrapped keys; "
+                      "set cleanup.policy=compact")
+    if partitions > 1:
+        errors.append(f"{KEYS} has {partitions} partitions: the key store needs exactly 1 "
+                      "(its records' order is the key state); recreate it")
+    return errors
 
 
 #: Topics read together by partition number (a partition's changelog restore,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mneme.ports import StoredKey
 from mneme.stores import sqlite_erase
@@ -34,6 +34,16 @@ class SqliteKeyStore:
         self._db.execute("PRAGMA synchronous=FULL")  # a key lost is content lost
         sqlite_erase.secure(self._db)
         self._db.executescript(_SCHEMA)
+        self._listeners: list[Callable[[str, list[str] | None], None]] = []
+
+    def listen(self, callback: Callable[[str, list[str] | None], None]) -> None:
+        """Call ``callback(bank_id, key_ids | None)`` after each destruction made through
+        this store (one process holds the embedded data dir, so there is no other)."""
+        self._listeners.append(callback)
+
+    def _notify(self, bank_id: str, key_ids: list[str] | None) -> None:
+        for cb in list(self._listeners):
+            cb(bank_id, key_ids)
 
     def bank_key(self, bank_id: str) -> bytes | None:
         with self._lock:
@@ -106,6 +116,8 @@ class SqliteKeyStore:
                 self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND scope=?",
                                  (bank_id, scope))
                 sqlite_erase.truncate_wal(self._db)
+        if ids:
+            self._notify(bank_id, ids)
         return ids
 
     def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
@@ -122,6 +134,7 @@ class SqliteKeyStore:
                                  "key_id=?", (bank_id, k))
             self._db.execute("COMMIT")
             sqlite_erase.truncate_wal(self._db)
+        self._notify(bank_id, list(key_ids))
         return list(key_ids)
 
     def destroy_bank(self, bank_id: str) -> None:
@@ -131,6 +144,7 @@ class SqliteKeyStore:
             self._db.execute("DELETE FROM bank_keys WHERE bank_id=?", (bank_id,))
             self._db.execute("COMMIT")
             sqlite_erase.truncate_wal(self._db)
+        self._notify(bank_id, None)
 
     def close(self) -> None:
         with self._lock:
