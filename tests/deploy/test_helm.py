@@ -9,6 +9,7 @@ schema rejects misspelled keys and wrong types, and broken manifests fail."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -771,3 +772,25 @@ def test_the_topics_job_creates_the_topics_over_kafka_tls_with_the_mounted_files
     assert out.returncode == 0, out.stdout + out.stderr
     assert "mneme.intake.v1\t12 partitions" in out.stdout
     assert proxy.handshakes > before
+
+
+def test_every_service_gets_one_kept_master_key(default):
+    """Crypto-shredding's master key: made at install (32 random bytes), kept on
+    uninstall, in every pod's environment; a given value or a Secret of one's own wins."""
+    secret = default[("Secret", "mneme-master-key")]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    key = base64.b64decode(base64.b64decode(secret["data"]["MNEME_MASTER_KEY"]))
+    assert len(key) == 32
+    for s in SERVICES:
+        refs = _pod(default, s)["containers"][0]["envFrom"]
+        assert {"secretRef": {"name": "mneme-master-key"}} in refs
+    mine = base64.b64encode(bytes(range(32))).decode()
+    given = _objects(hc.check_chart(sets=[f"masterKey.value={mine}"]))
+    assert base64.b64decode(given[("Secret", "mneme-master-key")]["data"]
+                            ["MNEME_MASTER_KEY"]).decode() == mine
+    own = _objects(hc.check_chart(sets=["masterKey.existingSecret=vault-master"]))
+    assert ("Secret", "mneme-master-key") not in own
+    assert {"secretRef": {"name": "vault-master"}} in \
+        _pod(own, "ingest")["containers"][0]["envFrom"]
+    with pytest.raises(Exception):
+        hc.check_chart(sets=["masterKey.value=short"])

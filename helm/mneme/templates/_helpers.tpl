@@ -67,6 +67,10 @@ app.kubernetes.io/part-of: mneme
 {{- default (include "mneme.fullname" .) .Values.existingSecret -}}
 {{- end -}}
 
+{{- define "mneme.masterKeySecretName" -}}
+{{- default (printf "%s-master-key" (include "mneme.fullname" .)) .Values.masterKey.existingSecret -}}
+{{- end -}}
+
 {{- define "mneme.authSecretName" -}}
 {{- default (printf "%s-auth" (include "mneme.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
@@ -170,6 +174,8 @@ app.kubernetes.io/part-of: mneme
     name: {{ include "mneme.fullname" . }}
 - secretRef:
     name: {{ include "mneme.secretName" . }}
+- secretRef:
+    name: {{ include "mneme.masterKeySecretName" . }}
 {{- end -}}
 
 {{- define "mneme.checksums" -}}
