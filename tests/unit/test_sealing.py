@@ -286,3 +286,18 @@ def test_ensure_many_creates_the_missing_keys_in_one_write_and_never_a_destroyed
         assert kr.key("b", "f:3") == got["f:3"] and store.get("b", "f:4").scope == "d:x"
     finally:
         store.close()
+
+
+def test_a_retain_looks_up_each_documents_key_once(keyring):
+    """On Kafka every look-up of a document's current key is a catch-up of the key topic:
+    one per document of a record, not one per item."""
+    calls = []
+    current = keyring.store.current
+    keyring.store.current = lambda bank, scope: calls.append(scope) or current(bank, scope)
+    msg = ev.RetainRequested(bank_id="b", operation_id="op", items=[
+        ev.RetainItem(content=f"turn {i}", document_id="s1" if i < 30 else "s2")
+        for i in range(50)])
+    out, opened = _seal_open(Sealer(keyring), msg)
+    assert sorted(calls) == ["d:s1", "d:s2"]
+    assert [i.content for i in ev.RetainRequested.FromString(opened.value).items] == \
+        [f"turn {i}" for i in range(50)]

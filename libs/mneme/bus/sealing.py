@@ -261,11 +261,14 @@ class Sealer(Opener):
     def _seal_event(self, m: Message, bank: str, event_id: str) -> int:
         kr, n = self.keyring, 0
         if isinstance(m, ev.RetainRequested):
+            current: dict[str, str] = {}  # one look-up per document (on Kafka: a catch-up)
             for item in m.items:
                 if not item.seal.keys:
                     scope = (document_scope(item.document_id) if item.document_id
                              else retain_scope(m.operation_id))
-                    item.seal.keys.append(kr.current(bank, scope))
+                    if scope not in current:
+                        current[scope] = kr.current(bank, scope)
+                    item.seal.keys.append(current[scope])
                 n += self._seal(item, bank)
         elif isinstance(m, ev.FactsExtracted):
             scopes: dict[str, str | None] = {}  # item key → its scope (None: destroyed)
