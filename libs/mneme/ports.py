@@ -386,6 +386,16 @@ class EntityStore(Protocol):
         and ``kind`` of known entities (unknown ids ignored); ``aliases`` are appended in
         order (a known (alias, id) pair is kept once)."""
 
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
+        """Record (entity id, scope) pairs: the entity is mentioned by content of that
+        scope (a document ``d:<id>``, or the items of a retain without one ``r:<op>``)."""
+
+    def drop_scope(self, bank_id: str, scope: str) -> list[str]:
+        """Forget the mentions of ``scope`` (its document was deleted) and delete the
+        entities, with their aliases, that it mentioned and nothing else does now
+        (overwritten in the storage): their ids. Entities with no recorded mention are
+        kept."""
+
     def forget(self, bank_id: str) -> None:
         """Drop the bank's entities and aliases (the bank was deleted)."""
 

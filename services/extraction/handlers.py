@@ -19,6 +19,7 @@ from mneme.bus import codec
 from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
+from mneme.keys import document_scope, retain_scope
 from mneme.ports import Catalog, Embedder, StoredEntity
 from services.extraction.llm import ExtractionIncomplete
 
@@ -41,6 +42,10 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
     facts = extract(m, m.operation_id, extractor, embedder, at=meta.time)
     if m.HasField("observation_scopes"):
         facts.observation_scopes.CopyFrom(m.observation_scopes)
+    # which document names which entity: deleting the document forgets the names only it gave
+    resolver.note_mentions(m.bank_id, [
+        (e.id, document_scope(f.document_id) if f.document_id else retain_scope(m.operation_id))
+        for f in facts.facts for e in f.entities])
     entities, claims, aliases = resolver.drain(m.bank_id)
     if not (entities or claims or aliases):
         return [facts]
@@ -93,9 +98,11 @@ def on_consolidation_requested(m: ev.ConsolidationRequested,
         memory_id=m.memory_id)]
 
 
-def on_document_delete_requested(m: ev.DocumentDeleteRequested,
-                                 meta: EventMeta) -> list[ev.FactsRetracted]:
-    """The document's facts are retracted (every projection drops them)."""
+def on_document_delete_requested(m: ev.DocumentDeleteRequested, meta: EventMeta, *,
+                                 resolver: EntityResolver) -> list[ev.FactsRetracted]:
+    """The document's facts are retracted (every projection drops them), and the entities
+    only it mentioned are forgotten by entity resolution."""
+    resolver.forget_scope(m.bank_id, document_scope(m.document_id))
     return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
                               document_id=m.document_id)]
 

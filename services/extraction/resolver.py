@@ -324,6 +324,40 @@ class EntityResolver:
                 self._store.persist(bank_id, entities=list(entities), claims=list(claims),
                                     aliases=list(aliases))
 
+    def note_mentions(self, bank_id: str, mentions: Iterable[tuple[str, str]]) -> None:
+        """Record that entities are mentioned by content of scopes ([(entity id, scope)],
+        :meth:`EntityStore.add_mentions`), so :meth:`forget_scope` can drop the ones only
+        a deleted document named. Without a store nothing is recorded."""
+        pairs = list(dict.fromkeys(mentions))
+        if self._store is not None and pairs:
+            with self._lock:
+                self._store.add_mentions(bank_id, pairs)
+
+    def forget_scope(self, bank_id: str, scope: str) -> list[str]:
+        """A document (scope) was deleted: the entities it mentioned and nothing else does
+        are forgotten, with their aliases (names are user content: erasure). Returns
+        their ids; later mentions of those names make them again (same ids)."""
+        if self._store is None:
+            return []
+        with self._lock:
+            gone = self._store.drop_scope(bank_id, scope)
+            b = self._banks.get(bank_id)
+            if b is not None:
+                for i in gone:
+                    e = b.entities.pop(i, None)
+                    if e is None:
+                        continue
+                    for key in (e.key, *b.alias_keys.pop(i, [])):
+                        for index in (b.by_key, b.aliases):
+                            ids = index.get(key)
+                            if ids and i in ids:
+                                ids.remove(i)
+                                if not ids:
+                                    del index[key]
+                    if i in b.persons:
+                        b.persons.remove(i)
+            return gone
+
     def forget(self, bank_id: str) -> None:
         """Drop everything known about the bank (when the bank is deleted)."""
         with self._lock:

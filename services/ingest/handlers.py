@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from mneme import bank_catalog
-from mneme.bus import codec
+from mneme.bus import MEMORY, codec, partition_for
 from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, derive_id
 from mneme.deadline import current as current_deadline
 from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
@@ -153,6 +153,20 @@ class Ingest:
                 if call.cancelled():  # the caller went away: stop waiting (work goes on)
                     raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
                 changed.wait(poll or self.poll_s)
+
+    def _wait_every_projection(self, bank_id: str, timeout: float) -> None:
+        """Until every consumer group has committed the bank's memory records that exist
+        now (search's deletion progress is among them): a sync deletion returns once
+        every projection (consolidation's, entity resolution's) has dropped what it
+        deleted, not only search. Bounded by ``timeout`` like the operation's wait."""
+        readers = [g for g, topics in self.groups().items() if MEMORY in topics]
+        n = self.log.partitions(MEMORY) if readers else 0
+        if not n:
+            return
+        p = partition_for(bank_id, n)
+        end = self.log.end_offset(MEMORY, p)
+        self._wait(lambda: all(self.log.committed(g, MEMORY, p) >= end for g in readers),
+                   max(timeout, 0.0), f"the projections of bank {bank_id!r}")
 
     def _wait_projected(self, rec: Record, timeout: float) -> None:
         """Read-your-writes on the catalog: wait until the ingest group consumed ``rec``."""
@@ -320,8 +334,11 @@ class Ingest:
     def _finish(self, op_id, rec, bank_id, kind, total, wait, timeout) -> Operation:
         timeout = timeout or self.retain_timeout_s
         if wait:
+            started = time.monotonic()
             self._wait(lambda: (o := self.catalog.get_operation(op_id)) is not None and o.done,
                        timeout, f"operation {op_id}")
+            if kind.startswith("delete_"):
+                self._wait_every_projection(bank_id, timeout - (time.monotonic() - started))
             return self.catalog.get_operation(op_id)
         # Async: acknowledged once durable on the log; the catalog may lag a moment.
         now = (rec.timestamp if rec else 0) or time.time()

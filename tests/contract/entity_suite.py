@@ -91,6 +91,21 @@ class EntityStoreSuite:
         r2.close()
 
 
+    def test_dropping_a_scope_deletes_the_entities_only_it_mentioned(self, store):
+        store.persist("a", entities=[MEL, ROOM, PAINT], aliases=[("mel", MEL.id),
+                                                                ("room", ROOM.id)])
+        store.add_mentions("a", [(MEL.id, "d:x"), (ROOM.id, "d:x"), (ROOM.id, "d:y"),
+                                 (MEL.id, "d:x")])
+        store.add_mentions("b", [(MEL.id, "d:x")])
+        assert store.drop_scope("a", "d:x") == [MEL.id]
+        assert store.load("a") == ([ROOM, PAINT], [("room", ROOM.id)])  # PAINT: no mention
+        assert store.drop_scope("a", "d:x") == []
+        assert store.drop_scope("a", "d:y") == [ROOM.id]
+        assert store.load("a") == ([PAINT], [])
+        store.forget("b")
+        assert store.drop_scope("b", "d:x") == []
+
+
 class PersistentEntityStoreSuite(EntityStoreSuite):
     """The contract of an EntityStore whose data outlives ``close`` (same path, same
     data)."""

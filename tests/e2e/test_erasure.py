@@ -112,6 +112,7 @@ def test_nothing_of_the_deleted_document_is_in_any_file_of_the_data_dir(erased):
     assert server.data_dir / "log.db" in files and server.data_dir / "keys.db" in files
     for path, data in files.items():
         assert MARKER.encode() not in data, path
+        assert b"Alice" not in data, path  # an entity only the deleted document named
         for v in vectors:  # the float32 bytes of every secret fact's embedding
             assert v not in data and v[:32] not in data, path
 

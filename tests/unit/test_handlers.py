@@ -373,7 +373,8 @@ def test_the_bank_s_extractor_chooses_the_texts_embedded():
 
 def test_deletions_become_retractions():
     (d,) = extraction.on_document_delete_requested(ev.DocumentDeleteRequested(
-        bank_id="b", operation_id="op-d", document_id="doc"), meta())
+        bank_id="b", operation_id="op-d", document_id="doc"), meta(),
+        resolver=EntityResolver(MemoryEntityStore()))
     assert d == ev.FactsRetracted(bank_id="b", operation_id="op-d", document_id="doc")
     (m,) = extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
         bank_id="b", operation_id="op-m", memory_id="m1"), meta())
@@ -415,6 +416,31 @@ def test_retain_publishes_its_resolution_decisions_before_its_facts():
                                              extractor=extractor, embedder=FakeEmbedder(),
                                              resolver=resolver)
     assert isinstance(only, ev.FactsExtracted)
+
+
+def test_a_deleted_document_takes_the_entities_only_it_named_with_it():
+    store = MemoryEntityStore()
+    resolver = EntityResolver(store)
+    extractor = _ResolvingExtractor(resolver)
+
+    def retain(op, doc, content):
+        return extraction.on_retain_requested(ev.RetainRequested(
+            bank_id="b", operation_id=op, items=[ev.RetainItem(content=content,
+                                                               document_id=doc)]),
+            meta(), extractor=extractor, embedder=FakeEmbedder(), resolver=resolver)
+    retain("op1", "d1", "Zorblat and Caroline swim.")
+    retain("op2", "d2", "Caroline paints.")
+    names = {e.name for e in resolver.entities("b")}
+    assert {"Zorblat", "Caroline"} <= names
+    extraction.on_document_delete_requested(ev.DocumentDeleteRequested(
+        bank_id="b", operation_id="op-d", document_id="d1"), meta(), resolver=resolver)
+    names = {e.name for e in resolver.entities("b")}
+    assert "Zorblat" not in names and "Caroline" in names  # d2 still names her
+    assert "Zorblat" not in {e.name for e in store.load("b")[0]}
+    assert resolver.lookup("b", ["Zorblat"]) == []
+    # named again later: made again, with the id it had
+    (resolved, _) = retain("op3", "d3", "Zorblat returns.")
+    assert [e.name for e in resolved.entities] == ["Zorblat"]
 
 
 def test_a_replica_restored_from_the_changelog_resolves_like_the_one_that_decided():

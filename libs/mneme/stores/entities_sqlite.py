@@ -22,6 +22,10 @@ CREATE TABLE IF NOT EXISTS entities_v2 (
 CREATE TABLE IF NOT EXISTS aliases_v2 (
   bank_id TEXT NOT NULL, alias TEXT NOT NULL, id TEXT NOT NULL,
   PRIMARY KEY (bank_id, alias, id));
+CREATE TABLE IF NOT EXISTS mentions (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, scope TEXT NOT NULL,
+  PRIMARY KEY (bank_id, id, scope));
+CREATE INDEX IF NOT EXISTS mentions_scope ON mentions(bank_id, scope);
 """
 # v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
 _MIGRATE_V1 = """
@@ -104,6 +108,35 @@ class SqliteEntityStore:
             self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
                                  "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
 
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
+        if not mentions:
+            return
+        with self._lock, self._db:
+            self._db.executemany("INSERT OR IGNORE INTO mentions(bank_id, id, scope) "
+                                 "VALUES (?,?,?)", [(bank_id, i, s) for i, s in mentions])
+
+    def drop_scope(self, bank_id: str, scope: str) -> list[str]:
+        with self._lock:
+            ids = [r[0] for r in self._db.execute(
+                "SELECT id FROM mentions WHERE bank_id=? AND scope=?", (bank_id, scope))]
+            if not ids:
+                return []
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.execute("DELETE FROM mentions WHERE bank_id=? AND scope=?",
+                                 (bank_id, scope))
+                gone = [i for i in ids if self._db.execute(
+                    "SELECT 1 FROM mentions WHERE bank_id=? AND id=? LIMIT 1",
+                    (bank_id, i)).fetchone() is None]
+                for i in gone:
+                    self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
+                                     (bank_id, i))
+                    self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
+                                     (bank_id, i))
+            if gone:
+                sqlite_erase.truncate_wal(self._db)
+            return gone
+
     def forget(self, bank_id: str) -> None:
         """Drop the bank's entities and aliases, overwritten in the file and out of the
         WAL (:mod:`~mneme.stores.sqlite_erase`)."""
@@ -112,6 +145,7 @@ class SqliteEntityStore:
                 self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
                 self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM mentions WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def close(self) -> None:

@@ -254,6 +254,7 @@ class MemoryEntityStore:
         self._lock = threading.Lock()
         self._entities: dict[str, dict[str, StoredEntity]] = {}  # bank → id → entity (in order)
         self._aliases: dict[str, dict[tuple[str, str], None]] = {}  # bank → ordered pair set
+        self._mentions: dict[str, dict[str, set[str]]] = {}  # bank → entity id → scopes
 
     def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
         with self._lock:
@@ -274,10 +275,34 @@ class MemoryEntityStore:
             for a, i in aliases:
                 pairs.setdefault((a, i), None)
 
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
+        with self._lock:
+            known = self._mentions.setdefault(bank_id, {})
+            for i, s in mentions:
+                known.setdefault(i, set()).add(s)
+
+    def drop_scope(self, bank_id: str, scope: str) -> list[str]:
+        with self._lock:
+            known = self._mentions.get(bank_id, {})
+            gone = []
+            for i, scopes in list(known.items()):
+                if scope in scopes:
+                    scopes.discard(scope)
+                    if not scopes:
+                        del known[i]
+                        gone.append(i)
+            for i in gone:
+                self._entities.get(bank_id, {}).pop(i, None)
+                pairs = self._aliases.get(bank_id, {})
+                for pair in [p for p in pairs if p[1] == i]:
+                    del pairs[pair]
+            return gone
+
     def forget(self, bank_id: str) -> None:
         with self._lock:
             self._entities.pop(bank_id, None)
             self._aliases.pop(bank_id, None)
+            self._mentions.pop(bank_id, None)
 
     def close(self) -> None:
         pass
