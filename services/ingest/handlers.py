@@ -155,11 +155,14 @@ class Ingest:
                 changed.wait(poll or self.poll_s)
 
     def _wait_every_projection(self, bank_id: str, timeout: float) -> None:
-        """Until every consumer group has committed the bank's memory records that exist
-        now (search's deletion progress is among them): a sync deletion returns once
-        every projection (consolidation's, entity resolution's) has dropped what it
-        deleted, not only search. Bounded by ``timeout`` like the operation's wait."""
-        readers = [g for g, topics in self.groups().items() if MEMORY in topics]
+        """Until every running consumer group that reads ``mneme.memory.v1`` has committed
+        the bank's memory records that exist now (search's deletion progress is among
+        them): a sync deletion returns once every projection (consolidation's, entity
+        resolution's) has dropped what it deleted, not only search. Bounded by
+        ``timeout`` like the operation's wait."""
+        # the groups running now (a declared group no process runs would never commit)
+        live = set(self.log.groups(live_only=True))
+        readers = [g for g, topics in self.groups().items() if MEMORY in topics and g in live]
         n = self.log.partitions(MEMORY) if readers else 0
         if not n:
             return
