@@ -77,9 +77,10 @@ class Root:
         """The event log as every service uses it: user content sealed on append and
         opened on read (:class:`mneme.bus.sealing.SealedLog`)."""
         from mneme.bus.sealing import SealedLog
+        raw = self.raw_log  # first: the bus settings are checked before the key settings
         if self.sealer is None:
-            return self.raw_log
-        return SealedLog(self.raw_log, self.sealer)
+            return raw
+        return SealedLog(raw, self.sealer)
 
     @cached_property
     def keyring(self):

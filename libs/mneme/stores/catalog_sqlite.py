@@ -88,6 +88,10 @@ class SqliteCatalog:
                 self._db.execute("INSERT OR REPLACE INTO bank_generations VALUES (?,?)",
                                  (bank_id, n))
                 incarnation = str(n)
+                # the earlier incarnation's last operations (its DeleteBank's) go with it
+                self._db.execute("INSERT OR IGNORE INTO deleted_operations "
+                                 "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute(
                 f"INSERT INTO banks ({_BANK_COLUMNS}) VALUES (?,?,?,?,?,?) ON CONFLICT(bank_id) "
                 "DO UPDATE SET display_name=excluded.display_name, config=excluded.config, "

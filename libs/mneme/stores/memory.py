@@ -53,6 +53,11 @@ class MemoryCatalog:
                 return
             n = self._generations.get(bank_id, 0) + 1
             self._generations[bank_id] = n
+            # the earlier incarnation's last operations (its DeleteBank's) go with it
+            gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
+            self._deleted_ops.update(gone)
+            for i in gone:
+                del self._ops[i]
             self._banks[bank_id] = dict(display_name=display_name, config=new, created_at=at,
                                         updated_at=at, incarnation=str(n))
 
