@@ -129,6 +129,9 @@ class Ingest:
     #: gets new keys. (A failed append leaves the content unreadable on the log but in
     #: the stores until the deletion is retried.)
     keys: Keyring | None = None
+    #: A sync deletion also waits for every other projection (embedded: they run in this
+    #: process). Off on Kafka for now: there the wait did not end in the integration tests.
+    wait_projections: bool = True
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -340,7 +343,7 @@ class Ingest:
             started = time.monotonic()
             self._wait(lambda: (o := self.catalog.get_operation(op_id)) is not None and o.done,
                        timeout, f"operation {op_id}")
-            if kind.startswith("delete_"):
+            if kind.startswith("delete_") and self.wait_projections:
                 self._wait_every_projection(bank_id, timeout - (time.monotonic() - started))
             return self.catalog.get_operation(op_id)
         # Async: acknowledged once durable on the log; the catalog may lag a moment.
