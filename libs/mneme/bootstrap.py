@@ -78,8 +78,6 @@ class Root:
         opened on read (:class:`mneme.bus.sealing.SealedLog`)."""
         from mneme.bus.sealing import SealedLog
         raw = self.raw_log  # first: the bus settings are checked before the key settings
-        if self.sealer is None:
-            return raw
         return SealedLog(raw, self.sealer)
 
     @cached_property
@@ -112,8 +110,6 @@ class Root:
         """Seals and opens user content on the log (:class:`mneme.bus.sealing.Sealer`),
         per bank as its ``erasure`` setting says (a bank unknown here is sealed)."""
         from mneme.bus.sealing import Sealer
-        if self.keyring is None:
-            return None
 
         def erasure(bank_id: str) -> bool:
             config = self.bank_config(bank_id)
