@@ -384,12 +384,17 @@ class EdgeVectorStore:
             self.shard.update(UpdateOperation.upsert_points(points))
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
-        """Delete the bank's facts with these ids (ids of other banks are left alone)."""
+        """Delete the bank's facts with these ids (ids of other banks are left alone).
+        Ids with no point change nothing, and leave no purge to make: a redelivered or
+        repeated deletion (consolidation's retraction of observations search already
+        dropped) costs a count, not a vacuum."""
         if not ids:
             return
         flt = Filter(must=[_match("bank_id", bank_id),
                            HasIdCondition({point_id(i) for i in ids})])
         with self._lock:
+            if not self.shard.count(CountRequest(filter=flt, exact=True)):
+                return
             self._dirty = self._deleted = True
             self._forget((bank_id, i) for i in ids)
             self.shard.update(UpdateOperation.delete_points_by_filter(flt))
