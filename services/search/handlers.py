@@ -6,6 +6,7 @@ Upserts are idempotent by fact id, so a redelivered event changes nothing."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 from mneme import telemetry
@@ -44,12 +45,22 @@ class Projections:
         """Make every write to the three stores durable (``VectorStore.flush``): the
         runners call it before they commit the offsets of the records written. Raises
         what a store raises (after flushing the others: a retry has less to do)."""
-        errors = []
-        for s in self.all():
+        errors: list[Exception] = []
+
+        def flush(store) -> None:
             try:
-                s.flush()
+                store.flush()
             except Exception as exc:  # flush the others anyway
                 errors.append(exc)
+
+        # The graph's purge after deletions is a rewrite in the graph server's own
+        # process: started first, it overlaps the in-process purges of the other two
+        # (Qdrant Edge's holds the GIL), so a deletion waits for the longest, not the sum.
+        graph = threading.Thread(target=flush, args=(self.graph,), name="mneme-graph-flush")
+        graph.start()
+        flush(self.vectors)
+        flush(self.text)
+        graph.join()
         if errors:
             raise errors[0]
 
