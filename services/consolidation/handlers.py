@@ -40,6 +40,20 @@ class Consolidator:
                  embedder=None, llm=None):
         self.store, self.bank_config = store, bank_config
         self.embedder, self.llm = embedder, llm
+        self._memo: dict[tuple[str, str], ev.Fact] = {}  # facts read during one event
+
+    def _facts_by_id(self, bank_id: str, ids) -> dict[str, ev.Fact]:
+        """:meth:`ObservationStore.facts_by_id`, remembered for the event being handled:
+        every revision of an observation re-reads all its evidence (to stamp its span and
+        seal it), which made one event with many revisions read and parse the same facts
+        again and again. Facts never change under an id, so within one event the memo is
+        exact; it is dropped when the next event starts (bounded by one event's facts)."""
+        memo = self._memo
+        want = [i for i in ids if (bank_id, i) not in memo]
+        if want:
+            for i, f in self.store.facts_by_id(bank_id, want).items():
+                memo[(bank_id, i)] = f
+        return {i: memo[(bank_id, i)] for i in sorted(set(ids)) if (bank_id, i) in memo}
 
     def _config(self, bank_id: str) -> BankConfig:
         return self.bank_config(bank_id) or BankConfig()
@@ -49,6 +63,7 @@ class Consolidator:
     def handle(self, m, meta: EventMeta, decide: bool = True) -> list[ev.ObservationsChanged]:
         """One memory event → the ObservationsChanged it causes (none when ``decide`` is
         False: replay applies recorded decisions only)."""
+        self._memo = {}
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
@@ -113,7 +128,7 @@ class Consolidator:
         if obs.deleted:  # no content: the deletion stays readable once its keys are gone
             obs = codec.tombstone(obs)
         else:
-            cited = self.store.facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
+            cited = self._facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
             engine.stamp_occurred(obs, cited.values())
             # Sealed with every key of every fact it has ever cited (its history quotes
             # them): deleting any of those facts makes all its states unreadable on the log.
@@ -212,7 +227,7 @@ class Consolidator:
     def _offline(self, scope, facts, current, change, at, cause, model, touched,
                  index: engine.ScopeIndex) -> None:
         def lookup(ids):
-            return self.store.facts_by_id(change.bank_id, ids)
+            return self._facts_by_id(change.bank_id, ids)
         for f in facts:
             new = engine.decide_offline(f, scope, current, at, cause, model, lookup, index)
             if new is not None:
