@@ -30,7 +30,7 @@ from tests.integration.conftest import (KAFKA_TEST_OPTIONS, banks_over_partition
 pytestmark = pytest.mark.slow
 
 PARTITIONS = 4  # MNEME_PARTITIONS here (Kafka's default is 12): a bank on each, 3 replicas
-ITEMS_PER_BANK = 24
+ITEMS_PER_BANK = 15  # five sync retains per bank: the kill lands mid-stream
 BATCH = 3
 NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now"
 QUERIES = ["What did Melanie paint?", "When did Caroline go to the support group?",

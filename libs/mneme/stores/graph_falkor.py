@@ -65,7 +65,11 @@ class _FalkorGraph(CypherGraphStore):
             raise RuntimeError(f"{type(self).__name__} is closed")
         # FalkorDB's parser stops at a NUL inside a parameter: store what every store holds
         res = self._graph.query(query, storable_value(params) or None)
-        if res.nodes_deleted or res.relationships_deleted or res.properties_removed:
+        # FalkorDB counts an overwritten property as removed: the version token every
+        # write renews (a random id, no content) is not a deletion to purge (it made
+        # every retain rewrite the append-only file).
+        if res.nodes_deleted or res.relationships_deleted or (
+                res.properties_removed and query != cypher.TOUCH_BANK):
             self._deleted = True  # the files still hold them (the embedded store purges)
         return res.result_set
 
