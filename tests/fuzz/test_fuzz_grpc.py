@@ -594,7 +594,8 @@ def _run(fuzz, name: str, strategy, max_examples: int, budget_s: float, examples
 
 
 def test_retain(fuzz):
-    _run(fuzz, "retain", retain_case(), 200, 110, RETAIN_EXAMPLES)
+    # ~100 s here on a quiet 2-core machine (sync retains, sealed): 1.5x that
+    _run(fuzz, "retain", retain_case(), 200, 150, RETAIN_EXAMPLES)
 
 
 def test_recall(fuzz):
@@ -618,7 +619,10 @@ def test_bank_writes(fuzz):
 
 
 def test_deletes(fuzz):
-    _run(fuzz, "deletes", delete_case(), 60, 35)
+    # Sized for the physical purge (issue 11): a sync deletion that removes something
+    # returns after the stores rebuilt what held it (~0.5-1 s on this bank; ~30 of the
+    # 60 cases do), ~50 s here in all: 1.6x that.
+    _run(fuzz, "deletes", delete_case(), 60, 80)
 
 
 def test_restart_keeps_every_bank(fuzz):
