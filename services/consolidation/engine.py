@@ -298,7 +298,13 @@ def stamp_occurred(obs: ev.Observation, facts: Iterable[ev.Fact]) -> None:
     """Set ``obs.occurred_start/end`` to the span of ``facts``' windows (its evidence
     facts; see :func:`fact_window`), clamped to years 1..9999. Left as it was when no
     fact has a time (e.g. the evidence is no longer known)."""
-    spans = [w for w in map(fact_window, facts) if w is not None]
+    stamp_span(obs, map(fact_window, facts))
+
+
+def stamp_span(obs: ev.Observation, windows: Iterable[tuple[int, int] | None]) -> None:
+    """:func:`stamp_occurred` from the evidence's :func:`fact_window` values (None for a
+    timeless fact), for callers that keep them."""
+    spans = [w for w in windows if w is not None]
     if not spans:
         return
     obs.occurred_start.CopyFrom(_from_ns(min(w[0] for w in spans)))

@@ -41,18 +41,22 @@ class Consolidator:
         self.store, self.bank_config = store, bank_config
         self.embedder, self.llm = embedder, llm
         self._memo: dict[tuple[str, str], ev.Fact] = {}  # facts read during one event
+        self._windows: dict[tuple[str, str], tuple[int, int] | None] = {}  # and their times
 
     def _facts_by_id(self, bank_id: str, ids) -> dict[str, ev.Fact]:
         """:meth:`ObservationStore.facts_by_id`, remembered for the event being handled:
         every revision of an observation re-reads all its evidence (to stamp its span and
         seal it), which made one event with many revisions read and parse the same facts
         again and again. Facts never change under an id, so within one event the memo is
-        exact; it is dropped when the next event starts (bounded by one event's facts)."""
+        exact; it is dropped when the next event starts (bounded by one event's facts). Each
+        fact's :func:`engine.fact_window` is kept with it (stamping a revision's span read
+        every cited fact's times again)."""
         memo = self._memo
         want = [i for i in ids if (bank_id, i) not in memo]
         if want:
             for i, f in self.store.facts_by_id(bank_id, want).items():
                 memo[(bank_id, i)] = f
+                self._windows[(bank_id, i)] = engine.fact_window(f)
         return {i: memo[(bank_id, i)] for i in sorted(set(ids)) if (bank_id, i) in memo}
 
     def _config(self, bank_id: str) -> BankConfig:
@@ -63,7 +67,7 @@ class Consolidator:
     def handle(self, m, meta: EventMeta, decide: bool = True) -> list[ev.ObservationsChanged]:
         """One memory event → the ObservationsChanged it causes (none when ``decide`` is
         False: replay applies recorded decisions only)."""
-        self._memo = {}
+        self._memo, self._windows = {}, {}
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
@@ -129,15 +133,16 @@ class Consolidator:
             obs = codec.tombstone(obs)
         else:
             cited = self._facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
-            engine.stamp_occurred(obs, cited.values())
+            engine.stamp_span(obs, (self._windows[(change.bank_id, i)] for i in cited))
             # Sealed with every key of every fact it has ever cited (its history quotes
             # them): deleting any of those facts makes all its states unreadable on the log.
-            keys = list(obs.seal.keys)
-            for f in cited.values():
-                keys.extend(k for k in f.seal.keys if k not in keys)
-            if keys != list(obs.seal.keys):
-                obs.seal.ClearField("keys")
-                obs.seal.keys.extend(keys)
+            have, new = set(obs.seal.keys), []
+            for f in cited.values():  # (a set: an observation cites hundreds of keys)
+                for k in f.seal.keys:
+                    if k not in have:
+                        have.add(k)
+                        new.append(k)
+            obs.seal.keys.extend(new)
         for i, o in enumerate(change.observations):
             if o.id == obs.id:
                 change.observations[i].CopyFrom(obs)
