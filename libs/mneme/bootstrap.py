@@ -400,6 +400,7 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             return catalog.get_bank(bank_id) is not None
     servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
     parts.api = {"recall": recall_fn, "bank_exists": bank_exists}
+    from mneme.runtime import generations_api
     from mneme.runtime.live_replay import LiveReplay
     svc = services()["search"]
 
@@ -409,9 +410,9 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     # or a replica's local files; see mneme.runtime.process for store servers).
     replay = root._opened(LiveReplay(root, parts.routers["search"], make_router, recall_over))
     parts.api["replay"] = replay
-    generations = grpc_api.GenerationServicer(replay)
+    generations = generations_api.GenerationServicer(replay)
     parts.register = lambda server: (grpc_api.register(server, servicer)
-                                     + grpc_api.register_generations(server, generations))
+                                     + generations_api.register(server, generations))
     return parts
 
 
@@ -457,27 +458,34 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     ``<data_dir>/observations.db``. Decisions use the "consolidation" model when one is
     configured, else the offline rules; ``decide=False`` (replay) only rebuilds it.
 
-    Embedded, the projection is a generation like search's stores: the live
-    generation's file (``observations.g<n>.db`` for n > 1), switched by a replay through
-    ``api["follower"]`` (:class:`mneme.runtime.live_replay.Follower`). Distributed, it is
-    replica-local state restored on partition assignment (``observations.db``)."""
-    from mneme.generations import Switchable, sqlite_files, versioned_file
+    The projection is a generation (``observations.g<n>.db`` for n > 1), rebuilt by a
+    replay while it serves and switched through ``api["follower"]``
+    (:class:`mneme.runtime.live_replay.Follower`). Embedded, it is part of the
+    generation of search's stores (search's replay builds and switches both).
+    Distributed, it is replica-local state, restored on partition assignment, with
+    generations of its own in this replica's data dir: ``api["replay"]`` (a
+    :class:`~mneme.runtime.live_replay.LiveReplay` of the follower alone, served as
+    GenerationService) rebuilds it from the log, every partition up to where its
+    group is, and switches."""
+    from mneme.generations import Generations, Switchable, sqlite_files, versioned_file
+    from mneme.runtime.live_replay import Follower, LiveReplay
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
     base = root.data_dir / "observations.db"
+    # Distributed, this data dir's generations are consolidation's own (search's stores,
+    # and MNEME_STORE_GENERATION, belong to other processes).
+    generations = Generations(root.data_dir) if root.distributed else root.generations
 
     def path(g: int) -> Path:
         return versioned_file(base, g)
-    live_file = base
-    if not root.distributed:
-        live_file = path(root.generations.live())
-        if not live_file.exists() and base.exists():
-            # written before the projection had generations (search's stores went on
-            # without it): it is the live generation's state, so it takes that name,
-            # and dropping generation 1 later cannot delete it (the data dir is ours)
-            for src, dst in zip(sqlite_files(base), sqlite_files(live_file)):
-                if src.exists():
-                    src.rename(dst)
+    live_file = path(generations.live())
+    if not live_file.exists() and base.exists():
+        # written before the projection had generations (search's stores went on
+        # without it): it is the live generation's state, so it takes that name,
+        # and dropping generation 1 later cannot delete it (the data dir is ours)
+        for src, dst in zip(sqlite_files(base), sqlite_files(live_file)):
+            if src.exists():
+                src.rename(dst)
     store = Switchable(SqliteObservationStore(str(live_file)))
     root._opened(store, lambda: store.target.close())
     parts = ServiceParts("consolidation", api={"observations": store})
@@ -492,17 +500,20 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     deps = dict(consolidator=consolidator, decide=decide, **root.own_catalog())
     parts.routers = _routers(root, "consolidation", **deps)
     parts.restorers = _restorers(root, "consolidation", **deps)
-    if not root.distributed:
-        from mneme.runtime.live_replay import Follower
-        svc = services()["consolidation"]
+    svc = services()["consolidation"]
 
-        def make_router(other, group_id: str) -> Router:
-            # its restore handlers: the recorded decisions applied, nothing decided
-            return Router(svc, "consolidation", {"consolidator": Consolidator(
-                other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
-        parts.api["follower"] = Follower(
-            router=parts.routers["consolidation"], make_router=make_router,
-            open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store)
+    def make_router(other, group_id: str) -> Router:
+        # its restore handlers: the recorded decisions applied, nothing decided
+        return Router(svc, "consolidation", {"consolidator": Consolidator(
+            other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
+    follower = parts.api["follower"] = Follower(
+        router=parts.routers["consolidation"], make_router=make_router,
+        open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store,
+        # replicas share the group "consolidation": each builds under its own
+        suffix=f".{root.replica}" if root.distributed else "")
+    if root.distributed:  # served as GenerationService (mneme.runtime.process)
+        parts.api["replay"] = root._opened(LiveReplay(
+            root, None, None, None, followers=[follower], generations=generations))
     return parts
 
 

@@ -1,23 +1,21 @@
 """search's gRPC servicers: RecallService (Recall, GetMemory, ListMemories),
-ObservationService (ListObservationScopes, ListObservations, GetObservation) and, where
-this process owns its stores, GenerationService (replays into new store generations)."""
+ObservationService (ListObservationScopes, ListObservations, GetObservation). Where
+this process owns its stores it also serves GenerationService
+(:mod:`mneme.runtime.generations_api`)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from typing import Callable
 
-from google.protobuf import empty_pb2
-
 from mneme import apiconv
 from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
-from mneme.errors import FailedPrecondition, InvalidArgument, NotFound
+from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import call_deadline, dt_to_ts, translate_errors, ts_to_dt
-from mneme.names import bank_id_of, generation_of, memory_of, observation_of
-from mneme.paging import decode_token, encode_token, page_size
+from mneme.names import bank_id_of, memory_of, observation_of
 from mneme.ports import VectorStore
-from mneme.v1 import (generations_pb2, generations_pb2_grpc, memory_pb2, observations_pb2,
-                      observations_pb2_grpc, recall_pb2, recall_pb2_grpc)
+from mneme.v1 import (memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2,
+                      recall_pb2_grpc)
 from services.search import observations, reads
 
 _ARMS = ("semantic", "keyword", "graph", "temporal", "rerank")
@@ -126,69 +124,3 @@ def register(server, servicer: RecallServicer) -> list[str]:
         ObservationServicer(servicer), server)
     return [recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name,
             observations_pb2.DESCRIPTOR.services_by_name["ObservationService"].full_name]
-
-
-class GenerationServicer(generations_pb2_grpc.GenerationServiceServicer):
-    """GenerationService over ``replay`` (a :class:`mneme.runtime.replay.LiveReplay`: the
-    replay of this process's search stores into new generations)."""
-
-    def __init__(self, replay) -> None:
-        self.replay = replay
-
-    @translate_errors
-    def CreateGeneration(self, request, context):
-        try:
-            return generation_to_api(self.replay.start(force=request.force))
-        except RuntimeError as e:  # one replay at a time
-            raise FailedPrecondition(str(e)) from None
-
-    @translate_errors
-    def GetGeneration(self, request, context):
-        g = generation_of(request.name)
-        rec = self.replay.generations.get(g)
-        if rec is None:
-            raise NotFound(f"generation {g} not found")
-        return generation_to_api(rec)
-
-    @translate_errors
-    def ListGenerations(self, request, context):
-        size = page_size(request.page_size)
-        start = decode_token(request.page_token, "generations", int) or 0
-        gens = self.replay.generations.list()
-        page = gens[start:start + size]
-        more = start + size < len(gens)
-        return generations_pb2.ListGenerationsResponse(
-            generations=[generation_to_api(g) for g in page],
-            next_page_token=encode_token("generations", start + size) if more else "")
-
-    @translate_errors
-    def DeleteGeneration(self, request, context):
-        g = generation_of(request.name)
-        try:
-            self.replay.drop(g)
-        except KeyError:
-            raise NotFound(f"generation {g} not found") from None
-        except ValueError as e:  # the live one
-            raise FailedPrecondition(str(e)) from None
-        return empty_pb2.Empty()
-
-
-def generation_to_api(g) -> generations_pb2.Generation:
-    """A :class:`mneme.generations.Generation` record as the API message."""
-    msg = generations_pb2.Generation(
-        name=f"generations/{g.generation}", generation=g.generation,
-        state=generations_pb2.Generation.State.Value(g.state), records_done=g.records_done,
-        records_total=g.records_total, error=g.error,
-        check=generations_pb2.GenerationCheck(**{k: v for k, v in g.check.items()
-                                                 if k in _CHECK_FIELDS}))
-    msg.create_time.FromSeconds(int(g.create_time))
-    msg.update_time.FromSeconds(int(g.update_time))
-    return msg
-
-
-_CHECK_FIELDS = ("banks", "units", "recalls", "agreement", "problems", "gained", "moving")
-
-
-def register_generations(server, servicer: GenerationServicer) -> list[str]:
-    generations_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    return [generations_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name]

@@ -271,3 +271,53 @@ def test_replay_rebuilds_the_search_projections(cluster, bus):
     assert _lag(bus, own) == dict.fromkeys(own, 0)
     cluster.start("search")
     assert _recall(cluster.address["search"]) == before
+
+
+def _observation_state(path) -> dict[str, tuple]:
+    """The observation projection in ``path``: bank → (counts, every state's bytes)."""
+    from mneme.stores.observations_sqlite import SqliteObservationStore
+    store = SqliteObservationStore(str(path))
+    try:
+        return {BANK: (store.counts(BANK), store.dump(BANK))}
+    finally:
+        store.close()
+
+
+def test_replay_rebuilds_a_consolidation_replicas_observations(cluster, bus):
+    """A consolidation replica rebuilds its observation projection from the log into a
+    new generation while it serves (GenerationService on its own address), switches to
+    it, decides on into it, drops the old one on command and keeps it across a restart."""
+    data = cluster.root / "consolidation"
+    assert not any(_wait_lag_zero(bus).values())
+    before = _observation_state(data / "observations.db")
+    assert before[BANK][0][2] > 0, before[BANK][0]  # observations to rebuild
+    out = subprocess.run([mneme_bin(), "replay", "--address", cluster.address["consolidation"]],
+                         timeout=300, capture_output=True, text=True,
+                         env=cluster.env("consolidation"))
+    said = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 0 and "generation 2: LIVE" in said, said[-3000:]
+    assert _observation_state(data / "observations.g2.db") == before  # byte for byte
+    # it decides on into generation 2; generation 1 stays as it was
+    with MnemeClient(cluster.address["ingest"]) as m:
+        conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == BANK)
+        more = locomo.sessions(conv)[SESSIONS]
+        assert m.retain(BANK, more.items, request_id="more").operation.state == 3
+    assert not any(_wait_lag_zero(bus).values())
+    after = _observation_state(data / "observations.g2.db")
+    assert after[BANK][0][0] > before[BANK][0][0], (after[BANK][0], before[BANK][0])
+    assert _observation_state(data / "observations.db") == before
+    dropped = subprocess.run([mneme_bin(), "generations", "drop", "1", "--address",
+                              cluster.address["consolidation"]], timeout=60,
+                             capture_output=True, text=True, env=cluster.env("consolidation"))
+    assert dropped.returncode == 0, (dropped.stdout + dropped.stderr)[-3000:]
+    assert not (data / "observations.db").exists()
+    # a restart opens the live generation's file and decides on into it
+    cluster.stop("consolidation")
+    cluster.start("consolidation")
+    with MnemeClient(cluster.address["ingest"]) as m:
+        again = locomo.sessions(conv)[SESSIONS + 1]
+        assert m.retain(BANK, again.items, request_id="again").operation.state == 3
+    assert not any(_wait_lag_zero(bus).values())
+    last = _observation_state(data / "observations.g2.db")
+    assert last[BANK][0][0] > after[BANK][0][0], (last[BANK][0], after[BANK][0])
+    assert not (data / "observations.db").exists()

@@ -1,6 +1,7 @@
 """Replay while serving: search's projections (and, embedded, consolidation's) rebuilt
 into a new store generation (:mod:`mneme.generations`) next to the live one, checked,
-then switched in place."""
+then switched in place; in the distributed topology a consolidation replica's
+observation projection the same way on its own."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class CheckFailed(RuntimeError):
 class Follower:
     """Another group's projection that a replay rebuilds into the same generation as
     search's stores and switches with them (embedded: consolidation's observation
-    store, ``observations.g<n>.db``).
+    store, ``observations.g<n>.db``), or alone (a distributed consolidation replica).
 
     ``router``: the live group's Router; ``make_router(store, group_id)``: a Router of
     that group over ``store`` that only projects (its restore handlers: recorded
@@ -58,6 +59,9 @@ class Follower:
     open: Callable[[int], Any]
     path: Callable[[int], Path]
     live: Any
+    #: Appended to the builder's consumer group (``<group>@g<n><suffix>``): replicas
+    #: that share the live group each build under a group of their own.
+    suffix: str = ""
 
 
 class _Build:
@@ -94,10 +98,12 @@ class LiveReplay:
     """Rebuild search's projections from the log into a new generation while the live
     one serves, then switch (DESIGN: every store is a projection of the log).
 
-    ``router``: the live ``search`` group's Router (running in this process or not);
-    ``make_router(stores, group_id)``: a Router of the same group over other stores;
-    ``recall_over(stores)``: the recall function over ``stores``. Steps (:meth:`start`
-    runs them in a thread, :meth:`run` in the caller's):
+    ``router``: the live ``search`` group's Router (running in this process or not;
+    None: no search stores here, only :attr:`followers`); ``make_router(stores,
+    group_id)``: a Router of the same group over other stores; ``recall_over(stores)``:
+    the recall function over ``stores``; ``generations``: the record of this data dir's
+    generations (default ``root.generations``). Steps (:meth:`start` runs them in a
+    thread, :meth:`run` in the caller's):
 
     1. open generation *g* (:meth:`mneme.bootstrap.Root.open_stores`, empty) and replay
        the group's topics into it under a consumer group of its own, never past where the
@@ -128,15 +134,16 @@ class LiveReplay:
     are in :class:`mneme.generations.Generations`. ``force``: switch even when the check
     fails (the live generation is known to be damaged)."""
 
-    def __init__(self, root, router, make_router: Callable, recall_over: Callable,
-                 followers: list[Follower] | None = None) -> None:
+    def __init__(self, root, router, make_router: Callable | None,
+                 recall_over: Callable | None, followers: list[Follower] | None = None,
+                 generations=None) -> None:
         self.root = root
         self.router = router
         self.make_router = make_router
         self.recall_over = recall_over
         #: Other groups' projections replayed into the same generation (:class:`Follower`).
         self.followers: list[Follower] = list(followers or [])
-        self.generations = root.generations
+        self.generations = generations if generations is not None else root.generations
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
         self._building: int | None = None
@@ -203,7 +210,7 @@ class LiveReplay:
         """On shared store servers, RuntimeError when replicas run ``generation`` (its
         consumer group has live members): this process's MNEME_STORE_GENERATION is not
         theirs, and building or dropping it would wipe what they serve."""
-        if not self.shared:
+        if not self.shared or self.router is None:
             return
         gid = generation_group(self.router.group.name, generation)
         if gid in self.root.log.groups(live_only=True):
@@ -217,7 +224,7 @@ class LiveReplay:
         """True on store servers the search replicas share: a replay builds and checks
         the next generation (READY) without switching; the replicas switch when they are
         configured with it (``MNEME_STORE_GENERATION``)."""
-        return not self.root.owns_stores
+        return self.router is not None and not self.root.owns_stores
 
     # -- the replay --
 
@@ -231,23 +238,25 @@ class LiveReplay:
             self._building = None
             return
         try:
-            remove_local(self.root.store_urls(g))  # a crashed replay's files, if any
             for f in self.followers:
-                remove_file(f.path(g))
-            new = self.root.open_stores(g)
-            new.reset()  # a server collection of that name from a crashed replay
-            # Shared stores: the group the replicas of generation g will run under (they go
-            # on from where the replay stops); own stores: the replay's alone.
-            gid = (generation_group(self.router.group.name, g) if self.shared
-                   else f"{self.router.group_id}@g{g}")
-            # writes buffered per consumer batch: a Tantivy commit and a graph round
-            # trip per batch, not per record (nothing reads g before it is flushed)
-            search = _Build(self.root.log, self.router, self.make_router(
-                type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid), gid)
-            builds = [search]
+                remove_file(f.path(g))  # a crashed replay's files, if any
+            builds, search = [], None
+            if self.router is not None:
+                remove_local(self.root.store_urls(g))
+                new = self.root.open_stores(g)
+                new.reset()  # a server collection of that name from a crashed replay
+                # Shared stores: the group the replicas of generation g will run under (they
+                # go on from where the replay stops); own stores: the replay's alone.
+                gid = (generation_group(self.router.group.name, g) if self.shared
+                       else f"{self.router.group_id}@g{g}")
+                # writes buffered per consumer batch: a Tantivy commit and a graph round
+                # trip per batch, not per record (nothing reads g before it is flushed)
+                search = _Build(self.root.log, self.router, self.make_router(
+                    type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid), gid)
+                builds.append(search)
             for f in self.followers:
                 extra.append(f.open(g))
-                fgid = f"{f.router.group_id}@g{g}"
+                fgid = f"{f.router.group_id}@g{g}{f.suffix}"
                 builds.append(_Build(self.root.log, f.router, f.make_router(extra[-1], fgid),
                                      fgid))
 
@@ -263,12 +272,15 @@ class LiveReplay:
                 drain_all(targets)
             # 2: the check, while the live groups go on: a bank written meanwhile is not
             # comparable and is looked at again; a difference is looked at twice.
+            followed = builds[1:] if search is not None else builds
             for attempt in range(CHECK_ATTEMPTS):
                 targets = [b.position() for b in builds]
                 drain_all(targets)
                 banks = self._banks()
-                check = self._check(new, search.position, targets[0], banks)
-                for f, b, store, t in zip(self.followers, builds[1:], extra, targets[1:]):
+                check = (self._check(new, search.position, targets[0], banks)
+                         if search is not None else _no_check(banks))
+                for f, b, store, t in zip(self.followers, followed, extra,
+                                          targets[len(builds) - len(followed):]):
                     moving, problems = self._check_follower(f, store, b.position, t, banks)
                     check["moving"] += moving
                     check["problems"] += problems
@@ -303,9 +315,10 @@ class LiveReplay:
                 # The builders flushed before each commit; flush again so that nothing of
                 # g is only in memory when it goes live (nothing to do when clean). The
                 # retired stores are flushed when they close.
-                new.flush()
-                live = self.root.stores
-                old = [s.swap(n) for s, n in zip(live.all(), new.all())]
+                old = []
+                if new is not None:
+                    new.flush()
+                    old = [s.swap(n) for s, n in zip(self.root.stores.all(), new.all())]
                 old += [f.live.swap(store) for f, store in zip(self.followers, extra)]
                 prev = self.generations.live()
                 done = sum(b.done for b in builds)
@@ -445,9 +458,10 @@ class LiveReplay:
     def _discard(self, generation: int, stores) -> None:
         """Delete ``generation``'s stores: ``stores`` when open, else (on servers) opened
         to be dropped; local files removed."""
-        if stores is None and self.shared:
-            stores = self.root.open_stores(generation)
-        drop_stores(stores, self.root.store_urls(generation))
+        if self.router is not None:
+            if stores is None and self.shared:
+                stores = self.root.open_stores(generation)
+            drop_stores(stores, self.root.store_urls(generation))
         for f in self.followers:
             remove_file(f.path(generation))
 
@@ -552,6 +566,12 @@ class _Builder(Consumer):
         log.warning("replay (%s): %s[%d]@%d could not be projected after %d attempts: %r",
                     self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
         return []  # nothing to append: the check reports it
+
+
+def _no_check(banks: list[str]) -> dict:
+    """The check's result where there are no search stores to compare (only followers)."""
+    return {"banks": len(banks), "units": 0, "recalls": 0, "agreement": 1.0, "moving": 0,
+            "gained": 0, "problems": []}
 
 
 def _close(stores) -> None:

@@ -17,7 +17,7 @@ from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
 from mneme.datadir import DataDirLocked
 from mneme.config import Settings
 from mneme.errors import ConfigurationError, FailedPrecondition, Unavailable
-from mneme.runtime import grpc_server
+from mneme.runtime import generations_api, grpc_server
 from mneme.runtime.log_runner import LogRunner
 
 log = logging.getLogger("mneme")
@@ -109,8 +109,11 @@ class ServiceProcess:
         elif self.name == "search":
             from services.search import grpc_api
             self._names = grpc_api.register(server, grpc_api.RecallServicer(
-                p["recall"], p["vectors"], p["exists"])) + grpc_api.register_generations(
-                server, grpc_api.GenerationServicer(p["replay"]))
+                p["recall"], p["vectors"], p["exists"])) + generations_api.register(
+                server, generations_api.GenerationServicer(p["replay"]))
+        elif self.name == "consolidation":  # replays of its observation projection
+            self._names = generations_api.register(
+                server, generations_api.GenerationServicer(p["replay"]))
         elif self.name == "reflect":
             from services.reflect import grpc_api
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
@@ -163,6 +166,8 @@ class ServiceProcess:
             p["vectors"].set(root.stores.vectors)
             p["exists"].set(api["bank_exists"])
             p["replay"].set(api["replay"] if root.local_stores else _SharedStores())
+        elif "replay" in api:  # consolidation: its own projection's generations
+            p["replay"].set(api["replay"])
         if "reflect" in api:
             p["reflect"].set(api["reflect"])
             p["reflect_stream"].set(api["reflect_stream"])
