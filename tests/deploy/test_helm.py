@@ -2,7 +2,8 @@
 pass for the default and the full values (scripts/helm_check.py, `make helm-check`), the
 rendered objects have the shape the services need (many replicas per service, rolled out
 with none down, a PDB, an HPA when asked, anti-affinity, a data dir of each pod's own), the
-replay Job (local stores: `mneme replay --each` through search's headless Service, run
+replay Job (every consolidation replica's own replay through its headless Service; local
+stores: `mneme replay --each` through search's headless Service, run
 against a real server; shared store servers: `mneme replay` in the Job with the search pods'
 settings, storeGeneration in every service's config, the drop Job) and Kafka TLS/SASL in every pod (the topics Job over a TLS listener), the values
 schema rejects misspelled keys and wrong types, and broken manifests fail."""
@@ -97,7 +98,8 @@ def test_default_values_render_the_five_services_against_external_stores(default
     assert secret["MNEME_GRAPH_URL"] == "bolt://neo4j:7687"
     assert secret["MNEME_TEXT_URL"] == "http://opensearch:9200"
     assert {n for k, n in default if k == "Service"} == {
-        "mneme-ingest", "mneme-search", "mneme-reflect", "mneme-search-headless"}
+        "mneme-ingest", "mneme-search", "mneme-reflect", "mneme-search-headless",
+        "mneme-consolidation-headless"}
     assert {n for k, n in default if k == "HorizontalPodAutoscaler"} == {"mneme-reflect"}
     reflect = _pod(default, "reflect")["containers"][0]
     assert {"name": "MNEME_SEARCH_ADDRESS", "value": "mneme-search:50051"} in reflect["env"]
@@ -117,8 +119,9 @@ def test_full_values_enable_bundled_stores_auth_otel_and_replay(full):
     assert "api-keys.json" in full[("Secret", "mneme-auth")]["stringData"]
     # the replay Job: the generation switch on every search replica (its own stores)
     replay = full[("Job", "mneme-replay-ci")]["spec"]["template"]["spec"]
-    assert replay["containers"][0]["args"] == [
-        "replay", "--address", "mneme-search-headless:50051", "--each", "--force"]
+    assert [c["args"] for c in replay["containers"]] == [
+        ["replay", "--address", "mneme-search-headless:50051", "--each", "--force"],
+        ["replay", "--address", "mneme-consolidation-headless:50051", "--each", "--force"]]
     assert {"name": "data", "emptyDir": {}} in replay["volumes"]
     assert _env(_pod(full, "search")["containers"][0])["MNEME_VECTOR_URL"]["value"].startswith("edge:")
     assert "PersistentVolumeClaim" not in {k for k, _ in full}
@@ -409,11 +412,20 @@ def test_the_replay_job_replays_each_search_replica_through_the_headless_service
         == (0, 3600, 86400)
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
-    c, = pod["containers"]
+    c, cons = pod["containers"]
     assert c["args"] == ["replay", "--address", "mneme-search-headless:50051", "--each"]
-    host, port = c["args"][2].rsplit(":", 1)
-    headless = objs[("Service", host)]["spec"]
-    assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == int(port)
+    # beside it, each consolidation replica replays its own observation projection
+    assert cons["args"] == ["replay", "--address", "mneme-consolidation-headless:50051", "--each"]
+    for x, service in ((c, "search"), (cons, "consolidation")):
+        host, port = x["args"][2].rsplit(":", 1)
+        headless = objs[("Service", host)]["spec"]
+        assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == int(port)
+        pods = objs[("Deployment", f"mneme-{service}")]["spec"]["selector"]["matchLabels"]
+        assert headless["selector"] == pods
+    assert cons["envFrom"] == c["envFrom"] and cons["resources"] == c["resources"]
+    off = _objects(hc.template(sets=[*REPLAY, "services.consolidation.enabled=false"]))
+    assert len(_job_pod(off, "mneme-replay-1")["containers"]) == 1
+    assert ("Service", "mneme-consolidation-headless") not in off
     # the same image, settings and mounts as the services' containers
     search = _pod(objs, "search")["containers"][0]
     assert (c["image"], c["envFrom"]) == (search["image"], search["envFrom"])
@@ -443,8 +455,10 @@ def test_the_replay_job_authenticates_like_the_charts_other_clients():
     objs = _objects(hc.check_chart(sets=[*REPLAY, "auth.mode=mtls", "tls.secretName=mneme-tls",
                                          "replay.apiKeySecret.name=replay-key"]))
     pod = _job_pod(objs, "mneme-replay-1")
-    c, = pod["containers"]
+    c, cons = pod["containers"]
     env = _env(c)
+    assert {k: v for k, v in _env(cons).items() if k != "OTEL_SERVICE_NAME"} == \
+        {k: v for k, v in env.items() if k != "OTEL_SERVICE_NAME"}
     assert env["MNEME_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "replay-key", "key": "api-key"}}
     assert env["MNEME_CLIENT_TLS_SERVER_NAME"]["value"] == "mneme-search"
     assert ("Service", "mneme-search") in objs
@@ -514,7 +528,7 @@ def test_the_replay_jobs_command_switches_a_running_servers_generation(tmp_path)
     from tests.e2e.server import Server
 
     objs = _objects(hc.template(sets=[*REPLAY, "auth.mode=api_key", "replay.apiKeySecret.name=k"]))
-    c, = _job_pod(objs, "mneme-replay-1")["containers"]
+    c, _ = _job_pod(objs, "mneme-replay-1")["containers"]
     assert "MNEME_API_KEY" in _env(c)
     data = tmp_path / "d"
     data.mkdir()
@@ -603,8 +617,11 @@ def test_the_shared_store_replay_job_replays_in_the_job_with_the_search_pods_set
     assert "annotations" not in job["metadata"]
     pod = job["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 0
-    c, = pod["containers"]
+    c, cons = pod["containers"]
     assert c["args"] == ["replay"]
+    # consolidation's replicas replay their own projection (their state is never shared)
+    assert cons["args"] == ["replay", "--address", "mneme-consolidation-headless:50051", "--each"]
+    assert _env(cons)["MNEME_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "unused"
     search_pod = _pod(objs, "search")
     search = search_pod["containers"][0]
     assert (c["image"], c["envFrom"], c["volumeMounts"]) == (
@@ -628,8 +645,8 @@ def test_the_shared_store_replay_job_replays_in_the_job_with_the_search_pods_set
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     forced = _objects(hc.template(sets=[*SHARED, "replay.force=true", "replay.runId=r2",
                                         "replay.buildResources.requests.cpu=2"]))
-    c, = _job_pod(forced, "mneme-replay-r2")["containers"]
-    assert c["args"] == ["replay", "--force"]
+    c, cons = _job_pod(forced, "mneme-replay-r2")["containers"]
+    assert c["args"] == ["replay", "--force"] and cons["args"][-1] == "--force"
     assert c["resources"] == {"requests": {"cpu": 2}}
 
 
@@ -638,7 +655,7 @@ def test_the_local_store_replay_job_is_unchanged_by_store_generations():
     resources and the client settings, whatever the shared-store values say."""
     objs = _objects(hc.check_chart(sets=[*REPLAY, DB, "replay.buildResources.requests.cpu=2",
                                          "replay.apiKeySecret.name=replay-key"]))
-    c, = _job_pod(objs, "mneme-replay-1")["containers"]
+    c, _ = _job_pod(objs, "mneme-replay-1")["containers"]
     assert c["args"] == ["replay", "--address", "mneme-search-headless:50051", "--each"]
     assert c["resources"] == {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
     assert set(_env(c)) == {"OTEL_SERVICE_NAME", "MNEME_API_KEY"}
@@ -685,12 +702,12 @@ def test_kafka_certificates_and_credentials_reach_every_deployment_and_job():
     assert set(pods) >= {"Job/mneme-topics", "Job/mneme-replay-1", "Deployment/search"}
     for where, pod in pods.items():
         assert {"name": "kafka-tls", "secret": {"secretName": "kafka-certs"}} in pod["volumes"], where
-        c, = pod["containers"]
-        assert {"name": "kafka-tls", "mountPath": "/etc/mneme/kafka-tls", "readOnly": True} \
-            in c["volumeMounts"], where
-        assert {"configMapRef": {"name": "mneme"}} in c["envFrom"], where
-        assert _env(c)["MNEME_KAFKA_SASL_PASSWORD"]["valueFrom"] == {
-            "secretKeyRef": {"name": "kafka-user", "key": "password"}}, where
+        for c in pod["containers"]:
+            assert {"name": "kafka-tls", "mountPath": "/etc/mneme/kafka-tls", "readOnly": True} \
+                in c["volumeMounts"], where
+            assert {"configMapRef": {"name": "mneme"}} in c["envFrom"], where
+            assert _env(c)["MNEME_KAFKA_SASL_PASSWORD"]["valueFrom"] == {
+                "secretKeyRef": {"name": "kafka-user", "key": "password"}}, where
 
 
 @pytest.mark.parametrize("sets,expected", [
