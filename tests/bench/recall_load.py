@@ -78,6 +78,8 @@ from mneme.client import MnemeClient  # noqa: E402
 from tests.e2e.server import Server  # noqa: E402
 
 BATCH = 50
+#: Facts per step of the fill's rate series (sync items/s while the bank held 0–10k, ...).
+FILL_BUCKET = 10_000
 BUDGET = "mid"
 MAX_TOKENS = 4096
 TYPES = ("world", "experience")
@@ -412,6 +414,7 @@ class Runner:
         src, pass_len = wl.fill_source, len(wl.fill_source)
         decide = not wl.fill
         items = 0
+        rates: list[tuple[int, int, float]] = []  # (facts in the bank before, items, s)
         t0 = time.perf_counter()
         with self.progress() as prog:
             for b in wl.banks:
@@ -424,9 +427,11 @@ class Runner:
                     facts = side.facts(b)[0]
                     while facts < self.target:
                         chunk = fill_batches(src, start + len(done), 5, pass_len)
+                        c0, n0 = time.perf_counter(), items
                         for batch in chunk:
                             side.retain(b, batch, async_=False)
                             items += len(batch)
+                        rates.append((facts, items - n0, time.perf_counter() - c0))
                         done += chunk
                         facts = side.facts(b)[0]
                         prog.update(task, completed=min(facts, self.target))
@@ -441,6 +446,14 @@ class Runner:
         self.phases["drain after fill"] = self.wait_idle() - t1
         self.notes["fill items"] = items
         self.notes["fill items/s (sync)"] = round(items / (t1 - t0), 1) if items else None
+        if rates:  # how retain slows as the bank grows: sync items/s per 10k facts held
+            by: dict[int, list[float]] = {}
+            for f, n, s in rates:
+                acc = by.setdefault(f // FILL_BUCKET * FILL_BUCKET, [0, 0.0])
+                acc[0] += n
+                acc[1] += s
+            self.notes["fill items/s by facts held"] = ", ".join(
+                f"{k // 1000}k: {n / s:.1f}" for k, (n, s) in sorted(by.items()))
         self.say(f"fill: {items} items in {t1 - t0:.1f} s")
 
     def recall_phase(self) -> dict:

@@ -65,15 +65,21 @@ class SqliteObservationStore:
     # ---- facts --------------------------------------------------------------------------
 
     def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
-        """Record facts (pending) with their scopes; a known fact keeps its state."""
+        """Record facts (pending) with their scopes; a known fact keeps its state. One
+        transaction (one commit, not one per fact: each is a WAL sync)."""
         with self._lock:
-            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM facts").fetchone()[0]
-            for f, scopes in facts:
-                seq += 1
-                self._db.execute(
+            self._db.execute("BEGIN")
+            try:
+                seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM facts").fetchone()[0]
+                self._db.executemany(
                     "INSERT OR IGNORE INTO facts VALUES (?,?,?,?,?,0,?)",
-                    (bank_id, f.id, seq, f.document_id, json.dumps(scopes),
-                     f.SerializeToString(deterministic=True)))
+                    [(bank_id, f.id, seq + n, f.document_id, json.dumps(scopes),
+                      f.SerializeToString(deterministic=True))
+                     for n, (f, scopes) in enumerate(facts, 1)])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def facts(self, bank_id: str, ids: Iterable[str] | None = None, pending: bool = False
               ) -> list[tuple[ev.Fact, list[list[str]]]]:
