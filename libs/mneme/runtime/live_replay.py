@@ -272,15 +272,14 @@ class LiveReplay:
                 drain_all(targets)
             # 2: the check, while the live groups go on: a bank written meanwhile is not
             # comparable and is looked at again; a difference is looked at twice.
-            followed = builds[1:] if search is not None else builds
+            n = 0 if search is None else 1  # the followers' builds come after search's
             for attempt in range(CHECK_ATTEMPTS):
                 targets = [b.position() for b in builds]
                 drain_all(targets)
                 banks = self._banks()
                 check = (self._check(new, search.position, targets[0], banks)
                          if search is not None else _no_check(banks))
-                for f, b, store, t in zip(self.followers, followed, extra,
-                                          targets[len(builds) - len(followed):]):
+                for f, b, store, t in zip(self.followers, builds[n:], extra, targets[n:]):
                     moving, problems = self._check_follower(f, store, b.position, t, banks)
                     check["moving"] += moving
                     check["problems"] += problems
