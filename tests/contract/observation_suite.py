@@ -49,6 +49,23 @@ class ObservationStoreSuite:
         assert self.ids(store.facts("a", ["f3", "f2", "missing"])) == ["f2", "f3"]
         assert store.facts("a", []) == [] and store.facts("other") == []
 
+    def test_facts_by_many_ids_in_arrival_order_across_batches_and_banks(self, store):
+        """More ids than one query can bind (500), asked in another order than they came,
+        with another bank's facts of the same ids in between."""
+        import random
+        order = [f"f{i:04d}" for i in range(1200)]
+        random.Random(7).shuffle(order)
+        for i in range(0, 1200, 400):
+            store.add_facts("a", [(fact(x), [[]]) for x in order[i:i + 400]])
+            store.add_facts("b", [(fact(x), [[]]) for x in order[i:i + 10]])
+        store.apply(changed(consolidated=order[::3]))
+        asked = sorted(order[:1100], reverse=True) + ["missing", order[0]]
+        assert self.ids(store.facts("a", asked)) == order[:1100]
+        assert self.ids(store.facts("a", asked, pending=True)) == [
+            x for n, x in enumerate(order[:1100]) if n % 3]
+        assert self.ids(store.facts("a", pending=True)) == [x for n, x in enumerate(order) if n % 3]
+        assert len(store.facts("b", asked)) == 30
+
     def test_known_fact_keeps_its_data_and_state(self, store):
         store.add_facts("a", [(fact("f1", text="first"), [["x"]])])
         store.apply(changed(consolidated=["f1"]))
