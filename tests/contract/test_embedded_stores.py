@@ -194,6 +194,44 @@ class TestEdgeVectorStore(VectorStoreSuite):
         finally:
             s.close()
 
+    def test_units_written_with_flat_payloads_read_and_filter_as_before(self, store):
+        """A shard written before payloads packed the unit's body into ``unit``: its
+        points (every field its own) read back as the same facts beside new ones, and
+        filters and deletions by document see both."""
+        from datetime import datetime, timezone
+
+        from qdrant_edge import Point, UpdateOperation
+
+        from mneme.domain import Filters, Link, TimeWindow, to_epoch
+        from mneme.stores.vector_edge import point_id
+        old, new = corpus(n=6)[:3], corpus(n=6)[3:]
+        t = datetime(2023, 5, 7, tzinfo=timezone.utc)
+        for f in old + new:
+            f.document_id, f.tags, f.occurred_start, f.occurred_end = "doc", ("x",), t, None
+            f.metadata, f.context = {"dia_id": "D1:3", "k": "vé"}, "ctx 猫"
+            f.entities, f.links = [EntityRef("e1", "Caroline", "PERSON")], [Link(new[0].id, "semantic", 0.5)]
+        flat = [Point(point_id(f.id), list(f.embedding), {
+            "id": f.id, "bank_id": f.bank_id, "text": f.text, "fact_type": f.fact_type,
+            "context": f.context, "occurred_start": to_epoch(f.occurred_start),
+            "occurred_end": None, "mentioned_at": to_epoch(f.mentioned_at),
+            "tags": list(f.tags), "metadata": dict(f.metadata), "document_id": f.document_id,
+            "chunk_id": f.chunk_id,
+            "entities": [{"id": e.id, "name": e.name, "label": e.label} for e in f.entities],
+            "links": [{"target_id": x.target_id, "kind": x.kind, "weight": x.weight} for x in f.links],
+            "item_index": f.item_index}) for f in old]
+        store.shard.update(UpdateOperation.upsert_points(flat))
+        store.upsert(new)
+        every = old + new
+        ids = [f.id for f in every]
+        strip = lambda fs: sorted((f.id, f.text, f.context, f.occurred_start, f.mentioned_at, f.tags,  # noqa: E731
+                                   f.metadata, f.document_id, f.entities, f.links, f.item_index)
+                                  for f in fs)
+        assert strip(store.get("a", ids)) == strip(every)
+        window = Filters(tags=("x",), document_id="doc", time_range=TimeWindow(t, t))
+        assert store.count("a", window) == 6
+        assert store.count("a", Filters(tags=("y",), tags_match="all_strict")) == 0
+        assert sorted(store.delete_where("a", "doc")) == sorted(ids)
+
     def test_optimize_builds_the_index_and_keeps_results(self, store):
         facts = corpus(n=30)
         store.upsert(facts)
