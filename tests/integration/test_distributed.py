@@ -66,12 +66,13 @@ def _lag(log, groups=None) -> dict[str, int]:
 
 
 def _wait_lag_zero(log, timeout: float = 90, gone: tuple[str, ...] = ()) -> dict[str, int]:
-    """Each group's lag once every one is 0 (or after ``timeout`` s); the own groups of
-    the stopped replicas ``gone`` (their copies stay behind) are left out."""
+    """Each group's lag once every one is 0 (or after ``timeout`` s). Left out: the own
+    groups of the stopped replicas ``gone`` (their copies stay behind) and the builder
+    groups of finished replays (``…@g<n>…``: each stopped where its switch was)."""
     deadline = time.monotonic() + timeout
     while True:
         lag = {g: n for g, n in _lag(log).items()
-               if not any(f".{r}-" in g for r in gone)}
+               if "@g" not in g and not any(f".{r}-" in g for r in gone)}
         if not any(lag.values()) or time.monotonic() > deadline:
             return lag
         time.sleep(0.5)
