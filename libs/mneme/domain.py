@@ -126,6 +126,23 @@ class EntityRef:
 
 
 @dataclass(frozen=True)
+class EntityInfo:
+    """An entity of a bank as the graph holds it: ``id``, latest ``name``, ``label`` (a
+    spaCy label or CONCEPT), ``aliases`` (every :func:`entity_key` it has had, sorted),
+    ``mentions`` (live units mentioning it). :meth:`mneme.ports.GraphStore.entity` also
+    fills ``units`` (ids of units mentioning it, most recent first, capped) and
+    ``neighbours`` ((entity id, name, label, units mentioning both), most shared first)."""
+
+    id: str
+    name: str
+    label: str = ""
+    aliases: tuple[str, ...] = ()
+    mentions: int = 0
+    units: tuple[str, ...] = ()
+    neighbours: tuple[tuple[str, str, str, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class Link:
     """A directed link from a unit to ``target_id``; ``kind`` in entity/temporal/semantic/causal."""
 

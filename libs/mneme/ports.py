@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
-from mneme.domain import (Bank, BankConfig, EntityRef, Fact, Filters, Hit, Operation, RetainItem,
-                          TimeWindow)
+from mneme.domain import (Bank, BankConfig, EntityInfo, EntityRef, Fact, Filters, Hit, Operation,
+                          RetainItem, TimeWindow)
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
     from mneme.events.v1 import events_pb2 as ev
@@ -120,6 +120,13 @@ class VectorStore(Protocol):
         """Number of the bank's units matching ``filters`` (all when None), exact, counted
         by the store (no paging through them)."""
 
+    def facet(self, bank_id: str, key: str, limit: int,
+              filters: Filters | None = None) -> list[tuple[str, int]]:
+        """The distinct values of the indexed payload field ``key`` (``tags`` or
+        ``document_id``) among the bank's units matching ``filters``, with how many units
+        hold each: at most ``limit`` pairs, most units first (ties by value), counted by
+        the store. ValueError for another key or ``limit`` < 1."""
+
     def reset(self) -> None:
         """Drop every bank's data (used by replay before rebuilding)."""
 
@@ -178,6 +185,14 @@ class GraphStore(Protocol):
 
     def count_entities(self, bank_id: str) -> int:
         """Number of the bank's entities (0 for an unknown bank)."""
+
+    def entities(self, bank_id: str, limit: int, after: str = "") -> list[EntityInfo]:
+        """A page of the bank's entities in id order after ``after`` (mention counts, no
+        units or neighbours)."""
+
+    def entity(self, bank_id: str, entity_id: str, units: int = 100,
+               neighbours: int = 20) -> EntityInfo | None:
+        """One entity with the units mentioning it and its co-mentioned neighbours."""
 
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """Entities of the bank whose canonical key (``mneme.nlp.entity_key``) is in ``keys``."""

@@ -107,6 +107,44 @@ class GraphStoreSuite:
         store.delete_where("a")
         assert (store.count_entities("a"), store.count_entities("b")) == (0, 1)
 
+    def test_entities_page_in_id_order_with_live_mention_counts(self, store):
+        store.upsert(chain() + [unit("u9", bank_id="b", entities=[PIANO])])
+        got = store.entities("a", 10)
+        assert [(e.id, e.name, e.label, e.mentions) for e in got] == [
+            (ALICE.id, "Alice", "PERSON", 2), (BOB.id, BOB.name, "PERSON", 2),
+            (LYON.id, "Lyon", "GPE", 2)]
+        assert got[1].aliases == (entity_key(BOB.name),) and got[1].units == ()
+        first = store.entities("a", 2)
+        assert [e.id for e in first] == [ALICE.id, BOB.id]
+        assert [e.id for e in store.entities("a", 2, after=first[-1].id)] == [LYON.id]
+        assert store.entities("a", 2, after=LYON.id) == []
+        assert [e.id for e in store.entities("b", 10)] == [PIANO.id]
+        store.delete("a", ["u1"])
+        assert [(e.id, e.mentions) for e in store.entities("a", 10)][0] == (ALICE.id, 1)
+        with pytest.raises(ValueError):
+            store.entities("a", 0)
+
+    def test_entity_with_units_most_recent_first_and_co_mentioned_neighbours(self, store):
+        t0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+        units = [dataclasses.replace(unit(f"u{i}", entities=ents), occurred_start=t0 + timedelta(days=i))
+                 for i, ents in enumerate([[ALICE, BOB], [ALICE, BOB, LYON], [ALICE, PIANO],
+                                           [BOB]])]
+        store.upsert(units)
+        alice = store.entity("a", ALICE.id)
+        assert (alice.name, alice.label, alice.mentions) == ("Alice", "PERSON", 3)
+        assert alice.units == ("u2", "u1", "u0")
+        assert alice.neighbours == ((BOB.id, BOB.name, "PERSON", 2), (LYON.id, "Lyon", "GPE", 1),
+                                    (PIANO.id, "piano", "CONCEPT", 1))
+        capped = store.entity("a", ALICE.id, units=1, neighbours=1)
+        assert (capped.units, [n[0] for n in capped.neighbours], capped.mentions) == (
+            ("u2",), [BOB.id], 3)
+        robert = dataclasses.replace(BOB, name="Robert")
+        store.upsert([unit("u7", entities=[robert])])
+        bob = store.entity("a", BOB.id)
+        assert bob.name == "Robert" and set(bob.aliases) == {"bob", "robert"}
+        assert store.entity("a", "nobody") is None
+        assert store.entity("b", ALICE.id) is None
+
     def test_delete_where_rejects_empty_document_id(self, store):
         store.upsert(chain())
         with pytest.raises(ValueError):

@@ -107,6 +107,26 @@ class VectorStoreSuite:
             want = sum(1 for f in facts if f.bank_id == "a" and fact_matches(f, flt))
             assert store.count("a", flt) == want, flt
 
+    def test_facet_counts_tags_and_documents_per_bank_under_filters(self, store):
+        from collections import Counter
+        facts = corpus("a", 24) + corpus("b", 5)
+        store.upsert(facts)
+        for key in ("tags", "document_id"):
+            for flt in [None, *filter_cases()]:
+                want = Counter()
+                for f in facts:
+                    if f.bank_id == "a" and (flt is None or fact_matches(f, flt)):
+                        want.update(f.tags if key == "tags" else [f.document_id] if f.document_id else [])
+                got = store.facet("a", key, 100, flt)
+                assert got == sorted(want.items(), key=lambda p: (-p[1], p[0])), (key, flt)
+        top = store.facet("a", "tags", 1)
+        assert len(top) == 1 and top[0] == store.facet("a", "tags", 100)[0]
+        assert store.facet("zzz", "tags", 10) == []
+        with pytest.raises(ValueError):
+            store.facet("a", "text", 10)
+        with pytest.raises(ValueError):
+            store.facet("a", "tags", 0)
+
     # -- kNN --
 
     def test_knn_nearest_first_with_cosine_scores(self, store):

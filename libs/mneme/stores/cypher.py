@@ -186,6 +186,37 @@ WHERE e.key IN $keys OR any(a IN coalesce(e.aliases, []) WHERE a IN $keys)
 RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key
 """
 
+#: A page of the bank's entities in id order after $after, with their live mentions.
+LIST_ENTITIES = """
+MATCH (e:Entity {bank_id: $bank_id})
+WHERE e.id > $after
+WITH e ORDER BY e.id LIMIT $limit
+OPTIONAL MATCH (e)<-[:MENTIONS]-(u:Unit)
+WHERE u.stub = false
+RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
+       count(u) AS mentions
+ORDER BY id
+"""
+
+#: One entity with its live mentions and the $limit most recent units mentioning it.
+GET_ENTITY = """
+MATCH (e:Entity {bank_id: $bank_id, id: $entity_id})
+OPTIONAL MATCH (e)<-[:MENTIONS]-(u:Unit)
+WHERE u.stub = false
+WITH e, u ORDER BY coalesce(u.occurred_start, 0) DESC, u.id
+RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
+       count(u) AS mentions, collect(u.id)[0..$limit] AS units
+"""
+
+#: The entities sharing a live unit with $entity_id: how many units mention both.
+CO_MENTIONED = """
+MATCH (e:Entity {bank_id: $bank_id, id: $entity_id})<-[:MENTIONS]-(u:Unit)-[:MENTIONS]->(o:Entity)
+WHERE u.stub = false AND o.id <> e.id
+RETURN o.id AS id, o.name AS name, o.label AS label, count(DISTINCT u) AS shared
+ORDER BY shared DESC, id
+LIMIT $limit
+"""
+
 #: The bank's version token (no row for a bank no write of this version has touched).
 BANK_VERSION = """
 MATCH (b:Bank {bank_id: $bank_id})

@@ -25,7 +25,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
-from mneme.domain import EntityRef, Fact, Hit, entity_key, to_epoch
+from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, to_epoch
 from mneme.stores import cypher
 from mneme.stores.filters import check_document_id
 
@@ -305,6 +305,39 @@ class CypherGraphStore:
         with self._lock:
             return int(self._read(lambda run: _column(run, cypher.COUNT_ENTITIES,
                                                       bank_id=bank_id))[0])
+
+    def entities(self, bank_id: str, limit: int, after: str = "") -> list[EntityInfo]:
+        """At most ``limit`` of the bank's entities with ids after ``after``, in id order,
+        each with its alias keys and live mention count (no units, no neighbours).
+        ValueError for ``limit`` < 1."""
+        if limit < 1:
+            raise ValueError("limit must be positive")
+        with self._lock:
+            rows = self._read(lambda run: run(cypher.LIST_ENTITIES, {
+                "bank_id": bank_id, "after": after or "", "limit": int(limit)}))
+        return [EntityInfo(r[0], r[1] or "", r[2] or "", tuple(sorted(r[3] or ())), int(r[4]))
+                for r in rows]
+
+    def entity(self, bank_id: str, entity_id: str, units: int = 100,
+               neighbours: int = 20) -> EntityInfo | None:
+        """The bank's entity ``entity_id`` with at most ``units`` ids of live units
+        mentioning it (most recent first) and its ``neighbours`` most co-mentioned
+        entities, or None when the bank has no such entity."""
+        def work(run: Run):
+            found = run(cypher.GET_ENTITY, {"bank_id": bank_id, "entity_id": entity_id,
+                                            "limit": int(max(units, 0))})
+            if not found:
+                return None, []
+            return found[0], run(cypher.CO_MENTIONED, {
+                "bank_id": bank_id, "entity_id": entity_id, "limit": int(max(neighbours, 0))})
+
+        with self._lock:
+            row, near = self._read(work)
+        if row is None:
+            return None
+        return EntityInfo(row[0], row[1] or "", row[2] or "", tuple(sorted(row[3] or ())),
+                          int(row[4]), tuple(u for u in (row[5] or ()) if u)[:units],
+                          tuple((n[0], n[1] or "", n[2] or "", int(n[3])) for n in near))
 
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """The bank's entities whose key (``mneme.domain.entity_key`` of a name they had)

@@ -31,6 +31,7 @@ from qdrant_edge import (
     EdgeOptimizersConfig,
     EdgeShard,
     EdgeVectorParams,
+    FacetRequest,
     FieldCondition,
     Filter,
     HasIdCondition,
@@ -64,6 +65,25 @@ _PURGING_OPTIMIZERS = dict(deleted_threshold=0.0, vacuum_min_vector_number=1)
 
 
 # ---- payload <-> Fact ---------------------------------------------------------------------
+
+
+#: Payload fields :meth:`EdgeVectorStore.facet` counts (keyword-indexed).
+FACET_KEYS = ("tags", "document_id")
+
+
+def check_facet(key: str, limit: int) -> None:
+    """ValueError unless ``key`` is one of :data:`FACET_KEYS` and ``limit`` >= 1."""
+    if key not in FACET_KEYS:
+        raise ValueError(f"facet key must be one of {', '.join(FACET_KEYS)}, got {key!r}")
+    if limit < 1:
+        raise ValueError("limit must be positive")
+
+
+def facet_pairs(hits, limit: int) -> list[tuple[str, int]]:
+    """(value, count) of a facet's hits without the empty value (a unit with no document
+    id has none), most units first, ties by value, at most ``limit``."""
+    pairs = [(str(h.value), int(h.count)) for h in hits if h.value != ""]
+    return sorted(pairs, key=lambda p: (-p[1], p[0]))[:limit]
 
 
 def fact_to_payload(fact: Fact) -> dict[str, Any]:
@@ -506,6 +526,17 @@ class EdgeVectorStore:
         with self._lock:
             return int(self.shard.count(CountRequest(filter=qdrant_filter(bank_id, filters),
                                                      exact=True)))
+
+    def facet(self, bank_id: str, key: str, limit: int,
+              filters: Filters | None = None) -> list[tuple[str, int]]:
+        """The distinct values of ``key`` (:data:`FACET_KEYS`) among the bank's units
+        matching ``filters``, with their unit counts: at most ``limit``, most units first
+        (ties by value). Exact counts, from the field's keyword index."""
+        check_facet(key, limit)
+        with self._lock:
+            hits = self.shard.facet(FacetRequest(key, limit=int(limit) + 1, exact=True,
+                                                 filter=qdrant_filter(bank_id, filters))).hits
+        return facet_pairs(hits, limit)
 
     def _scan(self, flt: Filter, payload: list[str]) -> list[dict[str, Any]]:
         """Every matching point's (partial) payload; caller holds the lock."""

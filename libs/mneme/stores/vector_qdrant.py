@@ -36,6 +36,8 @@ from mneme.stores.vector_edge import (
     _KEYWORD_FIELDS,
     _decode_cursor,
     _encode_cursor,
+    check_facet,
+    facet_pairs,
     fact_to_payload,
     facts_in_order,
     payload_to_fact,
@@ -369,6 +371,17 @@ class QdrantVectorStore:
             return int(self.client.count(self.collection,
                                          count_filter=client_filter(bank_id, filters),
                                          exact=True).count)
+
+    def facet(self, bank_id: str, key: str, limit: int,
+              filters: Filters | None = None) -> list[tuple[str, int]]:
+        """The distinct values of ``key`` (``tags`` or ``document_id``) among the bank's
+        units matching ``filters``, with their unit counts: at most ``limit``, most units
+        first (ties by value). Exact counts (Qdrant's facet API, keyword index)."""
+        check_facet(key, limit)
+        with self._lock:
+            hits = self.client.facet(self.collection, key, facet_filter=client_filter(
+                bank_id, filters), limit=int(limit) + 1, exact=True).hits
+        return facet_pairs(hits, limit)
 
     def _scan(self, flt: m.Filter, payload: list[str]) -> list[dict[str, Any]]:
         """Every matching point's (partial) payload; caller holds the lock."""
