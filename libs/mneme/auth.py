@@ -88,6 +88,11 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.ObservationService/ListObservationScopes": (READ, "parent"),
     "/mneme.v1.ObservationService/ListObservations": (READ, "parent"),
     "/mneme.v1.ObservationService/GetObservation": (READ, "child:name"),
+    "/mneme.v1.EntityService/ListEntities": (READ, "parent"),
+    "/mneme.v1.EntityService/GetEntity": (READ, "child:name"),
+    "/mneme.v1.DocumentService/ListDocuments": (READ, "parent"),
+    "/mneme.v1.DocumentService/GetDocument": (READ, "parent"),
+    "/mneme.v1.DocumentService/ListTags": (READ, "parent"),
     "/mneme.v1.ReflectService/Reflect": (READ, "parent"),
     "/mneme.v1.ReflectService/StreamReflect": (READ, "parent"),
     # Generations span every bank's projections: a * key (write to replay or drop).

@@ -398,7 +398,7 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             # stores when they are its own files) catch up with the bank's partitions.
             catch_up(bank_id)
             return catalog.get_bank(bank_id) is not None
-    servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists)
+    servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists, stores.graph)
     parts.api = {"recall": recall_fn, "bank_exists": bank_exists}
     from mneme.runtime import generations_api
     from mneme.runtime.live_replay import LiveReplay

@@ -605,6 +605,140 @@ def generations_drop(generation: int,
     console.print(f"dropped generation {generation}")
 
 
+def _print_json(messages) -> None:
+    """Protobuf messages as JSON on stdout (one object, or a list): proto field names,
+    times as RFC 3339, full ids."""
+    from google.protobuf.json_format import MessageToDict
+
+    def one(msg):
+        return MessageToDict(msg, preserving_proto_field_name=True)
+    out = [one(x) for x in messages] if isinstance(messages, list) else one(messages)
+    print(json.dumps(out, indent=1, ensure_ascii=False))
+
+
+def _table(*columns: str, ids: tuple[str, ...] = ()) -> Table:
+    """A table that never cuts a value: ``ids`` columns are neither cut nor wrapped (full
+    ids, for copying); the others wrap, long words folded instead of ellipsised."""
+    t = Table()
+    for c in columns:
+        if c in ids:
+            t.add_column(c, no_wrap=True, min_width=36, overflow="ignore")
+        else:
+            t.add_column(c, overflow="fold")
+    return t
+
+
+def _listed(pages, limit: int) -> list:
+    """At most ``limit`` items of an SDK list generator (0: all); RPC errors end the
+    command (exit 2)."""
+    out = []
+    try:
+        for x in pages:
+            if limit and len(out) >= limit:
+                break
+            out.append(x)
+    except grpc.RpcError as e:
+        _fail(e)
+    return out
+
+
+entities_app = typer.Typer(help="The entities a bank's memories mention.", no_args_is_help=True)
+app.add_typer(entities_app, name="entities")
+
+
+@entities_app.command("list")
+def entities_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+                  as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's entities in id order with their kind and mention count."""
+    with _client(address) as m:
+        found = _listed(m.list_entities(bank), limit)
+    if as_json:
+        return _print_json(found)
+    t = _table("entity", "name", "kind", "mentions", "aliases", ids=("entity",))
+    for e in found:
+        t.add_row(e.id, e.display_name, e.kind, str(e.mention_count), ", ".join(e.aliases))
+    Console().print(t)
+
+
+@entities_app.command("get")
+def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, "--json"),
+                 address: str = AddressOpt):
+    """Show one entity: aliases, the memories mentioning it, its neighbours."""
+    with _client(address) as m:
+        try:
+            e = m.get_entity(bank, entity_id)
+        except grpc.RpcError as err:
+            _fail(err)
+    if as_json:
+        return _print_json(e)
+    out = Console()
+    out.print(f"{e.display_name} ({e.kind}) {e.id}: {e.mention_count} mentions; "
+              f"aliases: {', '.join(e.aliases)}")
+    t = _table("neighbour", "name", "kind", "shared memories", ids=("neighbour",))
+    for n in e.neighbours:
+        t.add_row(n.entity.rsplit("/", 1)[-1], n.display_name, n.kind, str(n.shared_memories))
+    out.print(t)
+    for name in e.memories:
+        out.print(name)
+
+
+documents_app = typer.Typer(help="The documents of a bank's memories.", no_args_is_help=True)
+app.add_typer(documents_app, name="documents")
+
+
+@documents_app.command("list")
+def documents_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's documents in id order with how many memories each holds."""
+    with _client(address) as m:
+        docs = _listed(m.list_documents(bank), limit)
+    if as_json:
+        return _print_json(docs)
+    t = _table("document", "memories")
+    for d in docs:
+        t.add_row(d.document_id, str(d.memory_count))
+    Console().print(t)
+
+
+@documents_app.command("get")
+def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(False, "--json"),
+                  address: str = AddressOpt):
+    """Show one document: its memories in item order."""
+    with _client(address) as m:
+        try:
+            d = m.get_document(bank, document_id)
+        except grpc.RpcError as err:
+            _fail(err)
+    if as_json:
+        return _print_json(d)
+    updated = d.update_time.ToDatetime(timezone.utc).isoformat() if d.HasField("update_time") else ""
+    out = Console()
+    out.print(f"{d.document_id}: {d.memory_count} memories, last retained {updated or 'unknown'}")
+    from mneme.v1 import resources_pb2
+    t = _table("memory", "type", "text", ids=("memory",))
+    for mem in d.memories:
+        t.add_row(mem.id, resources_pb2.FactType.Name(mem.fact_type).lower(), mem.text)
+    out.print(t)
+
+
+tags_app = typer.Typer(help="The tags on a bank's memories.", no_args_is_help=True)
+app.add_typer(tags_app, name="tags")
+
+
+@tags_app.command("list")
+def tags_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+              as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List the tags on BANK's memories in tag order with how many memories carry each."""
+    with _client(address) as m:
+        tags = _listed(m.list_tags(bank), limit)
+    if as_json:
+        return _print_json(tags)
+    t = _table("tag", "memories")
+    for tag in tags:
+        t.add_row(tag.tag, str(tag.memory_count))
+    Console().print(t)
+
+
 @app.command()
 def operations(bank: Optional[str] = typer.Option(None, "--bank", "-b", help="one bank; default every bank"),
                limit: int = typer.Option(50, help="at most this many"), address: str = AddressOpt):

@@ -22,6 +22,7 @@ from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
+from mneme.v1 import documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc
 from mneme.v1 import keys_pb2, keys_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
@@ -135,6 +136,8 @@ class MnemeClient:
         self.reflect_stub = reflect_pb2_grpc.ReflectServiceStub(self.channel)
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
+        self.entities = entities_pb2_grpc.EntityServiceStub(self.channel)
+        self.documents = documents_pb2_grpc.DocumentServiceStub(self.channel)
         self.generations = generations_pb2_grpc.GenerationServiceStub(self.channel)
         self.key_service = keys_pb2_grpc.KeyServiceStub(self.channel)
 
@@ -283,6 +286,53 @@ class MnemeClient:
                 parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
                 document_id=document_id), timeout=self.timeout)
             yield from r.memories
+            token = r.next_page_token
+            if not token:
+                return
+
+    # entities, documents, tags
+    def list_entities(self, bank_id: str, page_size: int = 500):
+        """Yield every entity of the bank in id order (all pages), with mention counts."""
+        token = ""
+        while True:
+            r = self.entities.ListEntities(entities_pb2.ListEntitiesRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
+                timeout=self.timeout)
+            yield from r.entities
+            token = r.next_page_token
+            if not token:
+                return
+
+    def get_entity(self, bank_id: str, entity_id: str) -> entities_pb2.Entity:
+        """One entity with the memories mentioning it and its co-mentioned neighbours."""
+        return self.entities.GetEntity(entities_pb2.GetEntityRequest(
+            name=f"banks/{bank_id}/entities/{entity_id}"), timeout=self.timeout)
+
+    def list_documents(self, bank_id: str, page_size: int = 500):
+        """Yield every document of the bank in document id order, with memory counts."""
+        token = ""
+        while True:
+            r = self.documents.ListDocuments(documents_pb2.ListDocumentsRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
+                timeout=self.timeout)
+            yield from r.documents
+            token = r.next_page_token
+            if not token:
+                return
+
+    def get_document(self, bank_id: str, document_id: str) -> documents_pb2.Document:
+        """One document with its memories (item order) and chunk ids."""
+        return self.documents.GetDocument(documents_pb2.GetDocumentRequest(
+            parent=f"banks/{bank_id}", document_id=document_id), timeout=self.timeout)
+
+    def list_tags(self, bank_id: str, page_size: int = 500):
+        """Yield every tag on the bank's memories in tag order, with memory counts."""
+        token = ""
+        while True:
+            r = self.documents.ListTags(documents_pb2.ListTagsRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
+                timeout=self.timeout)
+            yield from r.tags
             token = r.next_page_token
             if not token:
                 return

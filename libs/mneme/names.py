@@ -1,5 +1,6 @@
 """Resource names (Google API design guide): ``banks/{bank_id}``,
-``banks/{bank_id}/memories/{memory_id}``, ``operations/{operation_id}``."""
+``banks/{bank_id}/memories/{memory_id}``, ``banks/{bank_id}/entities/{entity_id}``,
+``banks/{bank_id}/documents/{document_id}``, ``operations/{operation_id}``."""
 
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ def observation_of(name: str, field: str = "name") -> tuple[str, str]:
     return _bank_child(name, "observations", "observation", field)
 
 
+def entity_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/entities/{entity_id}`` → (bank_id, entity_id)."""
+    return _bank_child(name, "entities", "entity", field)
+
+
 def operation_of(name: str, field: str = "name") -> str:
     """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID)."""
     op = name.split("/", 1)[1] if name.startswith("operations/") else name
@@ -74,6 +80,16 @@ def bank_name(bank_id: str) -> str:
 
 def memory_name(bank_id: str, memory_id: str) -> str:
     return f"banks/{bank_id}/memories/{memory_id}"
+
+
+def entity_name(bank_id: str, entity_id: str) -> str:
+    return f"banks/{bank_id}/entities/{entity_id}"
+
+
+def document_name(bank_id: str, document_id: str) -> str:
+    """``banks/{bank_id}/documents/{document_id}`` (output only: a document id may hold
+    '/', so requests name a document by ``parent`` and ``document_id``)."""
+    return f"banks/{bank_id}/documents/{document_id}"
 
 
 def generation_of(name: str, field: str = "name") -> int:

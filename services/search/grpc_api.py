@@ -1,5 +1,7 @@
 """search's gRPC servicers: RecallService (Recall, GetMemory, ListMemories),
-ObservationService (ListObservationScopes, ListObservations, GetObservation). Where
+ObservationService (ListObservationScopes, ListObservations, GetObservation),
+EntityService (ListEntities, GetEntity), DocumentService (ListDocuments, GetDocument,
+ListTags). Where
 this process owns its stores it also serves GenerationService
 (:mod:`mneme.runtime.generations_api`)."""
 
@@ -12,9 +14,11 @@ from mneme import apiconv
 from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import call_deadline, dt_to_ts, translate_errors, ts_to_dt
-from mneme.names import bank_id_of, memory_of, observation_of
-from mneme.ports import VectorStore
-from mneme.v1 import (memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2,
+from mneme.names import (bank_id_of, document_name, entity_name, entity_of, memory_name,
+                         memory_of, observation_of)
+from mneme.ports import GraphStore, VectorStore
+from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
+                      memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2,
                       recall_pb2_grpc)
 from services.search import observations, reads
 
@@ -40,11 +44,14 @@ def outcome_to_api(o: RecallOutcome) -> recall_pb2.RecallResponse:
 
 
 class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
-    """``recall`` runs a RecallQuery; ``bank_exists`` answers NOT_FOUND for unknown banks."""
+    """``recall`` runs a RecallQuery; ``bank_exists`` answers NOT_FOUND for unknown banks;
+    ``vectors`` and ``graph`` serve the reads (this and the other servicers of
+    :func:`register`)."""
 
     def __init__(self, recall: Callable[[RecallQuery], RecallOutcome], vectors: VectorStore,
-                 bank_exists: Callable[[str], bool]):
+                 bank_exists: Callable[[str], bool], graph: GraphStore | None = None):
         self.recall, self.vectors, self.bank_exists = recall, vectors, bank_exists
+        self.graph = graph
 
     def _bank(self, name: str, field: str = "parent") -> str:
         bank_id = bank_id_of(name, field)
@@ -118,9 +125,86 @@ class ObservationServicer(observations_pb2_grpc.ObservationServiceServicer):
                                                                 observation_id))
 
 
+def entity_to_api(bank_id: str, e) -> entities_pb2.Entity:
+    """An :class:`mneme.domain.EntityInfo` → Entity (memories and neighbours as names)."""
+    return entities_pb2.Entity(
+        name=entity_name(bank_id, e.id), id=e.id, display_name=e.name, kind=e.label,
+        aliases=list(e.aliases), mention_count=e.mentions,
+        memories=[memory_name(bank_id, u) for u in e.units],
+        neighbours=[entities_pb2.EntityNeighbour(entity=entity_name(bank_id, i), display_name=n,
+                                                 kind=k, shared_memories=c)
+                    for i, n, k, c in e.neighbours])
+
+
+class EntityServicer(entities_pb2_grpc.EntityServiceServicer):
+    """Entity reads from the graph store (:mod:`services.search.reads`)."""
+
+    def __init__(self, recall_servicer: RecallServicer):
+        self.rs = recall_servicer
+
+    @translate_errors
+    def ListEntities(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        found, token = reads.list_entities(self.rs.graph, bank_id, request.page_size,
+                                           request.page_token)
+        return entities_pb2.ListEntitiesResponse(
+            entities=[entity_to_api(bank_id, e) for e in found], next_page_token=token)
+
+    @translate_errors
+    def GetEntity(self, request, context):
+        bank_id, entity_id = entity_of(request.name)
+        self.rs._bank(f"banks/{bank_id}", "name")
+        return entity_to_api(bank_id, reads.get_entity(self.rs.graph, bank_id, entity_id))
+
+
+class DocumentServicer(documents_pb2_grpc.DocumentServiceServicer):
+    """Document and tag reads from the vector store (:mod:`services.search.reads`)."""
+
+    def __init__(self, recall_servicer: RecallServicer):
+        self.rs = recall_servicer
+
+    @translate_errors
+    def ListDocuments(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        docs, token = reads.list_documents(self.rs.vectors, bank_id, request.page_size,
+                                           request.page_token)
+        return documents_pb2.ListDocumentsResponse(documents=[
+            documents_pb2.Document(name=document_name(bank_id, d), document_id=d, memory_count=n)
+            for d, n in docs], next_page_token=token)
+
+    @translate_errors
+    def GetDocument(self, request, context):
+        bank_id_of(request.parent)  # a malformed name or an empty id before NOT_FOUND
+        if not request.document_id:
+            raise InvalidArgument("document_id", "required")
+        bank_id = self.rs._bank(request.parent)
+        facts = reads.get_document(self.rs.vectors, bank_id, request.document_id)
+        times = [f.mentioned_at for f in facts if f.mentioned_at]
+        doc = documents_pb2.Document(
+            name=document_name(bank_id, request.document_id), document_id=request.document_id,
+            memory_count=len(facts), memories=[apiconv.memory_to_api(f) for f in facts],
+            chunk_ids=list(dict.fromkeys(f.chunk_id for f in facts if f.chunk_id)))
+        if times:
+            doc.update_time.CopyFrom(dt_to_ts(max(times)))
+        return doc
+
+    @translate_errors
+    def ListTags(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        tags, token = reads.list_tags(self.rs.vectors, bank_id, request.page_size,
+                                      request.page_token)
+        return documents_pb2.ListTagsResponse(
+            tags=[documents_pb2.Tag(tag=t, memory_count=n) for t, n in tags],
+            next_page_token=token)
+
+
 def register(server, servicer: RecallServicer) -> list[str]:
     recall_pb2_grpc.add_RecallServiceServicer_to_server(servicer, server)
     observations_pb2_grpc.add_ObservationServiceServicer_to_server(
         ObservationServicer(servicer), server)
+    entities_pb2_grpc.add_EntityServiceServicer_to_server(EntityServicer(servicer), server)
+    documents_pb2_grpc.add_DocumentServiceServicer_to_server(DocumentServicer(servicer), server)
     return [recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name,
-            observations_pb2.DESCRIPTOR.services_by_name["ObservationService"].full_name]
+            observations_pb2.DESCRIPTOR.services_by_name["ObservationService"].full_name,
+            entities_pb2.DESCRIPTOR.services_by_name["EntityService"].full_name,
+            documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name]

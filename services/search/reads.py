@@ -1,13 +1,21 @@
-"""search's read API: get and list memories (from the vector store's payloads)."""
+"""search's read API: memories, documents and tags (from the vector store's payloads and
+its keyword indexes), entities (from the graph)."""
 
 from __future__ import annotations
 
 from mneme import paging
-from mneme.domain import Fact, Filters
+from mneme.domain import EXPERIENCE, WORLD, EntityInfo, Fact, Filters
 from mneme.errors import InvalidArgument, NotFound
-from mneme.ports import VectorStore
+from mneme.ports import GraphStore, VectorStore
 
 MAX_PAGE = 1000
+#: Most distinct documents (or tags) of one bank the lists page through: they are counted
+#: by the store at each call, then paged in value order.
+MAX_VALUES = 100_000
+#: Most memories GetDocument returns.
+DOCUMENT_MEMORIES = 1000
+#: Facts, not observations: what the document and tag counts count.
+FACT_TYPES = (WORLD, EXPERIENCE)
 
 
 def get_memory(vectors: VectorStore, bank_id: str, memory_id: str) -> Fact:
@@ -33,3 +41,72 @@ def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token
         # a well-formed token the store did not issue
         raise InvalidArgument("page_token", "not a token this API returned") from None
     return facts, paging.encode_token(kind, nxt) if nxt else ""
+
+
+def _page_of_values(pairs: list[tuple[str, int]], page_size: int, page_token: str,
+                    kind: str) -> tuple[list[tuple[str, int]], str]:
+    """One page of (value, count) pairs in value order after the token's value."""
+    size = paging.page_size(page_size, maximum=MAX_PAGE)
+    after = paging.decode_token(page_token, kind)
+    rest = sorted(p for p in pairs if after is None or p[0] > after)
+    page = rest[:size]
+    return page, paging.encode_token(kind, page[-1][0]) if len(rest) > size else ""
+
+
+def list_documents(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
+                   ) -> tuple[list[tuple[str, int]], str]:
+    """One page of the bank's documents as (document id, facts extracted from it) in
+    document id order, and the next page token ('' at the end). ``page_size`` 0 means
+    100, at most 1000; InvalidArgument for a token this list did not issue."""
+    return _page_of_values(vectors.facet(bank_id, "document_id", MAX_VALUES,
+                                         Filters(types=FACT_TYPES)),
+                           page_size, page_token, f"documents:{bank_id}")
+
+
+def get_document(vectors: VectorStore, bank_id: str, document_id: str) -> list[Fact]:
+    """The facts of ``document_id`` in item order (at most :data:`DOCUMENT_MEMORIES`);
+    NotFound when it has none, InvalidArgument naming ``document_id`` when empty."""
+    if not document_id:
+        raise InvalidArgument("document_id", "required")
+    filters = Filters(types=FACT_TYPES, document_id=document_id)
+    facts: list[Fact] = []
+    after = None
+    while len(facts) < DOCUMENT_MEMORIES:
+        page, after = vectors.scroll(bank_id, min(MAX_PAGE, DOCUMENT_MEMORIES - len(facts)),
+                                     after, filters)
+        facts.extend(page)
+        if after is None:
+            break
+    if not facts:
+        raise NotFound(f"document {document_id!r} not found in bank {bank_id!r}")
+    return sorted(facts, key=lambda f: (f.item_index, f.chunk_id, f.id))
+
+
+def list_tags(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
+              ) -> tuple[list[tuple[str, int]], str]:
+    """One page of the tags on the bank's facts as (tag, facts carrying it) in tag
+    order, and the next page token ('' at the end); sizes and errors as
+    :func:`list_documents`."""
+    return _page_of_values(vectors.facet(bank_id, "tags", MAX_VALUES, Filters(types=FACT_TYPES)),
+                           page_size, page_token, f"tags:{bank_id}")
+
+
+def list_entities(graph: GraphStore, bank_id: str, page_size: int, page_token: str
+                  ) -> tuple[list[EntityInfo], str]:
+    """One page of the bank's entities in id order (with mention counts) and the next
+    page token ('' at the end); sizes and errors as :func:`list_documents`."""
+    size = paging.page_size(page_size, maximum=MAX_PAGE)
+    kind = f"entities:{bank_id}"
+    after = paging.decode_token(page_token, kind)
+    got = graph.entities(bank_id, size + 1, after or "")
+    page = got[:size]
+    return page, paging.encode_token(kind, page[-1].id) if len(got) > size else ""
+
+
+def get_entity(graph: GraphStore, bank_id: str, entity_id: str) -> EntityInfo:
+    """The entity with its (at most 100) most recent units and 20 most co-mentioned
+    neighbours; NotFound when the bank has no such entity."""
+    got = graph.entity(bank_id, entity_id, units=100, neighbours=20)
+    if got is None:
+        raise NotFound(f"entity {entity_id!r} not found in bank {bank_id!r}")
+    return got

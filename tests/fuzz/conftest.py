@@ -27,7 +27,8 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc,
+from mneme.v1 import (banks_pb2, banks_pb2_grpc, documents_pb2_grpc, entities_pb2_grpc,
+                      memory_pb2, memory_pb2_grpc,
                       observations_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
                       recall_pb2_grpc, reflect_pb2_grpc, resources_pb2)
 from tests.e2e.server import Server
@@ -75,6 +76,11 @@ RPCS = {
     "ListObservations": (observations_pb2_grpc.ObservationServiceStub, False),
     "ListObservationScopes": (observations_pb2_grpc.ObservationServiceStub, False),
     "GetObservation": (observations_pb2_grpc.ObservationServiceStub, False),
+    "ListEntities": (entities_pb2_grpc.EntityServiceStub, False),
+    "GetEntity": (entities_pb2_grpc.EntityServiceStub, False),
+    "ListDocuments": (documents_pb2_grpc.DocumentServiceStub, False),
+    "GetDocument": (documents_pb2_grpc.DocumentServiceStub, False),
+    "ListTags": (documents_pb2_grpc.DocumentServiceStub, False),
 }
 
 REPORTS: list[str] = []  # printed by pytest_terminal_summary
@@ -604,6 +610,8 @@ class Harness:
             self.seen[f"memory:{case.bank}"] += [m.id for m in resp.memories]
         if case.rpc == "ListObservations":
             self.seen[f"observation:{case.bank}"] += [o.id for o in resp.observations]
+        if case.rpc == "ListEntities":
+            self.seen[f"entity:{case.bank}"] += [e.id for e in resp.entities]
         for k in list(self.seen):
             del self.seen[k][:-200]  # keep the pools small
 

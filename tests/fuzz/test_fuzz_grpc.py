@@ -33,8 +33,8 @@ from google.protobuf import field_mask_pb2, struct_pb2, timestamp_pb2
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
-from mneme.v1 import (banks_pb2, memory_pb2, observations_pb2, operations_pb2, recall_pb2,
-                      reflect_pb2, resources_pb2)
+from mneme.v1 import (banks_pb2, documents_pb2, entities_pb2, memory_pb2, observations_pb2,
+                      operations_pb2, recall_pb2, reflect_pb2, resources_pb2)
 from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
 
 MIN_S, MAX_S = -62135596800, 253402300799  # 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
@@ -375,7 +375,8 @@ def reflect_case(draw):
 @st.composite
 def list_case(draw):
     rpc = draw(st.sampled_from(["ListBanks", "ListOperations", "ListMemories", "ListMemories",
-                                "ListObservations", "ListObservationScopes"]))
+                                "ListObservations", "ListObservationScopes", "ListEntities",
+                                "ListDocuments", "ListTags"]))
     token, ref, why_token = draw(page_token())
     size = draw(page_size())
     bank, why_name = None, ""
@@ -397,6 +398,12 @@ def list_case(draw):
             if draw(st.booleans()):
                 req.scope.extend(draw(st.lists(noise(8), max_size=3)))
                 req.has_scope = draw(st.booleans())
+        elif rpc == "ListEntities":
+            req = entities_pb2.ListEntitiesRequest(parent=name, page_size=size, page_token=token)
+        elif rpc == "ListDocuments":
+            req = documents_pb2.ListDocumentsRequest(parent=name, page_size=size, page_token=token)
+        elif rpc == "ListTags":
+            req = documents_pb2.ListTagsRequest(parent=name, page_size=size, page_token=token)
         else:
             req = observations_pb2.ListObservationScopesRequest(parent=name, page_size=size,
                                                                 page_token=token)
@@ -407,7 +414,7 @@ def list_case(draw):
 @st.composite
 def get_case(draw):
     rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetMemory", "GetMemory",
-                                "GetObservation", "GetOperation"]))
+                                "GetObservation", "GetOperation", "GetEntity", "GetDocument"]))
     ref = None
     if rpc in ("GetBank", "GetBankStats"):
         name, bank, why = draw(bank_name())
@@ -418,6 +425,15 @@ def get_case(draw):
     elif rpc == "GetObservation":
         name, ref, bank, why = draw(child_name("observations", "observation"))
         req = observations_pb2.GetObservationRequest(name=name)
+    elif rpc == "GetEntity":
+        name, ref, bank, why = draw(child_name("entities", "entity"))
+        req = entities_pb2.GetEntityRequest(name=name)
+    elif rpc == "GetDocument":
+        name, bank, why = draw(bank_name())
+        doc = draw(document_id())
+        if not doc and not why:
+            why = "document_id: empty"
+        req = documents_pb2.GetDocumentRequest(parent=name, document_id=doc)
     else:
         bank = None
         mode = draw(st.sampled_from(["seen", "seen", "random", "bad"]))

@@ -97,7 +97,7 @@ class ServiceProcess:
 
     def bind(self) -> int:
         """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
-        self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors",
+        self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors", "graph",
                                                            "exists", "reflect", "reflect_stream",
                                                            "replay")}
         self._guard = grpc_server.guard(self.settings)
@@ -109,7 +109,7 @@ class ServiceProcess:
         elif self.name == "search":
             from services.search import grpc_api
             self._names = grpc_api.register(server, grpc_api.RecallServicer(
-                p["recall"], p["vectors"], p["exists"])) + generations_api.register(
+                p["recall"], p["vectors"], p["exists"], p["graph"])) + generations_api.register(
                 server, generations_api.GenerationServicer(p["replay"]))
         elif self.name == "consolidation":  # replays of its observation projection
             self._names = generations_api.register(
@@ -164,6 +164,7 @@ class ServiceProcess:
         if "recall" in api:
             p["recall"].set(api["recall"])
             p["vectors"].set(root.stores.vectors)
+            p["graph"].set(root.stores.graph)
             p["exists"].set(api["bank_exists"])
             p["replay"].set(api["replay"] if root.local_stores else _SharedStores())
         elif "replay" in api:  # consolidation: its own projection's generations

@@ -1,0 +1,152 @@
+"""Entities, documents and tags (EntityService, DocumentService) through a real ``mneme up``
+and the CLI groups ``mneme entities``, ``mneme documents`` and ``mneme tags``. Every count
+and list is checked against what ListMemories / GetMemory say of the same bank."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import datetime, timezone
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from mneme import locomo
+from mneme.cli import app
+from mneme.client import field_violations
+from tests.e2e.server import Server, conversation_file
+
+BANK = "browse"
+# a fixed set of items: documents with several items, tags on some, one item without a
+# document id (its memories belong to no document)
+ITEMS = [
+    {"content": "Alice moved to Lisbon in May 2023. She works at Acme as a designer.",
+     "document_id": "notes/alice", "tags": ["people", "work"]},
+    {"content": "Alice and Bob hiked in Sintra with their dog Rex last weekend.",
+     "document_id": "notes/alice", "tags": ["people", "trips"]},
+    {"content": "Bob plays the cello in the Lisbon city orchestra.",
+     "document_id": "notes/bob", "tags": ["people"]},
+    {"content": "The quarterly report for Acme is due on 3 June 2024.",
+     "document_id": "report-q2", "tags": ["work"]},
+    {"content": "Carol visited Porto and met Bob at a jazz concert.", "tags": []},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("browse") / "data").start()
+    with s.client() as m:
+        m.upsert_bank(BANK)
+        at = datetime(2024, 5, 1, tzinfo=timezone.utc)
+        r = m.retain(BANK, [{**i, "timestamp": at} for i in ITEMS])
+        assert r.operation.state == 3, r.operation  # SUCCEEDED
+        conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26")
+        m.upsert_bank("conv")
+        r = m.retain("conv", locomo.sessions(conv)[0].items)
+        assert r.operation.state == 3, r.operation
+    yield s
+    s.stop()
+
+
+def cli(server, *args) -> str:
+    out = CliRunner().invoke(app, [*args, "-a", server.address])
+    assert out.exit_code == 0, out.output
+    return out.stdout
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_tags_count_the_memories_carrying_them(server):
+    with server.client() as m:
+        memories = list(m.list_memories(BANK))
+        want = Counter(t for mem in memories for t in mem.tags)
+        got = {t.tag: t.memory_count for t in m.list_tags(BANK)}
+        assert got == dict(want) and set(got) == {"people", "work", "trips"}
+        assert [t.tag for t in m.list_tags(BANK, page_size=1)] == sorted(want)  # paged
+        err = refused(lambda: m.documents.ListTags(
+            __import__("mneme.v1.documents_pb2", fromlist=["x"]).ListTagsRequest(
+                parent=f"banks/{BANK}", page_token="bogus")))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in field_violations(err)] == ["page_token"]
+        assert refused(lambda: list(m.list_tags("nope"))).code() == grpc.StatusCode.NOT_FOUND
+    listed = json.loads(cli(server, "tags", "list", BANK, "--json"))
+    assert {t["tag"]: t["memory_count"] for t in listed} == dict(want)
+    assert "people" in cli(server, "tags", "list", BANK)
+
+
+def test_documents_list_their_memories_and_go_with_delete_document(server):
+    with server.client() as m:
+        memories = list(m.list_memories(BANK))
+        want = Counter(mem.document_id for mem in memories if mem.document_id)
+        docs = list(m.list_documents(BANK))
+        assert {d.document_id: d.memory_count for d in docs} == dict(want)
+        assert [d.document_id for d in docs] == sorted(want) == ["notes/alice", "notes/bob",
+                                                               "report-q2"]
+        assert docs[0].name == f"banks/{BANK}/documents/notes/alice"
+        doc = m.get_document(BANK, "notes/alice")
+        assert sorted(x.id for x in doc.memories) == sorted(
+            x.id for x in m.list_memories(BANK, document_id="notes/alice"))
+        assert doc.memory_count == len(doc.memories) == want["notes/alice"]
+        assert doc.update_time.ToDatetime(timezone.utc) == datetime(2024, 5, 1, tzinfo=timezone.utc)
+        err = refused(lambda: m.get_document(BANK, "no-such-doc"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        err = refused(lambda: m.get_document(BANK, ""))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in field_violations(err)] == ["document_id"]
+
+    got = json.loads(cli(server, "documents", "get", BANK, "notes/bob", "--json"))
+    assert got["document_id"] == "notes/bob" and got["memory_count"] == want["notes/bob"]
+    assert got["update_time"] == "2024-05-01T00:00:00Z"  # ISO time, not epoch seconds
+    assert {mem["id"] for mem in got["memories"]} == {
+        mem.id for mem in memories if mem.document_id == "notes/bob"}
+    assert "report-q2" in cli(server, "documents", "list", BANK)
+    out = CliRunner().invoke(app, ["documents", "get", BANK, "nope", "-a", server.address])
+    assert out.exit_code == 2 and "NOT_FOUND" in out.output
+
+    with server.client() as m:
+        op = m.delete_document(BANK, "report-q2")
+        assert op.state == 3, op
+        assert [d.document_id for d in m.list_documents(BANK)] == ["notes/alice", "notes/bob"]
+        assert refused(lambda: m.get_document(BANK, "report-q2")).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_entities_agree_with_the_memories_that_mention_them(server):
+    with server.client() as m:
+        memories = list(m.list_memories("conv"))
+        mentioned = Counter(e.id for mem in memories for e in mem.entities)
+        entities = list(m.list_entities("conv"))
+        assert [e.id for e in entities] == sorted(e.id for e in entities)
+        assert [e.id for e in m.list_entities("conv", page_size=3)] == [e.id for e in entities]
+        assert {e.id: e.mention_count for e in entities} == dict(mentioned)
+        caroline = next(e for e in entities if e.display_name == "Caroline")
+        assert caroline.kind == "PERSON" and "caroline" in caroline.aliases
+
+        got = m.get_entity("conv", caroline.id)
+        assert got.mention_count == mentioned[caroline.id] == len(got.memories)
+        with_her = {mem.id: mem for mem in memories if caroline.id in {e.id for e in mem.entities}}
+        assert {n.rsplit("/", 1)[-1] for n in got.memories} == set(with_her)
+        shared = Counter(e.id for mem in with_her.values() for e in mem.entities
+                         if e.id != caroline.id)
+        assert got.neighbours and all(
+            n.shared_memories == shared[n.entity.rsplit("/", 1)[-1]] for n in got.neighbours)
+        assert [n.shared_memories for n in got.neighbours] == sorted(
+            (n.shared_memories for n in got.neighbours), reverse=True)
+
+        err = refused(lambda: m.get_entity("conv", "not-a-uuid"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [f for f, _ in field_violations(err)] == ["name"]
+        err = refused(lambda: m.get_entity("conv", "00000000-0000-0000-0000-000000000000"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+
+    listed = json.loads(cli(server, "entities", "list", "conv", "--json"))
+    assert {e["id"]: e.get("mention_count", 0) for e in listed} == dict(mentioned)
+    one = json.loads(cli(server, "entities", "get", "conv", caroline.id, "--json"))
+    assert one["display_name"] == "Caroline" and len(one["memories"]) == len(with_her)
+    assert caroline.id in cli(server, "entities", "list", "conv", "--limit", "1000")  # full ids
+    two = cli(server, "entities", "list", "conv", "--limit", "2")
+    assert entities[0].id in two and entities[1].id in two and entities[2].id not in two
