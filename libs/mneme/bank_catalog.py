@@ -2,13 +2,13 @@
 
 ingest (banks and operations), and in the distributed topology search, extraction and
 consolidation (each its own copy, so it knows a bank's config and existence without
-asking ingest) apply the same two events the same way: :data:`ROUTES`.
+asking ingest) apply the same events the same way: :data:`ROUTES` (banks and their directives).
 """
 
 from __future__ import annotations
 
 from mneme.bus import codec
-from mneme.domain import EventMeta
+from mneme.domain import Directive, EventMeta
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog
 
@@ -31,5 +31,22 @@ def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog | No
     return []
 
 
+def on_directive_changed(m: ev.DirectiveChanged, meta: EventMeta, *,
+                         catalog: Catalog | None = None):
+    """A directive created, changed (the fields of ``update_mask``) or deleted, into
+    ``catalog`` at the event's time. Idempotent; produces nothing."""
+    if catalog is None:
+        return []
+    if m.deleted:
+        catalog.delete_directive(m.bank_id, m.id)
+    else:
+        catalog.upsert_directive(Directive(
+            id=m.id, bank_id=m.bank_id, title=m.title, text=m.text, priority=m.priority,
+            active=m.active, tags=tuple(m.tags), updated_at=meta.time.timestamp()),
+            mask=tuple(m.update_mask))
+    return []
+
+
 #: The bank projection's routes, for a group reading ``mneme.intake.v1``.
-ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted}
+ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted,
+          ev.DirectiveChanged: on_directive_changed}

@@ -286,6 +286,8 @@ def _restorers(root: Root, name: str, **deps) -> dict[str, Router]:
             for g in services()[name].groups if g.restore}
 
 
+#: Most directives of a bank reflect reads (the highest priorities of them apply).
+MAX_DIRECTIVES_READ = 1_000
 #: Seconds a read waits for this replica's own copies to catch up (then it serves them).
 CATCH_UP_S = 5.0
 
@@ -446,8 +448,13 @@ def build_reflect(root: Root, recall: Callable | None = None,
                              tokens=default_token_counter(),
                              **({"observations": observation_search(recall)} if bank_exists else {}))
 
+    def directives(bank_id: str):
+        return root.catalog.list_directives(bank_id, MAX_DIRECTIVES_READ)
+    # In process (embedded) reflect reads the bank's directives from the catalog; the
+    # distributed one keeps no catalog yet, so it applies none (README "Directives").
     reflector = Reflector(agent, recall, lambda msg: event_log.append(
-        [codec.encode(msg, bank_id=msg.bank_id, source=source)]))
+        [codec.encode(msg, bank_id=msg.bank_id, source=source)]),
+        directives=directives if bank_exists else None)
     servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)
     return ServiceParts("reflect", {}, lambda server: grpc_api.register(server, servicer),
                         {"reflect": reflector.reflect, "reflect_stream": reflector.stream}, checks)

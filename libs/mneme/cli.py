@@ -342,17 +342,24 @@ def print_recall(r, limit: int | None = None) -> None:
 def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
             at: Optional[datetime] = typer.Option(None, "--at", help="when the question is "
                                                   "asked, for relative questions (ISO 8601)"),
-            address: str = AddressOpt):
+            tag: List[str] = typer.Option([], "--tag", help="scope: the directives with "
+                                          "one of these tags apply too"),
+            as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Answer QUERY by reasoning over BANK (extractive without a language model)."""
     from mneme.client import BUDGETS
     _choice("--budget", budget, BUDGETS)
     with _client(address) as m:
         try:
-            r = m.reflect(bank, query, context=context, budget=budget, query_timestamp=_aware(at))
+            r = m.reflect(bank, query, context=context, budget=budget, query_timestamp=_aware(at),
+                          tags=tag)
         except grpc.RpcError as e:
             _fail(e)
+    if as_json:
+        return _print_json(r)
     print(r.text)
     print(f"based on: {', '.join(r.based_on)}")
+    if r.sources.directives:
+        print(f"directives followed: {', '.join(r.sources.directives)}")
 
 
 @app.command("import-locomo")
@@ -640,6 +647,97 @@ def _listed(pages, limit: int) -> list:
     except grpc.RpcError as e:
         _fail(e)
     return out
+
+
+directives_app = typer.Typer(help="Directives: hard rules reflect follows in a bank.",
+                              no_args_is_help=True)
+app.add_typer(directives_app, name="directives")
+
+
+def _print_directive(d) -> None:
+    state = "active" if d.active else "inactive"
+    scope = f"tags {', '.join(d.tags)}" if d.tags else "every reflect"
+    print(f"{d.id}  ({state}, priority {d.priority}, {scope})  {d.title}\n  {d.text}")
+
+
+@directives_app.command("create")
+def directives_create(bank: str, text: str = typer.Argument(..., help="the rule, e.g. 'Answer in German.'"),
+                      title: str = typer.Option("", help="a short label"),
+                      priority: int = typer.Option(0, help="higher first when several apply"),
+                      inactive: bool = typer.Option(False, "--inactive", help="keep it but do not apply it"),
+                      tag: List[str] = typer.Option([], "--tag", help="scope: applies to reflects with one of these tags"),
+                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Create a directive in BANK."""
+    with _client(address) as m:
+        try:
+            d = m.create_directive(bank, text, title=title, priority=priority,
+                                   active=not inactive, tags=tag)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(d) if as_json else _print_directive(d)
+
+
+@directives_app.command("list")
+def directives_list(bank: str, as_json: bool = typer.Option(False, "--json"),
+                    address: str = AddressOpt):
+    """List BANK's directives in id order."""
+    with _client(address) as m:
+        found = _listed(m.list_directives(bank), 0)
+    if as_json:
+        return _print_json(found)
+    t = _table("directive", "priority", "active", "tags", "title", "text", ids=("directive",))
+    for d in found:
+        t.add_row(d.id, str(d.priority), "yes" if d.active else "no", ", ".join(d.tags), d.title, d.text)
+    Console().print(t)
+
+
+@directives_app.command("get")
+def directives_get(bank: str, directive_id: str, as_json: bool = typer.Option(False, "--json"),
+                   address: str = AddressOpt):
+    """Show one directive."""
+    with _client(address) as m:
+        try:
+            d = m.get_directive(bank, directive_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(d) if as_json else _print_directive(d)
+
+
+@directives_app.command("update")
+def directives_update(bank: str, directive_id: str,
+                      text: Optional[str] = typer.Option(None, help="new rule text"),
+                      title: Optional[str] = typer.Option(None),
+                      priority: Optional[int] = typer.Option(None),
+                      active: Optional[bool] = typer.Option(None, "--active/--inactive"),
+                      tag: Optional[List[str]] = typer.Option(None, "--tag", help="replaces the tags"),
+                      clear_tags: bool = typer.Option(False, "--clear-tags", help="remove every tag"),
+                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Change only the given fields of a directive."""
+    fields = {k: v for k, v in (("text", text), ("title", title), ("priority", priority),
+                                ("active", active)) if v is not None}
+    if tag or clear_tags:
+        fields["tags"] = [] if clear_tags else tag
+    if not fields:
+        console.print("[red]nothing to change[/red]: give --text, --title, --priority, "
+                      "--active/--inactive, --tag or --clear-tags")
+        raise typer.Exit(2)
+    with _client(address) as m:
+        try:
+            d = m.update_directive(bank, directive_id, **fields)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(d) if as_json else _print_directive(d)
+
+
+@directives_app.command("delete")
+def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
+    """Delete a directive."""
+    with _client(address) as m:
+        try:
+            m.delete_directive(bank, directive_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"deleted directive {directive_id}")
 
 
 entities_app = typer.Typer(help="The entities a bank's memories mention.", no_args_is_help=True)

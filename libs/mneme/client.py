@@ -23,6 +23,7 @@ from google.rpc import error_details_pb2
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
 from mneme.v1 import documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc
+from mneme.v1 import directives_pb2, directives_pb2_grpc
 from mneme.v1 import keys_pb2, keys_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
@@ -137,6 +138,7 @@ class MnemeClient:
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
         self.entities = entities_pb2_grpc.EntityServiceStub(self.channel)
+        self.directives = directives_pb2_grpc.DirectiveServiceStub(self.channel)
         self.documents = documents_pb2_grpc.DocumentServiceStub(self.channel)
         self.generations = generations_pb2_grpc.GenerationServiceStub(self.channel)
         self.key_service = keys_pb2_grpc.KeyServiceStub(self.channel)
@@ -290,6 +292,47 @@ class MnemeClient:
             if not token:
                 return
 
+    # directives
+    def create_directive(self, bank_id: str, text: str, *, title: str = "", priority: int = 0,
+                         active: bool = True, tags: Iterable[str] = ()) -> directives_pb2.Directive:
+        """Create a directive (a rule reflect follows) in the bank; returns it with its id."""
+        return self.directives.CreateDirective(directives_pb2.CreateDirectiveRequest(
+            parent=f"banks/{bank_id}", directive=directives_pb2.Directive(
+                text=text, title=title, priority=priority, active=active, tags=list(tags))),
+            timeout=self.timeout)
+
+    def get_directive(self, bank_id: str, directive_id: str) -> directives_pb2.Directive:
+        return self.directives.GetDirective(directives_pb2.GetDirectiveRequest(
+            name=f"banks/{bank_id}/directives/{directive_id}"), timeout=self.timeout)
+
+    def list_directives(self, bank_id: str, page_size: int = 500):
+        """Yield every directive of the bank in id order (all pages)."""
+        token = ""
+        while True:
+            r = self.directives.ListDirectives(directives_pb2.ListDirectivesRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
+                timeout=self.timeout)
+            yield from r.directives
+            token = r.next_page_token
+            if not token:
+                return
+
+    def update_directive(self, bank_id: str, directive_id: str, **fields) -> directives_pb2.Directive:
+        """Change exactly the given fields (title, text, priority, active, tags)."""
+        d = directives_pb2.Directive(name=f"banks/{bank_id}/directives/{directive_id}")
+        for k, v in fields.items():
+            if k == "tags":
+                d.tags.extend(v)
+            else:
+                setattr(d, k, v)
+        req = directives_pb2.UpdateDirectiveRequest(directive=d)
+        req.update_mask.paths.extend(fields)
+        return self.directives.UpdateDirective(req, timeout=self.timeout)
+
+    def delete_directive(self, bank_id: str, directive_id: str) -> None:
+        self.directives.DeleteDirective(directives_pb2.DeleteDirectiveRequest(
+            name=f"banks/{bank_id}/directives/{directive_id}"), timeout=self.timeout)
+
     # entities, documents, tags
     def list_entities(self, bank_id: str, page_size: int = 500):
         """Yield every entity of the bank in id order (all pages), with mention counts."""
@@ -386,10 +429,10 @@ class MnemeClient:
             name=f"banks/{bank_id}/observations/{observation_id}"), timeout=self.timeout)
 
     def _reflect_request(self, bank_id, query, context, budget, response_schema,
-                         query_timestamp=None):
+                         query_timestamp=None, tags: Iterable[str] = ()):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
                                          context=context, budget=BUDGETS[budget],
-                                         query_timestamp=dt_to_ts(query_timestamp))
+                                         query_timestamp=dt_to_ts(query_timestamp), tags=list(tags))
         if response_schema is not None:
             from google.protobuf import json_format
             json_format.ParseDict(response_schema, req.response_schema)
@@ -397,20 +440,22 @@ class MnemeClient:
 
     def reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                 response_schema: dict | None = None,
-                query_timestamp: datetime | None = None) -> reflect_pb2.ReflectResponse:
+                query_timestamp: datetime | None = None,
+                tags: Iterable[str] = ()) -> reflect_pb2.ReflectResponse:
         """Answer ``query`` from the bank; ``response_schema`` (a JSON schema dict) asks
         for structured output as well (needs a reflect model on the server);
-        ``query_timestamp`` is "now" for relative questions (default: the server's clock)."""
+        ``query_timestamp`` is "now" for relative questions (default: the server's clock);
+        ``tags`` the scope (the bank's directives with one of them apply too)."""
         return self.reflect_stub.Reflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp),
+            bank_id, query, context, budget, response_schema, query_timestamp, tags),
             timeout=self.timeout)
 
     def stream_reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                        response_schema: dict | None = None,
-                       query_timestamp: datetime | None = None):
+                       query_timestamp: datetime | None = None, tags: Iterable[str] = ()):
         """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response."""
         yield from self.reflect_stub.StreamReflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp),
+            bank_id, query, context, budget, response_schema, query_timestamp, tags),
             timeout=self.timeout)
 
     # the history (external consumers of the log)

@@ -10,6 +10,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Sequence
 
 #: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
 MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
@@ -102,6 +103,32 @@ class Bank:
     created_at: datetime | None = None
     updated_at: datetime | None = None
     incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class Directive:
+    """A hard rule reflect follows in a bank: ``text`` ("Answer in German."), a short
+    ``title``, ``priority`` (higher first when several apply), ``active`` (inactive ones
+    are kept but not applied) and ``tags``: untagged, it applies to every reflect of the
+    bank; tagged, to reflects whose tags share one with it. Times are epoch seconds."""
+
+    id: str
+    bank_id: str
+    text: str
+    title: str = ""
+    priority: int = 0
+    active: bool = True
+    tags: tuple[str, ...] = ()
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def applies_to(self, tags: Sequence[str]) -> bool:
+        """Active, and untagged or sharing a tag with ``tags`` (a reflect's)."""
+        return self.active and (not self.tags or bool(set(self.tags) & set(tags)))
+
+
+#: The fields of a directive an update_mask may name.
+DIRECTIVE_FIELDS = ("title", "text", "priority", "active", "tags")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Resource names (Google API design guide): ``banks/{bank_id}``,
 ``banks/{bank_id}/memories/{memory_id}``, ``banks/{bank_id}/entities/{entity_id}``,
+``banks/{bank_id}/directives/{directive_id}``,
 ``banks/{bank_id}/documents/{document_id}``, ``operations/{operation_id}``."""
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def entity_of(name: str, field: str = "name") -> tuple[str, str]:
     return _bank_child(name, "entities", "entity", field)
 
 
+def directive_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/directives/{directive_id}`` → (bank_id, directive_id)."""
+    return _bank_child(name, "directives", "directive", field)
+
+
 def operation_of(name: str, field: str = "name") -> str:
     """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID)."""
     op = name.split("/", 1)[1] if name.startswith("operations/") else name
@@ -80,6 +86,10 @@ def bank_name(bank_id: str) -> str:
 
 def memory_name(bank_id: str, memory_id: str) -> str:
     return f"banks/{bank_id}/memories/{memory_id}"
+
+
+def directive_name(bank_id: str, directive_id: str) -> str:
+    return f"banks/{bank_id}/directives/{directive_id}"
 
 
 def entity_name(bank_id: str, entity_id: str) -> str:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
-from mneme.domain import (Bank, BankConfig, EntityInfo, EntityRef, Fact, Filters, Hit, Operation,
-                          RetainItem, TimeWindow)
+from mneme.domain import (Bank, BankConfig, Directive, EntityInfo, EntityRef, Fact, Filters, Hit,
+                          Operation, RetainItem, TimeWindow)
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
     from mneme.events.v1 import events_pb2 as ev
@@ -254,8 +254,8 @@ class QueryAnalyzer(Protocol):
 
 
 class Catalog(Protocol):
-    """Banks and operations: the projection of ``mneme.intake.v1`` (bank upserts and
-    deletes, requests) and ``mneme.progress.v1`` (operation progress). Every write is an
+    """Banks, their directives and operations: the projection of ``mneme.intake.v1`` (bank
+    upserts and deletes, directive changes, requests) and ``mneme.progress.v1`` (operation progress). Every write is an
     idempotent upsert, so redelivered and replayed events change nothing. Times are epoch
     seconds (float) on the way in; :class:`~mneme.domain.Bank` carries aware UTC datetimes,
     :class:`~mneme.domain.Operation` epoch seconds. Adapters: ``mneme.stores.catalog_sqlite``
@@ -282,6 +282,22 @@ class Catalog(Protocol):
 
     def list_banks(self, limit: int, after: str = "") -> list[Bank]:
         """Banks with ``bank_id > after``, ordered by id, at most ``limit``."""
+
+    def upsert_directive(self, d: Directive, mask: tuple[str, ...] = ()) -> None:
+        """Create the directive ``d`` (at ``d.updated_at``), or change it: an empty
+        ``mask`` replaces every field, otherwise only those it names
+        (:data:`mneme.domain.DIRECTIVE_FIELDS`) change, and a directive that does not
+        exist stays absent. A change keeps ``created_at``. Ignored for a bank that does
+        not exist (its directives went with it)."""
+
+    def delete_directive(self, bank_id: str, directive_id: str) -> None:
+        """Remove the directive (no-op when unknown). :meth:`delete_bank` removes them all."""
+
+    def get_directive(self, bank_id: str, directive_id: str) -> Directive | None:
+        """The directive, or None."""
+
+    def list_directives(self, bank_id: str, limit: int, after: str = "") -> list[Directive]:
+        """The bank's directives with ``id > after``, ordered by id, at most ``limit``."""
 
     def put_operation(self, op: Operation) -> None:
         """Insert ``op`` if its id is new; a known id keeps what it has (a redelivered

@@ -1,5 +1,5 @@
-"""ingest's gRPC servicers: BankService, MemoryService (writes), OperationService, and
-KeyService (the data keys of the history, for external consumers of the log). They
+"""ingest's gRPC servicers: BankService, DirectiveService, MemoryService (writes),
+OperationService, and KeyService (the data keys of the history, for external consumers of the log). They
 translate messages and call :class:`services.ingest.handlers.Ingest`."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from google.protobuf import empty_pb2
 
 from mneme import apiconv, auth, limits, paging
 from mneme.errors import InvalidArgument
-from mneme.grpc_util import remaining, translate_errors
-from mneme.names import bank_id_of, memory_of, operation_of
+from mneme.grpc_util import dt_to_ts, remaining, translate_errors
+from mneme.domain import Directive, from_epoch
+from mneme.names import bank_id_of, directive_name, directive_of, memory_of, operation_of
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
+from mneme.v1 import directives_pb2, directives_pb2_grpc
 from mneme.v1 import memory_pb2_grpc
 from mneme.v1 import operations_pb2, operations_pb2_grpc
 from services.ingest.handlers import Ingest
@@ -199,13 +201,77 @@ class KeyServicer(keys_pb2_grpc.KeyServiceServicer):
         return resp
 
 
+def directive_to_api(d: Directive) -> directives_pb2.Directive:
+    """A :class:`~mneme.domain.Directive` → Directive (times as Timestamps)."""
+    return directives_pb2.Directive(
+        name=directive_name(d.bank_id, d.id), id=d.id, title=d.title, text=d.text,
+        priority=d.priority, active=d.active, tags=list(d.tags),
+        create_time=dt_to_ts(from_epoch(d.created_at)), update_time=dt_to_ts(from_epoch(d.updated_at)))
+
+
+def _directive_from_api(d: directives_pb2.Directive, bank_id: str, directive_id: str = "") -> Directive:
+    return Directive(id=directive_id, bank_id=bank_id, text=d.text, title=d.title,
+                     priority=d.priority, active=d.active if d.HasField("active") else True,
+                     tags=tuple(d.tags))
+
+
+class DirectiveServicer(directives_pb2_grpc.DirectiveServiceServicer):
+    """Directive CRUD over :class:`services.ingest.handlers.Ingest` (AIP-133..135)."""
+
+    def __init__(self, ingest: Ingest):
+        self.ingest = ingest
+
+    @translate_errors
+    def CreateDirective(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        if not request.HasField("directive"):
+            raise InvalidArgument("directive", "required")
+        d = self.ingest.create_directive(_directive_from_api(request.directive, bank_id),
+                                         timeout=remaining(context, 30.0))
+        return directive_to_api(d)
+
+    @translate_errors
+    def GetDirective(self, request, context):
+        return directive_to_api(self.ingest.require_directive(*directive_of(request.name)))
+
+    @translate_errors
+    def ListDirectives(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        size = paging.page_size(request.page_size)
+        kind = f"directives:{bank_id}"
+        after = paging.decode_token(request.page_token, kind) or ""
+        self.ingest.require_bank(bank_id)
+        found = self.ingest.catalog.list_directives(bank_id, size + 1, after)
+        page = found[:size]
+        return directives_pb2.ListDirectivesResponse(
+            directives=[directive_to_api(d) for d in page],
+            next_page_token=paging.encode_token(kind, page[-1].id) if len(found) > size else "")
+
+    @translate_errors
+    def UpdateDirective(self, request, context):
+        if not request.HasField("directive"):
+            raise InvalidArgument("directive", "required")
+        bank_id, directive_id = directive_of(request.directive.name, "directive.name")
+        d = self.ingest.update_directive(
+            _directive_from_api(request.directive, bank_id, directive_id),
+            list(request.update_mask.paths), timeout=remaining(context, 30.0))
+        return directive_to_api(d)
+
+    @translate_errors
+    def DeleteDirective(self, request, context):
+        self.ingest.delete_directive(*directive_of(request.name), timeout=remaining(context, 30.0))
+        return empty_pb2.Empty()
+
+
 def register(server, ingest: Ingest) -> list[str]:
     """Add ingest's servicers to ``server``; returns their full service names."""
     banks_pb2_grpc.add_BankServiceServicer_to_server(BankServicer(ingest), server)
+    directives_pb2_grpc.add_DirectiveServiceServicer_to_server(DirectiveServicer(ingest), server)
     memory_pb2_grpc.add_MemoryServiceServicer_to_server(MemoryServicer(ingest), server)
     operations_pb2_grpc.add_OperationServiceServicer_to_server(OperationServicer(ingest), server)
     keys_pb2_grpc.add_KeyServiceServicer_to_server(KeyServicer(ingest), server)
     return [banks_pb2.DESCRIPTOR.services_by_name["BankService"].full_name,
+            directives_pb2.DESCRIPTOR.services_by_name["DirectiveService"].full_name,
             memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name,
             operations_pb2.DESCRIPTOR.services_by_name["OperationService"].full_name,
             keys_pb2.DESCRIPTOR.services_by_name["KeyService"].full_name]

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 from mneme import bank_catalog
 from mneme.bus import MEMORY, codec, partition_for
-from mneme.domain import Bank, BankConfig, EventMeta, Operation, RetainItem, derive_id
+from mneme.domain import (DIRECTIVE_FIELDS, Bank, BankConfig, Directive, EventMeta, Operation,
+                          RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
 from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                           NotFound, Unavailable)
@@ -84,6 +85,14 @@ class CatalogChanges:
         self.catalog.delete_bank(bank_id)
         self._wrote()
 
+    def upsert_directive(self, *args, **kwargs) -> None:
+        self.catalog.upsert_directive(*args, **kwargs)
+        self._wrote()
+
+    def delete_directive(self, *args, **kwargs) -> None:
+        self.catalog.delete_directive(*args, **kwargs)
+        self._wrote()
+
     def put_operation(self, op: Operation) -> None:
         self.catalog.put_operation(op)
         self._wrote()
@@ -98,6 +107,29 @@ class CatalogChanges:
 
     def __getattr__(self, name: str):  # the reads (get_*, list_*, close)
         return getattr(self.catalog, name)
+
+
+def _check_directive(d: Directive, fields: Sequence[str]) -> None:
+    if "text" in fields and not d.text.strip():
+        raise InvalidArgument("directive.text", "required: the rule reflect must follow")
+    if "tags" in fields:
+        for i, t in enumerate(d.tags):
+            if not t.strip():
+                raise InvalidArgument(f"directive.tags[{i}]", "must not be empty")
+
+
+def _directive_event(d: Directive, mask: Sequence[str]) -> ev.DirectiveChanged:
+    """The DirectiveChanged of creating ``d`` (empty ``mask``) or of changing its
+    ``mask`` fields (only those are carried)."""
+    fields = mask or DIRECTIVE_FIELDS
+    m = ev.DirectiveChanged(bank_id=d.bank_id, id=d.id, update_mask=list(mask))
+    for f in fields:
+        value = getattr(d, f)
+        if f == "tags":
+            m.tags.extend(dict.fromkeys(value))
+        else:
+            setattr(m, f, value)
+    return m
 
 
 # ---- commands ----------------------------------------------------------------------------
@@ -231,6 +263,57 @@ class Ingest:
                                            update_mask=paths), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_bank(bank_id)
+
+    # ---- directives ----
+
+    def require_directive(self, bank_id: str, directive_id: str) -> Directive:
+        """The directive as projected (the bank's partition caught up first); NotFound
+        for an unknown bank or directive."""
+        self.require_bank(bank_id)
+        d = self.catalog.get_directive(bank_id, directive_id)
+        if d is None:
+            raise NotFound(f"directive {directive_id!r} not found in bank {bank_id!r}")
+        return d
+
+    def create_directive(self, d: Directive, timeout: float | None = None) -> Directive:
+        """Create ``d`` under a new id in its bank; returns it as projected. NotFound for
+        an unknown bank; InvalidArgument (``directive.<field>``) for an empty text or tag."""
+        self.require_bank(d.bank_id, fresh=False)
+        _check_directive(d, DIRECTIVE_FIELDS)
+        d = replace(d, id=str(uuid.uuid4()))
+        rec = self._append(_directive_event(d, ()), d.bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.require_directive(d.bank_id, d.id)
+
+    def update_directive(self, d: Directive, mask: Sequence[str],
+                         timeout: float | None = None) -> Directive:
+        """Change the fields of directive ``d.id`` that ``mask`` names
+        (:data:`~mneme.domain.DIRECTIVE_FIELDS`; empty or "*": all); returns it as
+        projected. NotFound for an unknown bank or directive; InvalidArgument naming
+        ``update_mask.paths[i]`` for an unknown path, ``directive.<field>`` for a bad value."""
+        self.require_directive(d.bank_id, d.id)
+        paths: list[str] = []
+        for i, p in enumerate(mask):
+            if p == "*":
+                paths.extend(DIRECTIVE_FIELDS)
+            elif p in DIRECTIVE_FIELDS:
+                paths.append(p)
+            else:
+                raise InvalidArgument(f"update_mask.paths[{i}]", f"unknown field {p!r}; one of "
+                                      f"{', '.join(DIRECTIVE_FIELDS)} or *")
+        paths = list(dict.fromkeys(paths or DIRECTIVE_FIELDS))
+        _check_directive(d, paths)
+        rec = self._append(_directive_event(d, paths), d.bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.require_directive(d.bank_id, d.id)
+
+    def delete_directive(self, bank_id: str, directive_id: str,
+                         timeout: float | None = None) -> None:
+        """Delete the directive; NotFound for an unknown bank or directive."""
+        self.require_directive(bank_id, directive_id)
+        rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id, deleted=True),
+                           bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
 
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> Operation:
         """Delete a bank; returns once search has purged its units from its stores (the

@@ -18,7 +18,7 @@ SERVICE = Service(
         PROGRESS: {ev.OperationProgress: handlers.on_operation_progress},
     }, replay=True, state="replica"),),  # every replica answers for every bank
     # the write API appends every intake event; the gRPC guard audits refused requests
-    produces={INTAKE: (ev.BankUpserted, ev.BankDeleted, ev.RetainRequested,
+    produces={INTAKE: (ev.BankUpserted, ev.BankDeleted, ev.DirectiveChanged, ev.RetainRequested,
                        ev.DocumentDeleteRequested, ev.MemoryDeleteRequested,
                        ev.ConsolidationRequested),
               AUDIT: (ev.AuditRecorded,)},

@@ -43,7 +43,7 @@ from datetime import datetime
 from typing import Callable, Iterator, Protocol, Sequence
 
 from mneme.deadline import current as current_deadline
-from mneme.domain import BankConfig, Filters, Memory, RecallOutcome, RecallQuery, utc
+from mneme.domain import BankConfig, Directive, Filters, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
 from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
@@ -154,9 +154,11 @@ def _trait(cfg: BankConfig, name: str) -> str:
     return f"- {name} {v}/5: {_TRAITS[name][v]}"
 
 
-def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None) -> str:
+def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
+                  directives: Sequence[Directive] = ()) -> str:
     """The reflect system prompt: role, current time, tool order, citation rules,
-    disposition and (with ``response_schema``) the answer format."""
+    disposition, the bank's ``directives`` in force (in the order given: highest priority
+    first) and (with ``response_schema``) the answer format."""
     now = utc(now)
     parts = [
         "You are the reflection module of a long-term memory system for an AI agent. You "
@@ -177,6 +179,12 @@ def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None) 
         "\"She moved to Berlin in 2021 [m3].\" Cite only references you were given.",
         "Disposition:\n" + "\n".join(_trait(cfg, t) for t in ("skepticism", "literalism", "empathy")),
     ]
+    if directives:
+        parts.append(
+            "Directives of this memory bank: rules you must follow in every answer, above "
+            "the disposition and your own judgement; when two conflict, the earlier one "
+            "wins:\n" + "\n".join(f"{i}. {' '.join(d.text.split())}"
+                                  for i, d in enumerate(directives, 1)))
     if response_schema is not None:
         parts.append(
             "When you answer, reply with only a JSON object {\"answer\": ..., \"memory_ids\": "
@@ -317,11 +325,14 @@ class ReflectAgent:
     # ---- entry points ----------------------------------------------------------------------
 
     def __call__(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
-                 response_schema: dict | None = None) -> AgentReflection:
+                 response_schema: dict | None = None,
+                 directives: Sequence[Directive] = ()) -> AgentReflection:
         """Answer ``query`` (``context``: extra text from the caller; ``budget``:
-        low/mid/high for recall; ``now``: the current time). Raises InvalidArgument for
-        an empty query, LlmError when the model fails and ``fallback_offline`` is off."""
-        for ev in self._run(bank_id, query, context, budget, now, response_schema, live=False):
+        low/mid/high for recall; ``now``: the current time; ``directives``: the rules in
+        force, highest priority first). Raises InvalidArgument for an empty query,
+        LlmError when the model fails and ``fallback_offline`` is off."""
+        for ev in self._run(bank_id, query, context, budget, now, response_schema,
+                            live=False, directives=directives):
             if isinstance(ev, Done):
                 return ev.reflection
         raise RuntimeError("reflect loop ended without an answer")  # unreachable
@@ -329,15 +340,18 @@ class ReflectAgent:
     reflect = __call__
 
     def stream(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
-               response_schema: dict | None = None) -> Iterator[ToolEvent | TextDelta | Done]:
+               response_schema: dict | None = None,
+               directives: Sequence[Directive] = ()) -> Iterator[ToolEvent | TextDelta | Done]:
         """The streaming variant: :class:`ToolEvent` per tool run, :class:`TextDelta` as
         the answer is generated, and last :class:`Done` (whose ``reflection.text`` is the
         concatenation of the deltas of the final turn)."""
-        return self._run(bank_id, query, context, budget, now, response_schema, live=True)
+        return self._run(bank_id, query, context, budget, now, response_schema, live=True,
+                         directives=directives)
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def _run(self, bank_id, query, context, budget, now, response_schema, live: bool):
+    def _run(self, bank_id, query, context, budget, now, response_schema, live: bool,
+             directives: Sequence[Directive] = ()):
         if not query or not query.strip():
             raise InvalidArgument("query", "must not be empty")
         cfg = self.bank_config(bank_id) or BankConfig()
@@ -347,7 +361,8 @@ class ReflectAgent:
         user = f"Question: {query.strip()}"
         if context and context.strip():
             user += f"\n\nContext from the caller: {context.strip()}"
-        messages = [{"role": "system", "content": system_prompt(cfg, now, response_schema)},
+        messages = [{"role": "system", "content": system_prompt(cfg, now, response_schema,
+                                                                directives)},
                     {"role": "user", "content": user}]
         streamed = False
         answer: Completion | None = None
@@ -434,9 +449,11 @@ class ReflectAgent:
             METRICS.add("mneme.reflect.invalid_citations", len(dropped))
             log.info("reflect: dropped %d citation(s) of memories never supplied: %s",
                      len(dropped), dropped)
-        yield Done(AgentReflection(text.strip(), based_on, False, structured=structured, usage=usage,
-                                   tools_called=called, dropped_citations=dropped, iterations=it,
-                                   memories_supplied=len(ctx.by_ref)))
+        kinds = {m.id: m.kind for m in ctx.by_ref.values() if m.id in based_on and m.kind != "fact"}
+        yield Done(AgentReflection(text.strip(), based_on, False, kinds=kinds,
+                                   directives=[d.id for d in directives], structured=structured,
+                                   usage=usage, tools_called=called, dropped_citations=dropped,
+                                   iterations=it, memories_supplied=len(ctx.by_ref)))
 
     def _structured(self, answer: Completion, messages, response_schema, ctx: _Context):
         """(answer value, based_on ids, dropped refs, extra usage) from the final reply,

@@ -17,8 +17,15 @@ from services.reflect.handlers import Reflection
 
 def response_to_api(r: Reflection) -> reflect_pb2.ReflectResponse:
     """A Reflection (offline or agent) → ReflectResponse."""
-    resp = reflect_pb2.ReflectResponse(text=r.text, based_on=r.based_on, extractive=r.extractive,
-                                       dropped_citations=getattr(r, "dropped_citations", []))
+    kinds = r.kinds
+    resp = reflect_pb2.ReflectResponse(
+        text=r.text, based_on=r.based_on, extractive=r.extractive,
+        dropped_citations=getattr(r, "dropped_citations", []),
+        sources=reflect_pb2.ReflectSources(
+            facts=[i for i in r.based_on if i not in kinds],
+            observations=[i for i in r.based_on if kinds.get(i) == "observation"],
+            mental_models=[i for i in r.based_on if kinds.get(i) == "mental_model"],
+            directives=r.directives))
     structured = getattr(r, "structured", None)
     if structured is not None:
         v = struct_pb2.Value()
@@ -28,7 +35,7 @@ def response_to_api(r: Reflection) -> reflect_pb2.ReflectResponse:
 
 
 class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
-    """``reflect(bank_id, query, context, budget, now, response_schema) -> Reflection``;
+    """``reflect(bank_id, query, context, budget, now, response_schema, tags) -> Reflection``;
     ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events."""
 
     def __init__(self, reflect: Callable[..., Reflection], bank_exists: Callable[[str], bool],
@@ -49,8 +56,11 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
             raise InvalidArgument("response_schema", "must be a non-empty JSON schema")
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")
                if request.HasField("query_timestamp") else None)
+        for i, t in enumerate(request.tags):
+            if not t.strip():
+                raise InvalidArgument(f"tags[{i}]", "must not be empty")
         return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
-                now or datetime.now(timezone.utc), schema)
+                now or datetime.now(timezone.utc), schema, tuple(request.tags))
 
     @translate_errors
     def Reflect(self, request, context):

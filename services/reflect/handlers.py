@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
-from mneme.domain import Filters, RecallOutcome, RecallQuery
+from mneme.domain import Directive, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -21,11 +21,16 @@ would could should can will just any some""".split())
 
 @dataclass
 class Reflection:
-    """A reflect answer: ``text``, the memory ids it is based on, ``extractive`` flag."""
+    """A reflect answer: ``text``, the memory ids it is based on, ``extractive`` flag;
+    ``kinds`` maps an id of ``based_on`` to its kind ("mental_model", "observation";
+    absent: a fact); ``directives`` are the ids of the directives the answer was told to
+    follow (none offline: an extractive answer follows no rule)."""
 
     text: str
     based_on: list[str] = field(default_factory=list)
     extractive: bool = True
+    kinds: dict[str, str] = field(default_factory=dict)
+    directives: list[str] = field(default_factory=list)
 
 
 def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: datetime,
@@ -76,31 +81,54 @@ def record_reflection(bank_id: str, query: str, r: Reflection):
     return msg
 
 
+#: Most directives one reflect is told to follow (the highest priorities).
+MAX_DIRECTIVES = 50
+
+
+def directives_in_scope(directives: Iterable[Directive], tags: Sequence[str]) -> list[Directive]:
+    """The active directives that apply to a reflect with ``tags`` (untagged ones always,
+    tagged ones when they share a tag), highest priority first (ties by id), at most
+    :data:`MAX_DIRECTIVES`."""
+    found = [d for d in directives if d.applies_to(tags)]
+    return sorted(found, key=lambda d: (-d.priority, d.id))[:MAX_DIRECTIVES]
+
+
 class Reflector:
     """The Reflect API's two calls over ``agent`` (a reflect model's
     :class:`services.reflect.agent.ReflectAgent`, or None: :func:`reflect_offline` over
-    ``recall``). Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
+    ``recall``). ``directives(bank_id)`` lists the bank's directives (the catalog's; None:
+    none are known here); those in scope of a call's ``tags`` go into the agent's prompt.
+    Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
 
-    def __init__(self, agent, recall: Callable, record: Callable) -> None:
+    def __init__(self, agent, recall: Callable, record: Callable,
+                 directives: Callable[[str], Iterable[Directive]] | None = None) -> None:
         self.agent, self.recall, self.record = agent, recall, record
+        self.directives = directives
 
-    def reflect(self, bank_id, query, context, budget, now, response_schema=None) -> Reflection:
+    def _in_scope(self, bank_id: str, tags: Sequence[str]) -> list[Directive]:
+        return directives_in_scope(self.directives(bank_id), tags) if self.directives else []
+
+    def reflect(self, bank_id, query, context, budget, now, response_schema=None,
+                tags: Sequence[str] = ()) -> Reflection:
         """One answer. InvalidArgument for a ``response_schema`` without a reflect model."""
         if self.agent is None and response_schema is not None:
             raise InvalidArgument("response_schema", "needs a reflect model "
                                   "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
-        r = (self.agent(bank_id, query, context, budget, now, response_schema) if self.agent
+        r = (self.agent(bank_id, query, context, budget, now, response_schema,
+                        directives=self._in_scope(bank_id, tags)) if self.agent
              else reflect_offline(bank_id, query, context, budget, now, self.recall))
         self.record(record_reflection(bank_id, query, r))
         return r
 
-    def stream(self, bank_id, query, context, budget, now, response_schema=None):
+    def stream(self, bank_id, query, context, budget, now, response_schema=None,
+               tags: Sequence[str] = ()):
         """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only."""
         from services.reflect.agent import Done
         if self.agent is None:
-            yield Done(self.reflect(bank_id, query, context, budget, now, response_schema))
+            yield Done(self.reflect(bank_id, query, context, budget, now, response_schema, tags))
             return
-        for event in self.agent.stream(bank_id, query, context, budget, now, response_schema):
+        for event in self.agent.stream(bank_id, query, context, budget, now, response_schema,
+                                       directives=self._in_scope(bank_id, tags)):
             if isinstance(event, Done):
                 self.record(record_reflection(bank_id, query, event.reflection))
             yield event

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from mneme.domain import BankConfig, Operation
+from mneme.domain import BankConfig, Directive, Operation
 
 T0 = 1_700_000_000.0
 
@@ -86,6 +86,38 @@ class CatalogSuite:
         assert cat.list_banks(10, after="e") == []
 
     # -- operations --
+
+    # -- directives --
+
+    def test_directives_create_update_delete_and_go_with_their_bank(self, cat):
+        cat.upsert_bank("a", "", BankConfig(), T0)
+        d = Directive("d2", "a", "Answer in German.", title="lang", priority=5,
+                      tags=("travel",), updated_at=T0 + 1)
+        cat.upsert_directive(d)
+        cat.upsert_directive(Directive("d1", "a", "Never give dosages.", updated_at=T0 + 2))
+        assert cat.get_directive("a", "d2") == Directive(
+            "d2", "a", "Answer in German.", "lang", 5, True, ("travel",), T0 + 1, T0 + 1)
+        assert [x.id for x in cat.list_directives("a", 10)] == ["d1", "d2"]
+        assert [x.id for x in cat.list_directives("a", 1, after="d1")] == ["d2"]
+        # a masked change: only the named fields, creation time kept
+        cat.upsert_directive(Directive("d2", "a", "ignored", title="ignored", priority=1,
+                                       active=False, updated_at=T0 + 3), mask=("priority", "active"))
+        got = cat.get_directive("a", "d2")
+        assert (got.text, got.title, got.priority, got.active, got.tags) == (
+            "Answer in German.", "lang", 1, False, ("travel",))
+        assert (got.created_at, got.updated_at) == (T0 + 1, T0 + 3)
+        cat.upsert_directive(got)  # a redelivered event changes nothing
+        assert cat.get_directive("a", "d2") == got
+        cat.upsert_directive(Directive("d9", "a", "x", updated_at=T0), mask=("text",))
+        assert cat.get_directive("a", "d9") is None  # an update never creates
+        cat.upsert_directive(Directive("d1", "zz", "no bank", updated_at=T0))
+        assert cat.list_directives("zz", 10) == []
+        cat.delete_directive("a", "d1")
+        cat.delete_directive("a", "d1")
+        assert [x.id for x in cat.list_directives("a", 10)] == ["d2"]
+        cat.delete_bank("a")
+        cat.upsert_bank("a", "", BankConfig(), T0 + 9)
+        assert cat.list_directives("a", 10) == [] and cat.get_directive("a", "d2") is None
 
     def test_put_operation_is_insert_only(self, cat):
         cat.put_operation(op("o1", items_total=3))

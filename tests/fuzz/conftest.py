@@ -27,7 +27,8 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from mneme.v1 import (banks_pb2, banks_pb2_grpc, documents_pb2_grpc, entities_pb2_grpc,
+from mneme.v1 import (banks_pb2, banks_pb2_grpc, directives_pb2_grpc, documents_pb2_grpc,
+                      entities_pb2_grpc,
                       memory_pb2, memory_pb2_grpc,
                       observations_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
                       recall_pb2_grpc, reflect_pb2_grpc, resources_pb2)
@@ -81,6 +82,11 @@ RPCS = {
     "ListDocuments": (documents_pb2_grpc.DocumentServiceStub, False),
     "GetDocument": (documents_pb2_grpc.DocumentServiceStub, False),
     "ListTags": (documents_pb2_grpc.DocumentServiceStub, False),
+    "CreateDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
+    "GetDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
+    "ListDirectives": (directives_pb2_grpc.DirectiveServiceStub, False),
+    "UpdateDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
+    "DeleteDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
 }
 
 REPORTS: list[str] = []  # printed by pytest_terminal_summary
@@ -459,7 +465,11 @@ class Harness:
                 value = "" if ref.kind == "token" else str(uuid.UUID(int=ref.index + 1))
             if ref.kind == "operation":
                 value = value.split("/", 1)[-1]
-            setattr(case.req, ref.field, ref.template.format(value))
+            *path, last = ref.field.split(".")  # a nested field: "directive.name"
+            target = case.req
+            for part in path:
+                target = getattr(target, part)
+            setattr(target, last, ref.template.format(value))
 
     def run(self, case: Case, budget_end: float) -> None:
         """Send ``case`` with every check; records failures, never raises for them."""
@@ -612,6 +622,10 @@ class Harness:
             self.seen[f"observation:{case.bank}"] += [o.id for o in resp.observations]
         if case.rpc == "ListEntities":
             self.seen[f"entity:{case.bank}"] += [e.id for e in resp.entities]
+        if case.rpc == "CreateDirective":
+            self.seen[f"directive:{case.bank}"].append(resp.id)
+        if case.rpc == "ListDirectives":
+            self.seen[f"directive:{case.bank}"] += [d.id for d in resp.directives]
         for k in list(self.seen):
             del self.seen[k][:-200]  # keep the pools small
 

@@ -33,8 +33,8 @@ from google.protobuf import field_mask_pb2, struct_pb2, timestamp_pb2
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
-from mneme.v1 import (banks_pb2, documents_pb2, entities_pb2, memory_pb2, observations_pb2,
-                      operations_pb2, recall_pb2, reflect_pb2, resources_pb2)
+from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, memory_pb2,
+                      observations_pb2, operations_pb2, recall_pb2, reflect_pb2, resources_pb2)
 from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
 
 MIN_S, MAX_S = -62135596800, 253402300799  # 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
@@ -376,7 +376,7 @@ def reflect_case(draw):
 def list_case(draw):
     rpc = draw(st.sampled_from(["ListBanks", "ListOperations", "ListMemories", "ListMemories",
                                 "ListObservations", "ListObservationScopes", "ListEntities",
-                                "ListDocuments", "ListTags"]))
+                                "ListDocuments", "ListTags", "ListDirectives"]))
     token, ref, why_token = draw(page_token())
     size = draw(page_size())
     bank, why_name = None, ""
@@ -404,6 +404,9 @@ def list_case(draw):
             req = documents_pb2.ListDocumentsRequest(parent=name, page_size=size, page_token=token)
         elif rpc == "ListTags":
             req = documents_pb2.ListTagsRequest(parent=name, page_size=size, page_token=token)
+        elif rpc == "ListDirectives":
+            req = directives_pb2.ListDirectivesRequest(parent=name, page_size=size,
+                                                       page_token=token)
         else:
             req = observations_pb2.ListObservationScopesRequest(parent=name, page_size=size,
                                                                 page_token=token)
@@ -414,7 +417,8 @@ def list_case(draw):
 @st.composite
 def get_case(draw):
     rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetMemory", "GetMemory",
-                                "GetObservation", "GetOperation", "GetEntity", "GetDocument"]))
+                                "GetObservation", "GetOperation", "GetEntity", "GetDocument",
+                                "GetDirective"]))
     ref = None
     if rpc in ("GetBank", "GetBankStats"):
         name, bank, why = draw(bank_name())
@@ -428,6 +432,9 @@ def get_case(draw):
     elif rpc == "GetEntity":
         name, ref, bank, why = draw(child_name("entities", "entity"))
         req = entities_pb2.GetEntityRequest(name=name)
+    elif rpc == "GetDirective":
+        name, ref, bank, why = draw(child_name("directives", "directive"))
+        req = directives_pb2.GetDirectiveRequest(name=name)
     elif rpc == "GetDocument":
         name, bank, why = draw(bank_name())
         doc = draw(document_id())
@@ -512,6 +519,49 @@ def bank_write_case(draw):
         req = banks_pb2.UpsertBankRequest()
         bank, why = None, "bank: unset"
     return Case("UpsertBank", req, draw(deadline()), bank, write=True, must_refuse=why)
+
+
+DIRECTIVE_PATHS = ["title", "text", "priority", "active", "tags", "*"]
+
+
+@st.composite
+def directive_case(draw):
+    """CreateDirective, UpdateDirective (mask paths good and bad) or DeleteDirective."""
+    d = directives_pb2.Directive(
+        text=draw(rarely(st.sampled_from(["", "  ", "\n"]), st.sampled_from(SENTENCES) | text())),
+        title=draw(st.sampled_from(["", "language"]) | noise(12)),
+        priority=draw(st.sampled_from([0, 1, -1, 2**31 - 1, -2**31])))
+    if draw(st.booleans()):
+        d.active = draw(st.booleans())
+    d.tags.extend(draw(st.lists(rarely(st.sampled_from(["", " "]), st.sampled_from(["a", "b"])),
+                                max_size=3)))
+    blank_tag = next((i for i, t in enumerate(d.tags) if not t.strip()), None)
+    kind = draw(st.sampled_from(["update", "create", "delete", "create"]))
+    if kind == "create":
+        name, bank, why = draw(bank_name())
+        whys = [why, "directive.text: blank" if not d.text.strip() else "",
+                f"directive.tags[{blank_tag}]: blank" if blank_tag is not None else ""]
+        req = directives_pb2.CreateDirectiveRequest(parent=name, directive=d)
+        if draw(st.integers(0, 15)) == 7:
+            req, whys = directives_pb2.CreateDirectiveRequest(parent=name), [why, "directive: unset"]
+        return Case("CreateDirective", req, draw(deadline()), bank, write=True,
+                    must_refuse="; ".join(w for w in whys if w))
+    name, ref, bank, why = draw(child_name("directives", "directive"))
+    if kind == "delete":
+        return Case("DeleteDirective", directives_pb2.DeleteDirectiveRequest(name=name),
+                    draw(deadline()), bank, write=True, must_refuse=why, refs=(ref,) if ref else ())
+    d.name = name
+    paths = draw(st.lists(rarely(st.sampled_from(["bogus", "Text", "tags.x"]),
+                                 st.sampled_from(DIRECTIVE_PATHS)), max_size=3))
+    req = directives_pb2.UpdateDirectiveRequest(directive=d)
+    req.update_mask.paths.extend(paths)
+    return Case("UpdateDirective", req, draw(deadline()), bank, write=True, must_refuse=why,
+                refs=(directives_ref(ref),) if ref else ())
+
+
+def directives_ref(ref: Ref) -> Ref:
+    """A Ref of a generated directive name, set on ``directive.name`` of an update."""
+    return Ref("directive.name", ref.kind, ref.index, ref.template)
 
 
 @st.composite
@@ -632,6 +682,10 @@ def test_gets(fuzz):
 
 def test_bank_writes(fuzz):
     _run(fuzz, "bank_writes", bank_write_case(), 90, 45, OTHER_EXAMPLES["bank_writes"])
+
+
+def test_directives(fuzz):
+    _run(fuzz, "directives", directive_case(), 60, 25)
 
 
 def test_deletes(fuzz):

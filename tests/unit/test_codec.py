@@ -79,7 +79,8 @@ def sample_events() -> list:
 
 
 EXPECTED_TOPIC = {
-    "BankUpserted": INTAKE, "BankDeleted": INTAKE, "RetainRequested": INTAKE,
+    "BankUpserted": INTAKE, "BankDeleted": INTAKE, "DirectiveChanged": INTAKE,
+    "RetainRequested": INTAKE,
     "DocumentDeleteRequested": INTAKE, "MemoryDeleteRequested": INTAKE,
     "FactsExtracted": MEMORY, "FactsRetracted": MEMORY,
     "OperationProgress": PROGRESS, "ReflectionRecorded": REFLECT,

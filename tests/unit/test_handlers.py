@@ -891,6 +891,8 @@ SAMPLES = {
     ev.BankUpserted: ev.BankUpserted(bank_id="b", display_name="B",
                                      config=codec.bank_config_to_pb(BankConfig())),
     ev.BankDeleted: ev.BankDeleted(bank_id="b"),
+    ev.DirectiveChanged: ev.DirectiveChanged(bank_id="b", id="d1", text="Answer in German.",
+                                             active=True, tags=["travel"]),
     ev.RetainRequested: retain(item("Alice moved to Lisbon."), item("Bob likes tea.")),
     ev.DocumentDeleteRequested: ev.DocumentDeleteRequested(bank_id="b", operation_id="op-d",
                                                            document_id="d"),

@@ -56,9 +56,9 @@ TYPE_PREFIX = "mneme.events.v1."
 TOPIC_OF_TYPE: dict[str, str] = {
     TYPE_PREFIX + m.DESCRIPTOR.name: topic
     for topic, messages in (
-        (INTAKE, (events_pb2.BankUpserted, events_pb2.BankDeleted, events_pb2.RetainRequested,
-                  events_pb2.DocumentDeleteRequested, events_pb2.MemoryDeleteRequested,
-                  events_pb2.ConsolidationRequested)),
+        (INTAKE, (events_pb2.BankUpserted, events_pb2.BankDeleted, events_pb2.DirectiveChanged,
+                  events_pb2.RetainRequested, events_pb2.DocumentDeleteRequested,
+                  events_pb2.MemoryDeleteRequested, events_pb2.ConsolidationRequested)),
         (MEMORY, (events_pb2.FactsExtracted, events_pb2.FactsRetracted,
                   events_pb2.ConsolidationScheduled, events_pb2.ObservationsChanged,
                   events_pb2.EntitiesResolved)),

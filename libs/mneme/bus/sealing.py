@@ -63,11 +63,12 @@ SEALED: dict[str, tuple[str, ...]] = {
     "EntityAlias": ("alias",),
     "Observation": ("text", "evidence", "history", "embedding", "entities"),
     "ReflectionRecorded": ("query", "answer"),
+    "DirectiveChanged": ("title", "text"),
 }
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
-    "ReflectionRecorded"))
+    "ReflectionRecorded", "DirectiveChanged"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -200,7 +201,7 @@ class Opener:
                 each(m, f)
         elif isinstance(m, ev.ObservationsChanged):
             each(m, "observations")
-        elif isinstance(m, ev.ReflectionRecorded):
+        elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged)):
             ok = self._open(m, bank)
             if ok is False:
                 return opened, 1, True
@@ -306,6 +307,8 @@ class Sealer(Opener):
                     k = fact_key_id(i)
                     if k not in m.seal.keys and kr.key(bank, k) is not None:
                         m.seal.keys.append(k)
+            n += self._seal(m, bank)
+        elif isinstance(m, ev.DirectiveChanged):  # under the bank's key (see _seal)
             n += self._seal(m, bank)
         return n
 

@@ -49,8 +49,8 @@ VERSION = "1.0.0"
 PROTO_FILE = "proto/mneme/events/v1/events.proto"
 
 TOPIC_DESCRIPTIONS = {
-    INTAKE: "What users asked: bank upserts and deletes, retains, deletions, consolidation "
-            "requests.",
+    INTAKE: "What users asked: bank upserts and deletes, directive changes, retains, "
+            "deletions, consolidation requests.",
     MEMORY: "What the system derived: extracted facts (with entities, times, links and "
             "embedding vectors), retractions, scheduled consolidations and observation "
             "changes (full observation state).",

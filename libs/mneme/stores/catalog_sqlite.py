@@ -6,13 +6,15 @@ Writes are idempotent upserts, so redelivered events change nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
 import time
 from dataclasses import asdict
 
-from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
+from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, Operation,
+                          from_epoch)
 from mneme.stores import sqlite_erase
 
 _SCHEMA = """
@@ -28,6 +30,10 @@ CREATE TABLE IF NOT EXISTS operations (
 CREATE INDEX IF NOT EXISTS operations_bank ON operations (bank_id, created_at);
 -- Operations of deleted banks: late progress of one never brings it back.
 CREATE TABLE IF NOT EXISTS deleted_operations (operation_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS directives (
+  bank_id TEXT NOT NULL, directive_id TEXT NOT NULL, title TEXT NOT NULL, text TEXT NOT NULL,
+  priority INTEGER NOT NULL, active INTEGER NOT NULL, tags TEXT NOT NULL,
+  created_at REAL NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (bank_id, directive_id));
 -- How many times each bank id was created (kept when the bank is deleted).
 CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
 """
@@ -38,6 +44,14 @@ _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
 _OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, facts, error, "
                "memory_ids, created_at, updated_at, item_errors")
 _BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
+_DIRECTIVE_COLUMNS = ("bank_id, directive_id, title, text, priority, active, tags, created_at, "
+                      "updated_at")
+
+
+def _directive(row) -> Directive:
+    return Directive(id=row[1], bank_id=row[0], title=row[2], text=row[3], priority=row[4],
+                     active=bool(row[5]), tags=tuple(json.loads(row[6])), created_at=row[7],
+                     updated_at=row[8])
 
 
 class SqliteCatalog:
@@ -108,6 +122,7 @@ class SqliteCatalog:
             self._db.execute("INSERT OR IGNORE INTO deleted_operations "
                              "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM directives WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def get_bank(self, bank_id: str) -> Bank | None:
@@ -182,9 +197,49 @@ class SqliteCatalog:
             rows = self._db.execute(q, args + (limit, offset)).fetchall()
         return [_op(r) for r in rows]
 
+    # ---- directives ----
+    def upsert_directive(self, d: Directive, mask: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            if self._db.execute("SELECT 1 FROM banks WHERE bank_id=?", (d.bank_id,)).fetchone() is None:
+                return
+            old = self._directive(d.bank_id, d.id)
+            if mask:
+                if old is None:
+                    return  # an update never creates
+                d = dataclasses.replace(old, updated_at=d.updated_at, **{
+                    f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
+            else:
+                d = dataclasses.replace(d, created_at=old.created_at if old else d.updated_at)
+            self._db.execute(
+                "INSERT OR REPLACE INTO directives VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (d.bank_id, d.id, d.title, d.text, int(d.priority), int(bool(d.active)),
+                 json.dumps(list(d.tags)), d.created_at, d.updated_at))
+
+    def delete_directive(self, bank_id: str, directive_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM directives WHERE bank_id=? AND directive_id=?",
+                             (bank_id, directive_id))
+
+    def get_directive(self, bank_id: str, directive_id: str) -> Directive | None:
+        with self._lock:
+            return self._directive(bank_id, directive_id)
+
+    def list_directives(self, bank_id: str, limit: int, after: str = "") -> list[Directive]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {_DIRECTIVE_COLUMNS} FROM directives WHERE bank_id=? AND directive_id>? "
+                "ORDER BY directive_id LIMIT ?", (bank_id, after, max(limit, 0))).fetchall()
+        return [_directive(r) for r in rows]
+
+    def _directive(self, bank_id: str, directive_id: str) -> Directive | None:
+        row = self._db.execute(f"SELECT {_DIRECTIVE_COLUMNS} FROM directives "
+                               "WHERE bank_id=? AND directive_id=?", (bank_id, directive_id)).fetchone()
+        return _directive(row) if row else None
+
     def reset(self) -> None:
         with self._lock:
             self._db.execute("DELETE FROM banks")
+            self._db.execute("DELETE FROM directives")
             self._db.execute("DELETE FROM operations")
             self._db.execute("DELETE FROM deleted_operations")
             self._db.execute("DELETE FROM bank_generations")

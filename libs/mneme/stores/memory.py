@@ -13,7 +13,8 @@ import threading
 from dataclasses import asdict, replace
 from typing import Iterable, Sequence
 
-from mneme.domain import TERMINAL, Bank, BankConfig, Operation, from_epoch
+from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, Operation,
+                          from_epoch)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import tombstone
@@ -31,6 +32,7 @@ class MemoryCatalog:
         self._ops: dict[str, Operation] = {}
         self._deleted_ops: set[str] = set()
         self._generations: dict[str, int] = {}
+        self._directives: dict[tuple[str, str], Directive] = {}
 
     # ---- banks ----
     def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
@@ -64,6 +66,8 @@ class MemoryCatalog:
     def delete_bank(self, bank_id: str) -> None:
         with self._lock:
             self._banks.pop(bank_id, None)
+            for k in [k for k in self._directives if k[0] == bank_id]:
+                del self._directives[k]
             self._generations.setdefault(bank_id, 1)  # as SQLite: a deleted id was used once
             gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
             self._deleted_ops.update(gone)
@@ -79,6 +83,36 @@ class MemoryCatalog:
         with self._lock:
             ids = sorted(i for i in self._banks if i > after)[:max(limit, 0)]
             return [_bank(i, self._banks[i]) for i in ids]
+
+    # ---- directives ----
+    def upsert_directive(self, d: Directive, mask: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            if d.bank_id not in self._banks:
+                return
+            old = self._directives.get((d.bank_id, d.id))
+            if mask:
+                if old is None:
+                    return  # an update never creates
+                d = replace(old, updated_at=d.updated_at,
+                            **{f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
+            elif old is not None:
+                d = replace(d, created_at=old.created_at)
+            else:
+                d = replace(d, created_at=d.updated_at)
+            self._directives[(d.bank_id, d.id)] = replace(d, tags=tuple(d.tags))
+
+    def delete_directive(self, bank_id: str, directive_id: str) -> None:
+        with self._lock:
+            self._directives.pop((bank_id, directive_id), None)
+
+    def get_directive(self, bank_id: str, directive_id: str) -> Directive | None:
+        with self._lock:
+            return self._directives.get((bank_id, directive_id))
+
+    def list_directives(self, bank_id: str, limit: int, after: str = "") -> list[Directive]:
+        with self._lock:
+            ids = sorted(i for b, i in self._directives if b == bank_id and i > after)
+            return [self._directives[(bank_id, i)] for i in ids[:max(limit, 0)]]
 
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
@@ -120,6 +154,7 @@ class MemoryCatalog:
     def reset(self) -> None:
         with self._lock:
             self._banks.clear()
+            self._directives.clear()
             self._ops.clear()
             self._deleted_ops.clear()
             self._generations.clear()
