@@ -438,26 +438,35 @@ def build_reflect(root: Root, recall: Callable | None = None,
         recall, checks = remote, [remote.ping]
     exists = bank_exists or (lambda bank_id: True)  # remote: search answers NOT_FOUND
     event_log, source = root.log, services()["reflect"].source
+    # Embedded, reflect reads ingest's catalog; distributed, its own copy (group
+    # reflect-catalog), caught up with the bank's partition before each read.
+    parts = ServiceParts("reflect", _routers(root, "reflect", **root.own_catalog()), checks=checks)
+    catch_up = lambda bank_id: True  # noqa: E731 - embedded: the shared catalog is current
+    if root.distributed:
+        catch_up = _read_your_writes(root, parts)
+        parts.checks.append(_caught_up_once(parts))
+
+    def bank_config(bank_id: str):
+        catch_up(bank_id)
+        return root.bank_config(bank_id)
+
+    def directives(bank_id: str):
+        catch_up(bank_id)
+        return root.catalog.list_directives(bank_id, MAX_DIRECTIVES_READ)
     agent = None
     if root.llm.configured("reflect"):
         from mneme.embedding import default_token_counter
         from services.search.observations import observation_search
-        # In process (embedded) reflect reads bank traits and observations; the distributed
-        # one has neither (traits default to 3/3/3, its remote recall speaks facts only).
-        agent = ReflectAgent(root.llm, recall, bank_config=root.bank_config if bank_exists else None,
+        # The remote recall of the distributed reflect speaks facts only: no observations.
+        agent = ReflectAgent(root.llm, recall, bank_config=bank_config,
                              tokens=default_token_counter(),
                              **({"observations": observation_search(recall)} if bank_exists else {}))
-
-    def directives(bank_id: str):
-        return root.catalog.list_directives(bank_id, MAX_DIRECTIVES_READ)
-    # In process (embedded) reflect reads the bank's directives from the catalog; the
-    # distributed one keeps no catalog yet, so it applies none (README "Directives").
     reflector = Reflector(agent, recall, lambda msg: event_log.append(
-        [codec.encode(msg, bank_id=msg.bank_id, source=source)]),
-        directives=directives if bank_exists else None)
+        [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
     servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)
-    return ServiceParts("reflect", {}, lambda server: grpc_api.register(server, servicer),
-                        {"reflect": reflector.reflect, "reflect_stream": reflector.stream}, checks)
+    parts.register = lambda server: grpc_api.register(server, servicer)
+    parts.api = {"reflect": reflector.reflect, "reflect_stream": reflector.stream}
+    return parts
 
 
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:

@@ -210,9 +210,30 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
           name: Optional[str] = typer.Option(None, "--name", help="update: display name"),
           set_: List[str] = typer.Option([], "--set", help="update: config FIELD=VALUE, e.g. "
                                          "retain_mission='...' (repeatable)"),
+          retain_mission: Optional[str] = typer.Option(None, help="update: what retain extracts"),
+          observations_mission: Optional[str] = typer.Option(
+              None, help="update: what consolidation keeps as observations"),
+          reflect_mission: Optional[str] = typer.Option(None, help="update: what reflect answers for"),
+          skepticism: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
+          literalism: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
+          empathy: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
+          auto_consolidate: Optional[bool] = typer.Option(
+              None, "--auto-consolidate/--no-auto-consolidate", help="update"),
+          extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline or llm"),
+          erasure: Optional[str] = typer.Option(None, help="update: crypto_shred or none"),
+          as_json: bool = typer.Option(False, "--json", help="get, create, update: the bank as JSON"),
           address: str = AddressOpt):
     """List, create, show, update (only the fields given) or delete banks, or check the
     language models a bank uses."""
+    flags = {k: v for k, v in (
+        ("retain_mission", retain_mission), ("observations_mission", observations_mission),
+        ("reflect_mission", reflect_mission), ("skepticism", skepticism),
+        ("literalism", literalism), ("empathy", empathy), ("auto_consolidate", auto_consolidate),
+        ("extraction_mode", extraction_mode), ("erasure", erasure)) if v is not None}
+    if extraction_mode is not None:
+        _choice("--extraction-mode", extraction_mode, ("auto", "offline", "llm"))
+    if erasure is not None:
+        _choice("--erasure", erasure, ("crypto_shred", "none"))
     if action == "stats" and bank_id:
         return _bank_stats(bank_id, address)
     with _client(address) as m:
@@ -234,13 +255,22 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
                 if any(not c.ok for c in r.checks):
                     raise typer.Exit(1)
             elif action == "update" and bank_id:
-                print(m.update_bank(bank_id, display_name=name, **_config_fields(set_)))
+                if name is None and not set_ and not flags:
+                    console.print("[red]nothing to change[/red]: give --name, a config flag "
+                                  "(--reflect-mission, --skepticism, ...) or --set FIELD=VALUE")
+                    raise typer.Exit(2)
+                b = m.update_bank(bank_id, display_name=name, **{**_config_fields(set_), **flags})
+                _print_json(b) if as_json else print(b)
             elif action in ("create", "get", "delete") and bank_id:
                 b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
-                print(b if b is not None else f"deleted {bank_id}")
+                if b is None:
+                    print(f"deleted {bank_id}")
+                else:
+                    _print_json(b) if as_json else print(b)
             else:
                 console.print("usage: mneme banks [list | create ID | get ID | update ID [--name N]"
-                              " [--set FIELD=VALUE ...] | delete ID | check-llm ID | stats ID]")
+                              " [--reflect-mission M] [--skepticism 1..5] ... [--set FIELD=VALUE]"
+                              " | delete ID | check-llm ID | stats ID]")
                 raise typer.Exit(2)
         except grpc.RpcError as e:
             _fail(e)

@@ -79,6 +79,8 @@ class BankConfig:
 
     retain_mission: str = ""
     observations_mission: str = ""
+    #: Put into the reflect model's prompt: what the bank's answers are for.
+    reflect_mission: str = ""
     skepticism: int = 3
     literalism: int = 3
     empathy: int = 3

@@ -92,6 +92,7 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "context": ("context_chars", "text"),
     "retain_mission": ("mission_chars", "text"),
     "observations_mission": ("mission_chars", "text"),
+    "reflect_mission": ("mission_chars", "text"),
     "tags": ("tag_chars", "id"),
     "scope": ("tag_chars", "id"),
     "name": ("id_chars", "id"),

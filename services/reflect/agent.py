@@ -157,7 +157,7 @@ def _trait(cfg: BankConfig, name: str) -> str:
 def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
                   directives: Sequence[Directive] = ()) -> str:
     """The reflect system prompt: role, current time, tool order, citation rules,
-    disposition, the bank's ``directives`` in force (in the order given: highest priority
+    disposition, the bank's ``reflect_mission``, its ``directives`` in force (in the order given: highest priority
     first) and (with ``response_schema``) the answer format."""
     now = utc(now)
     parts = [
@@ -179,6 +179,9 @@ def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
         "\"She moved to Berlin in 2021 [m3].\" Cite only references you were given.",
         "Disposition:\n" + "\n".join(_trait(cfg, t) for t in ("skepticism", "literalism", "empathy")),
     ]
+    if cfg.reflect_mission.strip():
+        parts.append("Mission of this memory bank (what your answers are for):\n"
+                     + cfg.reflect_mission.strip())
     if directives:
         parts.append(
             "Directives of this memory bank: rules you must follow in every answer, above "

@@ -27,6 +27,7 @@ from mneme.router import group_ids
 from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
+from tests.llm.stub import StubLLM, chat
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +89,26 @@ def bus(tansu):
 
 
 @pytest.fixture(scope="module")
-def cluster(tansu, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), tansu.url).start()
+def stub():
+    """The reflect model of the cluster (reflect only: extraction and consolidation stay
+    offline, MNEME_LLM_MODEL is unset)."""
+    with StubLLM() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cluster(tansu, tmp_path_factory, stub):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), tansu.url, extra_env={
+        "MNEME_REFLECT_LLM_MODEL": "openai/stub-model", "MNEME_REFLECT_LLM_BASE_URL": stub.base_url,
+        "MNEME_REFLECT_LLM_API_KEY": "sk-test", "MNEME_LLM_MAX_RETRIES": "1",
+        "MNEME_LLM_BACKOFF_S": "0.05"}).start()
     yield c
     c.stop()
+
+
+def _recall_then(stub, question: str, answer: str) -> None:
+    stub.on("chat", chat(None, tool_calls=[{"name": "recall", "arguments": {"query": question}}]),
+            chat(answer), match=question)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +122,8 @@ def embedded_results(tmp_path_factory):
         server.stop()
 
 
-def test_separate_processes_recall_like_the_embedded_topology(cluster, embedded_results, bus):
+def test_separate_processes_recall_like_the_embedded_topology(cluster, embedded_results, bus,
+                                                              stub):
     with MnemeClient(cluster.address["ingest"]) as m:
         _retain_conversation(m)
         # sync retain returned only after search indexed the facts (other process)
@@ -118,9 +136,28 @@ def test_separate_processes_recall_like_the_embedded_topology(cluster, embedded_
         got = {d for mem in s.list_memories(BANK) for d in mem.metadata["dia_id"].split(",")}
         assert got == turns
     with MnemeClient(cluster.address["reflect"]) as r:  # reflect → search over gRPC
+        _recall_then(stub, "What did Melanie paint?", "A sunset [m1].")
         a = r.reflect(BANK, "What did Melanie paint?")
-        assert a.extractive and a.based_on
+        assert not a.extractive and len(a.based_on) == 1
+        assert list(a.sources.facts) == list(a.based_on)
     assert not any(_wait_lag_zero(bus).values())
+
+
+def test_distributed_reflect_follows_the_banks_directives_and_traits(cluster, stub):
+    """Reflect's own catalog (group reflect-catalog) has what ingest acknowledged: the
+    directive and the bank's skepticism reach the model's prompt at once."""
+    with MnemeClient(cluster.address["ingest"]) as m:
+        d = m.create_directive(BANK, "Answer in German.", tags=["art"])
+        m.update_bank(BANK, skepticism=5)
+    with MnemeClient(cluster.address["reflect"]) as r:
+        _recall_then(stub, "What did Melanie paint", "Einen Sonnenuntergang [m1].")
+        a = r.reflect(BANK, "What did Melanie paint, in art terms?", tags=["art"])
+    prompt = stub.chat_requests()[-1].messages[0]["content"]
+    assert "Answer in German." in prompt and "skepticism 5/5" in prompt
+    assert list(a.sources.directives) == [d.id]
+    with MnemeClient(cluster.address["ingest"]) as m:
+        m.delete_directive(BANK, d.id)
+        m.update_bank(BANK, skepticism=3)
 
 
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):

@@ -67,9 +67,11 @@ def test_directives_in_scope_reach_the_model_and_survive_replay(stub, server):
         assert [d.id for d in m.list_directives("dir", page_size=1)] == sorted(
             [german.id, dosage.id, french.id])
 
+        m.update_bank("dir", reflect_mission="You help Caroline's biographer.")
         a = reflect(stub, m, "Where did Caroline come from?")
         prompt = system_prompt(stub)
         assert GERMAN in prompt and DOSAGE not in prompt and FRENCH not in prompt
+        assert "You help Caroline's biographer." in prompt  # the bank's reflect mission
         assert list(a.sources.directives) == [german.id] and not a.extractive
         assert list(a.sources.facts) == list(a.based_on) and len(a.based_on) == 1
 
@@ -149,7 +151,17 @@ def test_directives_cli_round_trip(server):
         return out.stdout
 
     with server.client() as m:
-        m.upsert_bank("c")
+        m.upsert_bank("c", retain_mission="Keep travel plans.")
+    bank = json.loads(cli("banks", "update", "c", "--reflect-mission", "Advise travellers.",
+                          "--skepticism", "5", "--no-auto-consolidate", "--json"))
+    assert bank["config"]["reflect_mission"] == "Advise travellers."
+    assert bank["config"]["skepticism"] == 5 and bank["config"]["auto_consolidate"] is False
+    assert bank["config"]["retain_mission"] == "Keep travel plans."  # not named: kept
+    assert json.loads(cli("banks", "get", "c", "--json")) == bank
+    out = run.invoke(app, ["banks", "update", "c", "--skepticism", "9", "-a", server.address])
+    assert out.exit_code == 2  # out of 1..5: a usage error, nothing sent
+    out = run.invoke(app, ["banks", "update", "c", "-a", server.address])
+    assert out.exit_code == 2 and "nothing to change" in out.output
     made = json.loads(cli("directives", "create", "c", GERMAN, "--priority", "2", "--tag",
                           "travel", "--title", "language", "--json"))
     assert made["text"] == GERMAN and made["priority"] == 2 and made["tags"] == ["travel"]

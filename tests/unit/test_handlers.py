@@ -873,7 +873,7 @@ def fake_deps(service: str) -> dict:
                                "resolver": EntityResolver(MemoryEntityStore()),
                                "catalog": catalog},
         "search": lambda: {"stores": fake_projections(), "catalog": catalog},
-        "reflect": lambda: {},
+        "reflect": lambda: {"catalog": catalog},
         "consolidation": lambda: {"consolidator": Consolidator(
             MemoryObservationStore(), lambda bank_id: None, embedder=FakeEmbedder()),
             "decide": True, "catalog": catalog},

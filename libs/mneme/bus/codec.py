@@ -308,7 +308,8 @@ def bank_config_to_pb(config: BankConfig) -> events_pb2.BankConfig:
         observations_mission=config.observations_mission,
         skepticism=config.skepticism, literalism=config.literalism, empathy=config.empathy,
         auto_consolidate=config.auto_consolidate, dedup_threshold=config.dedup_threshold,
-        extraction_mode=config.extraction_mode, erasure=config.erasure)
+        extraction_mode=config.extraction_mode, erasure=config.erasure,
+        reflect_mission=config.reflect_mission)
 
 
 def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
@@ -329,7 +330,7 @@ def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
         auto_consolidate=pb.auto_consolidate,
         dedup_threshold=pb.dedup_threshold,
         extraction_mode=pb.extraction_mode or d.extraction_mode,
-        erasure=pb.erasure or d.erasure)
+        erasure=pb.erasure or d.erasure, reflect_mission=pb.reflect_mission)
 
 
 __all__ = [
