@@ -8,7 +8,7 @@ asking ingest) apply the same events the same way: :data:`ROUTES` (banks and the
 from __future__ import annotations
 
 from mneme.bus import codec
-from mneme.domain import Directive, EventMeta
+from mneme.domain import Directive, EventMeta, MentalModel, MentalModelRevision
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog
 
@@ -47,6 +47,29 @@ def on_directive_changed(m: ev.DirectiveChanged, meta: EventMeta, *,
     return []
 
 
+def on_mental_model_changed(m: ev.MentalModelChanged, meta: EventMeta, *,
+                            catalog: Catalog | None = None):
+    """A mental model created, changed, refreshed (its content and what it is based on,
+    as the refresh computed them: no model is called) or deleted, into ``catalog`` at the
+    event's time. Idempotent; produces nothing."""
+    if catalog is None:
+        return []
+    if m.deleted:
+        catalog.delete_mental_model(m.bank_id, m.id)
+        return []
+    refresh = (MentalModelRevision(0, m.content, tuple(m.refresh.based_on),
+                                   m.refresh.source or "refresh")
+               if m.HasField("refresh") else None)
+    catalog.upsert_mental_model(MentalModel(
+        id=m.id, bank_id=m.bank_id, display_name=m.display_name, source_query=m.source_query,
+        content=m.content, tags=tuple(m.tags), max_tokens=m.max_tokens,
+        refresh_policy=m.refresh_policy or "manual", refresh_every=m.refresh_every,
+        memory_offset=m.memory_offset, updated_at=meta.time.timestamp()),
+        mask=tuple(m.update_mask), refresh=refresh)
+    return []
+
+
 #: The bank projection's routes, for a group reading ``mneme.intake.v1``.
 ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted,
-          ev.DirectiveChanged: on_directive_changed}
+          ev.DirectiveChanged: on_directive_changed,
+          ev.MentalModelChanged: on_mental_model_changed}

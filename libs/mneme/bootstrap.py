@@ -463,10 +463,71 @@ def build_reflect(root: Root, recall: Callable | None = None,
                              **({"observations": observation_search(recall)} if bank_exists else {}))
     reflector = Reflector(agent, recall, lambda msg: event_log.append(
         [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
+    models = _mental_models(root, reflector, catch_up, source)
+    reflector.mental_models = models
+    if agent is not None:
+        agent.mental_models = models.search
     servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)
-    parts.register = lambda server: grpc_api.register(server, servicer)
-    parts.api = {"reflect": reflector.reflect, "reflect_stream": reflector.stream}
+    parts.register = lambda server: grpc_api.register(server, servicer, models)
+    parts.api = {"reflect": reflector.reflect, "reflect_stream": reflector.stream,
+                 "mental_models": models}
     return parts
+
+
+#: Seconds a mental-model write waits for the catalog to project it.
+PROJECTED_S = 30.0
+
+
+def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source: str):
+    """reflect's :class:`services.reflect.mental_models.MentalModels` over this process's
+    catalog: embedded, ingest's (a write waits for ingest's group to commit its event);
+    distributed, reflect's own copy (a write waits for it to catch up with the bank)."""
+    import time
+
+    from mneme.bus import MEMORY
+    from mneme.errors import DeadlineExceeded
+    from services.reflect.mental_models import MentalModels
+
+    def append(msg, bank_id: str):
+        return root.log.append([codec.encode(msg, bank_id=bank_id, source=source)])[0]
+
+    ingest_group = root.group_id(services()["ingest"].group("ingest"))
+
+    def projected(rec, bank_id: str) -> None:
+        if root.distributed:
+            if not catch_up(bank_id):
+                raise DeadlineExceeded(f"bank {bank_id!r}: this reflect replica's catalog "
+                                       "did not catch up in time; the change is on the log")
+            return
+        end = time.monotonic() + PROJECTED_S
+        while root.log.committed(ingest_group, rec.topic, rec.partition) <= rec.offset:
+            if time.monotonic() > end:
+                raise DeadlineExceeded("the catalog did not project the change in time; it "
+                                       "is on the log and will apply")
+            time.sleep(0.005)
+
+    def memory_partition(bank_id: str) -> int:
+        return partition_for(bank_id, root.raw_log.partitions(MEMORY))
+
+    def memory_end(bank_id: str) -> int:
+        return root.raw_log.end_offset(MEMORY, memory_partition(bank_id))
+
+    def memory_read(bank_id: str, start: int, limit: int) -> list:
+        p, out, offset = memory_partition(bank_id), [], start
+        while len(out) < limit:  # sealed content stays sealed: bank ids and tags suffice
+            batch = root.raw_log.read(MEMORY, p, offset, min(500, limit - len(out)))
+            if not batch:
+                break
+            for rec in batch:
+                try:
+                    out.append(codec.decode(rec).message)
+                except Exception:  # noqa: BLE001 - a record no consumer could read either
+                    continue
+            offset = batch[-1].offset + 1
+        return [m for m in out if m is not None]
+
+    return MentalModels(root.catalog, append, projected, catch_up, reflector.reflect,
+                        memory_end, memory_read)
 
 
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:

@@ -770,6 +770,149 @@ def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
     console.print(f"deleted directive {directive_id}")
 
 
+models_app = typer.Typer(help="Mental models: named standing answers reflect searches first.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="mental-models")
+_POLICIES = ("manual", "after_consolidation", "every_n_facts")
+
+
+def _print_model(m) -> None:
+    refreshed = (m.refresh_time.ToDatetime(timezone.utc).isoformat() if m.HasField("refresh_time")
+                 else "never")
+    print(f"{m.id}  {m.display_name}  (revision {m.revision}, "
+          f"{'STALE' if m.is_stale else 'fresh'}, refreshed {refreshed})")
+    print(f"  answers: {m.source_query}")
+    if m.tags:
+        print(f"  tags: {', '.join(m.tags)}")
+    for line in (m.content or "(no content yet: refresh it)").splitlines():
+        print(f"  {line}")
+
+
+@models_app.command("create")
+def models_create(bank: str, display_name: str = typer.Argument(..., help="its name"),
+                  source_query: str = typer.Argument(..., help="the question it answers"),
+                  content: str = typer.Option("", help="a first answer (else: refresh it)"),
+                  tag: List[str] = typer.Option([], "--tag", help="its scope"),
+                  max_tokens: int = typer.Option(0, help="most tokens a refresh stores (0: 2048)"),
+                  refresh_policy: str = typer.Option("manual", help=", ".join(_POLICIES)),
+                  refresh_every: int = typer.Option(0, help="new facts between refreshes"),
+                  as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Create a mental model in BANK."""
+    _choice("--refresh-policy", refresh_policy, _POLICIES)
+    with _client(address) as m:
+        try:
+            mm = m.create_mental_model(bank, display_name, source_query, content=content, tags=tag,
+                                       max_tokens=max_tokens, refresh_policy=refresh_policy,
+                                       refresh_every=refresh_every)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(mm) if as_json else _print_model(mm)
+
+
+@models_app.command("list")
+def models_list(bank: str, tag: List[str] = typer.Option([], "--tag", help="only these scopes"),
+                as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's mental models in id order."""
+    with _client(address) as m:
+        found = _listed(m.list_mental_models(bank, tags=tag), 0)
+    if as_json:
+        return _print_json(found)
+    t = _table("mental model", "name", "revision", "state", "tags", "answers", ids=("mental model",))
+    for mm in found:
+        t.add_row(mm.id, mm.display_name, str(mm.revision), "stale" if mm.is_stale else "fresh",
+                  ", ".join(mm.tags), mm.source_query)
+    Console().print(t)
+
+
+@models_app.command("get")
+def models_get(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
+               address: str = AddressOpt):
+    """Show one mental model with its content."""
+    with _client(address) as m:
+        try:
+            mm = m.get_mental_model(bank, model_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(mm) if as_json else _print_model(mm)
+
+
+@models_app.command("update")
+def models_update(bank: str, model_id: str,
+                  display_name: Optional[str] = typer.Option(None, "--name"),
+                  source_query: Optional[str] = typer.Option(None, "--query"),
+                  content: Optional[str] = typer.Option(None),
+                  tag: Optional[List[str]] = typer.Option(None, "--tag", help="replaces the tags"),
+                  clear_tags: bool = typer.Option(False, "--clear-tags"),
+                  max_tokens: Optional[int] = typer.Option(None),
+                  refresh_policy: Optional[str] = typer.Option(None, help=", ".join(_POLICIES)),
+                  refresh_every: Optional[int] = typer.Option(None),
+                  as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Change only the given fields of a mental model."""
+    if refresh_policy is not None:
+        _choice("--refresh-policy", refresh_policy, _POLICIES)
+    fields = {k: v for k, v in (("display_name", display_name), ("source_query", source_query),
+                                ("content", content), ("max_tokens", max_tokens),
+                                ("refresh_policy", refresh_policy),
+                                ("refresh_every", refresh_every)) if v is not None}
+    if tag or clear_tags:
+        fields["tags"] = [] if clear_tags else tag
+    if not fields:
+        console.print("[red]nothing to change[/red]: give --name, --query, --content, --tag, "
+                      "--clear-tags, --max-tokens, --refresh-policy or --refresh-every")
+        raise typer.Exit(2)
+    with _client(address) as m:
+        try:
+            mm = m.update_mental_model(bank, model_id, **fields)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(mm) if as_json else _print_model(mm)
+
+
+@models_app.command("refresh")
+def models_refresh(bank: str, model_id: str, budget: str = "mid",
+                   dry_run: bool = typer.Option(False, "--dry-run", help="show, do not store"),
+                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Answer the model's question again (reflect) and store it as a new revision."""
+    from mneme.client import BUDGETS
+    _choice("--budget", budget, BUDGETS)
+    with _client(address) as m:
+        try:
+            mm = m.refresh_mental_model(bank, model_id, budget=budget, dry_run=dry_run)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_json(mm) if as_json else _print_model(mm)
+
+
+@models_app.command("history")
+def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
+                   address: str = AddressOpt):
+    """Every revision of a mental model's content, oldest first."""
+    with _client(address) as m:
+        try:
+            revs = m.mental_model_revisions(bank, model_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(revs)
+    for r in revs:
+        print(f"revision {r.revision} ({r.source}, "
+              f"{r.create_time.ToDatetime(timezone.utc).isoformat()}), based on "
+              f"{len(r.based_on)} memories")
+        for line in r.content.splitlines():
+            print(f"  {line}")
+
+
+@models_app.command("delete")
+def models_delete(bank: str, model_id: str, address: str = AddressOpt):
+    """Delete a mental model and its history."""
+    with _client(address) as m:
+        try:
+            m.delete_mental_model(bank, model_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"deleted mental model {model_id}")
+
+
 entities_app = typer.Typer(help="The entities a bank's memories mention.", no_args_is_help=True)
 app.add_typer(entities_app, name="entities")
 

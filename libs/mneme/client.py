@@ -23,7 +23,7 @@ from google.rpc import error_details_pb2
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
 from mneme.v1 import documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc
-from mneme.v1 import directives_pb2, directives_pb2_grpc
+from mneme.v1 import directives_pb2, directives_pb2_grpc, mental_models_pb2, mental_models_pb2_grpc
 from mneme.v1 import keys_pb2, keys_pb2_grpc
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, operations_pb2,
                       operations_pb2_grpc, recall_pb2, recall_pb2_grpc, reflect_pb2,
@@ -46,6 +46,19 @@ def observation_scopes(mode: str, scopes: Iterable[Iterable[str]] = ()) -> resou
     return resources_pb2.ObservationScopes(
         mode=SCOPE_MODES[mode],
         scopes=[resources_pb2.ObservationScopes.Scope(tags=list(t)) for t in scopes])
+
+
+#: Mental-model refresh policies by name (the CLI's choices).
+REFRESH_POLICIES = {"manual": 1, "after_consolidation": 2, "every_n_facts": 3}
+
+
+def _mental_model(**fields) -> "mental_models_pb2.MentalModel":
+    """A MentalModel message of keyword fields (``refresh_policy`` by name)."""
+    policy = fields.pop("refresh_policy", None)
+    m = mental_models_pb2.MentalModel(**fields)
+    if policy is not None:
+        m.refresh_policy = REFRESH_POLICIES[policy]
+    return m
 
 
 def field_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
@@ -139,6 +152,7 @@ class MnemeClient:
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
         self.entities = entities_pb2_grpc.EntityServiceStub(self.channel)
         self.directives = directives_pb2_grpc.DirectiveServiceStub(self.channel)
+        self.mental_models = mental_models_pb2_grpc.MentalModelServiceStub(self.channel)
         self.documents = documents_pb2_grpc.DocumentServiceStub(self.channel)
         self.generations = generations_pb2_grpc.GenerationServiceStub(self.channel)
         self.key_service = keys_pb2_grpc.KeyServiceStub(self.channel)
@@ -332,6 +346,68 @@ class MnemeClient:
     def delete_directive(self, bank_id: str, directive_id: str) -> None:
         self.directives.DeleteDirective(directives_pb2.DeleteDirectiveRequest(
             name=f"banks/{bank_id}/directives/{directive_id}"), timeout=self.timeout)
+
+    # mental models
+    def create_mental_model(self, bank_id: str, display_name: str, source_query: str, *,
+                            content: str = "", tags: Iterable[str] = (), max_tokens: int = 0,
+                            refresh_policy: str = "manual", refresh_every: int = 0
+                            ) -> mental_models_pb2.MentalModel:
+        """Create a mental model (a standing answer to ``source_query``) in the bank."""
+        return self.mental_models.CreateMentalModel(mental_models_pb2.CreateMentalModelRequest(
+            parent=f"banks/{bank_id}", mental_model=_mental_model(
+                display_name=display_name, source_query=source_query, content=content,
+                tags=list(tags), max_tokens=max_tokens, refresh_policy=refresh_policy,
+                refresh_every=refresh_every)), timeout=self.timeout)
+
+    def get_mental_model(self, bank_id: str, model_id: str) -> mental_models_pb2.MentalModel:
+        return self.mental_models.GetMentalModel(mental_models_pb2.GetMentalModelRequest(
+            name=f"banks/{bank_id}/mental-models/{model_id}"), timeout=self.timeout)
+
+    def list_mental_models(self, bank_id: str, tags: Iterable[str] = (), page_size: int = 500):
+        """Yield every mental model of the bank in id order (with ``tags``: in scope)."""
+        token = ""
+        while True:
+            r = self.mental_models.ListMentalModels(mental_models_pb2.ListMentalModelsRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
+                tags=list(tags)), timeout=self.timeout)
+            yield from r.mental_models
+            token = r.next_page_token
+            if not token:
+                return
+
+    def update_mental_model(self, bank_id: str, model_id: str, **fields
+                            ) -> mental_models_pb2.MentalModel:
+        """Change exactly the given fields (display_name, source_query, content, tags,
+        max_tokens, refresh_policy, refresh_every)."""
+        m = _mental_model(**fields)
+        m.name = f"banks/{bank_id}/mental-models/{model_id}"
+        req = mental_models_pb2.UpdateMentalModelRequest(mental_model=m)
+        req.update_mask.paths.extend(fields)
+        return self.mental_models.UpdateMentalModel(req, timeout=self.timeout)
+
+    def delete_mental_model(self, bank_id: str, model_id: str) -> None:
+        self.mental_models.DeleteMentalModel(mental_models_pb2.DeleteMentalModelRequest(
+            name=f"banks/{bank_id}/mental-models/{model_id}"), timeout=self.timeout)
+
+    def mental_model_revisions(self, bank_id: str, model_id: str, page_size: int = 100) -> list:
+        """Every revision of the model's content, oldest first."""
+        out, token = [], ""
+        while True:
+            r = self.mental_models.ListMentalModelRevisions(
+                mental_models_pb2.ListMentalModelRevisionsRequest(
+                    parent=f"banks/{bank_id}/mental-models/{model_id}", page_size=page_size,
+                    page_token=token), timeout=self.timeout)
+            out += list(r.revisions)
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def refresh_mental_model(self, bank_id: str, model_id: str, budget: str = "mid",
+                             dry_run: bool = False) -> mental_models_pb2.MentalModel:
+        """Answer its source query again and store it (``dry_run``: only return it)."""
+        return self.mental_models.RefreshMentalModel(mental_models_pb2.RefreshMentalModelRequest(
+            name=f"banks/{bank_id}/mental-models/{model_id}", budget=BUDGETS[budget],
+            dry_run=dry_run), timeout=self.timeout)
 
     # entities, documents, tags
     def list_entities(self, bank_id: str, page_size: int = 500):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -127,6 +127,83 @@ class Directive:
     def applies_to(self, tags: Sequence[str]) -> bool:
         """Active, and untagged or sharing a tag with ``tags`` (a reflect's)."""
         return self.active and (not self.tags or bool(set(self.tags) & set(tags)))
+
+
+@dataclass(frozen=True)
+class MentalModel:
+    """A named, user-curated standing answer of a bank: ``display_name``, the
+    ``source_query`` a refresh answers, its ``content`` (the answer, at most ``max_tokens``
+    tokens; 0: the default), ``tags`` (its scope: what its refresh recalls, and which
+    changes make it stale), ``refresh_policy`` (:data:`REFRESH_POLICIES`) with
+    ``refresh_every`` (new facts between refreshes for "every_n_facts"). ``revision``
+    counts content changes; ``based_on`` are the memory ids of the latest refresh;
+    ``memory_offset`` is where its bank's partition of ``mneme.memory.v1`` ended at the
+    latest refresh (or creation): changes after it make the model stale. Times are epoch
+    seconds (``refreshed_at`` 0: never refreshed)."""
+
+    id: str
+    bank_id: str
+    display_name: str
+    source_query: str
+    content: str = ""
+    tags: tuple[str, ...] = ()
+    max_tokens: int = 0
+    refresh_policy: str = "manual"
+    refresh_every: int = 0
+    revision: int = 0
+    based_on: tuple[str, ...] = ()
+    memory_offset: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    refreshed_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class MentalModelRevision:
+    """One content of a mental model: ``revision`` (1, 2, ...), the ``content``, the
+    memory ids it was ``based_on`` (empty for content a user wrote), ``source``
+    ("user", "refresh" or "refresh_offline") and when (epoch seconds)."""
+
+    revision: int
+    content: str
+    based_on: tuple[str, ...] = ()
+    source: str = "user"
+    at: float = 0.0
+
+
+#: How a mental model is kept current (only "manual" refreshes run so far; the others
+#: are recorded for the scheduler to come).
+REFRESH_POLICIES = ("manual", "after_consolidation", "every_n_facts")
+#: The fields of a mental model an update_mask may name.
+MENTAL_MODEL_FIELDS = ("display_name", "source_query", "content", "tags", "max_tokens",
+                       "refresh_policy", "refresh_every")
+
+def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str, ...],
+                       refresh: MentalModelRevision | None
+                       ) -> tuple[MentalModel | None, MentalModelRevision | None]:
+    """The state after applying event ``m`` (``mask``, ``refresh``: see
+    :meth:`mneme.ports.Catalog.upsert_mental_model`) to ``old``, and the revision it adds
+    (None: the content did not change). (None, None) for an update of an unknown model.
+    Shared by every catalog adapter."""
+    if mask:
+        if old is None:
+            return None, None
+        new = replace(old, updated_at=m.updated_at, **{
+            f: getattr(m, f) for f in MENTAL_MODEL_FIELDS if f in mask})
+    else:
+        new = replace(m, created_at=old.created_at if old else m.updated_at,
+                                  revision=old.revision if old else 0)
+    if refresh is not None:
+        new = replace(new, based_on=tuple(refresh.based_on),
+                                  refreshed_at=m.updated_at, memory_offset=m.memory_offset)
+    elif not mask:
+        new = replace(new, memory_offset=m.memory_offset)
+    changed = "content" in mask or (not mask and bool(m.content))
+    revision = None
+    if changed:
+        revision = refresh if refresh is not None else MentalModelRevision(0, m.content)
+        revision = replace(revision, content=m.content, at=m.updated_at)
+    return new, revision
 
 
 #: The fields of a directive an update_mask may name.

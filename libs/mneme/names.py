@@ -72,6 +72,11 @@ def directive_of(name: str, field: str = "name") -> tuple[str, str]:
     return _bank_child(name, "directives", "directive", field)
 
 
+def mental_model_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/mental-models/{mental_model_id}`` → (bank_id, mental_model_id)."""
+    return _bank_child(name, "mental-models", "mental_model", field)
+
+
 def operation_of(name: str, field: str = "name") -> str:
     """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID)."""
     op = name.split("/", 1)[1] if name.startswith("operations/") else name
@@ -90,6 +95,10 @@ def memory_name(bank_id: str, memory_id: str) -> str:
 
 def directive_name(bank_id: str, directive_id: str) -> str:
     return f"banks/{bank_id}/directives/{directive_id}"
+
+
+def mental_model_name(bank_id: str, model_id: str) -> str:
+    return f"banks/{bank_id}/mental-models/{model_id}"
 
 
 def entity_name(bank_id: str, entity_id: str) -> str:

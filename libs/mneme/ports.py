@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
 from mneme.domain import (Bank, BankConfig, Directive, EntityInfo, EntityRef, Fact, Filters, Hit,
-                          Operation, RetainItem, TimeWindow)
+                          MentalModel, MentalModelRevision, Operation, RetainItem, TimeWindow)
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
     from mneme.events.v1 import events_pb2 as ev
@@ -298,6 +298,26 @@ class Catalog(Protocol):
 
     def list_directives(self, bank_id: str, limit: int, after: str = "") -> list[Directive]:
         """The bank's directives with ``id > after``, ordered by id, at most ``limit``."""
+
+    def upsert_mental_model(self, m: MentalModel, mask: tuple[str, ...] = (),
+                            refresh: MentalModelRevision | None = None) -> None:
+        """Create ``m`` (at ``m.updated_at``) or change the fields ``mask`` names
+        (:data:`mneme.domain.MENTAL_MODEL_FIELDS`; an update never creates). A change of
+        the content adds a revision (once per event time: a redelivered event adds none);
+        ``refresh`` (a refresh's result) also sets ``based_on``, ``refreshed_at`` and
+        ``memory_offset``. Ignored for a bank that does not exist."""
+
+    def delete_mental_model(self, bank_id: str, model_id: str) -> None:
+        """Remove the model and its revisions (no-op when unknown)."""
+
+    def get_mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
+        """The model, or None."""
+
+    def list_mental_models(self, bank_id: str, limit: int, after: str = "") -> list[MentalModel]:
+        """The bank's models with ``id > after``, ordered by id, at most ``limit``."""
+
+    def mental_model_revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
+        """Every revision of the model's content, oldest first."""
 
     def put_operation(self, op: Operation) -> None:
         """Insert ``op`` if its id is new; a known id keeps what it has (a redelivered

@@ -93,6 +93,14 @@ class CatalogChanges:
         self.catalog.delete_directive(*args, **kwargs)
         self._wrote()
 
+    def upsert_mental_model(self, *args, **kwargs) -> None:
+        self.catalog.upsert_mental_model(*args, **kwargs)
+        self._wrote()
+
+    def delete_mental_model(self, *args, **kwargs) -> None:
+        self.catalog.delete_mental_model(*args, **kwargs)
+        self._wrote()
+
     def put_operation(self, op: Operation) -> None:
         self.catalog.put_operation(op)
         self._wrote()

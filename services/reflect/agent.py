@@ -7,8 +7,10 @@ Tools, in order of distillation (the system prompt asks for this order):
 2. ``search_observations(query)`` — consolidated beliefs (:data:`MemorySearch` port);
 3. ``recall(query)`` — raw facts through search's recall, at the request's budget.
 
-Mental models and observations do not exist yet (later issues): their ports default to
-:func:`no_memories`. The loop never gives up before raw facts were searched: a reply that
+The mental-model and observation ports default to :func:`no_memories`; the composition root
+passes :meth:`services.reflect.mental_models.MentalModels.search` and search's observations.
+A mental model shown as fresh may answer on its own; a stale one is marked so, for the model
+to verify it against observations and facts. The loop never gives up before raw facts were searched: a reply that
 answers while no memory was supplied and ``recall`` was never called is discarded, and
 recall is run with the question itself (a ``ToolEvent`` with ``forced=True``).
 
@@ -43,13 +45,13 @@ from datetime import datetime
 from typing import Callable, Iterator, Protocol, Sequence
 
 from mneme.deadline import current as current_deadline
-from mneme.domain import BankConfig, Directive, Filters, Memory, RecallOutcome, RecallQuery, utc
+from mneme.domain import BankConfig, Directive, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
 from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
-from services.reflect.handlers import Reflection, reflect_offline
+from services.reflect.handlers import Reflection, reflect_offline, scope_filters
 
 __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflection",
            "ToolEvent", "TextDelta", "Done", "TOOLS", "system_prompt"]
@@ -329,13 +331,17 @@ class ReflectAgent:
 
     def __call__(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
                  response_schema: dict | None = None,
-                 directives: Sequence[Directive] = ()) -> AgentReflection:
+                 directives: Sequence[Directive] = (), tags: Sequence[str] = (),
+                 mental_models: bool = True) -> AgentReflection:
         """Answer ``query`` (``context``: extra text from the caller; ``budget``:
         low/mid/high for recall; ``now``: the current time; ``directives``: the rules in
-        force, highest priority first). Raises InvalidArgument for an empty query,
+        force, highest priority first; ``tags``: the scope of its recall;
+        ``mental_models`` False: the mental-model tool finds nothing). Raises
+        InvalidArgument for an empty query,
         LlmError when the model fails and ``fallback_offline`` is off."""
         for ev in self._run(bank_id, query, context, budget, now, response_schema,
-                            live=False, directives=directives):
+                            live=False, directives=directives, tags=tags,
+                            mental_models=mental_models):
             if isinstance(ev, Done):
                 return ev.reflection
         raise RuntimeError("reflect loop ended without an answer")  # unreachable
@@ -344,17 +350,19 @@ class ReflectAgent:
 
     def stream(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
                response_schema: dict | None = None,
-               directives: Sequence[Directive] = ()) -> Iterator[ToolEvent | TextDelta | Done]:
+               directives: Sequence[Directive] = (),
+               tags: Sequence[str] = ()) -> Iterator[ToolEvent | TextDelta | Done]:
         """The streaming variant: :class:`ToolEvent` per tool run, :class:`TextDelta` as
         the answer is generated, and last :class:`Done` (whose ``reflection.text`` is the
         concatenation of the deltas of the final turn)."""
         return self._run(bank_id, query, context, budget, now, response_schema, live=True,
-                         directives=directives)
+                         directives=directives, tags=tags)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _run(self, bank_id, query, context, budget, now, response_schema, live: bool,
-             directives: Sequence[Directive] = ()):
+             directives: Sequence[Directive] = (), tags: Sequence[str] = (),
+             mental_models: bool = True):
         if not query or not query.strip():
             raise InvalidArgument("query", "must not be empty")
         cfg = self.bank_config(bank_id) or BankConfig()
@@ -400,7 +408,8 @@ class ReflectAgent:
                 if c.tool_calls and not last:
                     messages.append(c.message())
                     for tc in c.tool_calls:
-                        text, n = self._tool(tc.name, tc.args(), bank_id, budget, now, ctx)
+                        text, n = self._tool(tc.name, tc.args(), bank_id, budget, now, ctx, tags,
+                                             mental_models)
                         called.append(tc.name)
                         messages.append({"role": "tool", "tool_call_id": tc.id, "content": text})
                         yield ToolEvent(tc.name, tc.args(), n)
@@ -408,7 +417,7 @@ class ReflectAgent:
                 if not grounded and "recall" not in called:
                     # An answer before any memory was seen: search the raw facts first.
                     args = {"query": query.strip()}
-                    text, n = self._tool("recall", args, bank_id, budget, now, ctx)
+                    text, n = self._tool("recall", args, bank_id, budget, now, ctx, tags)
                     called.append("recall")
                     call_id = f"forced_recall_{it}"
                     messages.append({"role": "assistant", "content": None, "tool_calls": [{
@@ -426,7 +435,7 @@ class ReflectAgent:
             if not self.fallback_offline or streamed:
                 raise
             log.warning("reflect: model failed (%s); answering extractively", e)
-            r = reflect_offline(bank_id, query, context, budget, now, self.recall)
+            r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags)
             yield Done(AgentReflection(r.text, r.based_on, True, usage=usage, tools_called=called,
                                        iterations=it, memories_supplied=len(ctx.by_ref)))
             return
@@ -485,21 +494,23 @@ class ReflectAgent:
     # ---- tools -------------------------------------------------------------------------------
 
     def _tool(self, name: str, args: dict, bank_id: str, budget: str, now: datetime,
-              ctx: _Context) -> tuple[str, int]:
-        """Run one tool; (text for the model, number of memories returned)."""
+              ctx: _Context, tags: Sequence[str] = (),
+              mental_models: bool = True) -> tuple[str, int]:
+        """Run one tool; (text for the model, number of memories returned). ``tags``
+        scope recall (:func:`services.reflect.handlers.scope_filters`)."""
         query = str(args.get("query") or "").strip()
         if not query:
             return "Error: the query argument is required.", 0
         current_deadline().check(f"reflect: {name}")
         if name == "search_mental_models":
-            memories = self.mental_models(bank_id, query, now, 5)
+            memories = self.mental_models(bank_id, query, now, 5) if mental_models else []
             empty = "No mental model matches. Search the observations next."
         elif name == "search_observations":
             memories = self.observations(bank_id, query, now, 10)
             empty = "No observation matches. Search the raw facts with recall next."
         elif name == "recall":
             outcome = self.recall(RecallQuery(
-                bank_id=bank_id, query=query, query_timestamp=now, filters=Filters(),
+                bank_id=bank_id, query=query, query_timestamp=now, filters=scope_filters(tags),
                 budget=budget, max_tokens=max(1, min(ctx.remaining(), 2048))))
             memories = [Memory(s.fact.id, s.fact.text, "fact",
                                s.fact.occurred_start or s.fact.mentioned_at, s.fact.fact_type)

@@ -1,17 +1,20 @@
-"""reflect's gRPC servicer: Reflect and StreamReflect."""
+"""reflect's gRPC servicers: ReflectService (Reflect, StreamReflect) and
+MentalModelService."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from typing import Callable, Iterator
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import empty_pb2, json_format, struct_pb2
 
-from mneme import apiconv, deadline
+from mneme import apiconv, deadline, paging
+from mneme.domain import MentalModel, from_epoch
 from mneme.errors import InvalidArgument, MnemeError, NotFound
-from mneme.grpc_util import abort_for, call_deadline, translate_errors, ts_to_dt
-from mneme.names import bank_id_of
-from mneme.v1 import reflect_pb2, reflect_pb2_grpc
+from mneme.grpc_util import (abort_for, call_deadline, dt_to_ts, remaining, translate_errors,
+                             ts_to_dt)
+from mneme.names import bank_id_of, memory_name, mental_model_name, mental_model_of
+from mneme.v1 import mental_models_pb2, mental_models_pb2_grpc, reflect_pb2, reflect_pb2_grpc
 from services.reflect.handlers import Reflection
 
 
@@ -88,6 +91,120 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
             abort_for(context, err)
 
 
-def register(server, servicer: ReflectServicer) -> list[str]:
+_POLICY = {mental_models_pb2.REFRESH_POLICY_UNSPECIFIED: "manual", mental_models_pb2.MANUAL: "manual",
+           mental_models_pb2.AFTER_CONSOLIDATION: "after_consolidation",
+           mental_models_pb2.EVERY_N_FACTS: "every_n_facts"}
+_POLICY_PB = {"manual": mental_models_pb2.MANUAL, "after_consolidation":
+              mental_models_pb2.AFTER_CONSOLIDATION, "every_n_facts": mental_models_pb2.EVERY_N_FACTS}
+
+
+def mental_model_to_api(m: MentalModel, stale: bool) -> mental_models_pb2.MentalModel:
+    """A :class:`~mneme.domain.MentalModel` → MentalModel (memories as names)."""
+    out = mental_models_pb2.MentalModel(
+        name=mental_model_name(m.bank_id, m.id), id=m.id, display_name=m.display_name,
+        source_query=m.source_query, content=m.content, tags=list(m.tags),
+        max_tokens=m.max_tokens, refresh_policy=_POLICY_PB.get(m.refresh_policy, 0),
+        refresh_every=m.refresh_every, revision=m.revision,
+        based_on=[memory_name(m.bank_id, i) for i in m.based_on], is_stale=stale,
+        create_time=dt_to_ts(from_epoch(m.created_at)), update_time=dt_to_ts(from_epoch(m.updated_at)))
+    if m.refreshed_at:
+        out.refresh_time.CopyFrom(dt_to_ts(from_epoch(m.refreshed_at)))
+    return out
+
+
+def _model_from_api(m: mental_models_pb2.MentalModel, bank_id: str, model_id: str = "") -> MentalModel:
+    if m.refresh_policy not in _POLICY:
+        raise InvalidArgument("mental_model.refresh_policy", "not a RefreshPolicy value")
+    return MentalModel(id=model_id, bank_id=bank_id, display_name=m.display_name,
+                       source_query=m.source_query, content=m.content, tags=tuple(m.tags),
+                       max_tokens=m.max_tokens, refresh_policy=_POLICY[m.refresh_policy],
+                       refresh_every=m.refresh_every)
+
+
+class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
+    """MentalModelService over :class:`services.reflect.mental_models.MentalModels`."""
+
+    def __init__(self, models):
+        self.models = models
+
+    def _api(self, m: MentalModel) -> mental_models_pb2.MentalModel:
+        return mental_model_to_api(m, self.models.is_stale(m))
+
+    @translate_errors
+    def CreateMentalModel(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        if not request.HasField("mental_model"):
+            raise InvalidArgument("mental_model", "required")
+        with deadline.bind(call_deadline(context)):
+            return self._api(self.models.create(_model_from_api(request.mental_model, bank_id),
+                                                remaining(context, 30.0)))
+
+    @translate_errors
+    def GetMentalModel(self, request, context):
+        return self._api(self.models.get(*mental_model_of(request.name)))
+
+    @translate_errors
+    def ListMentalModels(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        for i, t in enumerate(request.tags):
+            if not t.strip():
+                raise InvalidArgument(f"tags[{i}]", "must not be empty")
+        size = paging.page_size(request.page_size)
+        kind = f"mental-models:{bank_id}"
+        after = paging.decode_token(request.page_token, kind) or ""
+        found = self.models.list(bank_id, size + 1, after, tuple(request.tags))
+        page = found[:size]
+        return mental_models_pb2.ListMentalModelsResponse(
+            mental_models=[self._api(m) for m in page],
+            next_page_token=paging.encode_token(kind, page[-1].id) if len(found) > size else "")
+
+    @translate_errors
+    def UpdateMentalModel(self, request, context):
+        if not request.HasField("mental_model"):
+            raise InvalidArgument("mental_model", "required")
+        bank_id, model_id = mental_model_of(request.mental_model.name, "mental_model.name")
+        with deadline.bind(call_deadline(context)):
+            return self._api(self.models.update(
+                _model_from_api(request.mental_model, bank_id, model_id),
+                list(request.update_mask.paths), remaining(context, 30.0)))
+
+    @translate_errors
+    def DeleteMentalModel(self, request, context):
+        self.models.delete(*mental_model_of(request.name))
+        return empty_pb2.Empty()
+
+    @translate_errors
+    def ListMentalModelRevisions(self, request, context):
+        bank_id, model_id = mental_model_of(request.parent, "parent")
+        size = paging.page_size(request.page_size)
+        kind = f"revisions:{bank_id}/{model_id}"
+        after = paging.decode_token(request.page_token, kind, int) or 0
+        revs = [r for r in self.models.history(bank_id, model_id) if r.revision > after]
+        page = revs[:size]
+        return mental_models_pb2.ListMentalModelRevisionsResponse(revisions=[
+            mental_models_pb2.MentalModelRevision(
+                revision=r.revision, content=r.content, source=r.source,
+                based_on=[memory_name(bank_id, i) for i in r.based_on],
+                create_time=dt_to_ts(from_epoch(r.at))) for r in page],
+            next_page_token=paging.encode_token(kind, page[-1].revision) if len(revs) > size else "")
+
+    @translate_errors
+    def RefreshMentalModel(self, request, context):
+        bank_id, model_id = mental_model_of(request.name)
+        if request.budget not in apiconv.BUDGET:
+            raise InvalidArgument("budget", "must be LOW, MID or HIGH")
+        with deadline.bind(call_deadline(context)):
+            m, _ = self.models.refresh(bank_id, model_id, datetime.now(timezone.utc),
+                                       apiconv.BUDGET[request.budget], dry_run=request.dry_run)
+        return self._api(m)
+
+
+def register(server, servicer: ReflectServicer, models=None) -> list[str]:
+    """Add ReflectService (and MentalModelService over ``models``) to ``server``."""
     reflect_pb2_grpc.add_ReflectServiceServicer_to_server(servicer, server)
-    return [reflect_pb2.DESCRIPTOR.services_by_name["ReflectService"].full_name]
+    names = [reflect_pb2.DESCRIPTOR.services_by_name["ReflectService"].full_name]
+    if models is not None:
+        mental_models_pb2_grpc.add_MentalModelServiceServicer_to_server(
+            MentalModelServicer(models), server)
+        names.append(mental_models_pb2.DESCRIPTOR.services_by_name["MentalModelService"].full_name)
+    return names

@@ -33,15 +33,22 @@ class Reflection:
     directives: list[str] = field(default_factory=list)
 
 
+def scope_filters(tags: Sequence[str]) -> Filters:
+    """Recall's filters for a reflect scoped to ``tags``: units sharing one of them and
+    untagged ones (``tags_match`` "any"); no filter when ``tags`` is empty."""
+    return Filters(tags=tuple(tags), tags_match="any") if tags else Filters()
+
+
 def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: datetime,
-                    recall: Callable[[RecallQuery], RecallOutcome], max_quotes: int = 5) -> Reflection:
-    """Extractive reflect: recall (``budget``), rerank the head by how many of the
-    question's content words each memory covers, and quote the best ``max_quotes``.
-    Raises InvalidArgument for an empty query."""
+                    recall: Callable[[RecallQuery], RecallOutcome], max_quotes: int = 5,
+                    tags: Sequence[str] = ()) -> Reflection:
+    """Extractive reflect: recall (``budget``, within ``tags``), rerank the head by how
+    many of the question's content words each memory covers, and quote the best
+    ``max_quotes``. Raises InvalidArgument for an empty query."""
     if not query or not query.strip():
         raise InvalidArgument("query", "must not be empty")
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
-                                 filters=Filters(), budget=budget, max_tokens=2048))
+                                 filters=scope_filters(tags), budget=budget, max_tokens=2048))
     if not outcome.results:
         return Reflection("I have no memories that answer this (extractive answer, no language "
                           "model configured).", [], True)
@@ -98,25 +105,37 @@ class Reflector:
     :class:`services.reflect.agent.ReflectAgent`, or None: :func:`reflect_offline` over
     ``recall``). ``directives(bank_id)`` lists the bank's directives (the catalog's; None:
     none are known here); those in scope of a call's ``tags`` go into the agent's prompt.
-    Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
+    ``mental_models`` (a :class:`services.reflect.mental_models.MentalModels`) answers
+    first offline when a fresh model covers the question. A call's ``tags`` also scope
+    its recall. Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
 
     def __init__(self, agent, recall: Callable, record: Callable,
-                 directives: Callable[[str], Iterable[Directive]] | None = None) -> None:
+                 directives: Callable[[str], Iterable[Directive]] | None = None,
+                 mental_models=None) -> None:
         self.agent, self.recall, self.record = agent, recall, record
-        self.directives = directives
+        self.directives, self.mental_models = directives, mental_models
 
     def _in_scope(self, bank_id: str, tags: Sequence[str]) -> list[Directive]:
         return directives_in_scope(self.directives(bank_id), tags) if self.directives else []
 
     def reflect(self, bank_id, query, context, budget, now, response_schema=None,
-                tags: Sequence[str] = ()) -> Reflection:
-        """One answer. InvalidArgument for a ``response_schema`` without a reflect model."""
+                tags: Sequence[str] = (), mental_models: bool = True) -> Reflection:
+        """One answer. InvalidArgument for a ``response_schema`` without a reflect model.
+        ``mental_models`` False leaves the bank's mental models out (a refresh of one
+        must not answer from it)."""
         if self.agent is None and response_schema is not None:
             raise InvalidArgument("response_schema", "needs a reflect model "
                                   "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
-        r = (self.agent(bank_id, query, context, budget, now, response_schema,
-                        directives=self._in_scope(bank_id, tags)) if self.agent
-             else reflect_offline(bank_id, query, context, budget, now, self.recall))
+        if self.agent is not None:
+            r = self.agent(bank_id, query, context, budget, now, response_schema,
+                           directives=self._in_scope(bank_id, tags), tags=tags,
+                           mental_models=mental_models)
+        else:
+            if not query or not query.strip():
+                raise InvalidArgument("query", "must not be empty")
+            r = ((self.mental_models.answer_offline(bank_id, query, tags)
+                  if self.mental_models is not None and mental_models else None)
+                 or reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags))
         self.record(record_reflection(bank_id, query, r))
         return r
 
@@ -128,7 +147,7 @@ class Reflector:
             yield Done(self.reflect(bank_id, query, context, budget, now, response_schema, tags))
             return
         for event in self.agent.stream(bank_id, query, context, budget, now, response_schema,
-                                       directives=self._in_scope(bank_id, tags)):
+                                       directives=self._in_scope(bank_id, tags), tags=tags):
             if isinstance(event, Done):
                 self.record(record_reflection(bank_id, query, event.reflection))
             yield event

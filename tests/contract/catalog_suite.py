@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from mneme.domain import BankConfig, Directive, Operation
+from mneme.domain import BankConfig, Directive, MentalModel, MentalModelRevision, Operation
 
 T0 = 1_700_000_000.0
 
@@ -118,6 +118,50 @@ class CatalogSuite:
         cat.delete_bank("a")
         cat.upsert_bank("a", "", BankConfig(), T0 + 9)
         assert cat.list_directives("a", 10) == [] and cat.get_directive("a", "d2") is None
+
+    # -- mental models --
+
+    def test_mental_models_keep_revisions_once_per_event_and_go_with_their_bank(self, cat):
+        cat.upsert_bank("a", "", BankConfig(), T0)
+        m = MentalModel("m1", "a", "Home", "Where does Alice live?", content="Lisbon.",
+                        tags=("people",), memory_offset=7, updated_at=T0 + 1)
+        cat.upsert_mental_model(m)
+        cat.upsert_mental_model(m)  # redelivered: no second revision
+        got = cat.get_mental_model("a", "m1")
+        assert (got.revision, got.created_at, got.memory_offset, got.refreshed_at) == (1, T0 + 1, 7, 0)
+        assert [r.content for r in cat.mental_model_revisions("a", "m1")] == ["Lisbon."]
+        # a refresh: content, based_on, refreshed_at and the new offset
+        refreshed = MentalModel("m1", "a", "", "", content="Porto since 2024 [1].",
+                                memory_offset=12, updated_at=T0 + 5)
+        rev = MentalModelRevision(0, "", based_on=("f1", "f2"), source="refresh_offline")
+        cat.upsert_mental_model(refreshed, mask=("content",), refresh=rev)
+        cat.upsert_mental_model(refreshed, mask=("content",), refresh=rev)
+        got = cat.get_mental_model("a", "m1")
+        assert (got.content, got.revision, got.based_on, got.refreshed_at, got.memory_offset) == (
+            "Porto since 2024 [1].", 2, ("f1", "f2"), T0 + 5, 12)
+        assert (got.display_name, got.source_query, got.tags) == ("Home", "Where does Alice live?",
+                                                                  ("people",))
+        revs = cat.mental_model_revisions("a", "m1")
+        assert [(r.revision, r.content, r.based_on, r.source, r.at) for r in revs] == [
+            (1, "Lisbon.", (), "user", T0 + 1),
+            (2, "Porto since 2024 [1].", ("f1", "f2"), "refresh_offline", T0 + 5)]
+        # a change that leaves the content alone adds no revision
+        cat.upsert_mental_model(MentalModel("m1", "a", "Alice's home", "", updated_at=T0 + 6),
+                                mask=("display_name",))
+        got = cat.get_mental_model("a", "m1")
+        assert (got.display_name, got.revision, got.content) == ("Alice's home", 2,
+                                                                 "Porto since 2024 [1].")
+        cat.upsert_mental_model(MentalModel("m9", "a", "x", "y", updated_at=T0), mask=("content",))
+        assert cat.get_mental_model("a", "m9") is None  # an update never creates
+        cat.upsert_mental_model(MentalModel("m2", "a", "Empty", "What?", updated_at=T0 + 7))
+        assert [x.id for x in cat.list_mental_models("a", 10)] == ["m1", "m2"]
+        assert [x.id for x in cat.list_mental_models("a", 10, after="m1")] == ["m2"]
+        assert cat.get_mental_model("a", "m2").revision == 0  # no content yet
+        cat.delete_mental_model("a", "m2")
+        assert cat.get_mental_model("a", "m2") is None and cat.mental_model_revisions("a", "m2") == []
+        cat.delete_bank("a")
+        cat.upsert_bank("a", "", BankConfig(), T0 + 9)
+        assert cat.list_mental_models("a", 10) == [] and cat.mental_model_revisions("a", "m1") == []
 
     def test_put_operation_is_insert_only(self, cat):
         cat.put_operation(op("o1", items_total=3))

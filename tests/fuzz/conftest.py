@@ -28,7 +28,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, directives_pb2_grpc, documents_pb2_grpc,
-                      entities_pb2_grpc,
+                      entities_pb2_grpc, mental_models_pb2_grpc,
                       memory_pb2, memory_pb2_grpc,
                       observations_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
                       recall_pb2_grpc, reflect_pb2_grpc, resources_pb2)
@@ -87,6 +87,13 @@ RPCS = {
     "ListDirectives": (directives_pb2_grpc.DirectiveServiceStub, False),
     "UpdateDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
     "DeleteDirective": (directives_pb2_grpc.DirectiveServiceStub, False),
+    "CreateMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "GetMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "ListMentalModels": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "UpdateMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "DeleteMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "ListMentalModelRevisions": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "RefreshMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
 }
 
 REPORTS: list[str] = []  # printed by pytest_terminal_summary
@@ -622,6 +629,10 @@ class Harness:
             self.seen[f"observation:{case.bank}"] += [o.id for o in resp.observations]
         if case.rpc == "ListEntities":
             self.seen[f"entity:{case.bank}"] += [e.id for e in resp.entities]
+        if case.rpc == "CreateMentalModel":
+            self.seen[f"mental_model:{case.bank}"].append(resp.id)
+        if case.rpc == "ListMentalModels":
+            self.seen[f"mental_model:{case.bank}"] += [x.id for x in resp.mental_models]
         if case.rpc == "CreateDirective":
             self.seen[f"directive:{case.bank}"].append(resp.id)
         if case.rpc == "ListDirectives":

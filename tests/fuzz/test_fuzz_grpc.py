@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
 from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, memory_pb2,
-                      observations_pb2, operations_pb2, recall_pb2, reflect_pb2, resources_pb2)
+                      mental_models_pb2, observations_pb2, operations_pb2, recall_pb2,
+                      reflect_pb2, resources_pb2)
 from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
 
 MIN_S, MAX_S = -62135596800, 253402300799  # 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
@@ -376,7 +377,8 @@ def reflect_case(draw):
 def list_case(draw):
     rpc = draw(st.sampled_from(["ListBanks", "ListOperations", "ListMemories", "ListMemories",
                                 "ListObservations", "ListObservationScopes", "ListEntities",
-                                "ListDocuments", "ListTags", "ListDirectives"]))
+                                "ListDocuments", "ListTags", "ListDirectives",
+                                "ListMentalModels"]))
     token, ref, why_token = draw(page_token())
     size = draw(page_size())
     bank, why_name = None, ""
@@ -404,6 +406,9 @@ def list_case(draw):
             req = documents_pb2.ListDocumentsRequest(parent=name, page_size=size, page_token=token)
         elif rpc == "ListTags":
             req = documents_pb2.ListTagsRequest(parent=name, page_size=size, page_token=token)
+        elif rpc == "ListMentalModels":
+            req = mental_models_pb2.ListMentalModelsRequest(parent=name, page_size=size,
+                                                            page_token=token)
         elif rpc == "ListDirectives":
             req = directives_pb2.ListDirectivesRequest(parent=name, page_size=size,
                                                        page_token=token)
@@ -418,7 +423,7 @@ def list_case(draw):
 def get_case(draw):
     rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetMemory", "GetMemory",
                                 "GetObservation", "GetOperation", "GetEntity", "GetDocument",
-                                "GetDirective"]))
+                                "GetDirective", "GetMentalModel"]))
     ref = None
     if rpc in ("GetBank", "GetBankStats"):
         name, bank, why = draw(bank_name())
@@ -432,6 +437,9 @@ def get_case(draw):
     elif rpc == "GetEntity":
         name, ref, bank, why = draw(child_name("entities", "entity"))
         req = entities_pb2.GetEntityRequest(name=name)
+    elif rpc == "GetMentalModel":
+        name, ref, bank, why = draw(child_name("mental-models", "mental_model"))
+        req = mental_models_pb2.GetMentalModelRequest(name=name)
     elif rpc == "GetDirective":
         name, ref, bank, why = draw(child_name("directives", "directive"))
         req = directives_pb2.GetDirectiveRequest(name=name)
@@ -559,6 +567,58 @@ def directive_case(draw):
                 refs=(directives_ref(ref),) if ref else ())
 
 
+MODEL_PATHS = ["display_name", "source_query", "content", "tags", "max_tokens",
+               "refresh_policy", "refresh_every", "*"]
+
+
+@st.composite
+def mental_model_case(draw):
+    """CreateMentalModel, UpdateMentalModel, DeleteMentalModel, RefreshMentalModel or
+    ListMentalModelRevisions."""
+    mm = mental_models_pb2.MentalModel(
+        display_name=draw(rarely(st.sampled_from(["", " "]), st.sampled_from(["Home"]) | noise(12))),
+        source_query=draw(rarely(st.sampled_from(["", "\n"]), st.sampled_from(SENTENCES) | text())),
+        content=draw(st.sampled_from(["", "Lisbon."]) | text()),
+        max_tokens=draw(st.sampled_from([0, 1, 100, -1, 2**31 - 1])),
+        refresh_policy=draw(enum(3)), refresh_every=draw(st.sampled_from([0, 5, -1])))
+    mm.tags.extend(draw(st.lists(rarely(st.sampled_from(["", " "]), st.sampled_from(["a", "b"])),
+                                 max_size=3)))
+    kind = draw(st.sampled_from(["create", "update", "refresh", "create", "delete", "history"]))
+    if kind == "create":
+        name, bank, why = draw(bank_name())
+        blank = next((i for i, t in enumerate(mm.tags) if not t.strip()), None)
+        whys = [why,
+                "mental_model.display_name: blank" if not mm.display_name.strip() else "",
+                "mental_model.source_query: blank" if not mm.source_query.strip() else "",
+                f"mental_model.tags[{blank}]: blank" if blank is not None else "",
+                "mental_model.max_tokens: negative" if mm.max_tokens < 0 else "",
+                "mental_model.refresh_every: negative" if mm.refresh_every < 0 else "",
+                "mental_model.refresh_policy: unknown" if mm.refresh_policy > 3 or mm.refresh_policy < 0 else ""]
+        return Case("CreateMentalModel", mental_models_pb2.CreateMentalModelRequest(
+            parent=name, mental_model=mm), draw(deadline()), bank, write=True,
+            must_refuse="; ".join(w for w in whys if w))
+    name, ref, bank, why = draw(child_name("mental-models", "mental_model"))
+    refs = (ref,) if ref else ()
+    if kind == "delete":
+        return Case("DeleteMentalModel", mental_models_pb2.DeleteMentalModelRequest(name=name),
+                    draw(deadline()), bank, write=True, must_refuse=why, refs=refs)
+    if kind == "refresh":
+        return Case("RefreshMentalModel", mental_models_pb2.RefreshMentalModelRequest(
+            name=name, budget=draw(enum(3)), dry_run=draw(st.booleans())), draw(deadline()),
+            bank, write=True, must_refuse=why, refs=refs)
+    if kind == "history":
+        req = mental_models_pb2.ListMentalModelRevisionsRequest(
+            parent=name, page_size=draw(page_size()))
+        return Case("ListMentalModelRevisions", req, draw(deadline()), bank, must_refuse=why,
+                    refs=(Ref("parent", ref.kind, ref.index, ref.template),) if ref else ())
+    mm.name = name
+    req = mental_models_pb2.UpdateMentalModelRequest(mental_model=mm)
+    req.update_mask.paths.extend(draw(st.lists(rarely(st.sampled_from(["bogus", "Content"]),
+                                                      st.sampled_from(MODEL_PATHS)), max_size=3)))
+    return Case("UpdateMentalModel", req, draw(deadline()), bank, write=True, must_refuse=why,
+                refs=(Ref("mental_model.name", ref.kind, ref.index, ref.template),) if ref else ())
+
+
 def directives_ref(ref: Ref) -> Ref:
     """A Ref of a generated directive name, set on ``directive.name`` of an update."""
     return Ref("directive.name", ref.kind, ref.index, ref.template)
@@ -682,6 +742,10 @@ def test_gets(fuzz):
 
 def test_bank_writes(fuzz):
     _run(fuzz, "bank_writes", bank_write_case(), 90, 45, OTHER_EXAMPLES["bank_writes"])
+
+
+def test_mental_models(fuzz):
+    _run(fuzz, "mental models", mental_model_case(), 60, 40)
 
 
 def test_directives(fuzz):

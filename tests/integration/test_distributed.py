@@ -160,6 +160,20 @@ def test_distributed_reflect_follows_the_banks_directives_and_traits(cluster, st
         m.update_bank(BANK, skepticism=3)
 
 
+def test_distributed_reflect_serves_mental_models(cluster, stub):
+    """MentalModelService on a reflect replica: its writes go through the intake topic into
+    its own catalog (read-your-writes), a refresh runs the reflect model over search."""
+    with MnemeClient(cluster.address["reflect"]) as r:
+        made = r.create_mental_model(BANK, "Melanie's art", "What does Melanie paint?")
+        assert [x.id for x in r.list_mental_models(BANK)] == [made.id]
+        _recall_then(stub, "What does Melanie paint?", "Sunsets and lakes [m1].")
+        got = r.refresh_mental_model(BANK, made.id)
+        assert got.content == "Sunsets and lakes [1]." and len(got.based_on) == 1
+        assert got.revision == 1 and not got.is_stale
+        r.delete_mental_model(BANK, made.id)
+        assert list(r.list_mental_models(BANK)) == []
+
+
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):
     items = [i for s in locomo.sessions(next(
         c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26"))

@@ -80,6 +80,7 @@ def sample_events() -> list:
 
 EXPECTED_TOPIC = {
     "BankUpserted": INTAKE, "BankDeleted": INTAKE, "DirectiveChanged": INTAKE,
+    "MentalModelChanged": INTAKE,
     "RetainRequested": INTAKE,
     "DocumentDeleteRequested": INTAKE, "MemoryDeleteRequested": INTAKE,
     "FactsExtracted": MEMORY, "FactsRetracted": MEMORY,
@@ -111,7 +112,7 @@ def test_every_event_type_round_trips(msg):
 def test_topic_map_covers_every_top_level_event():
     nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure", "LlmUsage",
               "ObservationScopes", "ScopeTags", "Evidence", "ObservationRevision", "Observation",
-              "ResolvedEntity", "EntityAlias", "Seal"}
+              "ResolvedEntity", "EntityAlias", "Seal", "MentalModelRefresh"}
     names = set(ev.DESCRIPTOR.message_types_by_name) - nested
     assert {t.removeprefix(codec.TYPE_PREFIX) for t in codec.TOPIC_OF_TYPE} == names
     assert set(EXPECTED_TOPIC) == names

@@ -893,6 +893,8 @@ SAMPLES = {
     ev.BankDeleted: ev.BankDeleted(bank_id="b"),
     ev.DirectiveChanged: ev.DirectiveChanged(bank_id="b", id="d1", text="Answer in German.",
                                              active=True, tags=["travel"]),
+    ev.MentalModelChanged: ev.MentalModelChanged(bank_id="b", id="m1", display_name="Home",
+                                                 source_query="Where does Alice live?"),
     ev.RetainRequested: retain(item("Alice moved to Lisbon."), item("Bob likes tea.")),
     ev.DocumentDeleteRequested: ev.DocumentDeleteRequested(bank_id="b", operation_id="op-d",
                                                            document_id="d"),

@@ -57,6 +57,7 @@ TOPIC_OF_TYPE: dict[str, str] = {
     TYPE_PREFIX + m.DESCRIPTOR.name: topic
     for topic, messages in (
         (INTAKE, (events_pb2.BankUpserted, events_pb2.BankDeleted, events_pb2.DirectiveChanged,
+                  events_pb2.MentalModelChanged,
                   events_pb2.RetainRequested, events_pb2.DocumentDeleteRequested,
                   events_pb2.MemoryDeleteRequested, events_pb2.ConsolidationRequested)),
         (MEMORY, (events_pb2.FactsExtracted, events_pb2.FactsRetracted,

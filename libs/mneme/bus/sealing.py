@@ -64,11 +64,12 @@ SEALED: dict[str, tuple[str, ...]] = {
     "Observation": ("text", "evidence", "history", "embedding", "entities"),
     "ReflectionRecorded": ("query", "answer"),
     "DirectiveChanged": ("title", "text"),
+    "MentalModelChanged": ("display_name", "source_query", "content"),
 }
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
-    "ReflectionRecorded", "DirectiveChanged"))
+    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -201,7 +202,7 @@ class Opener:
                 each(m, f)
         elif isinstance(m, ev.ObservationsChanged):
             each(m, "observations")
-        elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged)):
+        elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged, ev.MentalModelChanged)):
             ok = self._open(m, bank)
             if ok is False:
                 return opened, 1, True
@@ -308,7 +309,7 @@ class Sealer(Opener):
                     if k not in m.seal.keys and kr.key(bank, k) is not None:
                         m.seal.keys.append(k)
             n += self._seal(m, bank)
-        elif isinstance(m, ev.DirectiveChanged):  # under the bank's key (see _seal)
+        elif isinstance(m, (ev.DirectiveChanged, ev.MentalModelChanged)):  # the bank's key
             n += self._seal(m, bank)
         return n
 

@@ -99,6 +99,7 @@ class ServiceProcess:
         """Start the gRPC server (health NOT_SERVING, API UNAVAILABLE); returns the port."""
         self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors", "graph",
                                                            "exists", "reflect", "reflect_stream",
+                                                           "mental_models",
                                                            "replay")}
         self._guard = grpc_server.guard(self.settings)
         server = grpc_server.server(self.settings, self._guard)
@@ -117,7 +118,7 @@ class ServiceProcess:
         elif self.name == "reflect":
             from services.reflect import grpc_api
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
-                p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]))
+                p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]), p["mental_models"])
         self._health = grpc_server.add_health(server, self._names, grpc_server.NOT_SERVING)
         self.port = grpc_server.bind(server, self.settings.grpc_address, self.settings)
         if self.port == 0:
@@ -172,6 +173,7 @@ class ServiceProcess:
         if "reflect" in api:
             p["reflect"].set(api["reflect"])
             p["reflect_stream"].set(api["reflect_stream"])
+            p["mental_models"].set(api["mental_models"])
         self.parts.runner = self.runner = _runner(root, self.parts)
         self.runner.start()
         self._set_health(grpc_server.SERVING)

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import asdict
 
-from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, Operation,
-                          from_epoch)
+from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, MentalModel,
+                          MentalModelRevision, Operation, from_epoch, merge_mental_model)
 from mneme.stores import sqlite_erase
 
 _SCHEMA = """
@@ -34,6 +34,13 @@ CREATE TABLE IF NOT EXISTS directives (
   bank_id TEXT NOT NULL, directive_id TEXT NOT NULL, title TEXT NOT NULL, text TEXT NOT NULL,
   priority INTEGER NOT NULL, active INTEGER NOT NULL, tags TEXT NOT NULL,
   created_at REAL NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (bank_id, directive_id));
+CREATE TABLE IF NOT EXISTS mental_models (
+  bank_id TEXT NOT NULL, model_id TEXT NOT NULL, state TEXT NOT NULL,
+  PRIMARY KEY (bank_id, model_id));
+CREATE TABLE IF NOT EXISTS mental_model_revisions (
+  bank_id TEXT NOT NULL, model_id TEXT NOT NULL, revision INTEGER NOT NULL, at REAL NOT NULL,
+  content TEXT NOT NULL, based_on TEXT NOT NULL, source TEXT NOT NULL,
+  PRIMARY KEY (bank_id, model_id, revision), UNIQUE (bank_id, model_id, at));
 -- How many times each bank id was created (kept when the bank is deleted).
 CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
 """
@@ -46,6 +53,11 @@ _OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, fac
 _BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
 _DIRECTIVE_COLUMNS = ("bank_id, directive_id, title, text, priority, active, tags, created_at, "
                       "updated_at")
+
+
+def mental_model_from_json(state: str) -> MentalModel:
+    d = json.loads(state)
+    return MentalModel(**{**d, "tags": tuple(d["tags"]), "based_on": tuple(d["based_on"])})
 
 
 def _directive(row) -> Directive:
@@ -123,6 +135,8 @@ class SqliteCatalog:
                              "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM directives WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM mental_models WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM mental_model_revisions WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def get_bank(self, bank_id: str) -> Bank | None:
@@ -231,6 +245,66 @@ class SqliteCatalog:
                 "ORDER BY directive_id LIMIT ?", (bank_id, after, max(limit, 0))).fetchall()
         return [_directive(r) for r in rows]
 
+    # ---- mental models (the state as JSON: one row, one read) ----
+    def upsert_mental_model(self, m: MentalModel, mask: tuple[str, ...] = (),
+                            refresh: MentalModelRevision | None = None) -> None:
+        with self._lock:
+            if self._db.execute("SELECT 1 FROM banks WHERE bank_id=?", (m.bank_id,)).fetchone() is None:
+                return
+            old = self._mental_model(m.bank_id, m.id)
+            new, revision = merge_mental_model(old, m, mask, refresh)
+            if new is None:
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if revision is not None:
+                    top = self._db.execute(
+                        "SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
+                        "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO mental_model_revisions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (m.bank_id, m.id, top + 1, revision.at, revision.content,
+                         json.dumps(list(revision.based_on)), revision.source))
+                n = self._db.execute("SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
+                                     "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
+                new = dataclasses.replace(new, revision=n)
+                self._db.execute("INSERT OR REPLACE INTO mental_models VALUES (?, ?, ?)",
+                                 (m.bank_id, m.id, json.dumps(dataclasses.asdict(new))))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def delete_mental_model(self, bank_id: str, model_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM mental_models WHERE bank_id=? AND model_id=?",
+                             (bank_id, model_id))
+            self._db.execute("DELETE FROM mental_model_revisions WHERE bank_id=? AND model_id=?",
+                             (bank_id, model_id))
+
+    def get_mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
+        with self._lock:
+            return self._mental_model(bank_id, model_id)
+
+    def list_mental_models(self, bank_id: str, limit: int, after: str = "") -> list[MentalModel]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT state FROM mental_models WHERE bank_id=? AND model_id>? "
+                "ORDER BY model_id LIMIT ?", (bank_id, after, max(limit, 0))).fetchall()
+        return [mental_model_from_json(r[0]) for r in rows]
+
+    def mental_model_revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT revision, content, based_on, source, at FROM mental_model_revisions "
+                "WHERE bank_id=? AND model_id=? ORDER BY revision", (bank_id, model_id)).fetchall()
+        return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4]) for r in rows]
+
+    def _mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
+        row = self._db.execute("SELECT state FROM mental_models WHERE bank_id=? AND model_id=?",
+                               (bank_id, model_id)).fetchone()
+        return mental_model_from_json(row[0]) if row else None
+
     def _directive(self, bank_id: str, directive_id: str) -> Directive | None:
         row = self._db.execute(f"SELECT {_DIRECTIVE_COLUMNS} FROM directives "
                                "WHERE bank_id=? AND directive_id=?", (bank_id, directive_id)).fetchone()
@@ -240,6 +314,8 @@ class SqliteCatalog:
         with self._lock:
             self._db.execute("DELETE FROM banks")
             self._db.execute("DELETE FROM directives")
+            self._db.execute("DELETE FROM mental_models")
+            self._db.execute("DELETE FROM mental_model_revisions")
             self._db.execute("DELETE FROM operations")
             self._db.execute("DELETE FROM deleted_operations")
             self._db.execute("DELETE FROM bank_generations")

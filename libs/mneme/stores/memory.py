@@ -13,8 +13,8 @@ import threading
 from dataclasses import asdict, replace
 from typing import Iterable, Sequence
 
-from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, Operation,
-                          from_epoch)
+from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, MentalModel,
+                          MentalModelRevision, Operation, from_epoch, merge_mental_model)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import tombstone
@@ -33,6 +33,8 @@ class MemoryCatalog:
         self._deleted_ops: set[str] = set()
         self._generations: dict[str, int] = {}
         self._directives: dict[tuple[str, str], Directive] = {}
+        self._models: dict[tuple[str, str], MentalModel] = {}
+        self._revisions: dict[tuple[str, str], list[MentalModelRevision]] = {}
 
     # ---- banks ----
     def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig, at: float,
@@ -68,6 +70,9 @@ class MemoryCatalog:
             self._banks.pop(bank_id, None)
             for k in [k for k in self._directives if k[0] == bank_id]:
                 del self._directives[k]
+            for k in [k for k in self._models if k[0] == bank_id]:
+                del self._models[k]
+                self._revisions.pop(k, None)
             self._generations.setdefault(bank_id, 1)  # as SQLite: a deleted id was used once
             gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
             self._deleted_ops.update(gone)
@@ -114,6 +119,39 @@ class MemoryCatalog:
             ids = sorted(i for b, i in self._directives if b == bank_id and i > after)
             return [self._directives[(bank_id, i)] for i in ids[:max(limit, 0)]]
 
+    # ---- mental models ----
+    def upsert_mental_model(self, m: MentalModel, mask: tuple[str, ...] = (),
+                            refresh: MentalModelRevision | None = None) -> None:
+        with self._lock:
+            if m.bank_id not in self._banks:
+                return
+            key = (m.bank_id, m.id)
+            new, revision = merge_mental_model(self._models.get(key), m, mask, refresh)
+            if new is None:
+                return
+            revs = self._revisions.setdefault(key, [])
+            if revision is not None and all(r.at != revision.at for r in revs):
+                revs.append(replace(revision, revision=len(revs) + 1))
+            self._models[key] = replace(new, revision=len(revs))
+
+    def delete_mental_model(self, bank_id: str, model_id: str) -> None:
+        with self._lock:
+            self._models.pop((bank_id, model_id), None)
+            self._revisions.pop((bank_id, model_id), None)
+
+    def get_mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
+        with self._lock:
+            return self._models.get((bank_id, model_id))
+
+    def list_mental_models(self, bank_id: str, limit: int, after: str = "") -> list[MentalModel]:
+        with self._lock:
+            ids = sorted(i for b, i in self._models if b == bank_id and i > after)
+            return [self._models[(bank_id, i)] for i in ids[:max(limit, 0)]]
+
+    def mental_model_revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
+        with self._lock:
+            return list(self._revisions.get((bank_id, model_id), ()))
+
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
         with self._lock:
@@ -155,6 +193,8 @@ class MemoryCatalog:
         with self._lock:
             self._banks.clear()
             self._directives.clear()
+            self._models.clear()
+            self._revisions.clear()
             self._ops.clear()
             self._deleted_ops.clear()
             self._generations.clear()

@@ -1,0 +1,188 @@
+"""Mental models through a real ``mneme up`` (offline: extractive refresh) on a LoCoMo
+conversation: create, refresh, staleness by scope, history, reflect answering from a fresh
+model, replay reproducing models, history and staleness, validation, and the
+``mneme mental-models`` CLI group."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+import grpc
+import pytest
+from google.protobuf.json_format import MessageToDict
+from typer.testing import CliRunner
+
+from mneme import locomo
+from mneme.cli import app
+from mneme.client import field_violations
+from mneme.v1 import mental_models_pb2
+from tests.e2e.server import Server, conversation_file
+
+BANK = "mm"
+QUESTION = "When did Caroline go to the LGBTQ support group?"
+
+
+def drained(m, bank: str, timeout: float = 120) -> None:
+    """Until every group (consolidation too) has consumed the bank's records."""
+    end = time.monotonic() + timeout
+    while m.bank_stats(bank).pending_records and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not m.bank_stats(bank).pending_records
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def snapshot(m) -> list:
+    models = [MessageToDict(x) for x in m.list_mental_models(BANK)]
+    history = {x["id"]: [MessageToDict(r) for r in m.mental_model_revisions(BANK, x["id"])]
+               for x in models}
+    return [models, history]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("mm") / "data").start()
+    conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26")
+    with s.client() as m:
+        m.upsert_bank(BANK)
+        for sess in locomo.sessions(conv)[:2]:
+            assert m.retain(BANK, sess.items).operation.state == 3
+        drained(m, BANK)
+    yield s
+    s.stop()
+
+
+def test_lifecycle_staleness_reflect_and_replay(server):
+    at = datetime(2023, 7, 1, tzinfo=timezone.utc)
+    with server.client() as m:
+        made = m.create_mental_model(BANK, "Caroline's support group", QUESTION)
+        assert made.name == f"banks/{BANK}/mental-models/{made.id}"
+        assert (made.revision, made.content, made.is_stale) == (0, "", False)
+        assert not made.HasField("refresh_time")
+        scoped = m.create_mental_model(BANK, "Work", "What does Caroline do for work?",
+                                       content="She counsels people.", tags=["work"])
+        assert scoped.revision == 1
+
+        got = m.refresh_mental_model(BANK, made.id)
+        assert got.revision == 1 and got.content and got.based_on and not got.is_stale
+        assert got.HasField("refresh_time")
+        assert all(n.startswith(f"banks/{BANK}/memories/") for n in got.based_on)
+        texts = {x.id: x.text for x in m.list_memories(BANK)}
+        cited = [n.rsplit("/", 1)[-1] for n in got.based_on]
+        assert all(texts[i].strip() in got.content for i in cited)  # an extractive, cited summary
+        dry = m.refresh_mental_model(BANK, made.id, dry_run=True)
+        assert dry.content == got.content and m.get_mental_model(BANK, made.id).revision == 1
+
+        # a fresh model that covers the question answers it (offline: no recall)
+        a = m.reflect(BANK, QUESTION)
+        assert a.extractive and list(a.sources.mental_models) == [made.id]
+        assert got.content in a.text and not a.sources.facts
+
+        # a change in its scope makes it stale; one in another scope does not
+        m.retain(BANK, [{"content": "Caroline: I am a counsellor at a youth centre now.",
+                         "tags": ["home"], "timestamp": at}])
+        drained(m, BANK)
+        assert m.get_mental_model(BANK, made.id).is_stale  # untagged: sees every change
+        assert not m.get_mental_model(BANK, scoped.id).is_stale  # "home" is not its scope
+        m.retain(BANK, [{"content": "Caroline: I started a new job at the youth centre.",
+                         "tags": ["work"], "timestamp": at}])
+        drained(m, BANK)
+        assert m.get_mental_model(BANK, scoped.id).is_stale
+        # a stale model does not answer alone: reflect recalls the facts
+        a = m.reflect(BANK, QUESTION)
+        assert not a.sources.mental_models and a.sources.facts
+
+        again = m.refresh_mental_model(BANK, made.id)
+        assert again.revision == 2 and not again.is_stale
+        history = m.mental_model_revisions(BANK, made.id)
+        assert [(r.revision, r.source) for r in history] == [(1, "refresh_offline"),
+                                                             (2, "refresh_offline")]
+        assert history[0].content == got.content and list(history[0].based_on) == list(got.based_on)
+        assert history[1].content == again.content
+        page = m.mental_models.ListMentalModelRevisions(
+            mental_models_pb2.ListMentalModelRevisionsRequest(parent=made.name, page_size=1))
+        assert [r.revision for r in page.revisions] == [1] and page.next_page_token
+
+        changed = m.update_mental_model(BANK, scoped.id, display_name="Caroline's work")
+        assert changed.display_name == "Caroline's work" and changed.revision == 1
+        assert changed.content == "She counsels people." and list(changed.tags) == ["work"]
+        assert [x.id for x in m.list_mental_models(BANK, tags=["home"])] == [made.id]
+        before = snapshot(m)
+
+    server.replay()  # no model: the recorded answers come back as they were
+    with server.client() as m:
+        assert snapshot(m) == before
+        m.delete_mental_model(BANK, scoped.id)
+        assert refused(lambda: m.get_mental_model(BANK, scoped.id)).code() == grpc.StatusCode.NOT_FOUND
+        assert refused(lambda: m.mental_model_revisions(BANK, scoped.id)).code() == \
+            grpc.StatusCode.NOT_FOUND
+
+
+def test_requests_are_validated(server):
+    with server.client() as m:
+        ok = m.create_mental_model(BANK, "Valid", "What is valid?")
+        cases = [
+            (lambda: m.create_mental_model(BANK, " ", "q?"), grpc.StatusCode.INVALID_ARGUMENT,
+             ["mental_model.display_name"]),
+            (lambda: m.create_mental_model(BANK, "n", ""), grpc.StatusCode.INVALID_ARGUMENT,
+             ["mental_model.source_query"]),
+            (lambda: m.create_mental_model(BANK, "n", "q?", tags=[""]),
+             grpc.StatusCode.INVALID_ARGUMENT, ["mental_model.tags[0]"]),
+            (lambda: m.create_mental_model(BANK, "n", "q?", max_tokens=-1),
+             grpc.StatusCode.INVALID_ARGUMENT, ["mental_model.max_tokens"]),
+            (lambda: m.create_mental_model("nope", "n", "q?"), grpc.StatusCode.NOT_FOUND, []),
+            (lambda: m.get_mental_model(BANK, "x/y"), grpc.StatusCode.INVALID_ARGUMENT, ["name"]),
+            (lambda: m.refresh_mental_model(BANK, "00000000-0000-0000-0000-000000000000"),
+             grpc.StatusCode.NOT_FOUND, []),
+        ]
+        for call, code, fields in cases:
+            err = refused(call)
+            assert err.code() == code, (err.code(), err.details())
+            assert [f for f, _ in field_violations(err)] == fields
+        req = mental_models_pb2.UpdateMentalModelRequest(
+            mental_model=mental_models_pb2.MentalModel(name=ok.name, content="x"))
+        req.update_mask.paths.extend(["content", "colour"])
+        err = refused(lambda: m.mental_models.UpdateMentalModel(req))
+        assert [f for f, _ in field_violations(err)] == ["update_mask.paths[1]"]
+        req = mental_models_pb2.CreateMentalModelRequest(
+            parent=f"banks/{BANK}", mental_model=mental_models_pb2.MentalModel(
+                display_name="n", source_query="q?", refresh_policy=9))
+        err = refused(lambda: m.mental_models.CreateMentalModel(req))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert m.get_mental_model(BANK, ok.id).content == ""  # nothing changed
+
+
+def test_mental_models_cli_round_trip(server):
+    run = CliRunner()
+
+    def cli(*args) -> str:
+        out = run.invoke(app, [*args, "-a", server.address])
+        assert out.exit_code == 0, out.output
+        return out.stdout
+
+    made = json.loads(cli("mental-models", "create", BANK, "Melanie's art", "What does Melanie "
+                          "paint?", "--tag", "art", "--refresh-policy", "every_n_facts",
+                          "--refresh-every", "10", "--json"))
+    assert made["refresh_policy"] == "EVERY_N_FACTS" and made["tags"] == ["art"]
+    assert made["create_time"].endswith("Z")  # ISO time
+    assert made["id"] in cli("mental-models", "list", BANK)  # full ids in the table
+    refreshed = json.loads(cli("mental-models", "refresh", BANK, made["id"], "--json"))
+    assert refreshed["revision"] == 1 and refreshed["content"]
+    changed = json.loads(cli("mental-models", "update", BANK, made["id"], "--content",
+                             "Sunsets and lakes.", "--json"))
+    assert changed["revision"] == 2 and changed["content"] == "Sunsets and lakes."
+    history = json.loads(cli("mental-models", "history", BANK, made["id"], "--json"))
+    assert [(r["revision"], r["source"]) for r in history] == [(1, "refresh_offline"), (2, "user")]
+    assert json.loads(cli("mental-models", "get", BANK, made["id"], "--json")) == changed
+    cli("mental-models", "delete", BANK, made["id"])
+    out = run.invoke(app, ["mental-models", "get", BANK, made["id"], "-a", server.address])
+    assert out.exit_code == 2 and "NOT_FOUND" in out.output
+    out = run.invoke(app, ["mental-models", "create", BANK, "n", "q", "--refresh-policy",
+                           "sometimes", "-a", server.address])
+    assert out.exit_code == 2 and "every_n_facts" in out.output
