@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Sequence
 
 from mneme.domain import (EXPERIENCE, WORLD, Bank, BankConfig, Fact, Filters, RetainItem,
                           TimeWindow, from_epoch, utc)
@@ -22,6 +23,22 @@ BUDGET = {recall_pb2.BUDGET_UNSPECIFIED: "mid", recall_pb2.LOW: "low",
 TAGS_MATCH = {recall_pb2.TAGS_MATCH_UNSPECIFIED: "any", recall_pb2.ANY: "any",
               recall_pb2.ALL: "all", recall_pb2.ANY_STRICT: "any_strict",
               recall_pb2.ALL_STRICT: "all_strict", recall_pb2.EXACT: "exact"}
+
+
+def update_paths(mask: Sequence[str], fields: Sequence[str]) -> list[str]:
+    """The fields an AIP-134 ``update_mask`` names among ``fields``, in ``fields``' order
+    and without repeats; an empty mask or "*" names them all. InvalidArgument naming
+    ``update_mask.paths[i]`` for a path that is not one of them."""
+    named: set[str] = set()
+    for i, p in enumerate(mask):
+        if p == "*":
+            named.update(fields)
+        elif p in fields:
+            named.add(p)
+        else:
+            raise InvalidArgument(f"update_mask.paths[{i}]",
+                                  f"unknown field {p!r}; one of {', '.join(fields)} or *")
+    return [f for f in fields if f in named or not mask]
 
 
 def bank_config_from_api(c: resources_pb2.BankConfig) -> BankConfig:

@@ -75,6 +75,7 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.BankService/DeleteBank": (WRITE, "name"),
     "/mneme.v1.BankService/CheckLlm": (READ, "name"),
     "/mneme.v1.BankService/GetBankStats": (READ, "name"),
+    "/mneme.v1.BankService/GetBankProfile": (READ, "name"),
     "/mneme.v1.MemoryService/Retain": (WRITE, "parent"),
     "/mneme.v1.MemoryService/DeleteDocument": (WRITE, "parent"),
     "/mneme.v1.MemoryService/DeleteMemory": (WRITE, "memory:name"),

@@ -205,7 +205,7 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
 
 @app.command()
 def banks(action: str = typer.Argument("list", help="list | create | get | update | delete | "
-                                                    "check-llm | stats"),
+                                                    "check-llm | stats | profile"),
           bank_id: Optional[str] = typer.Argument(None),
           name: Optional[str] = typer.Option(None, "--name", help="update: display name"),
           set_: List[str] = typer.Option([], "--set", help="update: config FIELD=VALUE, e.g. "
@@ -236,6 +236,8 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         _choice("--erasure", erasure, ("crypto_shred", "none"))
     if action == "stats" and bank_id:
         return _bank_stats(bank_id, address)
+    if action == "profile" and bank_id:
+        return _bank_profile(bank_id, as_json, address)
     with _client(address) as m:
         try:
             if action == "list":
@@ -770,6 +772,146 @@ def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
     console.print(f"deleted directive {directive_id}")
 
 
+memories_app = typer.Typer(help="A bank's memories (facts): list, show, delete.",
+                           no_args_is_help=True)
+app.add_typer(memories_app, name="memories")
+
+
+def _when(ts) -> str:
+    return ts.ToDatetime(timezone.utc).isoformat() if ts.seconds or ts.nanos else ""
+
+
+@memories_app.command("list")
+def memories_list(bank: str, document_id: str = typer.Option("", help="only this document's"),
+                  limit: int = typer.Option(0, help="at most this many (0: all)"),
+                  as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's memories (facts) in a stable order."""
+    with _client(address) as m:
+        found = _listed(m.list_memories(bank, document_id=document_id), limit)
+    if as_json:
+        return _print_json(found)
+    from mneme.v1 import resources_pb2
+    t = _table("memory", "type", "occurred", "document", "text", ids=("memory",))
+    for x in found:
+        t.add_row(x.id, resources_pb2.FactType.Name(x.fact_type).lower(),
+                  _when(x.occurred_start), x.document_id, x.text)
+    Console().print(t)
+
+
+@memories_app.command("get")
+def memories_get(bank: str, memory_id: str, as_json: bool = typer.Option(False, "--json"),
+                 address: str = AddressOpt):
+    """Show one memory with its times, entities and metadata."""
+    with _client(address) as m:
+        try:
+            x = m.get_memory(bank, memory_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(x)
+    print(f"{x.id}  {x.text}")
+    for label, ts in (("occurred", x.occurred_start), ("until", x.occurred_end),
+                      ("mentioned", x.mentioned_at)):
+        if _when(ts):
+            print(f"  {label}: {_when(ts)}")
+    if x.entities:
+        print(f"  entities: {', '.join(f'{e.name} ({e.label})' for e in x.entities)}")
+    if x.document_id:
+        print(f"  document: {x.document_id}")
+
+
+@memories_app.command("delete")
+def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
+    """Delete one memory (and the observations it alone supported)."""
+    with _client(address) as m:
+        try:
+            op = m.delete_memory(bank, memory_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"deleted memory {memory_id}: {_state(op.state)}")
+
+
+observations_app = typer.Typer(help="A bank's observations: list, show, scopes, consolidate, "
+                               "clear.", no_args_is_help=True)
+app.add_typer(observations_app, name="observations")
+
+
+@observations_app.command("list")
+def observations_list(bank: str, scope: Optional[List[str]] = typer.Option(
+                          None, "--scope", help="only this exact scope (its tags)"),
+                      global_scope: bool = typer.Option(False, "--global", help="only the untagged scope"),
+                      limit: int = typer.Option(0, help="at most this many (0: all)"),
+                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's observations (of one scope with --scope or --global)."""
+    exact = [] if global_scope else scope
+    with _client(address) as m:
+        found = _listed(m.list_observations(bank, scope=exact), limit)
+    if as_json:
+        return _print_json(found)
+    t = _table("observation", "proof", "scope", "text", ids=("observation",))
+    for o in found:
+        t.add_row(o.id, str(o.proof_count), ", ".join(o.scope) or "(global)", o.text)
+    Console().print(t)
+
+
+@observations_app.command("get")
+def observations_get(bank: str, observation_id: str,
+                     as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Show one observation with its evidence and history."""
+    with _client(address) as m:
+        try:
+            o = m.get_observation(bank, observation_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(o)
+    print(f"{o.id}  (proof {o.proof_count}, scope {', '.join(o.scope) or 'global'})\n  {o.text}")
+    for ev in o.evidence:
+        print(f"  evidence {ev.memory_id}: \"{ev.quote}\"")
+    for h in o.history:
+        print(f"  was: {h.text}")
+
+
+@observations_app.command("scopes")
+def observations_scopes(bank: str, as_json: bool = typer.Option(False, "--json"),
+                        address: str = AddressOpt):
+    """List the scopes of BANK's observations with their counts."""
+    with _client(address) as m:
+        try:
+            scopes = m.list_observation_scopes(bank)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(scopes)
+    t = _table("scope", "observations")
+    for s in scopes:
+        t.add_row(", ".join(s.tags) or "(global)", str(s.observations))
+    Console().print(t)
+
+
+@observations_app.command("consolidate")
+def observations_consolidate(bank: str, address: str = AddressOpt):
+    """Consolidate BANK's pending facts now (waits for the operation)."""
+    with _client(address) as m:
+        try:
+            op = m.consolidate(bank)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"consolidated {bank}: {_state(op.state)}")
+
+
+@observations_app.command("clear")
+def observations_clear(bank: str, memory_id: str = typer.Option("", help="only those of this memory"),
+                       address: str = AddressOpt):
+    """Delete BANK's observations (or those one memory supports)."""
+    with _client(address) as m:
+        try:
+            op = m.clear_observations(bank, memory_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"cleared observations of {bank}: {_state(op.state)}")
+
+
 models_app = typer.Typer(help="Mental models: named standing answers reflect searches first.",
                          no_args_is_help=True)
 app.add_typer(models_app, name="mental-models")
@@ -1026,6 +1168,28 @@ def operations(bank: Optional[str] = typer.Option(None, "--bank", "-b", help="on
         except grpc.RpcError as e:
             _fail(e)
     Console().print(t)
+
+
+def _bank_profile(bank_id: str, as_json: bool, address: str) -> None:
+    with _client(address) as m:
+        try:
+            p = m.bank_profile(bank_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(p)
+    c, s = p.bank.config, p.stats
+    print(f"{bank_id}  {p.bank.display_name}")
+    print(f"  last activity: {p.last_activity_time.ToDatetime(timezone.utc).isoformat()}")
+    print(f"  traits: skepticism {c.skepticism}, literalism {c.literalism}, empathy {c.empathy}")
+    for label, text in (("retain mission", c.retain_mission),
+                        ("observations mission", c.observations_mission),
+                        ("reflect mission", c.reflect_mission)):
+        if text:
+            print(f"  {label}: {text}")
+    print(f"  facts {s.facts}, observations {s.observations}, entities {s.entities}, "
+          f"documents {p.documents}, directives {p.directives}, mental models "
+          f"{p.mental_models}, operations {s.operations} ({s.pending_operations} pending)")
 
 
 def _bank_stats(bank_id: str, address: str) -> None:

@@ -166,6 +166,17 @@ class MnemeClient:
     def close(self) -> None:
         self.channel.close()
 
+    def _pages(self, call, request, field: str):
+        """Every item of a List RPC: ``call(request)`` page after page (its
+        ``page_token`` set from each response's ``next_page_token``), yielding the
+        items of the response's ``field``."""
+        while True:
+            r = call(request, timeout=self.timeout)
+            yield from getattr(r, field)
+            if not r.next_page_token:
+                return
+            request.page_token = r.next_page_token
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server accepts connections (raises grpc.FutureTimeoutError)."""
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
@@ -213,6 +224,12 @@ class MnemeClient:
         """Probe the language models the bank would use (empty checks: offline)."""
         return self.banks.CheckLlm(banks_pb2.CheckLlmRequest(name=f"banks/{bank_id}"),
                                    timeout=self.timeout)
+
+    def bank_profile(self, bank_id: str) -> banks_pb2.BankProfile:
+        """The bank's config, counts (documents, directives, mental models too) and its
+        latest activity."""
+        return self.banks.GetBankProfile(banks_pb2.GetBankProfileRequest(
+            name=f"banks/{bank_id}"), timeout=self.timeout)
 
     def bank_stats(self, bank_id: str) -> banks_pb2.BankStats:
         """Facts, observations, entities and pending work (operations, consumer lag)."""
@@ -321,15 +338,8 @@ class MnemeClient:
 
     def list_directives(self, bank_id: str, page_size: int = 500):
         """Yield every directive of the bank in id order (all pages)."""
-        token = ""
-        while True:
-            r = self.directives.ListDirectives(directives_pb2.ListDirectivesRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
-                timeout=self.timeout)
-            yield from r.directives
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.directives.ListDirectives, directives_pb2.ListDirectivesRequest(
+            parent=f"banks/{bank_id}", page_size=page_size), "directives")
 
     def update_directive(self, bank_id: str, directive_id: str, **fields) -> directives_pb2.Directive:
         """Change exactly the given fields (title, text, priority, active, tags)."""
@@ -365,15 +375,9 @@ class MnemeClient:
 
     def list_mental_models(self, bank_id: str, tags: Iterable[str] = (), page_size: int = 500):
         """Yield every mental model of the bank in id order (with ``tags``: in scope)."""
-        token = ""
-        while True:
-            r = self.mental_models.ListMentalModels(mental_models_pb2.ListMentalModelsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
-                tags=list(tags)), timeout=self.timeout)
-            yield from r.mental_models
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(
+            self.mental_models.ListMentalModels, mental_models_pb2.ListMentalModelsRequest(
+                parent=f"banks/{bank_id}", page_size=page_size, tags=list(tags)), "mental_models")
 
     def update_mental_model(self, bank_id: str, model_id: str, **fields
                             ) -> mental_models_pb2.MentalModel:
@@ -391,16 +395,11 @@ class MnemeClient:
 
     def mental_model_revisions(self, bank_id: str, model_id: str, page_size: int = 100) -> list:
         """Every revision of the model's content, oldest first."""
-        out, token = [], ""
-        while True:
-            r = self.mental_models.ListMentalModelRevisions(
-                mental_models_pb2.ListMentalModelRevisionsRequest(
-                    parent=f"banks/{bank_id}/mental-models/{model_id}", page_size=page_size,
-                    page_token=token), timeout=self.timeout)
-            out += list(r.revisions)
-            token = r.next_page_token
-            if not token:
-                return out
+        return list(self._pages(
+            self.mental_models.ListMentalModelRevisions,
+            mental_models_pb2.ListMentalModelRevisionsRequest(
+                parent=f"banks/{bank_id}/mental-models/{model_id}", page_size=page_size),
+            "revisions"))
 
     def refresh_mental_model(self, bank_id: str, model_id: str, budget: str = "mid",
                              dry_run: bool = False) -> mental_models_pb2.MentalModel:
@@ -412,15 +411,8 @@ class MnemeClient:
     # entities, documents, tags
     def list_entities(self, bank_id: str, page_size: int = 500):
         """Yield every entity of the bank in id order (all pages), with mention counts."""
-        token = ""
-        while True:
-            r = self.entities.ListEntities(entities_pb2.ListEntitiesRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
-                timeout=self.timeout)
-            yield from r.entities
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.entities.ListEntities, entities_pb2.ListEntitiesRequest(
+            parent=f"banks/{bank_id}", page_size=page_size), "entities")
 
     def get_entity(self, bank_id: str, entity_id: str) -> entities_pb2.Entity:
         """One entity with the memories mentioning it and its co-mentioned neighbours."""
@@ -429,15 +421,8 @@ class MnemeClient:
 
     def list_documents(self, bank_id: str, page_size: int = 500):
         """Yield every document of the bank in document id order, with memory counts."""
-        token = ""
-        while True:
-            r = self.documents.ListDocuments(documents_pb2.ListDocumentsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
-                timeout=self.timeout)
-            yield from r.documents
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.documents.ListDocuments, documents_pb2.ListDocumentsRequest(
+            parent=f"banks/{bank_id}", page_size=page_size), "documents")
 
     def get_document(self, bank_id: str, document_id: str) -> documents_pb2.Document:
         """One document with its memories (item order) and chunk ids."""
@@ -446,15 +431,8 @@ class MnemeClient:
 
     def list_tags(self, bank_id: str, page_size: int = 500):
         """Yield every tag on the bank's memories in tag order, with memory counts."""
-        token = ""
-        while True:
-            r = self.documents.ListTags(documents_pb2.ListTagsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token),
-                timeout=self.timeout)
-            yield from r.tags
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.documents.ListTags, documents_pb2.ListTagsRequest(
+            parent=f"banks/{bank_id}", page_size=page_size), "tags")
 
     # recall / reflect
     def recall(self, bank_id: str, query: str, *, max_tokens: int = 0, budget: str = "mid",

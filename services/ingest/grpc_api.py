@@ -11,7 +11,7 @@ from google.protobuf import empty_pb2
 from mneme import apiconv, auth, limits, paging
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, remaining, translate_errors
-from mneme.domain import Directive, from_epoch
+from mneme.domain import DIRECTIVE_FIELDS, Directive, from_epoch
 from mneme.names import bank_id_of, directive_name, directive_of, memory_of, operation_of
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
 from mneme.v1 import directives_pb2, directives_pb2_grpc
@@ -75,9 +75,24 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
 
     @translate_errors
     def GetBankStats(self, request, context):
-        from services.ingest.stats import bank_stats
         bank_id = bank_id_of(request.name, "name")
         self.ingest.require_bank(bank_id)  # NOT_FOUND for an unknown bank
+        return self._stats(bank_id)
+
+    @translate_errors
+    def GetBankProfile(self, request, context):
+        from services.ingest.stats import bank_profile
+        bank_id = bank_id_of(request.name, "name")
+        bank = self.ingest.require_bank(bank_id)
+        p = bank_profile(bank, catalog=self.ingest.catalog, stores=self.ingest.stores)
+        out = banks_pb2.BankProfile(bank=apiconv.bank_to_api(bank), stats=self._stats(bank_id),
+                                    documents=p["documents"], directives=p["directives"],
+                                    mental_models=p["mental_models"])
+        out.last_activity_time.CopyFrom(dt_to_ts(from_epoch(p["last_activity"])))
+        return out
+
+    def _stats(self, bank_id: str) -> banks_pb2.BankStats:
+        from services.ingest.stats import bank_stats
         st = bank_stats(bank_id, log=self.ingest.log, catalog=self.ingest.catalog,
                         stores=self.ingest.stores, groups=self.ingest.groups())
         lag = [banks_pb2.ConsumerLag(group=g, topic=t, partition=p, lag=n)
@@ -254,7 +269,8 @@ class DirectiveServicer(directives_pb2_grpc.DirectiveServiceServicer):
         bank_id, directive_id = directive_of(request.directive.name, "directive.name")
         d = self.ingest.update_directive(
             _directive_from_api(request.directive, bank_id, directive_id),
-            list(request.update_mask.paths), timeout=remaining(context, 30.0))
+            apiconv.update_paths(request.update_mask.paths, DIRECTIVE_FIELDS),
+            timeout=remaining(context, 30.0))
         return directive_to_api(d)
 
     @translate_errors

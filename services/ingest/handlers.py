@@ -293,23 +293,14 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
-    def update_directive(self, d: Directive, mask: Sequence[str],
+    def update_directive(self, d: Directive, paths: Sequence[str],
                          timeout: float | None = None) -> Directive:
-        """Change the fields of directive ``d.id`` that ``mask`` names
-        (:data:`~mneme.domain.DIRECTIVE_FIELDS`; empty or "*": all); returns it as
-        projected. NotFound for an unknown bank or directive; InvalidArgument naming
-        ``update_mask.paths[i]`` for an unknown path, ``directive.<field>`` for a bad value."""
+        """Change the fields ``paths`` of directive ``d.id`` (some of
+        :data:`~mneme.domain.DIRECTIVE_FIELDS`: :func:`mneme.apiconv.update_paths`);
+        returns it as projected. NotFound for an unknown bank or directive;
+        InvalidArgument naming ``directive.<field>`` for a bad value."""
         self.require_directive(d.bank_id, d.id)
-        paths: list[str] = []
-        for i, p in enumerate(mask):
-            if p == "*":
-                paths.extend(DIRECTIVE_FIELDS)
-            elif p in DIRECTIVE_FIELDS:
-                paths.append(p)
-            else:
-                raise InvalidArgument(f"update_mask.paths[{i}]", f"unknown field {p!r}; one of "
-                                      f"{', '.join(DIRECTIVE_FIELDS)} or *")
-        paths = list(dict.fromkeys(paths or DIRECTIVE_FIELDS))
+        paths = [p for p in DIRECTIVE_FIELDS if p in paths]
         _check_directive(d, paths)
         rec = self._append(_directive_event(d, paths), d.bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)

@@ -1,4 +1,6 @@
-"""Bank statistics (``BankService.GetBankStats``, ``mneme banks stats BANK``).
+"""Bank statistics (``BankService.GetBankStats``, ``mneme banks stats BANK``) and profile
+(``GetBankProfile``: the statistics plus documents, directives, mental models and the
+latest activity).
 
 * facts, observations, entities: counted in search's projections when this process has
   them (the embedded topology); -1 when it does not (the distributed ingest process holds
@@ -48,3 +50,28 @@ def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
     stats["operations"], stats["pending_operations"] = catalog.count_operations(bank_id)
     stats["lag"] = consumer_lag(log, bank_id, groups)
     return stats
+
+
+#: Most distinct documents, directives or mental models a profile counts (beyond it the
+#: count stops there).
+PROFILE_COUNT_MAX = 100_000
+
+
+def bank_profile(bank, *, catalog, stores=None) -> dict:
+    """``{"documents", "directives", "mental_models", "last_activity"}`` of ``bank`` (a
+    :class:`mneme.domain.Bank`): documents counted by the vector store's keyword index
+    (-1 without stores), directives and mental models by the catalog (at most
+    :data:`PROFILE_COUNT_MAX` each), the latest activity (epoch seconds) the later of the
+    bank's update and its newest operation's."""
+    from mneme.domain import Filters
+    documents = -1
+    if stores is not None:
+        documents = len(stores.vectors.facet(bank.bank_id, "document_id", PROFILE_COUNT_MAX,
+                                             Filters(types=("world", "experience"))))
+    newest = catalog.list_operations(bank.bank_id, 1)
+    last = max([bank.updated_at.timestamp() if bank.updated_at else 0.0]
+               + [op.updated_at for op in newest])
+    return {"documents": documents,
+            "directives": len(catalog.list_directives(bank.bank_id, PROFILE_COUNT_MAX)),
+            "mental_models": len(catalog.list_mental_models(bank.bank_id, PROFILE_COUNT_MAX)),
+            "last_activity": last}

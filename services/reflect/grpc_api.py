@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 from google.protobuf import empty_pb2, json_format, struct_pb2
 
 from mneme import apiconv, deadline, paging
-from mneme.domain import MentalModel, from_epoch
+from mneme.domain import MENTAL_MODEL_FIELDS, MentalModel, from_epoch
 from mneme.errors import InvalidArgument, MnemeError, NotFound
 from mneme.grpc_util import (abort_for, call_deadline, dt_to_ts, remaining, translate_errors,
                              ts_to_dt)
@@ -166,7 +166,8 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         with deadline.bind(call_deadline(context)):
             return self._api(self.models.update(
                 _model_from_api(request.mental_model, bank_id, model_id),
-                list(request.update_mask.paths), remaining(context, 30.0)))
+                apiconv.update_paths(request.update_mask.paths, MENTAL_MODEL_FIELDS),
+                remaining(context, 30.0)))
 
     @translate_errors
     def DeleteMentalModel(self, request, context):

@@ -154,20 +154,12 @@ class MentalModels:
         self.projected(self.append(msg, m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)
 
-    def update(self, m: MentalModel, mask: Sequence[str], timeout: float) -> MentalModel:
-        """Change the fields ``mask`` names (empty or "*": all); InvalidArgument naming
-        ``update_mask.paths[i]`` for an unknown one."""
+    def update(self, m: MentalModel, paths: Sequence[str], timeout: float) -> MentalModel:
+        """Change the fields ``paths`` (some of :data:`~mneme.domain.MENTAL_MODEL_FIELDS`:
+        :func:`mneme.apiconv.update_paths`); InvalidArgument naming
+        ``mental_model.<field>`` for a bad value."""
         self.get(m.bank_id, m.id)
-        paths: list[str] = []
-        for i, p in enumerate(mask):
-            if p == "*":
-                paths.extend(MENTAL_MODEL_FIELDS)
-            elif p in MENTAL_MODEL_FIELDS:
-                paths.append(p)
-            else:
-                raise InvalidArgument(f"update_mask.paths[{i}]", f"unknown field {p!r}; one of "
-                                      f"{', '.join(MENTAL_MODEL_FIELDS)} or *")
-        paths = list(dict.fromkeys(paths or MENTAL_MODEL_FIELDS))
+        paths = [p for p in MENTAL_MODEL_FIELDS if p in paths]
         _check(m, paths)
         self.projected(self.append(_event(m, paths), m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)

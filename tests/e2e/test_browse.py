@@ -150,3 +150,64 @@ def test_entities_agree_with_the_memories_that_mention_them(server):
     assert caroline.id in cli(server, "entities", "list", "conv", "--limit", "1000")  # full ids
     two = cli(server, "entities", "list", "conv", "--limit", "2")
     assert entities[0].id in two and entities[1].id in two and entities[2].id not in two
+
+
+def test_memories_cli_round_trip(server):
+    with server.client() as m:
+        want = [x.id for x in m.list_memories(BANK, document_id="notes/bob")]
+    listed = json.loads(cli(server, "memories", "list", BANK, "--document-id", "notes/bob",
+                            "--json"))
+    assert [x["id"] for x in listed] == want and want
+    assert want[0] in cli(server, "memories", "list", BANK)  # full ids in the table
+    one = json.loads(cli(server, "memories", "get", BANK, want[0], "--json"))
+    assert one["id"] == want[0] and one["document_id"] == "notes/bob"
+    assert one["mentioned_at"] == "2024-05-01T00:00:00Z"  # ISO time
+    assert "deleted memory" in CliRunner().invoke(
+        app, ["memories", "delete", BANK, want[0], "-a", server.address]).output
+    out = CliRunner().invoke(app, ["memories", "get", BANK, want[0], "-a", server.address])
+    assert out.exit_code == 2 and "NOT_FOUND" in out.output
+
+
+def test_observations_cli_round_trip(server):
+    import time
+    with server.client() as m:
+        end = time.monotonic() + 120  # consolidation has run over the bank's facts
+        while m.bank_stats("conv").pending_records and time.monotonic() < end:
+            time.sleep(0.2)
+        want = {o.id: o for o in m.list_observations("conv")}
+    assert want
+    listed = json.loads(cli(server, "observations", "list", "conv", "--json"))
+    assert {o["id"] for o in listed} == set(want)
+    scopes = json.loads(cli(server, "observations", "scopes", "conv", "--json"))
+    assert sum(s["observations"] for s in scopes) == len(want)
+    first = next(iter(want.values()))
+    got = json.loads(cli(server, "observations", "get", "conv", first.id, "--json"))
+    assert got["text"] == first.text and got["evidence"]
+    assert first.id in cli(server, "observations", "list", "conv", "--global")
+    assert "succeeded" in CliRunner().invoke(
+        app, ["observations", "consolidate", "conv", "-a", server.address]).output
+    assert "succeeded" in CliRunner().invoke(
+        app, ["observations", "clear", "conv", "-a", server.address]).output
+    assert json.loads(cli(server, "observations", "list", "conv", "--json")) == []
+
+
+def test_bank_profile_counts_agree_with_the_lists(server):
+    with server.client() as m:
+        m.update_bank(BANK, reflect_mission="Help with notes.", skepticism=4)
+        m.create_directive(BANK, "Be brief.")
+        m.create_mental_model(BANK, "Bob", "What does Bob play?")
+        p = m.bank_profile(BANK)
+        stats = m.bank_stats(BANK)
+        assert p.bank.name == f"banks/{BANK}" and p.bank.config.reflect_mission == "Help with notes."
+        assert p.bank.config.skepticism == 4
+        assert (p.stats.facts, p.stats.entities) == (stats.facts, stats.entities)
+        assert p.documents == len(list(m.list_documents(BANK)))
+        assert p.directives == len(list(m.list_directives(BANK))) == 1
+        assert p.mental_models == len(list(m.list_mental_models(BANK))) == 1
+        last = p.last_activity_time.ToDatetime(timezone.utc)
+        assert last >= max(o.update_time.ToDatetime(timezone.utc) for o in m.list_operations(BANK))
+        assert refused(lambda: m.bank_profile("nope")).code() == grpc.StatusCode.NOT_FOUND
+    got = json.loads(cli(server, "banks", "profile", BANK, "--json"))
+    assert got["directives"] == "1" and got["bank"]["config"]["reflect_mission"] == "Help with notes."
+    assert got["last_activity_time"].endswith("Z")
+    assert "mental models 1" in cli(server, "banks", "profile", BANK)

@@ -64,6 +64,7 @@ RPCS = {
     "ListBanks": (banks_pb2_grpc.BankServiceStub, False),
     "DeleteBank": (banks_pb2_grpc.BankServiceStub, False),
     "GetBankStats": (banks_pb2_grpc.BankServiceStub, False),
+    "GetBankProfile": (banks_pb2_grpc.BankServiceStub, False),
     "Retain": (memory_pb2_grpc.MemoryServiceStub, False),
     "DeleteDocument": (memory_pb2_grpc.MemoryServiceStub, False),
     "DeleteMemory": (memory_pb2_grpc.MemoryServiceStub, False),

@@ -421,13 +421,14 @@ def list_case(draw):
 
 @st.composite
 def get_case(draw):
-    rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetMemory", "GetMemory",
+    rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetBankProfile", "GetMemory", "GetMemory",
                                 "GetObservation", "GetOperation", "GetEntity", "GetDocument",
                                 "GetDirective", "GetMentalModel"]))
     ref = None
-    if rpc in ("GetBank", "GetBankStats"):
+    if rpc in ("GetBank", "GetBankStats", "GetBankProfile"):
         name, bank, why = draw(bank_name())
-        req = (banks_pb2.GetBankRequest if rpc == "GetBank" else banks_pb2.GetBankStatsRequest)(name=name)
+        req = {"GetBank": banks_pb2.GetBankRequest, "GetBankStats": banks_pb2.GetBankStatsRequest,
+               "GetBankProfile": banks_pb2.GetBankProfileRequest}[rpc](name=name)
     elif rpc == "GetMemory":
         name, ref, bank, why = draw(child_name("memories", "memory"))
         req = memory_pb2.GetMemoryRequest(name=name)
