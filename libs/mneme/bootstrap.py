@@ -440,7 +440,7 @@ def build_reflect(root: Root, recall: Callable | None = None,
     event_log, source = root.log, services()["reflect"].source
     # Embedded, reflect reads ingest's catalog; distributed, its own copy (group
     # reflect-catalog), caught up with the bank's partition before each read.
-    parts = ServiceParts("reflect", _routers(root, "reflect", **root.own_catalog()), checks=checks)
+    parts = ServiceParts("reflect", checks=checks)
     catch_up = lambda bank_id: True  # noqa: E731 - embedded: the shared catalog is current
     if root.distributed:
         catch_up = _read_your_writes(root, parts)
@@ -465,6 +465,7 @@ def build_reflect(root: Root, recall: Callable | None = None,
         [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
     models = _mental_models(root, reflector, catch_up, source)
     reflector.mental_models = models
+    parts.routers = _routers(root, "reflect", mental_models=models, **root.own_catalog())
     if agent is not None:
         agent.mental_models = models.search
     servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)

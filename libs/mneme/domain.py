@@ -171,8 +171,9 @@ class MentalModelRevision:
     at: float = 0.0
 
 
-#: How a mental model is kept current (only "manual" refreshes run so far; the others
-#: are recorded for the scheduler to come).
+#: How a mental model is kept current: on request, after a consolidation that leaves it
+#: stale, or every ``refresh_every`` new facts in its scope (reflect's group
+#: ``reflect-refresh``).
 REFRESH_POLICIES = ("manual", "after_consolidation", "every_n_facts")
 #: The fields of a mental model an update_mask may name.
 MENTAL_MODEL_FIELDS = ("display_name", "source_query", "content", "tags", "max_tokens",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Iterable, Sequence
 
-from mneme.domain import Directive, Filters, RecallOutcome, RecallQuery
+from mneme.domain import Directive, EventMeta, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -70,6 +70,15 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
 def _coverage(text: str, terms: set[str]) -> int:
     words = set(_WORD.findall(text.lower()))
     return len(terms & words)
+
+
+def on_memory_changed(m, meta: EventMeta, *, mental_models) -> list:
+    """A FactsExtracted or ObservationsChanged of a bank: refresh its mental models whose
+    policy is due (:meth:`services.reflect.mental_models.MentalModels.refresh_due`).
+    Produces nothing: a refresh appends its own MentalModelChanged."""
+    from mneme.events.v1 import events_pb2 as ev
+    mental_models.refresh_due(m.bank_id, isinstance(m, ev.ObservationsChanged), meta.time)
+    return []
 
 
 def record_reflection(bank_id: str, query: str, r: Reflection):

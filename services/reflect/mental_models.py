@@ -13,6 +13,9 @@ order with the bank's creation and deletion). Every bank catalog projects it, an
   of that partition changes a fact or observation of its bank in its scope: untagged models
   see every change, tagged ones those on untagged units or units sharing a tag, and any
   retraction. Replay rebuilds the same offsets, so staleness survives it.
+- **Scheduled refreshes.** The group ``reflect-refresh`` follows ``mneme.memory.v1`` and
+  refreshes the models whose policy is due (:meth:`refresh_due`). It is not a projection:
+  replay does not run it, and the refreshes it made are on the log already.
 - **Reflect.** These models feed reflect's ``search_mental_models`` tool (:meth:`search`).
   Offline, a fresh model whose query covers the question answers it
   (:meth:`answer_offline`).
@@ -20,6 +23,7 @@ order with the bank's creation and deletion). Every bank catalog projects it, an
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import dataclass, replace
@@ -32,6 +36,8 @@ from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog, Record
 from services.reflect.handlers import Reflection
+
+log = logging.getLogger(__name__)
 
 #: Records of the bank's memory partition a staleness check reads at most; beyond it the
 #: model counts as stale (many changes since its refresh in any case).
@@ -191,6 +197,48 @@ class MentalModels:
                                                                   source=source))
         self.projected(self.append(msg, bank_id), bank_id)
         return self.get(bank_id, model_id), r
+
+    # ---- scheduled refreshes ----
+
+    def new_facts(self, m: MentalModel, limit: int = STALE_SCAN) -> int:
+        """Facts of the model's bank in its scope extracted since its content was made
+        (counted on the bank's memory partition, at most ``limit`` records read)."""
+        end = self.memory_end(m.bank_id)
+        if end <= m.memory_offset:
+            return 0
+        wanted, n = set(m.tags), 0
+        for msg in self.memory_read(m.bank_id, m.memory_offset, min(limit, end - m.memory_offset)):
+            if isinstance(msg, ev.FactsExtracted) and msg.bank_id == m.bank_id:
+                n += sum(1 for f in msg.facts
+                         if not wanted or not f.tags or set(f.tags) & wanted)
+        return n
+
+    def refresh_due(self, bank_id: str, consolidated: bool, now: datetime) -> list[str]:
+        """Refresh the bank's models whose policy is due: ``after_consolidation`` when
+        ``consolidated`` (an observation changed) and the model is stale, ``every_n_facts``
+        once ``refresh_every`` facts in its scope arrived since its content was made.
+        Returns the ids refreshed. A model that fails to refresh is logged and left as it
+        was (the next change tries again)."""
+        done = []
+        after = ""
+        while True:
+            page = self.catalog.list_mental_models(bank_id, 500, after)
+            for m in page:
+                due = ((m.refresh_policy == "after_consolidation" and consolidated
+                        and self.is_stale(m))
+                       or (m.refresh_policy == "every_n_facts" and m.refresh_every > 0
+                           and self.new_facts(m) >= m.refresh_every))
+                if not due:
+                    continue
+                try:
+                    self.refresh(bank_id, m.id, now)
+                    done.append(m.id)
+                except Exception:  # noqa: BLE001 - one model's failure must not stop the rest
+                    log.exception("mental model %s of bank %s: scheduled refresh failed",
+                                  m.id, bank_id)
+            if len(page) < 500:
+                return done
+            after = page[-1].id
 
     # ---- reflect's uses ----
 

@@ -186,3 +186,28 @@ def test_mental_models_cli_round_trip(server):
     out = run.invoke(app, ["mental-models", "create", BANK, "n", "q", "--refresh-policy",
                            "sometimes", "-a", server.address])
     assert out.exit_code == 2 and "every_n_facts" in out.output
+
+
+def test_scheduled_refreshes_follow_each_models_policy(server):
+    def revision(m, model_id: str) -> int:
+        return m.get_mental_model("sched", model_id).revision
+
+    with server.client() as m:
+        m.upsert_bank("sched")
+        every = m.create_mental_model("sched", "Pets", "What pets are mentioned?",
+                                      refresh_policy="every_n_facts", refresh_every=3)
+        after = m.create_mental_model("sched", "Hobbies", "What hobbies are mentioned?",
+                                      refresh_policy="after_consolidation")
+        manual = m.create_mental_model("sched", "Manual", "What cities are mentioned?")
+        at = datetime(2023, 7, 1, tzinfo=timezone.utc)
+        first = m.retain("sched", [{"content": "Alice: my dog Rex loves the beach.", "timestamp": at}])
+        drained(m, "sched")
+        assert first.operation.facts < 3 and revision(m, every.id) == 0  # not yet 3 facts
+        assert revision(m, after.id) >= 1  # consolidation changed an observation: refreshed
+        m.retain("sched", [{"content": f"Alice: my cat number {i} sleeps all day.", "timestamp": at}
+                           for i in range(3)])
+        drained(m, "sched")
+        got = m.get_mental_model("sched", every.id)
+        assert got.revision >= 1 and got.content and got.based_on
+        assert [r.source for r in m.mental_model_revisions("sched", every.id)][0] == "refresh_offline"
+        assert revision(m, manual.id) == 0 and m.get_mental_model("sched", manual.id).is_stale

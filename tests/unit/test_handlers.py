@@ -863,6 +863,13 @@ def test_every_handler_binds_with_the_composition_roots_deps(tmp_path, monkeypat
                 f"{p.name!r} from bootstrap.build_{s.name}")
 
 
+class _NoModelsDue:
+    """reflect's mental models with none due for a refresh."""
+
+    def refresh_due(self, bank_id, consolidated, now):
+        return []
+
+
 def fake_deps(service: str) -> dict:
     """The deps of ``service``'s routers in the distributed topology, as fakes (the names
     are checked against the composition root's below)."""
@@ -873,7 +880,7 @@ def fake_deps(service: str) -> dict:
                                "resolver": EntityResolver(MemoryEntityStore()),
                                "catalog": catalog},
         "search": lambda: {"stores": fake_projections(), "catalog": catalog},
-        "reflect": lambda: {"catalog": catalog},
+        "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue()},
         "consolidation": lambda: {"consolidator": Consolidator(
             MemoryObservationStore(), lambda bank_id: None, embedder=FakeEmbedder()),
             "decide": True, "catalog": catalog},
