@@ -39,6 +39,18 @@ def gateway(stub):
     return make_gateway(stub)
 
 
+@pytest.fixture
+def server(stub, tmp_path):
+    """A real ``mneme up`` whose every model is the stub (one retry, short backoff)."""
+    from tests.e2e.server import Server
+    s = Server(tmp_path / "data", env={
+        "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
+        "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "10",
+        "MNEME_LLM_MAX_RETRIES": "1", "MNEME_LLM_BACKOFF_S": "0.05"}).start()
+    yield s
+    s.stop()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_metrics():
     METRICS.reset()

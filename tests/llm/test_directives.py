@@ -15,24 +15,12 @@ from typer.testing import CliRunner
 from mneme.cli import app
 from mneme.client import field_violations
 from mneme.v1 import directives_pb2
-from tests.e2e.server import Server
-from tests.llm.conftest import MODEL
 from tests.llm.stub import chat
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 GERMAN = "Answer in German."
 DOSAGE = "Never give a medical dosage."
 FRENCH = "Answer in French."
-
-
-@pytest.fixture
-def server(stub, tmp_path):
-    s = Server(tmp_path / "data", env={
-        "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
-        "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "10",
-        "MNEME_LLM_MAX_RETRIES": "1", "MNEME_LLM_BACKOFF_S": "0.05"}).start()
-    yield s
-    s.stop()
 
 
 def refused(call) -> grpc.RpcError:

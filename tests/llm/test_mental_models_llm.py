@@ -7,23 +7,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-import pytest
-
-from tests.e2e.server import Server
-from tests.llm.conftest import MODEL
 from tests.llm.stub import chat
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
-
-
-@pytest.fixture
-def server(stub, tmp_path):
-    s = Server(tmp_path / "data", env={
-        "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
-        "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "10",
-        "MNEME_LLM_MAX_RETRIES": "1", "MNEME_LLM_BACKOFF_S": "0.05"}).start()
-    yield s
-    s.stop()
 
 
 def tool(name: str, query: str) -> dict:
