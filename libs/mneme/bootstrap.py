@@ -513,19 +513,21 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
     def memory_end(bank_id: str) -> int:
         return root.raw_log.end_offset(MEMORY, memory_partition(bank_id))
 
-    def memory_read(bank_id: str, start: int, limit: int) -> list:
+    def memory_read(bank_id: str, start: int, limit: int) -> list[tuple[int, Any]]:
         p, out, offset = memory_partition(bank_id), [], start
-        while len(out) < limit:  # sealed content stays sealed: bank ids and tags suffice
-            batch = root.raw_log.read(MEMORY, p, offset, min(500, limit - len(out)))
+        while offset < start + limit:  # sealed content stays sealed: bank ids and tags suffice
+            batch = root.raw_log.read(MEMORY, p, offset, min(500, start + limit - offset))
             if not batch:
                 break
             for rec in batch:
                 try:
-                    out.append(codec.decode(rec).message)
+                    msg = codec.decode(rec).message
                 except Exception:  # noqa: BLE001 - a record no consumer could read either
                     continue
+                if msg is not None:
+                    out.append((rec.offset, msg))
             offset = batch[-1].offset + 1
-        return [m for m in out if m is not None]
+        return out
 
     return MentalModels(root.catalog, append, projected, catch_up, reflector.reflect,
                         memory_end, memory_read)

@@ -208,14 +208,8 @@ class MnemeClient:
         return self.banks.GetBank(banks_pb2.GetBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
 
     def list_banks(self) -> list[resources_pb2.Bank]:
-        out, token = [], ""
-        while True:
-            r = self.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=100, page_token=token),
-                                     timeout=self.timeout)
-            out += r.banks
-            token = r.next_page_token
-            if not token:
-                return out
+        return list(self._pages(self.banks.ListBanks, banks_pb2.ListBanksRequest(page_size=100),
+                                "banks"))
 
     def delete_bank(self, bank_id: str) -> None:
         self.banks.DeleteBank(banks_pb2.DeleteBankRequest(name=f"banks/{bank_id}"), timeout=self.timeout)
@@ -238,15 +232,8 @@ class MnemeClient:
 
     def list_operations(self, bank_id: str = "", page_size: int = 100):
         """Yield operations (newest first per the catalog), of one bank or of every bank."""
-        token = ""
-        while True:
-            r = self.operations.ListOperations(operations_pb2.ListOperationsRequest(
-                parent=f"banks/{bank_id}" if bank_id else "", page_size=page_size,
-                page_token=token), timeout=self.timeout)
-            yield from r.operations
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.operations.ListOperations, operations_pb2.ListOperationsRequest(
+            parent=f"banks/{bank_id}" if bank_id else "", page_size=page_size), "operations")
 
     # store generations (replay while serving)
     def replay(self, force: bool = False, wait: bool = True, poll_s: float = 0.5,
@@ -271,14 +258,9 @@ class MnemeClient:
 
     def list_generations(self, page_size: int = 100):
         """Yield the server's store generations, oldest first."""
-        token = ""
-        while True:
-            r = self.generations.ListGenerations(generations_pb2.ListGenerationsRequest(
-                page_size=page_size, page_token=token), timeout=self.timeout)
-            yield from r.generations
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.generations.ListGenerations,
+                               generations_pb2.ListGenerationsRequest(page_size=page_size),
+                               "generations")
 
     def delete_generation(self, generation: int) -> None:
         """Drop a RETIRED or FAILED generation's stores (cancels a BUILDING one)."""
@@ -313,15 +295,8 @@ class MnemeClient:
 
     def list_memories(self, bank_id: str, document_id: str = "", page_size: int = 500):
         """Yield every memory of the bank (all pages)."""
-        token = ""
-        while True:
-            r = self.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
-                document_id=document_id), timeout=self.timeout)
-            yield from r.memories
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.recall_stub.ListMemories, memory_pb2.ListMemoriesRequest(
+            parent=f"banks/{bank_id}", page_size=page_size, document_id=document_id), "memories")
 
     # directives
     def create_directive(self, bank_id: str, text: str, *, title: str = "", priority: int = 0,
@@ -458,25 +433,16 @@ class MnemeClient:
     def list_observations(self, bank_id: str, scope: Iterable[str] | None = None,
                           page_size: int = 500):
         """Every observation (of one exact scope when ``scope`` is not None), paged."""
-        token = ""
-        while True:
-            r = self.observations.ListObservations(observations_pb2.ListObservationsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token,
-                scope=list(scope or ()), has_scope=scope is not None), timeout=self.timeout)
-            yield from r.observations
-            token = r.next_page_token
-            if not token:
-                return
+        yield from self._pages(self.observations.ListObservations,
+                               observations_pb2.ListObservationsRequest(
+                                   parent=f"banks/{bank_id}", page_size=page_size,
+                                   scope=list(scope or ()), has_scope=scope is not None),
+                               "observations")
 
     def list_observation_scopes(self, bank_id: str, page_size: int = 100) -> list:
-        out, token = [], ""
-        while True:
-            r = self.observations.ListObservationScopes(observations_pb2.ListObservationScopesRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, page_token=token), timeout=self.timeout)
-            out += list(r.scopes)
-            token = r.next_page_token
-            if not token:
-                return out
+        return list(self._pages(self.observations.ListObservationScopes,
+                                observations_pb2.ListObservationScopesRequest(
+                                    parent=f"banks/{bank_id}", page_size=page_size), "scopes"))
 
     def get_observation(self, bank_id: str, observation_id: str) -> resources_pb2.Observation:
         return self.observations.GetObservation(observations_pb2.GetObservationRequest(

@@ -211,6 +211,20 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
 DIRECTIVE_FIELDS = ("title", "text", "priority", "active", "tags")
 
 
+def merge_directive(old: Directive | None, d: Directive, mask: tuple[str, ...]
+                    ) -> Directive | None:
+    """The directive after applying event ``d`` (see
+    :meth:`mneme.ports.Catalog.upsert_directive`) to ``old``: with ``mask`` only those
+    fields change (None for an update of an unknown directive), without it ``d`` replaces
+    it; the creation time is kept. Shared by every catalog adapter."""
+    if mask:
+        if old is None:
+            return None
+        return replace(old, updated_at=d.updated_at,
+                       **{f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
+    return replace(d, tags=tuple(d.tags), created_at=old.created_at if old else d.updated_at)
+
+
 @dataclass(frozen=True)
 class RetainItem:
     """One item to retain. ``timestamp`` is when it was said/happened (UTC)."""

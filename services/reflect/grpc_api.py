@@ -154,8 +154,9 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         after = paging.decode_token(request.page_token, kind) or ""
         found = self.models.list(bank_id, size + 1, after, tuple(request.tags))
         page = found[:size]
+        stale = self.models.stale_ids(page)
         return mental_models_pb2.ListMentalModelsResponse(
-            mental_models=[self._api(m) for m in page],
+            mental_models=[mental_model_to_api(m, m.id in stale) for m in page],
             next_page_token=paging.encode_token(kind, page[-1].id) if len(found) > size else "")
 
     @translate_errors

@@ -52,7 +52,7 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
     if not outcome.results:
         return Reflection("I have no memories that answer this (extractive answer, no language "
                           "model configured).", [], True)
-    terms = {w for w in _WORD.findall((query + " " + context).lower()) if w not in _STOP}
+    terms = content_terms(query + " " + context)
     ranked = sorted(enumerate(outcome.results),
                     key=lambda p: (-_coverage(p[1].fact.text, terms), p[0]))[:max_quotes]
     ranked.sort(key=lambda p: p[0])  # keep recall order among the chosen ones
@@ -65,6 +65,11 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
     text = ("Extractive answer (no language model configured); the most relevant memories:\n"
             + "\n".join(lines))
     return Reflection(text, [s.fact.id for _, s in ranked], True)
+
+
+def content_terms(text: str) -> set[str]:
+    """The lower-cased words of ``text`` without stop words (what a question asks about)."""
+    return {w for w in _WORD.findall(text.lower()) if w not in _STOP}
 
 
 def _coverage(text: str, terms: set[str]) -> int:

@@ -24,7 +24,6 @@ order with the bank's creation and deletion). Every bank catalog projects it, an
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -35,7 +34,7 @@ from mneme.domain import (MENTAL_MODEL_FIELDS, REFRESH_POLICIES, MentalModel, Me
 from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog, Record
-from services.reflect.handlers import Reflection
+from services.reflect.handlers import Reflection, content_terms
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +46,6 @@ DEFAULT_MAX_TOKENS = 2_048
 #: Share of a question's content words a fresh model's name and query must cover for the
 #: offline reflect to answer with it.
 OFFLINE_COVERAGE = 0.6
-
-_WORD = re.compile(r"[a-z0-9]+")
-_STOP = frozenset("""a an the and or but of to in on at for with by from is are was were be been
-do does did what when where who whom which why how i you he she it we they me my your his her
-its our their this that these those there have has had not no yes about as into than then so
-would could should can will just any some""".split())
-
-
-def _terms(text: str) -> set[str]:
-    return {w for w in _WORD.findall(text.lower()) if w not in _STOP}
 
 
 def _cut(text: str, max_tokens: int) -> str:
@@ -79,7 +68,7 @@ class MentalModels:
     ``catalog`` up to the bank's partition before a read. ``reflect`` is
     :meth:`services.reflect.handlers.Reflector.reflect`. ``memory_end(bank_id)`` is the end
     offset of the bank's ``mneme.memory.v1`` partition, and ``memory_read(bank_id, start,
-    limit)`` the decoded messages of that partition from ``start``."""
+    limit)`` the (offset, decoded message) pairs of that partition from ``start``."""
 
     catalog: Catalog
     append: Callable[[object, str], Record]
@@ -87,7 +76,7 @@ class MentalModels:
     caught_up: Callable[[str], object]
     reflect: Callable[..., Reflection]
     memory_end: Callable[[str], int]
-    memory_read: Callable[[str, int, int], list]
+    memory_read: Callable[[str, int, int], list[tuple[int, object]]]
 
     # ---- reads ----
 
@@ -127,24 +116,30 @@ class MentalModels:
     def is_stale(self, m: MentalModel) -> bool:
         """True when a fact or observation in the model's scope changed after its content
         was made (see the module docstring)."""
-        end = self.memory_end(m.bank_id)
-        if end <= m.memory_offset:
-            return False
-        if end - m.memory_offset > STALE_SCAN:
-            return True
-        wanted = set(m.tags)
-        for msg in self.memory_read(m.bank_id, m.memory_offset, end - m.memory_offset):
-            if getattr(msg, "bank_id", None) != m.bank_id:
+        return m.id in self.stale_ids([m])
+
+    def stale_ids(self, models: Sequence[MentalModel]) -> set[str]:
+        """The ids of the stale ones among ``models`` (all of one bank), from one read of
+        the bank's memory partition (from the oldest of their offsets)."""
+        if not models:
+            return set()
+        bank_id = models[0].bank_id
+        end = self.memory_end(bank_id)
+        pending = [m for m in models if m.memory_offset < end]
+        out = {m.id for m in pending if end - m.memory_offset > STALE_SCAN}
+        pending = [m for m in pending if m.id not in out]
+        if not pending:
+            return out
+        start = min(m.memory_offset for m in pending)
+        for offset, msg in self.memory_read(bank_id, start, end - start):
+            if getattr(msg, "bank_id", None) != bank_id:
                 continue
-            if isinstance(msg, ev.FactsRetracted):
-                return True
-            units = (msg.facts if isinstance(msg, ev.FactsExtracted)
-                     else msg.observations if isinstance(msg, ev.ObservationsChanged) else ())
-            for u in units:
-                tags = set(u.tags if isinstance(msg, ev.FactsExtracted) else u.scope)
-                if not wanted or not tags or tags & wanted:
-                    return True
-        return False
+            for m in pending:
+                if m.id not in out and offset >= m.memory_offset and _in_scope(msg, m.tags):
+                    out.add(m.id)
+            if len(out) == len(models):
+                break
+        return out
 
     # ---- writes ----
 
@@ -207,7 +202,8 @@ class MentalModels:
         if end <= m.memory_offset:
             return 0
         wanted, n = set(m.tags), 0
-        for msg in self.memory_read(m.bank_id, m.memory_offset, min(limit, end - m.memory_offset)):
+        for _, msg in self.memory_read(m.bank_id, m.memory_offset,
+                                       min(limit, end - m.memory_offset)):
             if isinstance(msg, ev.FactsExtracted) and msg.bank_id == m.bank_id:
                 n += sum(1 for f in msg.facts
                          if not wanted or not f.tags or set(f.tags) & wanted)
@@ -244,7 +240,7 @@ class MentalModels:
 
     def _ranked(self, bank_id: str, query: str) -> list[tuple[float, MentalModel]]:
         self.caught_up(bank_id)
-        q = _terms(query)
+        q = content_terms(query)
         if not q:
             return []
         scored = []
@@ -254,8 +250,8 @@ class MentalModels:
             for m in page:
                 if not m.content.strip():
                     continue
-                head = _terms(f"{m.display_name} {m.source_query}")
-                body = _terms(m.content)
+                head = content_terms(f"{m.display_name} {m.source_query}")
+                body = content_terms(m.content)
                 score = len(q & head) / len(q) + 0.5 * len(q & body) / len(q)
                 if score > 0:
                     scored.append((score, m))
@@ -268,9 +264,11 @@ class MentalModels:
     def search(self, bank_id: str, query: str, now: datetime, limit: int) -> list[Memory]:
         """The agent's ``search_mental_models``: models whose name, query or content share
         words with ``query``, best first, each marked stale or fresh."""
+        hits = [m for _, m in self._ranked(bank_id, query)[:limit]]
+        stale = self.stale_ids(hits)
         out = []
-        for _, m in self._ranked(bank_id, query)[:limit]:
-            state = ("STALE: verify it against observations and facts" if self.is_stale(m)
+        for m in hits:
+            state = ("STALE: verify it against observations and facts" if m.id in stale
                      else "fresh")
             out.append(Memory(m.id, f"{m.display_name} ({state}; answers \"{m.source_query}\"): "
                               f"{m.content}", "mental_model",
@@ -282,13 +280,13 @@ class MentalModels:
         """The extractive reflect's first step: a fresh model (in scope of ``tags``) whose
         name and query cover :data:`OFFLINE_COVERAGE` of the question's content words
         answers it, citing itself; None otherwise."""
-        q = _terms(query)
+        q = content_terms(query)
         if not q:
             return None
         for _, m in self._ranked(bank_id, query):
             if tags and m.tags and not set(m.tags) & set(tags):
                 continue
-            covered = len(q & _terms(f"{m.display_name} {m.source_query}")) / len(q)
+            covered = len(q & content_terms(f"{m.display_name} {m.source_query}")) / len(q)
             if covered < OFFLINE_COVERAGE:
                 return None  # ranked: the next ones cover less
             if self.is_stale(m):
@@ -297,6 +295,21 @@ class MentalModels:
                               "extractive answer, no language model configured)",
                               [m.id], True, kinds={m.id: "mental_model"})
         return None
+
+
+def _in_scope(msg, tags: Sequence[str]) -> bool:
+    """True when memory event ``msg`` changes a unit in the scope ``tags`` (untagged: any
+    scope; untagged units: every scope) or retracts any."""
+    if isinstance(msg, ev.FactsRetracted):
+        return True
+    if isinstance(msg, ev.FactsExtracted):
+        sets = [set(f.tags) for f in msg.facts]
+    elif isinstance(msg, ev.ObservationsChanged):
+        sets = [set(o.scope) for o in msg.observations]
+    else:
+        return False
+    wanted = set(tags)
+    return any(not wanted or not s or s & wanted for s in sets)
 
 
 def _check(m: MentalModel, fields: Iterable[str]) -> None:

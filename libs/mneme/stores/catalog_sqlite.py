@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import asdict
 
-from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, MentalModel,
-                          MentalModelRevision, Operation, from_epoch, merge_mental_model)
+from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
+                          Operation, from_epoch, merge_directive, merge_mental_model)
 from mneme.stores import sqlite_erase
 
 _SCHEMA = """
@@ -216,14 +216,9 @@ class SqliteCatalog:
         with self._lock:
             if self._db.execute("SELECT 1 FROM banks WHERE bank_id=?", (d.bank_id,)).fetchone() is None:
                 return
-            old = self._directive(d.bank_id, d.id)
-            if mask:
-                if old is None:
-                    return  # an update never creates
-                d = dataclasses.replace(old, updated_at=d.updated_at, **{
-                    f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
-            else:
-                d = dataclasses.replace(d, created_at=old.created_at if old else d.updated_at)
+            d = merge_directive(self._directive(d.bank_id, d.id), d, mask)
+            if d is None:
+                return  # an update never creates
             self._db.execute(
                 "INSERT OR REPLACE INTO directives VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (d.bank_id, d.id, d.title, d.text, int(d.priority), int(bool(d.active)),

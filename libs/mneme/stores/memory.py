@@ -13,8 +13,8 @@ import threading
 from dataclasses import asdict, replace
 from typing import Iterable, Sequence
 
-from mneme.domain import (DIRECTIVE_FIELDS, TERMINAL, Bank, BankConfig, Directive, MentalModel,
-                          MentalModelRevision, Operation, from_epoch, merge_mental_model)
+from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
+                          Operation, from_epoch, merge_directive, merge_mental_model)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import tombstone
@@ -94,17 +94,9 @@ class MemoryCatalog:
         with self._lock:
             if d.bank_id not in self._banks:
                 return
-            old = self._directives.get((d.bank_id, d.id))
-            if mask:
-                if old is None:
-                    return  # an update never creates
-                d = replace(old, updated_at=d.updated_at,
-                            **{f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
-            elif old is not None:
-                d = replace(d, created_at=old.created_at)
-            else:
-                d = replace(d, created_at=d.updated_at)
-            self._directives[(d.bank_id, d.id)] = replace(d, tags=tuple(d.tags))
+            d = merge_directive(self._directives.get((d.bank_id, d.id)), d, mask)
+            if d is not None:  # an update never creates
+                self._directives[(d.bank_id, d.id)] = d
 
     def delete_directive(self, bank_id: str, directive_id: str) -> None:
         with self._lock:
