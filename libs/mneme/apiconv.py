@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Sequence
 
-from mneme.domain import (EXPERIENCE, WORLD, Bank, BankConfig, Fact, Filters, RetainItem,
+from mneme.domain import (EXPERIENCE, OPINION, WORLD, Bank, BankConfig, Fact, Filters, RetainItem,
                           TimeWindow, from_epoch, utc)
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, ts_to_dt
@@ -14,7 +14,7 @@ from mneme.domain import Operation
 from mneme.v1 import operations_pb2, recall_pb2, resources_pb2
 
 _TYPE_TO_PB = {WORLD: resources_pb2.WORLD, EXPERIENCE: resources_pb2.EXPERIENCE,
-               "observation": resources_pb2.OBSERVATION}
+               "observation": resources_pb2.OBSERVATION, OPINION: resources_pb2.OPINION}
 _PB_TO_TYPE = {v: k for k, v in _TYPE_TO_PB.items()}
 _STATE = {"pending": operations_pb2.PENDING, "running": operations_pb2.RUNNING,
           "succeeded": operations_pb2.SUCCEEDED, "failed": operations_pb2.FAILED}
@@ -84,7 +84,7 @@ def types_from_api(types, field: str = "types") -> tuple[str, ...]:
     out = []
     for n, t in enumerate(types):
         if t not in _PB_TO_TYPE:
-            raise InvalidArgument(f"{field}[{n}]", "must be WORLD, EXPERIENCE or OBSERVATION")
+            raise InvalidArgument(f"{field}[{n}]", "must be WORLD, EXPERIENCE, OBSERVATION or OPINION")
         out.append(_PB_TO_TYPE[t])
     return tuple(out)
 

@@ -465,7 +465,13 @@ def build_reflect(root: Root, recall: Callable | None = None,
         [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
     models = _mental_models(root, reflector, catch_up, source)
     reflector.mental_models = models
-    parts.routers = _routers(root, "reflect", mental_models=models, **root.own_catalog())
+    from services.reflect.opinions import OpinionFormer
+    # opinions are formed only by a model: offline, the follower forms none (and loads
+    # no embedder for them)
+    opinions = OpinionFormer(root.llm if agent is not None else None,
+                             root.embedder if agent is not None else None, bank_config)
+    parts.routers = _routers(root, "reflect", mental_models=models, opinions=opinions,
+                             **root.own_catalog())
     if agent is not None:
         agent.mental_models = models.search
     servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)

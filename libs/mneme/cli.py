@@ -338,17 +338,22 @@ def _state(s: int) -> str:
 @app.command()
 def recall(bank: str, query: str, max_tokens: int = 1024, budget: str = "mid",
            tag: List[str] = typer.Option([], "--tag"), tags_match: str = "any",
+           type_: List[str] = typer.Option(
+               [], "--type", help="world, experience, observation or opinion (repeatable; "
+               "default: world and experience)"),
            at: Optional[datetime] = typer.Option(None, "--at", help="'now' for relative "
                                                  "expressions in the query (ISO 8601)"),
            as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Recall the memories of BANK that matter for QUERY, with each arm's rank."""
-    from mneme.client import BUDGETS, TAGS_MATCH
+    from mneme.client import BUDGETS, TAGS_MATCH, TYPES
     _choice("--budget", budget, BUDGETS)
     _choice("--tags-match", tags_match, TAGS_MATCH)
+    for t in type_:
+        _choice("--type", t, TYPES)
     with _client(address) as m:
         try:
             r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
-                         tags_match=tags_match, query_timestamp=_aware(at))
+                         tags_match=tags_match, types=type_, query_timestamp=_aware(at))
         except grpc.RpcError as e:
             _fail(e)
     if as_json:
@@ -910,6 +915,61 @@ def observations_clear(bank: str, memory_id: str = typer.Option("", help="only t
         except grpc.RpcError as e:
             _fail(e)
     console.print(f"cleared observations of {bank}: {_state(op.state)}")
+
+
+opinions_app = typer.Typer(help="Opinions: beliefs the bank formed when it reflected (list, "
+                           "show with history, delete).", no_args_is_help=True)
+app.add_typer(opinions_app, name="opinions")
+
+
+@opinions_app.command("list")
+def opinions_list(bank: str, entity: str = typer.Option("", help="only those about this entity id"),
+                  limit: int = typer.Option(0, help="at most this many (0: all)"),
+                  as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List BANK's opinions with their confidence."""
+    with _client(address) as m:
+        found = _listed(m.list_opinions(bank, entity_id=entity), limit)
+    if as_json:
+        return _print_json(found)
+    t = _table("opinion", "confidence", "entities", "text", ids=("opinion",))
+    for o in found:
+        t.add_row(o.id, f"{o.confidence:.2f}", ", ".join(e.name for e in o.entities), o.text)
+    Console().print(t)
+
+
+@opinions_app.command("get")
+def opinions_get(bank: str, opinion_id: str, as_json: bool = typer.Option(False, "--json"),
+                 address: str = AddressOpt):
+    """Show one opinion with its evidence and every change of its confidence."""
+    with _client(address) as m:
+        try:
+            o = m.get_opinion(bank, opinion_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(o)
+    print(f"{o.id}  (confidence {o.confidence:.2f})\n  {o.text}")
+    if o.entities:
+        print(f"  about: {', '.join(f'{e.name} ({e.id})' for e in o.entities)}")
+    for e in o.evidence:
+        print(f"  evidence: {e.rsplit('/', 1)[-1]}")
+    for h in o.history:
+        cause = f" by {h.memory.rsplit('/', 1)[-1]}" if h.memory else ""
+        print(f"  {_when(h.time) or '-'}  {h.change}{cause} -> {h.confidence:.4f}: {h.text}")
+
+
+@opinions_app.command("delete")
+def opinions_delete(bank: str, opinion_id: str, address: str = AddressOpt):
+    """Delete one opinion (waits for the operation)."""
+    with _client(address) as m:
+        try:
+            op = m.delete_opinion(bank, opinion_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    console.print(f"deleted opinion {opinion_id}: {_state(op.state)}"
+                  + (f" ({op.error})" if op.error else ""))
+    if op.state != 3:
+        raise typer.Exit(1)
 
 
 models_app = typer.Typer(help="Mental models: named standing answers reflect searches first.",

@@ -22,6 +22,7 @@ from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
+from mneme.v1 import opinions_pb2, opinions_pb2_grpc
 from mneme.v1 import documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc
 from mneme.v1 import directives_pb2, directives_pb2_grpc, mental_models_pb2, mental_models_pb2_grpc
 from mneme.v1 import keys_pb2, keys_pb2_grpc
@@ -33,7 +34,7 @@ BUDGETS = {"low": recall_pb2.LOW, "mid": recall_pb2.MID, "high": recall_pb2.HIGH
 TAGS_MATCH = {"any": recall_pb2.ANY, "all": recall_pb2.ALL, "any_strict": recall_pb2.ANY_STRICT,
               "all_strict": recall_pb2.ALL_STRICT, "exact": recall_pb2.EXACT}
 TYPES = {"world": resources_pb2.WORLD, "experience": resources_pb2.EXPERIENCE,
-         "observation": resources_pb2.OBSERVATION}
+         "observation": resources_pb2.OBSERVATION, "opinion": resources_pb2.OPINION}
 SCOPE_MODES = {"exact": resources_pb2.ObservationScopes.EXACT,
                "per_tag": resources_pb2.ObservationScopes.PER_TAG,
                "combined": resources_pb2.ObservationScopes.COMBINED,
@@ -150,6 +151,7 @@ class MnemeClient:
         self.reflect_stub = reflect_pb2_grpc.ReflectServiceStub(self.channel)
         self.operations = operations_pb2_grpc.OperationServiceStub(self.channel)
         self.observations = observations_pb2_grpc.ObservationServiceStub(self.channel)
+        self.opinions = opinions_pb2_grpc.OpinionServiceStub(self.channel)
         self.entities = entities_pb2_grpc.EntityServiceStub(self.channel)
         self.directives = directives_pb2_grpc.DirectiveServiceStub(self.channel)
         self.mental_models = mental_models_pb2_grpc.MentalModelServiceStub(self.channel)
@@ -447,6 +449,24 @@ class MnemeClient:
     def get_observation(self, bank_id: str, observation_id: str) -> resources_pb2.Observation:
         return self.observations.GetObservation(observations_pb2.GetObservationRequest(
             name=f"banks/{bank_id}/observations/{observation_id}"), timeout=self.timeout)
+
+    # opinions
+
+    def list_opinions(self, bank_id: str, entity_id: str = "", page_size: int = 100):
+        """Every opinion of the bank (about one entity when ``entity_id`` is set), paged,
+        in id order."""
+        yield from self._pages(self.opinions.ListOpinions, opinions_pb2.ListOpinionsRequest(
+            parent=f"banks/{bank_id}", page_size=page_size, entity_id=entity_id), "opinions")
+
+    def get_opinion(self, bank_id: str, opinion_id: str) -> resources_pb2.Opinion:
+        return self.opinions.GetOpinion(opinions_pb2.GetOpinionRequest(
+            name=f"banks/{bank_id}/opinions/{opinion_id}"), timeout=self.timeout)
+
+    def delete_opinion(self, bank_id: str, opinion_id: str) -> operations_pb2.Operation:
+        """Delete one opinion; the operation ends FAILED ("opinion not found") when the
+        bank has none by that id."""
+        return self.memory.DeleteOpinion(memory_pb2.DeleteOpinionRequest(
+            name=f"banks/{bank_id}/opinions/{opinion_id}"), timeout=self.timeout)
 
     def _reflect_request(self, bank_id, query, context, budget, response_schema,
                          query_timestamp=None, tags: Iterable[str] = ()):

@@ -62,6 +62,11 @@ def observation_of(name: str, field: str = "name") -> tuple[str, str]:
     return _bank_child(name, "observations", "observation", field)
 
 
+def opinion_of(name: str, field: str = "name") -> tuple[str, str]:
+    """``banks/{bank_id}/opinions/{opinion_id}`` → (bank_id, opinion_id)."""
+    return _bank_child(name, "opinions", "opinion", field)
+
+
 def entity_of(name: str, field: str = "name") -> tuple[str, str]:
     """``banks/{bank_id}/entities/{entity_id}`` → (bank_id, entity_id)."""
     return _bank_child(name, "entities", "entity", field)

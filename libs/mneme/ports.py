@@ -398,6 +398,21 @@ class ObservationStore(Protocol):
         """Every observation state of the bank (deleted ones included), ordered by id, as
         deterministic protobuf bytes: what a replay must reproduce byte for byte."""
 
+    def apply_opinions(self, m: "ev.OpinionsChanged") -> None:
+        """Apply one OpinionsChanged atomically: store each opinion state whose ``version``
+        is higher than the stored one (a deleted one as its tombstone,
+        ``mneme.bus.codec.opinion_tombstone``, about no entity any more). Idempotent."""
+
+    def opinions(self, bank_id: str, ids: Iterable[str] | None = None,
+                 entity_ids: Iterable[str] | None = None, limit: int = 1000
+                 ) -> "dict[str, ev.Opinion]":
+        """id → state of the bank's live opinions, ordered by id, at most ``limit``: those
+        in ``ids`` and about any of ``entity_ids`` (each filter only when not None)."""
+
+    def dump_opinions(self, bank_id: str) -> list[bytes]:
+        """Every opinion state of the bank (deleted ones as tombstones), ordered by id, as
+        deterministic protobuf bytes: what a replay must reproduce byte for byte."""
+
     def reset(self) -> None:
         """Forget every bank (replay rebuilds it)."""
 

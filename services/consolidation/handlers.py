@@ -26,7 +26,7 @@ from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import ObservationStore
-from services.consolidation import engine
+from services.consolidation import engine, opinions
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,21 @@ class Consolidator:
 
     # ---- entry point ------------------------------------------------------------------
 
-    def handle(self, m, meta: EventMeta, decide: bool = True) -> list[ev.ObservationsChanged]:
-        """One memory event → the ObservationsChanged it causes (none when ``decide`` is
-        False: replay applies recorded decisions only)."""
+    def handle(self, m, meta: EventMeta, decide: bool = True) -> list:
+        """One memory event → the ObservationsChanged and OpinionsChanged it causes (none
+        when ``decide`` is False: replay applies recorded decisions only)."""
         self._memo = {}
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
+        if isinstance(m, ev.OpinionsChanged):
+            self.store.apply_opinions(m)
+            return []
         at, cause = meta.time, meta.id
+        out: list = []  # this event's opinion changes, after its observation change
+        if decide and isinstance(m, ev.ConsolidationScheduled) and m.action == "delete_opinion":
+            return self._opinions([opinions.delete(self.store, m.bank_id, m.memory_id,
+                                                   m.operation_id, at)])
         change = ev.ObservationsChanged(bank_id=getattr(m, "bank_id", ""),
                                         operation_id=getattr(m, "operation_id", ""),
                                         decided_by="offline")
@@ -81,6 +88,7 @@ class Consolidator:
                 gone = [i for i in ids if i not in new_ids]
                 if decide:
                     self._retract(m.bank_id, gone, change, at, cause)
+                    out.append(opinions.retract(self.store, m.bank_id, gone, at))
                 self.store.delete_facts(m.bank_id, gone)
             tags = {t for f in m.facts for t in f.tags}
             spec = m.observation_scopes if m.HasField("observation_scopes") else None
@@ -88,6 +96,8 @@ class Consolidator:
                                              for f in m.facts])
             if not decide:
                 return []
+            # opinions about the new facts' entities (a model judges; offline none)
+            out.append(opinions.revise(self.store, self.llm, m.bank_id, m.facts, at))
             change.trigger = "auto"
             ids = [f.id for f in m.facts] + list(change.reset_memory_ids)
             if self._config(m.bank_id).auto_consolidate:
@@ -106,6 +116,7 @@ class Consolidator:
             if decide:
                 change.trigger = "retract"
                 self._retract(m.bank_id, ids, change, at, cause)
+                out.append(opinions.retract(self.store, m.bank_id, ids, at))
                 if self._config(m.bank_id).auto_consolidate:
                     self._consolidate(m.bank_id, self.store.facts(
                         m.bank_id, change.reset_memory_ids, pending=True), change, at, cause)
@@ -118,9 +129,16 @@ class Consolidator:
             return []
         if not (change.observations or change.consolidated_memory_ids or change.reset_memory_ids
                 or change.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
-            return []
+            return self._opinions(out)
         self.store.apply(change)
-        return [change]
+        return [change, *self._opinions(out)]
+
+    def _opinions(self, changes) -> list[ev.OpinionsChanged]:
+        """The opinion changes decided (None: none), applied to the store at once."""
+        done = [c for c in changes if c is not None]
+        for c in done:
+            self.store.apply_opinions(c)
+        return done
 
     # ---- decisions --------------------------------------------------------------------
 
@@ -295,9 +313,9 @@ class Consolidator:
 
 
 def on_memory_event(m, meta: EventMeta, *, consolidator: Consolidator,
-                    decide: bool = True) -> list[ev.ObservationsChanged]:
+                    decide: bool = True) -> list:
     """FactsExtracted, FactsRetracted, ConsolidationScheduled and consolidation's own
-    ObservationsChanged (see :meth:`Consolidator.handle`)."""
+    ObservationsChanged and OpinionsChanged (see :meth:`Consolidator.handle`)."""
     return consolidator.handle(m, meta, decide=decide)
 
 

@@ -1,6 +1,6 @@
 """consolidation's routes: facts, retractions and consolidation commands from
-``mneme.memory.v1`` (where its own decisions come back, rebuilding its projection on
-replay), and bank configs from ``mneme.intake.v1`` into its own catalog when it runs
+``mneme.memory.v1`` (where its own decisions -- observations, and opinion revisions -- and
+reflect's newly formed opinions come back, rebuilding its projection on replay), and bank configs from ``mneme.intake.v1`` into its own catalog when it runs
 alone (group ``consolidation-catalog``: every replica keeps a copy of every bank).
 
 The observation store is replica-local state, and ``mneme.memory.v1`` is its changelog:
@@ -14,7 +14,7 @@ from mneme.router import Group, Service
 from services.consolidation import handlers
 
 _MEMORY = (ev.FactsExtracted, ev.FactsRetracted, ev.ConsolidationScheduled,
-           ev.ObservationsChanged)
+           ev.ObservationsChanged, ev.OpinionsChanged)
 
 SERVICE = Service(
     "consolidation",
@@ -28,5 +28,5 @@ SERVICE = Service(
         Group("consolidation-catalog", {INTAKE: bank_catalog.ROUTES}, distributed_only=True,
               replay=True, state="replica"),
     ),
-    produces={MEMORY: (ev.ObservationsChanged,)},
+    produces={MEMORY: (ev.ObservationsChanged, ev.OpinionsChanged)},
 )

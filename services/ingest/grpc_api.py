@@ -12,7 +12,8 @@ from mneme import apiconv, auth, limits, paging
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, remaining, translate_errors
 from mneme.domain import DIRECTIVE_FIELDS, Directive, from_epoch
-from mneme.names import bank_id_of, directive_name, directive_of, memory_of, operation_of
+from mneme.names import (bank_id_of, directive_name, directive_of, memory_of, operation_of,
+                         opinion_of)
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
 from mneme.v1 import directives_pb2, directives_pb2_grpc
 from mneme.v1 import memory_pb2_grpc
@@ -158,6 +159,14 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         op = self.ingest.consolidate(bank_id, "clear_memory" if request.memory_id else "clear",
                                      memory_id=request.memory_id, wait=not getattr(request, "async"),
                                      timeout=remaining(context, self.ingest.retain_timeout_s))
+        return apiconv.operation_to_api(op)
+
+
+    @translate_errors
+    def DeleteOpinion(self, request, context):
+        bank_id, opinion_id = opinion_of(request.name)
+        op = self.ingest.delete_opinion(bank_id, opinion_id,
+                                        timeout=remaining(context, self.ingest.retain_timeout_s))
         return apiconv.operation_to_api(op)
 
 

@@ -39,7 +39,10 @@ def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
     operation in ``catalog``; a retain counts its items. Idempotent; produces nothing."""
     at = meta.time.timestamp()
     total = len(m.items) if isinstance(m, ev.RetainRequested) else 0
-    catalog.put_operation(Operation(m.operation_id, m.bank_id, _KIND[m.DESCRIPTOR.name],
+    kind = _KIND[m.DESCRIPTOR.name]
+    if isinstance(m, ev.ConsolidationRequested) and m.action == "delete_opinion":
+        kind = "delete_opinion"
+    catalog.put_operation(Operation(m.operation_id, m.bank_id, kind,
                                     items_total=total, created_at=at, updated_at=at))
     return []
 
@@ -418,6 +421,19 @@ class Ingest:
             bank_id=bank_id, operation_id=op_id, action=action,
             observation_scopes=observation_scopes, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "consolidate", 0, wait, timeout)
+
+    def delete_opinion(self, bank_id: str, opinion_id: str, wait: bool = True,
+                       timeout: float | None = None) -> Operation:
+        """Append the deletion of opinion ``opinion_id`` (a ConsolidationRequested with
+        action "delete_opinion": consolidation decides it in the bank's order, so no later
+        revision brings it back). With ``wait``, return once it is out of every projection;
+        the operation fails ("opinion not found") when the bank has no such opinion."""
+        self.require_bank(bank_id)
+        op_id = str(uuid.uuid4())
+        rec = self._append(ev.ConsolidationRequested(
+            bank_id=bank_id, operation_id=op_id, action="delete_opinion",
+            memory_id=opinion_id), bank_id)
+        return self._finish(op_id, rec, bank_id, "delete_opinion", 0, wait, timeout)
 
     def _finish(self, op_id, rec, bank_id, kind, total, wait, timeout) -> Operation:
         timeout = timeout or self.retain_timeout_s

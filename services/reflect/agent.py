@@ -462,7 +462,8 @@ class ReflectAgent:
             log.info("reflect: dropped %d citation(s) of memories never supplied: %s",
                      len(dropped), dropped)
         kinds = {m.id: m.kind for m in ctx.by_ref.values() if m.id in based_on and m.kind != "fact"}
-        yield Done(AgentReflection(text.strip(), based_on, False, kinds=kinds,
+        evidence = [m for m in ctx.by_ref.values() if m.id in based_on and m.kind == "fact"]
+        yield Done(AgentReflection(text.strip(), based_on, False, kinds=kinds, evidence=evidence,
                                    directives=[d.id for d in directives], structured=structured,
                                    usage=usage, tools_called=called, dropped_citations=dropped,
                                    iterations=it, memories_supplied=len(ctx.by_ref)))
@@ -513,7 +514,8 @@ class ReflectAgent:
                 bank_id=bank_id, query=query, query_timestamp=now, filters=scope_filters(tags),
                 budget=budget, max_tokens=max(1, min(ctx.remaining(), 2048))))
             memories = [Memory(s.fact.id, s.fact.text, "fact",
-                               s.fact.occurred_start or s.fact.mentioned_at, s.fact.fact_type)
+                               s.fact.occurred_start or s.fact.mentioned_at, s.fact.fact_type,
+                               s.fact.mentioned_at, tuple(s.fact.entities))
                         for s in outcome.results]
             empty = "No memories match. Try other words, or answer that the bank has no memory of it."
         else:

@@ -24,13 +24,16 @@ class Reflection:
     """A reflect answer: ``text``, the memory ids it is based on, ``extractive`` flag;
     ``kinds`` maps an id of ``based_on`` to its kind ("mental_model", "observation";
     absent: a fact); ``directives`` are the ids of the directives the answer was told to
-    follow (none offline: an extractive answer follows no rule)."""
+    follow (none offline: an extractive answer follows no rule); ``evidence`` the facts
+    it cites as the model was shown them (:class:`mneme.domain.Memory`: what opinion
+    formation needs)."""
 
     text: str
     based_on: list[str] = field(default_factory=list)
     extractive: bool = True
     kinds: dict[str, str] = field(default_factory=dict)
     directives: list[str] = field(default_factory=list)
+    evidence: list = field(default_factory=list)
 
 
 def scope_filters(tags: Sequence[str]) -> Filters:
@@ -86,14 +89,27 @@ def on_memory_changed(m, meta: EventMeta, *, mental_models) -> list:
     return []
 
 
-def record_reflection(bank_id: str, query: str, r: Reflection):
-    """The ``ReflectionRecorded`` event of ``r`` (topic ``mneme.reflect.v1``, for audit)."""
+def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
+    """A reflection → the opinions it forms (``opinions``: a
+    :class:`services.reflect.opinions.OpinionFormer`)."""
+    return opinions.form(m, meta)
+
+
+def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[str] = ()):
+    """The ``ReflectionRecorded`` event of ``r`` (topic ``mneme.reflect.v1``: for audit,
+    and for the opinions formed from it), with the reflect's ``tags``."""
     from mneme.events.v1 import events_pb2 as ev
 
     msg = ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
                                 based_on=r.based_on, extractive=r.extractive,
                                 tools_called=getattr(r, "tools_called", []),
-                                dropped_citations=len(getattr(r, "dropped_citations", [])))
+                                dropped_citations=len(getattr(r, "dropped_citations", [])),
+                                tags=list(tags))
+    for m in r.evidence:
+        e = msg.evidence.add(memory_id=m.id, entities=[
+            ev.Entity(id=x.id, name=x.name, label=x.label) for x in m.entities])
+        if m.mentioned_at is not None:
+            e.mentioned_at.FromDatetime(m.mentioned_at)
     u = getattr(r, "usage", None)
     if u is not None and u.calls:
         msg.llm_usage.CopyFrom(ev.LlmUsage(model=u.model, calls=u.calls, failed_calls=u.failed_calls,
@@ -150,7 +166,7 @@ class Reflector:
             r = ((self.mental_models.answer_offline(bank_id, query, tags)
                   if self.mental_models is not None and mental_models else None)
                  or reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags))
-        self.record(record_reflection(bank_id, query, r))
+        self.record(record_reflection(bank_id, query, r, tags))
         return r
 
     def stream(self, bank_id, query, context, budget, now, response_schema=None,
@@ -163,5 +179,5 @@ class Reflector:
         for event in self.agent.stream(bank_id, query, context, budget, now, response_schema,
                                        directives=self._in_scope(bank_id, tags), tags=tags):
             if isinstance(event, Done):
-                self.record(record_reflection(bank_id, query, event.reflection))
+                self.record(record_reflection(bank_id, query, event.reflection, tags))
             yield event

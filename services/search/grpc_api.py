@@ -15,12 +15,12 @@ from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import call_deadline, dt_to_ts, translate_errors, ts_to_dt
 from mneme.names import (bank_id_of, document_name, entity_name, entity_of, memory_name,
-                         memory_of, observation_of)
+                         memory_of, observation_of, opinion_of)
 from mneme.ports import GraphStore, VectorStore
 from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
-                      memory_pb2, observations_pb2, observations_pb2_grpc, recall_pb2,
-                      recall_pb2_grpc)
-from services.search import observations, reads
+                      memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
+                      opinions_pb2_grpc, recall_pb2, recall_pb2_grpc)
+from services.search import observations, opinions, reads
 
 _ARMS = ("semantic", "keyword", "graph", "temporal", "rerank")
 
@@ -125,6 +125,29 @@ class ObservationServicer(observations_pb2_grpc.ObservationServiceServicer):
                                                                 observation_id))
 
 
+class OpinionServicer(opinions_pb2_grpc.OpinionServiceServicer):
+    """Opinion reads from the vector store (see :mod:`services.search.opinions`)."""
+
+    def __init__(self, recall_servicer: RecallServicer):
+        self.rs = recall_servicer
+
+    @translate_errors
+    def ListOpinions(self, request, context):
+        bank_id = self.rs._bank(request.parent)
+        if len(request.entity_id) > 200:
+            raise InvalidArgument("entity_id", "must be at most 200 characters")
+        ops, token = opinions.list_opinions(self.rs.vectors, bank_id, request.page_size,
+                                            request.page_token, request.entity_id)
+        return opinions_pb2.ListOpinionsResponse(
+            opinions=[opinions.to_api(o) for o in ops], next_page_token=token)
+
+    @translate_errors
+    def GetOpinion(self, request, context):
+        bank_id, opinion_id = opinion_of(request.name)
+        self.rs._bank(f"banks/{bank_id}", "name")
+        return opinions.to_api(opinions.get_opinion(self.rs.vectors, bank_id, opinion_id))
+
+
 def entity_to_api(bank_id: str, e) -> entities_pb2.Entity:
     """An :class:`mneme.domain.EntityInfo` → Entity (memories and neighbours as names)."""
     return entities_pb2.Entity(
@@ -204,7 +227,9 @@ def register(server, servicer: RecallServicer) -> list[str]:
         ObservationServicer(servicer), server)
     entities_pb2_grpc.add_EntityServiceServicer_to_server(EntityServicer(servicer), server)
     documents_pb2_grpc.add_DocumentServiceServicer_to_server(DocumentServicer(servicer), server)
-    return [recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name,
+    opinions_pb2_grpc.add_OpinionServiceServicer_to_server(OpinionServicer(servicer), server)
+    return [opinions_pb2.DESCRIPTOR.services_by_name["OpinionService"].full_name,
+            recall_pb2.DESCRIPTOR.services_by_name["RecallService"].full_name,
             observations_pb2.DESCRIPTOR.services_by_name["ObservationService"].full_name,
             entities_pb2.DESCRIPTOR.services_by_name["EntityService"].full_name,
             documents_pb2.DESCRIPTOR.services_by_name["DocumentService"].full_name]

@@ -15,6 +15,7 @@ from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, EventMeta
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import GraphStore, TextStore, VectorStore
 from services.search.observations import project_observations, retract_observations
+from services.search.opinions import project_opinions, retract_opinions
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
     if gone and not m.bank_deleted:
         # the observations quoting them hold their text and (one source) their vector
         retract_observations(stores.vectors, m.bank_id, gone)
+        retract_opinions(stores.vectors, m.bank_id, gone)
     if not m.operation_id:
         return []
     kind = ("delete_bank" if m.bank_deleted else
@@ -145,3 +147,18 @@ def on_observations_changed(m: ev.ObservationsChanged, meta: EventMeta, *,
         return []
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                  kind="consolidate", state="succeeded")]
+
+
+def on_opinions_changed(m: ev.OpinionsChanged, meta: EventMeta, *,
+                        stores: Projections) -> list[ev.OperationProgress]:
+    """Opinions into the vector store (units of fact_type "opinion"); a DeleteOpinion's
+    progress: succeeded, or failed when the bank held no such opinion."""
+    project_opinions(m, stores.vectors)
+    if not (m.operation_id and m.trigger == "delete_opinion"):
+        return []
+    if m.opinions:
+        return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                     kind="delete_opinion", state="succeeded")]
+    return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                 kind="delete_opinion", state="failed",
+                                 error="opinion not found")]

@@ -14,7 +14,8 @@ SERVICE = Service(
     groups=(
         Group("search", {MEMORY: {ev.FactsExtracted: handlers.on_facts_extracted,
                                   ev.FactsRetracted: handlers.on_facts_retracted,
-                                  ev.ObservationsChanged: handlers.on_observations_changed}},
+                                  ev.ObservationsChanged: handlers.on_observations_changed,
+                                  ev.OpinionsChanged: handlers.on_opinions_changed}},
               replay=True, state="stores", durable=("stores",)),
         Group("search-catalog", {INTAKE: bank_catalog.ROUTES}, distributed_only=True,
               replay=True, state="replica"),

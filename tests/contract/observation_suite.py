@@ -194,3 +194,37 @@ class ObservationStoreSuite:
         assert store.counts("a") == (2, 1, 2)
         store.delete_bank("a")
         assert store.counts("a") == (0, 0, 0) and store.counts("b") == (1, 0, 0)
+
+    def test_opinions_keep_the_newest_state_and_are_found_by_entity(self, store):
+        def opinion(i, version, *entities, deleted=False):
+            return ev.Opinion(id=i, version=version, text=f"op {i} v{version}", confidence=0.5,
+                              entities=[ev.Entity(id=e, name=e) for e in entities],
+                              evidence_ids=["f1"], deleted=deleted,
+                              history=[ev.OpinionRevision(change="formed", text="t")])
+
+        def put(bank, *ops):
+            store.apply_opinions(ev.OpinionsChanged(bank_id=bank, opinions=list(ops)))
+        put("a", opinion("p1", 1, "e1", "e2"), opinion("p2", 1, "e2"))
+        put("b", opinion("p1", 1, "e1"))
+        assert sorted(store.opinions("a")) == ["p1", "p2"]
+        assert list(store.opinions("a", entity_ids=["e1"])) == ["p1"]
+        assert sorted(store.opinions("a", entity_ids=["e2", "e9"])) == ["p1", "p2"]
+        assert list(store.opinions("a", ids=["p2", "p9"])) == ["p2"]
+        assert list(store.opinions("a", limit=1)) == ["p1"]
+        put("a", opinion("p1", 3, "e3"))
+        put("a", opinion("p1", 2, "e1"))  # older: ignored, even redelivered
+        assert store.opinions("a")["p1"].text == "op p1 v3"
+        assert list(store.opinions("a", entity_ids=["e1"])) == []  # it moved to e3
+        assert list(store.opinions("a", entity_ids=["e3"])) == ["p1"]
+        before = store.dump_opinions("a")
+        put("a", opinion("p1", 3, "e3"))
+        assert store.dump_opinions("a") == before  # idempotent
+        put("a", opinion("p2", 2, "e2", deleted=True))
+        assert list(store.opinions("a")) == ["p1"]
+        tomb = ev.Opinion.FromString(store.dump_opinions("a")[1])
+        assert tomb.deleted and tomb.version == 2 and not tomb.text and not tomb.history
+        assert list(store.opinions("a", entity_ids=["e2"])) == []
+        store.delete_bank("a")
+        assert store.dump_opinions("a") == [] and list(store.opinions("b")) == ["p1"]
+        store.reset()
+        assert store.dump_opinions("b") == []

@@ -320,7 +320,8 @@ def test_embedded_stats_count_only_groups_that_run(m):
     m.upsert_bank("stats")
     s = m.bank_stats("stats")
     groups = {x.group for x in s.lag}
-    assert groups == {"ingest", "extraction", "search", "consolidation", "reflect-refresh"}
+    assert groups == {"ingest", "extraction", "search", "consolidation", "reflect-refresh",
+                      "reflect-opinions"}
     assert s.pending_records == 0 or s.pending_records == sum(x.lag for x in s.lag)
 
 

@@ -30,7 +30,7 @@ from grpc_status import rpc_status
 from mneme.v1 import (banks_pb2, banks_pb2_grpc, directives_pb2_grpc, documents_pb2_grpc,
                       entities_pb2_grpc, mental_models_pb2_grpc,
                       memory_pb2, memory_pb2_grpc,
-                      observations_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
+                      observations_pb2_grpc, opinions_pb2_grpc, operations_pb2, operations_pb2_grpc, recall_pb2,
                       recall_pb2_grpc, reflect_pb2_grpc, resources_pb2)
 from tests.e2e.server import Server
 
@@ -68,6 +68,9 @@ RPCS = {
     "Retain": (memory_pb2_grpc.MemoryServiceStub, False),
     "DeleteDocument": (memory_pb2_grpc.MemoryServiceStub, False),
     "DeleteMemory": (memory_pb2_grpc.MemoryServiceStub, False),
+    "DeleteOpinion": (memory_pb2_grpc.MemoryServiceStub, False),
+    "ListOpinions": (opinions_pb2_grpc.OpinionServiceStub, False),
+    "GetOpinion": (opinions_pb2_grpc.OpinionServiceStub, False),
     "Recall": (recall_pb2_grpc.RecallServiceStub, False),
     "GetMemory": (recall_pb2_grpc.RecallServiceStub, False),
     "ListMemories": (recall_pb2_grpc.RecallServiceStub, False),
@@ -619,7 +622,7 @@ class Harness:
         if case.rpc == "Retain":
             self.seen[f"memory:{case.bank}"] += list(resp.memory_ids)
             self.seen["operation"].append(resp.operation.name)
-        elif case.rpc in ("DeleteDocument", "DeleteMemory"):
+        elif case.rpc in ("DeleteDocument", "DeleteMemory", "DeleteOpinion"):
             self.seen["operation"].append(resp.name)
         token = getattr(resp, "next_page_token", "")
         if token:
@@ -628,6 +631,8 @@ class Harness:
             self.seen[f"memory:{case.bank}"] += [m.id for m in resp.memories]
         if case.rpc == "ListObservations":
             self.seen[f"observation:{case.bank}"] += [o.id for o in resp.observations]
+        if case.rpc == "ListOpinions":
+            self.seen[f"opinion:{case.bank}"] += [o.id for o in resp.opinions]
         if case.rpc == "ListEntities":
             self.seen[f"entity:{case.bank}"] += [e.id for e in resp.entities]
         if case.rpc == "CreateMentalModel":

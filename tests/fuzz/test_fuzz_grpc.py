@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
 from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, memory_pb2,
-                      mental_models_pb2, observations_pb2, operations_pb2, recall_pb2,
+                      mental_models_pb2, observations_pb2, operations_pb2, opinions_pb2, recall_pb2,
                       reflect_pb2, resources_pb2)
 from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
 
@@ -322,7 +322,7 @@ def recall_case(draw):
     if draw(big()):
         req.query = draw(huge())
     if draw(st.booleans()):
-        req.types.extend(draw(st.lists(enum(3), max_size=4)))
+        req.types.extend(draw(st.lists(enum(4), max_size=4)))
     req.budget = draw(enum(3))
     req.max_tokens = draw(rarely(st.sampled_from([2**31 - 1, -1, -2**31]),
                                  st.sampled_from([0, 0, 1, 50, 4096, 100_000])))
@@ -378,7 +378,7 @@ def list_case(draw):
     rpc = draw(st.sampled_from(["ListBanks", "ListOperations", "ListMemories", "ListMemories",
                                 "ListObservations", "ListObservationScopes", "ListEntities",
                                 "ListDocuments", "ListTags", "ListDirectives",
-                                "ListMentalModels"]))
+                                "ListMentalModels", "ListOpinions"]))
     token, ref, why_token = draw(page_token())
     size = draw(page_size())
     bank, why_name = None, ""
@@ -391,7 +391,7 @@ def list_case(draw):
         elif rpc == "ListMemories":
             req = memory_pb2.ListMemoriesRequest(parent=name, page_size=size, page_token=token)
             if draw(st.booleans()):
-                req.types.extend(draw(st.lists(enum(3), max_size=3)))
+                req.types.extend(draw(st.lists(enum(4), max_size=3)))
             if draw(st.integers(0, 2)) == 0:
                 req.document_id = draw(document_id())
         elif rpc == "ListObservations":
@@ -412,6 +412,13 @@ def list_case(draw):
         elif rpc == "ListDirectives":
             req = directives_pb2.ListDirectivesRequest(parent=name, page_size=size,
                                                        page_token=token)
+        elif rpc == "ListOpinions":
+            req = opinions_pb2.ListOpinionsRequest(parent=name, page_size=size,
+                                                   page_token=token)
+            if draw(st.booleans()):
+                req.entity_id = draw(st.one_of(noise(16), st.just("e" * 300)))
+                if len(req.entity_id) > 200:
+                    why_token = "; ".join(w for w in (why_token, "entity_id: too long") if w)
         else:
             req = observations_pb2.ListObservationScopesRequest(parent=name, page_size=size,
                                                                 page_token=token)
@@ -423,7 +430,7 @@ def list_case(draw):
 def get_case(draw):
     rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetBankProfile", "GetMemory", "GetMemory",
                                 "GetObservation", "GetOperation", "GetEntity", "GetDocument",
-                                "GetDirective", "GetMentalModel"]))
+                                "GetDirective", "GetMentalModel", "GetOpinion"]))
     ref = None
     if rpc in ("GetBank", "GetBankStats", "GetBankProfile"):
         name, bank, why = draw(bank_name())
@@ -444,6 +451,9 @@ def get_case(draw):
     elif rpc == "GetDirective":
         name, ref, bank, why = draw(child_name("directives", "directive"))
         req = directives_pb2.GetDirectiveRequest(name=name)
+    elif rpc == "GetOpinion":
+        name, ref, bank, why = draw(child_name("opinions", "opinion"))
+        req = opinions_pb2.GetOpinionRequest(name=name)
     elif rpc == "GetDocument":
         name, bank, why = draw(bank_name())
         doc = draw(document_id())
@@ -631,6 +641,11 @@ def delete_case(draw):
         name, bank, why = draw(bank_name())
         req = memory_pb2.DeleteDocumentRequest(parent=name, document_id=draw(document_id()))
         return Case("DeleteDocument", req, draw(deadline()), bank, write=True, must_refuse=why)
+    if draw(st.integers(0, 3)) == 0:
+        name, ref, bank, why = draw(child_name("opinions", "opinion"))
+        return Case("DeleteOpinion", memory_pb2.DeleteOpinionRequest(name=name),
+                    draw(deadline()), bank, write=True, must_refuse=why,
+                    refs=(ref,) if ref else ())
     name, ref, bank, why = draw(child_name("memories", "memory"))
     return Case("DeleteMemory", memory_pb2.DeleteMemoryRequest(name=name), draw(deadline()),
                 bank, write=True, must_refuse=why, refs=(ref,) if ref else ())

@@ -27,7 +27,7 @@ from mneme.router import group_ids
 from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
-from tests.llm.stub import StubLLM, chat
+from tests.llm.stub import OPINION_FORMATION, StubLLM, chat
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_distributed_reflect_follows_the_banks_directives_and_traits(cluster, st
     with MnemeClient(cluster.address["reflect"]) as r:
         _recall_then(stub, "What did Melanie paint", "Einen Sonnenuntergang [m1].")
         a = r.reflect(BANK, "What did Melanie paint, in art terms?", tags=["art"])
-    prompt = stub.chat_requests()[-1].messages[0]["content"]
+    prompt = stub.chat_requests(without=OPINION_FORMATION)[-1].messages[0]["content"]
     assert "Answer in German." in prompt and "skepticism 5/5" in prompt
     assert list(a.sources.directives) == [d.id]
     with MnemeClient(cluster.address["ingest"]) as m:

@@ -11,7 +11,8 @@ assertions on prompts.
 
 Replies (see the factory functions): :func:`chat` (content, tool calls, finish_reason,
 usage), :func:`status` (HTTP error codes such as 429/500/503, optional Retry-After),
-:func:`delay` (sleep, then another reply: provokes client timeouts), :func:`rerank_reply`.
+:func:`delay` (sleep, then another reply: provokes client timeouts), :func:`rerank_reply`,
+:func:`computed` (made from the request when it arrives).
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
 class Reply:
-    kind: str  # chat | status | delay | rerank | raw
+    kind: str  # chat | status | delay | rerank | raw | computed
     body: dict = field(default_factory=dict)
     code: int = 200
     headers: dict = field(default_factory=dict)
     seconds: float = 0.0
     then: "Reply | None" = None
     text: str = ""
+    fn: "Callable[[Request], Reply] | None" = None
 
 
 def chat(content: str | dict | list | None = "", *, tool_calls: list[dict] | None = None,
@@ -55,6 +57,12 @@ def chat(content: str | dict | list | None = "", *, tool_calls: list[dict] | Non
         "finish_reason": finish_reason or ("tool_calls" if calls else "stop"),
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens}})
+
+
+def computed(fn: Callable[["Request"], Reply]) -> Reply:
+    """A reply made from the request when it arrives (``fn(request)`` → another reply):
+    for answers that must name ids the test cannot know beforehand."""
+    return Reply("computed", fn=fn)
 
 
 def status(code: int, message: str = "stub error", retry_after: float | None = None) -> Reply:
@@ -99,6 +107,9 @@ class Request:
         return "\n".join(str(m.get("content") or "") for m in self.messages)
 
 
+#: A substring of every opinion-formation request (services/reflect/opinions.py's prompt).
+OPINION_FORMATION = "Form opinions from a reflection"
+
 _ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
            "/v1/rerank": "rerank", "/v2/rerank": "rerank", "/rerank": "rerank",
            "/v1/embeddings": "embeddings", "/embeddings": "embeddings"}
@@ -124,9 +135,13 @@ class StubLLM:
             self.rules.append(Rule(route, match, list(replies)))
         return self
 
-    def chat_requests(self) -> list[Request]:
+    def chat_requests(self, without: str | None = None) -> list[Request]:
+        """The chat requests so far, those whose body holds ``without`` left out (e.g.
+        :data:`OPINION_FORMATION`: the opinions a reflection forms are asked for after it
+        answered, concurrently with what a test does next)."""
         with self._lock:
-            return [r for r in self.requests if _ROUTES.get(r.path) == "chat"]
+            return [r for r in self.requests if _ROUTES.get(r.path) == "chat"
+                    and (without is None or without not in r.raw)]
 
     def _next(self, route: str, raw: str) -> Reply | None:
         with self._lock:
@@ -160,6 +175,8 @@ class StubLLM:
                     stub.requests.append(Request(self.path, body, raw))
                 route = _ROUTES.get(self.path.split("?")[0])
                 reply = stub._next(route, raw) if route else None
+                if reply is not None and reply.kind == "computed":
+                    reply = reply.fn(Request(self.path, body, raw))
                 try:
                     self._answer(route, body, reply)
                 except (BrokenPipeError, ConnectionResetError):

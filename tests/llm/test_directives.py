@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from mneme.cli import app
 from mneme.client import field_violations
 from mneme.v1 import directives_pb2
-from tests.llm.stub import chat
+from tests.llm.stub import OPINION_FORMATION, chat
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 GERMAN = "Answer in German."
@@ -30,7 +30,7 @@ def refused(call) -> grpc.RpcError:
 
 
 def system_prompt(stub) -> str:
-    return stub.chat_requests()[-1].messages[0]["content"]
+    return stub.chat_requests(without=OPINION_FORMATION)[-1].messages[0]["content"]
 
 
 def reflect(stub, m, question: str, **kw):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from tests.llm.stub import chat
+from tests.llm.stub import OPINION_FORMATION, chat
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 
@@ -30,7 +30,7 @@ def test_refresh_with_the_model_and_reflect_citing_it(stub, server):
         got = m.refresh_mental_model("mm", made.id)
         assert got.content == "Caroline is from Sweden; she moved in 2015 [1]."
         assert list(got.based_on) == [f"banks/mm/memories/{fact}"] and got.revision == 1
-        tools = [t["function"]["name"] for t in stub.chat_requests()[-1].body.get("tools", [])]
+        tools = [t["function"]["name"] for t in stub.chat_requests(without=OPINION_FORMATION)[-1].body.get("tools", [])]
         assert "search_mental_models" in tools  # offered, but finds nothing during a refresh
         history = m.mental_model_revisions("mm", made.id)
         assert [(h.revision, h.source) for h in history] == [(1, "refresh")]
@@ -38,7 +38,7 @@ def test_refresh_with_the_model_and_reflect_citing_it(stub, server):
         stub.on("chat", chat(None, tool_calls=[tool("search_mental_models", "Caroline origin")]),
                 chat("She is from Sweden [m1]."), match="Which country")
         a = m.reflect("mm", "Which country does Caroline come from?")
-        shown = stub.chat_requests()[-1].text()
+        shown = stub.chat_requests(without=OPINION_FORMATION)[-1].text()
         assert "Origin (fresh" in shown and got.content in shown
         assert list(a.sources.mental_models) == [made.id] and not a.sources.facts
         assert list(a.based_on) == [made.id] and not a.extractive

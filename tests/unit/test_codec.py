@@ -61,7 +61,14 @@ def sample_events() -> list:
                              items_total=2, items_done=2, facts=5, error="",
                              memory_ids=["m1"]),
         ev.ReflectionRecorded(bank_id="b1", query="why?", answer="because", based_on=["m1"],
-                              extractive=True),
+                              extractive=True, tags=["t"], evidence=[ev.ReflectionEvidence(
+                                  memory_id="m1", entities=[ev.Entity(id="e1", name="Alice")])]),
+        ev.OpinionsChanged(bank_id="b1", trigger="formed", decided_by="llm", opinions=[
+            ev.Opinion(id="p1", text="Alice is a tea person", confidence=0.6,
+                       entities=[ev.Entity(id="e1", name="Alice", label="PERSON")],
+                       evidence_ids=["m1"], version=1, embedding=[0.5, 0.25],
+                       history=[ev.OpinionRevision(change="formed", text="Alice is a tea person",
+                                                   confidence=0.6)])]),
         ev.AuditRecorded(method="/mneme.v1.BankService/DeleteBank", bank_id="b1",
                          principal="key:k1", access="write", outcome="allowed", status="OK",
                          peer="ipv4:127.0.0.1:5000"),
@@ -87,7 +94,7 @@ EXPECTED_TOPIC = {
     "OperationProgress": PROGRESS, "ReflectionRecorded": REFLECT,
     "AuditRecorded": AUDIT,
     "ConsolidationRequested": INTAKE, "ConsolidationScheduled": MEMORY,
-    "ObservationsChanged": MEMORY, "EntitiesResolved": MEMORY,
+    "ObservationsChanged": MEMORY, "EntitiesResolved": MEMORY, "OpinionsChanged": MEMORY,
 }
 
 
@@ -112,7 +119,8 @@ def test_every_event_type_round_trips(msg):
 def test_topic_map_covers_every_top_level_event():
     nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure", "LlmUsage",
               "ObservationScopes", "ScopeTags", "Evidence", "ObservationRevision", "Observation",
-              "ResolvedEntity", "EntityAlias", "Seal", "MentalModelRefresh"}
+              "ResolvedEntity", "EntityAlias", "Seal", "MentalModelRefresh", "ReflectionEvidence",
+              "Opinion", "OpinionRevision"}
     names = set(ev.DESCRIPTOR.message_types_by_name) - nested
     assert {t.removeprefix(codec.TYPE_PREFIX) for t in codec.TOPIC_OF_TYPE} == names
     assert set(EXPECTED_TOPIC) == names

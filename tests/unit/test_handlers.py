@@ -31,6 +31,7 @@ from services.extraction import handlers as extraction
 from services.extraction.resolver import EntityResolver
 from services.ingest import handlers as ingest
 from services.search import handlers as search
+from services.reflect.opinions import OpinionFormer
 from tests.fakes import FakeEmbedder, FakeExtractor, fake_projections
 
 T0 = datetime(2024, 5, 1, 12, tzinfo=timezone.utc)
@@ -880,7 +881,8 @@ def fake_deps(service: str) -> dict:
                                "resolver": EntityResolver(MemoryEntityStore()),
                                "catalog": catalog},
         "search": lambda: {"stores": fake_projections(), "catalog": catalog},
-        "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue()},
+        "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue(),
+                            "opinions": OpinionFormer(None, None, lambda bank_id: None)},
         "consolidation": lambda: {"consolidator": Consolidator(
             MemoryObservationStore(), lambda bank_id: None, embedder=FakeEmbedder()),
             "decide": True, "catalog": catalog},
@@ -919,6 +921,11 @@ SAMPLES = {
     ev.ObservationsChanged: ev.ObservationsChanged(
         bank_id="b", operation_id="op-c", trigger="consolidate",
         observations=[_obs("o1", HIKING)]),
+    ev.ReflectionRecorded: ev.ReflectionRecorded(bank_id="b", query="Why?", answer="Because.",
+                                                 based_on=["f1"], extractive=True),
+    ev.OpinionsChanged: ev.OpinionsChanged(
+        bank_id="b", operation_id="op-o", trigger="delete_opinion",
+        opinions=[ev.Opinion(id="p1", version=2, deleted=True)]),
 }
 
 #: What each route yields for its sample on fresh state (output type names, in order).
@@ -931,6 +938,7 @@ EXPECTED = {
     ("search", ev.FactsExtracted): ["OperationProgress"],
     ("search", ev.FactsRetracted): ["OperationProgress"],
     ("search", ev.ObservationsChanged): ["OperationProgress"],
+    ("search", ev.OpinionsChanged): ["OperationProgress"],
     ("consolidation", ev.FactsExtracted): ["ObservationsChanged"],
     ("consolidation", ev.ConsolidationScheduled): ["ObservationsChanged"],
 }  # every other route is a projection that produces nothing

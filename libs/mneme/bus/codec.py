@@ -62,7 +62,7 @@ TOPIC_OF_TYPE: dict[str, str] = {
                   events_pb2.MemoryDeleteRequested, events_pb2.ConsolidationRequested)),
         (MEMORY, (events_pb2.FactsExtracted, events_pb2.FactsRetracted,
                   events_pb2.ConsolidationScheduled, events_pb2.ObservationsChanged,
-                  events_pb2.EntitiesResolved)),
+                  events_pb2.EntitiesResolved, events_pb2.OpinionsChanged)),
         (PROGRESS, (events_pb2.OperationProgress,)),
         (REFLECT, (events_pb2.ReflectionRecorded,)),
         (AUDIT, (events_pb2.AuditRecorded,)),
@@ -296,6 +296,18 @@ def tombstone(o: events_pb2.Observation) -> events_pb2.Observation:
     if not o.deleted:
         return o
     t = events_pb2.Observation(id=o.id, scope=o.scope, version=o.version, deleted=True)
+    for name in ("created_at", "updated_at"):
+        if o.HasField(name):
+            getattr(t, name).CopyFrom(getattr(o, name))
+    return t
+
+
+def opinion_tombstone(o: events_pb2.Opinion) -> events_pb2.Opinion:
+    """What is kept of a deleted opinion state ``o`` (as :func:`tombstone` keeps of an
+    observation): id, version, ``deleted`` and its times; a live ``o`` as it is."""
+    if not o.deleted:
+        return o
+    t = events_pb2.Opinion(id=o.id, version=o.version, deleted=True)
     for name in ("created_at", "updated_at"):
         if o.HasField(name):
             getattr(t, name).CopyFrom(getattr(o, name))

@@ -12,7 +12,9 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     EntityAlias         alias                           keys: the items' that mention it
     Observation         text, evidence, history,        keys: every key of every fact it
                         embedding, entities                   has cited
-    ReflectionRecorded  query, answer                   keys: its own q:<id> + its facts'
+    ReflectionRecorded  query, answer, evidence         keys: its own q:<id> + its facts'
+    Opinion             text, entities, history,        keys: those of its evidence facts
+                        embedding
 
 Ids, bank ids, document ids, tags, times, types, links and counters stay in the clear:
 routing, ordering, replay and the projections' bookkeeping work on them. A sealed
@@ -62,14 +64,15 @@ SEALED: dict[str, tuple[str, ...]] = {
     "ResolvedEntity": ("key", "name"),
     "EntityAlias": ("alias",),
     "Observation": ("text", "evidence", "history", "embedding", "entities"),
-    "ReflectionRecorded": ("query", "answer"),
+    "ReflectionRecorded": ("query", "answer", "evidence"),
+    "Opinion": ("text", "entities", "history", "embedding"),
     "DirectiveChanged": ("title", "text"),
     "MentalModelChanged": ("display_name", "source_query", "content"),
 }
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
-    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged"))
+    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "OpinionsChanged"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -202,6 +205,8 @@ class Opener:
                 each(m, f)
         elif isinstance(m, ev.ObservationsChanged):
             each(m, "observations")
+        elif isinstance(m, ev.OpinionsChanged):
+            each(m, "opinions")
         elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged, ev.MentalModelChanged)):
             ok = self._open(m, bank)
             if ok is False:
@@ -298,6 +303,11 @@ class Sealer(Opener):
                 n += self._seal(e, bank)
         elif isinstance(m, ev.ObservationsChanged):
             for o in m.observations:
+                n += self._seal(o, bank)
+        elif isinstance(m, ev.OpinionsChanged):
+            for o in m.opinions:
+                if not o.seal.keys:  # its evidence facts' own keys (consolidation names them)
+                    o.seal.keys.extend(dict.fromkeys(fact_key_id(i) for i in o.evidence_ids))
                 n += self._seal(o, bank)
         elif isinstance(m, ev.ReflectionRecorded):
             if not m.seal.keys:

@@ -17,7 +17,7 @@ from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, Me
                           Operation, from_epoch, merge_directive, merge_mental_model)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
-from mneme.bus.codec import tombstone
+from mneme.bus.codec import opinion_tombstone, tombstone
 
 
 # ---- catalog -------------------------------------------------------------------------------
@@ -222,6 +222,8 @@ class MemoryObservationStore:
         self._facts: dict[str, dict[str, list]] = {}
         # bank → observation id → (scope key, version, deleted, bytes)
         self._obs: dict[str, dict[str, tuple]] = {}
+        # bank → opinion id → (version, deleted, entity ids, bytes)
+        self._opinions: dict[str, dict[str, tuple]] = {}
 
     def close(self) -> None:
         pass
@@ -230,6 +232,7 @@ class MemoryObservationStore:
         with self._lock:
             self._facts.clear()
             self._obs.clear()
+            self._opinions.clear()
 
     # ---- facts ----
     def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
@@ -270,6 +273,7 @@ class MemoryObservationStore:
         with self._lock:
             self._facts.pop(bank_id, None)
             self._obs.pop(bank_id, None)
+            self._opinions.pop(bank_id, None)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:
         bank = self._facts.get(bank_id, {})
@@ -298,6 +302,33 @@ class MemoryObservationStore:
                               o.SerializeToString(deterministic=True))
             self._mark(m.bank_id, m.reset_memory_ids, False)
             self._mark(m.bank_id, m.consolidated_memory_ids, True)
+
+    # ---- opinions ----
+    def apply_opinions(self, m: ev.OpinionsChanged) -> None:
+        with self._lock:
+            bank = self._opinions.setdefault(m.bank_id, {})
+            for o in m.opinions:
+                old = bank.get(o.id)
+                if old is not None and old[0] >= o.version:
+                    continue
+                o = opinion_tombstone(o)
+                bank[o.id] = (o.version, bool(o.deleted), frozenset(e.id for e in o.entities),
+                              o.SerializeToString(deterministic=True))
+
+    def opinions(self, bank_id: str, ids: Iterable[str] | None = None,
+                 entity_ids: Iterable[str] | None = None, limit: int = 1000
+                 ) -> dict[str, ev.Opinion]:
+        want = set(ids) if ids is not None else None
+        ents = set(entity_ids) if entity_ids is not None else None
+        with self._lock:
+            rows = sorted(self._opinions.get(bank_id, {}).items())
+            hits = [(i, r) for i, r in rows if not r[1] and (want is None or i in want)
+                    and (ents is None or r[2] & ents)][:limit]
+            return {i: ev.Opinion.FromString(r[3]) for i, r in hits}
+
+    def dump_opinions(self, bank_id: str) -> list[bytes]:
+        with self._lock:
+            return [r[3] for _, r in sorted(self._opinions.get(bank_id, {}).items())]
 
     def counts(self, bank_id: str) -> tuple[int, int, int]:
         with self._lock:

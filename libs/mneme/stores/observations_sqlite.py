@@ -20,7 +20,7 @@ import sqlite3
 import threading
 from typing import Iterable
 
-from mneme.bus.codec import tombstone
+from mneme.bus.codec import opinion_tombstone, tombstone
 from mneme.events.v1 import events_pb2 as ev
 from mneme.stores import sqlite_erase
 
@@ -38,6 +38,14 @@ CREATE TABLE IF NOT EXISTS observations (
   bank_id TEXT NOT NULL, id TEXT NOT NULL, scope TEXT NOT NULL, version INTEGER NOT NULL,
   deleted INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (bank_id, id));
 CREATE INDEX IF NOT EXISTS obs_scope ON observations (bank_id, scope);
+-- opinions: their states, and which entities each is about (the candidates a new fact
+-- about those entities may revise)
+CREATE TABLE IF NOT EXISTS opinions (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, version INTEGER NOT NULL, deleted INTEGER NOT NULL,
+  data BLOB NOT NULL, PRIMARY KEY (bank_id, id));
+CREATE TABLE IF NOT EXISTS opinion_entities (
+  bank_id TEXT NOT NULL, entity_id TEXT NOT NULL, opinion_id TEXT NOT NULL,
+  PRIMARY KEY (bank_id, entity_id, opinion_id));
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
@@ -63,7 +71,8 @@ class SqliteObservationStore:
     def reset(self) -> None:
         """Forget everything (replay rebuilds it)."""
         with self._lock:
-            self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters;")
+            self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters; "
+                                 "DELETE FROM opinions; DELETE FROM opinion_entities;")
             sqlite_erase.truncate_wal(self._db)
 
     # ---- facts --------------------------------------------------------------------------
@@ -142,6 +151,8 @@ class SqliteObservationStore:
         with self._lock:
             self._db.execute("DELETE FROM facts WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM opinions WHERE bank_id=?", (bank_id,))
+            self._db.execute("DELETE FROM opinion_entities WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
@@ -207,3 +218,58 @@ class SqliteObservationStore:
         with self._lock:
             return [r[0] for r in self._db.execute(
                 "SELECT data FROM observations WHERE bank_id=? ORDER BY id", (bank_id,))]
+
+    # ---- opinions -----------------------------------------------------------------------
+
+    def apply_opinions(self, m: ev.OpinionsChanged) -> None:
+        """Upsert each opinion state newer than the stored one (a deleted one as its
+        :func:`opinion_tombstone`, about no entity any more). Idempotent."""
+        erased = False
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for o in m.opinions:
+                    row = self._db.execute("SELECT version FROM opinions WHERE bank_id=? AND id=?",
+                                           (m.bank_id, o.id)).fetchone()
+                    if row is not None and row[0] >= o.version:
+                        continue
+                    erased |= o.deleted and row is not None
+                    o = opinion_tombstone(o)
+                    self._db.execute("INSERT OR REPLACE INTO opinions VALUES (?,?,?,?,?)",
+                                     (m.bank_id, o.id, o.version, int(o.deleted),
+                                      o.SerializeToString(deterministic=True)))
+                    self._db.execute("DELETE FROM opinion_entities WHERE bank_id=? AND opinion_id=?",
+                                     (m.bank_id, o.id))
+                    self._db.executemany("INSERT OR IGNORE INTO opinion_entities VALUES (?,?,?)",
+                                         [(m.bank_id, e.id, o.id) for e in o.entities if e.id])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if erased:
+                sqlite_erase.truncate_wal(self._db)
+
+    def opinions(self, bank_id: str, ids: Iterable[str] | None = None,
+                 entity_ids: Iterable[str] | None = None, limit: int = 1000
+                 ) -> dict[str, ev.Opinion]:
+        """id → state of the bank's live opinions (those listed in ``ids``, or about any of
+        ``entity_ids``; all when both are None), at most ``limit``, by id."""
+        q, args = "SELECT o.data FROM opinions o WHERE o.bank_id=? AND o.deleted=0", [bank_id]
+        if ids is not None:
+            ids = list(ids)
+            q += f" AND o.id IN ({','.join('?' * len(ids))})"
+            args += ids
+        if entity_ids is not None:
+            ents = list(entity_ids)
+            q += (" AND o.id IN (SELECT opinion_id FROM opinion_entities WHERE bank_id=? AND "
+                  f"entity_id IN ({','.join('?' * len(ents))}))")
+            args += [bank_id, *ents]
+        with self._lock:
+            rows = self._db.execute(q + " ORDER BY o.id LIMIT ?", [*args, limit]).fetchall()
+        return {o.id: o for o in (ev.Opinion.FromString(r[0]) for r in rows)}
+
+    def dump_opinions(self, bank_id: str) -> list[bytes]:
+        """Every opinion state of the bank (deleted ones as tombstones) as bytes, by id."""
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                "SELECT data FROM opinions WHERE bank_id=? ORDER BY id", (bank_id,))]
