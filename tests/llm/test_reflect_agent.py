@@ -91,7 +91,8 @@ def test_an_answer_before_any_memory_falls_back_to_recall(stub, gateway):
 
 
 def test_mental_models_answer_without_recall(stub, gateway):
-    mm = lambda bank_id, query, now, limit: [Memory("mm-1", "Caroline lives in Berlin.", "mental_model")]
+    mm = lambda bank_id, query, now, limit, tags=(): [
+        Memory("mm-1", "Caroline lives in Berlin.", "mental_model")]
     stub.on("chat", chat(None, tool_calls=[call("search_mental_models", "home")]),
             chat("In Berlin [m1]."))
     recall = FakeRecall()
