@@ -1042,8 +1042,8 @@ def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False,
             _fail(e)
     if as_json:
         return _print_json(revs)
+    from mneme.v1 import mental_models_pb2
     for r in revs:
-        from mneme.v1 import mental_models_pb2
         how = (f"{r.source}, {mental_models_pb2.RefreshMode.Name(r.mode).lower()}" if r.mode
                else r.source)
         print(f"revision {r.revision} ({how}, "

@@ -34,8 +34,8 @@ With ``response_schema`` (a JSON schema) the answer is a JSON object
 ``{"answer": <schema>, "memory_ids": [refs]}``; ``structured`` holds the answer and
 ``text`` its JSON. The streaming variant (:meth:`ReflectAgent.stream`) yields
 :class:`ToolEvent`, :class:`TextDelta` and finally :class:`Done`; text of a turn is
-streamed live once the loop is grounded (recall tried or memories supplied), so a
-discarded ungrounded reply is never shown. When the model cannot be reached the agent
+streamed live once the loop is grounded (recall tried, or memories other than stale
+mental models supplied), so a discarded ungrounded reply is never shown. When the model cannot be reached the agent
 falls back to the extractive answer (``extractive=True``) unless text was already streamed.
 """
 

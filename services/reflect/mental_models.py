@@ -294,9 +294,10 @@ class MentalModels:
         retracted, deleted or revised since drops out (a revised one comes back with its
         new text below); uncited text (a user's, a heading) stays. The new memories, most
         relevant to the model's name and query first (at most :data:`DELTA_MAX_NEW`), are
-        merged in: by the reflect model (``revise``) when there is one, else appended as
-        quoted, cited lines while the content stays within ``max_tokens`` (only those
-        sharing a word or, with an embedder, the meaning of the query)."""
+        merged in: by the reflect model (``revise``) when there is one, else the most
+        relevant ones that fit within ``max_tokens`` (only those sharing a word or, with an
+        embedder, the meaning of the query) are appended as quoted, cited lines, oldest
+        first."""
         if not m.content.strip():
             return None
         found = self.changes(m)
@@ -316,14 +317,17 @@ class MentalModels:
         if not kept and text.strip().startswith(NO_MEMORIES[:40]):
             text = ""  # "no memories" is no longer true once one is added
         based_on = list(kept)
-        for x, relevant in ranked:
-            if not relevant:
-                continue
-            line = f"{quote_line(x.text, x.when)} [{len(based_on) + 1}]"
-            if len(text) + len(line) + 1 > limit:
-                break
-            text = f"{text.rstrip()}\n{line}" if text.strip() else line
-            based_on.append(x.id)
+        room, chosen = limit - len(text), set()
+        for x, relevant in ranked:  # the most relevant that fit, then quoted oldest first
+            size = len(quote_line(x.text, x.when)) + 8
+            if relevant and size <= room:
+                chosen.add(x.id)
+                room -= size
+        for x in new:
+            if x.id in chosen:
+                line = f"{quote_line(x.text, x.when)} [{len(based_on) + 1}]"
+                text = f"{text.rstrip()}\n{line}" if text.strip() else line
+                based_on.append(x.id)
         if not text.strip():
             text = NO_MEMORIES
         return Reflection(text, based_on, True)
@@ -335,9 +339,12 @@ class MentalModels:
         q = content_terms(f"{m.display_name} {m.source_query}")
         sims = [0.0] * len(new)
         if self.embedder is not None and new:
-            qv, *vs = self.embedder.embed([f"{m.display_name}. {m.source_query}"]
-                                          + [x.text for x in new])
-            sims = [_dot(qv, v) for v in vs]
+            try:
+                qv, *vs = self.embedder.embed([f"{m.display_name}. {m.source_query}"]
+                                              + [x.text for x in new])
+                sims = [_dot(qv, v) for v in vs]
+            except Exception:  # noqa: BLE001 - words alone still rank them
+                log.exception("mental model %s: embedding failed; ranked by words only", m.id)
         scored = [(len(q & content_terms(x.text)), sims[i], i, x) for i, x in enumerate(new)]
         scored.sort(key=lambda t: (-t[0], -t[1], -t[2]))
         return [(x, words > 0 or sim >= SEMANTIC_MIN) for words, sim, _, x in scored]
@@ -436,13 +443,18 @@ class MentalModels:
                     words[m.id] = score
         sims, heads = {}, {}
         if self.embedder is not None:
-            qv = self.embedder.embed([query])[0]
-            for m in models:
-                full, head = self._embedding(m)
-                heads[m.id] = _dot(qv, head)
-                sim = _dot(qv, full)
-                if sim >= SEMANTIC_MIN:
-                    sims[m.id] = sim
+            try:
+                qv = self.embedder.embed([query])[0]
+                for m in models:
+                    full, head = self._embedding(m)
+                    heads[m.id] = _dot(qv, head)
+                    sim = _dot(qv, full)
+                    if sim >= SEMANTIC_MIN:
+                        sims[m.id] = sim
+            except Exception:  # noqa: BLE001 - words alone still rank them
+                log.exception("mental models of bank %s: embedding failed; keyword search only",
+                              bank_id)
+                sims, heads = {}, {}
         fused: dict[str, float] = {}
         for ranking in (words, sims):
             for rank, mid in enumerate(sorted(ranking, key=lambda i: (-ranking[i], i)), 1):
@@ -471,31 +483,33 @@ class MentalModels:
     def answer_offline(self, bank_id: str, query: str, tags: Sequence[str] = (),
                        recall_answer: Callable[[], Reflection] | None = None
                        ) -> Reflection | None:
-        """The extractive reflect's first step. The best model (in scope of ``tags``)
-        whose name and query cover :data:`OFFLINE_COVERAGE` of the question's content
-        words, or mean the same (cosine of at least :data:`OFFLINE_SIMILARITY`), is used:
-        a fresh one answers, citing itself; a stale one is not trusted alone: the answer
-        is ``recall_answer()`` (the extractive answer from recall) with the model quoted
-        as context after it, both cited. None when no model covers the question (or only a
-        stale one and no ``recall_answer``)."""
+        """The extractive reflect's first step. A model covers the question when its name
+        and query hold :data:`OFFLINE_COVERAGE` of the question's content words, or mean
+        the same (cosine of at least :data:`OFFLINE_SIMILARITY`). The best fresh one (in
+        scope of ``tags``) answers, citing itself; when all that cover it are stale, none is
+        trusted alone: the answer is ``recall_answer()`` (the extractive answer from
+        recall) with the best of them quoted as context after it, both cited. None when no
+        model covers the question (or only stale ones and no ``recall_answer``)."""
         q = content_terms(query)
-        for _, m, sim in self._ranked(bank_id, query, tags):
-            covered = len(q & content_terms(f"{m.display_name} {m.source_query}")) / len(q) if q else 0
-            if covered < OFFLINE_COVERAGE and sim < OFFLINE_SIMILARITY:
-                continue
-            if not self.is_stale(m):
+        covering = [m for _, m, sim in self._ranked(bank_id, query, tags)
+                    if sim >= OFFLINE_SIMILARITY or (q and len(
+                        q & content_terms(f"{m.display_name} {m.source_query}")) / len(q)
+                        >= OFFLINE_COVERAGE)]
+        stale = self.stale_ids(covering)
+        for m in covering:
+            if m.id not in stale:
                 return Reflection(f"{m.content}\n(from the mental model \"{m.display_name}\", "
                                   "extractive answer, no language model configured)",
                                   [m.id], True, kinds={m.id: "mental_model"})
-            if recall_answer is None:
-                return None
-            r = recall_answer()
-            return Reflection(
-                f"{r.text}\n\nContext: the mental model \"{m.display_name}\" answers this but "
-                "is stale (facts in its scope changed since its content was made), so the "
-                f"memories above answer; it said:\n{m.content}",
-                [*r.based_on, m.id], True, kinds={**r.kinds, m.id: "mental_model"})
-        return None
+        if not covering or recall_answer is None:
+            return None
+        m = covering[0]
+        r = recall_answer()
+        return Reflection(
+            f"{r.text}\n\nContext: the mental model \"{m.display_name}\" answers this but "
+            "is stale (facts in its scope changed since its content was made), so the "
+            f"memories above answer; it said:\n{m.content}",
+            [*r.based_on, m.id], True, kinds={**r.kinds, m.id: "mental_model"})
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
