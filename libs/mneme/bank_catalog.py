@@ -58,7 +58,7 @@ def on_mental_model_changed(m: ev.MentalModelChanged, meta: EventMeta, *,
         catalog.delete_mental_model(m.bank_id, m.id)
         return []
     refresh = (MentalModelRevision(0, m.content, tuple(m.refresh.based_on),
-                                   m.refresh.source or "refresh")
+                                   m.refresh.source or "refresh", mode=m.refresh.mode or "full")
                if m.HasField("refresh") else None)
     catalog.upsert_mental_model(MentalModel(
         id=m.id, bank_id=m.bank_id, display_name=m.display_name, source_query=m.source_query,

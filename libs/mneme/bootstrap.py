@@ -519,10 +519,14 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
     def memory_end(bank_id: str) -> int:
         return root.raw_log.end_offset(MEMORY, memory_partition(bank_id))
 
-    def memory_read(bank_id: str, start: int, limit: int) -> list[tuple[int, Any]]:
+    def memory_read(bank_id: str, start: int, limit: int,
+                    opened: bool = False) -> list[tuple[int, Any]]:
+        # Staleness needs bank ids and tags only: sealed content stays sealed. A delta
+        # refresh quotes the new memories: opened.
         p, out, offset = memory_partition(bank_id), [], start
-        while offset < start + limit:  # sealed content stays sealed: bank ids and tags suffice
-            batch = root.raw_log.read(MEMORY, p, offset, min(500, start + limit - offset))
+        log = root.log if opened else root.raw_log
+        while offset < start + limit:
+            batch = log.read(MEMORY, p, offset, min(500, start + limit - offset))
             if not batch:
                 break
             for rec in batch:
@@ -536,7 +540,8 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
         return out
 
     return MentalModels(root.catalog, append, projected, catch_up, reflector.reflect,
-                        memory_end, memory_read)
+                        memory_end, memory_read, revise=reflector.revise,
+                        embedder=root.embedder)
 
 
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:

@@ -1071,15 +1071,21 @@ def models_update(bank: str, model_id: str,
 
 
 @models_app.command("refresh")
-def models_refresh(bank: str, model_id: str, budget: str = "mid",
+def models_refresh(bank: str, model_id: str,
+                   budget: str = typer.Option("mid", help="low, mid, high"),
+                   mode: str = typer.Option("full", help="full (answer its question again) or "
+                                            "delta (revise it with what changed since)"),
                    dry_run: bool = typer.Option(False, "--dry-run", help="show, do not store"),
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """Answer the model's question again (reflect) and store it as a new revision."""
-    from mneme.client import BUDGETS
+    """Answer the model's question again (reflect), or revise its content with what changed
+    in its scope since (--mode delta), and store it as a new revision."""
+    from mneme.client import BUDGETS, REFRESH_MODES
     _choice("--budget", budget, BUDGETS)
+    _choice("--mode", mode, REFRESH_MODES)
     with _client(address) as m:
         try:
-            mm = m.refresh_mental_model(bank, model_id, budget=budget, dry_run=dry_run)
+            mm = m.refresh_mental_model(bank, model_id, budget=budget, dry_run=dry_run,
+                                        mode=mode)
         except grpc.RpcError as e:
             _fail(e)
     _print_json(mm) if as_json else _print_model(mm)
@@ -1096,8 +1102,11 @@ def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False,
             _fail(e)
     if as_json:
         return _print_json(revs)
+    from mneme.v1 import mental_models_pb2
     for r in revs:
-        print(f"revision {r.revision} ({r.source}, "
+        how = (f"{r.source}, {mental_models_pb2.RefreshMode.Name(r.mode).lower()}" if r.mode
+               else r.source)
+        print(f"revision {r.revision} ({how}, "
               f"{r.create_time.ToDatetime(timezone.utc).isoformat()}), based on "
               f"{len(r.based_on)} memories")
         for line in r.content.splitlines():

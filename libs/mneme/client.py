@@ -31,6 +31,8 @@ from mneme.v1 import (banks_pb2, banks_pb2_grpc, memory_pb2, memory_pb2_grpc, op
                       reflect_pb2_grpc, resources_pb2)
 
 BUDGETS = {"low": recall_pb2.LOW, "mid": recall_pb2.MID, "high": recall_pb2.HIGH}
+#: RefreshMentalModel's modes by their CLI/SDK names.
+REFRESH_MODES = {"full": mental_models_pb2.FULL, "delta": mental_models_pb2.DELTA}
 TAGS_MATCH = {"any": recall_pb2.ANY, "all": recall_pb2.ALL, "any_strict": recall_pb2.ANY_STRICT,
               "all_strict": recall_pb2.ALL_STRICT, "exact": recall_pb2.EXACT}
 TYPES = {"world": resources_pb2.WORLD, "experience": resources_pb2.EXPERIENCE,
@@ -379,11 +381,13 @@ class MnemeClient:
             "revisions"))
 
     def refresh_mental_model(self, bank_id: str, model_id: str, budget: str = "mid",
-                             dry_run: bool = False) -> mental_models_pb2.MentalModel:
-        """Answer its source query again and store it (``dry_run``: only return it)."""
+                             dry_run: bool = False, mode: str = "full"
+                             ) -> mental_models_pb2.MentalModel:
+        """Answer its source query again and store it (``dry_run``: only return it);
+        ``mode`` "delta" revises the content with what changed in its scope since."""
         return self.mental_models.RefreshMentalModel(mental_models_pb2.RefreshMentalModelRequest(
             name=f"banks/{bank_id}/mental-models/{model_id}", budget=BUDGETS[budget],
-            dry_run=dry_run), timeout=self.timeout)
+            dry_run=dry_run, mode=REFRESH_MODES[mode]), timeout=self.timeout)
 
     # entities, documents, tags
     def list_entities(self, bank_id: str, page_size: int = 500):

@@ -162,13 +162,15 @@ class MentalModel:
 class MentalModelRevision:
     """One content of a mental model: ``revision`` (1, 2, ...), the ``content``, the
     memory ids it was ``based_on`` (empty for content a user wrote), ``source``
-    ("user", "refresh" or "refresh_offline") and when (epoch seconds)."""
+    ("user", "refresh" or "refresh_offline"), when (epoch seconds) and the refresh
+    ``mode`` that made it ("full", "delta"; empty for content a user wrote)."""
 
     revision: int
     content: str
     based_on: tuple[str, ...] = ()
     source: str = "user"
     at: float = 0.0
+    mode: str = ""
 
 
 #: How a mental model is kept current: on request, after a consolidation that leaves it

@@ -9,10 +9,14 @@ Tools, in order of distillation (the system prompt asks for this order):
 
 The mental-model and observation ports default to :func:`no_memories`; the composition root
 passes :meth:`services.reflect.mental_models.MentalModels.search` and search's observations.
-A mental model shown as fresh may answer on its own; a stale one is marked so, for the model
-to verify it against observations and facts. The loop never gives up before raw facts were searched: a reply that
-answers while no memory was supplied and ``recall`` was never called is discarded, and
+A mental model shown as fresh may answer on its own (reflect stops early, at any budget); a
+stale one is marked so, for the model to verify it against observations and facts. The
+loop never answers from nothing or from stale models alone: a reply while no memory was
+supplied, or only stale mental models, and ``recall`` was never called is discarded, and
 recall is run with the question itself (a ``ToolEvent`` with ``forced=True``).
+
+:meth:`ReflectAgent.revise` is a delta refresh of a mental model: one turn, no tools, that
+rewrites the model's current content with the memories that changed since.
 
 Bounds: at most ``MNEME_REFLECT_MAX_ITERATIONS`` model turns (the last one is offered no
 tools, so it must answer) and ``MNEME_REFLECT_MAX_CONTEXT_TOKENS`` tokens of memory text in
@@ -30,8 +34,8 @@ With ``response_schema`` (a JSON schema) the answer is a JSON object
 ``{"answer": <schema>, "memory_ids": [refs]}``; ``structured`` holds the answer and
 ``text`` its JSON. The streaming variant (:meth:`ReflectAgent.stream`) yields
 :class:`ToolEvent`, :class:`TextDelta` and finally :class:`Done`; text of a turn is
-streamed live once the loop is grounded (recall tried or memories supplied), so a
-discarded ungrounded reply is never shown. When the model cannot be reached the agent
+streamed live once the loop is grounded (recall tried, or memories other than stale
+mental models supplied), so a discarded ungrounded reply is never shown. When the model cannot be reached the agent
 falls back to the extractive answer (``extractive=True``) unless text was already streamed.
 """
 
@@ -51,7 +55,8 @@ from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
-from services.reflect.handlers import Reflection, reflect_offline, scope_filters
+from services.reflect.handlers import (Reflection, is_stale_memory, reflect_offline,
+                                      scope_filters)
 
 __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflection",
            "ToolEvent", "TextDelta", "Done", "TOOLS", "system_prompt"]
@@ -61,10 +66,11 @@ log = logging.getLogger(__name__)
 
 class MemorySearch(Protocol):
     def __call__(self, bank_id: str, query: str, now: datetime, limit: int) -> list[Memory]:
-        """Up to ``limit`` memories of ``bank_id`` for ``query``, best first."""
+        """Up to ``limit`` memories of ``bank_id`` for ``query``, best first. The
+        mental-model port is also given ``tags=`` (the request's scope)."""
 
 
-def no_memories(bank_id: str, query: str, now: datetime, limit: int) -> list[Memory]:
+def no_memories(bank_id: str, query: str, now: datetime, limit: int, **_) -> list[Memory]:
     """The mental-model and observation ports until those exist: nothing."""
     return []
 
@@ -199,6 +205,31 @@ def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
     return "\n\n".join(parts)
 
 
+def revise_prompt(cfg: BankConfig, now: datetime, directives: Sequence[Directive] = ()) -> str:
+    """The system prompt of :meth:`ReflectAgent.revise`: role, current time, citation
+    rules, disposition, mission and directives (no tools)."""
+    now = utc(now)
+    parts = [
+        "You are the reflection module of a long-term memory system for an AI agent. You "
+        "keep a mental model: a standing, cited answer to one question about the memories "
+        "of one memory bank, revised as new memories arrive.",
+        f"Current time: {now.isoformat(timespec='seconds').replace('+00:00', 'Z')}.",
+        "Answer from the memories only; never invent facts, counts or dates. Cite the "
+        "memories each statement relies on by their reference in square brackets right "
+        "after it, e.g. \"She moved to Berlin in 2021 [m3].\" Cite only references you "
+        "were given.",
+        "Disposition:\n" + "\n".join(_trait(cfg, t) for t in ("skepticism", "literalism", "empathy")),
+    ]
+    if cfg.reflect_mission.strip():
+        parts.append("Mission of this memory bank (what your answers are for):\n"
+                     + cfg.reflect_mission.strip())
+    if directives:
+        parts.append("Directives of this memory bank: rules you must follow, the earlier "
+                     "first:\n" + "\n".join(f"{i}. {' '.join(d.text.split())}"
+                                             for i, d in enumerate(directives, 1)))
+    return "\n\n".join(parts)
+
+
 def _wrapper_schema(response_schema: dict) -> dict:
     return {"type": "object", "required": ["answer", "memory_ids"], "additionalProperties": False,
             "properties": {"answer": response_schema,
@@ -213,6 +244,11 @@ class _Context:
         self.used = 0
         self.by_ref: dict[str, Memory] = {}
         self.ref_of: dict[str, str] = {}  # memory id → ref
+
+    @property
+    def grounded(self) -> bool:
+        """True once a memory other than a stale mental model was supplied."""
+        return any(not is_stale_memory(m) for m in self.by_ref.values())
 
     @property
     def exhausted(self) -> bool:
@@ -384,7 +420,7 @@ class ReflectAgent:
                 current_deadline().check("reflect")  # stop when the caller stops waiting
                 it += 1
                 last = it == self.max_iterations or ctx.exhausted
-                grounded = "recall" in called or bool(ctx.by_ref)
+                grounded = "recall" in called or ctx.grounded
                 tools = None if last else TOOLS
                 turn_cit, turn_text = _Citations(ctx), []  # citations of this turn only
                 if live and grounded:
@@ -414,8 +450,9 @@ class ReflectAgent:
                         messages.append({"role": "tool", "tool_call_id": tc.id, "content": text})
                         yield ToolEvent(tc.name, tc.args(), n)
                     continue
-                if not grounded and "recall" not in called:
-                    # An answer before any memory was seen: search the raw facts first.
+                if not grounded:
+                    # An answer before any memory was seen, or from stale mental models
+                    # alone: search the raw facts first.
                     args = {"query": query.strip()}
                     text, n = self._tool("recall", args, bank_id, budget, now, ctx, tags)
                     called.append("recall")
@@ -468,6 +505,51 @@ class ReflectAgent:
                                    usage=usage, tools_called=called, dropped_citations=dropped,
                                    iterations=it, memories_supplied=len(ctx.by_ref)))
 
+    def revise(self, bank_id: str, query: str, prior: str, cited: Sequence[str],
+               new: Sequence[Memory], now: datetime,
+               directives: Sequence[Directive] = ()) -> AgentReflection:
+        """A delta refresh of a mental model: the model rewrites ``prior`` (the current
+        answer to ``query``, citing ``[n]`` = ``cited[n-1]``) with the memories ``new``
+        (what changed in its scope since), in one turn without tools. The answer cites
+        like reflect's (``[1]`` … in the order of ``based_on``; the kept citations of
+        ``prior`` are valid references). Raises LlmError when the model fails."""
+        cfg = self.bank_config(bank_id) or BankConfig()
+        ctx = _Context(self.max_context_tokens, self.count)
+        for i in cited:  # the current content's citations are references too (not shown)
+            ref = f"m{len(ctx.by_ref) + 1}"
+            ctx.by_ref[ref], ctx.ref_of[i] = Memory(i, "", "fact"), ref
+
+        def as_refs(mt: re.Match) -> str:
+            nums = [int(n) for n in re.split(r"\s*,\s*", mt.group(1))]
+            if not all(0 < n <= len(cited) for n in nums):
+                return mt.group(0)
+            return f"[{', '.join(ctx.ref_of[cited[n - 1]] for n in nums)}]"
+        current = re.sub(r"\[(\d+(?:\s*,\s*\d+)*)\]", as_refs, prior)
+        lines, cut = ctx.supply(new)
+        user = (f"Question: {query.strip()}\n\nYour current answer (its references point to "
+                "memories you saw before):\n" + (current.strip() or "(none)")
+                + "\n\nMemories that are new or revised since then:\n" + "\n".join(lines)
+                + ("\n(context budget reached: some were left out)" if cut else "")
+                + "\n\nUpdate the answer: keep the statements the new memories do not "
+                "contradict, with their references; add what the new memories add to the "
+                "answer; where they contradict it, prefer the more recent and say so. Cite "
+                "as before. Reply with the updated answer only.")
+        messages = [{"role": "system", "content": revise_prompt(cfg, now, directives)},
+                    {"role": "user", "content": user}]
+        c = self.gateway.complete("reflect", messages, tools=None, temperature=0.2)
+        cit = _Citations(ctx)
+        text = cit.feed(c.text) + cit.flush()
+        if cit.dropped:
+            METRICS.add("mneme.reflect.invalid_citations", len(cit.dropped))
+        usage = Usage()
+        usage.add(c.usage)
+        kinds = {m.id: m.kind for m in ctx.by_ref.values()
+                 if m.id in cit.based_on and m.kind != "fact"}
+        return AgentReflection(text.strip(), cit.based_on, False, kinds=kinds,
+                               directives=[d.id for d in directives], usage=usage,
+                               dropped_citations=cit.dropped, iterations=1,
+                               memories_supplied=len(new))
+
     def _structured(self, answer: Completion, messages, response_schema, ctx: _Context):
         """(answer value, based_on ids, dropped refs, extra usage) from the final reply,
         asking once more with the schema enforced when the reply does not match."""
@@ -504,7 +586,8 @@ class ReflectAgent:
             return "Error: the query argument is required.", 0
         current_deadline().check(f"reflect: {name}")
         if name == "search_mental_models":
-            memories = self.mental_models(bank_id, query, now, 5) if mental_models else []
+            memories = (self.mental_models(bank_id, query, now, 5, tags=tags)
+                        if mental_models else [])
             empty = "No mental model matches. Search the observations next."
         elif name == "search_observations":
             memories = self.observations(bank_id, query, now, 10)

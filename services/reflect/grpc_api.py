@@ -97,6 +97,10 @@ _POLICY = {mental_models_pb2.REFRESH_POLICY_UNSPECIFIED: "manual", mental_models
 _POLICY_PB = {"manual": mental_models_pb2.MANUAL, "after_consolidation":
               mental_models_pb2.AFTER_CONSOLIDATION, "every_n_facts": mental_models_pb2.EVERY_N_FACTS}
 
+_MODE = {mental_models_pb2.REFRESH_MODE_UNSPECIFIED: "full", mental_models_pb2.FULL: "full",
+         mental_models_pb2.DELTA: "delta"}
+_MODE_PB = {"full": mental_models_pb2.FULL, "delta": mental_models_pb2.DELTA}
+
 
 def mental_model_to_api(m: MentalModel, stale: bool) -> mental_models_pb2.MentalModel:
     """A :class:`~mneme.domain.MentalModel` → MentalModel (memories as names)."""
@@ -187,7 +191,8 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
             mental_models_pb2.MentalModelRevision(
                 revision=r.revision, content=r.content, source=r.source,
                 based_on=[memory_name(bank_id, i) for i in r.based_on],
-                create_time=dt_to_ts(from_epoch(r.at))) for r in page],
+                create_time=dt_to_ts(from_epoch(r.at)), mode=_MODE_PB.get(r.mode, 0))
+                for r in page],
             next_page_token=paging.encode_token(kind, page[-1].revision) if len(revs) > size else "")
 
     @translate_errors
@@ -195,9 +200,12 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         bank_id, model_id = mental_model_of(request.name)
         if request.budget not in apiconv.BUDGET:
             raise InvalidArgument("budget", "must be LOW, MID or HIGH")
+        if request.mode not in _MODE:
+            raise InvalidArgument("mode", "must be FULL or DELTA")
         with deadline.bind(call_deadline(context)):
             m, _ = self.models.refresh(bank_id, model_id, datetime.now(timezone.utc),
-                                       apiconv.BUDGET[request.budget], dry_run=request.dry_run)
+                                       apiconv.BUDGET[request.budget], dry_run=request.dry_run,
+                                       mode=_MODE[request.mode])
         return self._api(m)
 
 

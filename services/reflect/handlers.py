@@ -53,21 +53,37 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
                                  filters=scope_filters(tags), budget=budget, max_tokens=2048))
     if not outcome.results:
-        return Reflection("I have no memories that answer this (extractive answer, no language "
-                          "model configured).", [], True)
+        return Reflection(NO_MEMORIES, [], True)
     terms = content_terms(query + " " + context)
     ranked = sorted(enumerate(outcome.results),
                     key=lambda p: (-_coverage(p[1].fact.text, terms), p[0]))[:max_quotes]
     ranked.sort(key=lambda p: p[0])  # keep recall order among the chosen ones
-    lines = []
-    for _, s in ranked:
-        f = s.fact
-        when = f.occurred_start or f.mentioned_at
-        date = f" ({when:%d %B %Y})" if when else ""
-        lines.append(f"- {f.text.strip()}{date}")
+    lines = [quote_line(s.fact.text, s.fact.occurred_start or s.fact.mentioned_at)
+             for _, s in ranked]
     text = ("Extractive answer (no language model configured); the most relevant memories:\n"
             + "\n".join(lines))
     return Reflection(text, [s.fact.id for _, s in ranked], True)
+
+
+#: How :meth:`services.reflect.mental_models.MentalModels.search` marks a stale model in
+#: the text the agent is shown.
+STALE_MARK = "STALE: verify it against observations and facts"
+
+
+def is_stale_memory(memory) -> bool:
+    """True for a :class:`mneme.domain.Memory` that is a mental model marked stale."""
+    return memory.kind == "mental_model" and f"({STALE_MARK};" in memory.text
+
+
+#: The extractive answer when recall finds nothing.
+NO_MEMORIES = ("I have no memories that answer this (extractive answer, no language model "
+               "configured).")
+
+
+def quote_line(text: str, when: datetime | None) -> str:
+    """A memory as one line of an extractive answer: "- <text> (<date>)"."""
+    date = f" ({when:%d %B %Y})" if when else ""
+    return f"- {text.strip().replace(chr(10), ' ')}{date}"
 
 
 def content_terms(text: str) -> set[str]:
@@ -163,9 +179,32 @@ class Reflector:
         else:
             if not query or not query.strip():
                 raise InvalidArgument("query", "must not be empty")
-            r = ((self.mental_models.answer_offline(bank_id, query, tags)
+            def from_recall() -> Reflection:
+                return reflect_offline(bank_id, query, context, budget, now, self.recall,
+                                       tags=tags)
+            r = ((self.mental_models.answer_offline(bank_id, query, tags, from_recall)
                   if self.mental_models is not None and mental_models else None)
-                 or reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags))
+                 or from_recall())
+        self.record(record_reflection(bank_id, query, r, tags))
+        return r
+
+    def revise(self, bank_id: str, query: str, prior: str, cited: Sequence[str],
+               new: Sequence, now: datetime, tags: Sequence[str] = ()) -> Reflection | None:
+        """The reflect model's revision of an answer to ``query`` (a delta refresh of a
+        mental model): ``prior`` is the current answer citing ``[n]`` = ``cited[n-1]``,
+        ``new`` the memories (:class:`mneme.domain.Memory`) that changed since. None
+        without a reflect model, or when it fails and the agent falls back offline (the
+        caller merges extractively). Recorded like an answer."""
+        if self.agent is None:
+            return None
+        from mneme.llm.types import LlmError
+        try:
+            r = self.agent.revise(bank_id, query, prior, cited, new, now,
+                                  directives=self._in_scope(bank_id, tags))
+        except LlmError:
+            if not self.agent.fallback_offline:
+                raise
+            return None
         self.record(record_reflection(bank_id, query, r, tags))
         return r
 

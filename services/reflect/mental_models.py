@@ -4,10 +4,15 @@ Every change is a ``MentalModelChanged`` event on ``mneme.intake.v1`` (keyed by 
 order with the bank's creation and deletion). Every bank catalog projects it, and
 :mod:`mneme.bank_catalog` keeps each content change as a revision.
 
-- **Refresh.** A refresh runs reflect on the model's ``source_query`` within its tags: the
-  reflect model's agent, or the extractive answer without one. The event records the
-  answer and the memory ids it cites, so replay rebuilds models and history without a model
-  call.
+- **Refresh.** A full refresh runs reflect on the model's ``source_query`` within its
+  tags: the reflect model's agent, or the extractive answer without one. A delta refresh
+  (:meth:`MentalModels.refresh` with ``mode="delta"``) revises the current content with
+  only what changed in its scope since it was made (:meth:`MentalModels.changes`, read
+  from the log like staleness): statements whose cited memories were all retracted or
+  deleted drop out, the rest is kept, and the new memories are merged in, by the reflect
+  model (:meth:`services.reflect.agent.ReflectAgent.revise`) or, without one, appended as
+  cited sentences within ``max_tokens``. The event records the content, the memory ids it
+  cites and the mode, so replay rebuilds models and history without a model call.
 - **Staleness** is read from the log. The event records where the bank's partition of
   ``mneme.memory.v1`` ended when the content was made. A model is stale once a later record
   of that partition changes a fact or observation of its bank in its scope: untagged models
@@ -16,25 +21,39 @@ order with the bank's creation and deletion). Every bank catalog projects it, an
 - **Scheduled refreshes.** The group ``reflect-refresh`` follows ``mneme.memory.v1`` and
   refreshes the models whose policy is due (:meth:`refresh_due`). It is not a projection:
   replay does not run it, and the refreshes it made are on the log already.
-- **Reflect.** These models feed reflect's ``search_mental_models`` tool (:meth:`search`).
-  Offline, a fresh model whose query covers the question answers it
-  (:meth:`answer_offline`).
+- **Search** (:meth:`MentalModels.search`, reflect's ``search_mental_models`` tool, and
+  the offline early answer) fuses two rankings with reciprocal rank fusion: keyword
+  overlap of the question's content words with the name and query (and, at half weight,
+  the content), and the cosine of the bank's embedder between the question and
+  name + query + content (cached per model revision). RRF rather than a weighted sum: the
+  two scores are on unrelated scales (a share of words; a cosine whose spread depends on
+  the embedding model), and ranks need no calibration per embedder.
+- **Reflect.** Offline, a fresh model whose name and query cover the question answers it
+  (:meth:`answer_offline`); a stale one is not trusted alone: the answer comes from recall
+  and quotes the model as context. With a model, the agent sees stale models marked so
+  and must search observations or facts before answering.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
+import threading
 import uuid
-from dataclasses import dataclass, replace
-from datetime import datetime
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Callable, Iterable, Sequence
 
 from mneme.domain import (MENTAL_MODEL_FIELDS, REFRESH_POLICIES, MentalModel, MentalModelRevision,
                           Memory, from_epoch)
 from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import Catalog, Record
-from services.reflect.handlers import Reflection, content_terms
+from mneme.ports import Catalog, Embedder, Record
+from mneme.retrieval import RRF_K
+from services.reflect.handlers import (NO_MEMORIES, STALE_MARK, Reflection, content_terms,
+                                      quote_line)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +65,19 @@ DEFAULT_MAX_TOKENS = 2_048
 #: Share of a question's content words a fresh model's name and query must cover for the
 #: offline reflect to answer with it.
 OFFLINE_COVERAGE = 0.6
+#: Cosine between a question and a fresh model's name and query above which the offline
+#: reflect answers with it even when their words differ (a paraphrase).
+OFFLINE_SIMILARITY = 0.8
+#: Least cosine of the semantic ranking: models below it are not ranked by meaning.
+SEMANTIC_MIN = 0.3
+#: Models of one bank a search ranks at most (id order); more are not searched.
+SEARCH_MAX_MODELS = 1_000
+#: Embeddings kept in memory (per model revision: two vectors each).
+EMBED_CACHE = 4_096
+#: New memories a delta refresh takes in at most (the most relevant to the model first).
+DELTA_MAX_NEW = 50
+
+_CITES = re.compile(r"\s?\[(\d+(?:\s*,\s*\d+)*)\][.;,!?]?")
 
 
 def _cut(text: str, max_tokens: int) -> str:
@@ -68,7 +100,10 @@ class MentalModels:
     ``catalog`` up to the bank's partition before a read. ``reflect`` is
     :meth:`services.reflect.handlers.Reflector.reflect`. ``memory_end(bank_id)`` is the end
     offset of the bank's ``mneme.memory.v1`` partition, and ``memory_read(bank_id, start,
-    limit)`` the (offset, decoded message) pairs of that partition from ``start``."""
+    limit, opened)`` the (offset, decoded message) pairs of that partition from ``start``
+    (``opened``: user content unsealed, else left sealed). ``revise`` is
+    :meth:`services.reflect.handlers.Reflector.revise` (the reflect model's update of a
+    content; None without one). ``embedder`` ranks models by meaning (None: by words only)."""
 
     catalog: Catalog
     append: Callable[[object, str], Record]
@@ -76,7 +111,11 @@ class MentalModels:
     caught_up: Callable[[str], object]
     reflect: Callable[..., Reflection]
     memory_end: Callable[[str], int]
-    memory_read: Callable[[str, int, int], list[tuple[int, object]]]
+    memory_read: Callable[..., list[tuple[int, object]]]
+    revise: Callable[..., Reflection | None] | None = None
+    embedder: Embedder | None = None
+    _vectors: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _vectors_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ---- reads ----
 
@@ -173,15 +212,25 @@ class MentalModels:
         self.projected(rec, bank_id)
 
     def refresh(self, bank_id: str, model_id: str, now: datetime, budget: str = "mid",
-                dry_run: bool = False) -> tuple[MentalModel, Reflection]:
-        """Answer the model's ``source_query`` again (within its tags) and store the answer
-        as its new content (cut to ``max_tokens``) with the ids it cites; with
-        ``dry_run`` store nothing. Returns (the model as it is, or would be, after it; the
-        reflection)."""
+                dry_run: bool = False, mode: str = "full") -> tuple[MentalModel, Reflection]:
+        """Make the model's content anew and store it (cut to ``max_tokens``) with the ids
+        it cites; with ``dry_run`` store nothing. ``mode`` "full" answers its
+        ``source_query`` again (reflect within its tags); "delta" revises the current
+        content with what changed in its scope since it was made (:meth:`delta`), and is a
+        full refresh when the content is empty or the changes are too many to read.
+        Returns (the model as it is, or would be, after it; the reflection).
+        InvalidArgument for another ``mode``."""
+        if mode not in ("full", "delta"):
+            raise InvalidArgument("mode", "must be FULL or DELTA")
         m = self.get(bank_id, model_id)
         start = self.memory_end(bank_id)  # changes while it runs count as after it
-        r = self.reflect(bank_id, m.source_query, "", budget, now, None, m.tags,
-                         mental_models=False)
+        r = self.delta(m, now) if mode == "delta" else None
+        if r is None:
+            mode = "full"
+            r = self.reflect(bank_id, m.source_query, "", budget, now, None, m.tags,
+                             mental_models=False)
+            if r.extractive:  # the extractive answer quotes one memory a line, in order
+                r = replace(r, text=_cite_lines(r.text, len(r.based_on)))
         content = _cut(r.text, m.max_tokens)
         source = "refresh_offline" if r.extractive else "refresh"
         if dry_run:
@@ -189,9 +238,117 @@ class MentalModels:
         msg = ev.MentalModelChanged(bank_id=bank_id, id=model_id, content=content,
                                     update_mask=["content"], memory_offset=start,
                                     refresh=ev.MentalModelRefresh(based_on=r.based_on,
-                                                                  source=source))
+                                                                  source=source, mode=mode))
         self.projected(self.append(msg, bank_id), bank_id)
         return self.get(bank_id, model_id), r
+
+    def changes(self, m: MentalModel) -> tuple[list[Memory], set[str]] | None:
+        """What changed in the model's scope since its content was made, read from its
+        bank's memory partition (opened): (facts and observations added or revised, one
+        per id with its latest text, oldest first; ids retracted or deleted). None when
+        more than :data:`STALE_SCAN` records would have to be read."""
+        end = self.memory_end(m.bank_id)
+        if end - m.memory_offset > STALE_SCAN:
+            return None
+        new: dict[str, Memory] = {}
+        gone: set[str] = set()
+        wanted = set(m.tags)
+
+        def scoped(tags) -> bool:
+            return not wanted or not tags or bool(set(tags) & wanted)
+
+        for _, msg in self.memory_read(m.bank_id, m.memory_offset,
+                                       max(0, end - m.memory_offset), True):
+            if getattr(msg, "bank_id", None) != m.bank_id:
+                continue
+            if isinstance(msg, ev.FactsRetracted):
+                for i in msg.memory_ids:
+                    gone.add(i)
+                    new.pop(i, None)
+            elif isinstance(msg, ev.FactsExtracted):
+                for f in msg.facts:
+                    if scoped(f.tags) and f.text.strip():  # erased content: nothing to quote
+                        when = f.occurred_start if f.HasField("occurred_start") else (
+                            f.mentioned_at if f.HasField("mentioned_at") else None)
+                        new.pop(f.id, None)
+                        new[f.id] = Memory(f.id, f.text, "fact", _dt(when), f.fact_type)
+                        gone.discard(f.id)
+            elif isinstance(msg, ev.ObservationsChanged):
+                for o in msg.observations:
+                    if o.deleted:
+                        gone.add(o.id)
+                        new.pop(o.id, None)
+                    elif scoped(o.scope) and o.text.strip():
+                        when = o.occurred_end if o.HasField("occurred_end") else None
+                        new.pop(o.id, None)
+                        new[o.id] = Memory(o.id, o.text, "observation", _dt(when))
+                        gone.discard(o.id)
+        return list(new.values()), gone
+
+    def delta(self, m: MentalModel, now: datetime) -> Reflection | None:
+        """The content of a delta refresh of ``m`` (not stored), None when a full refresh
+        is needed instead (empty content, or too many changes to read).
+
+        The current content is cut into statements, each ending with its citations
+        (``[n]``: the n-th id of ``based_on``). A statement whose cited memories were all
+        retracted, deleted or revised since drops out (a revised one comes back with its
+        new text below); uncited text (a user's, a heading) stays. The new memories, most
+        relevant to the model's name and query first (at most :data:`DELTA_MAX_NEW`), are
+        merged in: by the reflect model (``revise``) when there is one, else the most
+        relevant ones that fit within ``max_tokens`` (only those sharing a word or, with an
+        embedder, the meaning of the query) are appended as quoted, cited lines, oldest
+        first."""
+        if not m.content.strip():
+            return None
+        found = self.changes(m)
+        if found is None:
+            return None
+        new, gone = found
+        gone = gone | {x.id for x in new if x.id in m.based_on}
+        kept_text, kept = _prune(m.content, m.based_on, gone)
+        ranked = self._relevant(m, new)[:DELTA_MAX_NEW]
+        if ranked and self.revise is not None:
+            r = self.revise(m.bank_id, m.source_query, kept_text, kept,
+                            [x for x, _ in ranked], now, m.tags)
+            if r is not None:
+                return r
+        limit = 4 * (m.max_tokens or DEFAULT_MAX_TOKENS)
+        text = kept_text
+        if not kept and text.strip().startswith(NO_MEMORIES[:40]):
+            text = ""  # "no memories" is no longer true once one is added
+        based_on = list(kept)
+        room, chosen = limit - len(text), set()
+        for x, relevant in ranked:  # the most relevant that fit, then quoted oldest first
+            size = len(quote_line(x.text, x.when)) + 8
+            if relevant and size <= room:
+                chosen.add(x.id)
+                room -= size
+        for x in new:
+            if x.id in chosen:
+                line = f"{quote_line(x.text, x.when)} [{len(based_on) + 1}]"
+                text = f"{text.rstrip()}\n{line}" if text.strip() else line
+                based_on.append(x.id)
+        if not text.strip():
+            text = NO_MEMORIES
+        return Reflection(text, based_on, True)
+
+    def _relevant(self, m: MentalModel, new: Sequence[Memory]) -> list[tuple[Memory, bool]]:
+        """``new`` ranked by relevance to the model's name and query (shared content words,
+        then, with an embedder, cosine; ties newest first), each with whether it is
+        relevant at all (a shared word, or a cosine of at least :data:`SEMANTIC_MIN`)."""
+        q = content_terms(f"{m.display_name} {m.source_query}")
+        sims = [0.0] * len(new)
+        if self.embedder is not None and new:
+            try:
+                qv, *vs = self.embedder.embed([f"{m.display_name}. {m.source_query}"]
+                                              + [x.text for x in new])
+                sims = [_dot(qv, v) for v in vs]
+            except Exception:  # noqa: BLE001 - words alone still rank them
+                log.exception("mental model %s: embedding failed; ranked by words only", m.id)
+        scored = [(len(q & content_terms(x.text)), sims[i], i, x) for i, x in enumerate(new)]
+        scored.sort(key=lambda t: (-t[0], -t[1], -t[2]))
+        return [(x, words > 0 or sim >= SEMANTIC_MIN) for words, sim, _, x in scored]
+
 
     # ---- scheduled refreshes ----
 
@@ -238,63 +395,185 @@ class MentalModels:
 
     # ---- reflect's uses ----
 
-    def _ranked(self, bank_id: str, query: str) -> list[tuple[float, MentalModel]]:
+    def _embedding(self, m: MentalModel) -> tuple[list[float], list[float]] | None:
+        """(name + query + content, name + query) embeddings of ``m``'s current revision,
+        cached (at most :data:`EMBED_CACHE`); None without an embedder."""
+        if self.embedder is None:
+            return None
+        key = (m.bank_id, m.id, m.revision, m.updated_at)
+        with self._vectors_lock:
+            if key in self._vectors:
+                self._vectors.move_to_end(key)
+                return self._vectors[key]
+        full, head = self.embedder.embed([
+            f"{m.display_name}. {m.source_query}\n{m.content}",
+            f"{m.display_name}. {m.source_query}"])
+        with self._vectors_lock:
+            self._vectors[key] = (full, head)
+            while len(self._vectors) > EMBED_CACHE:
+                self._vectors.popitem(last=False)
+        return full, head
+
+    def _ranked(self, bank_id: str, query: str, tags: Sequence[str] = ()
+                ) -> list[tuple[float, MentalModel, float]]:
+        """The bank's models with content (within ``tags``: sharing one, or untagged)
+        that match ``query`` by words or meaning, best first: (RRF score, model, cosine of
+        the question with its name and query; 0 without an embedder). At most
+        :data:`SEARCH_MAX_MODELS` models are considered."""
         self.caught_up(bank_id)
         q = content_terms(query)
-        if not q:
-            return []
-        scored = []
+        models: list[MentalModel] = []
         after = ""
-        while True:
+        while len(models) < SEARCH_MAX_MODELS:
             page = self.catalog.list_mental_models(bank_id, 500, after)
-            for m in page:
-                if not m.content.strip():
-                    continue
-                head = content_terms(f"{m.display_name} {m.source_query}")
-                body = content_terms(m.content)
-                score = len(q & head) / len(q) + 0.5 * len(q & body) / len(q)
-                if score > 0:
-                    scored.append((score, m))
+            models += [m for m in page if m.content.strip()
+                       and (not tags or not m.tags or set(m.tags) & set(tags))]
             if len(page) < 500:
                 break
             after = page[-1].id
-        scored.sort(key=lambda p: (-p[0], p[1].id))
-        return scored
+        models = models[:SEARCH_MAX_MODELS]
+        if not models or not query.strip():
+            return []
+        words = {}
+        for m in models:
+            if q:
+                head = content_terms(f"{m.display_name} {m.source_query}")
+                score = len(q & head) / len(q) + 0.5 * len(q & content_terms(m.content)) / len(q)
+                if score > 0:
+                    words[m.id] = score
+        sims, heads = {}, {}
+        if self.embedder is not None:
+            try:
+                qv = self.embedder.embed([query])[0]
+                for m in models:
+                    full, head = self._embedding(m)
+                    heads[m.id] = _dot(qv, head)
+                    sim = _dot(qv, full)
+                    if sim >= SEMANTIC_MIN:
+                        sims[m.id] = sim
+            except Exception:  # noqa: BLE001 - words alone still rank them
+                log.exception("mental models of bank %s: embedding failed; keyword search only",
+                              bank_id)
+                sims, heads = {}, {}
+        fused: dict[str, float] = {}
+        for ranking in (words, sims):
+            for rank, mid in enumerate(sorted(ranking, key=lambda i: (-ranking[i], i)), 1):
+                fused[mid] = fused.get(mid, 0.0) + 1.0 / (RRF_K + rank)
+        by_id = {m.id: m for m in models}
+        out = [(score, by_id[mid], heads.get(mid, 0.0)) for mid, score in fused.items()]
+        out.sort(key=lambda p: (-p[0], p[1].id))
+        return out
 
-    def search(self, bank_id: str, query: str, now: datetime, limit: int) -> list[Memory]:
-        """The agent's ``search_mental_models``: models whose name, query or content share
-        words with ``query``, best first, each marked stale or fresh."""
-        hits = [m for _, m in self._ranked(bank_id, query)[:limit]]
+    def search(self, bank_id: str, query: str, now: datetime, limit: int,
+               tags: Sequence[str] = ()) -> list[Memory]:
+        """The agent's ``search_mental_models``: models (within ``tags``) that match
+        ``query`` by words or meaning (:meth:`_ranked`), best first, each marked stale or
+        fresh (a stale one comes with ``kind`` "mental_model" and the mark in its text;
+        :func:`services.reflect.handlers.is_stale_memory` tells)."""
+        hits = [m for _, m, _ in self._ranked(bank_id, query, tags)[:limit]]
         stale = self.stale_ids(hits)
         out = []
         for m in hits:
-            state = ("STALE: verify it against observations and facts" if m.id in stale
-                     else "fresh")
+            state = STALE_MARK if m.id in stale else "fresh"
             out.append(Memory(m.id, f"{m.display_name} ({state}; answers \"{m.source_query}\"): "
                               f"{m.content}", "mental_model",
                               from_epoch(m.refreshed_at or m.updated_at)))
         return out
 
-    def answer_offline(self, bank_id: str, query: str, tags: Sequence[str] = ()
+    def answer_offline(self, bank_id: str, query: str, tags: Sequence[str] = (),
+                       recall_answer: Callable[[], Reflection] | None = None
                        ) -> Reflection | None:
-        """The extractive reflect's first step: a fresh model (in scope of ``tags``) whose
-        name and query cover :data:`OFFLINE_COVERAGE` of the question's content words
-        answers it, citing itself; None otherwise."""
+        """The extractive reflect's first step. A model covers the question when its name
+        and query hold :data:`OFFLINE_COVERAGE` of the question's content words, or mean
+        the same (cosine of at least :data:`OFFLINE_SIMILARITY`). The best fresh one (in
+        scope of ``tags``) answers, citing itself; when all that cover it are stale, none is
+        trusted alone: the answer is ``recall_answer()`` (the extractive answer from
+        recall) with the best of them quoted as context after it, both cited. None when no
+        model covers the question (or only stale ones and no ``recall_answer``)."""
         q = content_terms(query)
-        if not q:
+        covering = [m for _, m, sim in self._ranked(bank_id, query, tags)
+                    if sim >= OFFLINE_SIMILARITY or (q and len(
+                        q & content_terms(f"{m.display_name} {m.source_query}")) / len(q)
+                        >= OFFLINE_COVERAGE)]
+        stale = self.stale_ids(covering)
+        for m in covering:
+            if m.id not in stale:
+                return Reflection(f"{m.content}\n(from the mental model \"{m.display_name}\", "
+                                  "extractive answer, no language model configured)",
+                                  [m.id], True, kinds={m.id: "mental_model"})
+        if not covering or recall_answer is None:
             return None
-        for _, m in self._ranked(bank_id, query):
-            if tags and m.tags and not set(m.tags) & set(tags):
+        m = covering[0]
+        r = recall_answer()
+        return Reflection(
+            f"{r.text}\n\nContext: the mental model \"{m.display_name}\" answers this but "
+            "is stale (facts in its scope changed since its content was made), so the "
+            f"memories above answer; it said:\n{m.content}",
+            [*r.based_on, m.id], True, kinds={**r.kinds, m.id: "mental_model"})
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine of two L2-normalised vectors."""
+    return math.fsum(x * y for x, y in zip(a, b))
+
+
+def _dt(ts) -> datetime | None:
+    return ts.ToDatetime(tzinfo=timezone.utc) if ts is not None else None
+
+
+def _cite_lines(text: str, n: int) -> str:
+    """The extractive answer ``text`` with its i-th quoted line ("- …") cited ``[i]``
+    (``n`` lines at most): a delta refresh tells from the citations which memory a
+    line quotes."""
+    out, i = [], 0
+    for line in text.split("\n"):
+        if line.startswith("- ") and i < n:
+            i += 1
+            line = f"{line} [{i}]"
+        out.append(line)
+    return "\n".join(out)
+
+
+def _prune(content: str, based_on: Sequence[str], gone: set[str]) -> tuple[str, list[str]]:
+    """``content`` without the statements whose cited memories are all in ``gone``
+    (a statement ends with its citations ``[n]``, n-th id of ``based_on``; the text after
+    a line's last citation belongs to the statement before it), the other citations to
+    ``gone`` removed and all renumbered. Returns (text, the cited ids in their new order)."""
+    kept: list[str] = []
+
+    def number(i: str) -> int:
+        if i not in kept:
+            kept.append(i)
+        return kept.index(i) + 1
+
+    lines = []
+    for line in content.split("\n"):
+        statements, at = [], 0  # (text before the citation, the citation, what follows)
+        for mt in _CITES.finditer(line):
+            punct = mt.group(0)[-1] if mt.group(0)[-1] in ".;,!?" else ""
+            statements.append([line[at:mt.start()], mt, punct])
+            at = mt.end()
+        if not statements:
+            lines.append(line)
+            continue
+        statements[-1][2] += line[at:]
+        out = ""
+        for body, mt, rest in statements:
+            cite = line[mt.start():mt.end() - (1 if mt.group(0)[-1] in ".;,!?" else 0)]
+            ids = [based_on[int(n) - 1] for n in re.split(r"\s*,\s*", mt.group(1))
+                   if 0 < int(n) <= len(based_on)]
+            if not ids:  # not a citation of this content: text as written
+                out += body + cite + rest
                 continue
-            covered = len(q & content_terms(f"{m.display_name} {m.source_query}")) / len(q)
-            if covered < OFFLINE_COVERAGE:
-                return None  # ranked: the next ones cover less
-            if self.is_stale(m):
-                continue
-            return Reflection(f"{m.content}\n(from the mental model \"{m.display_name}\", "
-                              "extractive answer, no language model configured)",
-                              [m.id], True, kinds={m.id: "mental_model"})
-        return None
+            alive = [i for i in ids if i not in gone]
+            if not alive:
+                continue  # every memory it stood on is gone
+            lead = " " if cite.startswith(" ") else ""
+            out += f"{body}{lead}[{', '.join(str(number(i)) for i in alive)}]{rest}"
+        if out.strip() and out.strip() != "-":
+            lines.append(out)
+    text = "\n".join(lines).strip("\n")
+    return text, kept
 
 
 def _in_scope(msg, tags: Sequence[str]) -> bool:

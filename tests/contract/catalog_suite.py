@@ -133,7 +133,8 @@ class CatalogSuite:
         # a refresh: content, based_on, refreshed_at and the new offset
         refreshed = MentalModel("m1", "a", "", "", content="Porto since 2024 [1].",
                                 memory_offset=12, updated_at=T0 + 5)
-        rev = MentalModelRevision(0, "", based_on=("f1", "f2"), source="refresh_offline")
+        rev = MentalModelRevision(0, "", based_on=("f1", "f2"), source="refresh_offline",
+                                  mode="delta")
         cat.upsert_mental_model(refreshed, mask=("content",), refresh=rev)
         cat.upsert_mental_model(refreshed, mask=("content",), refresh=rev)
         got = cat.get_mental_model("a", "m1")
@@ -142,9 +143,9 @@ class CatalogSuite:
         assert (got.display_name, got.source_query, got.tags) == ("Home", "Where does Alice live?",
                                                                   ("people",))
         revs = cat.mental_model_revisions("a", "m1")
-        assert [(r.revision, r.content, r.based_on, r.source, r.at) for r in revs] == [
-            (1, "Lisbon.", (), "user", T0 + 1),
-            (2, "Porto since 2024 [1].", ("f1", "f2"), "refresh_offline", T0 + 5)]
+        assert [(r.revision, r.content, r.based_on, r.source, r.at, r.mode) for r in revs] == [
+            (1, "Lisbon.", (), "user", T0 + 1, ""),
+            (2, "Porto since 2024 [1].", ("f1", "f2"), "refresh_offline", T0 + 5, "delta")]
         # a change that leaves the content alone adds no revision
         cat.upsert_mental_model(MentalModel("m1", "a", "Alice's home", "", updated_at=T0 + 6),
                                 mask=("display_name",))

@@ -47,6 +47,23 @@ class TestSqliteCatalog(CatalogSuite):
         finally:
             c.close()
 
+    def test_an_older_file_gets_the_revision_mode_column(self, tmp_path):
+        import sqlite3
+        path = tmp_path / "catalog.db"
+        db = sqlite3.connect(path)  # the revisions table as releases before the mode made it
+        db.execute("CREATE TABLE mental_model_revisions (bank_id TEXT NOT NULL, model_id TEXT "
+                   "NOT NULL, revision INTEGER NOT NULL, at REAL NOT NULL, content TEXT NOT NULL, "
+                   "based_on TEXT NOT NULL, source TEXT NOT NULL, PRIMARY KEY (bank_id, model_id, "
+                   "revision), UNIQUE (bank_id, model_id, at))")
+        db.execute("INSERT INTO mental_model_revisions VALUES ('a', 'm1', 1, 1.0, 'x', '[]', 'user')")
+        db.commit()
+        db.close()
+        c = self.make_catalog(tmp_path)
+        try:
+            assert [(r.content, r.mode) for r in c.mental_model_revisions("a", "m1")] == [("x", "")]
+        finally:
+            c.close()
+
 
 class TestMemoryCatalog(CatalogSuite):
     def make_catalog(self, path):

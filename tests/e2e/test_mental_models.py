@@ -38,9 +38,9 @@ def refused(call) -> grpc.RpcError:
     return e.value
 
 
-def snapshot(m) -> list:
-    models = [MessageToDict(x) for x in m.list_mental_models(BANK)]
-    history = {x["id"]: [MessageToDict(r) for r in m.mental_model_revisions(BANK, x["id"])]
+def snapshot(m, bank: str = BANK) -> list:
+    models = [MessageToDict(x) for x in m.list_mental_models(bank)]
+    history = {x["id"]: [MessageToDict(r) for r in m.mental_model_revisions(bank, x["id"])]
                for x in models}
     return [models, history]
 
@@ -75,7 +75,9 @@ def test_lifecycle_staleness_reflect_and_replay(server):
         assert all(n.startswith(f"banks/{BANK}/memories/") for n in got.based_on)
         texts = {x.id: x.text for x in m.list_memories(BANK)}
         cited = [n.rsplit("/", 1)[-1] for n in got.based_on]
-        assert all(texts[i].strip() in got.content for i in cited)  # an extractive, cited summary
+        # an extractive summary, each quote cited
+        assert all(f"{texts[i].strip()}" in got.content for i in cited)
+        assert all(f"[{n}]" in got.content for n in range(1, len(cited) + 1))
         dry = m.refresh_mental_model(BANK, made.id, dry_run=True)
         assert dry.content == got.content and m.get_mental_model(BANK, made.id).revision == 1
 
@@ -94,15 +96,19 @@ def test_lifecycle_staleness_reflect_and_replay(server):
                          "tags": ["work"], "timestamp": at}])
         drained(m, BANK)
         assert m.get_mental_model(BANK, scoped.id).is_stale
-        # a stale model does not answer alone: reflect recalls the facts
+        # a stale model does not answer alone: reflect recalls the facts and quotes the
+        # model after them as context
         a = m.reflect(BANK, QUESTION)
-        assert not a.sources.mental_models and a.sources.facts
+        assert a.sources.facts and list(a.sources.mental_models) == [made.id]
+        assert list(a.based_on)[-1] == made.id and "is stale" in a.text
+        assert a.text.index("Context:") > a.text.index("- ")
 
         again = m.refresh_mental_model(BANK, made.id)
         assert again.revision == 2 and not again.is_stale
         history = m.mental_model_revisions(BANK, made.id)
-        assert [(r.revision, r.source) for r in history] == [(1, "refresh_offline"),
-                                                             (2, "refresh_offline")]
+        assert [(r.revision, r.source, r.mode) for r in history] == [
+            (1, "refresh_offline", mental_models_pb2.FULL),
+            (2, "refresh_offline", mental_models_pb2.FULL)]
         assert history[0].content == got.content and list(history[0].based_on) == list(got.based_on)
         assert history[1].content == again.content
         page = m.mental_models.ListMentalModelRevisions(
@@ -124,6 +130,57 @@ def test_lifecycle_staleness_reflect_and_replay(server):
             grpc.StatusCode.NOT_FOUND
 
 
+def test_delta_refresh_keeps_prior_content_and_drops_what_was_retracted(server):
+    bank, at = "delta", datetime(2023, 5, 1, tzinfo=timezone.utc)
+    with server.client() as m:
+        m.upsert_bank(bank, auto_consolidate=False)  # facts only: no observation quotes them
+        m.retain(bank, [{"content": "Caroline: I joined a pottery class in May.", "timestamp": at},
+                        {"content": "Caroline: my pottery teacher is called Ann.", "timestamp": at}])
+        drained(m, bank)
+        made = m.create_mental_model(bank, "Caroline's pottery", "What does Caroline do in pottery?")
+        full = m.refresh_mental_model(bank, made.id)
+        assert len(full.based_on) == 2
+        quotes = [x for x in full.content.splitlines() if x.startswith("- ")]
+        assert len(quotes) == 2
+
+        added = m.retain(bank, [{"content": "Caroline: I made a pottery bowl for my mum.",
+                                 "timestamp": datetime(2023, 6, 1, tzinfo=timezone.utc)}])
+        m.retain(bank, [{"content": "Melanie: the weather is lovely.", "timestamp": at}])
+        drained(m, bank)
+        assert m.get_mental_model(bank, made.id).is_stale
+        texts = {x.id: x.text for x in m.list_memories(bank)}
+        new = added.memory_ids[0]
+        delta = m.refresh_mental_model(bank, made.id, mode="delta")
+        assert not delta.is_stale and delta.revision == 2
+        # the prior quotes are kept as they were, the new fact is appended and cited after them
+        assert all(q in delta.content for q in quotes)
+        assert texts[new].strip() in delta.content and "weather" not in delta.content
+        assert list(delta.based_on) == [*full.based_on, f"banks/{bank}/memories/{new}"]
+        assert delta.content.rstrip().endswith("[3]")
+
+        # a cited memory deleted: the statement quoting it drops out, the rest stays
+        gone = full.based_on[0].rsplit("/", 1)[-1]
+        m.delete_memory(bank, gone)
+        drained(m, bank)
+        again = m.refresh_mental_model(bank, made.id, mode="delta")
+        assert f"banks/{bank}/memories/{gone}" not in again.based_on
+        assert list(again.based_on) == list(delta.based_on)[1:]
+        assert texts[gone].strip() not in again.content
+        assert quotes[1].rsplit(" [", 1)[0] in again.content and texts[new].strip() in again.content
+        history = m.mental_model_revisions(bank, made.id)
+        assert [(r.revision, r.source, r.mode) for r in history] == [
+            (1, "refresh_offline", mental_models_pb2.FULL),
+            (2, "refresh_offline", mental_models_pb2.DELTA),
+            (3, "refresh_offline", mental_models_pb2.DELTA)]
+        assert [list(r.based_on) for r in history] == [list(full.based_on), list(delta.based_on),
+                                                        list(again.based_on)]
+        before = snapshot(m, bank)
+
+    server.replay()  # no model: the delta revisions come back as they were
+    with server.client() as m:
+        assert snapshot(m, bank) == before
+
+
 def test_requests_are_validated(server):
     with server.client() as m:
         ok = m.create_mental_model(BANK, "Valid", "What is valid?")
@@ -140,6 +197,9 @@ def test_requests_are_validated(server):
             (lambda: m.get_mental_model(BANK, "x/y"), grpc.StatusCode.INVALID_ARGUMENT, ["name"]),
             (lambda: m.refresh_mental_model(BANK, "00000000-0000-0000-0000-000000000000"),
              grpc.StatusCode.NOT_FOUND, []),
+            (lambda: m.mental_models.RefreshMentalModel(
+                mental_models_pb2.RefreshMentalModelRequest(name=ok.name, mode=7)),
+             grpc.StatusCode.INVALID_ARGUMENT, ["mode"]),
         ]
         for call, code, fields in cases:
             err = refused(call)
@@ -174,11 +234,15 @@ def test_mental_models_cli_round_trip(server):
     assert made["id"] in cli("mental-models", "list", BANK)  # full ids in the table
     refreshed = json.loads(cli("mental-models", "refresh", BANK, made["id"], "--json"))
     assert refreshed["revision"] == 1 and refreshed["content"]
+    delta = json.loads(cli("mental-models", "refresh", BANK, made["id"], "--mode", "delta",
+                           "--json"))
+    assert delta["revision"] == 2 and delta["content"] == refreshed["content"]  # nothing new
     changed = json.loads(cli("mental-models", "update", BANK, made["id"], "--content",
                              "Sunsets and lakes.", "--json"))
-    assert changed["revision"] == 2 and changed["content"] == "Sunsets and lakes."
+    assert changed["revision"] == 3 and changed["content"] == "Sunsets and lakes."
     history = json.loads(cli("mental-models", "history", BANK, made["id"], "--json"))
-    assert [(r["revision"], r["source"]) for r in history] == [(1, "refresh_offline"), (2, "user")]
+    assert [(r["revision"], r["source"], r.get("mode")) for r in history] == [
+        (1, "refresh_offline", "FULL"), (2, "refresh_offline", "DELTA"), (3, "user", None)]
     assert json.loads(cli("mental-models", "get", BANK, made["id"], "--json")) == changed
     cli("mental-models", "delete", BANK, made["id"])
     out = run.invoke(app, ["mental-models", "get", BANK, made["id"], "-a", server.address])

@@ -614,9 +614,12 @@ def mental_model_case(draw):
         return Case("DeleteMentalModel", mental_models_pb2.DeleteMentalModelRequest(name=name),
                     draw(deadline()), bank, write=True, must_refuse=why, refs=refs)
     if kind == "refresh":
+        mode = draw(enum(2))
+        whys = [why, "mode: unknown" if not 0 <= mode <= 2 else ""]
         return Case("RefreshMentalModel", mental_models_pb2.RefreshMentalModelRequest(
-            name=name, budget=draw(enum(3)), dry_run=draw(st.booleans())), draw(deadline()),
-            bank, write=True, must_refuse=why, refs=refs)
+            name=name, budget=draw(enum(3)), dry_run=draw(st.booleans()), mode=mode),
+            draw(deadline()), bank, write=True, must_refuse="; ".join(w for w in whys if w),
+            refs=refs)
     if kind == "history":
         req = mental_models_pb2.ListMentalModelRevisionsRequest(
             parent=name, page_size=draw(page_size()))

@@ -91,7 +91,8 @@ def test_an_answer_before_any_memory_falls_back_to_recall(stub, gateway):
 
 
 def test_mental_models_answer_without_recall(stub, gateway):
-    mm = lambda bank_id, query, now, limit: [Memory("mm-1", "Caroline lives in Berlin.", "mental_model")]
+    mm = lambda bank_id, query, now, limit, tags=(): [
+        Memory("mm-1", "Caroline lives in Berlin.", "mental_model")]
     stub.on("chat", chat(None, tool_calls=[call("search_mental_models", "home")]),
             chat("In Berlin [m1]."))
     recall = FakeRecall()
@@ -99,6 +100,30 @@ def test_mental_models_answer_without_recall(stub, gateway):
     assert r.based_on == ["mm-1"] and r.tools_called == ["search_mental_models"]
     assert recall.queries == []
     assert "mental model · Caroline lives in Berlin." in stub.chat_requests()[1].text()
+
+
+def test_a_stale_mental_model_alone_does_not_ground_an_answer(stub, gateway):
+    from services.reflect.handlers import STALE_MARK
+    seen = []
+
+    def mm(bank_id, query, now, limit, tags=()):
+        seen.append(tags)
+        return [Memory("mm-1", f"Home ({STALE_MARK}; answers \"Where?\"): Caroline lives in "
+                       "Paris.", "mental_model")]
+    stub.on("chat", chat(None, tool_calls=[call("search_mental_models", "home")]),
+            chat("In Paris [m1]."), chat("In Berlin since March 2021 [m2]; the model said "
+                                         "Paris [m1]."))
+    recall = FakeRecall()
+    events = list(agent(gateway, recall, mental_models=mm).stream(
+        "bank", "Where does Caroline live?", "", "low", NOW, tags=("home",)))
+    tools = [(e.name, e.forced) for e in events if isinstance(e, ToolEvent)]
+    assert tools == [("search_mental_models", False), ("recall", True)]
+    assert seen == [("home",)]  # the request's tags scope the model search
+    deltas = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "In Paris" not in deltas  # the discarded reply from the stale model was not streamed
+    r = events[-1].reflection
+    assert r.based_on == ["f-berlin", "mm-1"] and r.kinds == {"mm-1": "mental_model"}
+    assert [q.query for q in recall.queries] == ["Where does Caroline live?"]
 
 
 def test_streaming_forwards_tool_events_and_text_deltas(stub, gateway):

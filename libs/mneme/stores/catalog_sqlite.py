@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS mental_models (
 CREATE TABLE IF NOT EXISTS mental_model_revisions (
   bank_id TEXT NOT NULL, model_id TEXT NOT NULL, revision INTEGER NOT NULL, at REAL NOT NULL,
   content TEXT NOT NULL, based_on TEXT NOT NULL, source TEXT NOT NULL,
+  mode TEXT NOT NULL DEFAULT '',
   PRIMARY KEY (bank_id, model_id, revision), UNIQUE (bank_id, model_id, at));
 -- How many times each bank id was created (kept when the bank is deleted).
 CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
@@ -47,7 +48,8 @@ CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generatio
 
 # Columns added after the first release: (table, column, DDL) for older catalog files.
 _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
-               ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"))
+               ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"),
+               ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"))
 _OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, facts, error, "
                "memory_ids, created_at, updated_at, item_errors")
 _BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
@@ -257,9 +259,11 @@ class SqliteCatalog:
                         "SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
                         "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
                     self._db.execute(
-                        "INSERT OR IGNORE INTO mental_model_revisions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        "INSERT OR IGNORE INTO mental_model_revisions (bank_id, model_id, "
+                        "revision, at, content, based_on, source, mode) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                         (m.bank_id, m.id, top + 1, revision.at, revision.content,
-                         json.dumps(list(revision.based_on)), revision.source))
+                         json.dumps(list(revision.based_on)), revision.source, revision.mode))
                 n = self._db.execute("SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
                                      "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
                 new = dataclasses.replace(new, revision=n)
@@ -291,9 +295,10 @@ class SqliteCatalog:
     def mental_model_revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT revision, content, based_on, source, at FROM mental_model_revisions "
+                "SELECT revision, content, based_on, source, at, mode FROM mental_model_revisions "
                 "WHERE bank_id=? AND model_id=? ORDER BY revision", (bank_id, model_id)).fetchall()
-        return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4]) for r in rows]
+        return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], r[5])
+                for r in rows]
 
     def _mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
         row = self._db.execute("SELECT state FROM mental_models WHERE bank_id=? AND model_id=?",
