@@ -325,7 +325,8 @@ class Catalog(Protocol):
 
     def update_operation(self, op: Operation) -> None:
         """Replace the operation's progress with ``op`` (inserting it if unknown), keeping
-        the stored ``created_at``. The first terminal state (:data:`mneme.domain.TERMINAL`)
+        the stored ``created_at``, ``retry_of`` and ``source`` (when ``op``'s are empty) and a
+        stored ``cancel_requested``. The first terminal state (:data:`mneme.domain.TERMINAL`)
         is final: once stored, later updates (a late event, a dead letter after success)
         change nothing."""
 
