@@ -1235,10 +1235,11 @@ def operations_cancel(name: str = typer.Argument(..., help="operations/{id} or t
 @operations_app.command("retry")
 def operations_retry(name: str = typer.Argument(..., help="operations/{id} or the id"),
                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """Run a failed retain's failed items again as a new operation.
+    """Run a retain's failed items again as a new operation.
 
-    A cancelled retain's unprocessed items count as failed; the new operation's retry_of
-    names NAME. Refused for an operation that did not fail."""
+    The items in its item errors (a cancelled retain's unprocessed ones included; every
+    item when it failed as a whole) go again with their documents' other items; the new
+    operation's retry_of names NAME. Refused while it runs or when nothing failed."""
     _operation_call(name, "retry_operation", as_json, address)
 
 

@@ -513,9 +513,10 @@ class MnemeClient:
             name=_operation_name(operation_id)), timeout=self.timeout)
 
     def retry_operation(self, operation_id: str) -> operations_pb2.Operation:
-        """Run a FAILED retain's failed items again; returns the new operation
-        (``retry_of`` names the old one; poll it with :meth:`get_operation`).
-        FAILED_PRECONDITION when it did not fail or nothing of it can be retried."""
+        """Run an ended retain's failed items again (its item errors; every item when it
+        failed as a whole); returns the new operation (``retry_of`` names the old one;
+        poll it with :meth:`get_operation`). FAILED_PRECONDITION while it runs, when
+        nothing failed, or when nothing of it can be retried."""
         return self.operations.RetryOperation(operations_pb2.RetryOperationRequest(
             name=_operation_name(operation_id)), timeout=self.timeout)
 

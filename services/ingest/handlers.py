@@ -487,23 +487,28 @@ class Ingest:
 
     def retry_operation(self, operation_id: str, timeout: float | None = None) -> Operation:
         """RetryOperation: a new retain (id derived from ``operation_id``, ``retry_of``
-        naming it) of a failed retain's failed or unprocessed items, with the other items
-        of their documents (a retain replaces its documents' facts, so a document goes
-        again whole), read back from the log as the original request had them (sealed
-        with the same keys). All items when the operation failed as a whole (no
-        item_errors). Returns the new operation once this catalog holds it (pending);
-        retrying the same operation again returns it. NotFound for an unknown operation;
-        FailedPrecondition when it did not fail, is not a retain, or nothing of it can be
-        retried (items refused by the API were never logged; erased content is gone)."""
+        naming it) of an ended retain's failed or unprocessed items (its item_errors: a
+        FAILED retain's, or those of a retain that SUCCEEDED with some items failed),
+        with the other items of their documents (a retain replaces its documents' facts,
+        so a document goes again whole), read back from the log as the original request
+        had them (sealed with the same keys). All items when the operation failed as a
+        whole (no item_errors). Returns the new operation once this catalog holds it
+        (pending); retrying the same operation again returns it. NotFound for an unknown
+        operation; FailedPrecondition when it has not ended, succeeded with every item,
+        is not a retain, or nothing of it can be retried (items refused by the API were
+        never logged; erased content is gone)."""
         op = self.get_operation(operation_id)
         if op.kind != "retain":
             raise FailedPrecondition(
                 f"operation {operation_id} is a {op.kind}: only a retain can be retried "
                 "(request the deletion or consolidation again)")
-        if op.state != "failed":
+        if not op.done:
             raise FailedPrecondition(
-                f"operation {operation_id} is {op.state.upper()}: only a FAILED operation "
-                "can be retried")
+                f"operation {operation_id} is {op.state.upper()}: only an operation that has "
+                "ended can be retried")
+        if op.state == "succeeded" and not op.item_errors:
+            raise FailedPrecondition(
+                f"operation {operation_id} SUCCEEDED with every item: nothing to retry")
         retry_id = derive_id("retry", operation_id)
         if (known := self.catalog.get_operation(retry_id)) is not None:
             return known

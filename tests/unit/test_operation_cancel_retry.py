@@ -253,12 +253,20 @@ def test_a_retain_that_failed_whole_is_retried_whole(api):
     assert list(last_record(api).retried_item_indexes) == [0, 1]
 
 
+def test_a_retain_that_succeeded_with_failed_items_retries_those(api):
+    logged(api, retain_msg(item("a"), item("b"), item("c")))
+    api.catalog.update_operation(Operation(OP, "b", "retain", "succeeded",
+                                           item_errors=[(2, "", "ItemExtractionFailed: x")]))
+    assert api.retry_operation(OP).items_total == 1
+    assert list(last_record(api).retried_item_indexes) == [2]
+
+
 def test_what_cannot_be_retried_is_a_failed_precondition(api):
     logged(api, retain_msg(item("a")))
     with pytest.raises(FailedPrecondition, match="PENDING"):
         api.retry_operation(OP)
     api.catalog.update_operation(Operation(OP, "b", "retain", "succeeded"))
-    with pytest.raises(FailedPrecondition, match="SUCCEEDED"):
+    with pytest.raises(FailedPrecondition, match="SUCCEEDED with every item"):
         api.retry_operation(OP)
     logged(api, ev.ConsolidationRequested(bank_id="b", operation_id=OTHER, action="consolidate"))
     api.catalog.update_operation(Operation(OTHER, "b", "consolidate", "failed"))
