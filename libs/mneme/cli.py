@@ -1173,8 +1173,7 @@ def operations(ctx: typer.Context,
             _fail(e)
     if as_json:
         return _print_json(ops)
-    t = _table("operation", "bank", "kind", "state", "items", "facts", "updated", "error",
-               ids=("operation",))
+    t = Table("operation", "bank", "kind", "state", "items", "facts", "updated", "error")
     for op in ops:
         t.add_row(op.name.split("/", 1)[-1], op.bank_id, op.kind, _op_state(op),
                   f"{op.items_done}/{op.items_total}", str(op.facts),

@@ -321,7 +321,8 @@ class Catalog(Protocol):
 
     def put_operation(self, op: Operation) -> None:
         """Insert ``op`` if its id is new; a known id keeps what it has (a redelivered
-        request keeps its progress)."""
+        request keeps its progress), except that one without a ``source`` (its progress
+        was projected before its request) takes ``op``'s ``source`` and ``retry_of``."""
 
     def update_operation(self, op: Operation) -> None:
         """Replace the operation's progress with ``op`` (inserting it if unknown), keeping

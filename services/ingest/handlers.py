@@ -76,7 +76,7 @@ def on_operation_progress(m: ev.OperationProgress, meta: EventMeta, *, catalog: 
         m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
         m.error, list(m.memory_ids), created_at=at, updated_at=at,
         item_errors=[(f.item_index, f.field, f.error) for f in m.failures],
-        cancelled=m.cancelled))
+        cancelled=m.cancelled, cancel_requested=m.cancelled))
     return []
 
 

@@ -874,6 +874,9 @@ class _NoModelsDue:
 class _EmptyLog:
     """An event log with nothing after the record handled (no cancellation)."""
 
+    def end_offset(self, topic, partition):
+        return 0
+
     def read(self, topic, partition, offset, limit=100):
         return []
 

@@ -293,3 +293,17 @@ def test_a_request_not_found_on_the_log_cannot_be_retried(api):
     fail(api, OP)
     with pytest.raises(FailedPrecondition, match="not found on the event log"):
         api.retry_operation(OP)
+
+
+def test_progress_projected_before_its_request_keeps_what_only_the_request_knows(catalog):
+    """A replica may read the progress topic ahead of the intake topic."""
+    ingest.on_operation_progress(ev.OperationProgress(
+        bank_id="b", operation_id=OP, kind="retain", state="failed", items_total=1,
+        cancelled=True), meta(), catalog=catalog)
+    m = retain_msg(item("x"))
+    m.retry_of = OTHER
+    ingest.on_operation_requested(m, EventMeta("e1", meta().time, (INTAKE, 0, 3)),
+                                  catalog=catalog)
+    op = catalog.get_operation(OP)
+    assert (op.state, op.source, op.retry_of) == ("failed", f"{INTAKE}/0/3", OTHER)
+    assert op.cancelled and op.cancel_requested

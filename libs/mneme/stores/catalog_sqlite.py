@@ -162,13 +162,18 @@ class SqliteCatalog:
 
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
-        """Insert the operation if it is new (a redelivered request keeps its progress)."""
+        """Insert the operation if it is new (a redelivered request keeps its progress;
+        one whose progress was projected first gains ``source`` and ``retry_of``)."""
         with self._lock:
             if self._deleted(op.operation_id):
                 return
             self._db.execute(
                 f"INSERT OR IGNORE INTO operations ({_OP_COLUMNS}) VALUES ({_OP_MARKS})",
                 _op_row(op, op.created_at))
+            if op.source:  # its progress came first: what only the request knows
+                self._db.execute("UPDATE operations SET source=?, retry_of=? WHERE "
+                                 "operation_id=? AND source=''",
+                                 (op.source, op.retry_of, op.operation_id))
 
     def update_operation(self, op: Operation) -> None:
         """Apply progress; the first terminal state is final (a late event, or a second

@@ -148,9 +148,13 @@ class MemoryCatalog:
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
         with self._lock:
-            if op.operation_id in self._deleted_ops or op.operation_id in self._ops:
+            if op.operation_id in self._deleted_ops:
                 return
-            self._ops[op.operation_id] = _copy_op(op)
+            old = self._ops.get(op.operation_id)
+            if old is None:
+                self._ops[op.operation_id] = _copy_op(op)
+            elif op.source and not old.source:  # its progress came first
+                old.source, old.retry_of = op.source, op.retry_of
 
     def update_operation(self, op: Operation) -> None:
         with self._lock:
