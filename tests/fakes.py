@@ -61,18 +61,23 @@ class FakeExtractor:
                     item_index=i)
 
     def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
-                     first_index: int = 0) -> list[Fact]:
-        from services.extraction.llm import ExtractionIncomplete, ItemExtractionFailed
+                     first_index: int = 0, stop=None) -> list[Fact]:
+        """As the LLM extractor: ``stop()`` is asked before each item; once true, the
+        items left fail with reason "cancelled"."""
+        from services.extraction.llm import CANCELLED, ExtractionIncomplete, ItemExtractionFailed
         self.calls.append(("extract_many", bank_id, list(items), source_id))
         if self.batch_error is not None:
             raise self.batch_error
-        facts = [self._fact(bank_id, it, first_index + i, source_id)
-                 for i, it in enumerate(items)
-                 if i not in self.no_facts and i not in self.incomplete]
-        if self.incomplete:
-            raise ExtractionIncomplete(facts, {
-                i: ItemExtractionFailed(i, "invalid_output", f"item {i} unparseable")
-                for i in sorted(self.incomplete)})
+        failures, facts = {}, []
+        for i, it in enumerate(items):
+            if stop is not None and stop():
+                failures[i] = ItemExtractionFailed(i, CANCELLED, "cancelled")
+            elif i in self.incomplete:
+                failures[i] = ItemExtractionFailed(i, "invalid_output", f"item {i} unparseable")
+            elif i not in self.no_facts:
+                facts.append(self._fact(bank_id, it, first_index + i, source_id))
+        if failures:
+            raise ExtractionIncomplete(facts, failures)
         return facts
 
     def extract(self, bank_id: str, item: RetainItem, item_index: int,

@@ -125,7 +125,9 @@ def operation_to_api(o: Operation) -> operations_pb2.Operation:
         items_total=o.items_total, items_done=o.items_done, facts=o.facts, error=o.error,
         create_time=dt_to_ts(from_epoch(o.created_at)), update_time=dt_to_ts(from_epoch(o.updated_at)),
         item_errors=[operations_pb2.ItemError(item_index=i, field=f, error=e)
-                     for i, f, e in o.item_errors])
+                     for i, f, e in o.item_errors],
+        cancel_requested=o.cancel_requested, cancelled=o.cancelled,
+        retry_of=f"operations/{o.retry_of}" if o.retry_of else "")
 
 
 _SCOPE_MODES = {resources_pb2.ObservationScopes.MODE_UNSPECIFIED: "",

@@ -28,8 +28,8 @@ gets them; a consumer of the history gets a key of its own, ``--scope history``)
 or an unknown key → UNAUTHENTICATED; a key without the bank, or without the scope the RPC
 needs → PERMISSION_DENIED; either way the servicer is not called, so nothing is written
 and no key is served. Listing every bank (ListBanks, ListOperations without
-a parent) needs a ``*`` key. GetOperation checks the operation's bank in the servicer
-(:func:`require`).
+a parent) needs a ``*`` key. GetOperation, CancelOperation and RetryOperation check the
+operation's bank in the servicer (:func:`require`).
 
 Audit: :class:`AuthInterceptor` calls ``audit(AuditRecorded)`` (appended to
 ``mneme.audit.v1``) for every DeleteBank (in every mode), and when authentication is on,
@@ -81,6 +81,8 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.MemoryService/DeleteMemory": (WRITE, "memory:name"),
     "/mneme.v1.OperationService/GetOperation": (READ, None),
     "/mneme.v1.OperationService/ListOperations": (READ, "parent?"),
+    "/mneme.v1.OperationService/CancelOperation": (WRITE, None),
+    "/mneme.v1.OperationService/RetryOperation": (WRITE, None),
     "/mneme.v1.RecallService/Recall": (READ, "parent"),
     "/mneme.v1.RecallService/GetMemory": (READ, "memory:name"),
     "/mneme.v1.RecallService/ListMemories": (READ, "parent"),

@@ -1221,22 +1221,94 @@ def tags_list(bank: str, limit: int = typer.Option(0, help="at most this many (0
     Console().print(t)
 
 
-@app.command()
-def operations(bank: Optional[str] = typer.Option(None, "--bank", "-b", help="one bank; default every bank"),
-               limit: int = typer.Option(50, help="at most this many"), address: str = AddressOpt):
-    """List operations (retains, deletions, …) with their status and progress."""
-    t = Table("operation", "bank", "kind", "state", "items", "facts", "updated", "error")
+operations_app = typer.Typer(help="Long-running work (retains, deletions, consolidations).")
+app.add_typer(operations_app, name="operations")
+
+
+@operations_app.callback(invoke_without_command=True)
+def operations(ctx: typer.Context,
+               bank: Optional[str] = typer.Option(None, "--bank", "-b",
+                                                  help="one bank; default every bank"),
+               limit: int = typer.Option(50, help="at most this many"),
+               as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """List operations (retains, deletions, …) with their status and progress; the
+    commands below get, cancel and retry one."""
+    if ctx.invoked_subcommand is not None:
+        return
     with _client(address) as m:
         try:
-            for n, op in enumerate(m.list_operations(bank or "")):
-                if n >= limit:
-                    break
-                t.add_row(op.name.split("/", 1)[-1], op.bank_id, op.kind, _state(op.state),
-                          f"{op.items_done}/{op.items_total}", str(op.facts),
-                          op.update_time.ToDatetime().isoformat(timespec="seconds"), op.error)
+            ops = _listed(m.list_operations(bank or ""), limit)
         except grpc.RpcError as e:
             _fail(e)
+    if as_json:
+        return _print_json(ops)
+    t = Table("operation", "bank", "kind", "state", "items", "facts", "updated", "error")
+    for op in ops:
+        t.add_row(op.name.split("/", 1)[-1], op.bank_id, op.kind, _op_state(op),
+                  f"{op.items_done}/{op.items_total}", str(op.facts),
+                  op.update_time.ToDatetime(timezone.utc).isoformat(timespec="seconds"),
+                  op.error)
     Console().print(t)
+
+
+def _op_state(op) -> str:
+    """The state, with "cancelled" / "cancelling" / "retry of …" noted."""
+    state = _state(op.state)
+    if op.cancelled:
+        state += " (cancelled)"
+    elif op.cancel_requested and state not in ("succeeded", "failed"):
+        state += " (cancelling)"
+    return state
+
+
+def _print_operation(op, as_json: bool) -> None:
+    if as_json:
+        return _print_json(op)
+    print(f"{op.name}  {op.kind}  {_op_state(op)}  bank {op.bank_id}")
+    print(f"  items {op.items_done}/{op.items_total}, facts {op.facts}")
+    if op.retry_of:
+        print(f"  retry of {op.retry_of}")
+    if op.error:
+        print(f"  error: {op.error}")
+    for e in op.item_errors:
+        print(f"  items[{e.item_index}]: {e.error}")
+
+
+def _operation_call(name: str, call: str, as_json: bool, address: str) -> None:
+    with _client(address) as m:
+        try:
+            op = getattr(m, call)(name)
+        except grpc.RpcError as e:
+            _fail(e)
+    _print_operation(op, as_json)
+
+
+@operations_app.command("get")
+def operations_get(name: str = typer.Argument(..., help="operations/{id} or the id"),
+                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Show one operation: state, progress, item errors, what it retries."""
+    _operation_call(name, "get_operation", as_json, address)
+
+
+@operations_app.command("cancel")
+def operations_cancel(name: str = typer.Argument(..., help="operations/{id} or the id"),
+                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Cancel a pending or running retain.
+
+    Extraction stops before its next item, what was stored stays, and the operation ends
+    failed (cancelled). Refused for an operation that has ended or is not a retain."""
+    _operation_call(name, "cancel_operation", as_json, address)
+
+
+@operations_app.command("retry")
+def operations_retry(name: str = typer.Argument(..., help="operations/{id} or the id"),
+                     as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Run a retain's failed items again as a new operation.
+
+    The items in its item errors (a cancelled retain's unprocessed ones included; every
+    item when it failed as a whole) go again with their documents' other items; the new
+    operation's retry_of names NAME. Refused while it runs or when nothing failed."""
+    _operation_call(name, "retry_operation", as_json, address)
 
 
 def _bank_profile(bank_id: str, as_json: bool, address: str) -> None:

@@ -524,5 +524,27 @@ class MnemeClient:
                                         max_age_s=max_age_s))
 
     def get_operation(self, operation_id: str) -> operations_pb2.Operation:
+        """The operation ``operation_id`` (a bare id or ``operations/{id}``)."""
         return self.operations.GetOperation(operations_pb2.GetOperationRequest(
-            name=f"operations/{operation_id}"), timeout=self.timeout)
+            name=_operation_name(operation_id)), timeout=self.timeout)
+
+    def cancel_operation(self, operation_id: str) -> operations_pb2.Operation:
+        """Request the cancellation of a pending or running retain (a bare id or
+        ``operations/{id}``); returns it with ``cancel_requested``. It then ends FAILED
+        with ``cancelled`` (items stored before the cancel stay). FAILED_PRECONDITION
+        when it has ended or is not a retain."""
+        return self.operations.CancelOperation(operations_pb2.CancelOperationRequest(
+            name=_operation_name(operation_id)), timeout=self.timeout)
+
+    def retry_operation(self, operation_id: str) -> operations_pb2.Operation:
+        """Run an ended retain's failed items again (its item errors; every item when it
+        failed as a whole); returns the new operation (``retry_of`` names the old one;
+        poll it with :meth:`get_operation`). FAILED_PRECONDITION while it runs, when
+        nothing failed, or when nothing of it can be retried."""
+        return self.operations.RetryOperation(operations_pb2.RetryOperationRequest(
+            name=_operation_name(operation_id)), timeout=self.timeout)
+
+
+def _operation_name(operation_id: str) -> str:
+    """``operations/{id}`` of a bare id or of a name."""
+    return operation_id if operation_id.startswith("operations/") else f"operations/{operation_id}"

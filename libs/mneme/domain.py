@@ -446,10 +446,29 @@ class Operation:
     updated_at: float = 0.0
     #: Items that failed alone: (item index, request field or "", error).
     item_errors: list[tuple[int, str, str]] = field(default_factory=list)
+    #: CancelOperation was requested; ``cancelled``: the work stopped before it was done
+    #: (the operation is failed).
+    cancel_requested: bool = False
+    cancelled: bool = False
+    #: The operation this one retries (RetryOperation), or "".
+    retry_of: str = ""
+    #: Where its request is on the log, "topic/partition/offset" ("" when unknown):
+    #: RetryOperation reads the request back from there.
+    source: str = ""
 
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+
+def merge_operation(old: Operation | None, op: Operation) -> Operation:
+    """``op`` (new progress) over the stored ``old``: what progress events do not carry
+    is kept (``retry_of``, ``source`` when ``op``'s are empty; a ``cancel_requested``
+    stays requested). Shared by the catalog adapters."""
+    if old is None:
+        return op
+    return replace(op, retry_of=op.retry_of or old.retry_of, source=op.source or old.source,
+                   cancel_requested=op.cancel_requested or old.cancel_requested)
 
 
 @dataclass(frozen=True)
@@ -461,6 +480,8 @@ class EventMeta:
 
     id: str
     time: datetime
+    #: The record's (topic, partition, offset), when it came from the log.
+    position: tuple[str, int, int] | None = None
 
 
 # ---- opinions ---------------------------------------------------------------------------

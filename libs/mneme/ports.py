@@ -321,11 +321,13 @@ class Catalog(Protocol):
 
     def put_operation(self, op: Operation) -> None:
         """Insert ``op`` if its id is new; a known id keeps what it has (a redelivered
-        request keeps its progress)."""
+        request keeps its progress), except that one without a ``source`` (its progress
+        was projected before its request) takes ``op``'s ``source`` and ``retry_of``."""
 
     def update_operation(self, op: Operation) -> None:
         """Replace the operation's progress with ``op`` (inserting it if unknown), keeping
-        the stored ``created_at``. The first terminal state (:data:`mneme.domain.TERMINAL`)
+        the stored ``created_at``, ``retry_of`` and ``source`` (when ``op``'s are empty) and a
+        stored ``cancel_requested``. The first terminal state (:data:`mneme.domain.TERMINAL`)
         is final: once stored, later updates (a late event, a dead letter after success)
         change nothing."""
 

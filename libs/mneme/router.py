@@ -179,7 +179,8 @@ def meta_of(env: Envelope, record: Record) -> EventMeta:
     if at is None:
         at = (datetime.fromtimestamp(record.timestamp, tz=timezone.utc) if record.timestamp
               else datetime.now(timezone.utc))
-    return EventMeta(id=env.id or f"{record.topic}/{record.partition}/{record.offset}", time=at)
+    return EventMeta(id=env.id or f"{record.topic}/{record.partition}/{record.offset}", time=at,
+                     position=(record.topic, record.partition, record.offset))
 
 
 class Router:

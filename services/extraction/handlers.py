@@ -8,8 +8,10 @@ Event ids derive from the causing event's id, so redelivery yields identical eve
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 from datetime import datetime, timezone
+from typing import Callable
 
 from mneme import telemetry
 from typing import TYPE_CHECKING
@@ -20,8 +22,8 @@ from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import document_scope, retain_scope
-from mneme.ports import Catalog, Embedder, StoredEntity
-from services.extraction.llm import ExtractionIncomplete
+from mneme.ports import Catalog, Embedder, EventLog, StoredEntity
+from services.extraction.llm import CANCELLED, ExtractionIncomplete
 
 if TYPE_CHECKING:
     from services.extraction.resolver import EntityResolver
@@ -30,16 +32,68 @@ log = logging.getLogger(__name__)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
+class CancelWatch:
+    """Whether a retain's operation was cancelled (CancelOperation), asked by extraction
+    between items, in any topology: ingest appends OperationCancelRequested keyed by the
+    bank, so it lands on the retain's own intake partition after the retain; the watch
+    reads that partition forward from the retain's record (the log is the state every
+    process shares; a catalog is a per-process projection that would see the cancel only
+    after the retain is handled). Each ask reads only the records appended since the last
+    one; a cancel once seen stays seen. A read that fails counts as "not cancelled"
+    (cancellation is best effort and must never sink an extraction)."""
+
+    PAGE = 500  # records per read
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def watch(self, operation_id: str, meta: EventMeta) -> Callable[[], bool]:
+        """``cancelled() -> bool`` for the retain ``operation_id`` handled as ``meta``
+        (never true for an event that came from no log position). Thread-safe."""
+        if meta.position is None:
+            return lambda: False
+        topic, partition, offset = meta.position
+        state = {"next": offset + 1, "hit": False}
+        lock = threading.Lock()
+        cancel_type = codec.event_type(ev.OperationCancelRequested)
+
+        def cancelled() -> bool:
+            with lock:
+                try:
+                    # nothing new (the usual answer) costs one end-offset lookup, no fetch
+                    while not state["hit"] and \
+                            self.log.end_offset(topic, partition) > state["next"]:
+                        recs = self.log.read(topic, partition, state["next"], self.PAGE)
+                        if not recs:
+                            break
+                        for r in recs:
+                            if r.headers.get("ce_type") == cancel_type:
+                                msg = codec.decode(r).message
+                                state["hit"] |= getattr(msg, "operation_id", "") == operation_id
+                        state["next"] = recs[-1].offset + 1
+                except Exception:  # noqa: BLE001 -- best effort, logged
+                    log.warning("could not look for a cancellation of %s", operation_id,
+                                exc_info=True)
+                return state["hit"]
+        return cancelled
+
+
 def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
-                        embedder: Embedder, resolver: EntityResolver
+                        embedder: Embedder, resolver: EntityResolver,
+                        cancels: CancelWatch | None = None
                         ) -> list[ev.EntitiesResolved | ev.FactsExtracted]:
     """The request's items → one FactsExtracted, preceded by the EntitiesResolved of the
     entity-resolution decisions it took (none when it took none): the resolver's
     changelog, which another replica restores (:func:`on_entities_resolved`). Fact ids
     derive from the operation, so a retried request (same request_id, hence same
     operation) or a redelivered event yields the same ids, and a redelivered event
-    resolves its mentions as they were resolved the first time."""
-    facts = extract(m, m.operation_id, extractor, embedder, at=meta.time)
+    resolves its mentions as they were resolved the first time.
+
+    With ``cancels``, a cancelled operation (:class:`CancelWatch`) stops before its next
+    item: the facts of the items extracted by then go out, the others are failures with
+    reason "cancelled", and ``FactsExtracted.cancelled`` is set."""
+    stop = cancels.watch(m.operation_id, meta) if cancels is not None else None
+    facts = extract(m, m.operation_id, extractor, embedder, at=meta.time, stop=stop)
     if m.HasField("observation_scopes"):
         facts.observation_scopes.CopyFrom(m.observation_scopes)
     # which document names which entity: deleting the document forgets the names only it gave
@@ -125,13 +179,17 @@ def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, resolver: EntityResol
 
 
 def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder,
-            at: datetime | None = None) -> ev.FactsExtracted:
+            at: datetime | None = None, stop: Callable[[], bool] | None = None
+            ) -> ev.FactsExtracted:
     """Extract and embed every item of a retain request. An item that fails is recorded
     in ``failures`` with its reason; the others still yield facts. Items ingest refused
     (``rejected_items``, empty placeholders) are not extracted and fail with ingest's
     error; the extractor sees the other items in order, and the item indexes of facts,
     failures and no-fact items are mapped back to the request's. An item without a
-    timestamp (hand-written or very old events) is dated ``at``, the event's time."""
+    timestamp (hand-written or very old events) is dated ``at``, the event's time.
+    ``stop()`` true (the operation was cancelled) before extraction starts fails every
+    item with reason "cancelled"; the extractor asks it again between items (an LLM
+    extractor does; the offline one extracts a request as one batch)."""
     rejected = {r.item_index: r for r in m.rejected_items}
     keep = [i for i in range(len(m.items)) if i not in rejected]
     items = [codec.retain_item_from_pb(m.items[i]) for i in keep]
@@ -140,8 +198,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     failures: list[ev.ItemFailure] = []
     if not items:
         facts = []
+    elif stop is not None and stop():
+        facts, failures = [], [_cancelled(i) for i in range(len(items))]
     else:
-        facts, failures = _extract_items(m, items, source_id, extractor)
+        facts, failures = _extract_items(m, items, source_id, extractor, stop)
     report = getattr(extractor, "report", lambda _: None)(source_id) if items else None
     for f in facts:
         f.item_index = keep[f.item_index]
@@ -176,23 +236,33 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
         bank_id=m.bank_id, operation_id=m.operation_id,
         facts=[codec.fact_to_pb(f) for f in facts], embedding_model=embedder.model_name,
         replaced_document_ids=docs, items_total=len(m.items), failures=failures,
-        no_fact_items=no_fact_items, llm_usage=usage)
+        no_fact_items=no_fact_items, llm_usage=usage,
+        cancelled=any(f.reason == CANCELLED for f in failures))
     for f in out.facts:  # a fact is sealed with its item's keys (mneme.bus.sealing)
         f.seal.keys.extend(m.items[f.item_index].seal.keys)
     return out
 
 
+def _cancelled(i: int) -> ev.ItemFailure:
+    return ev.ItemFailure(item_index=i, reason=CANCELLED,
+                          error="cancelled: the operation was cancelled before this item "
+                                "was extracted")
+
+
 def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
-                   extractor) -> tuple[list, list[ev.ItemFailure]]:
+                   extractor, stop: Callable[[], bool] | None = None
+                   ) -> tuple[list, list[ev.ItemFailure]]:
     """(facts, failures) of ``items``, indexes local to ``items``."""
     failures: list[ev.ItemFailure] = []
+    more = {"stop": stop} if stop is not None else {}
     try:
         with telemetry.span("extraction.extract", mneme__bank_id=m.bank_id,
                             mneme__items=len(items), mneme__extractor=type(extractor).__name__):
-            facts = extractor.extract_many(m.bank_id, items, source_id)
+            facts = extractor.extract_many(m.bank_id, items, source_id, **more)
     except ExtractionIncomplete as e:  # per-item outcomes are known: no second pass
         facts = e.facts
-        failures = [ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
+        failures = [_cancelled(i) if f.reason == CANCELLED else
+                    ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
                     for i, f in sorted(e.failures.items())]
     except Cancelled:  # the process is stopping: the event is handled again on restart
         raise
@@ -200,6 +270,9 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
         log.exception("batch extraction failed; retrying per item")
         facts = []
         for i, item in enumerate(items):
+            if stop is not None and stop():
+                failures.append(_cancelled(i))
+                continue
             try:
                 facts.extend(extractor.extract(m.bank_id, item, i, source_id))
             except Cancelled:

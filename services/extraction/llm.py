@@ -129,6 +129,10 @@ _MAX_SPLITS = 2  # a still-truncated chunk is halved at most twice (→ quarters
 _MIN_SPLIT_CHARS = 200
 
 
+#: The reason of an item not extracted because its operation was cancelled.
+CANCELLED = "cancelled"
+
+
 class ItemExtractionFailed(Exception):
     """One item could not be extracted. ``reason`` is a short code (see the module docs),
     ``detail`` the last error, ``usage`` what the attempts cost."""
@@ -329,10 +333,12 @@ class LlmExtractor:
             raise e.failures[item_index] from None
 
     def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
-                     first_index: int = 0) -> list[Fact]:
+                     first_index: int = 0, stop: Callable[[], bool] | None = None) -> list[Fact]:
         """Facts of all ``items`` of one request, in item order (item k has index
         ``first_index + k``). Raises :class:`ExtractionIncomplete` (with the facts of
-        the items that succeeded) when any item failed."""
+        the items that succeeded) when any item failed. ``stop()`` is asked before each
+        item's model calls: once it is true (the operation was cancelled) the items not
+        started fail with reason "cancelled" (not cached)."""
         mission = (self.bank_config(bank_id) or BankConfig()).retain_mission.strip()
         keys = [(bank_id, source_id, first_index + k, hash(it.content), hash(it.timestamp))
                 for k, it in enumerate(items)]
@@ -348,6 +354,10 @@ class LlmExtractor:
         drafts: dict[int, list[_Draft]] = {}
         if todo:
             def run(k: int):
+                if stop is not None and stop():
+                    raise ItemExtractionFailed(first_index + k, CANCELLED,
+                                               "the operation was cancelled before this item "
+                                               "was extracted")
                 return self._drafts(items[k], first_index + k, mission)
             if len(todo) == 1:
                 outs = [self._guard(run, todo[0])]
@@ -373,7 +383,8 @@ class LlmExtractor:
                             "no_facts" if not r.facts else "extracted")
             with self._lock:
                 for k in todo:
-                    self._cache[keys[k]] = results[k]
+                    if results[k].failure is None or results[k].failure.reason != CANCELLED:
+                        self._cache[keys[k]] = results[k]
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
 
@@ -592,8 +603,9 @@ class BankModeExtractor:
         return self.for_bank(bank_id).extract(bank_id, item, item_index, source_id)
 
     def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
-                     first_index: int = 0) -> list[Fact]:
-        return self.for_bank(bank_id).extract_many(bank_id, items, source_id, first_index=first_index)
+                     first_index: int = 0, stop: Callable[[], bool] | None = None) -> list[Fact]:
+        return self.for_bank(bank_id).extract_many(bank_id, items, source_id,
+                                                   first_index=first_index, stop=stop)
 
     def report(self, source_id: str) -> ExtractionReport | None:
         return self.llm.report(source_id) if self.llm is not None else None

@@ -48,7 +48,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mneme import nlp as _nlp
 from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, entity_key, utc
@@ -240,11 +240,12 @@ class OfflineExtractor:
         return self.extract_many(bank_id, [item], source_id, first_index=item_index)
 
     def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
-                     first_index: int = 0) -> list[Fact]:
+                     first_index: int = 0, stop: Callable[[], bool] | None = None) -> list[Fact]:
         """Facts of all ``items`` of one request, in item order; item k has index
         ``first_index + k``. All texts go through spaCy in one ``nlp.pipe`` call and all
         entities through one resolver transaction. Every item with non-blank content
-        yields at least one fact; blank items yield none."""
+        yields at least one fact; blank items yield none. ``stop`` is not asked: the
+        request is one batch (the handler asks before it starts)."""
         segs_by_item = [_segments(k, it) for k, it in enumerate(items)]
         captions = [_caption(it) for it in items]
         all_segs = [s for segs in segs_by_item for s in segs]

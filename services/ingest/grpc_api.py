@@ -181,6 +181,20 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
         return apiconv.operation_to_api(op)
 
     @translate_errors
+    def CancelOperation(self, request, context):
+        op_id = operation_of(request.name)
+        auth.require(self.ingest.get_operation(op_id).bank_id, auth.WRITE)
+        return apiconv.operation_to_api(
+            self.ingest.cancel_operation(op_id, timeout=remaining(context, 30.0)))
+
+    @translate_errors
+    def RetryOperation(self, request, context):
+        op_id = operation_of(request.name)
+        auth.require(self.ingest.get_operation(op_id).bank_id, auth.WRITE)
+        return apiconv.operation_to_api(
+            self.ingest.retry_operation(op_id, timeout=remaining(context, 30.0)))
+
+    @translate_errors
     def ListOperations(self, request, context):
         bank_id = bank_id_of(request.parent) if request.parent else ""
         size = paging.page_size(request.page_size)

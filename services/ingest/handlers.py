@@ -38,12 +38,27 @@ def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
     """A request (retain, document or memory deletion, consolidation) becomes a pending
     operation in ``catalog``; a retain counts its items. Idempotent; produces nothing."""
     at = meta.time.timestamp()
-    total = len(m.items) if isinstance(m, ev.RetainRequested) else 0
+    retain = isinstance(m, ev.RetainRequested)
     kind = _KIND[m.DESCRIPTOR.name]
     if isinstance(m, ev.ConsolidationRequested) and m.action == "delete_opinion":
         kind = "delete_opinion"
-    catalog.put_operation(Operation(m.operation_id, m.bank_id, kind,
-                                    items_total=total, created_at=at, updated_at=at))
+    catalog.put_operation(Operation(
+        m.operation_id, m.bank_id, kind,
+        items_total=len(m.items) if retain else 0, created_at=at, updated_at=at,
+        retry_of=m.retry_of if retain else "",
+        source="/".join(map(str, meta.position)) if meta.position else ""))
+    return []
+
+
+def on_operation_cancel_requested(m: ev.OperationCancelRequested, meta: EventMeta, *,
+                                  catalog: Catalog) -> list:
+    """CancelOperation: the operation (when known and not yet ended) shows
+    ``cancel_requested``; extraction stops its work (it looks for this event on the log)
+    and its progress ends it. Idempotent; produces nothing."""
+    op = catalog.get_operation(m.operation_id)
+    if op is not None and not op.done and not op.cancel_requested:
+        catalog.update_operation(replace(op, cancel_requested=True,
+                                         updated_at=meta.time.timestamp()))
     return []
 
 
@@ -63,7 +78,8 @@ def on_operation_progress(m: ev.OperationProgress, meta: EventMeta, *, catalog: 
     catalog.update_operation(Operation(
         m.operation_id, m.bank_id, m.kind, m.state, m.items_total, m.items_done, m.facts,
         m.error, list(m.memory_ids), created_at=at, updated_at=at,
-        item_errors=[(f.item_index, f.field, f.error) for f in m.failures]))
+        item_errors=[(f.item_index, f.field, f.error) for f in m.failures],
+        cancelled=m.cancelled, cancel_requested=m.cancelled))
     return []
 
 
@@ -461,6 +477,99 @@ class Ingest:
         ops = tuple(op for op in ("retain", "reflect", "consolidation", "rerank")
                     if gw.configured(op) and (op != "retain" or extraction == "llm"))
         return extraction, gw.check(ops) if ops else []
+
+    def cancel_operation(self, operation_id: str, timeout: float | None = None) -> Operation:
+        """CancelOperation: append an OperationCancelRequested for a pending or running
+        retain and return the operation once this catalog shows ``cancel_requested``.
+        Extraction stops before its next item (it finds the event after the retain on the
+        bank's partition) and the operation ends failed and ``cancelled``; work finished
+        before that stays. A second call returns the operation unchanged. NotFound for
+        an unknown operation; FailedPrecondition when it has ended or is not a retain."""
+        op = self.get_operation(operation_id)
+        if op.done:
+            raise FailedPrecondition(
+                f"operation {operation_id} has ended ({op.state.upper()}); only a pending "
+                "or running operation can be cancelled")
+        if op.kind != "retain":
+            raise FailedPrecondition(
+                f"operation {operation_id} is a {op.kind}, which cannot be cancelled: only "
+                "a retain can (a deletion destroys its data keys at once)")
+        if op.cancel_requested:
+            return op
+        rec = self._append(ev.OperationCancelRequested(bank_id=op.bank_id,
+                                                       operation_id=operation_id), op.bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.catalog.get_operation(operation_id) or op
+
+    def retry_operation(self, operation_id: str, timeout: float | None = None) -> Operation:
+        """RetryOperation: a new retain (id derived from ``operation_id``, ``retry_of``
+        naming it) of an ended retain's failed or unprocessed items (its item_errors: a
+        FAILED retain's, or those of a retain that SUCCEEDED with some items failed),
+        with the other items of their documents (a retain replaces its documents' facts,
+        so a document goes again whole), read back from the log as the original request
+        had them (sealed with the same keys). All items when the operation failed as a
+        whole (no item_errors). Returns the new operation once this catalog holds it
+        (pending); retrying the same operation again returns it. NotFound for an unknown
+        operation; FailedPrecondition when it has not ended, succeeded with every item,
+        is not a retain, or nothing of it can be retried (items refused by the API were
+        never logged; erased content is gone)."""
+        op = self.get_operation(operation_id)
+        if op.kind != "retain":
+            raise FailedPrecondition(
+                f"operation {operation_id} is a {op.kind}: only a retain can be retried "
+                "(request the deletion or consolidation again)")
+        if not op.done:
+            raise FailedPrecondition(
+                f"operation {operation_id} is {op.state.upper()}: only an operation that has "
+                "ended can be retried")
+        if op.state == "succeeded" and not op.item_errors:
+            raise FailedPrecondition(
+                f"operation {operation_id} SUCCEEDED with every item: nothing to retry")
+        retry_id = derive_id("retry", operation_id)
+        if (known := self.catalog.get_operation(retry_id)) is not None:
+            return known
+        req = self._request_of(op)
+        logged = range(len(req.items))
+        refused = {r.item_index for r in req.rejected_items if r.reason == "rejected"}
+        erased = {r.item_index for r in req.rejected_items if r.reason == "erased"}
+        failed = {i for i, _, _ in op.item_errors if i in logged} or set(logged)
+        docs = {req.items[i].document_id for i in failed} - {""}
+        again = [i for i in logged if i not in refused
+                 and (i in failed or req.items[i].document_id in docs)]
+        if not again:
+            raise FailedPrecondition(
+                f"operation {operation_id} has nothing to retry: its failed items were "
+                "refused by the API (over a limit) and never logged; retain them again, "
+                "corrected")
+        if gone := [i for i in again if i in erased]:
+            raise FailedPrecondition(
+                f"operation {operation_id} cannot be retried: the content of items[{gone[0]}] "
+                "was erased (its document or bank was deleted)")
+        msg = ev.RetainRequested(
+            bank_id=op.bank_id, operation_id=retry_id, items=[req.items[i] for i in again],
+            observation_scopes=(req.observation_scopes if req.HasField("observation_scopes")
+                                else None),
+            retry_of=operation_id, retried_item_indexes=again)
+        rec = self._append(msg, op.bank_id)
+        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        return self.catalog.get_operation(retry_id) or Operation(
+            retry_id, op.bank_id, "retain", items_total=len(again), retry_of=operation_id)
+
+    def _request_of(self, op: Operation) -> ev.RetainRequested:
+        """The RetainRequested of ``op``, read back from its position on the log (opened:
+        erased items are placeholders listed in ``rejected_items``, reason "erased").
+        FailedPrecondition when it cannot be found."""
+        try:
+            topic, partition, offset = op.source.rsplit("/", 2)
+            recs = self.log.read(topic, int(partition), int(offset), 1)
+        except ValueError:
+            recs = []
+        msg = codec.decode(recs[0]).message if recs and recs[0].offset == int(offset) else None
+        if not isinstance(msg, ev.RetainRequested) or msg.operation_id != op.operation_id:
+            raise FailedPrecondition(
+                f"operation {op.operation_id} cannot be retried: its request is not found on "
+                "the event log")
+        return msg
 
     def get_operation(self, operation_id: str) -> Operation:
         """The operation, as every replica's writes left it; NotFound when unknown."""

@@ -14,12 +14,13 @@ SERVICE = Service(
                  ev.RetainRequested: handlers.on_operation_requested,
                  ev.DocumentDeleteRequested: handlers.on_operation_requested,
                  ev.MemoryDeleteRequested: handlers.on_operation_requested,
-                 ev.ConsolidationRequested: handlers.on_operation_requested},
+                 ev.ConsolidationRequested: handlers.on_operation_requested,
+                 ev.OperationCancelRequested: handlers.on_operation_cancel_requested},
         PROGRESS: {ev.OperationProgress: handlers.on_operation_progress},
     }, replay=True, state="replica"),),  # every replica answers for every bank
     # the write API appends every intake event; the gRPC guard audits refused requests
     produces={INTAKE: (ev.BankUpserted, ev.BankDeleted, ev.DirectiveChanged, ev.RetainRequested,
                        ev.DocumentDeleteRequested, ev.MemoryDeleteRequested,
-                       ev.ConsolidationRequested),
+                       ev.ConsolidationRequested, ev.OperationCancelRequested),
               AUDIT: (ev.AuditRecorded,)},
 )

@@ -99,11 +99,18 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
     if facts:
         stores.upsert(m.bank_id, facts)
     failed = {f.item_index for f in m.failures}
-    state = "failed" if failed and len(failed) == m.items_total else "succeeded"
+    # a cancelled retain fails (what was extracted before the cancel is stored)
+    state = "failed" if m.cancelled or failed and len(failed) == m.items_total else "succeeded"
+    skipped = sum(f.reason == "cancelled" for f in m.failures)
+    error = "; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures
+                      if f.reason != "cancelled")
+    if m.cancelled:
+        error = (f"cancelled: {skipped} of {m.items_total} item(s) were not processed "
+                 "(CancelOperation)" + (f"; {error}" if error else ""))
     return [ev.OperationProgress(
         bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
-        items_total=m.items_total, items_done=m.items_total, facts=len(facts),
-        error="; ".join(f"items[{f.item_index}]: {f.error}" for f in m.failures),
+        items_total=m.items_total, items_done=m.items_total - skipped, facts=len(facts),
+        error=error, cancelled=m.cancelled,
         memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items),
         failures=list(m.failures))]
 

@@ -92,10 +92,17 @@ def test_allowed_writes_and_the_audit_trail(node):
         assert r.memory_ids
         op = alice.get_operation(r.operation.name.split("/", 1)[1])
         assert op.name == r.operation.name
+        # past the key check: the operation has ended
+        assert _code(lambda: alice.cancel_operation(op.name)) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+    with MnemeClient(srv.address, timeout=60, api_key=keys["alice_r"][1]) as reader:
+        for call in (reader.cancel_operation, reader.retry_operation):  # writes
+            assert _code(lambda: call(op.name)) == grpc.StatusCode.PERMISSION_DENIED
     with MnemeClient(srv.address, timeout=60, api_key=keys["bob_w"][1]) as bob:
-        # another bank's operation is not readable with bob's key
+        # another bank's operation is not readable with bob's key, nor cancelled
         assert _code(lambda: bob.get_operation(r.operation.name.split("/", 1)[1])) == \
             grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: bob.cancel_operation(op.name)) == grpc.StatusCode.PERMISSION_DENIED
         bob.delete_bank("bob")
     log = SqliteEventLog(srv.data_dir / "log.db")
     try:

@@ -78,6 +78,8 @@ RPCS = {
     "StreamReflect": (reflect_pb2_grpc.ReflectServiceStub, True),
     "GetOperation": (operations_pb2_grpc.OperationServiceStub, False),
     "ListOperations": (operations_pb2_grpc.OperationServiceStub, False),
+    "CancelOperation": (operations_pb2_grpc.OperationServiceStub, False),
+    "RetryOperation": (operations_pb2_grpc.OperationServiceStub, False),
     "ListObservations": (observations_pb2_grpc.ObservationServiceStub, False),
     "ListObservationScopes": (observations_pb2_grpc.ObservationServiceStub, False),
     "GetObservation": (observations_pb2_grpc.ObservationServiceStub, False),
@@ -622,7 +624,7 @@ class Harness:
         if case.rpc == "Retain":
             self.seen[f"memory:{case.bank}"] += list(resp.memory_ids)
             self.seen["operation"].append(resp.operation.name)
-        elif case.rpc in ("DeleteDocument", "DeleteMemory", "DeleteOpinion"):
+        elif case.rpc in ("DeleteDocument", "DeleteMemory", "DeleteOpinion", "RetryOperation"):
             self.seen["operation"].append(resp.name)
         token = getattr(resp, "next_page_token", "")
         if token:

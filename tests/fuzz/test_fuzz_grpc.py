@@ -430,7 +430,8 @@ def list_case(draw):
 def get_case(draw):
     rpc = draw(st.sampled_from(["GetBank", "GetBankStats", "GetBankProfile", "GetMemory", "GetMemory",
                                 "GetObservation", "GetOperation", "GetEntity", "GetDocument",
-                                "GetDirective", "GetMentalModel", "GetOpinion"]))
+                                "GetDirective", "GetMentalModel", "GetOpinion", "CancelOperation",
+                                "RetryOperation"]))
     ref = None
     if rpc in ("GetBank", "GetBankStats", "GetBankProfile"):
         name, bank, why = draw(bank_name())
@@ -472,7 +473,9 @@ def get_case(draw):
         else:
             bad, w = draw(st.sampled_from(BAD_CHILD_IDS))
             name, why = f"operations/{bad.format(u=u)}", f"operation id: {w}"
-        req = operations_pb2.GetOperationRequest(name=name)
+        req = {"GetOperation": operations_pb2.GetOperationRequest,
+               "CancelOperation": operations_pb2.CancelOperationRequest,
+               "RetryOperation": operations_pb2.RetryOperationRequest}[rpc](name=name)
     return Case(rpc, req, draw(deadline()), bank, must_refuse=why, refs=(ref,) if ref else ())
 
 

@@ -11,8 +11,9 @@ assertions on prompts.
 
 Replies (see the factory functions): :func:`chat` (content, tool calls, finish_reason,
 usage), :func:`status` (HTTP error codes such as 429/500/503, optional Retry-After),
-:func:`delay` (sleep, then another reply: provokes client timeouts), :func:`rerank_reply`,
-:func:`computed` (made from the request when it arrives).
+:func:`delay` (sleep, then another reply: provokes client timeouts), :func:`gate` (wait
+for the test's signal, then another reply), :func:`rerank_reply`, :func:`computed` (made
+from the request when it arrives).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Reply:
     then: "Reply | None" = None
     text: str = ""
     fn: "Callable[[Request], Reply] | None" = None
+    until: threading.Event | None = None  # delay: wait for this (at most ``seconds``)
 
 
 def chat(content: str | dict | list | None = "", *, tool_calls: list[dict] | None = None,
@@ -74,6 +76,13 @@ def status(code: int, message: str = "stub error", retry_after: float | None = N
 def delay(seconds: float, then: Reply | None = None) -> Reply:
     """Sleep ``seconds`` before answering with ``then`` (default: an empty chat reply)."""
     return Reply("delay", seconds=seconds, then=then or chat("{}"))
+
+
+def gate(event: threading.Event, then: Reply | None = None, most_s: float = 60.0) -> Reply:
+    """Hold the request until the test sets ``event`` (at most ``most_s`` seconds, so a
+    test never hangs), then answer with ``then`` (default: an empty chat reply): keeps a
+    model call in flight for exactly as long as a test needs."""
+    return Reply("delay", seconds=most_s, then=then or chat("{}"), until=event)
 
 
 def rerank_reply(scores: list[float]) -> Reply:
@@ -184,7 +193,10 @@ class StubLLM:
 
             def _answer(self, route, body, reply: Reply | None):
                 while reply is not None and reply.kind == "delay":
-                    time.sleep(reply.seconds)
+                    if reply.until is not None:
+                        reply.until.wait(reply.seconds)
+                    else:
+                        time.sleep(reply.seconds)
                     reply = reply.then
                 if reply is None:
                     if route == "embeddings":

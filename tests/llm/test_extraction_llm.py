@@ -229,3 +229,20 @@ def test_extraction_mode_per_bank(stub, gateway):
     no_model = BankModeExtractor(offline, None, bank_config=lambda b: BankConfig(extraction_mode="llm"))
     assert no_model.for_bank("b") is offline
     assert METRICS.get("mneme.retain.llm_unavailable_fallback") == 1
+
+
+def test_a_cancelled_request_stops_before_the_next_item(stub):
+    """``stop`` turns true once the first item was asked: the items not started fail
+    "cancelled" without a model call, and are not cached (asked again, they run)."""
+    gw = make_gateway(stub, llm_max_concurrency=1)
+    stub.on("chat", chat({"facts": [fact("Alice adopted a cat named Miso.")]}),
+            chat({"facts": [fact("Bob runs marathons.")]}))
+    items = [RetainItem(f"ITEM-{n} something worth remembering", TS) for n in range(3)]
+    ex = extractor(gw)
+    with pytest.raises(ExtractionIncomplete) as e:
+        ex.extract_many("bank", items, "op-c", stop=lambda: len(stub.chat_requests()) >= 1)
+    assert [f.item_index for f in e.value.facts] == [0]
+    assert {i: f.reason for i, f in e.value.failures.items()} == {1: "cancelled", 2: "cancelled"}
+    assert len(stub.chat_requests()) == 1
+    assert [f.text for f in ex.extract_many("bank", items[1:2], "op-c", first_index=1)] == [
+        "Bob runs marathons."]

@@ -75,6 +75,7 @@ def sample_events() -> list:
         ev.ConsolidationRequested(bank_id="b1", operation_id="op4", action="consolidate",
                                   observation_scopes=ev.ObservationScopes(
                                       mode="explicit", scopes=[ev.ScopeTags(tags=["a"])])),
+        ev.OperationCancelRequested(bank_id="b1", operation_id="op1"),
         ev.ConsolidationScheduled(bank_id="b1", operation_id="op4", action="clear_memory",
                                   memory_id="m1"),
         ev.ObservationsChanged(bank_id="b1", operation_id="op4", trigger="consolidate",
@@ -94,6 +95,7 @@ EXPECTED_TOPIC = {
     "OperationProgress": PROGRESS, "ReflectionRecorded": REFLECT,
     "AuditRecorded": AUDIT,
     "ConsolidationRequested": INTAKE, "ConsolidationScheduled": MEMORY,
+    "OperationCancelRequested": INTAKE,
     "ObservationsChanged": MEMORY, "EntitiesResolved": MEMORY, "OpinionsChanged": MEMORY,
 }
 

@@ -28,6 +28,7 @@ from mneme.router import Group, Router, Service
 from mneme.stores.memory import MemoryCatalog, MemoryEntityStore, MemoryObservationStore
 from services.consolidation.handlers import Consolidator, on_memory_event, on_memory_restore
 from services.extraction import handlers as extraction
+from services.extraction.handlers import CancelWatch
 from services.extraction.resolver import EntityResolver
 from services.ingest import handlers as ingest
 from services.search import handlers as search
@@ -871,6 +872,16 @@ class _NoModelsDue:
         return []
 
 
+class _EmptyLog:
+    """An event log with nothing after the record handled (no cancellation)."""
+
+    def end_offset(self, topic, partition):
+        return 0
+
+    def read(self, topic, partition, offset, limit=100):
+        return []
+
+
 def fake_deps(service: str) -> dict:
     """The deps of ``service``'s routers in the distributed topology, as fakes (the names
     are checked against the composition root's below)."""
@@ -879,7 +890,7 @@ def fake_deps(service: str) -> dict:
         "ingest": lambda: {"catalog": catalog},
         "extraction": lambda: {"extractor": FakeExtractor(), "embedder": FakeEmbedder(),
                                "resolver": EntityResolver(MemoryEntityStore()),
-                               "catalog": catalog},
+                               "catalog": catalog, "cancels": CancelWatch(_EmptyLog())},
         "search": lambda: {"stores": fake_projections(), "catalog": catalog},
         "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue(),
                             "opinions": OpinionFormer(None, None, lambda bank_id: None)},
@@ -911,6 +922,7 @@ SAMPLES = {
                                                        memory_id="f1"),
     ev.ConsolidationRequested: ev.ConsolidationRequested(bank_id="b", operation_id="op-c",
                                                          action="consolidate"),
+    ev.OperationCancelRequested: ev.OperationCancelRequested(bank_id="b", operation_id="op-r"),
     ev.OperationProgress: ev.OperationProgress(bank_id="b", operation_id="op-r", kind="retain",
                                                state="succeeded", items_total=1, items_done=1),
     ev.FactsExtracted: _facts_extracted(pb_fact("f1", HIKING), pb_fact("f2", TEA,

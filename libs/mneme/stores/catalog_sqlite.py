@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
-                          Operation, from_epoch, merge_directive, merge_mental_model)
+                          Operation, from_epoch, merge_directive, merge_mental_model,
+                          merge_operation)
 from mneme.stores import sqlite_erase
 
 _SCHEMA = """
@@ -49,9 +50,15 @@ CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generatio
 # Columns added after the first release: (table, column, DDL) for older catalog files.
 _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
                ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"),
-               ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"))
+               ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"),
+               ("operations", "cancel_requested", "INTEGER NOT NULL DEFAULT 0"),
+               ("operations", "cancelled", "INTEGER NOT NULL DEFAULT 0"),
+               ("operations", "retry_of", "TEXT NOT NULL DEFAULT ''"),
+               ("operations", "source", "TEXT NOT NULL DEFAULT ''"))
 _OP_COLUMNS = ("operation_id, bank_id, kind, state, items_total, items_done, facts, error, "
-               "memory_ids, created_at, updated_at, item_errors")
+               "memory_ids, created_at, updated_at, item_errors, cancel_requested, cancelled, "
+               "retry_of, source")
+_OP_MARKS = ",".join("?" * 16)
 _BANK_COLUMNS = "bank_id, display_name, config, created_at, updated_at, incarnation"
 _DIRECTIVE_COLUMNS = ("bank_id, directive_id, title, text, priority, active, tags, created_at, "
                       "updated_at")
@@ -157,13 +164,18 @@ class SqliteCatalog:
 
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
-        """Insert the operation if it is new (a redelivered request keeps its progress)."""
+        """Insert the operation if it is new (a redelivered request keeps its progress;
+        one whose progress was projected first gains ``source`` and ``retry_of``)."""
         with self._lock:
             if self._deleted(op.operation_id):
                 return
             self._db.execute(
-                f"INSERT OR IGNORE INTO operations ({_OP_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR IGNORE INTO operations ({_OP_COLUMNS}) VALUES ({_OP_MARKS})",
                 _op_row(op, op.created_at))
+            if op.source:  # its progress came first: what only the request knows
+                self._db.execute("UPDATE operations SET source=?, retry_of=? WHERE "
+                                 "operation_id=? AND source=''",
+                                 (op.source, op.retry_of, op.operation_id))
 
     def update_operation(self, op: Operation) -> None:
         """Apply progress; the first terminal state is final (a late event, or a second
@@ -173,13 +185,14 @@ class SqliteCatalog:
         with self._lock:
             if self._deleted(op.operation_id):
                 return
-            row = self._db.execute("SELECT state, created_at FROM operations WHERE operation_id=?",
+            row = self._db.execute(f"SELECT {_OP_COLUMNS} FROM operations WHERE operation_id=?",
                                    (op.operation_id,)).fetchone()
-            if row and row[0] in TERMINAL:
+            old = _op(row) if row else None
+            if old is not None and old.state in TERMINAL:
                 return
             self._db.execute(
-                f"INSERT OR REPLACE INTO operations ({_OP_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                _op_row(op, row[1] if row else op.created_at))
+                f"INSERT OR REPLACE INTO operations ({_OP_COLUMNS}) VALUES ({_OP_MARKS})",
+                _op_row(merge_operation(old, op), old.created_at if old else op.created_at))
 
     def _deleted(self, operation_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM deleted_operations WHERE operation_id=?",
@@ -336,14 +349,17 @@ def _bank(row) -> Bank:
 def _op_row(op: Operation, created: float) -> tuple:
     return (op.operation_id, op.bank_id, op.kind, op.state, op.items_total, op.items_done,
             op.facts, op.error, json.dumps(op.memory_ids), created, op.updated_at,
-            json.dumps([list(e) for e in op.item_errors]))
+            json.dumps([list(e) for e in op.item_errors]), int(op.cancel_requested),
+            int(op.cancelled), op.retry_of, op.source)
 
 
 def _op(row) -> Operation:
     return Operation(operation_id=row[0], bank_id=row[1], kind=row[2], state=row[3],
                      items_total=row[4], items_done=row[5], facts=row[6], error=row[7],
                      memory_ids=json.loads(row[8]), created_at=row[9], updated_at=row[10],
-                     item_errors=[tuple(e) for e in json.loads(row[11] or "[]")])
+                     item_errors=[tuple(e) for e in json.loads(row[11] or "[]")],
+                     cancel_requested=bool(row[12]), cancelled=bool(row[13]), retry_of=row[14],
+                     source=row[15])
 
 
 def now() -> float:

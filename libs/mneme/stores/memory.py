@@ -14,7 +14,8 @@ from dataclasses import asdict, replace
 from typing import Iterable, Sequence
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
-                          Operation, from_epoch, merge_directive, merge_mental_model)
+                          Operation, from_epoch, merge_directive, merge_mental_model,
+                          merge_operation)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import opinion_tombstone, tombstone
@@ -147,9 +148,13 @@ class MemoryCatalog:
     # ---- operations ----
     def put_operation(self, op: Operation) -> None:
         with self._lock:
-            if op.operation_id in self._deleted_ops or op.operation_id in self._ops:
+            if op.operation_id in self._deleted_ops:
                 return
-            self._ops[op.operation_id] = _copy_op(op)
+            old = self._ops.get(op.operation_id)
+            if old is None:
+                self._ops[op.operation_id] = _copy_op(op)
+            elif op.source and not old.source:  # its progress came first
+                old.source, old.retry_of = op.source, op.retry_of
 
     def update_operation(self, op: Operation) -> None:
         with self._lock:
@@ -158,7 +163,7 @@ class MemoryCatalog:
             old = self._ops.get(op.operation_id)
             if old is not None and old.state in TERMINAL:
                 return  # the first terminal state is final
-            stored = _copy_op(op)
+            stored = _copy_op(merge_operation(old, op))
             if old is not None:
                 stored.created_at = old.created_at
             self._ops[op.operation_id] = stored
