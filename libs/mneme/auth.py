@@ -104,6 +104,7 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.MentalModelService/ListMentalModels": (READ, "parent"),
     "/mneme.v1.MentalModelService/UpdateMentalModel": (WRITE, "child:mental_model.name"),
     "/mneme.v1.MentalModelService/DeleteMentalModel": (WRITE, "child:name"),
+    "/mneme.v1.MentalModelService/ClearMentalModel": (WRITE, "child:name"),
     "/mneme.v1.MentalModelService/ListMentalModelRevisions": (READ, "child:parent"),
     "/mneme.v1.MentalModelService/RefreshMentalModel": (WRITE, "child:name"),
     "/mneme.v1.EntityService/ListEntities": (READ, "parent"),

@@ -458,10 +458,10 @@ def build_reflect(root: Root, recall: Callable | None = None,
     if root.llm.configured("reflect"):
         from mneme.embedding import default_token_counter
         from services.search.observations import observation_search
-        # The remote recall of the distributed reflect speaks facts only: no observations.
+        # observations through the same recall: in process, or search's RecallService
         agent = ReflectAgent(root.llm, recall, bank_config=bank_config,
                              tokens=default_token_counter(),
-                             **({"observations": observation_search(recall)} if bank_exists else {}))
+                             observations=observation_search(recall))
     reflector = Reflector(agent, recall, lambda msg: event_log.append(
         [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
     models = _mental_models(root, reflector, catch_up, source)

@@ -1013,10 +1013,14 @@ def models_create(bank: str, display_name: str = typer.Argument(..., help="its n
 
 @models_app.command("list")
 def models_list(bank: str, tag: List[str] = typer.Option([], "--tag", help="only these scopes"),
+                tags_match: str = typer.Option("any", help="any, all, any_strict, all_strict "
+                                               "or exact (as recall's)"),
                 as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's mental models in id order."""
+    from mneme.client import TAGS_MATCH
+    _choice("--tags-match", tags_match, TAGS_MATCH)
     with _client(address) as m:
-        found = _listed(m.list_mental_models(bank, tags=tag), 0)
+        found = _listed(m.list_mental_models(bank, tags=tag, tags_match=tags_match), 0)
     if as_json:
         return _print_json(found)
     t = _table("mental model", "name", "revision", "state", "tags", "answers", ids=("mental model",))
@@ -1111,6 +1115,20 @@ def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False,
               f"{len(r.based_on)} memories")
         for line in r.content.splitlines():
             print(f"  {line}")
+
+
+@models_app.command("clear")
+def models_clear(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
+                 address: str = AddressOpt):
+    """Empty a mental model's content until its next refresh (its history stays)."""
+    with _client(address) as m:
+        try:
+            mm = m.clear_mental_model(bank, model_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    if as_json:
+        return _print_json(mm)
+    console.print(f"cleared mental model {model_id}: revision {mm.revision}")
 
 
 @models_app.command("delete")

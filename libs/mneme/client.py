@@ -352,11 +352,14 @@ class MnemeClient:
         return self.mental_models.GetMentalModel(mental_models_pb2.GetMentalModelRequest(
             name=f"banks/{bank_id}/mental-models/{model_id}"), timeout=self.timeout)
 
-    def list_mental_models(self, bank_id: str, tags: Iterable[str] = (), page_size: int = 500):
-        """Yield every mental model of the bank in id order (with ``tags``: in scope)."""
+    def list_mental_models(self, bank_id: str, tags: Iterable[str] = (), page_size: int = 500,
+                           tags_match: str = "any"):
+        """Yield every mental model of the bank in id order (with ``tags``: those matching
+        them in ``tags_match`` mode, as recall's)."""
         yield from self._pages(
             self.mental_models.ListMentalModels, mental_models_pb2.ListMentalModelsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, tags=list(tags)), "mental_models")
+                parent=f"banks/{bank_id}", page_size=page_size, tags=list(tags),
+                tags_match=TAGS_MATCH[tags_match]), "mental_models")
 
     def update_mental_model(self, bank_id: str, model_id: str, **fields
                             ) -> mental_models_pb2.MentalModel:
@@ -367,6 +370,11 @@ class MnemeClient:
         req = mental_models_pb2.UpdateMentalModelRequest(mental_model=m)
         req.update_mask.paths.extend(fields)
         return self.mental_models.UpdateMentalModel(req, timeout=self.timeout)
+
+    def clear_mental_model(self, bank_id: str, model_id: str) -> mental_models_pb2.MentalModel:
+        """Empty the model's content until its next refresh (a revision of its own)."""
+        return self.mental_models.ClearMentalModel(mental_models_pb2.ClearMentalModelRequest(
+            name=f"banks/{bank_id}/mental-models/{model_id}"), timeout=self.timeout)
 
     def delete_mental_model(self, bank_id: str, model_id: str) -> None:
         self.mental_models.DeleteMentalModel(mental_models_pb2.DeleteMentalModelRequest(

@@ -10,7 +10,7 @@ import re
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import Iterable, Sequence
 
 #: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
 MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
@@ -319,6 +319,38 @@ class TimeWindow:
         if self.start is not None and e < self.start:
             return False
         return True
+
+
+#: The tag-matching modes of ``Filters.tags_match``.
+TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
+
+
+def tags_match(unit_tags: Iterable[str], tags: Iterable[str], mode: str = "any") -> bool:
+    """Whether a unit with ``unit_tags`` (U) passes a tag filter ``tags`` (T) in ``mode``.
+
+    - ``any``: U∩T≠∅, or U is empty (untagged units are shared by every scope)
+    - ``all``: T⊆U, or U is empty
+    - ``any_strict``: U∩T≠∅
+    - ``all_strict``: T⊆U
+    - ``exact``: set(U) == set(T)
+
+    An empty T means "no tag filter" (always True), except in ``exact`` mode, where it
+    selects units without tags. Raises ValueError for an unknown ``mode``.
+    """
+    if mode not in TAGS_MATCH_MODES:
+        raise ValueError(f"unknown tags_match mode {mode!r}; expected one of {TAGS_MATCH_MODES}")
+    u, t = set(unit_tags), set(tags)
+    if mode == "exact":
+        return u == t
+    if not t:
+        return True
+    if mode == "any":
+        return not u or bool(u & t)
+    if mode == "all":
+        return not u or t <= u
+    if mode == "any_strict":
+        return bool(u & t)
+    return t <= u  # all_strict
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,10 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         size = paging.page_size(request.page_size)
         kind = f"mental-models:{bank_id}"
         after = paging.decode_token(request.page_token, kind) or ""
-        found = self.models.list(bank_id, size + 1, after, tuple(request.tags))
+        if request.tags_match not in apiconv.TAGS_MATCH:
+            raise InvalidArgument("tags_match", "unknown value")
+        found = self.models.list(bank_id, size + 1, after, tuple(request.tags),
+                                 apiconv.TAGS_MATCH[request.tags_match])
         page = found[:size]
         stale = self.models.stale_ids(page)
         return mental_models_pb2.ListMentalModelsResponse(
@@ -178,6 +181,10 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
     def DeleteMentalModel(self, request, context):
         self.models.delete(*mental_model_of(request.name))
         return empty_pb2.Empty()
+
+    @translate_errors
+    def ClearMentalModel(self, request, context):
+        return self._api(self.models.clear(*mental_model_of(request.name)))
 
     @translate_errors
     def ListMentalModelRevisions(self, request, context):

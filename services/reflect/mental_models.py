@@ -48,6 +48,7 @@ from typing import Callable, Iterable, Sequence
 
 from mneme.domain import (MENTAL_MODEL_FIELDS, REFRESH_POLICIES, MentalModel, MentalModelRevision,
                           Memory, from_epoch)
+from mneme.domain import tags_match as match_tags
 from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog, Embedder, Record
@@ -134,14 +135,15 @@ class MentalModels:
         return m
 
     def list(self, bank_id: str, limit: int, after: str = "",
-             tags: Sequence[str] = ()) -> list[MentalModel]:
+             tags: Sequence[str] = (), tags_match: str = "any") -> list[MentalModel]:
         """Up to ``limit`` models with ids after ``after``, in id order; with ``tags``,
-        those sharing one of them (untagged models too)."""
+        those that match them in ``tags_match`` mode (:func:`mneme.domain.tags_match`;
+        "any": sharing one, or untagged)."""
         self.require_bank(bank_id)
         out: list[MentalModel] = []
         while len(out) < limit:
             page = self.catalog.list_mental_models(bank_id, limit, after)
-            out += [m for m in page if not tags or not m.tags or set(m.tags) & set(tags)]
+            out += [m for m in page if match_tags(m.tags, tags, tags_match)]
             if len(page) < limit:
                 break
             after = page[-1].id
@@ -203,6 +205,12 @@ class MentalModels:
         _check(m, paths)
         self.projected(self.append(_event(m, paths), m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)
+
+    def clear(self, bank_id: str, model_id: str) -> MentalModel:
+        """Empty the model's content (a revision of its own, based on nothing; the next
+        refresh fills it again). NotFound when unknown."""
+        m = self.get(bank_id, model_id)
+        return self.update(replace(m, content=""), ["content"], 0.0)
 
     def delete(self, bank_id: str, model_id: str) -> None:
         """Delete the model and its history; NotFound when unknown."""

@@ -13,7 +13,12 @@ from mneme.grpc_util import dt_to_ts, ts_to_dt
 from mneme.v1 import recall_pb2, recall_pb2_grpc, resources_pb2
 
 _BUDGET = {"low": recall_pb2.LOW, "mid": recall_pb2.MID, "high": recall_pb2.HIGH}
-_TYPE = {resources_pb2.WORLD: "world", resources_pb2.EXPERIENCE: "experience"}
+_TYPE = {resources_pb2.WORLD: "world", resources_pb2.EXPERIENCE: "experience",
+         resources_pb2.OBSERVATION: "observation", resources_pb2.OPINION: "opinion"}
+_TYPE_PB = {v: k for k, v in _TYPE.items()}
+# tags_match by name (the API's enum; "any" is its default)
+_MATCH_PB = {"any": recall_pb2.ANY, "all": recall_pb2.ALL, "any_strict": recall_pb2.ANY_STRICT,
+             "all_strict": recall_pb2.ALL_STRICT, "exact": recall_pb2.EXACT}
 _ARMS = ("semantic", "keyword", "graph", "temporal")
 
 
@@ -46,7 +51,10 @@ class RemoteRecall:
         req = recall_pb2.RecallRequest(
             parent=f"banks/{q.bank_id}", query=q.query, max_tokens=q.max_tokens,
             budget=_BUDGET[q.budget], query_timestamp=dt_to_ts(q.query_timestamp),
-            tags=list(f.tags) if f else [])
+            tags=list(f.tags) if f else [],
+            # observations for search_observations; the tag scope of a scoped reflect
+            types=[_TYPE_PB[t] for t in (f.types if f else ()) if t in _TYPE_PB],
+            tags_match=_MATCH_PB.get(f.tags_match, recall_pb2.ANY) if f else recall_pb2.ANY)
         try:
             # The caller's deadline bounds the hop to search too.
             left = (q.deadline or current_deadline()).remaining()

@@ -218,6 +218,37 @@ def test_requests_are_validated(server):
         assert m.get_mental_model(BANK, ok.id).content == ""  # nothing changed
 
 
+def test_list_by_tags_match_and_clear(server):
+    bank = "mm-tags"
+    with server.client() as m:
+        m.upsert_bank(bank)
+        made = {t: m.create_mental_model(bank, f"Model {t or 'all'}", "What about it?",
+                                         content=f"About {t}.", tags=t.split("+") if t else [])
+                for t in ("", "work", "home", "work+home")}
+
+        def listed(tags, mode):
+            return {x.id for x in m.list_mental_models(bank, tags=tags, tags_match=mode)}
+        every = {x.id for x in made.values()}
+        assert listed([], "any") == every
+        assert listed(["work"], "any") == {made[""].id, made["work"].id, made["work+home"].id}
+        assert listed(["work"], "any_strict") == {made["work"].id, made["work+home"].id}
+        assert listed(["work", "home"], "all_strict") == {made["work+home"].id}
+        assert listed(["work", "home"], "all") == {made[""].id, made["work+home"].id}
+        assert listed(["work"], "exact") == {made["work"].id}
+        assert listed([], "exact") == {made[""].id}
+        err = refused(lambda: m.mental_models.ListMentalModels(
+            mental_models_pb2.ListMentalModelsRequest(parent=f"banks/{bank}", tags_match=9)))
+        assert [f for f, _ in field_violations(err)] == ["tags_match"]
+
+        cleared = m.clear_mental_model(bank, made["work"].id)
+        assert cleared.content == "" and cleared.revision == made["work"].revision + 1
+        assert cleared.display_name == made["work"].display_name and list(cleared.tags) == ["work"]
+        history = m.mental_model_revisions(bank, made["work"].id)
+        assert [h.content for h in history] == ["About work.", ""]
+        err = refused(lambda: m.clear_mental_model(bank, "00000000-0000-0000-0000-000000000000"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_mental_models_cli_round_trip(server):
     run = CliRunner()
 

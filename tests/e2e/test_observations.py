@@ -184,3 +184,33 @@ def test_replay_reproduces_observations_byte_for_byte(server):
         m.retain("evolve", [{"content": "Alice prefers tea now, not coffee."}])
         m.consolidate("evolve")
         assert len(list(m.list_observations("evolve"))) == n
+
+
+def test_distributed_reflects_remote_recall_finds_observations(server):
+    """reflect → search over gRPC (the distributed reflect's recall, RemoteRecall) passes
+    the types and tag scope it is asked for, so its search_observations port finds the
+    bank's observations as the embedded one does."""
+    from datetime import datetime, timezone
+
+    from mneme.domain import Filters, RecallQuery
+    from services.reflect.remote import RemoteRecall
+    from services.search.observations import observation_search
+    now = datetime.now(timezone.utc)
+    remote = RemoteRecall(server.address)
+    try:
+        with server.client() as m:
+            obs = {o.id for o in m.list_observations("loco")}
+        assert obs
+        out = remote(RecallQuery("loco", "Caroline support group", now,
+                                 Filters(types=("observation",))))
+        assert out.results and {s.fact.id for s in out.results} <= obs
+        assert all(s.fact.fact_type == "observation" for s in out.results)
+        found = observation_search(remote)("loco", "Caroline support group", now, 5)
+        assert found and all(x.kind == "observation" and x.id in obs for x in found)
+        facts = remote(RecallQuery("loco", "Caroline support group", now))
+        assert facts.results and not {s.fact.id for s in facts.results} & obs
+        none = remote(RecallQuery("loco", "Caroline support group", now,
+                                  Filters(tags=("no-such-tag",), tags_match="all_strict")))
+        assert none.results == []
+    finally:
+        remote.close()

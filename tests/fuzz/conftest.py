@@ -98,6 +98,7 @@ RPCS = {
     "ListMentalModels": (mental_models_pb2_grpc.MentalModelServiceStub, False),
     "UpdateMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
     "DeleteMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
+    "ClearMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
     "ListMentalModelRevisions": (mental_models_pb2_grpc.MentalModelServiceStub, False),
     "RefreshMentalModel": (mental_models_pb2_grpc.MentalModelServiceStub, False),
 }

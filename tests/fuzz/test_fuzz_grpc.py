@@ -409,6 +409,9 @@ def list_case(draw):
         elif rpc == "ListMentalModels":
             req = mental_models_pb2.ListMentalModelsRequest(parent=name, page_size=size,
                                                             page_token=token)
+            req.tags_match = draw(enum(5))
+            if not 0 <= req.tags_match <= 5:
+                why_token = "; ".join(w for w in (why_token, "tags_match: unknown") if w)
         elif rpc == "ListDirectives":
             req = directives_pb2.ListDirectivesRequest(parent=name, page_size=size,
                                                        page_token=token)
@@ -587,8 +590,8 @@ MODEL_PATHS = ["display_name", "source_query", "content", "tags", "max_tokens",
 
 @st.composite
 def mental_model_case(draw):
-    """CreateMentalModel, UpdateMentalModel, DeleteMentalModel, RefreshMentalModel or
-    ListMentalModelRevisions."""
+    """CreateMentalModel, UpdateMentalModel, DeleteMentalModel, ClearMentalModel,
+    RefreshMentalModel or ListMentalModelRevisions."""
     mm = mental_models_pb2.MentalModel(
         display_name=draw(rarely(st.sampled_from(["", " "]), st.sampled_from(["Home"]) | noise(12))),
         source_query=draw(rarely(st.sampled_from(["", "\n"]), st.sampled_from(SENTENCES) | text())),
@@ -597,7 +600,8 @@ def mental_model_case(draw):
         refresh_policy=draw(enum(3)), refresh_every=draw(st.sampled_from([0, 5, -1])))
     mm.tags.extend(draw(st.lists(rarely(st.sampled_from(["", " "]), st.sampled_from(["a", "b"])),
                                  max_size=3)))
-    kind = draw(st.sampled_from(["create", "update", "refresh", "create", "delete", "history"]))
+    kind = draw(st.sampled_from(["create", "update", "refresh", "create", "delete", "history",
+                                 "clear"]))
     if kind == "create":
         name, bank, why = draw(bank_name())
         blank = next((i for i, t in enumerate(mm.tags) if not t.strip()), None)
@@ -615,6 +619,9 @@ def mental_model_case(draw):
     refs = (ref,) if ref else ()
     if kind == "delete":
         return Case("DeleteMentalModel", mental_models_pb2.DeleteMentalModelRequest(name=name),
+                    draw(deadline()), bank, write=True, must_refuse=why, refs=refs)
+    if kind == "clear":
+        return Case("ClearMentalModel", mental_models_pb2.ClearMentalModelRequest(name=name),
                     draw(deadline()), bank, write=True, must_refuse=why, refs=refs)
     if kind == "refresh":
         mode = draw(enum(2))

@@ -7,40 +7,10 @@ post-filter for whatever a store cannot express.
 
 from __future__ import annotations
 
-from typing import Iterable
+from mneme.domain import TAGS_MATCH_MODES, Fact, Filters, tags_match
 
-from mneme.domain import Fact, Filters
-
-#: The tag-matching modes of ``Filters.tags_match``.
-TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
-
-
-def tags_match(unit_tags: Iterable[str], tags: Iterable[str], mode: str = "any") -> bool:
-    """Whether a unit with ``unit_tags`` (U) passes a tag filter ``tags`` (T) in ``mode``.
-
-    - ``any``: U∩T≠∅, or U is empty (untagged units are shared by every scope)
-    - ``all``: T⊆U, or U is empty
-    - ``any_strict``: U∩T≠∅
-    - ``all_strict``: T⊆U
-    - ``exact``: set(U) == set(T)
-
-    An empty T means "no tag filter" (always True), except in ``exact`` mode, where it
-    selects units without tags. Raises ValueError for an unknown ``mode``.
-    """
-    if mode not in TAGS_MATCH_MODES:
-        raise ValueError(f"unknown tags_match mode {mode!r}; expected one of {TAGS_MATCH_MODES}")
-    u, t = set(unit_tags), set(tags)
-    if mode == "exact":
-        return u == t
-    if not t:
-        return True
-    if mode == "any":
-        return not u or bool(u & t)
-    if mode == "all":
-        return not u or t <= u
-    if mode == "any_strict":
-        return bool(u & t)
-    return t <= u  # all_strict
+# tags_match is the domain's (mental models and opinions filter by it too)
+__all__ = ["TAGS_MATCH_MODES", "fact_matches", "tags_match"]
 
 
 def fact_matches(fact: Fact, filters: Filters | None) -> bool:
