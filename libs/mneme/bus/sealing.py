@@ -13,6 +13,13 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     Observation         text, evidence, history,        keys: every key of every fact it
                         embedding, entities                   has cited
     ReflectionRecorded  query, answer                   keys: its own q:<id> + its facts'
+    DirectiveChanged    title, text                     keys: the bank's
+    MentalModelChanged  display_name, source_query,     keys: the bank's
+                        content
+    EntityMergeRequested, EntitiesMerged                keys: the bank's
+                        display_name
+    EntitySplitRequested, EntitySplit                   keys: the bank's
+                        aliases, display_name
 
 Ids, bank ids, document ids, tags, times, types, links and counters stay in the clear:
 routing, ordering, replay and the projections' bookkeeping work on them. A sealed
@@ -65,11 +72,19 @@ SEALED: dict[str, tuple[str, ...]] = {
     "ReflectionRecorded": ("query", "answer"),
     "DirectiveChanged": ("title", "text"),
     "MentalModelChanged": ("display_name", "source_query", "content"),
+    "EntityMergeRequested": ("display_name",),
+    "EntitiesMerged": ("display_name",),
+    "EntitySplitRequested": ("aliases", "display_name"),
+    "EntitySplit": ("aliases", "display_name"),
 }
+#: Events sealed whole under the bank's key (user corrections and curated content).
+_BANK_SEALED = (ev.DirectiveChanged, ev.MentalModelChanged, ev.EntityMergeRequested,
+                ev.EntitiesMerged, ev.EntitySplitRequested, ev.EntitySplit)
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
-    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged"))
+    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "EntityMergeRequested",
+    "EntitiesMerged", "EntitySplitRequested", "EntitySplit"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -202,7 +217,7 @@ class Opener:
                 each(m, f)
         elif isinstance(m, ev.ObservationsChanged):
             each(m, "observations")
-        elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged, ev.MentalModelChanged)):
+        elif isinstance(m, (ev.ReflectionRecorded, *_BANK_SEALED)):
             ok = self._open(m, bank)
             if ok is False:
                 return opened, 1, True
@@ -309,7 +324,7 @@ class Sealer(Opener):
                     if k not in m.seal.keys and kr.key(bank, k) is not None:
                         m.seal.keys.append(k)
             n += self._seal(m, bank)
-        elif isinstance(m, (ev.DirectiveChanged, ev.MentalModelChanged)):  # the bank's key
+        elif isinstance(m, _BANK_SEALED):  # the bank's key
             n += self._seal(m, bank)
         return n
 
