@@ -161,6 +161,15 @@ class FakeStore:
     def count_entities(self, bank_id: str) -> int:
         return len({e.id for f in self.units.get(bank_id, {}).values() for e in f.entities})
 
+    def merge_entities(self, bank_id: str, survivor_id: str, merged_ids, display_name="") -> None:
+        """Recorded in ``calls``: the graph's part of an entity merge."""
+        self.calls.append(("merge_entities", bank_id, survivor_id, tuple(merged_ids)))
+
+    def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases, display_name,
+                     unit_ids) -> None:
+        """Recorded in ``calls``: the graph's part of an entity split."""
+        self.calls.append(("split_entity", bank_id, entity_id, new_id, tuple(unit_ids)))
+
     def reset(self) -> None:
         self.units.clear()
 

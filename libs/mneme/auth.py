@@ -109,6 +109,8 @@ RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.MentalModelService/RefreshMentalModel": (WRITE, "child:name"),
     "/mneme.v1.EntityService/ListEntities": (READ, "parent"),
     "/mneme.v1.EntityService/GetEntity": (READ, "child:name"),
+    "/mneme.v1.EntityService/MergeEntities": (WRITE, "parent"),
+    "/mneme.v1.EntityService/SplitEntity": (WRITE, "child:name"),
     "/mneme.v1.DocumentService/ListDocuments": (READ, "parent"),
     "/mneme.v1.DocumentService/GetDocument": (READ, "parent"),
     "/mneme.v1.DocumentService/ListTags": (READ, "parent"),

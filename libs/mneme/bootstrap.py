@@ -401,8 +401,10 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             # stores when they are its own files) catch up with the bank's partitions.
             catch_up(bank_id)
             return catalog.get_bank(bank_id) is not None
-    servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists, stores.graph)
-    parts.api = {"recall": recall_fn, "bank_exists": bank_exists}
+    corrections = _entity_corrections(root, parts)
+    servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists, stores.graph,
+                                       corrections)
+    parts.api = {"recall": recall_fn, "bank_exists": bank_exists, "corrections": corrections}
     from mneme.runtime import generations_api
     from mneme.runtime.live_replay import LiveReplay
     svc = services()["search"]
@@ -484,6 +486,41 @@ def build_reflect(root: Root, recall: Callable | None = None,
 
 #: Seconds a mental-model write waits for the catalog to project it.
 PROJECTED_S = 30.0
+
+
+def _entity_corrections(root: Root, parts: ServiceParts):
+    """search's :class:`services.search.corrections.EntityCorrections`: a correction is
+    appended to the intake topic; the call waits until extraction's group has handled it
+    (so what it caused is on the bank's memory partition), then until this process's
+    search group has handled the bank's memory partition up to there."""
+    import time
+
+    from mneme.bus import MEMORY
+    from mneme.errors import DeadlineExceeded
+    from services.search.corrections import EntityCorrections
+    source = services()["search"].source
+    extraction = root.group_id(services()["extraction"].group("extraction"))
+
+    def append(msg, bank_id: str):
+        return root.log.append([codec.encode(msg, bank_id=bank_id, source=source)])[0]
+
+    def projected(rec, bank_id: str, timeout: float) -> None:
+        end_at = time.monotonic() + timeout
+
+        def until(done: Callable[[], bool], what: str) -> None:
+            while not done():
+                if time.monotonic() > end_at:
+                    raise DeadlineExceeded(f"{what} did not apply the correction within "
+                                           f"{timeout:.1f}s; it is on the log and will apply")
+                time.sleep(0.01)
+        until(lambda: root.log.committed(extraction, rec.topic, rec.partition) > rec.offset,
+              "entity resolution")
+        p = partition_for(bank_id, root.log.partitions(MEMORY))
+        end = root.log.end_offset(MEMORY, p)
+        group = parts.routers["search"].group_id
+        until(lambda: root.log.committed(group, MEMORY, p) >= end, "the graph projection")
+
+    return EntityCorrections(append, projected)
 
 
 def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source: str):

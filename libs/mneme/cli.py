@@ -1182,6 +1182,54 @@ def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, 
         out.print(name)
 
 
+def _print_entity(out: Console, e) -> None:
+    out.print(f"{e.display_name} ({e.kind}) {e.id}: {e.mention_count} mentions; "
+              f"aliases: {', '.join(e.aliases)}")
+
+
+@entities_app.command("merge")
+def entities_merge(bank: str,
+                   entity_ids: list[str] = typer.Argument(..., help="2 to 100 entity ids; the "
+                                                          "first one stays"),
+                   name: str = typer.Option("", "--name", help="the merged entity's new "
+                                            "display name (default: the first one's)"),
+                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Merge entities of BANK that are one: the first takes the others' aliases and
+    memories; later mentions of any of their names resolve to it."""
+    with _client(address) as m:
+        try:
+            e = m.merge_entities(bank, entity_ids, name)
+        except grpc.RpcError as err:
+            _fail(err)
+    if as_json:
+        return _print_json(e)
+    _print_entity(Console(), e)
+
+
+@entities_app.command("split")
+def entities_split(bank: str, entity_id: str,
+                   name: str = typer.Option(..., "--name", help="the new entity's display name"),
+                   alias: list[str] = typer.Option([], "--alias", help="an alias the new entity "
+                                                   "takes, with the memories naming it "
+                                                   "(repeatable)"),
+                   memory: list[str] = typer.Option([], "--memory", help="a memory id that "
+                                                    "mentions the new entity instead "
+                                                    "(repeatable)"),
+                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Split a new entity off ENTITY_ID of BANK: it takes the given aliases (and the
+    memories naming them) and memories; later mentions of a moved alias resolve to it."""
+    with _client(address) as m:
+        try:
+            r = m.split_entity(bank, entity_id, name, alias, memory)
+        except grpc.RpcError as err:
+            _fail(err)
+    if as_json:
+        return _print_json(r)
+    out = Console()
+    _print_entity(out, r.entity)
+    _print_entity(out, r.new_entity)
+
+
 documents_app = typer.Typer(help="The documents of a bank's memories.", no_args_is_help=True)
 app.add_typer(documents_app, name="documents")
 

@@ -408,6 +408,26 @@ class MnemeClient:
         return self.entities.GetEntity(entities_pb2.GetEntityRequest(
             name=f"banks/{bank_id}/entities/{entity_id}"), timeout=self.timeout)
 
+    def merge_entities(self, bank_id: str, entity_ids: list[str],
+                       display_name: str = "") -> entities_pb2.Entity:
+        """Merge the entities ``entity_ids`` (2 to 100) into the first; ``display_name``
+        renames it. Returns the survivor once the graph holds the merge."""
+        return self.entities.MergeEntities(entities_pb2.MergeEntitiesRequest(
+            parent=f"banks/{bank_id}",
+            entities=[f"banks/{bank_id}/entities/{e}" for e in entity_ids],
+            display_name=display_name), timeout=self.timeout)
+
+    def split_entity(self, bank_id: str, entity_id: str, display_name: str,
+                     aliases: list[str] = (), memory_ids: list[str] = ()
+                     ) -> entities_pb2.SplitEntityResponse:
+        """Split a new entity ``display_name`` off ``entity_id``: it takes ``aliases``
+        (with the memories naming them) and ``memory_ids``. Returns both entities once
+        the graph holds the split."""
+        return self.entities.SplitEntity(entities_pb2.SplitEntityRequest(
+            name=f"banks/{bank_id}/entities/{entity_id}", aliases=list(aliases),
+            memories=[f"banks/{bank_id}/memories/{m}" for m in memory_ids],
+            display_name=display_name), timeout=self.timeout)
+
     def list_documents(self, bank_id: str, page_size: int = 500):
         """Yield every document of the bank in document id order, with memory counts."""
         yield from self._pages(self.documents.ListDocuments, documents_pb2.ListDocumentsRequest(

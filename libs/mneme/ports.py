@@ -194,6 +194,18 @@ class GraphStore(Protocol):
                neighbours: int = 20) -> EntityInfo | None:
         """One entity with the units mentioning it and its co-mentioned neighbours."""
 
+    def merge_entities(self, bank_id: str, survivor_id: str, merged_ids: Sequence[str],
+                       display_name: str = "") -> None:
+        """A user's merge: the units mentioning any of ``merged_ids`` mention
+        ``survivor_id`` instead, its aliases are the union of theirs (and the key of a
+        ``display_name`` that renames it), the merged entities are deleted. Idempotent."""
+
+    def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
+                     display_name: str, unit_ids: Sequence[str]) -> None:
+        """A user's split: a new entity ``new_id`` named ``display_name`` takes the alias
+        keys ``aliases`` of ``entity_id`` and the mentions of the units ``unit_ids``.
+        Idempotent."""
+
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """Entities of the bank whose canonical key (``mneme.nlp.entity_key``) is in ``keys``."""
 
@@ -453,6 +465,17 @@ class EntityStore(Protocol):
         (an id the bank already has keeps its first record); ``claims`` set the ``label``
         and ``kind`` of known entities (unknown ids ignored); ``aliases`` are appended in
         order (a known (alias, id) pair is kept once)."""
+
+    def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),
+                mentions_of: Sequence[tuple[str, str]] = ()) -> None:
+        """A user's correction (entities merged or split) in one transaction:
+        ``entities`` are written whole (a known id takes the given key, name, label and
+        kind and keeps its place in creation order; a new one is appended); first
+        ``mentions_of`` (entity id, from id) gives the entity every scope that mentions
+        ``from id``; then every alias of the ``entities`` and ``removed`` ids is dropped
+        and ``aliases`` [(alias, entity id)] written in order (the complete aliases of
+        those entities); the ``removed`` entities are deleted with their mentions."""
 
     def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
         """Record (entity id, scope) pairs: the entity is mentioned by content of that

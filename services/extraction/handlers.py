@@ -133,6 +133,41 @@ def on_entities_resolved(m: ev.EntitiesResolved, meta: EventMeta, *,
     return []
 
 
+def on_entity_merge_requested(m: ev.EntityMergeRequested, meta: EventMeta, *,
+                              resolver: EntityResolver) -> list[ev.EntitiesMerged]:
+    """A user's merge: the resolver resolves every name of the merged entities to the
+    survivor from now on (:meth:`EntityResolver.merge`), and the merge goes on to
+    mneme.memory.v1 (same fields) for the projections, after the facts before it."""
+    resolver.merge(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
+    out = ev.EntitiesMerged()
+    out.ParseFromString(m.SerializeToString())  # the same fields, seal keys included
+    return [out]
+
+
+def on_entity_split_requested(m: ev.EntitySplitRequested, meta: EventMeta, *,
+                              resolver: EntityResolver) -> list[ev.EntitySplit]:
+    """A user's split: the moved aliases resolve to the new entity from now on
+    (:meth:`EntityResolver.split`); the split goes on to mneme.memory.v1."""
+    resolver.split(m.bank_id, m.entity_id, m.new_entity_id, list(m.aliases), m.display_name)
+    out = ev.EntitySplit()
+    out.ParseFromString(m.SerializeToString())
+    return [out]
+
+
+def on_entities_merged(m: ev.EntitiesMerged, meta: EventMeta, *,
+                       resolver: EntityResolver) -> list:
+    """Restore: a merge this service passed on applies to this replica's resolver too
+    (idempotent). Produces nothing."""
+    resolver.merge(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
+    return []
+
+
+def on_entity_split(m: ev.EntitySplit, meta: EventMeta, *, resolver: EntityResolver) -> list:
+    """Restore: as :func:`on_entities_merged`, for a split."""
+    resolver.split(m.bank_id, m.entity_id, m.new_entity_id, list(m.aliases), m.display_name)
+    return []
+
+
 def on_bank_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
                       resolver: EntityResolver) -> list:
     """Restore: a deleted bank's entities are forgotten (in changelog order, so a bank

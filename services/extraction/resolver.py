@@ -324,6 +324,115 @@ class EntityResolver:
                 self._store.persist(bank_id, entities=list(entities), claims=list(claims),
                                     aliases=list(aliases))
 
+    # ---- user corrections (EntityService.MergeEntities / SplitEntity) ------------------
+
+    def _unindex(self, b: _Bank, id_: str, keys: Sequence[str]) -> None:
+        """Take ``keys`` (its key or aliases) away from entity ``id_`` in the indexes."""
+        for key in keys:
+            for index in (b.by_key, b.aliases):
+                ids = index.get(key)
+                if ids and id_ in ids:
+                    ids.remove(id_)
+                    if not ids:
+                        del index[key]
+        own, keys = b.alias_keys.get(id_), set(keys)
+        if own is not None:
+            own[:] = [a for a in own if a not in keys]
+
+    def _drop(self, b: _Bank, id_: str) -> _Entity | None:
+        e = b.entities.pop(id_, None)
+        if e is not None:
+            self._unindex(b, id_, [e.key, *b.alias_keys.pop(id_, [])])
+            if id_ in b.persons:
+                b.persons.remove(id_)
+        return e
+
+    def _rewrite(self, bank_id: str, b: _Bank, entities: Sequence[_Entity],
+                 removed: Sequence[str] = (), mentions_of: Sequence[tuple[str, str]] = ()
+                 ) -> None:
+        if self._store is None:
+            return
+        stored = [StoredEntity(id=e.ref.id, key=e.key, name=e.ref.name, label=e.ref.label,
+                               kind=e.kind) for e in entities]
+        aliases = [(a, e.ref.id) for e in entities for a in b.alias_keys.get(e.ref.id, ())]
+        self._store.rewrite(bank_id, entities=stored, aliases=aliases, removed=list(removed),
+                            mentions_of=list(mentions_of))
+
+    def merge(self, bank_id: str, survivor_id: str, merged_ids: Sequence[str],
+              display_name: str = "") -> bool:
+        """The entities ``merged_ids`` become ``survivor_id``: their keys and aliases are
+        the survivor's aliases (later mentions of them resolve to it), they are forgotten,
+        and a ``display_name`` renames the survivor (its key becomes an alias too).
+        Idempotent (merged ids no longer known are skipped); nothing happens when the
+        survivor is unknown here. Persisted in one store transaction. True when something
+        changed."""
+        with self._lock:
+            b = self._bank(bank_id)
+            s = b.entities.get(survivor_id)
+            if s is None:
+                return False
+            own = b.alias_keys.setdefault(survivor_id, [])
+            taken: list[str] = []
+            gone: list[str] = []
+            for mid in dict.fromkeys(merged_ids):
+                if mid == survivor_id or mid not in b.entities:
+                    continue
+                keys = [b.entities[mid].key, *b.alias_keys.get(mid, ())]
+                self._drop(b, mid)
+                gone.append(mid)
+                taken += [k for k in keys if k != s.key and k not in own and k not in taken]
+            name = " ".join(display_name.split())
+            if name and name != s.ref.name:
+                s.ref = EntityRef(id=s.ref.id, name=name, label=s.ref.label)
+                k = entity_key(name)
+                if k and k != s.key and k not in own and k not in taken:
+                    taken.append(k)
+            elif not gone:
+                return False
+            for k in taken:
+                b.add_alias(k, survivor_id)
+            self._rewrite(bank_id, b, [s], gone, [(survivor_id, g) for g in gone])
+            return True
+
+    def split(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
+              display_name: str) -> bool:
+        """A new entity ``new_id`` named ``display_name`` (kind and label of
+        ``entity_id``) takes the keys ``aliases`` from ``entity_id``: later mentions of
+        them resolve to it. When the entity's own key moves, its first remaining alias
+        becomes its key (none left: it keeps the key too). Idempotent: applied again
+        (redelivery, or a restore replaying the changelog from before it) it only takes
+        the moved keys from ``entity_id`` again. Nothing happens when ``entity_id`` is
+        unknown here. True when something changed."""
+        with self._lock:
+            b = self._bank(bank_id)
+            e = b.entities.get(entity_id)
+            if e is None:
+                return False
+            own = [e.key, *b.alias_keys.get(entity_id, ())]
+            moved = [k for k in dict.fromkeys(aliases) if k in own]
+            new = b.entities.get(new_id)
+            if new is not None and not moved:
+                return False
+            kept = [k for k in own if k not in moved]
+            if not kept:  # an entity keeps a name to be found by
+                kept, moved = [e.key], [k for k in moved if k != e.key]
+            self._unindex(b, entity_id, moved)
+            if e.key in moved:
+                b.alias_keys[entity_id] = [a for a in b.alias_keys.get(entity_id, [])
+                                           if a != kept[0]]
+                e.key = kept[0]  # still indexed under it (it was an alias)
+            if new is None:
+                name = " ".join(display_name.split()) or new_id
+                new_key = entity_key(name) or (moved[0] if moved else new_id)
+                new = _Entity(EntityRef(id=new_id, name=name, label=e.ref.label), new_key,
+                              e.kind)
+                b.add(new)
+            for k in moved:
+                if k != new.key and k not in b.alias_keys.get(new_id, ()):
+                    b.add_alias(k, new_id)
+            self._rewrite(bank_id, b, [e, new], (), [(new_id, entity_id)])
+            return True
+
     def note_mentions(self, bank_id: str, mentions: Iterable[tuple[str, str]]) -> None:
         """Record that entities are mentioned by content of scopes ([(entity id, scope)],
         :meth:`EntityStore.add_mentions`), so :meth:`forget_scope` can drop the ones only

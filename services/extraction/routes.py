@@ -19,13 +19,17 @@ SERVICE = Service(
         ev.DocumentDeleteRequested: handlers.on_document_delete_requested,
         ev.MemoryDeleteRequested: handlers.on_memory_delete_requested,
         ev.ConsolidationRequested: handlers.on_consolidation_requested,
+        ev.EntityMergeRequested: handlers.on_entity_merge_requested,
+        ev.EntitySplitRequested: handlers.on_entity_split_requested,
     }}, restore={
         # A replica taking over a partition: the banks' configs, and the resolver's
         # decisions as the partition's previous owners published them.
         INTAKE: bank_catalog.ROUTES,
         MEMORY: {ev.EntitiesResolved: handlers.on_entities_resolved,
+                 ev.EntitiesMerged: handlers.on_entities_merged,
+                 ev.EntitySplit: handlers.on_entity_split,
                  ev.FactsRetracted: handlers.on_bank_retracted},
     }),),
     produces={MEMORY: (ev.EntitiesResolved, ev.FactsExtracted, ev.FactsRetracted,
-                       ev.ConsolidationScheduled)},
+                       ev.ConsolidationScheduled, ev.EntitiesMerged, ev.EntitySplit)},
 )

@@ -31,12 +31,14 @@ MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 #: Operation kind of each request event.
 _KIND = {"RetainRequested": "retain", "DocumentDeleteRequested": "delete_document",
          "BankDeleted": "delete_bank",
-         "MemoryDeleteRequested": "delete_memory", "ConsolidationRequested": "consolidate"}
+         "MemoryDeleteRequested": "delete_memory", "ConsolidationRequested": "consolidate",
+         "EntityMergeRequested": "merge_entities", "EntitySplitRequested": "split_entity"}
 
 
 def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
-    """A request (retain, document or memory deletion, consolidation) becomes a pending
-    operation in ``catalog``; a retain counts its items. Idempotent; produces nothing."""
+    """A request (retain, document or memory deletion, consolidation, entity merge or
+    split) becomes a pending operation in ``catalog``; a retain counts its items.
+    Idempotent; produces nothing."""
     at = meta.time.timestamp()
     retain = isinstance(m, ev.RetainRequested)
     kind = _KIND[m.DESCRIPTOR.name]

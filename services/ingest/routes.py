@@ -15,7 +15,10 @@ SERVICE = Service(
                  ev.DocumentDeleteRequested: handlers.on_operation_requested,
                  ev.MemoryDeleteRequested: handlers.on_operation_requested,
                  ev.ConsolidationRequested: handlers.on_operation_requested,
-                 ev.OperationCancelRequested: handlers.on_operation_cancel_requested},
+                 ev.OperationCancelRequested: handlers.on_operation_cancel_requested,
+                 # search's EntityService appends these: operations like the others
+                 ev.EntityMergeRequested: handlers.on_operation_requested,
+                 ev.EntitySplitRequested: handlers.on_operation_requested},
         PROGRESS: {ev.OperationProgress: handlers.on_operation_progress},
     }, replay=True, state="replica"),),  # every replica answers for every bank
     # the write API appends every intake event; the gRPC guard audits refused requests

@@ -1,6 +1,6 @@
 """search's gRPC servicers: RecallService (Recall, GetMemory, ListMemories),
 ObservationService (ListObservationScopes, ListObservations, GetObservation),
-EntityService (ListEntities, GetEntity), DocumentService (ListDocuments, GetDocument,
+EntityService (ListEntities, GetEntity, MergeEntities, SplitEntity), DocumentService (ListDocuments, GetDocument,
 ListTags). Where
 this process owns its stores it also serves GenerationService
 (:mod:`mneme.runtime.generations_api`)."""
@@ -13,7 +13,8 @@ from typing import Callable
 from mneme import apiconv
 from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument, NotFound
-from mneme.grpc_util import call_deadline, dt_to_ts, translate_errors, ts_to_dt
+from mneme.errors import Unavailable
+from mneme.grpc_util import call_deadline, dt_to_ts, remaining, translate_errors, ts_to_dt
 from mneme.names import (bank_id_of, document_name, entity_name, entity_of, memory_name,
                          memory_of, observation_of, opinion_of)
 from mneme.ports import GraphStore, VectorStore
@@ -21,6 +22,7 @@ from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_
                       memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
                       opinions_pb2_grpc, recall_pb2, recall_pb2_grpc)
 from services.search import observations, opinions, reads
+from services.search.corrections import EntityCorrections
 
 _ARMS = ("semantic", "keyword", "graph", "temporal", "rerank")
 
@@ -46,12 +48,13 @@ def outcome_to_api(o: RecallOutcome) -> recall_pb2.RecallResponse:
 class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
     """``recall`` runs a RecallQuery; ``bank_exists`` answers NOT_FOUND for unknown banks;
     ``vectors`` and ``graph`` serve the reads (this and the other servicers of
-    :func:`register`)."""
+    :func:`register`); ``corrections`` the entity corrections (None: refused)."""
 
     def __init__(self, recall: Callable[[RecallQuery], RecallOutcome], vectors: VectorStore,
-                 bank_exists: Callable[[str], bool], graph: GraphStore | None = None):
+                 bank_exists: Callable[[str], bool], graph: GraphStore | None = None,
+                 corrections: EntityCorrections | None = None):
         self.recall, self.vectors, self.bank_exists = recall, vectors, bank_exists
-        self.graph = graph
+        self.graph, self.corrections = graph, corrections
 
     def _bank(self, name: str, field: str = "parent") -> str:
         bank_id = bank_id_of(name, field)
@@ -160,7 +163,8 @@ def entity_to_api(bank_id: str, e) -> entities_pb2.Entity:
 
 
 class EntityServicer(entities_pb2_grpc.EntityServiceServicer):
-    """Entity reads from the graph store (:mod:`services.search.reads`)."""
+    """Entity reads from the graph store (:mod:`services.search.reads`) and the users'
+    corrections (:mod:`services.search.corrections`)."""
 
     def __init__(self, recall_servicer: RecallServicer):
         self.rs = recall_servicer
@@ -178,6 +182,50 @@ class EntityServicer(entities_pb2_grpc.EntityServiceServicer):
         bank_id, entity_id = entity_of(request.name)
         self.rs._bank(f"banks/{bank_id}", "name")
         return entity_to_api(bank_id, reads.get_entity(self.rs.graph, bank_id, entity_id))
+
+    def _corrections(self) -> EntityCorrections:
+        if self.rs.corrections is None:
+            raise Unavailable("this server does not take entity corrections")
+        return self.rs.corrections
+
+    @translate_errors
+    def MergeEntities(self, request, context):
+        bank_id = bank_id_of(request.parent)
+        ids = _entity_ids(bank_id, request.entities, "entities")
+        self.rs._bank(request.parent)
+        got = self._corrections().merge(self.rs.graph, bank_id, ids, request.display_name,
+                                        remaining(context, CORRECTION_TIMEOUT_S))
+        return entity_to_api(bank_id, got)
+
+    @translate_errors
+    def SplitEntity(self, request, context):
+        bank_id, entity_id = entity_of(request.name)
+        memories = []
+        for i, n in enumerate(request.memories):
+            b, m = memory_of(n, f"memories[{i}]")
+            if b != bank_id:
+                raise InvalidArgument(f"memories[{i}]", f"not a memory of bank {bank_id!r}")
+            memories.append((f"memories[{i}]", m))
+        self.rs._bank(f"banks/{bank_id}", "name")
+        old, new = self._corrections().split(
+            self.rs.graph, self.rs.vectors, bank_id, entity_id, list(request.aliases), memories,
+            request.display_name, remaining(context, CORRECTION_TIMEOUT_S))
+        return entities_pb2.SplitEntityResponse(entity=entity_to_api(bank_id, old),
+                                                new_entity=entity_to_api(bank_id, new))
+
+
+#: Longest wait of a correction for its projection, when the caller set no deadline.
+CORRECTION_TIMEOUT_S = 60.0
+
+
+def _entity_ids(bank_id: str, names, field: str) -> list[str]:
+    ids = []
+    for i, n in enumerate(names):
+        b, e = entity_of(n, f"{field}[{i}]")
+        if b != bank_id:
+            raise InvalidArgument(f"{field}[{i}]", f"not an entity of bank {bank_id!r}")
+        ids.append(e)
+    return ids
 
 
 class DocumentServicer(documents_pb2_grpc.DocumentServiceServicer):

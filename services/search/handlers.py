@@ -169,3 +169,23 @@ def on_opinions_changed(m: ev.OpinionsChanged, meta: EventMeta, *,
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                  kind="delete_opinion", state="failed",
                                  error="opinion not found")]
+
+
+def on_entities_merged(m: ev.EntitiesMerged, meta: EventMeta, *,
+                       stores: Projections) -> list[ev.OperationProgress]:
+    """A user's merge into the graph (:meth:`mneme.ports.GraphStore.merge_entities`), in
+    order with the facts: those extracted before it are rewritten, those after it name the
+    survivor already. Idempotent. The merge's progress."""
+    stores.graph.merge_entities(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
+    return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                 kind="merge_entities", state="succeeded")]
+
+
+def on_entity_split(m: ev.EntitySplit, meta: EventMeta, *,
+                    stores: Projections) -> list[ev.OperationProgress]:
+    """A user's split into the graph (:meth:`mneme.ports.GraphStore.split_entity`).
+    Idempotent. The split's progress."""
+    stores.graph.split_entity(m.bank_id, m.entity_id, m.new_entity_id, list(m.aliases),
+                              m.display_name, list(m.memory_ids))
+    return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                 kind="split_entity", state="succeeded")]

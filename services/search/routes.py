@@ -15,10 +15,14 @@ SERVICE = Service(
         Group("search", {MEMORY: {ev.FactsExtracted: handlers.on_facts_extracted,
                                   ev.FactsRetracted: handlers.on_facts_retracted,
                                   ev.ObservationsChanged: handlers.on_observations_changed,
-                                  ev.OpinionsChanged: handlers.on_opinions_changed}},
+                                  ev.OpinionsChanged: handlers.on_opinions_changed,
+                                  ev.EntitiesMerged: handlers.on_entities_merged,
+                                  ev.EntitySplit: handlers.on_entity_split}},
               replay=True, state="stores", durable=("stores",)),
         Group("search-catalog", {INTAKE: bank_catalog.ROUTES}, distributed_only=True,
               replay=True, state="replica"),
     ),
-    produces={PROGRESS: (ev.OperationProgress,), AUDIT: (ev.AuditRecorded,)},
+    # its EntityService appends users' entity corrections to the intake topic
+    produces={PROGRESS: (ev.OperationProgress,), AUDIT: (ev.AuditRecorded,),
+              INTAKE: (ev.EntityMergeRequested, ev.EntitySplitRequested)},
 )

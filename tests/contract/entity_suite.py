@@ -105,6 +105,35 @@ class EntityStoreSuite:
         store.forget("b")
         assert store.drop_scope("b", "d:x") == []
 
+    def test_rewrite_merges_entities(self, store):
+        liz = StoredEntity("e-liz", "liz", "Liz", "PERSON", "person")
+        store.persist("a", entities=[MEL, ROOM, liz], aliases=[("mel", MEL.id), ("lizzy", liz.id)])
+        store.add_mentions("a", [(MEL.id, "d:x"), (liz.id, "d:y")])
+        renamed = StoredEntity(MEL.id, MEL.key, "Mel L.", MEL.label, MEL.kind)
+        # liz merged into MEL: MEL takes liz's key and aliases and its mentions' scopes
+        store.rewrite("a", entities=[renamed], removed=[liz.id], mentions_of=[(MEL.id, liz.id)],
+                      aliases=[("mel", MEL.id), ("liz", MEL.id), ("lizzy", MEL.id)])
+        assert store.load("a") == ([renamed, ROOM],
+                                   [("mel", MEL.id), ("liz", MEL.id), ("lizzy", MEL.id)])
+        # MEL is mentioned by both scopes now: it outlives the deletion of either
+        assert store.drop_scope("a", "d:y") == []
+        assert store.drop_scope("a", "d:x") == [MEL.id]
+        # a second, identical rewrite changes nothing (redelivery)
+        store.rewrite("a", entities=[ROOM], aliases=[("room", ROOM.id)])
+        store.rewrite("a", entities=[ROOM], aliases=[("room", ROOM.id)])
+        assert store.load("a") == ([ROOM], [("room", ROOM.id)])
+
+    def test_rewrite_splits_an_entity(self, store):
+        store.persist("a", entities=[MEL], aliases=[("mel", MEL.id), ("melly", MEL.id)])
+        store.add_mentions("a", [(MEL.id, "d:x")])
+        new = StoredEntity("e-melly", "melly", "Melly", MEL.label, MEL.kind)
+        store.rewrite("a", entities=[MEL, new], mentions_of=[(new.id, MEL.id)],
+                      aliases=[("mel", MEL.id)])
+        assert store.load("a") == ([MEL, new], [("mel", MEL.id)])
+        assert sorted(store.drop_scope("a", "d:x")) == sorted([MEL.id, new.id])
+        store.rewrite("b")  # nothing to do
+        assert store.load("b") == ([], [])
+
 
 class PersistentEntityStoreSuite(EntityStoreSuite):
     """The contract of an EntityStore whose data outlives ``close`` (same path, same

@@ -145,6 +145,69 @@ class GraphStoreSuite:
         assert store.entity("a", "nobody") is None
         assert store.entity("b", ALICE.id) is None
 
+    def test_merge_entities_moves_mentions_and_unites_aliases(self, store):
+        liz = EntityRef("e-liz", "Liz", "PERSON")
+        store.upsert(chain() + [unit("u6", entities=[liz, LYON]), unit("u7", entities=[liz, ALICE]),
+                                unit("u9", bank_id="b", entities=[liz])])
+        store.merge_entities("a", ALICE.id, [liz.id, ALICE.id], display_name="Alice Liddell")
+        alice = store.entity("a", ALICE.id)
+        assert (alice.name, alice.label, alice.mentions) == ("Alice Liddell", "PERSON", 4)
+        assert set(alice.units) == {"u1", "u2", "u6", "u7"}
+        assert set(alice.aliases) == {"alice", "liz", "alice liddell"}
+        assert store.entity("a", liz.id) is None
+        assert store.entity("b", liz.id).mentions == 1  # another bank's is untouched
+        assert [e.id for e in store.find_entities("a", ["liz"])] == [ALICE.id]
+        assert (LYON.id, "Lyon", "GPE", 1) in alice.neighbours
+        # spreading activation follows the moved edges: u6 reaches u1 through Alice
+        assert "u1" in ids(store.spread("a", {"u6": 1.0}, [], k=10))
+        before = store.entity("a", ALICE.id)
+        store.merge_entities("a", ALICE.id, [liz.id], display_name="Alice Liddell")  # again
+        assert store.entity("a", ALICE.id) == before
+        store.merge_entities("a", "nobody", ["nothing"])  # nothing exists: no change
+        assert store.count_entities("a") == 3
+
+    def test_merge_applies_again_after_a_redelivered_older_fact(self, store):
+        liz = EntityRef("e-liz", "Liz", "PERSON")
+        store.upsert([unit("u1", entities=[ALICE]), unit("u2", entities=[liz])])
+        store.merge_entities("a", ALICE.id, [liz.id])
+        store.upsert([unit("u2", entities=[liz])])  # redelivered before the merge is
+        store.merge_entities("a", ALICE.id, [liz.id])
+        alice = store.entity("a", ALICE.id)
+        assert (alice.mentions, set(alice.aliases), alice.name) == (2, {"alice", "liz"}, "Alice")
+        assert store.entity("a", liz.id) is None
+
+    def test_split_entity_moves_aliases_and_the_listed_mentions(self, store):
+        store.upsert(chain())
+        robert = dataclasses.replace(BOB, name="Robert")
+        store.upsert([unit("u6", entities=[robert]), unit("u7", entities=[robert, LYON])])
+        assert set(store.entity("a", BOB.id).aliases) == {"bob", "robert"}
+        store.split_entity("a", BOB.id, "e-rob", ["robert"], "Robert Smith", ["u6", "u7", "u1"])
+        bob, rob = store.entity("a", BOB.id), store.entity("a", "e-rob")
+        assert (bob.aliases, bob.mentions, set(bob.units)) == (("bob",), 2, {"u2", "u3"})
+        assert (rob.name, rob.label, set(rob.aliases)) == ("Robert Smith", "PERSON",
+                                                          {"robert", "robert smith"})
+        assert (rob.mentions, set(rob.units)) == (2, {"u6", "u7"})  # u1 did not mention Bob
+        assert [e.id for e in store.find_entities("a", ["robert"])] == ["e-rob"]
+        assert store.entity("a", ALICE.id).mentions == 2
+        store.split_entity("a", BOB.id, "e-rob", ["robert"], "Robert Smith", ["u6", "u7"])
+        assert (store.entity("a", BOB.id), store.entity("a", "e-rob")) == (bob, rob)
+        # asked to move every alias, the entity keeps its key
+        store.split_entity("a", "e-rob", "e-rs", ["robert smith", "robert"], "R. S.", [])
+        rob = store.entity("a", "e-rob")
+        assert rob.aliases == ("robert smith",) and rob.mentions == 2
+        rs = store.entity("a", "e-rs")
+        assert (rs.name, rs.mentions, set(rs.aliases)) == ("R. S.", 0, {"r s", "robert"})
+        # the entity's own key moving: its remaining alias becomes its key
+        store.split_entity("a", BOB.id, "e-bo", ["bob"], "Bo", [])
+        assert store.entity("a", BOB.id).aliases == ("bob",)  # its only one: kept
+        store.upsert([unit("u8", entities=[dataclasses.replace(BOB, name="Bobby")])])
+        store.split_entity("a", BOB.id, "e-bo", ["bob"], "Bo", ["u8"])
+        bob = store.entity("a", BOB.id)
+        assert (bob.aliases, bob.mentions) == (("bobby",), 2)
+        assert store.find_entities("a", ["bob"])[0].id == "e-bo"
+        store.split_entity("a", "nobody", "e-x", ["x"], "X", ["u1"])
+        assert store.entity("a", "e-x") is None
+
     def test_delete_where_rejects_empty_document_id(self, store):
         store.upsert(chain())
         with pytest.raises(ValueError):

@@ -85,6 +85,8 @@ RPCS = {
     "GetObservation": (observations_pb2_grpc.ObservationServiceStub, False),
     "ListEntities": (entities_pb2_grpc.EntityServiceStub, False),
     "GetEntity": (entities_pb2_grpc.EntityServiceStub, False),
+    "MergeEntities": (entities_pb2_grpc.EntityServiceStub, False),
+    "SplitEntity": (entities_pb2_grpc.EntityServiceStub, False),
     "ListDocuments": (documents_pb2_grpc.DocumentServiceStub, False),
     "GetDocument": (documents_pb2_grpc.DocumentServiceStub, False),
     "ListTags": (documents_pb2_grpc.DocumentServiceStub, False),
@@ -483,7 +485,10 @@ class Harness:
             target = case.req
             for part in path:
                 target = getattr(target, part)
-            setattr(target, last, ref.template.format(value))
+            if last.endswith("[]"):  # one more element of a repeated field
+                getattr(target, last[:-2]).append(ref.template.format(value))
+            else:
+                setattr(target, last, ref.template.format(value))
 
     def run(self, case: Case, budget_end: float) -> None:
         """Send ``case`` with every check; records failures, never raises for them."""

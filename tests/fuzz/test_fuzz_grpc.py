@@ -649,6 +649,56 @@ def directives_ref(ref: Ref) -> Ref:
 
 
 @st.composite
+def entity_case(draw):
+    """MergeEntities (entities seen, unknown or malformed; too few, too many, the same one
+    twice) or SplitEntity (aliases and memories, good and bad)."""
+    display = draw(rarely(st.sampled_from(["", " ", "x" * 201, "\U0001F600"]),
+                          st.sampled_from(["Alice Smith", ""]) | noise(12)))
+    refs: list[Ref] = []
+    if draw(st.booleans()):
+        name, bank, why = draw(bank_name())
+        b = bank or FIXED_BANKS[0]
+        n = draw(st.sampled_from([2, 3, 2, 0, 2, 1, 101]))
+        whys = [why, "entities: fewer than 2" if n < 2 else "",
+                "entities: more than 100" if n > 100 else "",
+                "display_name: too long" if len(display) > 200 else ""]
+        req = entities_pb2.MergeEntitiesRequest(parent=name, display_name=display)
+        base = draw(st.integers(0, 300))  # seen entities base, base+1, ...: distinct ones
+        for i in range(n):
+            mode = draw(st.sampled_from(["seen", "seen", "random", "bad"]) if n < 5
+                        else st.just("random"))
+            u = str(draw(st.uuids()))
+            if mode == "seen":
+                refs.append(Ref("entities[]", "entity", base + i, f"banks/{b}/entities/{{}}"))
+            elif mode == "bad":
+                bad, w = draw(st.sampled_from(BAD_CHILD_IDS))
+                req.entities.append(f"banks/{b}/entities/{bad.format(u=u)}")
+                whys.append(f"entities[]: {w}")
+            else:
+                req.entities.append(f"banks/{b}/entities/{u}")
+        if req.entities and n >= 2 and draw(st.integers(0, 5)) == 0:
+            req.entities.append(req.entities[0])
+            whys.append("entities: one named twice")
+        return Case("MergeEntities", req, draw(deadline()), bank, write=True,
+                    must_refuse="; ".join(w for w in whys if w), refs=tuple(refs))
+    name, ref, bank, why = draw(child_name("entities", "entity"))
+    req = entities_pb2.SplitEntityRequest(name=name, display_name=display)
+    req.aliases.extend(draw(st.lists(st.sampled_from(["alice", "Bob", "", "x" * 300]) | noise(8),
+                                     max_size=draw(st.sampled_from([2, 0, 101])))))
+    memories = draw(st.lists(st.uuids().map(str), max_size=2))
+    b = bank or FIXED_BANKS[0]
+    req.memories.extend(f"banks/{b}/memories/{m}" for m in memories)
+    if draw(st.integers(0, 5)) == 0:
+        req.memories.append(f"banks/{b}/memories/x/y")
+        why = why or "memories[]: malformed"
+    whys = [why, "display_name: required" if not display.strip() else "",
+            "display_name: too long" if len(display) > 200 else "",
+            "aliases: more than 100" if len(req.aliases) > 100 else ""]
+    return Case("SplitEntity", req, draw(deadline()), bank, write=True,
+                must_refuse="; ".join(w for w in whys if w), refs=(ref,) if ref else ())
+
+
+@st.composite
 def delete_case(draw):
     if draw(st.booleans()):
         name, bank, why = draw(bank_name())
@@ -779,6 +829,10 @@ def test_mental_models(fuzz):
 
 def test_directives(fuzz):
     _run(fuzz, "directives", directive_case(), 60, 25)
+
+
+def test_entity_corrections(fuzz):
+    _run(fuzz, "entity corrections", entity_case(), 50, 30)
 
 
 def test_deletes(fuzz):

@@ -174,6 +174,32 @@ def test_distributed_reflect_serves_mental_models(cluster, stub):
         assert list(r.list_mental_models(BANK)) == []
 
 
+def test_distributed_entity_corrections(cluster):
+    """EntityService's merge and split on the search process: the correction goes through
+    the intake topic, extraction's resolver (another process) and the memory topic into
+    search's graph before the call returns; the next retain resolves accordingly."""
+    bank, at = "fam", datetime(2024, 3, 2, tzinfo=timezone.utc)
+    with MnemeClient(cluster.address["ingest"]) as m, \
+            MnemeClient(cluster.address["search"]) as s:
+        m.upsert_bank(bank)
+        r = m.retain(bank, [{"content": t, "timestamp": at} for t in (
+            "Liz adopted a puppy named Biscuit.", "Elizabeth started a pottery class.")])
+        assert r.operation.state == 3
+        ids = {e.display_name: e.id for e in s.list_entities(bank)}
+        merged = s.merge_entities(bank, [ids["Elizabeth"], ids["Liz"]])
+        assert sorted(merged.aliases) == ["elizabeth", "liz"] and merged.mention_count == 2
+        r = m.retain(bank, [{"content": "Liz took Biscuit to the vet.", "timestamp": at}])
+        assert f"banks/{bank}/memories/{r.memory_ids[0]}" in s.get_entity(
+            bank, ids["Elizabeth"]).memories
+        split = s.split_entity(bank, ids["Elizabeth"], "Liz", aliases=["liz"])
+        assert split.entity.mention_count == 1 and split.new_entity.mention_count == 2
+        r = m.retain(bank, [{"content": "Liz went swimming.", "timestamp": at}])
+        assert f"banks/{bank}/memories/{r.memory_ids[0]}" in s.get_entity(
+            bank, split.new_entity.id).memories
+        kinds = collections.Counter(o.kind for o in m.list_operations(bank))
+        assert kinds["merge_entities"] == kinds["split_entity"] == 1
+
+
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):
     items = [i for s in locomo.sessions(next(
         c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26"))

@@ -83,6 +83,15 @@ def sample_events() -> list:
                                    id="o1", text="Alice likes tea", scope=["a"], proof_count=1,
                                    evidence=[ev.Evidence(memory_id="m1", quote="likes tea")],
                                    embedding=[0.5, 0.25], version=2)]),
+        ev.EntityMergeRequested(bank_id="b1", operation_id="op5", survivor_id="e1",
+                                merged_ids=["e2", "e3"], display_name="Alice Smith"),
+        ev.EntitiesMerged(bank_id="b1", operation_id="op5", survivor_id="e1",
+                          merged_ids=["e2", "e3"], display_name="Alice Smith"),
+        ev.EntitySplitRequested(bank_id="b1", operation_id="op6", entity_id="e1",
+                                new_entity_id="e4", aliases=["ally"], memory_ids=["m1"],
+                                display_name="Ally"),
+        ev.EntitySplit(bank_id="b1", operation_id="op6", entity_id="e1", new_entity_id="e4",
+                       aliases=["ally"], memory_ids=["m1"], display_name="Ally"),
     ]
 
 
@@ -97,6 +106,8 @@ EXPECTED_TOPIC = {
     "ConsolidationRequested": INTAKE, "ConsolidationScheduled": MEMORY,
     "OperationCancelRequested": INTAKE,
     "ObservationsChanged": MEMORY, "EntitiesResolved": MEMORY, "OpinionsChanged": MEMORY,
+    "EntityMergeRequested": INTAKE, "EntitySplitRequested": INTAKE,
+    "EntitiesMerged": MEMORY, "EntitySplit": MEMORY,
 }
 
 

@@ -938,6 +938,17 @@ SAMPLES = {
     ev.OpinionsChanged: ev.OpinionsChanged(
         bank_id="b", operation_id="op-o", trigger="delete_opinion",
         opinions=[ev.Opinion(id="p1", version=2, deleted=True)]),
+    ev.EntityMergeRequested: ev.EntityMergeRequested(
+        bank_id="b", operation_id="op-em", survivor_id="e1", merged_ids=["e2"],
+        display_name="Alice Smith"),
+    ev.EntitySplitRequested: ev.EntitySplitRequested(
+        bank_id="b", operation_id="op-es", entity_id="e1", new_entity_id="e3",
+        aliases=["ally"], memory_ids=["f1"], display_name="Ally"),
+    ev.EntitiesMerged: ev.EntitiesMerged(bank_id="b", operation_id="op-em", survivor_id="e1",
+                                         merged_ids=["e2"], display_name="Alice Smith"),
+    ev.EntitySplit: ev.EntitySplit(bank_id="b", operation_id="op-es", entity_id="e1",
+                                   new_entity_id="e3", aliases=["ally"], memory_ids=["f1"],
+                                   display_name="Ally"),
 }
 
 #: What each route yields for its sample on fresh state (output type names, in order).
@@ -947,6 +958,10 @@ EXPECTED = {
     ("extraction", ev.DocumentDeleteRequested): ["FactsRetracted"],
     ("extraction", ev.MemoryDeleteRequested): ["FactsRetracted"],
     ("extraction", ev.ConsolidationRequested): ["ConsolidationScheduled"],
+    ("extraction", ev.EntityMergeRequested): ["EntitiesMerged"],
+    ("extraction", ev.EntitySplitRequested): ["EntitySplit"],
+    ("search", ev.EntitiesMerged): ["OperationProgress"],
+    ("search", ev.EntitySplit): ["OperationProgress"],
     ("search", ev.FactsExtracted): ["OperationProgress"],
     ("search", ev.FactsRetracted): ["OperationProgress"],
     ("search", ev.ObservationsChanged): ["OperationProgress"],

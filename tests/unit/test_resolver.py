@@ -210,3 +210,55 @@ def test_kinds_persist_and_an_old_schema_file_is_migrated(tmp_path):
     assert r2.resolve("b", [("Melanie", "GPE")])[0] == country
     assert r2.resolve("b", [("Melanie", "PERSON")])[0].id == mel_id
     assert len(r2.entities("b")) == 2
+
+
+def test_merge_resolves_every_alias_to_the_survivor_and_survives_a_restart():
+    store = SqliteEntityStore(":memory:")
+    r = EntityResolver(store)
+    liz, eli = (ref for [ref] in r.resolve_many("b", [[("Liz", "PERSON")],
+                                                       [("Elizabeth", "PERSON")]]))
+    assert liz.id != eli.id
+    r.resolve("b", [("Lizzy", "PERSON")])  # "liz" is its prefix: an alias of Liz
+    assert r.merge("b", eli.id, [liz.id], display_name="Elizabeth Bennet")
+    assert not r.merge("b", eli.id, [liz.id], display_name="Elizabeth Bennet")  # redelivery
+    survivor = r.resolve("b", [("Liz", "PERSON")])[0]
+    assert survivor.id == eli.id and survivor.name == "Elizabeth Bennet"
+    assert r.resolve("b", [("Lizzy", "PERSON")])[0].id == eli.id
+    assert [e.id for e in r.entities("b")] == [eli.id]
+    restarted = EntityResolver(store)  # the correction was persisted
+    assert restarted.resolve("b", [("liz", "PERSON")])[0] == survivor
+    assert restarted.resolve("b", [("elizabeth bennet", "PERSON")])[0].id == eli.id
+    assert not r.merge("b", "unknown", [eli.id])  # an unknown survivor changes nothing
+
+
+def test_split_moves_aliases_to_a_new_entity():
+    store = SqliteEntityStore(":memory:")
+    r = EntityResolver(store)
+    mel = r.resolve("b", [("Melanie", "PERSON")])[0]
+    assert r.resolve("b", [("Mel", "PERSON")])[0] == mel
+    assert r.split("b", mel.id, "new-id", ["mel"], "Mel Gibson")
+    assert not r.split("b", mel.id, "new-id", ["mel"], "Mel Gibson")  # redelivery
+    got = r.resolve("b", [("Mel", "PERSON")])[0]
+    assert (got.id, got.name, got.label) == ("new-id", "Mel Gibson", "PERSON")
+    assert r.resolve("b", [("Melanie", "PERSON")])[0] == mel
+    assert EntityResolver(store).resolve("b", [("mel", "PERSON")])[0].id == "new-id"
+    # the entity's own key moved: its remaining alias becomes its key
+    car = r.resolve("b", [("Caroline Smith", "PERSON")])[0]
+    r.resolve("b", [("Caroline", "PERSON")])
+    assert r.split("b", car.id, "c2", ["caroline smith"], "Caroline Smith")
+    assert r.resolve("b", [("Caroline Smith", "PERSON")])[0].id == "c2"
+    assert r.resolve("b", [("Caroline", "PERSON")])[0].id == car.id
+    assert EntityResolver(store).resolve("b", [("Caroline", "PERSON")])[0].id == car.id
+
+
+def test_a_split_applied_again_after_its_changelog_takes_the_aliases_again():
+    r = EntityResolver()
+    mel = r.resolve("b", [("Melanie", "PERSON")])[0]
+    r.resolve("b", [("Mel", "PERSON")])
+    entities, claims, aliases = r.drain("b")
+    r.split("b", mel.id, "new-id", ["mel"], "Mel Gibson")
+    # a restore from an older checkpoint: the resolution changelog, then the split again
+    r.learn("b", entities, claims, aliases)
+    assert r.split("b", mel.id, "new-id", ["mel"], "Mel Gibson")
+    assert r.lookup("b", ["mel"]) == [r.resolve("b", [("Mel", "PERSON")])[0]]
+    assert r.lookup("b", ["mel"])[0].id == "new-id"

@@ -301,3 +301,26 @@ def test_a_retain_looks_up_each_documents_key_once(keyring):
     assert sorted(calls) == ["d:s1", "d:s2"]
     assert [i.content for i in ev.RetainRequested.FromString(opened.value).items] == \
         [f"turn {i}" for i in range(50)]
+
+
+@pytest.mark.parametrize("msg", [
+    ev.EntityMergeRequested(bank_id="b", operation_id="op", survivor_id="e1",
+                            merged_ids=["e2"], display_name=f"Alice {MARKER}"),
+    ev.EntitiesMerged(bank_id="b", operation_id="op", survivor_id="e1", merged_ids=["e2"],
+                      display_name=f"Alice {MARKER}"),
+    ev.EntitySplitRequested(bank_id="b", operation_id="op", entity_id="e1", new_entity_id="e3",
+                            aliases=[f"ally {MARKER}"], memory_ids=["m1"], display_name="Ally"),
+    ev.EntitySplit(bank_id="b", operation_id="op", entity_id="e1", new_entity_id="e3",
+                   aliases=[f"ally {MARKER}"], memory_ids=["m1"], display_name="Ally"),
+], ids=lambda m: m.DESCRIPTOR.name)
+def test_entity_corrections_are_sealed_under_the_bank_key(keyring, msg):
+    sealer = Sealer(keyring)
+    out, opened = _seal_open(sealer, msg)
+    assert MARKER.encode() not in out.value
+    sealed = type(msg).FromString(out.value)
+    assert sealed.seal.keys == ["bank"] and sealed.operation_id == "op"  # ids in the clear
+    back = type(msg).FromString(opened.value)
+    back.ClearField("seal")
+    assert back == msg
+    keyring.destroy_bank("b")
+    assert erased_record(sealer.open(_as_read(out)))

@@ -15,6 +15,13 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     ReflectionRecorded  query, answer, evidence         keys: its own q:<id> + its facts'
     Opinion             text, entities, history,        keys: those of its evidence facts
                         embedding
+    DirectiveChanged    title, text                     keys: the bank's
+    MentalModelChanged  display_name, source_query,     keys: the bank's
+                        content
+    EntityMergeRequested, EntitiesMerged                keys: the bank's
+                        display_name
+    EntitySplitRequested, EntitySplit                   keys: the bank's
+                        aliases, display_name
 
 Ids, bank ids, document ids, tags, times, types, links and counters stay in the clear:
 routing, ordering, replay and the projections' bookkeeping work on them. A sealed
@@ -68,11 +75,19 @@ SEALED: dict[str, tuple[str, ...]] = {
     "Opinion": ("text", "entities", "history", "embedding"),
     "DirectiveChanged": ("title", "text"),
     "MentalModelChanged": ("display_name", "source_query", "content"),
+    "EntityMergeRequested": ("display_name",),
+    "EntitiesMerged": ("display_name",),
+    "EntitySplitRequested": ("aliases", "display_name"),
+    "EntitySplit": ("aliases", "display_name"),
 }
+#: Events sealed whole under the bank's key (user corrections and curated content).
+_BANK_SEALED = (ev.DirectiveChanged, ev.MentalModelChanged, ev.EntityMergeRequested,
+                ev.EntitiesMerged, ev.EntitySplitRequested, ev.EntitySplit)
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
-    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "OpinionsChanged"))
+    "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "OpinionsChanged",
+    "EntityMergeRequested", "EntitiesMerged", "EntitySplitRequested", "EntitySplit"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -207,7 +222,7 @@ class Opener:
             each(m, "observations")
         elif isinstance(m, ev.OpinionsChanged):
             each(m, "opinions")
-        elif isinstance(m, (ev.ReflectionRecorded, ev.DirectiveChanged, ev.MentalModelChanged)):
+        elif isinstance(m, (ev.ReflectionRecorded, *_BANK_SEALED)):
             ok = self._open(m, bank)
             if ok is False:
                 return opened, 1, True
@@ -319,7 +334,7 @@ class Sealer(Opener):
                     if k not in m.seal.keys and kr.key(bank, k) is not None:
                         m.seal.keys.append(k)
             n += self._seal(m, bank)
-        elif isinstance(m, (ev.DirectiveChanged, ev.MentalModelChanged)):  # the bank's key
+        elif isinstance(m, _BANK_SEALED):  # the bank's key
             n += self._seal(m, bank)
         return n
 

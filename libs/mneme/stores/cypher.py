@@ -166,6 +166,44 @@ DETACH DELETE n
 RETURN count(*) AS deleted
 """
 
+# ---- user corrections of entity resolution (merge, split) ---------------------------------
+
+#: The entities $ids that exist, with what a merge or split rewrites.
+ENTITIES_BY_ID = """
+UNWIND $ids AS eid
+MATCH (e:Entity {bank_id: $bank_id, id: eid})
+RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key, e.aliases AS aliases
+"""
+
+#: Write an entity's name, key, label and alias keys (created when missing).
+SET_ENTITY = """
+MERGE (e:Entity {bank_id: $bank_id, id: $id})
+SET e.name = $name, e.key = $key, e.label = $label, e.aliases = $aliases
+"""
+
+#: Every unit mentioning $from_id (all of them, or those among $unit_ids) mentions $to_id
+#: too; :data:`DROP_MENTIONS` then removes their edges to $from_id (a move in two steps:
+#: no MERGE and DELETE of one edge pattern in one query).
+ADD_MENTIONS_OF = """
+MATCH (f:Entity {bank_id: $bank_id, id: $from_id})<-[:MENTIONS]-(u:Unit)
+WHERE $all OR u.id IN $unit_ids
+WITH u
+MATCH (t:Entity {bank_id: $bank_id, id: $to_id})
+MERGE (u)-[:MENTIONS]->(t)
+"""
+DROP_MENTIONS = """
+MATCH (f:Entity {bank_id: $bank_id, id: $from_id})<-[r:MENTIONS]-(u:Unit)
+WHERE $all OR u.id IN $unit_ids
+DELETE r
+"""
+
+#: Delete the entities $ids (merged away) with whatever edges they still have.
+DELETE_ENTITIES = """
+UNWIND $ids AS eid
+MATCH (e:Entity {bank_id: $bank_id, id: eid})
+DETACH DELETE e
+"""
+
 # ---- reads ---------------------------------------------------------------------------------
 
 COUNT_ENTITIES = """

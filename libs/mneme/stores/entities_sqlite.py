@@ -108,6 +108,40 @@ class SqliteEntityStore:
             self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
                                  "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
 
+    def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),
+                mentions_of: Sequence[tuple[str, str]] = ()) -> None:
+        """One transaction (see :meth:`mneme.ports.EntityStore.rewrite`); a removed
+        entity's rows are overwritten in the file (names are user content)."""
+        if not (entities or aliases or removed or mentions_of):
+            return
+        touched = list(dict.fromkeys([*(e.id for e in entities), *removed]))
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for e in entities:
+                updated = self._db.execute(
+                    "UPDATE entities_v2 SET key=?, name=?, label=?, kind=? "
+                    "WHERE bank_id=? AND id=?", (e.key, e.name, e.label, e.kind, bank_id, e.id))
+                if not updated.rowcount:
+                    self._seq += 1
+                    self._db.execute(
+                        "INSERT INTO entities_v2(bank_id, id, key, name, label, kind, seq)"
+                        " VALUES (?,?,?,?,?,?,?)",
+                        (bank_id, e.id, e.key, e.name, e.label, e.kind, self._seq))
+            for i, src in mentions_of:
+                self._db.execute(
+                    "INSERT OR IGNORE INTO mentions(bank_id, id, scope) "
+                    "SELECT bank_id, ?, scope FROM mentions WHERE bank_id=? AND id=?",
+                    (i, bank_id, src))
+            self._db.executemany("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
+                                 [(bank_id, i) for i in touched])
+            self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
+                                 "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
+            for i in removed:
+                self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
+                                 (bank_id, i))
+                self._db.execute("DELETE FROM mentions WHERE bank_id=? AND id=?", (bank_id, i))
+
     def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
         if not mentions:
             return

@@ -292,6 +292,30 @@ class CypherGraphStore:
                 batch = ids[i:i + BATCH]
                 self._write(lambda run, b=batch: _delete_units(run, bank_id, b))
 
+    def merge_entities(self, bank_id: str, survivor_id: str, merged_ids: Sequence[str],
+                       display_name: str = "") -> None:
+        """A user's merge: every unit mentioning one of ``merged_ids`` mentions
+        ``survivor_id`` instead, the survivor's aliases are the union of all of theirs
+        (plus the key of ``display_name``, which renames it), and the merged entities are
+        deleted. Idempotent; nothing happens when none of them exists."""
+        merged = [m for m in dict.fromkeys(merged_ids) if m != survivor_id]
+        with self._lock:
+            self._write(lambda run: _merge_entities(run, bank_id, survivor_id, merged,
+                                                    " ".join(display_name.split())))
+
+    def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
+                     display_name: str, unit_ids: Sequence[str]) -> None:
+        """A user's split: entity ``new_id`` (``display_name``, the label of
+        ``entity_id``) takes the alias keys ``aliases`` of ``entity_id`` (when its own key
+        moves, its first remaining alias becomes its key; it always keeps one) and the
+        MENTIONS edges of the units ``unit_ids``. The new entity exists even when no unit
+        mentions it yet. Idempotent; nothing happens when ``entity_id`` does not exist."""
+        with self._lock:
+            self._write(lambda run: _split_entity(run, bank_id, entity_id, new_id,
+                                                  list(dict.fromkeys(aliases)),
+                                                  " ".join(display_name.split()),
+                                                  list(dict.fromkeys(unit_ids))))
+
     # -- reads --
 
     def count(self, bank_id: str) -> int:
@@ -522,6 +546,73 @@ def _delete_units(run: Run, bank_id: str, ids: list[str]) -> None:
     run(cypher.CLEAR_UNIT_EDGES, {"bank_id": bank_id, "ids": ids})
     run(cypher.MARK_STUBS, {"bank_id": bank_id, "ids": ids})
     _cleanup(run, bank_id, ids + old_targets, old_entities)
+    _touch(run, bank_id)
+
+
+def _entities_by_id(run: Run, bank_id: str, ids: list[str]) -> dict[str, list[Any]]:
+    return {r[0]: r for r in run(cypher.ENTITIES_BY_ID, {"bank_id": bank_id, "ids": ids})}
+
+
+def _keys_of(row: list[Any]) -> list[str]:
+    """An entity row's key and alias keys, key first, each once."""
+    return [k for k in dict.fromkeys([row[3], *(row[4] or [])]) if k]
+
+
+def _move_mentions(run: Run, bank_id: str, from_id: str, to_id: str,
+                   unit_ids: list[str] | None) -> None:
+    params = {"bank_id": bank_id, "from_id": from_id, "to_id": to_id,
+              "all": unit_ids is None, "unit_ids": unit_ids or []}
+    run(cypher.ADD_MENTIONS_OF, params)
+    run(cypher.DROP_MENTIONS, params)
+
+
+def _merge_entities(run: Run, bank_id: str, survivor_id: str, merged: list[str],
+                    display_name: str) -> None:
+    found = _entities_by_id(run, bank_id, [survivor_id, *merged])
+    gone = [m for m in merged if m in found]
+    s = found.get(survivor_id) or (found[gone[0]] if gone else None)
+    if s is None:
+        return
+    keys = _keys_of(s) if survivor_id in found else []
+    for m in gone:
+        keys += [k for k in _keys_of(found[m]) if k not in keys]
+    name, key = s[1] or "", s[3] or ""
+    if display_name:
+        name, key = display_name, entity_key(display_name) or key
+        if key and key not in keys:
+            keys.append(key)
+    run(cypher.SET_ENTITY, {"bank_id": bank_id, "id": survivor_id, "name": name, "key": key,
+                            "label": s[2] or "", "aliases": keys})
+    for m in gone:
+        _move_mentions(run, bank_id, m, survivor_id, None)
+    if gone:
+        run(cypher.DELETE_ENTITIES, {"bank_id": bank_id, "ids": gone})
+    _touch(run, bank_id)
+
+
+def _split_entity(run: Run, bank_id: str, entity_id: str, new_id: str, aliases: list[str],
+                  display_name: str, unit_ids: list[str]) -> None:
+    found = _entities_by_id(run, bank_id, [entity_id, new_id])
+    e = found.get(entity_id)
+    if e is None:
+        return
+    own = _keys_of(e)
+    moved = [a for a in aliases if a in own]
+    kept = [k for k in own if k not in moved]
+    if not kept:  # an entity keeps a name to be found by
+        kept, moved = own[:1], [a for a in moved if a != own[0]]
+    new = found.get(new_id)
+    name = (new[1] if new is not None else display_name) or new_id
+    new_key = (new[3] if new is not None else entity_key(name)) or (moved[0] if moved else "")
+    new_keys = _keys_of(new) if new is not None else [new_key] if new_key else []
+    new_keys += [a for a in moved if a not in new_keys]
+    run(cypher.SET_ENTITY, {"bank_id": bank_id, "id": new_id, "name": name, "key": new_key,
+                            "label": e[2] or "", "aliases": new_keys})
+    run(cypher.SET_ENTITY, {"bank_id": bank_id, "id": entity_id, "name": e[1] or "",
+                            "key": e[3] if e[3] in kept else kept[0], "label": e[2] or "",
+                            "aliases": kept})
+    if unit_ids:
+        _move_mentions(run, bank_id, entity_id, new_id, unit_ids)
     _touch(run, bank_id)
 
 

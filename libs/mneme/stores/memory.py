@@ -383,6 +383,27 @@ class MemoryEntityStore:
             for a, i in aliases:
                 pairs.setdefault((a, i), None)
 
+    def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
+                aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),
+                mentions_of: Sequence[tuple[str, str]] = ()) -> None:
+        with self._lock:
+            known = self._entities.setdefault(bank_id, {})
+            for e in entities:
+                known[e.id] = e  # a known id keeps its place in the dict's order
+            scopes = self._mentions.setdefault(bank_id, {})
+            for i, src in mentions_of:
+                if scopes.get(src):
+                    scopes.setdefault(i, set()).update(scopes[src])
+            touched = {e.id for e in entities} | set(removed)
+            pairs = self._aliases.setdefault(bank_id, {})
+            for pair in [p for p in pairs if p[1] in touched]:
+                del pairs[pair]
+            for a, i in aliases:
+                pairs.setdefault((a, i), None)
+            for i in removed:
+                known.pop(i, None)
+                scopes.pop(i, None)
+
     def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
         with self._lock:
             known = self._mentions.setdefault(bank_id, {})
