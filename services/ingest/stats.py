@@ -44,8 +44,9 @@ def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
     stats = {"facts": -1, "observations": -1, "entities": -1}
     if stores is not None:
         stats["observations"] = _count_observations(stores.vectors, bank_id)
-        # the vector store holds the observations too
-        stats["facts"] = int(stores.vectors.count(bank_id)) - stats["observations"]
+        # the vector store holds observations and opinions too: count the facts' types
+        from mneme.domain import FACT_TYPES, Filters
+        stats["facts"] = int(stores.vectors.count(bank_id, Filters(types=FACT_TYPES)))
         stats["entities"] = stores.graph.count_entities(bank_id)
     stats["operations"], stats["pending_operations"] = catalog.count_operations(bank_id)
     stats["lag"] = consumer_lag(log, bank_id, groups)

@@ -99,6 +99,8 @@ def test_an_opinion_is_formed_revised_recalled_replayed_and_deleted(stub, server
         assert cur.text == REVISED and cur.history[2].text == FORMED
         assert round(cur.confidence, 4) == path[-1]
         assert [e.rsplit("/", 1)[-1] for e in cur.evidence] == [first, *ids[:2]]
+        # the bank's stats count facts, not the opinion beside them in the vector store
+        assert m.bank_stats("op").facts == len(list(m.list_memories("op"))) == 4
 
     log = b"".join(p.read_bytes() for p in server.data_dir.glob("log.db*"))
     assert FORMED.encode() not in log and REVISED.encode() not in log  # sealed on the log
