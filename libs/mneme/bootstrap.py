@@ -373,6 +373,7 @@ def build_ingest(root: Root) -> ServiceParts:
                     group=root.group_id(svc.groups[0]), source=svc.source,
                     groups=lambda: root.group_ids([r.group_id for r in parts.routers.values()]),
                     stores=None if root.distributed else root.stores,  # for GetBankStats
+                    documents=None if root.distributed else root.documents,  # and profiles
                     keys=root.keyring, wait_projections=not root.distributed)
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})

@@ -221,6 +221,9 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
               None, "--auto-consolidate/--no-auto-consolidate", help="update"),
           extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline or llm"),
           erasure: Optional[str] = typer.Option(None, help="update: crypto_shred or none"),
+          store_documents: Optional[bool] = typer.Option(
+              None, "--store-documents/--no-store-documents",
+              help="update: keep retained documents' original text (GetDocument)"),
           as_json: bool = typer.Option(False, "--json", help="get, create, update: the bank as JSON"),
           address: str = AddressOpt):
     """List, create, show, update (only the fields given) or delete banks, or check the
@@ -229,7 +232,8 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         ("retain_mission", retain_mission), ("observations_mission", observations_mission),
         ("reflect_mission", reflect_mission), ("skepticism", skepticism),
         ("literalism", literalism), ("empathy", empathy), ("auto_consolidate", auto_consolidate),
-        ("extraction_mode", extraction_mode), ("erasure", erasure)) if v is not None}
+        ("extraction_mode", extraction_mode), ("erasure", erasure),
+        ("store_documents", store_documents)) if v is not None}
     if extraction_mode is not None:
         _choice("--extraction-mode", extraction_mode, ("auto", "offline", "llm"))
     if erasure is not None:
@@ -1115,8 +1119,11 @@ def documents_list(bank: str, limit: int = typer.Option(0, help="at most this ma
 
 @documents_app.command("get")
 def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(False, "--json"),
+                  text: bool = typer.Option(True, "--text/--no-text",
+                                            help="print the original text"),
                   address: str = AddressOpt):
-    """Show one document: its memories in item order."""
+    """Show one document: its original text (when the bank stores documents), its
+    history of retains and its memories in item order."""
     with _client(address) as m:
         try:
             d = m.get_document(bank, document_id)
@@ -1124,9 +1131,26 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
             _fail(err)
     if as_json:
         return _print_json(d)
-    updated = d.update_time.ToDatetime(timezone.utc).isoformat() if d.HasField("update_time") else ""
+
+    def iso(ts) -> str:
+        return ts.ToDatetime(timezone.utc).isoformat() if ts.seconds or ts.nanos else "unknown"
     out = Console()
-    out.print(f"{d.document_id}: {d.memory_count} memories, last retained {updated or 'unknown'}")
+    created = iso(d.create_time) if d.HasField("create_time") else "unknown"
+    updated = iso(d.update_time) if d.HasField("update_time") else "unknown"
+    out.print(f"{d.document_id}: {d.memory_count} memories, {d.revision_count} revisions, "
+              f"created {created}, last retained {updated}", highlight=False)
+    if d.content_hash:
+        out.print(f"text: {d.content_chars} characters, sha256 {d.content_hash}, "
+                  f"{'stored' if d.text_stored else 'not stored'}", highlight=False)
+    if text and d.original_text:
+        out.print(d.original_text, markup=False, highlight=False)
+    if d.history:
+        h = _table("revision", "retained", "operation", "items", "chars", "tags",
+                   ids=("operation",))
+        for r in d.history:
+            h.add_row(str(r.revision), iso(r.retain_time), r.operation, str(r.item_count),
+                      str(r.content_chars), ", ".join(r.tags))
+        out.print(h)
     from mneme.v1 import resources_pb2
     t = _table("memory", "type", "text", ids=("memory",))
     for mem in d.memories:

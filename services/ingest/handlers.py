@@ -159,6 +159,8 @@ class Ingest:
     #: For GetBankStats: search's projections when this process has them, and the
     #: consumer groups that run in the topology (``groups() -> {group id: topics}``).
     stores: object = None
+    #: For GetBankProfile: search's document projection when this process has it.
+    documents: object = None
     groups: Callable[[], dict] = dict
     #: ``catch_up(bank_id | None)``: before a read, wait for this replica's catalog to
     #: hold what other replicas wrote (distributed, :func:`mneme.bootstrap`); no-op here.
