@@ -1106,14 +1106,17 @@ app.add_typer(documents_app, name="documents")
 @documents_app.command("list")
 def documents_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """List BANK's documents in id order with how many memories each holds."""
+    """List BANK's documents in id order with how many memories and revisions each has
+    and when it was last retained."""
     with _client(address) as m:
         docs = _listed(m.list_documents(bank), limit)
     if as_json:
         return _print_json(docs)
-    t = _table("document", "memories")
+    t = _table("document", "memories", "revisions", "last retained")
     for d in docs:
-        t.add_row(d.document_id, str(d.memory_count))
+        t.add_row(d.document_id, str(d.memory_count), str(d.revision_count),
+                  d.update_time.ToDatetime(timezone.utc).isoformat(timespec="seconds")
+                  if d.HasField("update_time") else "")
     Console().print(t)
 
 
@@ -1133,7 +1136,8 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
         return _print_json(d)
 
     def iso(ts) -> str:
-        return ts.ToDatetime(timezone.utc).isoformat() if ts.seconds or ts.nanos else "unknown"
+        return (ts.ToDatetime(timezone.utc).isoformat(timespec="seconds")
+                if ts.seconds or ts.nanos else "unknown")
     out = Console()
     created = iso(d.create_time) if d.HasField("create_time") else "unknown"
     updated = iso(d.update_time) if d.HasField("update_time") else "unknown"
@@ -1144,18 +1148,27 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
                   f"{'stored' if d.text_stored else 'not stored'}", highlight=False)
     if text and d.original_text:
         out.print(d.original_text, markup=False, highlight=False)
-    if d.history:
-        h = _table("revision", "retained", "operation", "items", "chars", "tags",
-                   ids=("operation",))
-        for r in d.history:
-            h.add_row(str(r.revision), iso(r.retain_time), r.operation, str(r.item_count),
-                      str(r.content_chars), ", ".join(r.tags))
-        out.print(h)
+    for r in d.history:  # one line each: full operation names, never cut
+        tags = f", tags {', '.join(r.tags)}" if r.tags else ""
+        out.print(f"  revision {r.revision}  {iso(r.retain_time)}  {r.operation}  "
+                  f"{r.item_count} item(s), {r.content_chars} chars{tags}", highlight=False,
+                  soft_wrap=True)
     from mneme.v1 import resources_pb2
     t = _table("memory", "type", "text", ids=("memory",))
     for mem in d.memories:
         t.add_row(mem.id, resources_pb2.FactType.Name(mem.fact_type).lower(), mem.text)
     out.print(t)
+
+
+@documents_app.command("delete")
+def documents_delete(bank: str, document_id: str, address: str = AddressOpt):
+    """Delete one document: its memories, its text and history (erased, also on the log)."""
+    with _client(address) as m:
+        try:
+            op = m.delete_document(bank, document_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    print(f"deleted document {document_id}: {_state(op.state)}")
 
 
 tags_app = typer.Typer(help="The tags on a bank's memories.", no_args_is_help=True)
