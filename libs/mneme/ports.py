@@ -421,13 +421,14 @@ class DocumentStore(Protocol):
     def storage(self, bank_id: str) -> bool:
         """The bank's setting; True for a bank never set."""
 
-    def add_revision(self, bank_id: str, document_id: str, rev: DocumentRevision,
-                     text: str | None) -> bool:
-        """Record a retain of the document at ``rev.at`` and make it the latest: its
-        text becomes ``text`` (None: not stored; the previous text is dropped). The
-        revision number is the next one of the document (``rev.revision`` is ignored).
-        Idempotent: a retain whose ``operation_id`` the document already has changes
-        nothing (False); True when recorded."""
+    def add_revisions(self, bank_id: str,
+                      entries: Sequence[tuple[str, DocumentRevision, str | None]]) -> int:
+        """Record, in one write, each (document id, revision, text): a retain of the
+        document at ``rev.at``, made its latest: its text becomes ``text`` (None: not
+        stored; the previous text is dropped). The revision number is the next one of
+        the document (``rev.revision`` is ignored). Idempotent: a retain whose
+        ``operation_id`` the document already has changes nothing. Returns how many
+        were recorded."""
 
     def delete_document(self, bank_id: str, document_id: str) -> bool:
         """Forget the document, its text and its history; True when it was held."""

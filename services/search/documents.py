@@ -42,6 +42,7 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, documents: Do
         if i not in skipped and item.document_id:
             by_doc.setdefault(item.document_id, []).append(item)
     store_text = documents.storage(m.bank_id) if by_doc else False
+    entries = []
     for document_id, items in by_doc.items():
         text = DOCUMENT_JOIN.join(i.content for i in items)
         tags = tuple(sorted({t for i in items for t in i.tags}))
@@ -50,7 +51,9 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, documents: Do
             items=len(items), content_hash=hashlib.sha256(text.encode()).hexdigest(),
             chars=len(text), tags=tags, context=items[0].context if store_text else "",
             text_stored=store_text)
-        documents.add_revision(m.bank_id, document_id, rev, text if store_text else None)
+        entries.append((document_id, rev, text if store_text else None))
+    if entries:
+        documents.add_revisions(m.bank_id, entries)
     return []
 
 

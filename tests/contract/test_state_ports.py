@@ -151,9 +151,9 @@ class TestSqliteDocumentStore(DocumentStoreSuite):
         the database or its WAL, while the store is open and after it closes."""
         gone, replaced = "Zanzibarina's phone is +44 7700 900123", "Quetzalina owes 40 EUR"
         s = self.make_documents(tmp_path)
-        s.add_revision("a", "d", rev("o1", 1.0, gone, context=gone), gone)
-        s.add_revision("a", "e", rev("o2", 1.0, replaced), replaced)
-        s.add_revision("a", "e", rev("o3", 2.0, "now"), "now")
+        s.add_revisions("a", [("d", rev("o1", 1.0, gone, context=gone), gone)])
+        s.add_revisions("a", [("e", rev("o2", 1.0, replaced), replaced)])
+        s.add_revisions("a", [("e", rev("o3", 2.0, "now"), "now")])
         s.delete_document("a", "d")
 
         def leftovers() -> list[str]:
@@ -167,7 +167,7 @@ class TestSqliteDocumentStore(DocumentStoreSuite):
 
     def test_reopen_keeps_documents_and_settings(self, tmp_path):
         s = self.make_documents(tmp_path)
-        s.add_revision("a", "d", rev("o1", 1.0, "x"), "x")
+        s.add_revisions("a", [("d", rev("o1", 1.0, "x"), "x")])
         s.set_storage("a", False)
         dump = s.dump("a")
         s.close()

@@ -14,6 +14,7 @@ import json
 import sqlite3
 import threading
 from dataclasses import asdict
+from typing import Sequence
 
 from mneme.domain import DocumentRevision, StoredDocument
 from mneme.stores import sqlite_erase
@@ -79,38 +80,42 @@ class SqliteDocumentStore:
                                    (bank_id,)).fetchone()
         return True if row is None else bool(row[0])
 
-    def add_revision(self, bank_id: str, document_id: str, rev: DocumentRevision,
-                     text: str | None) -> bool:
-        """One transaction; the WAL is truncated when an earlier text was replaced (its
-        bytes must not outlive it: the new retain replaced the document)."""
+    def add_revisions(self, bank_id: str,
+                      entries: Sequence[tuple[str, DocumentRevision, str | None]]) -> int:
+        """One transaction (one sync for a retain's documents); the WAL is truncated
+        when an earlier text was replaced (its bytes must not outlive it: the new
+        retain replaced the document)."""
+        added, replaced = 0, False
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                if self._db.execute(
-                        "SELECT 1 FROM revisions WHERE bank_id=? AND document_id=? AND "
-                        "operation_id=?", (bank_id, document_id, rev.operation_id)).fetchone():
-                    self._db.execute("ROLLBACK")
-                    return False
-                row = self._db.execute(
-                    "SELECT created_at, revisions, text FROM documents WHERE bank_id=? AND "
-                    "document_id=?", (bank_id, document_id)).fetchone()
-                n = (row[1] if row else 0) + 1
-                self._db.execute(
-                    "INSERT OR REPLACE INTO documents VALUES (?,?,?,?,?,?)",
-                    (bank_id, document_id, row[0] if row else rev.at, rev.at, n, text))
-                self._db.execute(
-                    f"INSERT INTO revisions (bank_id, document_id, {_REV_COLS}) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    (bank_id, document_id, n, rev.operation_id, rev.at, rev.items,
-                     rev.content_hash, rev.chars, json.dumps(list(rev.tags)), rev.context,
-                     int(rev.text_stored)))
+                for document_id, rev, text in entries:
+                    if self._db.execute(
+                            "SELECT 1 FROM revisions WHERE bank_id=? AND document_id=? AND "
+                            "operation_id=?", (bank_id, document_id, rev.operation_id)).fetchone():
+                        continue
+                    row = self._db.execute(
+                        "SELECT created_at, revisions, text FROM documents WHERE bank_id=? AND "
+                        "document_id=?", (bank_id, document_id)).fetchone()
+                    n = (row[1] if row else 0) + 1
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO documents VALUES (?,?,?,?,?,?)",
+                        (bank_id, document_id, row[0] if row else rev.at, rev.at, n, text))
+                    self._db.execute(
+                        f"INSERT INTO revisions (bank_id, document_id, {_REV_COLS}) "
+                        "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        (bank_id, document_id, n, rev.operation_id, rev.at, rev.items,
+                         rev.content_hash, rev.chars, json.dumps(list(rev.tags)), rev.context,
+                         int(rev.text_stored)))
+                    added += 1
+                    replaced |= row is not None and row[2] is not None
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            if row is not None and row[2] is not None:
+            if replaced:
                 sqlite_erase.truncate_wal(self._db)
-        return True
+        return added
 
     def delete_document(self, bank_id: str, document_id: str) -> bool:
         with self._lock:

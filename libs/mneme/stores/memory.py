@@ -400,17 +400,21 @@ class MemoryDocumentStore:
         with self._lock:
             return self._storage.get(bank_id, True)
 
-    def add_revision(self, bank_id: str, document_id: str, rev, text: str | None) -> bool:
+    def add_revisions(self, bank_id: str, entries) -> int:
+        added = 0
         with self._lock:
-            doc = self._docs.get((bank_id, document_id))
-            if doc is not None and any(r.operation_id == rev.operation_id for r in doc["history"]):
-                return False
-            if doc is None:
-                doc = self._docs[(bank_id, document_id)] = dict(created=rev.at, history=[])
-            doc["history"].append(replace(rev, revision=len(doc["history"]) + 1,
-                                          tags=tuple(rev.tags)))
-            doc.update(updated=rev.at, text=text)
-            return True
+            for document_id, rev, text in entries:
+                doc = self._docs.get((bank_id, document_id))
+                if doc is not None and any(r.operation_id == rev.operation_id
+                                           for r in doc["history"]):
+                    continue
+                if doc is None:
+                    doc = self._docs[(bank_id, document_id)] = dict(created=rev.at, history=[])
+                doc["history"].append(replace(rev, revision=len(doc["history"]) + 1,
+                                              tags=tuple(rev.tags)))
+                doc.update(updated=rev.at, text=text)
+                added += 1
+        return added
 
     def delete_document(self, bank_id: str, document_id: str) -> bool:
         with self._lock:
