@@ -1147,7 +1147,7 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
         out.print(f"text: {d.content_chars} characters, sha256 {d.content_hash}, "
                   f"{'stored' if d.text_stored else 'not stored'}", highlight=False)
     if text and d.original_text:
-        out.print(d.original_text, markup=False, highlight=False)
+        print(d.original_text)  # as stored: never rewrapped to the terminal's width
     for r in d.history:  # one line each: full operation names, never cut
         tags = f", tags {', '.join(r.tags)}" if r.tags else ""
         out.print(f"  revision {r.revision}  {iso(r.retain_time)}  {r.operation}  "

@@ -115,8 +115,8 @@ def test_upserts_history_text_units_deletion_and_replay(server):
     assert got["history"][0]["operation"] == first.operation.name  # full ids
     assert got["history"][1]["retain_time"].endswith("Z")  # RFC 3339, not epoch seconds
     shown = cli(server, "documents", "get", BANK, "handbook")
-    assert V2[1] in shown and "2 revisions" in shown and first.operation.name in shown
-    assert V2[1] not in cli(server, "documents", "get", BANK, "handbook", "--no-text")
+    assert text in shown and "2 revisions" in shown and first.operation.name in shown
+    assert text not in cli(server, "documents", "get", BANK, "handbook", "--no-text")
 
     with server.client() as m:
         assert projection_holds(server, "Tom runs the IT desk")  # the stored text is there
