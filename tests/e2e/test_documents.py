@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mneme.cli import app
+from mneme.v1 import documents_pb2
 from tests.e2e.server import Server
 
 BANK, PRIVATE = "docs", "private-docs"
@@ -90,8 +91,8 @@ def test_upserts_history_text_units_deletion_and_replay(server):
         assert all(x.document_id == "handbook" for x in doc.memories)
 
         # paged, without text or history
-        page = m.documents.ListDocuments(__import__("mneme.v1.documents_pb2", fromlist=["x"])
-                                         .ListDocumentsRequest(parent=f"banks/{BANK}", page_size=1))
+        page = m.documents.ListDocuments(documents_pb2.ListDocumentsRequest(
+            parent=f"banks/{BANK}", page_size=1))
         assert [d.document_id for d in page.documents] == ["handbook"] and page.next_page_token
         listed = list(m.list_documents(BANK, page_size=1))
         assert [d.document_id for d in listed] == ["handbook", "travel"]

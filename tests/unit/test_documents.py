@@ -92,3 +92,33 @@ def test_deletions_erase_the_document_and_the_bank():
     assert s.get("b", "d") is None and s.get("b", "e") is not None
     h.on_bank_deleted(ev.BankDeleted(bank_id="b"), meta(), documents=s)
     assert s.count("b") == 0 and s.storage("b")
+
+
+def test_get_document_caps_history_and_memories_and_counts_them():
+    """The latest 100 revisions (oldest first) with the total; the first 1000 facts in
+    item order with the exact count; a document only the vector store knows (its retain
+    not projected yet) is still found; an unknown one is NOT_FOUND."""
+    from dataclasses import replace as dc_replace
+
+    import pytest
+
+    from mneme.domain import DocumentRevision, Fact
+    from mneme.errors import NotFound
+    from services.search import reads
+    from tests.fakes import FakeStore
+
+    s, vectors = MemoryDocumentStore(), FakeStore("vector")
+    for n in range(105):  # one retain after the other
+        s.add_revisions("b", [("d", DocumentRevision(0, f"o{n:03d}", float(n)), f"t{n}")])
+    base = Fact(id="", bank_id="b", text="x", fact_type="world", document_id="d")
+    vectors.upsert([dc_replace(base, id=f"f{n:04d}", item_index=1005 - n) for n in range(1005)])
+    view = reads.get_document(s, vectors, "b", "d")
+    assert view.stored.revisions == 105 and view.stored.text == "t104"
+    assert [r.revision for r in view.history] == list(range(6, 106))
+    assert len(view.facts) == reads.DOCUMENT_MEMORIES and view.memory_count == 1005
+    assert [f.item_index for f in view.facts] == sorted(f.item_index for f in view.facts)
+    vectors.upsert([dc_replace(base, id="g1", document_id="only-units")])
+    only = reads.get_document(s, vectors, "b", "only-units")
+    assert only.stored is None and only.history == [] and only.memory_count == 1
+    with pytest.raises(NotFound):
+        reads.get_document(s, vectors, "b", "unknown")
