@@ -48,7 +48,8 @@ def bank_config_from_api(c: resources_pb2.BankConfig) -> BankConfig:
         skepticism=c.skepticism or 3, literalism=c.literalism or 3, empathy=c.empathy or 3,
         auto_consolidate=c.auto_consolidate if c.HasField("auto_consolidate") else True,
         dedup_threshold=c.dedup_threshold or 0.97, extraction_mode=c.extraction_mode or "auto",
-        erasure=c.erasure or "crypto_shred", reflect_mission=c.reflect_mission)
+        erasure=c.erasure or "crypto_shred", reflect_mission=c.reflect_mission,
+        store_documents=c.store_documents if c.HasField("store_documents") else True)
 
 
 def bank_to_api(b: Bank) -> resources_pb2.Bank:
@@ -60,7 +61,7 @@ def bank_to_api(b: Bank) -> resources_pb2.Bank:
             skepticism=c.skepticism, literalism=c.literalism, empathy=c.empathy,
             auto_consolidate=c.auto_consolidate, dedup_threshold=c.dedup_threshold,
             extraction_mode=c.extraction_mode, erasure=c.erasure,
-            reflect_mission=c.reflect_mission),
+            reflect_mission=c.reflect_mission, store_documents=c.store_documents),
         create_time=dt_to_ts(b.created_at), update_time=dt_to_ts(b.updated_at))
 
 

@@ -125,6 +125,14 @@ class Root:
         return self._opened(SqliteCatalog(url.split("://", 1)[1] if "://" in url else url))
 
     @cached_property
+    def documents(self):
+        """search's document projection (:class:`mneme.stores.documents_sqlite.
+        SqliteDocumentStore`, ``<data_dir>/documents.db``): this process's own full copy,
+        like the catalog (group ``search-documents`` runs once per replica)."""
+        from mneme.stores.documents_sqlite import SqliteDocumentStore
+        return self._opened(SqliteDocumentStore(str(self.data_dir / "documents.db")))
+
+    @cached_property
     def embedder(self):
         from mneme.embedding import default_embedder
         return default_embedder()
@@ -317,6 +325,30 @@ def _read_your_writes(root: Root, parts: ServiceParts) -> Callable[[str | None],
     return catch_up
 
 
+def _projected(root: Root, parts: ServiceParts, group: str) -> Callable[[str], bool]:
+    """``current(bank_id)``: before a read of ``group``'s projection, wait until the group
+    has committed every record now on the bank's partitions (read-your-writes: a retain
+    or deletion acknowledged by ingest is seen). In the distributed topology the group
+    is this replica's own copy, which the read's bank check caught up already. True when
+    caught up, False after :data:`CATCH_UP_S` (the caller serves what it has)."""
+    def current(bank_id: str) -> bool:
+        r = parts.routers.get(group)
+        if r is None or root.distributed:
+            return True
+        import time
+        wanted = []
+        for t in r.topics:
+            p = partition_for(bank_id, root.log.partitions(t))
+            wanted.append((t, p, root.log.end_offset(t, p)))
+        end = time.monotonic() + CATCH_UP_S
+        while any(root.log.committed(r.group_id, t, p) < e for t, p, e in wanted):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+    return current
+
+
 def _caught_up_once(parts: ServiceParts) -> Callable[[], bool]:
     """A readiness check: False until this replica's own copies have caught up with the
     log once (a fresh replica rebuilds them first), True from then on."""
@@ -341,6 +373,7 @@ def build_ingest(root: Root) -> ServiceParts:
                     group=root.group_id(svc.groups[0]), source=svc.source,
                     groups=lambda: root.group_ids([r.group_id for r in parts.routers.values()]),
                     stores=None if root.distributed else root.stores,  # for GetBankStats
+                    documents=None if root.distributed else root.documents,  # and profiles
                     keys=root.keyring, wait_projections=not root.distributed)
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
@@ -391,7 +424,9 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             recall, vectors=s.vectors, text=s.text, graph=s.graph, embedder=root.embedder,
             analyzer=analyzer, tokens=tokens, executor=pool, reranker=reranker))
     recall_fn = recall_over(stores)
-    parts = ServiceParts("search", _routers(root, "search", stores=stores, **root.own_catalog()))
+    parts = ServiceParts("search", _routers(root, "search", stores=stores,
+                                            documents=root.documents, **root.own_catalog()))
+    documents_current = _projected(root, parts, "search-documents")
     if bank_exists is None:  # its own catalog, projected by its distributed-only group
         catalog, catch_up = root.catalog, _read_your_writes(root, parts)
         parts.checks.append(_caught_up_once(parts))
@@ -403,8 +438,10 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
             return catalog.get_bank(bank_id) is not None
     corrections = _entity_corrections(root, parts)
     servicer = grpc_api.RecallServicer(recall_fn, stores.vectors, bank_exists, stores.graph,
-                                       corrections)
-    parts.api = {"recall": recall_fn, "bank_exists": bank_exists, "corrections": corrections}
+                                       corrections, documents=root.documents,
+                                       documents_current=documents_current)
+    parts.api = {"recall": recall_fn, "bank_exists": bank_exists, "corrections": corrections,
+                 "documents": root.documents}
     from mneme.runtime import generations_api
     from mneme.runtime.live_replay import LiveReplay
     svc = services()["search"]

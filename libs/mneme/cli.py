@@ -221,6 +221,9 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
               None, "--auto-consolidate/--no-auto-consolidate", help="update"),
           extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline or llm"),
           erasure: Optional[str] = typer.Option(None, help="update: crypto_shred or none"),
+          store_documents: Optional[bool] = typer.Option(
+              None, "--store-documents/--no-store-documents",
+              help="update: keep retained documents' original text (GetDocument)"),
           as_json: bool = typer.Option(False, "--json", help="get, create, update: the bank as JSON"),
           address: str = AddressOpt):
     """List, create, show, update (only the fields given) or delete banks, or check the
@@ -229,7 +232,8 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         ("retain_mission", retain_mission), ("observations_mission", observations_mission),
         ("reflect_mission", reflect_mission), ("skepticism", skepticism),
         ("literalism", literalism), ("empathy", empathy), ("auto_consolidate", auto_consolidate),
-        ("extraction_mode", extraction_mode), ("erasure", erasure)) if v is not None}
+        ("extraction_mode", extraction_mode), ("erasure", erasure),
+        ("store_documents", store_documents)) if v is not None}
     if extraction_mode is not None:
         _choice("--extraction-mode", extraction_mode, ("auto", "offline", "llm"))
     if erasure is not None:
@@ -1237,21 +1241,27 @@ app.add_typer(documents_app, name="documents")
 @documents_app.command("list")
 def documents_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """List BANK's documents in id order with how many memories each holds."""
+    """List BANK's documents in id order with how many memories and revisions each has
+    and when it was last retained."""
     with _client(address) as m:
         docs = _listed(m.list_documents(bank), limit)
     if as_json:
         return _print_json(docs)
-    t = _table("document", "memories")
+    t = _table("document", "memories", "revisions", "last retained")
     for d in docs:
-        t.add_row(d.document_id, str(d.memory_count))
+        t.add_row(d.document_id, str(d.memory_count), str(d.revision_count),
+                  d.update_time.ToDatetime(timezone.utc).isoformat(timespec="seconds")
+                  if d.HasField("update_time") else "")
     Console().print(t)
 
 
 @documents_app.command("get")
 def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(False, "--json"),
+                  text: bool = typer.Option(True, "--text/--no-text",
+                                            help="print the original text"),
                   address: str = AddressOpt):
-    """Show one document: its memories in item order."""
+    """Show one document: its original text (when the bank stores documents), its
+    history of retains and its memories in item order."""
     with _client(address) as m:
         try:
             d = m.get_document(bank, document_id)
@@ -1259,14 +1269,41 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
             _fail(err)
     if as_json:
         return _print_json(d)
-    updated = d.update_time.ToDatetime(timezone.utc).isoformat() if d.HasField("update_time") else ""
+
+    def iso(ts) -> str:
+        return (ts.ToDatetime(timezone.utc).isoformat(timespec="seconds")
+                if ts.seconds or ts.nanos else "unknown")
     out = Console()
-    out.print(f"{d.document_id}: {d.memory_count} memories, last retained {updated or 'unknown'}")
+    created = iso(d.create_time) if d.HasField("create_time") else "unknown"
+    updated = iso(d.update_time) if d.HasField("update_time") else "unknown"
+    out.print(f"{d.document_id}: {d.memory_count} memories, {d.revision_count} revisions, "
+              f"created {created}, last retained {updated}", highlight=False)
+    if d.content_hash:
+        out.print(f"text: {d.content_chars} characters, sha256 {d.content_hash}, "
+                  f"{'stored' if d.text_stored else 'not stored'}", highlight=False)
+    if text and d.original_text:
+        print(d.original_text)  # as stored: never rewrapped to the terminal's width
+    for r in d.history:  # one line each: full operation names, never cut
+        tags = f", tags {', '.join(r.tags)}" if r.tags else ""
+        out.print(f"  revision {r.revision}  {iso(r.retain_time)}  {r.operation}  "
+                  f"{r.item_count} item(s), {r.content_chars} chars{tags}", highlight=False,
+                  soft_wrap=True)
     from mneme.v1 import resources_pb2
     t = _table("memory", "type", "text", ids=("memory",))
     for mem in d.memories:
         t.add_row(mem.id, resources_pb2.FactType.Name(mem.fact_type).lower(), mem.text)
     out.print(t)
+
+
+@documents_app.command("delete")
+def documents_delete(bank: str, document_id: str, address: str = AddressOpt):
+    """Delete one document: its memories, its text and history (erased, also on the log)."""
+    with _client(address) as m:
+        try:
+            op = m.delete_document(bank, document_id)
+        except grpc.RpcError as e:
+            _fail(e)
+    print(f"deleted document {document_id}: {_state(op.state)}")
 
 
 tags_app = typer.Typer(help="The tags on a bank's memories.", no_args_is_help=True)

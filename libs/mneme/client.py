@@ -429,12 +429,16 @@ class MnemeClient:
             display_name=display_name), timeout=self.timeout)
 
     def list_documents(self, bank_id: str, page_size: int = 500):
-        """Yield every document of the bank in document id order, with memory counts."""
+        """Yield every document of the bank in document id order, with memory and
+        revision counts and times (no text, memories or history: :meth:`get_document`)."""
         yield from self._pages(self.documents.ListDocuments, documents_pb2.ListDocumentsRequest(
             parent=f"banks/{bank_id}", page_size=page_size), "documents")
 
     def get_document(self, bank_id: str, document_id: str) -> documents_pb2.Document:
-        """One document with its memories (item order) and chunk ids."""
+        """One document: its original text (``original_text``, empty when the bank does
+        not store documents), its history of retains (``history``, the latest 100, oldest
+        first), its memories (item order, the first 1000 of ``memory_count``) and chunk
+        ids. NOT_FOUND when the bank has no such document (deleted ones included)."""
         return self.documents.GetDocument(documents_pb2.GetDocumentRequest(
             parent=f"banks/{bank_id}", document_id=document_id), timeout=self.timeout)
 

@@ -90,6 +90,9 @@ class BankConfig:
     #: "crypto_shred": user content is sealed on the log with keys deletions destroy
     #: (mneme.bus.sealing); "none": plaintext topics (no erasure on the log).
     erasure: str = "crypto_shred"
+    #: Whether the document projection keeps each retained document's original text
+    #: (GetDocument); False keeps its history only.
+    store_documents: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,46 @@ def merge_directive(old: Directive | None, d: Directive, mask: tuple[str, ...]
         return replace(old, updated_at=d.updated_at,
                        **{f: getattr(d, f) for f in DIRECTIVE_FIELDS if f in mask})
     return replace(d, tags=tuple(d.tags), created_at=old.created_at if old else d.updated_at)
+
+
+@dataclass(frozen=True)
+class DocumentRevision:
+    """One retain (upsert) of a document: ``revision`` (1, 2, ... since the document was
+    last deleted), the retain's ``operation_id``, its time ``at`` (epoch seconds of the
+    intake event), the ``items`` of the retain that carried the document, the SHA-256
+    (hex) ``content_hash`` and length in characters ``chars`` of its text (the items'
+    contents joined by :data:`DOCUMENT_JOIN`), the items' distinct sorted ``tags``, the
+    first item's ``context`` ("" when the text is not stored) and whether the text was
+    stored (``text_stored``)."""
+
+    revision: int
+    operation_id: str
+    at: float
+    items: int = 1
+    content_hash: str = ""
+    chars: int = 0
+    tags: tuple[str, ...] = ()
+    context: str = ""
+    text_stored: bool = False
+
+
+@dataclass(frozen=True)
+class StoredDocument:
+    """A document as the document projection holds it: first and latest retain times
+    (epoch seconds), the latest retain's ``text`` (None when that retain's text was not
+    stored), its revision (``latest``), and how many revisions there are."""
+
+    bank_id: str
+    document_id: str
+    created_at: float
+    updated_at: float
+    latest: DocumentRevision
+    revisions: int
+    text: str | None = None
+
+
+#: What joins the contents of a retain's items of one document into its text.
+DOCUMENT_JOIN = "\n\n"
 
 
 @dataclass(frozen=True)

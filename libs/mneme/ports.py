@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
 
-from mneme.domain import (Bank, BankConfig, Directive, EntityInfo, EntityRef, Fact, Filters, Hit,
-                          MentalModel, MentalModelRevision, Operation, RetainItem, TimeWindow)
+from mneme.domain import (Bank, BankConfig, Directive, DocumentRevision, EntityInfo, EntityRef,
+                          Fact, Filters, Hit, MentalModel, MentalModelRevision, Operation,
+                          RetainItem, StoredDocument, TimeWindow)
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
     from mneme.events.v1 import events_pb2 as ev
@@ -426,6 +427,60 @@ class ObservationStore(Protocol):
     def dump_opinions(self, bank_id: str) -> list[bytes]:
         """Every opinion state of the bank (deleted ones as tombstones), ordered by id, as
         deterministic protobuf bytes: what a replay must reproduce byte for byte."""
+
+    def reset(self) -> None:
+        """Forget every bank (replay rebuilds it)."""
+
+    def close(self) -> None: ...
+
+
+class DocumentStore(Protocol):
+    """search's document projection of ``mneme.intake.v1``: per (bank, document id) its
+    retains (:class:`~mneme.domain.DocumentRevision`, the upsert history) and the latest
+    retain's original text when the bank stores documents; per bank whether it does.
+    Rebuilt by replay from ``BankUpserted`` / ``RetainRequested`` /
+    ``DocumentDeleteRequested`` / ``BankDeleted`` alone. A deleted document or bank
+    leaves nothing of its text behind (SQLite: secure_delete, WAL truncated). Every call
+    is scoped by ``bank_id``. Adapters: ``mneme.stores.documents_sqlite`` (SQLite),
+    ``mneme.stores.memory.MemoryDocumentStore`` (tests)."""
+
+    def set_storage(self, bank_id: str, store_text: bool) -> None:
+        """Whether the bank's later retains keep their text (its ``store_documents``)."""
+
+    def storage(self, bank_id: str) -> bool:
+        """The bank's setting; True for a bank never set."""
+
+    def add_revisions(self, bank_id: str,
+                      entries: Sequence[tuple[str, DocumentRevision, str | None]]) -> int:
+        """Record, in one write, each (document id, revision, text): a retain of the
+        document at ``rev.at``, made its latest: its text becomes ``text`` (None: not
+        stored; the previous text is dropped). The revision number is the next one of
+        the document (``rev.revision`` is ignored). Idempotent: a retain whose
+        ``operation_id`` the document already has changes nothing. Returns how many
+        were recorded."""
+
+    def delete_document(self, bank_id: str, document_id: str) -> bool:
+        """Forget the document, its text and its history; True when it was held."""
+
+    def delete_bank(self, bank_id: str) -> None:
+        """Forget the bank's documents and its setting."""
+
+    def get(self, bank_id: str, document_id: str) -> StoredDocument | None:
+        """The document with its latest revision and text, or None."""
+
+    def revisions(self, bank_id: str, document_id: str, limit: int) -> list[DocumentRevision]:
+        """The document's latest ``limit`` revisions, oldest first ([] when unknown)."""
+
+    def list(self, bank_id: str, limit: int, after: str = "") -> list[StoredDocument]:
+        """The bank's documents with ``document_id > after`` in id order, at most
+        ``limit``, without their text (``text`` None)."""
+
+    def count(self, bank_id: str) -> int:
+        """Number of the bank's documents."""
+
+    def dump(self, bank_id: str) -> list[bytes]:
+        """Every document of the bank with its history and text, by id, as deterministic
+        bytes: what a replay must reproduce byte for byte."""
 
     def reset(self) -> None:
         """Forget every bank (replay rebuilds it)."""

@@ -85,7 +85,8 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
         from services.ingest.stats import bank_profile
         bank_id = bank_id_of(request.name, "name")
         bank = self.ingest.require_bank(bank_id)
-        p = bank_profile(bank, catalog=self.ingest.catalog, stores=self.ingest.stores)
+        p = bank_profile(bank, catalog=self.ingest.catalog, stores=self.ingest.stores,
+                         documents=self.ingest.documents)
         out = banks_pb2.BankProfile(bank=apiconv.bank_to_api(bank), stats=self._stats(bank_id),
                                     documents=p["documents"], directives=p["directives"],
                                     mental_models=p["mental_models"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from mneme import bank_catalog
-from mneme.bus import MEMORY, codec, partition_for
+from mneme.bus import INTAKE, MEMORY, codec, partition_for
 from mneme.domain import (DIRECTIVE_FIELDS, Bank, BankConfig, Directive, EventMeta, Operation,
                           RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
@@ -180,6 +180,8 @@ class Ingest:
     #: For GetBankStats: search's projections when this process has them, and the
     #: consumer groups that run in the topology (``groups() -> {group id: topics}``).
     stores: object = None
+    #: For GetBankProfile: search's document projection when this process has it.
+    documents: object = None
     groups: Callable[[], dict] = dict
     #: ``catch_up(bank_id | None)``: before a read, wait for this replica's catalog to
     #: hold what other replicas wrote (distributed, :func:`mneme.bootstrap`); no-op here.
@@ -218,21 +220,28 @@ class Ingest:
                     raise Cancelled(f"{what}: the call was cancelled; the operation goes on")
                 changed.wait(poll or self.poll_s)
 
-    def _wait_every_projection(self, bank_id: str, timeout: float) -> None:
+    def _wait_every_projection(self, bank_id: str, timeout: float,
+                               rec: Record | None = None) -> None:
         """Until every running consumer group that reads ``mneme.memory.v1`` has committed
         the bank's memory records that exist now (search's deletion progress is among
-        them): a sync deletion returns once every projection (consolidation's, entity
-        resolution's) has dropped what it deleted, not only search. Bounded by
-        ``timeout`` like the operation's wait."""
+        them), and every one that reads ``mneme.intake.v1`` the deletion request ``rec``
+        itself (search's document projection erases the text there): a sync deletion
+        returns once every projection (consolidation's, entity resolution's, the
+        documents') has dropped what it deleted, not only search. Bounded by ``timeout``
+        like the operation's wait."""
         # the groups running now (a declared group no process runs would never commit)
         live = set(self.log.groups(live_only=True))
-        readers = [g for g, topics in self.groups().items() if MEMORY in topics and g in live]
+        groups = {g: t for g, t in self.groups().items() if g in live}
+        readers = [g for g, topics in groups.items() if MEMORY in topics]
+        intake = [g for g, topics in groups.items() if INTAKE in topics] if rec else []
         n = self.log.partitions(MEMORY) if readers else 0
-        if not n:
+        if not n and not intake:
             return
-        p = partition_for(bank_id, n)
-        end = self.log.end_offset(MEMORY, p)
-        self._wait(lambda: all(self.log.committed(g, MEMORY, p) >= end for g in readers),
+        p = partition_for(bank_id, n) if n else 0
+        end = self.log.end_offset(MEMORY, p) if n else 0
+        self._wait(lambda: all(self.log.committed(g, MEMORY, p) >= end for g in readers)
+                   and all(self.log.committed(g, rec.topic, rec.partition) > rec.offset
+                           for g in intake),
                    max(timeout, 0.0), f"the projections of bank {bank_id!r}")
 
     def _wait_projected(self, rec: Record, timeout: float) -> None:
@@ -460,7 +469,8 @@ class Ingest:
             self._wait(lambda: (o := self.catalog.get_operation(op_id)) is not None and o.done,
                        timeout, f"operation {op_id}")
             if kind.startswith("delete_") and self.wait_projections:
-                self._wait_every_projection(bank_id, timeout - (time.monotonic() - started))
+                self._wait_every_projection(bank_id, timeout - (time.monotonic() - started),
+                                            rec)
             return self.catalog.get_operation(op_id)
         # Async: acknowledged once durable on the log; the catalog may lag a moment.
         now = (rec.timestamp if rec else 0) or time.time()

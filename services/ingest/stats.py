@@ -58,15 +58,18 @@ def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
 PROFILE_COUNT_MAX = 100_000
 
 
-def bank_profile(bank, *, catalog, stores=None) -> dict:
+def bank_profile(bank, *, catalog, stores=None, documents=None) -> dict:
     """``{"documents", "directives", "mental_models", "last_activity"}`` of ``bank`` (a
-    :class:`mneme.domain.Bank`): documents counted by the vector store's keyword index
-    (-1 without stores), directives and mental models by the catalog (at most
+    :class:`mneme.domain.Bank`): documents counted by search's document projection
+    (``documents``, a :class:`mneme.ports.DocumentStore`: those ListDocuments lists), else
+    by the vector store's keyword index (documents with memories), else -1; directives and mental models by the catalog (at most
     :data:`PROFILE_COUNT_MAX` each), the latest activity (epoch seconds) the later of the
     bank's update and its newest operation's."""
     from mneme.domain import Filters
-    documents = -1
-    if stores is not None:
+    projection, documents = documents, -1
+    if projection is not None:
+        documents = projection.count(bank.bank_id)
+    elif stores is not None:
         documents = len(stores.vectors.facet(bank.bank_id, "document_id", PROFILE_COUNT_MAX,
                                              Filters(types=("world", "experience"))))
     newest = catalog.list_operations(bank.bank_id, 1)

@@ -11,13 +11,14 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from mneme import apiconv
-from mneme.domain import BUDGETS, Filters, RecallOutcome, RecallQuery
+from mneme.domain import (BUDGETS, DocumentRevision, Filters, RecallOutcome, RecallQuery,
+                          StoredDocument, from_epoch)
 from mneme.errors import InvalidArgument, NotFound
 from mneme.errors import Unavailable
 from mneme.grpc_util import call_deadline, dt_to_ts, remaining, translate_errors, ts_to_dt
 from mneme.names import (bank_id_of, document_name, entity_name, entity_of, memory_name,
                          memory_of, observation_of, opinion_of)
-from mneme.ports import GraphStore, VectorStore
+from mneme.ports import DocumentStore, GraphStore, VectorStore
 from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
                       memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
                       opinions_pb2_grpc, recall_pb2, recall_pb2_grpc)
@@ -52,9 +53,14 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
 
     def __init__(self, recall: Callable[[RecallQuery], RecallOutcome], vectors: VectorStore,
                  bank_exists: Callable[[str], bool], graph: GraphStore | None = None,
-                 corrections: EntityCorrections | None = None):
+                 corrections: EntityCorrections | None = None,
+                 documents: DocumentStore | None = None,
+                 documents_current: Callable[[str], bool] = lambda bank_id: True):
         self.recall, self.vectors, self.bank_exists = recall, vectors, bank_exists
         self.graph, self.corrections = graph, corrections
+        #: The document projection, and ``documents_current(bank_id)``: wait for it to
+        #: hold what ingest acknowledged for the bank (read-your-writes).
+        self.documents, self.documents_current = documents, documents_current
 
     def _bank(self, name: str, field: str = "parent") -> str:
         bank_id = bank_id_of(name, field)
@@ -228,34 +234,66 @@ def _entity_ids(bank_id: str, names, field: str) -> list[str]:
     return ids
 
 
+def revision_to_api(r: DocumentRevision) -> documents_pb2.DocumentRevision:
+    """A :class:`mneme.domain.DocumentRevision` → DocumentRevision."""
+    return documents_pb2.DocumentRevision(
+        revision=r.revision, operation=f"operations/{r.operation_id}",
+        retain_time=dt_to_ts(from_epoch(r.at)), item_count=r.items, content_hash=r.content_hash,
+        content_chars=r.chars, tags=list(r.tags), context=r.context, text_stored=r.text_stored)
+
+
+def document_to_api(bank_id: str, document_id: str, d: StoredDocument | None,
+                    memory_count: int) -> documents_pb2.Document:
+    """The fields of a Document both RPCs fill (text only when ``d`` carries it)."""
+    doc = documents_pb2.Document(name=document_name(bank_id, document_id),
+                                 document_id=document_id, memory_count=memory_count)
+    if d is not None:
+        last = d.latest
+        doc.create_time.CopyFrom(dt_to_ts(from_epoch(d.created_at)))
+        doc.update_time.CopyFrom(dt_to_ts(from_epoch(d.updated_at)))
+        doc.text_stored = last.text_stored
+        doc.original_text = d.text or ""
+        doc.content_hash, doc.content_chars = last.content_hash, last.chars
+        doc.tags.extend(last.tags)
+        doc.revision_count = d.revisions
+    return doc
+
+
 class DocumentServicer(documents_pb2_grpc.DocumentServiceServicer):
-    """Document and tag reads from the vector store (:mod:`services.search.reads`)."""
+    """Documents from the document projection (text, history) with their memories from
+    the vector store, and tags from the vector store (:mod:`services.search.reads`)."""
 
     def __init__(self, recall_servicer: RecallServicer):
         self.rs = recall_servicer
 
+    def _bank(self, name: str) -> str:
+        bank_id = self.rs._bank(name)
+        self.rs.documents_current(bank_id)  # then serve what it holds
+        return bank_id
+
     @translate_errors
     def ListDocuments(self, request, context):
-        bank_id = self.rs._bank(request.parent)
-        docs, token = reads.list_documents(self.rs.vectors, bank_id, request.page_size,
-                                           request.page_token)
+        bank_id = self._bank(request.parent)
+        docs, token = reads.list_documents(self.rs.documents, self.rs.vectors, bank_id,
+                                           request.page_size, request.page_token)
         return documents_pb2.ListDocumentsResponse(documents=[
-            documents_pb2.Document(name=document_name(bank_id, d), document_id=d, memory_count=n)
-            for d, n in docs], next_page_token=token)
+            document_to_api(bank_id, d.document_id, d, n) for d, n in docs],
+            next_page_token=token)
 
     @translate_errors
     def GetDocument(self, request, context):
         bank_id_of(request.parent)  # a malformed name or an empty id before NOT_FOUND
         if not request.document_id:
             raise InvalidArgument("document_id", "required")
-        bank_id = self.rs._bank(request.parent)
-        facts = reads.get_document(self.rs.vectors, bank_id, request.document_id)
-        times = [f.mentioned_at for f in facts if f.mentioned_at]
-        doc = documents_pb2.Document(
-            name=document_name(bank_id, request.document_id), document_id=request.document_id,
-            memory_count=len(facts), memories=[apiconv.memory_to_api(f) for f in facts],
-            chunk_ids=list(dict.fromkeys(f.chunk_id for f in facts if f.chunk_id)))
-        if times:
+        bank_id = self._bank(request.parent)
+        view = reads.get_document(self.rs.documents, self.rs.vectors, bank_id,
+                                  request.document_id)
+        doc = document_to_api(bank_id, request.document_id, view.stored, view.memory_count)
+        doc.memories.extend(apiconv.memory_to_api(f) for f in view.facts)
+        doc.chunk_ids.extend(dict.fromkeys(f.chunk_id for f in view.facts if f.chunk_id))
+        doc.history.extend(revision_to_api(r) for r in view.history)
+        times = [f.mentioned_at for f in view.facts if f.mentioned_at]
+        if view.stored is None and times:  # the projection has not reached it yet
             doc.update_time.CopyFrom(dt_to_ts(max(times)))
         return doc
 

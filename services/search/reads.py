@@ -1,12 +1,16 @@
-"""search's read API: memories, documents and tags (from the vector store's payloads and
-its keyword indexes), entities (from the graph)."""
+"""search's read API: memories and tags (from the vector store's payloads and its keyword
+indexes), documents (the document projection, with their memories from the vector
+store), entities (from the graph)."""
 
 from __future__ import annotations
 
 from mneme import paging
-from mneme.domain import EXPERIENCE, WORLD, EntityInfo, Fact, Filters
+from dataclasses import dataclass
+
+from mneme.domain import (EXPERIENCE, WORLD, DocumentRevision, EntityInfo, Fact, Filters,
+                          StoredDocument)
 from mneme.errors import InvalidArgument, NotFound
-from mneme.ports import GraphStore, VectorStore
+from mneme.ports import DocumentStore, GraphStore, VectorStore
 
 MAX_PAGE = 1000
 #: Most distinct documents (or tags) of one bank the lists page through: they are counted
@@ -14,6 +18,8 @@ MAX_PAGE = 1000
 MAX_VALUES = 100_000
 #: Most memories GetDocument returns.
 DOCUMENT_MEMORIES = 1000
+#: Most revisions GetDocument returns (the latest ones).
+DOCUMENT_REVISIONS = 100
 #: Facts, not observations: what the document and tag counts count.
 FACT_TYPES = (WORLD, EXPERIENCE)
 
@@ -53,19 +59,41 @@ def _page_of_values(pairs: list[tuple[str, int]], page_size: int, page_token: st
     return page, paging.encode_token(kind, page[-1][0]) if len(rest) > size else ""
 
 
-def list_documents(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
-                   ) -> tuple[list[tuple[str, int]], str]:
-    """One page of the bank's documents as (document id, facts extracted from it) in
-    document id order, and the next page token ('' at the end). ``page_size`` 0 means
-    100, at most 1000; InvalidArgument for a token this list did not issue."""
-    return _page_of_values(vectors.facet(bank_id, "document_id", MAX_VALUES,
-                                         Filters(types=FACT_TYPES)),
-                           page_size, page_token, f"documents:{bank_id}")
+def list_documents(documents: DocumentStore, vectors: VectorStore, bank_id: str,
+                   page_size: int, page_token: str
+                   ) -> tuple[list[tuple[StoredDocument, int]], str]:
+    """One page of the bank's documents (without text) in document id order, each with
+    the facts extracted from it (counted by the vector store), and the next page token
+    ('' at the end). ``page_size`` 0 means 100, at most 1000; InvalidArgument for a token
+    this list did not issue."""
+    size = paging.page_size(page_size, maximum=MAX_PAGE)
+    kind = f"documents:{bank_id}"
+    after = paging.decode_token(page_token, kind) or ""
+    got = documents.list(bank_id, size + 1, after)
+    page = got[:size]
+    out = [(d, vectors.count(bank_id, Filters(types=FACT_TYPES, document_id=d.document_id)))
+           for d in page]
+    return out, paging.encode_token(kind, page[-1].document_id) if len(got) > size else ""
 
 
-def get_document(vectors: VectorStore, bank_id: str, document_id: str) -> list[Fact]:
-    """The facts of ``document_id`` in item order (at most :data:`DOCUMENT_MEMORIES`);
-    NotFound when it has none, InvalidArgument naming ``document_id`` when empty."""
+@dataclass(frozen=True)
+class DocumentView:
+    """What GetDocument shows of a document: the projection's record (None when only the
+    vector store knows it, e.g. units of a retain the projection has not reached), its
+    latest :data:`DOCUMENT_REVISIONS` revisions, its first :data:`DOCUMENT_MEMORIES` facts
+    in item order and how many it has."""
+
+    stored: StoredDocument | None
+    history: list[DocumentRevision]
+    facts: list[Fact]
+    memory_count: int
+
+
+def get_document(documents: DocumentStore, vectors: VectorStore, bank_id: str,
+                 document_id: str) -> DocumentView:
+    """The document with its text, history and facts; NotFound when neither the
+    projection nor the vector store knows it, InvalidArgument naming ``document_id``
+    when empty."""
     if not document_id:
         raise InvalidArgument("document_id", "required")
     filters = Filters(types=FACT_TYPES, document_id=document_id)
@@ -77,9 +105,13 @@ def get_document(vectors: VectorStore, bank_id: str, document_id: str) -> list[F
         facts.extend(page)
         if after is None:
             break
-    if not facts:
+    stored = documents.get(bank_id, document_id)
+    if stored is None and not facts:
         raise NotFound(f"document {document_id!r} not found in bank {bank_id!r}")
-    return sorted(facts, key=lambda f: (f.item_index, f.chunk_id, f.id))
+    count = len(facts) if after is None else vectors.count(bank_id, filters)
+    history = documents.revisions(bank_id, document_id, DOCUMENT_REVISIONS) if stored else []
+    return DocumentView(stored, history, sorted(facts, key=lambda f: (f.item_index, f.chunk_id, f.id)),
+                        count)
 
 
 def list_tags(vectors: VectorStore, bank_id: str, page_size: int, page_token: str

@@ -11,16 +11,19 @@ import pytest
 
 # the suites are plain modules: have pytest explain their failing asserts too
 pytest.register_assert_rewrite("tests.contract.catalog_suite", "tests.contract.entity_suite",
-                               "tests.contract.observation_suite")
+                               "tests.contract.observation_suite", "tests.contract.document_suite")
 
 from .catalog_suite import T0, CatalogSuite, op
+from .document_suite import DocumentStoreSuite, rev
 from .entity_suite import ENTITIES_V1_SCHEMA, EntityStoreSuite, PersistentEntityStoreSuite
 from .observation_suite import ObservationStoreSuite, changed, fact, obs
 from mneme.domain import BankConfig, derive_id
-from mneme.ports import Catalog, EntityStore, ObservationStore
+from mneme.ports import Catalog, DocumentStore, EntityStore, ObservationStore
 from mneme.stores.catalog_sqlite import SqliteCatalog
+from mneme.stores.documents_sqlite import SqliteDocumentStore
 from mneme.stores.entities_sqlite import SqliteEntityStore
-from mneme.stores.memory import MemoryCatalog, MemoryEntityStore, MemoryObservationStore
+from mneme.stores.memory import (MemoryCatalog, MemoryDocumentStore, MemoryEntityStore,
+                                 MemoryObservationStore)
 from mneme.stores.observations_sqlite import SqliteObservationStore
 
 
@@ -153,9 +156,54 @@ class TestMemoryEntityStore(EntityStoreSuite):
         return MemoryEntityStore()
 
 
+# ---- documents ----------------------------------------------------------------------------
+
+
+class TestSqliteDocumentStore(DocumentStoreSuite):
+    def make_documents(self, path):
+        return SqliteDocumentStore(str(path / "documents.db"))
+
+    def test_deleted_text_leaves_no_bytes_in_the_files(self, tmp_path):
+        """A deleted document's text, and the text a later retain replaced, are not in
+        the database or its WAL, while the store is open and after it closes."""
+        gone, replaced = "Zanzibarina's phone is +44 7700 900123", "Quetzalina owes 40 EUR"
+        s = self.make_documents(tmp_path)
+        s.add_revisions("a", [("d", rev("o1", 1.0, gone, context=gone), gone)])
+        s.add_revisions("a", [("e", rev("o2", 1.0, replaced), replaced)])
+        s.add_revisions("a", [("e", rev("o3", 2.0, "now"), "now")])
+        s.delete_document("a", "d")
+
+        def leftovers() -> list[str]:
+            return [f"{p.name}: {m}" for p in tmp_path.iterdir() if p.is_file()
+                    for m in (gone, replaced) if m.encode() in p.read_bytes()]
+        try:
+            assert leftovers() == [] and s.get("a", "e").text == "now"
+        finally:
+            s.close()
+        assert leftovers() == []
+
+    def test_reopen_keeps_documents_and_settings(self, tmp_path):
+        s = self.make_documents(tmp_path)
+        s.add_revisions("a", [("d", rev("o1", 1.0, "x"), "x")])
+        s.set_storage("a", False)
+        dump = s.dump("a")
+        s.close()
+        s = self.make_documents(tmp_path)
+        try:
+            assert s.dump("a") == dump and s.storage("a") is False
+        finally:
+            s.close()
+
+
+class TestMemoryDocumentStore(DocumentStoreSuite):
+    def make_documents(self, path):
+        return MemoryDocumentStore()
+
+
 @pytest.mark.parametrize("adapter, port", [
     (MemoryCatalog, Catalog), (MemoryObservationStore, ObservationStore),
-    (MemoryEntityStore, EntityStore),
+    (MemoryEntityStore, EntityStore), (MemoryDocumentStore, DocumentStore),
+    (lambda: SqliteDocumentStore(":memory:"), DocumentStore),
     (lambda: SqliteCatalog(":memory:"), Catalog),
     (lambda: SqliteObservationStore(":memory:"), ObservationStore),
     (lambda: SqliteEntityStore(":memory:"), EntityStore),

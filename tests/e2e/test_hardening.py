@@ -321,7 +321,7 @@ def test_embedded_stats_count_only_groups_that_run(m):
     s = m.bank_stats("stats")
     groups = {x.group for x in s.lag}
     assert groups == {"ingest", "extraction", "search", "consolidation", "reflect-refresh",
-                      "reflect-opinions"}
+                      "reflect-opinions", "search-documents"}
     assert s.pending_records == 0 or s.pending_records == sum(x.lag for x in s.lag)
 
 

@@ -206,7 +206,7 @@ def test_a_write_acknowledged_by_one_replica_is_read_by_every_other_at_once(clus
             w.upsert_bank(bank, display_name=f"written through {writer}")
             assert r.get_bank(bank).display_name == f"written through {writer}"
             text = f"Replica check {n}: the lighthouse keeper's cat is named Orion{n}."
-            op = w.retain(bank, [{"content": text}]).operation
+            op = w.retain(bank, [{"content": text, "document_id": f"cats/{n}"}]).operation
             assert op.state == 3
             assert r.get_operation(op.name.rsplit("/", 1)[-1]).state == 3
             assert any(o.name == op.name for o in r.list_operations(bank))
@@ -214,6 +214,8 @@ def test_a_write_acknowledged_by_one_replica_is_read_by_every_other_at_once(clus
             with MnemeClient(cluster.address[s]) as m:
                 hits = m.recall(bank, f"What is the lighthouse keeper's cat named{n}?").results
                 assert any(f"Orion{n}" in h.memory.text for h in hits), (s, n)
+                # and its document's text, from every replica's own document projection
+                assert m.get_document(bank, f"cats/{n}").original_text == text, (s, n)
     # pending work lists every live replica's own copies and the shared groups
     rids = {n: (cluster.root / n / "replica-id").read_text().strip()
             for n in [*ingest, *searches]}
@@ -221,6 +223,7 @@ def test_a_write_acknowledged_by_one_replica_is_read_by_every_other_at_once(clus
         groups = {x.group for x in r.bank_stats("ryw-1").lag}
     assert {"extraction", "consolidation"} <= groups
     assert {f"search.{rids[s]}" for s in searches} <= groups
+    assert {f"search-documents.{rids[s]}" for s in searches} <= groups
     assert {f"ingest.{rids[i]}" for i in ingest} <= groups
     assert "search" not in groups and "ingest" not in groups  # no such group: copies
     # a bank deleted through one replica is gone for the others
@@ -233,3 +236,9 @@ def test_a_write_acknowledged_by_one_replica_is_read_by_every_other_at_once(clus
     with MnemeClient(cluster.address[searches[-1]]) as s, pytest.raises(grpc.RpcError) as gone:
         s.recall("ryw-0", "cat")
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    with MnemeClient(cluster.address[ingest[0]]) as w:  # a document deleted through one
+        w.delete_document("ryw-1", "cats/1")  # replica is gone from every search replica
+    for s in searches:
+        with MnemeClient(cluster.address[s]) as m, pytest.raises(grpc.RpcError) as gone:
+            m.get_document("ryw-1", "cats/1")
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND, s

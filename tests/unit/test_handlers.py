@@ -25,7 +25,8 @@ from mneme.llm.fake import FakeLlm
 from mneme.llm.gateway import Usage
 from mneme.ports import Record
 from mneme.router import Group, Router, Service
-from mneme.stores.memory import MemoryCatalog, MemoryEntityStore, MemoryObservationStore
+from mneme.stores.memory import (MemoryCatalog, MemoryDocumentStore, MemoryEntityStore,
+                                 MemoryObservationStore)
 from services.consolidation.handlers import Consolidator, on_memory_event, on_memory_restore
 from services.extraction import handlers as extraction
 from services.extraction.handlers import CancelWatch
@@ -891,7 +892,8 @@ def fake_deps(service: str) -> dict:
         "extraction": lambda: {"extractor": FakeExtractor(), "embedder": FakeEmbedder(),
                                "resolver": EntityResolver(MemoryEntityStore()),
                                "catalog": catalog, "cancels": CancelWatch(_EmptyLog())},
-        "search": lambda: {"stores": fake_projections(), "catalog": catalog},
+        "search": lambda: {"stores": fake_projections(), "catalog": catalog,
+                           "documents": MemoryDocumentStore()},
         "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue(),
                             "opinions": OpinionFormer(None, None, lambda bank_id: None)},
         "consolidation": lambda: {"consolidator": Consolidator(

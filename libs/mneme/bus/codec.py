@@ -325,7 +325,7 @@ def bank_config_to_pb(config: BankConfig) -> events_pb2.BankConfig:
         skepticism=config.skepticism, literalism=config.literalism, empathy=config.empathy,
         auto_consolidate=config.auto_consolidate, dedup_threshold=config.dedup_threshold,
         extraction_mode=config.extraction_mode, erasure=config.erasure,
-        reflect_mission=config.reflect_mission)
+        reflect_mission=config.reflect_mission, store_documents=config.store_documents)
 
 
 def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
@@ -346,7 +346,8 @@ def bank_config_from_pb(pb: events_pb2.BankConfig | None) -> BankConfig:
         auto_consolidate=pb.auto_consolidate,
         dedup_threshold=pb.dedup_threshold,
         extraction_mode=pb.extraction_mode or d.extraction_mode,
-        erasure=pb.erasure or d.erasure, reflect_mission=pb.reflect_mission)
+        erasure=pb.erasure or d.erasure, reflect_mission=pb.reflect_mission,
+        store_documents=pb.store_documents if pb.HasField("store_documents") else True)
 
 
 __all__ = [

@@ -100,6 +100,7 @@ class ServiceProcess:
         self._pending = {k: _Pending(self.name) for k in ("ingest", "recall", "vectors", "graph",
                                                            "exists", "reflect", "reflect_stream",
                                                            "mental_models", "corrections",
+                                                           "documents",
                                                            "replay")}
         self._guard = grpc_server.guard(self.settings)
         server = grpc_server.server(self.settings, self._guard)
@@ -110,8 +111,8 @@ class ServiceProcess:
         elif self.name == "search":
             from services.search import grpc_api
             self._names = grpc_api.register(server, grpc_api.RecallServicer(
-                p["recall"], p["vectors"], p["exists"], p["graph"], p["corrections"])
-            ) + generations_api.register(
+                p["recall"], p["vectors"], p["exists"], p["graph"], p["corrections"],
+                documents=p["documents"])) + generations_api.register(
                 server, generations_api.GenerationServicer(p["replay"]))
         elif self.name == "consolidation":  # replays of its observation projection
             self._names = generations_api.register(
@@ -169,6 +170,7 @@ class ServiceProcess:
             p["graph"].set(root.stores.graph)
             p["exists"].set(api["bank_exists"])
             p["corrections"].set(api["corrections"])
+            p["documents"].set(api["documents"])  # caught up by the bank check (own copy)
             p["replay"].set(api["replay"] if root.local_stores else _SharedStores())
         elif "replay" in api:  # consolidation: its own projection's generations
             p["replay"].set(api["replay"])

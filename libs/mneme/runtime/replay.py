@@ -42,8 +42,8 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
       --address``): the new generation is switched to (embedded, consolidation's
       observation projection is part of it: recorded decisions only, up to its group's
       offsets) and search's stores are brought to the end of the log; then the catalog
-      (embedded: ingest's; distributed: search's bank catalog) is rebuilt in place from
-      offset 0. Those groups are read outside their consumer
+      (embedded: ingest's; distributed: search's bank catalog) and search's document
+      projection are rebuilt in place from offset 0. Those groups are read outside their consumer
       group; Kafka refuses (StaleCommitError, before anything changes) while one has
       live members.
     * Store servers the search replicas share (distributed): the replicas keep serving.
@@ -93,6 +93,8 @@ def _rebuild(root: Root, parts, routers: dict, tps: dict, progress) -> int:
     consumed."""
     routers = {n: r for n, r in routers.items() if n != "consolidation"}
     root.catalog.reset()
+    if "search-documents" in routers:  # search's document projection, rebuilt likewise
+        root.documents.reset()
     total = 0
     for name, r in routers.items():
         if name != "search":

@@ -435,3 +435,92 @@ class MemoryEntityStore:
 
     def close(self) -> None:
         pass
+
+
+# ---- documents -----------------------------------------------------------------------------
+
+
+class MemoryDocumentStore:
+    """Documents, their revisions and text in dicts (see :class:`mneme.ports.DocumentStore`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._storage: dict[str, bool] = {}
+        # (bank, document) → {"created", "updated", "text", "history": [DocumentRevision]}
+        self._docs: dict[tuple[str, str], dict] = {}
+
+    def set_storage(self, bank_id: str, store_text: bool) -> None:
+        with self._lock:
+            self._storage[bank_id] = bool(store_text)
+
+    def storage(self, bank_id: str) -> bool:
+        with self._lock:
+            return self._storage.get(bank_id, True)
+
+    def add_revisions(self, bank_id: str, entries) -> int:
+        added = 0
+        with self._lock:
+            for document_id, rev, text in entries:
+                doc = self._docs.get((bank_id, document_id))
+                if doc is not None and any(r.operation_id == rev.operation_id
+                                           for r in doc["history"]):
+                    continue
+                if doc is None:
+                    doc = self._docs[(bank_id, document_id)] = dict(created=rev.at, history=[])
+                doc["history"].append(replace(rev, revision=len(doc["history"]) + 1,
+                                              tags=tuple(rev.tags)))
+                doc.update(updated=rev.at, text=text)
+                added += 1
+        return added
+
+    def delete_document(self, bank_id: str, document_id: str) -> bool:
+        with self._lock:
+            return self._docs.pop((bank_id, document_id), None) is not None
+
+    def delete_bank(self, bank_id: str) -> None:
+        with self._lock:
+            self._storage.pop(bank_id, None)
+            for k in [k for k in self._docs if k[0] == bank_id]:
+                del self._docs[k]
+
+    def _doc(self, bank_id: str, document_id: str, text: bool):
+        from mneme.domain import StoredDocument
+        d = self._docs[(bank_id, document_id)]
+        return StoredDocument(bank_id=bank_id, document_id=document_id, created_at=d["created"],
+                              updated_at=d["updated"], latest=d["history"][-1],
+                              revisions=len(d["history"]), text=d["text"] if text else None)
+
+    def get(self, bank_id: str, document_id: str):
+        with self._lock:
+            if (bank_id, document_id) not in self._docs:
+                return None
+            return self._doc(bank_id, document_id, True)
+
+    def revisions(self, bank_id: str, document_id: str, limit: int) -> list:
+        with self._lock:
+            d = self._docs.get((bank_id, document_id))
+            return list(d["history"][-limit:]) if d is not None and limit > 0 else []
+
+    def list(self, bank_id: str, limit: int, after: str = "") -> list:
+        with self._lock:
+            ids = sorted(i for b, i in self._docs if b == bank_id and i > after)[:max(limit, 0)]
+            return [self._doc(bank_id, i, False) for i in ids]
+
+    def count(self, bank_id: str) -> int:
+        with self._lock:
+            return sum(1 for b, _ in self._docs if b == bank_id)
+
+    def dump(self, bank_id: str) -> list[bytes]:
+        from mneme.stores.documents_sqlite import dump_document
+        with self._lock:
+            ids = sorted(i for b, i in self._docs if b == bank_id)
+            return [dump_document(self._doc(bank_id, i, True), list(self._docs[(bank_id, i)]["history"]))
+                    for i in ids]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._storage.clear()
+            self._docs.clear()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,76 @@
+"""search's document projection (group ``search-documents``): every retain of a
+document (an item with a ``document_id``) from ``mneme.intake.v1`` into a
+:class:`mneme.ports.DocumentStore` -- its history and, when the bank stores documents,
+its original text -- and its erasure with the document or bank.
+
+Replay rebuilds it from the log alone (no model). The log's copy of an item whose
+document was deleted since is unreadable (its key destroyed: the item arrives as an
+``erased`` placeholder), so such an item adds nothing, and the deletion that follows it
+on the log removes what the live projection held: a replay never brings deleted text
+back. Idempotent: a redelivered retain is known by its operation id."""
+
+from __future__ import annotations
+
+import hashlib
+
+from mneme.bus import codec
+from mneme.domain import DOCUMENT_JOIN, DocumentRevision, EventMeta
+from mneme.events.v1 import events_pb2 as ev
+from mneme.ports import DocumentStore
+
+#: The BankUpserted update_mask paths that change whether a bank stores documents.
+_STORAGE_PATHS = frozenset(("config", "config.store_documents"))
+
+
+def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, documents: DocumentStore):
+    """The bank's ``store_documents`` setting, in log order with its retains (a full
+    upsert sets it, an update only when its mask names it). Produces nothing."""
+    if not m.update_mask or _STORAGE_PATHS & set(m.update_mask):
+        config = codec.bank_config_from_pb(m.config if m.HasField("config") else None)
+        documents.set_storage(m.bank_id, config.store_documents)
+    return []
+
+
+def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, documents: DocumentStore):
+    """One revision per document the retain carries: its items (those ingest accepted and
+    whose content can still be read) in item order, their contents joined by
+    :data:`~mneme.domain.DOCUMENT_JOIN`; the text and the first item's context kept when
+    the bank stores documents. Produces nothing."""
+    skipped = {r.item_index for r in m.rejected_items}  # refused by ingest, or erased
+    by_doc: dict[str, list[ev.RetainItem]] = {}
+    for i, item in enumerate(m.items):
+        if i not in skipped and item.document_id:
+            by_doc.setdefault(item.document_id, []).append(item)
+    store_text = documents.storage(m.bank_id) if by_doc else False
+    entries = []
+    for document_id, items in by_doc.items():
+        text = DOCUMENT_JOIN.join(i.content for i in items)
+        tags = tuple(sorted({t for i in items for t in i.tags}))
+        rev = DocumentRevision(
+            revision=0, operation_id=m.operation_id, at=meta.time.timestamp(),
+            items=len(items), content_hash=hashlib.sha256(text.encode()).hexdigest(),
+            chars=len(text), tags=tags, context=items[0].context if store_text else "",
+            text_stored=store_text)
+        entries.append((document_id, rev, text if store_text else None))
+    if entries:
+        documents.add_revisions(m.bank_id, entries)
+    return []
+
+
+def on_document_delete_requested(m: ev.DocumentDeleteRequested, meta: EventMeta, *,
+                                 documents: DocumentStore):
+    """The document, its text and history are erased. Produces nothing."""
+    documents.delete_document(m.bank_id, m.document_id)
+    return []
+
+
+def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, documents: DocumentStore):
+    """The bank's documents and setting are erased. Produces nothing."""
+    documents.delete_bank(m.bank_id)
+    return []
+
+
+#: The projection's routes, for a group reading ``mneme.intake.v1``.
+ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted,
+          ev.RetainRequested: on_retain_requested,
+          ev.DocumentDeleteRequested: on_document_delete_requested}
