@@ -75,6 +75,10 @@ class Consolidator:
             return []
         at, cause = meta.time, meta.id
         out: list = []  # this event's opinion changes, after its observation change
+        if isinstance(m, ev.EntitiesMerged):  # opinions follow the user's correction
+            return self._opinions([opinions.merge_entities(
+                self.store, m.bank_id, m.survivor_id, m.merged_ids, m.display_name, at)]
+                if decide else [])
         if decide and isinstance(m, ev.ConsolidationScheduled) and m.action == "delete_opinion":
             return self._opinions([opinions.delete(self.store, m.bank_id, m.memory_id,
                                                    m.operation_id, at)])

@@ -211,3 +211,32 @@ def retract(store: ObservationStore, bank_id: str, memory_ids, at: datetime
             new.deleted = True
             change.opinions.append(codec.opinion_tombstone(new))
     return change if change.opinions else None
+
+
+def merge_entities(store: ObservationStore, bank_id: str, survivor_id: str,
+                   merged_ids: Sequence[str], display_name: str, at: datetime
+                   ) -> ev.OpinionsChanged | None:
+    """After a user's entity merge (``EntitiesMerged``), the opinions about a merged-away
+    entity are about the survivor instead (trigger "entities_merged"): new facts name the
+    survivor, and only facts about an opinion's entities revise it. Their belief,
+    confidence and history are unchanged. None when no opinion is about those entities."""
+    gone = set(merged_ids) - {survivor_id}
+    if not gone:
+        return None
+    change = ev.OpinionsChanged(bank_id=bank_id, trigger="entities_merged", decided_by="offline")
+    for o in store.opinions(bank_id, entity_ids=sorted(gone), limit=1_000_000).values():
+        new = next_opinion(o, at)
+        mine = next((e for e in o.entities if e.id == survivor_id), None)
+        first = next(e for e in o.entities if e.id in gone)
+        survivor = ev.Entity(id=survivor_id, name=display_name or (mine or first).name,
+                             label=(mine or first).label)
+        kept: list[ev.Entity] = []
+        for e in o.entities:
+            e = survivor if e.id in gone or e.id == survivor_id else e
+            if all(k.id != e.id for k in kept):
+                kept.append(e)
+        del new.entities[:]
+        new.entities.extend(kept)
+        seal_keys(new, store.facts_by_id(bank_id, new.evidence_ids))
+        change.opinions.append(new)
+    return change if change.opinions else None

@@ -226,3 +226,29 @@ def test_delete_request_and_retracted_evidence_delete_the_opinion():
     (retracted,) = [m for m in out if isinstance(m, ev.OpinionsChanged)]
     assert retracted.trigger == "retract" and retracted.opinions[0].deleted
     assert store.opinions("b") == {}
+
+
+def test_an_entity_merge_carries_opinions_over_to_the_survivor():
+    llm = FakeLlm(("consolidation",)).on("consolidation", reply(_update("f2", "support")),
+                                         match="Opinion updates")
+    store = MemoryObservationStore()
+    c = _consolidator(store, llm)
+    c.handle(_formed(), meta(1))
+    (moved,) = c.handle(ev.EntitiesMerged(bank_id="b", operation_id="op-m",
+                                          survivor_id="e-carol", merged_ids=["e-caroline"],
+                                          display_name="Carol"), meta(2))
+    assert moved.trigger == "entities_merged"
+    (o,) = store.opinions("b").values()
+    assert [(e.id, e.name) for e in o.entities] == [("e-carol", "Carol")]
+    assert o.version == 2 and len(o.history) == 1 and o.confidence == pytest.approx(0.6)
+    # a new fact naming the survivor now revises it
+    carol = ev.Entity(id="e-carol", name="Carol", label="PERSON")
+    out = c.handle(_extracted(fact("f2", "Carol enrolled in a counseling course.", carol)),
+                   meta(3))
+    assert [m.trigger for m in out if isinstance(m, ev.OpinionsChanged)] == ["revised"]
+    # replay applies the recorded states and decides nothing
+    assert _consolidator(store, None).handle(ev.EntitiesMerged(
+        bank_id="b", survivor_id="e-x", merged_ids=["e-carol"]), meta(4), decide=False) == []
+    # a merge about no opinion's entities changes nothing
+    assert c.handle(ev.EntitiesMerged(bank_id="b", survivor_id="e-y", merged_ids=["e-z"]),
+                    meta(5)) == []
