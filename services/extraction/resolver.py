@@ -456,13 +456,7 @@ class EntityResolver:
                     e = b.entities.pop(i, None)
                     if e is None:
                         continue
-                    for key in (e.key, *b.alias_keys.pop(i, [])):
-                        for index in (b.by_key, b.aliases):
-                            ids = index.get(key)
-                            if ids and i in ids:
-                                ids.remove(i)
-                                if not ids:
-                                    del index[key]
+                    self._unindex(b, i, (e.key, *b.alias_keys.pop(i, [])))
                     if i in b.persons:
                         b.persons.remove(i)
             return gone

@@ -262,3 +262,23 @@ def test_a_split_applied_again_after_its_changelog_takes_the_aliases_again():
     assert r.split("b", mel.id, "new-id", ["mel"], "Mel Gibson")
     assert r.lookup("b", ["mel"]) == [r.resolve("b", [("Mel", "PERSON")])[0]]
     assert r.lookup("b", ["mel"])[0].id == "new-id"
+
+
+def test_a_deleted_documents_only_entities_leave_every_index():
+    """forget_scope: an entity only a deleted document mentioned is gone from the
+    resolver's key and alias indexes (its name is the document's content); the name made
+    again later resolves to the same id."""
+    from mneme.stores.memory import MemoryEntityStore
+    r = EntityResolver(MemoryEntityStore())
+    [a] = r.resolve("b", [("Melanie Smith", "PERSON")])
+    [kept] = r.resolve("b", [("Lisbon", "GPE")])
+    r.note_mentions("b", [(a.id, "d:x"), (kept.id, "d:x"), (kept.id, "d:y")])
+    b = r._banks["b"]
+
+    def keys(i):
+        return {k for index in (b.by_key, b.aliases) for k, ids in index.items() if i in ids}
+    assert keys(a.id) and keys(kept.id)
+    assert r.forget_scope("b", "d:x") == [a.id]
+    assert keys(a.id) == set() and a.id not in b.entities
+    assert keys(kept.id) and kept.id in b.entities  # d:y still mentions it
+    assert r.resolve("b", [("Melanie Smith", "PERSON")])[0].id == a.id
