@@ -396,7 +396,7 @@ def build_extraction(root: Root) -> ServiceParts:
                                   bank_config=root.bank_config)
     from services.extraction.handlers import CancelWatch
     deps = dict(extractor=extractor, embedder=root.embedder, resolver=root.resolver,
-                cancels=CancelWatch(root.log), **root.own_catalog())
+                cancels=CancelWatch(root.raw_log), **root.own_catalog())
     return ServiceParts("extraction", _routers(root, "extraction", **deps),
                         restorers=_restorers(root, "extraction", **deps))
 

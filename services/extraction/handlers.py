@@ -40,7 +40,9 @@ class CancelWatch:
     process shares; a catalog is a per-process projection that would see the cancel only
     after the retain is handled). Each ask reads only the records appended since the last
     one; a cancel once seen stays seen. A read that fails counts as "not cancelled"
-    (cancellation is best effort and must never sink an extraction)."""
+    (cancellation is best effort and must never sink an extraction). ``log`` may be the
+    raw (sealed) log: only headers and the cancel's unsealed ids are read, so the retains
+    queued behind are never decrypted to be skipped."""
 
     PAGE = 500  # records per read
 

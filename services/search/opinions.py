@@ -48,19 +48,15 @@ def opinion_fact(bank_id: str, o: ev.Opinion) -> Fact:
 
 
 def project_opinions(m: ev.OpinionsChanged, vectors: VectorStore) -> None:
-    """Apply one OpinionsChanged to the vector store: upsert live states newer than the
-    stored one, delete deleted ones (idempotent; an older state delivered again changes
-    nothing)."""
+    """Apply one OpinionsChanged to the vector store (idempotent, as
+    :func:`~services.search.observations.project_observations`: upsert by id, delete the
+    deleted; the partition's order delivers the newest state last)."""
     gone = [o.id for o in m.opinions if o.deleted]
-    live = [o for o in m.opinions if not o.deleted]
+    live = [opinion_fact(m.bank_id, o) for o in m.opinions if not o.deleted]
     if gone:
         vectors.delete(m.bank_id, gone)
     if live:
-        stored = {f.id: int(f.metadata.get("version") or 0)
-                  for f in vectors.get(m.bank_id, [o.id for o in live])}
-        newer = [opinion_fact(m.bank_id, o) for o in live if stored.get(o.id, -1) < o.version]
-        if newer:
-            vectors.upsert(newer)
+        vectors.upsert(live)
 
 
 def retract_opinions(vectors: VectorStore, bank_id: str, memory_ids) -> list[str]:
