@@ -44,6 +44,7 @@ phase notes go to stderr. Not part of ``make test``: no assertion on any figure.
 
 Usage: python tests/bench/recall_load.py --data FILE [--conversations ID ...] [--facts N]
        [--clients 1 4 16] [--peer-url URL] [--peer-db-port 55432] [--max-queries N] [--json]
+       [--keep DIR]
 ``make bench-load`` runs it on the dev split (``PEER_URL=http://127.0.0.1:18888`` adds the peer).
 """
 
@@ -154,7 +155,9 @@ class MnemeSide:
     async_rest = True  # the second half as async retains
 
     def __init__(self, tmp: Path):
+        tmp.mkdir(parents=True, exist_ok=True)
         self.server = Server(tmp / "data")
+        self.reused = (tmp / "data").exists()
 
     def start(self) -> None:
         self.server.start()
@@ -339,9 +342,9 @@ class Runner:
     """Runs the workload on one side and collects its figures."""
 
     def __init__(self, side, wl: Workload, clients: list[int], facts_target: int | None,
-                 console: Console):
+                 console: Console, reuse: bool = False):
         self.side, self.wl, self.clients, self.target = side, wl, clients, facts_target
-        self.console = console
+        self.console, self.reuse = console, reuse
         self.phases: dict[str, float] = {}
         self.notes: dict[str, object] = {}
 
@@ -520,8 +523,14 @@ class Runner:
         self.side.start()
         self.phases["start"] = time.perf_counter() - t0
         try:
-            retain = self.retain_phases()
-            self.fill_phase()
+            if self.reuse and all(self.side.facts(b)[0] >= (self.target or 1)
+                                  for b in self.wl.banks):
+                # a kept data dir that already holds the banks: measure recall only
+                self.notes["retain"] = "skipped: banks reused from --keep"
+                retain = {"sync": None, "full": None}
+            else:
+                retain = self.retain_phases()
+                self.fill_phase()
             counts = [self.side.facts(b) for b in self.wl.banks]
             facts = round(statistics.fmean(f for f, _ in counts))
             self.notes["facts (all banks)"] = sum(f for f, _ in counts)
@@ -590,12 +599,16 @@ def main() -> int:
                     help="the peer's PostgreSQL port (its memory is shown apart)")
     ap.add_argument("--max-queries", type=int, default=None, help="only the first N queries")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="mneme's data dir goes to KEEP/data and stays; a later run with the same "
+                         "KEEP whose banks already hold the facts skips retain and fill (recall only)")
     args = ap.parse_args()
     console = Console(stderr=True)
     wl = workload(args.data, args.conversations, args.max_queries)
     runners = []
     with tempfile.TemporaryDirectory(prefix="mneme-load-") as tmp:
-        r = Runner(MnemeSide(Path(tmp)), wl, args.clients, args.facts, console)
+        side = MnemeSide(args.keep or Path(tmp))
+        r = Runner(side, wl, args.clients, args.facts, console, reuse=side.reused)
         runners.append(r)
         res = r.run()
     res["peer"] = None
