@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import List, Optional
@@ -167,10 +165,9 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     console.print(f"mneme is up on {host}:{port} (data in {settings.data_dir.resolve()}); "
                   f"{security.get(settings.auth_mode, settings.auth_mode)}{metrics}. "
                   "Ctrl-C stops it.")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    from mneme.runtime import signals
+    stop = signals.stop_on_signals()
+    signals.wait(stop)
     console.print("stopping: draining consumers …")
     node.close()
 

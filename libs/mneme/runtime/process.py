@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 
 import grpc
@@ -17,7 +16,7 @@ from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
 from mneme.datadir import DataDirLocked
 from mneme.config import Settings
 from mneme.errors import ConfigurationError, FailedPrecondition, Unavailable
-from mneme.runtime import generations_api, grpc_server
+from mneme.runtime import generations_api, grpc_server, signals
 from mneme.runtime.log_runner import LogRunner
 
 log = logging.getLogger("mneme")
@@ -229,9 +228,7 @@ def run_service(name: str, settings: Settings | None = None) -> None:
     """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
     proc = ServiceProcess(name, settings)
     grpc_server.setup_telemetry(f"mneme-{name}", proc.settings)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = signals.stop_on_signals()
     proc.bind()
     failed: list[BaseException] = []
 
@@ -249,7 +246,7 @@ def run_service(name: str, settings: Settings | None = None) -> None:
 
     starter = threading.Thread(target=start, name="start", daemon=True)
     starter.start()
-    stop.wait()
+    signals.wait(stop)
     log.info("%s: stopping (drain, commit, close)", name)
     proc.stop()
     starter.join(5)
