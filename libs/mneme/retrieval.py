@@ -18,6 +18,7 @@ k = 60 with the same arms; k = 10 and 30 were within ±0.01 of it).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ _SPEAKER_RE = re.compile(r"^[^\s:][^:\n]{0,39}:\s+")
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+")
 
 
+@functools.lru_cache(maxsize=20_000)
 def is_question(text: str) -> bool:
     """True when the fact ``text`` only asks: every sentence of its statement (without a
     "Speaker: " prefix and a trailing "[shares a photo: ...]") ends with a question mark.
@@ -201,7 +203,9 @@ def is_question(text: str) -> bool:
     A question states nothing, yet it shares its words with questions put to recall
     ("What did Melanie paint?" looks most like "Melanie: What did you paint?"), so recall
     multiplies its fused score by :data:`QUESTION_WEIGHT`: the answer, usually the next
-    turn, ranks above the question that prompted it, and a question alone is still found."""
+    turn, ranks above the question that prompted it, and a question alone is still found.
+    The answers for the last 20,000 texts are kept (recall asks about the same candidates
+    query after query)."""
     body = _CAPTION_RE.sub("", text or "").strip()
     m = _SPEAKER_RE.match(body)
     if m:

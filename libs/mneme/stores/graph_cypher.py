@@ -18,6 +18,7 @@ the same on every backend. Its neighbours come from one of two places with the s
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import uuid
@@ -65,7 +66,7 @@ def hub_damping(degree: int) -> float:
 def spread_activation(
     starts: dict[str, float], hops: int, decay: float,
     neighbours: Callable[[list[str]], Iterable[tuple[Sequence[str], Sequence[str], float]]],
-    frontier_cap: int,
+    frontier_cap: int, keep: int | None = None, max_weight: float = math.inf,
 ) -> dict[str, float]:
     """Backend-independent spreading activation.
 
@@ -81,13 +82,28 @@ def spread_activation(
     Since only the maximum counts, a group passes each unit the best of its sources
     (the second best to that source itself): O(sources + units) per group, not their
     product -- a hub entity joins hundreds of frontier units to its ``fanout`` mentions.
+
+    ``keep``: only the ``keep`` most activated units are wanted (ties by id), and
+    ``max_weight`` bounds every ``w``. Then a group is skipped when what its best source
+    could pass on, over this and every remaining hop (``× max(1, decay·max_weight)`` a
+    hop), stays below the ``keep``-th best activation so far: no unit it reaches could
+    enter those ``keep`` nor lead to one that does. Those units get exactly the
+    activation the unpruned run gives them; units outside them may get less. Without
+    ``keep`` (or with an unbounded ``max_weight``) nothing is skipped.
     """
     act = dict(starts)
     frontier = dict(starts)
-    for _ in range(max(hops, 0)):
+    prune = keep is not None and keep > 0 and math.isfinite(max_weight)
+    gain = max(1.0, decay * max_weight) if prune else 1.0
+    for hop in range(max(hops, 0)):
         if not frontier:
             break
-        top = sorted(frontier.items(), key=lambda kv: (-kv[1], kv[0]))[:frontier_cap]
+        floor = 0.0
+        if prune and len(act) >= keep:
+            # activations only grow, so this lower bound of the final keep-th best holds
+            floor = heapq.nlargest(keep, act.values())[-1] / gain ** (hops - hop - 1)
+        # the same as sorted(...)[:cap], in O(n log cap): a hop can activate thousands
+        top = heapq.nsmallest(frontier_cap, frontier.items(), key=_by_activation)
         source_act = dict(top)
         risen: dict[str, float] = {}
         for sources, units, w in neighbours(list(source_act)):
@@ -100,6 +116,8 @@ def spread_activation(
                     best, second = cand, best
                 elif cand[0] > second[0] and src != best[1]:
                     second = cand
+            if best[0] * decay * w < floor:
+                continue  # nothing it passes on can reach the units wanted (see keep)
             for unit in units:
                 a = (second[0] if unit == best[1] else best[0]) * decay * w
                 if a > act.get(unit, 0.0) + 1e-12:
@@ -107,6 +125,11 @@ def spread_activation(
                     risen[unit] = a
         frontier = risen
     return act
+
+
+def _by_activation(kv: tuple[str, float]) -> tuple[float, str]:
+    # most activated first, ties by id (replay must reproduce the same order)
+    return (-kv[1], kv[0])
 
 
 def deleted(rows: list[list[Any]]) -> int:
@@ -132,7 +155,8 @@ class Adjacency:
     ``mentions``: entity → (degree, its ``fanout`` most recent mentioning units).
     ``links``: unit → its ``fanout`` heaviest LINK edges in either direction to other live
     units, as (weight, unit), heaviest first. ``entities``: entity id → (name, label,
-    key); ``keys``: a key or former key → the entity ids that had it."""
+    key); ``keys``: a key or former key → the entity ids that had it. ``max_weight``:
+    the largest weight a hop can have (hub damping is at most 1; links as stored)."""
 
     token: str
     live: frozenset[str]
@@ -141,6 +165,7 @@ class Adjacency:
     links: dict[str, tuple[tuple[float, str], ...]]
     entities: dict[str, tuple[str, str, str]]
     keys: dict[str, tuple[str, ...]]
+    max_weight: float = 1.0
 
     @classmethod
     def read(cls, run: Run, bank_id: str, token: str, fanout: int) -> "Adjacency":
@@ -171,8 +196,9 @@ class Adjacency:
             for k in dict.fromkeys([key, *(aliases or [])]):
                 if k:
                     keys[k].append(eid)
+        max_weight = max([1.0, *(w for es in links.values() for w, _ in es[:1])])
         return cls(token, live, {u: tuple(es) for u, es in entities_of.items()}, mentions,
-                   links, entities, {k: tuple(v) for k, v in keys.items()})
+                   links, entities, {k: tuple(v) for k, v in keys.items()}, max_weight)
 
     def live_units(self, ids: Sequence[str]) -> list[str]:
         """Which of ``ids`` are live units of the bank (``cypher.EXISTING_UNITS``)."""
@@ -396,7 +422,7 @@ class CypherGraphStore:
                                                           k, hops, decay))
         if adjacency is not None:  # from memory: the store's lock is not needed
             act = _spread_from(adjacency, seeds, entity_ids, k, hops, decay)
-        best = sorted(act.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        best = heapq.nsmallest(k, act.items(), key=_by_activation)
         return [Hit(uid, a) for uid, a in best]
 
     def adjacency(self, bank_id: str) -> Adjacency | None:
@@ -504,8 +530,11 @@ def _spread_from(view: "Adjacency | _CypherView", seeds: dict[str, float],
         for uid in units:
             starts[uid] = max(starts.get(uid, 0.0), a)
     starts = {u: a for u, a in starts.items() if a > 0}
+    # in memory the largest weight is known, so work that cannot reach the top k is skipped
+    max_weight = view.max_weight if isinstance(view, Adjacency) else math.inf
     return spread_activation(starts, hops, decay, view.neighbours,
-                             frontier_cap=max(4 * k, MIN_FRONTIER))
+                             frontier_cap=max(4 * k, MIN_FRONTIER), keep=k,
+                             max_weight=max_weight)
 
 
 # ---- units of work (plain functions of a Run, so a managed transaction may retry them) ----
