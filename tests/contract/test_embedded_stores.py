@@ -354,6 +354,31 @@ class TestFalkorGraphStore(GraphStoreSuite):
         finally:
             s.close()
 
+    def test_version_token_needs_no_round_trip_until_this_store_writes(self, tmp_path):
+        """The embedded graph has no other writer: once read, a bank's version token is
+        known until this store writes, and a write (any bank) makes it read again, so
+        recall never answers from an adjacency older than the last write."""
+        from mneme.stores import graph_cypher
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        try:
+            s.upsert([unit(f"a{i}") for i in range(3)])
+            for _ in range(graph_cypher.SNAPSHOT_AFTER):
+                s.adjacency("a")
+            reads = []
+            real = s._read
+            s._read = lambda work: (reads.append(1), real(work))[1]
+            for _ in range(10):
+                assert s.adjacency("a") is not None
+            assert reads == []
+            s.upsert([unit("a9")])
+            adjacency = s.adjacency("a")
+            assert len(reads) == 1 and adjacency is None  # a new token: read, not built yet
+            for _ in range(graph_cypher.SNAPSHOT_AFTER):
+                adjacency = s.adjacency("a")
+            assert adjacency is not None and "a9" in adjacency.live
+        finally:
+            s.close()
+
     def test_keeps_no_log_of_queries_and_their_parameters(self, tmp_path):
         """FalkorDB's query telemetry (the last 1000 queries with their parameters,
         persisted with the graph) would keep every unit text and entity name written,

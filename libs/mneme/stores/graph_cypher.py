@@ -244,6 +244,10 @@ class CypherGraphStore:
 
     fanout: int = FANOUT
     _lock: Any
+    #: True when no other process writes this graph (an embedded server only this store
+    #: talks to): a bank's version token is then known without a round trip until this
+    #: store writes again.
+    exclusive: bool = False
 
     def __init__(self, fanout: int = FANOUT, lock: Any = None) -> None:
         self.fanout = fanout
@@ -253,6 +257,32 @@ class CypherGraphStore:
         self._seen: dict[str, tuple[str | None, int]] = {}
         self._snapshot_lock = threading.Lock()
         self.snapshot_stats = {"hits": 0, "builds": 0, "misses": 0}
+        # exclusive stores: bank → version token as last read; _writes counts writes
+        # begun or ended, so a read that overlapped one does not keep its token
+        self._tokens: dict[str, str | None] = {}
+        self._writes = 0
+
+    def _wrote(self) -> None:
+        """Forget the known version tokens (call before and after every write)."""
+        with self._snapshot_lock:
+            self._writes += 1
+            self._tokens.clear()
+
+    def _version(self, bank_id: str) -> str | None:
+        """The bank's version token (``cypher.BANK_VERSION``; None for a bank with none):
+        from memory on an :attr:`exclusive` store when no write happened since it was
+        read, else one round trip."""
+        with self._snapshot_lock:
+            if self.exclusive and bank_id in self._tokens:
+                return self._tokens[bank_id]
+            writes = self._writes
+        token = self._read(lambda run: _column(run, cypher.BANK_VERSION, bank_id=bank_id))
+        token = token[0] if token else None
+        if self.exclusive:
+            with self._snapshot_lock:
+                if self._writes == writes:
+                    self._tokens[bank_id] = token
+        return token
 
     # -- backend hooks --
 
@@ -431,8 +461,7 @@ class CypherGraphStore:
         the bank with Cypher (its token is too recent, it has none yet or the bank is
         larger than :data:`SNAPSHOT_MAX_UNITS`). ``snapshot_stats`` counts hits, builds
         and misses."""
-        token = self._read(lambda run: _column(run, cypher.BANK_VERSION, bank_id=bank_id))
-        token = token[0] if token else None
+        token = self._version(bank_id)
         with self._snapshot_lock:
             seen, n = self._seen.get(bank_id, (None, 0))
             n = n + 1 if seen == token else 1

@@ -80,7 +80,11 @@ class _FalkorGraph(CypherGraphStore):
         return work(self._run)
 
     def _write(self, work: Callable[[Run], T]) -> T:
-        return work(self._run)
+        self._wrote()
+        try:
+            return work(self._run)
+        finally:
+            self._wrote()
 
     def _ensure_schema(self) -> None:
         for ddl in cypher.FALKOR_INDEXES:
@@ -99,6 +103,7 @@ class _FalkorGraph(CypherGraphStore):
                 self._graph.delete()
             except redis.ResponseError:
                 pass  # an empty graph has no key to delete
+            self._wrote()
             self._graph = self._db.select_graph(self._graph.name)
             self._ensure_schema()
             self._deleted = True  # (the embedded store's files still hold the graph)
@@ -179,6 +184,8 @@ class FalkorGraphStore(_FalkorGraph):
     serialised by one lock (thread-safe). ``fanout`` caps the units taken per entity or
     per unit's links in one hop.
     """
+
+    exclusive = True  # a private server (the data dir's lock keeps other processes off)
 
     def __init__(self, db_path: str, graph: str = GRAPH_NAME, fanout: int = FANOUT) -> None:
         self.path = os.path.abspath(db_path)
