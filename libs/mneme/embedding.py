@@ -110,6 +110,9 @@ class OnnxEmbedder:
                 opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 opts.log_severity_level = 3
+                # ORT's pool threads otherwise spin after each run, burning the cores the
+                # recall arms, spaCy and the projections need (a few cores, many threads)
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 self._tokenizer = _load_tokenizer(self.max_tokens)
                 sess = ort.InferenceSession(str(_model_path()), sess_options=opts,
                                             providers=["CPUExecutionProvider"])
