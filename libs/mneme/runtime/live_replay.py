@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,11 +19,12 @@ from mneme.generations import (Generation, drop_stores, generation_group, remove
 
 log = logging.getLogger("mneme")
 
-#: Recalls compared per bank by the check before a switch, and banks sampled.
-CHECK_QUERIES, CHECK_BANKS = 3, 10
+#: Units sampled per bank by the check before a switch (each asked of every store:
+#: :func:`_probes`), banks sampled, and the top ids compared per answer.
+CHECK_QUERIES, CHECK_BANKS, CHECK_TOP = 3, 10, 10
 #: Looks at a bank the live group writes meanwhile, and differences reported at most.
 CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
-#: Least mean agreement (shared ids / ids) of the sampled recalls' top results. Below 1:
+#: Least mean agreement (shared ids / ids) of the sampled answers' top ids. Below 1:
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
 CHECK_AGREEMENT = 0.8
@@ -100,8 +100,8 @@ class LiveReplay:
 
     ``router``: the live ``search`` group's Router (running in this process or not;
     None: no search stores here, only :attr:`followers`); ``make_router(stores,
-    group_id)``: a Router of the same group over other stores; ``recall_over(stores)``:
-    the recall function over ``stores``; ``generations``: the record of this data dir's
+    group_id)``: a Router of the same group over other stores; ``generations``: the
+    record of this data dir's
     generations (default ``root.generations``). Steps (:meth:`start` runs them in a
     thread, :meth:`run` in the caller's):
 
@@ -112,9 +112,10 @@ class LiveReplay:
        each commit of its offsets, :meth:`mneme.router.Router.flush`);
     2. check, while the live group goes on: no bank has fewer units in a store than in
        the live generation (more is what the live one could not project, e.g. dead
-       letters: ``gained``, repaired by the switch), and sampled recalls of banks with
-       the same units (:data:`CHECK_QUERIES` queries of :data:`CHECK_BANKS` banks) agree
-       (:data:`CHECK_AGREEMENT`); a bank the live group wrote meanwhile is looked at
+       letters: ``gained``, repaired by the switch), and the stores of banks with the
+       same units answer alike (:data:`CHECK_QUERIES` units of :data:`CHECK_BANKS` banks
+       asked of each store, :func:`_probes`; :data:`CHECK_AGREEMENT`; no model is
+       called); a bank the live group wrote meanwhile is looked at
        again (up to :data:`CHECK_ATTEMPTS` times), a difference twice;
     3. own stores: hold the live group between two records
        (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
@@ -135,12 +136,11 @@ class LiveReplay:
     fails (the live generation is known to be damaged)."""
 
     def __init__(self, root, router, make_router: Callable | None,
-                 recall_over: Callable | None, followers: list[Follower] | None = None,
+                 followers: list[Follower] | None = None,
                  generations=None) -> None:
         self.root = root
         self.router = router
         self.make_router = make_router
-        self.recall_over = recall_over
         #: Other groups' projections replayed into the same generation (:class:`Follower`).
         self.followers: list[Follower] = list(followers or [])
         self.generations = generations if generations is not None else root.generations
@@ -400,12 +400,12 @@ class LiveReplay:
 
     def _check(self, new, position: Callable[[], dict], at: dict, banks: list[str]) -> dict:
         """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
-        live stores for each of ``banks``: per bank unit counts (fewer is a problem, more is ``gained``), then
-        sampled recalls of banks with equal counts. A bank whose partition the live group
+        live stores for each of ``banks``: per bank unit counts (fewer is a problem, more
+        is ``gained``), then each store's answers about sampled units of banks with equal
+        counts (:func:`_probes`; ``recalls``: the answers compared). A bank whose partition the live group
         has moved past ``at`` (``position()``) is not comparable and is counted as
         ``moving``. Returns {"banks", "units", "recalls", "agreement", "moving",
         "gained", "problems": [...]}."""
-        from mneme.domain import RecallQuery
         live = self.root.stores
         units, differ, more = 0, {}, set()
         for b in banks:
@@ -426,20 +426,18 @@ class LiveReplay:
         if len(problems) > CHECK_PROBLEMS:
             problems = problems[:CHECK_PROBLEMS] + [
                 f"... and {len(problems) - CHECK_PROBLEMS} more differences"]
-        old_recall, new_recall = self.recall_over(live), self.recall_over(new)
         scores = []
-        now = datetime.now(timezone.utc)
         alike = [b for b in banks if b not in differ and b not in more]  # same units
         for b in alike[:CHECK_BANKS]:
             facts, _ = new.vectors.scroll(b, CHECK_QUERIES)
-            for f in facts:
-                q = RecallQuery(bank_id=b, query=f.text[:500], query_timestamp=now)
-                ids_a = [r.fact.id for r in old_recall(q).results[:10]]
-                ids_z = [r.fact.id for r in new_recall(q).results[:10]]
-                scores.append(len(set(ids_a) & set(ids_z)) / max(len(ids_a), len(ids_z), 1))
+            facts = new.vectors.get(b, [f.id for f in facts], with_vectors=True)
+            for i, f in enumerate(facts):
+                for ids_a, ids_z in _probes(live, new, f, graph=i == 0):
+                    scores.append(len(set(ids_a) & set(ids_z))
+                                  / max(len(ids_a), len(ids_z), 1))
         agreement = sum(scores) / len(scores) if scores else 1.0
         if agreement < CHECK_AGREEMENT:
-            problems.append(f"sampled recalls agree {agreement:.2f} < {CHECK_AGREEMENT}")
+            problems.append(f"sampled store answers agree {agreement:.2f} < {CHECK_AGREEMENT}")
         return {"banks": len(banks), "units": units, "recalls": len(scores),
                 "agreement": round(agreement, 3), "moving": len(moving),
                 "gained": len(gained), "problems": problems}
@@ -565,6 +563,32 @@ class _Builder(Consumer):
         log.warning("replay (%s): %s[%d]@%d could not be projected after %d attempts: %r",
                     self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
         return []  # nothing to append: the check reports it
+
+
+def _probes(live, new, fact, graph: bool = True) -> list[tuple[list[str], list[str]]]:
+    """The check's comparisons for one sampled unit ``fact`` (with its embedding): the
+    top :data:`CHECK_TOP` ids each store of ``live`` and of ``new`` answers to the
+    questions recall asks of it -- the vector store's kNN of the unit's own embedding,
+    the text store's BM25 of its text, the graph's spreading activation from the unit
+    and its entities (``graph``: the check asks it of one unit per bank; a spread
+    read with Cypher costs a few round trips per hop) -- as (live ids, new ids) pairs;
+    a question neither answers is left out (nothing to compare). Per store rather than
+    through recall: a broken store cannot hide behind the other arms of a fused
+    ranking, and nothing needs a model (no query embedding, no query parsing), so an
+    offline replay loads none."""
+    b = fact.bank_id
+    asks = [lambda s: s.text.search(b, fact.text[:500], CHECK_TOP)]
+    if graph:
+        asks.append(lambda s: s.graph.spread(b, {fact.id: 1.0},
+                                             [e.id for e in fact.entities], CHECK_TOP))
+    if fact.embedding:
+        asks.insert(0, lambda s: s.vectors.search(b, fact.embedding, CHECK_TOP))
+    out = []
+    for ask in asks:
+        a, z = [h.id for h in ask(live)], [h.id for h in ask(new)]
+        if a or z:
+            out.append((a, z))
+    return out
 
 
 def _no_check(banks: list[str]) -> dict:
