@@ -673,7 +673,8 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
             other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
     follower = parts.api["follower"] = Follower(
         router=parts.routers["consolidation"], make_router=make_router,
-        open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store,
+        open=lambda g: SqliteObservationStore(str(path(g)), durable=False), path=path,
+        live=store,
         # replicas share the group "consolidation": each builds under its own
         suffix=f".{root.replica}" if root.distributed else "")
     if root.distributed:  # served as GenerationService (mneme.runtime.process)

@@ -49,7 +49,8 @@ class Follower:
     ``router``: the live group's Router; ``make_router(store, group_id)``: a Router of
     that group over ``store`` that only projects (its restore handlers: recorded
     decisions applied, nothing decided, no model); ``open(g)``: the store of generation
-    *g*, opened; ``path(g)``: its file; ``live``: the store serving now (a
+    *g*, opened (it may write without syncing until its ``flush()``, which the replay
+    calls once the check passed); ``path(g)``: its file; ``live``: the store serving now (a
     :class:`mneme.generations.Switchable`). The check compares the stores'
     ``counts(bank_id)`` (:meth:`mneme.ports.ObservationStore.counts`): fewer in the new
     store than in the live one is a difference."""
@@ -296,6 +297,8 @@ class LiveReplay:
             self.generations.update(g, check=check, records_done=done)
             if check["problems"] and not force:
                 raise CheckFailed("; ".join(check["problems"][:5]))
+            for store in extra:  # built without syncing (Follower.open): durable from here
+                store.flush()
             if self.shared:
                 self.generations.update(g, state="READY")
                 _close(new.all())
