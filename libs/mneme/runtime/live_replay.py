@@ -231,6 +231,7 @@ class LiveReplay:
 
     def _run(self, g: int, force: bool, progress=None) -> None:
         new, extra = None, []  # extra: the followers' stores of g, as opened
+        behind: list[WriteBehind] = []  # the build's buffers of new's stores
         try:
             self._refuse_in_use(g)
         except Exception as exc:  # nothing of generation g is touched: it is someone's
@@ -251,9 +252,11 @@ class LiveReplay:
                 gid = (generation_group(self.router.group.name, g) if self.shared
                        else f"{self.router.group_id}@g{g}")
                 # writes buffered per consumer batch: a Tantivy commit and a graph round
-                # trip per batch, not per record (nothing reads g before it is flushed)
-                search = _Build(self.root.log, self.router, self.make_router(
-                    type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid), gid)
+                # trip per batch, not per record, written while the next batch is
+                # handled (nothing reads g before drain_all has waited for them)
+                behind = [WriteBehind(s, empty=True, background=True) for s in new.all()]
+                search = _Build(self.root.log, self.router,
+                                self.make_router(type(new)(*behind), gid), gid)
                 builds.append(search)
             for f in self.followers:
                 extra.append(f.open(g))
@@ -264,6 +267,8 @@ class LiveReplay:
             def drain_all(targets: list[dict]) -> None:
                 for b, until in zip(builds, targets):
                     self._drain(g, b, until, builds, progress)
+                for w in behind:  # every write of g made before it is read or switched
+                    w.wait()
 
             # 1: up to where the live groups are, while they go on.
             for _ in range(20):
@@ -332,6 +337,9 @@ class LiveReplay:
             log.warning("replay of generation %d failed, generation %d still serves: %s",
                         g, self.generations.live(), exc)
             try:
+                for w in behind:  # no write of g in flight while it is deleted
+                    with contextlib.suppress(Exception):
+                        w.wait()
                 _close(extra)
                 self._discard(g, new)
             except Exception:  # e.g. the store server is away: drop it later, by command
@@ -487,16 +495,29 @@ class WriteBehind:
     ``empty``: the store was empty when wrapped and is written only through this
     wrapper (a new generation), so a delete of what was never written here is dropped
     (a replayed retain deletes its document's earlier units first, which in a new
-    generation are almost never there; kept, each would end a run of upserts)."""
+    generation are almost never there; kept, each would end a run of upserts).
+
+    ``background``: :meth:`flush` hands the batch to a thread of its own and returns;
+    the next flush, any other call and :meth:`wait` wait for it first (and raise its
+    error). So the stores' writes of one batch overlap the decoding and handling of the
+    next, and the three stores' writes overlap each other (the graph's in its server's
+    process). A flush then no longer means durable on return, which only a build of a
+    new generation may accept: nothing reads it before :meth:`wait`, and a failed write
+    fails the replay (its generation is discarded), whichever batch's commit it
+    surfaces in."""
 
     limit = 5_000
 
-    def __init__(self, target, empty: bool = False) -> None:
+    def __init__(self, target, empty: bool = False, background: bool = False) -> None:
         self.target = target
         self._ops: list[tuple[str, tuple]] = []
         self._units = 0
         # what was written here, when the store started empty (None: unknown)
         self._written: dict[str, tuple[set, set]] | None = {} if empty else None
+        self._background = background
+        self._job: threading.Thread | None = None  # the batch being written (background)
+        self._job_ops: list[tuple[str, tuple]] = []  # what it has not applied yet
+        self._job_error: BaseException | None = None
 
     def _never_written(self, bank_id: str, *, document_id=None, ids=None) -> bool:
         if self._written is None:
@@ -537,19 +558,53 @@ class WriteBehind:
 
     def flush(self) -> None:
         """Apply the buffered writes in order, then make them durable (the store's
-        flush). On an error the writes not yet applied stay buffered for the next try
-        (re-applying one is harmless: each write is idempotent)."""
-        while self._ops:
-            op, args = self._ops[0]
+        flush); with ``background``, in a thread, after the previous batch's (whose
+        error is raised here). On an error the writes not yet applied stay buffered for
+        the next try (re-applying one is harmless: each write is idempotent)."""
+        self.wait()
+        ops, self._ops, self._units = self._ops, [], 0
+        if not self._background:
+            try:
+                self._apply(ops)
+            finally:
+                self._ops[:0] = ops  # what was not applied, before anything newer
+            return
+        self._job_ops = ops
+        self._job = threading.Thread(target=self._run_job, name="mneme-write-behind",
+                                     daemon=True)
+        self._job.start()
+
+    def wait(self) -> None:
+        """Wait until the batch a background :meth:`flush` handed over is written; its
+        error, if any, is raised (its writes not applied stay buffered)."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.join()
+        error, self._job_error = self._job_error, None
+        self._ops[:0], self._job_ops = self._job_ops, []
+        if error is not None:
+            raise error
+
+    def _run_job(self) -> None:
+        try:
+            self._apply(self._job_ops)
+        except BaseException as exc:  # raised by the next flush or wait
+            self._job_error = exc
+
+    def _apply(self, ops: list[tuple[str, tuple]]) -> None:
+        """Apply ``ops`` in order, removing each once applied, then flush the store."""
+        while ops:
+            op, args = ops[0]
             if op == "upsert":  # the last version of each unit, in first-seen order
                 args = (list({(f.bank_id, f.id): f for f in args[0]}.values()),)
             getattr(self.target, op)(*args)
-            self._ops.pop(0)
-        self._units = 0
+            ops.pop(0)
         self.target.flush()
 
     def __getattr__(self, name: str):
-        self.flush()
+        self.wait()
+        self._apply(self._ops)
         return getattr(self.target, name)
 
 
