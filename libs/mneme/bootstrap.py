@@ -418,12 +418,11 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
         reranker = Reranker(root.llm)
     analyzer, tokens = QueryAnalyzer(), default_token_counter()
 
-    def recall_over(s):
-        # Observations are units too: recall returns them only when `types` asks for them.
-        return with_default_types(functools.partial(
-            recall, vectors=s.vectors, text=s.text, graph=s.graph, embedder=root.embedder,
-            analyzer=analyzer, tokens=tokens, executor=pool, reranker=reranker))
-    recall_fn = recall_over(stores)
+    # Observations are units too: recall returns them only when `types` asks for them.
+    recall_fn = with_default_types(functools.partial(
+        recall, vectors=stores.vectors, text=stores.text, graph=stores.graph,
+        embedder=root.embedder, analyzer=analyzer, tokens=tokens, executor=pool,
+        reranker=reranker))
     parts = ServiceParts("search", _routers(root, "search", stores=stores,
                                             documents=root.documents, **root.own_catalog()))
     documents_current = _projected(root, parts, "search-documents")
@@ -450,7 +449,7 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
         return Router(svc, "search", {"stores": other, **root.own_catalog()}, group_id=group_id)
     # Replays of this process's stores (GenerationService where it owns them: embedded,
     # or a replica's local files; see mneme.runtime.process for store servers).
-    replay = root._opened(LiveReplay(root, parts.routers["search"], make_router, recall_over))
+    replay = root._opened(LiveReplay(root, parts.routers["search"], make_router))
     parts.api["replay"] = replay
     generations = generations_api.GenerationServicer(replay)
     parts.register = lambda server: (grpc_api.register(server, servicer)
@@ -674,12 +673,13 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
             other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
     follower = parts.api["follower"] = Follower(
         router=parts.routers["consolidation"], make_router=make_router,
-        open=lambda g: SqliteObservationStore(str(path(g))), path=path, live=store,
+        open=lambda g: SqliteObservationStore(str(path(g)), durable=False), path=path,
+        live=store,
         # replicas share the group "consolidation": each builds under its own
         suffix=f".{root.replica}" if root.distributed else "")
     if root.distributed:  # served as GenerationService (mneme.runtime.process)
         parts.api["replay"] = root._opened(LiveReplay(
-            root, None, None, None, followers=[follower], generations=generations))
+            root, None, None, followers=[follower], generations=generations))
     return parts
 
 

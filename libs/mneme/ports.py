@@ -428,6 +428,11 @@ class ObservationStore(Protocol):
         """Every opinion state of the bank (deleted ones as tombstones), ordered by id, as
         deterministic protobuf bytes: what a replay must reproduce byte for byte."""
 
+    def flush(self) -> None:
+        """Make every write so far durable: a no-op for a store whose every write is
+        (the live one); a store opened for a replay's build may write without syncing
+        and syncs here, before the replay switches to it."""
+
     def reset(self) -> None:
         """Forget every bank (replay rebuilds it)."""
 

@@ -38,6 +38,16 @@ class ObservationStoreSuite:
     def ids(self, pairs):
         return [f.id for f, _ in pairs]
 
+    def test_flush_keeps_every_write(self, store):
+        """flush() makes the writes so far durable and changes nothing they read as."""
+        store.add_facts("a", [(fact("f1"), [[]])])
+        store.apply(changed(observations=[obs("o1", 1)], consolidated=["f1"]))
+        store.flush()
+        store.flush()  # again: nothing to do
+        store.add_facts("a", [(fact("f2"), [[]])])
+        assert self.ids(store.facts("a")) == ["f1", "f2"]
+        assert store.counts("a") == (2, 1, 1)
+
     # -- facts --
 
     def test_facts_in_arrival_order_with_scopes(self, store):

@@ -5,6 +5,7 @@ entities.db files of the first schema migrate with their ids."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pytest
@@ -79,6 +80,26 @@ class TestMemoryCatalog(CatalogSuite):
 class TestSqliteObservationStore(ObservationStoreSuite):
     def make_observations(self, path):
         return SqliteObservationStore(str(path / "observations.db"))
+
+    def test_a_build_store_syncs_at_flush_and_reopens_whole(self, tmp_path):
+        """durable=False (a replay's build): no sync per write until flush(), which
+        checkpoints the WAL into the file; reopened, the store holds every write."""
+        path = str(tmp_path / "observations.g2.db")
+        s = SqliteObservationStore(path, durable=False)
+        assert s._db.execute("PRAGMA synchronous").fetchone()[0] == 0  # OFF
+        s.add_facts("a", [(fact("f1"), [[]])])
+        s.apply(changed(observations=[obs("o1", 1)], consolidated=["f1"]))
+        s.flush()
+        assert s._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL from here
+        assert os.path.getsize(path + "-wal") == 0  # checkpointed into the file
+        s.add_facts("a", [(fact("f2"), [[]])])
+        s.close()
+        s = SqliteObservationStore(path)
+        try:
+            assert [f.id for f, _ in s.facts("a")] == ["f1", "f2"]
+            assert s.counts("a") == (2, 1, 1)
+        finally:
+            s.close()
 
     def test_deleted_facts_and_observations_leave_no_bytes_in_the_files(self, tmp_path):
         """SQLite leaves a deleted row's bytes in freed pages and in the WAL: with

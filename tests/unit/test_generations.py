@@ -215,7 +215,7 @@ def test_on_shared_servers_a_generation_the_replicas_serve_is_neither_built_nor_
     monkeypatch.setattr(Root, "open_stores", lambda self, g: opened.append(g))
     try:
         router = Router(services()["search"], "search", {"stores": fake_projections()})
-        replay = LiveReplay(root, router, make_router=None, recall_over=None)
+        replay = LiveReplay(root, router, make_router=None)
         assert replay.shared
         g = replay.run()
         assert g.generation == 2 and g.state == "FAILED" and "is served" in g.error

@@ -105,3 +105,33 @@ def test_without_empty_every_delete_reaches_the_store():
     wb.delete("a", ["x"])
     wb.flush()
     assert [c[0] for c in store.calls] == ["delete_where", "delete"]
+
+
+def test_in_the_background_a_flush_hands_the_batch_over_and_wait_sees_it_written():
+    store = FakeStore("vector")
+    wb = WriteBehind(store, background=True)
+    wb.upsert([fact("u1"), fact("u2")])
+    wb.flush()
+    wb.upsert([fact("u3")])  # the next batch is buffered meanwhile
+    wb.wait()
+    assert store.ids("a") == {"u1", "u2"} and len(store.calls) == 1
+    wb.flush()
+    assert wb.count("a") == 3  # a read waits for the batch in flight, then flushes
+
+
+def test_in_the_background_an_error_is_raised_by_the_next_flush_and_nothing_is_lost():
+    store = FakeStore("graph", fail="delete")
+    wb = WriteBehind(store, background=True)
+    wb.upsert([fact("u1"), fact("u2")])
+    wb.delete("a", ["u1"])
+    wb.upsert([fact("u3")])
+    wb.flush()  # returns at once; the write fails in its thread
+    wb.upsert([fact("u4")])
+    with pytest.raises(RuntimeError):
+        wb.flush()
+    assert store.ids("a") == {"u1", "u2"}  # applied up to the failing write, no further
+    store.fail = None
+    wb.flush()
+    wb.wait()
+    assert store.ids("a") == {"u2", "u3", "u4"}
+    assert [c[0] for c in store.calls][-3:] == ["delete", "upsert", "upsert"]

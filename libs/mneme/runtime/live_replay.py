@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,11 +19,12 @@ from mneme.generations import (Generation, drop_stores, generation_group, remove
 
 log = logging.getLogger("mneme")
 
-#: Recalls compared per bank by the check before a switch, and banks sampled.
-CHECK_QUERIES, CHECK_BANKS = 3, 10
+#: Units sampled per bank by the check before a switch (each asked of every store:
+#: :func:`_probes`), banks sampled, and the top ids compared per answer.
+CHECK_QUERIES, CHECK_BANKS, CHECK_TOP = 3, 10, 10
 #: Looks at a bank the live group writes meanwhile, and differences reported at most.
 CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
-#: Least mean agreement (shared ids / ids) of the sampled recalls' top results. Below 1:
+#: Least mean agreement (shared ids / ids) of the sampled answers' top ids. Below 1:
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
 CHECK_AGREEMENT = 0.8
@@ -49,7 +49,8 @@ class Follower:
     ``router``: the live group's Router; ``make_router(store, group_id)``: a Router of
     that group over ``store`` that only projects (its restore handlers: recorded
     decisions applied, nothing decided, no model); ``open(g)``: the store of generation
-    *g*, opened; ``path(g)``: its file; ``live``: the store serving now (a
+    *g*, opened (it may write without syncing until its ``flush()``, which the replay
+    calls once the check passed); ``path(g)``: its file; ``live``: the store serving now (a
     :class:`mneme.generations.Switchable`). The check compares the stores'
     ``counts(bank_id)`` (:meth:`mneme.ports.ObservationStore.counts`): fewer in the new
     store than in the live one is a difference."""
@@ -100,8 +101,8 @@ class LiveReplay:
 
     ``router``: the live ``search`` group's Router (running in this process or not;
     None: no search stores here, only :attr:`followers`); ``make_router(stores,
-    group_id)``: a Router of the same group over other stores; ``recall_over(stores)``:
-    the recall function over ``stores``; ``generations``: the record of this data dir's
+    group_id)``: a Router of the same group over other stores; ``generations``: the
+    record of this data dir's
     generations (default ``root.generations``). Steps (:meth:`start` runs them in a
     thread, :meth:`run` in the caller's):
 
@@ -112,9 +113,10 @@ class LiveReplay:
        each commit of its offsets, :meth:`mneme.router.Router.flush`);
     2. check, while the live group goes on: no bank has fewer units in a store than in
        the live generation (more is what the live one could not project, e.g. dead
-       letters: ``gained``, repaired by the switch), and sampled recalls of banks with
-       the same units (:data:`CHECK_QUERIES` queries of :data:`CHECK_BANKS` banks) agree
-       (:data:`CHECK_AGREEMENT`); a bank the live group wrote meanwhile is looked at
+       letters: ``gained``, repaired by the switch), and the stores of banks with the
+       same units answer alike (:data:`CHECK_QUERIES` units of :data:`CHECK_BANKS` banks
+       asked of each store, :func:`_probes`; :data:`CHECK_AGREEMENT`; no model is
+       called); a bank the live group wrote meanwhile is looked at
        again (up to :data:`CHECK_ATTEMPTS` times), a difference twice;
     3. own stores: hold the live group between two records
        (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
@@ -135,12 +137,11 @@ class LiveReplay:
     fails (the live generation is known to be damaged)."""
 
     def __init__(self, root, router, make_router: Callable | None,
-                 recall_over: Callable | None, followers: list[Follower] | None = None,
+                 followers: list[Follower] | None = None,
                  generations=None) -> None:
         self.root = root
         self.router = router
         self.make_router = make_router
-        self.recall_over = recall_over
         #: Other groups' projections replayed into the same generation (:class:`Follower`).
         self.followers: list[Follower] = list(followers or [])
         self.generations = generations if generations is not None else root.generations
@@ -230,6 +231,7 @@ class LiveReplay:
 
     def _run(self, g: int, force: bool, progress=None) -> None:
         new, extra = None, []  # extra: the followers' stores of g, as opened
+        behind: list[WriteBehind] = []  # the build's buffers of new's stores
         try:
             self._refuse_in_use(g)
         except Exception as exc:  # nothing of generation g is touched: it is someone's
@@ -250,9 +252,11 @@ class LiveReplay:
                 gid = (generation_group(self.router.group.name, g) if self.shared
                        else f"{self.router.group_id}@g{g}")
                 # writes buffered per consumer batch: a Tantivy commit and a graph round
-                # trip per batch, not per record (nothing reads g before it is flushed)
-                search = _Build(self.root.log, self.router, self.make_router(
-                    type(new)(*(WriteBehind(s, empty=True) for s in new.all())), gid), gid)
+                # trip per batch, not per record, written while the next batch is
+                # handled (nothing reads g before drain_all has waited for them)
+                behind = [WriteBehind(s, empty=True, background=True) for s in new.all()]
+                search = _Build(self.root.log, self.router,
+                                self.make_router(type(new)(*behind), gid), gid)
                 builds.append(search)
             for f in self.followers:
                 extra.append(f.open(g))
@@ -263,6 +267,8 @@ class LiveReplay:
             def drain_all(targets: list[dict]) -> None:
                 for b, until in zip(builds, targets):
                     self._drain(g, b, until, builds, progress)
+                for w in behind:  # every write of g made before it is read or switched
+                    w.wait()
 
             # 1: up to where the live groups are, while they go on.
             for _ in range(20):
@@ -296,6 +302,8 @@ class LiveReplay:
             self.generations.update(g, check=check, records_done=done)
             if check["problems"] and not force:
                 raise CheckFailed("; ".join(check["problems"][:5]))
+            for store in extra:  # built without syncing (Follower.open): durable from here
+                store.flush()
             if self.shared:
                 self.generations.update(g, state="READY")
                 _close(new.all())
@@ -329,6 +337,9 @@ class LiveReplay:
             log.warning("replay of generation %d failed, generation %d still serves: %s",
                         g, self.generations.live(), exc)
             try:
+                for w in behind:  # no write of g in flight while it is deleted
+                    with contextlib.suppress(Exception):
+                        w.wait()
                 _close(extra)
                 self._discard(g, new)
             except Exception:  # e.g. the store server is away: drop it later, by command
@@ -400,12 +411,12 @@ class LiveReplay:
 
     def _check(self, new, position: Callable[[], dict], at: dict, banks: list[str]) -> dict:
         """Compare ``new``, replayed up to ``at`` ((topic, partition) → offset), with the
-        live stores for each of ``banks``: per bank unit counts (fewer is a problem, more is ``gained``), then
-        sampled recalls of banks with equal counts. A bank whose partition the live group
+        live stores for each of ``banks``: per bank unit counts (fewer is a problem, more
+        is ``gained``), then each store's answers about sampled units of banks with equal
+        counts (:func:`_probes`; ``recalls``: the answers compared). A bank whose partition the live group
         has moved past ``at`` (``position()``) is not comparable and is counted as
         ``moving``. Returns {"banks", "units", "recalls", "agreement", "moving",
         "gained", "problems": [...]}."""
-        from mneme.domain import RecallQuery
         live = self.root.stores
         units, differ, more = 0, {}, set()
         for b in banks:
@@ -426,20 +437,18 @@ class LiveReplay:
         if len(problems) > CHECK_PROBLEMS:
             problems = problems[:CHECK_PROBLEMS] + [
                 f"... and {len(problems) - CHECK_PROBLEMS} more differences"]
-        old_recall, new_recall = self.recall_over(live), self.recall_over(new)
         scores = []
-        now = datetime.now(timezone.utc)
         alike = [b for b in banks if b not in differ and b not in more]  # same units
         for b in alike[:CHECK_BANKS]:
             facts, _ = new.vectors.scroll(b, CHECK_QUERIES)
-            for f in facts:
-                q = RecallQuery(bank_id=b, query=f.text[:500], query_timestamp=now)
-                ids_a = [r.fact.id for r in old_recall(q).results[:10]]
-                ids_z = [r.fact.id for r in new_recall(q).results[:10]]
-                scores.append(len(set(ids_a) & set(ids_z)) / max(len(ids_a), len(ids_z), 1))
+            facts = new.vectors.get(b, [f.id for f in facts], with_vectors=True)
+            for i, f in enumerate(facts):
+                for ids_a, ids_z in _probes(live, new, f, graph=i == 0):
+                    scores.append(len(set(ids_a) & set(ids_z))
+                                  / max(len(ids_a), len(ids_z), 1))
         agreement = sum(scores) / len(scores) if scores else 1.0
         if agreement < CHECK_AGREEMENT:
-            problems.append(f"sampled recalls agree {agreement:.2f} < {CHECK_AGREEMENT}")
+            problems.append(f"sampled store answers agree {agreement:.2f} < {CHECK_AGREEMENT}")
         return {"banks": len(banks), "units": units, "recalls": len(scores),
                 "agreement": round(agreement, 3), "moving": len(moving),
                 "gained": len(gained), "problems": problems}
@@ -486,16 +495,29 @@ class WriteBehind:
     ``empty``: the store was empty when wrapped and is written only through this
     wrapper (a new generation), so a delete of what was never written here is dropped
     (a replayed retain deletes its document's earlier units first, which in a new
-    generation are almost never there; kept, each would end a run of upserts)."""
+    generation are almost never there; kept, each would end a run of upserts).
+
+    ``background``: :meth:`flush` hands the batch to a thread of its own and returns;
+    the next flush, any other call and :meth:`wait` wait for it first (and raise its
+    error). So the stores' writes of one batch overlap the decoding and handling of the
+    next, and the three stores' writes overlap each other (the graph's in its server's
+    process). A flush then no longer means durable on return, which only a build of a
+    new generation may accept: nothing reads it before :meth:`wait`, and a failed write
+    fails the replay (its generation is discarded), whichever batch's commit it
+    surfaces in."""
 
     limit = 5_000
 
-    def __init__(self, target, empty: bool = False) -> None:
+    def __init__(self, target, empty: bool = False, background: bool = False) -> None:
         self.target = target
         self._ops: list[tuple[str, tuple]] = []
         self._units = 0
         # what was written here, when the store started empty (None: unknown)
         self._written: dict[str, tuple[set, set]] | None = {} if empty else None
+        self._background = background
+        self._job: threading.Thread | None = None  # the batch being written (background)
+        self._job_ops: list[tuple[str, tuple]] = []  # what it has not applied yet
+        self._job_error: BaseException | None = None
 
     def _never_written(self, bank_id: str, *, document_id=None, ids=None) -> bool:
         if self._written is None:
@@ -536,19 +558,53 @@ class WriteBehind:
 
     def flush(self) -> None:
         """Apply the buffered writes in order, then make them durable (the store's
-        flush). On an error the writes not yet applied stay buffered for the next try
-        (re-applying one is harmless: each write is idempotent)."""
-        while self._ops:
-            op, args = self._ops[0]
+        flush); with ``background``, in a thread, after the previous batch's (whose
+        error is raised here). On an error the writes not yet applied stay buffered for
+        the next try (re-applying one is harmless: each write is idempotent)."""
+        self.wait()
+        ops, self._ops, self._units = self._ops, [], 0
+        if not self._background:
+            try:
+                self._apply(ops)
+            finally:
+                self._ops[:0] = ops  # what was not applied, before anything newer
+            return
+        self._job_ops = ops
+        self._job = threading.Thread(target=self._run_job, name="mneme-write-behind",
+                                     daemon=True)
+        self._job.start()
+
+    def wait(self) -> None:
+        """Wait until the batch a background :meth:`flush` handed over is written; its
+        error, if any, is raised (its writes not applied stay buffered)."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.join()
+        error, self._job_error = self._job_error, None
+        self._ops[:0], self._job_ops = self._job_ops, []
+        if error is not None:
+            raise error
+
+    def _run_job(self) -> None:
+        try:
+            self._apply(self._job_ops)
+        except BaseException as exc:  # raised by the next flush or wait
+            self._job_error = exc
+
+    def _apply(self, ops: list[tuple[str, tuple]]) -> None:
+        """Apply ``ops`` in order, removing each once applied, then flush the store."""
+        while ops:
+            op, args = ops[0]
             if op == "upsert":  # the last version of each unit, in first-seen order
                 args = (list({(f.bank_id, f.id): f for f in args[0]}.values()),)
             getattr(self.target, op)(*args)
-            self._ops.pop(0)
-        self._units = 0
+            ops.pop(0)
         self.target.flush()
 
     def __getattr__(self, name: str):
-        self.flush()
+        self.wait()
+        self._apply(self._ops)
         return getattr(self.target, name)
 
 
@@ -565,6 +621,32 @@ class _Builder(Consumer):
         log.warning("replay (%s): %s[%d]@%d could not be projected after %d attempts: %r",
                     self.group, rec.topic, rec.partition, rec.offset, attempts, exc)
         return []  # nothing to append: the check reports it
+
+
+def _probes(live, new, fact, graph: bool = True) -> list[tuple[list[str], list[str]]]:
+    """The check's comparisons for one sampled unit ``fact`` (with its embedding): the
+    top :data:`CHECK_TOP` ids each store of ``live`` and of ``new`` answers to the
+    questions recall asks of it -- the vector store's kNN of the unit's own embedding,
+    the text store's BM25 of its text, the graph's spreading activation from the unit
+    and its entities (``graph``: the check asks it of one unit per bank; a spread
+    read with Cypher costs a few round trips per hop) -- as (live ids, new ids) pairs;
+    a question neither answers is left out (nothing to compare). Per store rather than
+    through recall: a broken store cannot hide behind the other arms of a fused
+    ranking, and nothing needs a model (no query embedding, no query parsing), so an
+    offline replay loads none."""
+    b = fact.bank_id
+    asks = [lambda s: s.text.search(b, fact.text[:500], CHECK_TOP)]
+    if graph:
+        asks.append(lambda s: s.graph.spread(b, {fact.id: 1.0},
+                                             [e.id for e in fact.entities], CHECK_TOP))
+    if fact.embedding:
+        asks.insert(0, lambda s: s.vectors.search(b, fact.embedding, CHECK_TOP))
+    out = []
+    for ask in asks:
+        a, z = [h.id for h in ask(live)], [h.id for h in ask(new)]
+        if a or z:
+            out.append((a, z))
+    return out
 
 
 def _no_check(banks: list[str]) -> dict:

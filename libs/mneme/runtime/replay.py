@@ -130,6 +130,6 @@ def drop_generation(settings: Settings | None, generation: int) -> None:
     root = Root(settings)
     try:  # the search group's name is all a drop needs of it: the live stores stay shut
         live = SimpleNamespace(group=services()["search"].group("search"))
-        LiveReplay(root, live, make_router=None, recall_over=None).drop(generation)
+        LiveReplay(root, live, make_router=None).drop(generation)
     finally:
         root.close()

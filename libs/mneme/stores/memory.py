@@ -230,6 +230,9 @@ class MemoryObservationStore:
         # bank → opinion id → (version, deleted, entity ids, bytes)
         self._opinions: dict[str, dict[str, tuple]] = {}
 
+    def flush(self) -> None:
+        """Nothing to make durable (memory)."""
+
     def close(self) -> None:
         pass
 
