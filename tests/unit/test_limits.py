@@ -130,3 +130,30 @@ def test_deadline_reports_time_left():
     assert 29 < d.remaining() <= 30 and not d.cancelled()
     d.check()
     assert Deadline.after(None).remaining() is None
+
+
+def test_dt_to_ts_equals_protobufs_own_conversion():
+    """dt_to_ts computes seconds and nanos itself: the same as Timestamp.FromDatetime of
+    the clamped time, at the edges, before the epoch, in other zones and at random."""
+    import random
+    from datetime import datetime, timedelta, timezone
+
+    from google.protobuf import timestamp_pb2
+
+    from mneme.domain import MAX_TIME, MIN_TIME, clamp_time
+    from mneme.grpc_util import dt_to_ts
+
+    rng = random.Random(7)
+    span = int((MAX_TIME - MIN_TIME).total_seconds())
+    cases = [MIN_TIME, MAX_TIME, datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc),
+             datetime(1970, 1, 1, tzinfo=timezone.utc),
+             datetime(2020, 5, 5, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=-7))),
+             datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)]
+    cases += [MIN_TIME + timedelta(seconds=rng.randrange(span), microseconds=rng.randrange(10**6))
+              for _ in range(2000)]
+    for c in cases:
+        want = timestamp_pb2.Timestamp()
+        want.FromDatetime(clamp_time(c))
+        got = dt_to_ts(c)
+        assert (got.seconds, got.nanos) == (want.seconds, want.nanos), c
+    assert dt_to_ts(None) is None
