@@ -80,6 +80,18 @@ def dia_ids(results) -> list[str]:
     return out
 
 
+def session_of(dia_id: str) -> str:
+    """The session part of a LoCoMo dialog id: "D3:5" → "3" (the id itself if it has no
+    "D<n>:" form)."""
+    m = re.fullmatch(r"D(\d+):\d+", dia_id.strip())
+    return m.group(1) if m else dia_id.strip()
+
+
+def session_ids(ranked: list[str]) -> list[str]:
+    """Distinct sessions of ranked dialog ids, in rank order (see :func:`session_of`)."""
+    return list(dict.fromkeys(session_of(d) for d in ranked))
+
+
 def recall_at(ranked: list[str], evidence: list[str], k: int) -> float:
     """Fraction of the evidence dialog ids among the first ``k`` ranked ids."""
     ev = set(evidence)

@@ -16,8 +16,11 @@ The arms are fused with Reciprocal Rank Fusion (Cormack et al. SIGIR 2009; k =
 ``mneme.retrieval.RRF_K``), the candidates hydrated from the vector store (the payload
 source), re-checked against the filters, the fused score of facts that only ask a question
 halved (``mneme.retrieval.is_question``: a question shares its words with the query but
-states nothing), boosted (recency, temporal proximity, proof count; see
-``mneme.retrieval``) and filled greedily into ``max_tokens``.
+states nothing), boosted
+(recency, temporal proximity, proof count; see ``mneme.retrieval``), each reply given a
+share of the fused score of the turn it answers (``mneme.retrieval.reply_share``), the head
+reordered by entity overlap with the query and adjacency to other hits
+(``mneme.retrieval.rerank_head``, no model) and filled greedily into ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
     BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, question_factor, recency_boost,
-    temporal_proximity_boost, window_overlap, rrf,
+    reply_share, rerank_head, temporal_proximity_boost, window_overlap, rrf,
 )
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
@@ -46,6 +49,10 @@ DEFAULT_MAX_TOKENS = 4096
 
 #: How many of each of the semantic and keyword arms' top hits seed the graph arm.
 GRAPH_SEEDS = 10
+
+#: Reorder the fused head with :func:`mneme.retrieval.rerank_head` (entity overlap with
+#: the query, adjacency to other hits).
+HEAD_RERANK = True
 
 TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
 
@@ -176,8 +183,11 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
                    + proof_boost(_proof_count(fact)))
         s.final = s.rrf + s.boost
         results.append(s)
+    reply_share(results)
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
+    if HEAD_RERANK:
+        results = rerank_head(results, entity_ids)
     if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
         deadline.check("recall: rerank")
         results = reranker(q.query, results)

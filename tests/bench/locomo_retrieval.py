@@ -4,11 +4,18 @@ Retains each conversation into its own bank (every turn, session date as timesta
 ``dia_id`` in metadata) through the gRPC API of an embedded server started in this
 process, then recalls every question of categories 1–4 and scores the distinct dialog
 ids of the results against the question's evidence. Prints a table per category and
-overall, recall latency p50/p95 and retain throughput; with ``--json`` the last line
-is one JSON object.
+overall (evidence recall@k, nDCG@10, and session recall@k: the fraction of the evidence's
+sessions among the first k distinct sessions of the results, for comparison with systems
+that retrieve whole sessions), recall latency p50/p95 and retain throughput; with
+``--json`` the last line is one JSON object.
+
+``--misses FILE`` writes one JSON object per line for every evidence id missing from the
+top 10: the question, its category, the evidence turn's text, the evidence's fused rank
+(0 = not returned) and best rank per arm (0 = that arm did not return it), and the top 3
+results that beat it (text, dialog ids, per-arm ranks).
 
 Usage: python tests/bench/locomo_retrieval.py --data FILE [--conversations ID ...]
-       [--json] [--budget mid] [--max-tokens 8192]
+       [--json] [--budget mid] [--max-tokens 8192] [--misses FILE]
 """
 
 from __future__ import annotations
@@ -36,9 +43,50 @@ from mneme.config import Settings  # noqa: E402
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 KS = (5, 10, 20)
+SESSION_KS = (1, 3, 5)
+ARMS = ("semantic", "keyword", "graph", "temporal")
 
 
-def run(data: Path, conversations: list[str], budget: str, max_tokens: int, console: Console) -> dict:
+def _turn_texts(conv: dict) -> dict[str, str]:
+    """dia_id → "Speaker: text [photo: caption]" of every turn of a conversation."""
+    out = {}
+    for s in locomo.sessions(conv):
+        for it in s.items:
+            cap = it["metadata"].get("blip_caption")
+            out[it["metadata"]["dia_id"]] = it["content"] + (f" [photo: {cap}]" if cap else "")
+    return out
+
+
+def _arm_ranks(result) -> dict[str, int]:
+    return {a: getattr(result.scores, f"{a}_rank") for a in ARMS}
+
+
+def _misses(q: dict, results, ranked: list[str], turns: dict[str, str], k: int = 10) -> list[dict]:
+    """One record per evidence id of ``q`` not among the first ``k`` ranked dialog ids."""
+    out = []
+    ids = [{x.strip() for x in (r.memory.metadata.get("dia_id") or "").split(",") if x.strip()}
+           for r in results]
+    for ev in q["evidence"]:
+        if ev in ranked[:k]:
+            continue
+        best = {a: 0 for a in ARMS}
+        for r, dias in zip(results, ids):
+            if ev in dias:
+                for a, rank in _arm_ranks(r).items():
+                    if rank and (not best[a] or rank < best[a]):
+                        best[a] = rank
+        out.append({
+            "question": q["question"], "category": CATEGORIES[q["category"]],
+            "answer": str(q.get("answer", "")), "evidence": ev, "evidence_text": turns.get(ev, ""),
+            "rank": ranked.index(ev) + 1 if ev in ranked else 0, "arm_ranks": best,
+            "beaten_by": [{"text": r.memory.text, "dia_id": r.memory.metadata.get("dia_id", ""),
+                           "ranks": _arm_ranks(r)} for r in results[:3]],
+        })
+    return out
+
+
+def run(data: Path, conversations: list[str], budget: str, max_tokens: int, console: Console,
+        misses: list[dict] | None = None) -> dict:
     convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
     if not convs:
         raise SystemExit(f"no conversations {conversations} in {data}")
@@ -67,6 +115,7 @@ def run(data: Path, conversations: list[str], budget: str, max_tokens: int, cons
                     retain_s += time.perf_counter() - t0
                     turns += n
                     qs = [q for q in locomo.questions(c) if q.get("evidence")]
+                    turn_texts = _turn_texts(c) if misses is not None else {}
                     task = prog.add_task(f"recall {sid}", total=len(qs))
                     for q in qs:
                         t0 = time.perf_counter()
@@ -76,13 +125,20 @@ def run(data: Path, conversations: list[str], budget: str, max_tokens: int, cons
                         ev = [e for e in q["evidence"]]
                         row = {f"recall@{k}": locomo.recall_at(ranked, ev, k) for k in KS}
                         row["ndcg@10"] = locomo.ndcg_at(ranked, ev, 10)
+                        sessions_ranked = locomo.session_ids(ranked)
+                        ev_sessions = locomo.session_ids(ev)
+                        for k in SESSION_KS:
+                            row[f"session@{k}"] = locomo.recall_at(sessions_ranked, ev_sessions, k)
+                        if misses is not None:
+                            for miss in _misses(q, list(r.results), ranked, turn_texts):
+                                misses.append({"conversation": sid} | miss)
                         per_cat[q["category"]].append(row)
                         prog.advance(task)
         finally:
             node.close()
 
     def mean(rows: list[dict]) -> dict:
-        keys = [f"recall@{k}" for k in KS] + ["ndcg@10"]
+        keys = [f"recall@{k}" for k in KS] + ["ndcg@10"] + [f"session@{k}" for k in SESSION_KS]
         return {k: round(statistics.fmean(r[k] for r in rows), 4) for k in keys} | {"n": len(rows)}
 
     everything = [r for rows in per_cat.values() for r in rows]
@@ -105,15 +161,20 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON on the last line")
     ap.add_argument("--budget", default="mid", choices=("low", "mid", "high"))
     ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--misses", type=Path, help="write each evidence id missed at 10 (JSON lines)")
     args = ap.parse_args()
     console = Console(stderr=True)
-    res = run(args.data, args.conversations, args.budget, args.max_tokens, console)
-    t = Table("category", "n", "recall@5", "recall@10", "recall@20", "nDCG@10",
+    misses: list[dict] | None = [] if args.misses else None
+    res = run(args.data, args.conversations, args.budget, args.max_tokens, console, misses)
+    if args.misses:
+        args.misses.write_text("".join(json.dumps(m) + "\n" for m in misses))
+        console.print(f"{len(misses)} missed evidence ids written to {args.misses}")
+    cols = [f"recall@{k}" for k in KS] + ["ndcg@10"] + [f"session@{k}" for k in SESSION_KS]
+    t = Table("category", "n", *(c.replace("ndcg", "nDCG") for c in cols),
               title=f"LoCoMo evidence retrieval ({', '.join(res['conversations'])})")
     for name, row in list(res["categories"].items()) + [("overall", res["overall"])]:
-        t.add_row(name, str(row["n"]), *(f"{row[k]:.3f}" for k in
-                                         ("recall@5", "recall@10", "recall@20", "ndcg@10")))
-    Console().print(t)
+        t.add_row(name, str(row["n"]), *(f"{row[k]:.3f}" for k in cols))
+    Console(width=max(120, Console().width)).print(t)
     print(f"recall latency p50 {res['latency_ms']['p50']} ms, p95 {res['latency_ms']['p95']} ms; "
           f"retain {res['retain_turns_per_s']} turns/s")
     if args.json:

@@ -6,10 +6,11 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from mneme.domain import Fact, Scored, TimeWindow
+from mneme.domain import EntityRef, Fact, Link, Scored, TimeWindow
 from mneme.retrieval import (
-    BUDGETS, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT, RRF_K, RRF_UNIT, TEMPORAL_WEIGHT,
-    fill_budget, is_question, proof_boost, question_factor, recency_boost, rrf,
+    BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT, REPLY_WEIGHT, RRF_K,
+    RRF_UNIT, TEMPORAL_WEIGHT, fill_budget, is_question, proof_boost,
+    question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
     temporal_proximity_boost, window_overlap,
 )
 
@@ -215,3 +216,51 @@ def test_is_question(text, asks):
 def test_question_factor():
     assert question_factor(_fact(text="Mia: What did you paint?")) == QUESTION_WEIGHT < 1
     assert question_factor(_fact(text="Mia: I painted a horse.")) == 1.0
+
+
+# ---- replies and the head -----------------------------------------------------------------
+
+
+def _scored(fid, text, rrf_score, links=(), doc="d", index=0, entities=()) -> Scored:
+    f = Fact(id=fid, bank_id="b", text=text, links=list(links), document_id=doc,
+             item_index=index, entities=[EntityRef(e, e, "PERSON") for e in entities])
+    return Scored(fact=f, rrf=rrf_score * question_factor(f), final=rrf_score * question_factor(f))
+
+
+def test_reply_inherits_a_share_of_the_turn_it_answers():
+    # The query matched the question turn best; its answer (next turn) matched weakly.
+    q = _scored("q", "Caroline: What got you into running?", 0.09, index=6)
+    a = _scored("a", "Melanie: I've been running farther to de-stress.", 0.03, index=7,
+                links=[Link("q", "temporal", 0.5)])
+    other = _scored("o", "Melanie: I ran a charity race.", 0.05, index=2)
+    assert replies_to(a.fact) == "q" and replies_to(q.fact) is None
+    results = [q, other, a]
+    reply_share(results)
+    # the question's score before its question factor, times the share
+    assert a.boost == pytest.approx(REPLY_WEIGHT * 0.09)
+    assert a.final == pytest.approx(0.03 + REPLY_WEIGHT * 0.09)
+    assert q.boost == other.boost == 0.0
+    assert [s.fact.id for s in sorted(results, key=lambda s: -s.final)] == ["a", "o", "q"]
+
+
+def test_reply_share_needs_the_turn_among_the_results_and_a_reply_link():
+    a = _scored("a", "Mia: Yes, twice.", 0.03, links=[Link("gone", "temporal", 0.5)])
+    b = _scored("b", "Mia: And then a swim.", 0.02, links=[Link("a", "temporal", 1.0)])
+    reply_share([a, b])  # "gone" is not a result; a same-turn link (weight 1) is no reply
+    assert a.boost == b.boost == 0.0
+
+
+def test_rerank_head_prefers_entity_overlap_and_neighbours():
+    # three equal candidates: one mentions the asked-about person, one sits next to a
+    # strong hit of the same conversation, one has neither
+    strong = _scored("s", "Nate: I adopted a turtle.", 0.10, doc="c/1", index=4, entities=["nate"])
+    plain = _scored("p", "Joanna: I wrote a script.", 0.05, doc="c/2", index=1, entities=["joanna"])
+    named = _scored("n", "Nate: Gaming is my job.", 0.05, doc="c/3", index=9, entities=["nate"])
+    near = _scored("x", "Joanna: So cute!", 0.05, doc="c/1", index=5, entities=["joanna"])
+    out = rerank_head([strong, plain, named, near], ["nate"])
+    assert [s.fact.id for s in out] == ["s", "n", "x", "p"]
+    assert named.boost == pytest.approx(ENTITY_WEIGHT * RRF_UNIT)
+    assert plain.boost == 0.0
+    # only the head is reordered; the tail keeps its order after it
+    out = rerank_head([plain, named, strong], ["nate"], head=2)
+    assert [s.fact.id for s in out] == ["n", "p", "s"]
