@@ -134,8 +134,9 @@ class Root:
 
     @cached_property
     def embedder(self):
+        """The process's embedder: the packaged model ``MNEME_EMBEDDING_MODEL`` names."""
         from mneme.embedding import default_embedder
-        return default_embedder()
+        return default_embedder(self.settings.embedding_model)
 
     @cached_property
     def generations(self):
@@ -176,7 +177,31 @@ class Root:
             for s in opened:
                 s.close()
             raise
-        return Projections(*opened)
+        return Projections(*opened, embedding_model=self.embedder.model_name)
+
+    def check_embedding_model(self) -> None:
+        """The data dir keeps the embedding model its vectors were made with
+        (``<data_dir>/embedding_model``, written on first use; a data dir with vectors
+        but no such file predates the choice and holds all-MiniLM-L6-v2's): raises
+        :class:`mneme.errors.ConfigurationError` when ``MNEME_EMBEDDING_MODEL`` names
+        another (recall would compare a query of one model with vectors of another).
+        Store servers shared by replicas are not checked here (projections refuse events
+        of another model: :class:`services.search.handlers.EmbeddingModelMismatch`)."""
+        from mneme.embedding import MODEL_NAME as LEGACY
+        from mneme.errors import ConfigurationError
+        if not self.owns_stores:
+            return
+        mark = self.data_dir / "embedding_model"
+        want = self.embedder.model_name
+        have = (mark.read_text().strip() if mark.exists() else
+                LEGACY if any(self.data_dir.glob("vectors*")) else "")
+        if have and have != want:
+            raise ConfigurationError(
+                f"{self.data_dir} holds vectors of embedding model {have!r}, "
+                f"MNEME_EMBEDDING_MODEL is {want!r}: set MNEME_EMBEDDING_MODEL={have} "
+                "(a model change needs the bank re-embedded)")
+        if not mark.exists():
+            mark.write_text(want + "\n")
 
     @cached_property
     def stores(self):
@@ -185,8 +210,10 @@ class Root:
         generation while they serve)."""
         from mneme.generations import Switchable
         from services.search.handlers import Projections
+        self.check_embedding_model()
         live = self.open_stores(self.generations.live())
-        stores = Projections(*(Switchable(s) for s in live.all()))
+        stores = Projections(*(Switchable(s) for s in live.all()),
+                             embedding_model=live.embedding_model)
         return self._opened(stores, lambda: [s.target.close() for s in stores.all()])
 
     @cached_property

