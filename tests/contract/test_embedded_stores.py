@@ -370,12 +370,75 @@ class TestFalkorGraphStore(GraphStoreSuite):
             for _ in range(10):
                 assert s.adjacency("a") is not None
             assert reads == []
-            s.upsert([unit("a9")])
+            s.upsert([unit("a9")])  # new: the copy is updated, one read of the new token
             adjacency = s.adjacency("a")
-            assert len(reads) == 1 and adjacency is None  # a new token: read, not built yet
+            assert len(reads) == 1 and adjacency is not None and "a9" in adjacency.live
+            s.upsert([unit("a1", entities=[EntityRef("e1", "One", "PERSON")])])  # not new
+            adjacency = s.adjacency("a")
+            assert len(reads) == 2 and adjacency is None  # a new token: read, not built yet
             for _ in range(graph_cypher.SNAPSHOT_AFTER):
                 adjacency = s.adjacency("a")
-            assert adjacency is not None and "a9" in adjacency.live
+            assert adjacency is not None and adjacency.entities_of["a1"] == ("e1",)
+        finally:
+            s.close()
+
+    @pytest.mark.parametrize("seed", range(4))
+    def test_adjacency_kept_current_by_its_own_upserts_equals_a_fresh_read(self, tmp_path, seed):
+        """Upserts of new units into a bank whose adjacency is current update it in
+        memory (no read of the graph): after each, it equals the adjacency read afresh,
+        with hubs past the fan-out, links to stubs that arrive later, links within a
+        batch, renamed entities and a small fan-out; a re-upsert falls back to a read."""
+        import random
+        from datetime import datetime, timedelta, timezone
+
+        from mneme.domain import Link
+        from mneme.stores import graph_cypher as gc
+
+        rng = random.Random(seed)
+        s = FalkorGraphStore(str(tmp_path / "g.db"), fanout=4)
+        base = datetime(2024, 1, 1, tzinfo=timezone.utc)
+        names = {f"e{j}": f"Name {j}" for j in range(8)}
+
+        def fact(i):
+            ents = [EntityRef(e, names[e], "PERSON")
+                    for e in rng.sample(sorted(names), rng.randint(0, 3))]
+            links = [Link(f"u{rng.randrange(i + 6)}", rng.choice(["temporal", "causal"]),
+                          rng.choice([0.5, 1.0])) for _ in range(rng.randint(0, 3))]
+            f = unit(f"u{i}", entities=ents, links=links)
+            f.occurred_start = base + timedelta(days=rng.choice([1, 2, 3])) if rng.random() < .8 else None
+            return f
+
+        def normal(a):
+            return (a.live, {u: sorted(e) for u, e in a.entities_of.items()},
+                    {e: (d, us) for e, (d, us) in a.mentions.items()},
+                    {u: sorted(es) for u, es in a.links.items()}, a.entities,
+                    {k: sorted(v) for k, v in a.keys.items()}, a.max_weight, a.starts)
+
+        try:
+            s.upsert([fact(i) for i in range(5)])
+            for _ in range(gc.SNAPSHOT_AFTER):
+                s.adjacency("a")
+            n = 5
+            for _ in range(12):
+                for e in rng.sample(sorted(names), 2):  # renamed between batches
+                    names[e] = f"{names[e]} v"
+                batch = [fact(n + j) for j in range(rng.randint(1, 4))]
+                n += len(batch)
+                s.upsert(batch)
+                reads = s.snapshot_stats["builds"]
+                kept = s.adjacency("a")
+                assert kept is not None and s.snapshot_stats["builds"] == reads
+                fresh = s._read(lambda run: s._read_adjacency(run, "a", kept.token))
+                assert normal(kept) == normal(fresh)
+            assert s.snapshot_stats["advanced"] == 12
+            s.upsert([fact(0)])  # not new: the copy is dropped, the graph read again
+            assert s.adjacency("a") is None
+            for _ in range(gc.SNAPSHOT_AFTER):
+                s.adjacency("a")
+            # one entity under two names in one batch: which the graph keeps is its own
+            s.upsert([unit(f"u{n}", entities=[EntityRef("e1", "One", "PERSON")]),
+                      unit(f"u{n + 1}", entities=[EntityRef("e1", "Uno", "PERSON")])])
+            assert s.adjacency("a") is None and s.snapshot_stats["advanced"] == 12
         finally:
             s.close()
 

@@ -217,7 +217,7 @@ def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
     assert results[0] == results[2] == results[3]
     assert [c.query for c in driver.calls] == [cypher.BANK_VERSION]
     assert {c.mode for c in driver.calls} == {"read"}
-    assert store.snapshot_stats == {"hits": 1, "builds": 1, "misses": 2}
+    assert store.snapshot_stats == {"hits": 1, "builds": 1, "misses": 2, "advanced": 0}
     assert [e.id for e in store.find_entities("a", ["alice"])] == ["e1"]
 
 

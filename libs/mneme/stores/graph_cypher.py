@@ -23,7 +23,7 @@ import math
 import threading
 import uuid
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, to_epoch
@@ -156,7 +156,9 @@ class Adjacency:
     ``links``: unit → its ``fanout`` heaviest LINK edges in either direction to other live
     units, as (weight, unit), heaviest first. ``entities``: entity id → (name, label,
     key); ``keys``: a key or former key → the entity ids that had it. ``max_weight``:
-    the largest weight a hop can have (hub damping is at most 1; links as stored)."""
+    the largest weight a hop can have (hub damping is at most 1; links as stored).
+    ``starts``: live unit → its ``occurred_start`` in epoch seconds (0 when unknown), the
+    order of ``mentions``."""
 
     token: str
     live: frozenset[str]
@@ -166,12 +168,14 @@ class Adjacency:
     entities: dict[str, tuple[str, str, str]]
     keys: dict[str, tuple[str, ...]]
     max_weight: float = 1.0
+    starts: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, run: Run, bank_id: str, token: str, fanout: int) -> "Adjacency":
         """The bank's adjacency read with four queries (``cypher.ADJACENCY_*``)."""
         params = {"bank_id": bank_id}
-        live = frozenset(r[0] for r in run(cypher.ADJACENCY_UNITS, params))
+        starts = {r[0]: float(r[1] or 0) for r in run(cypher.ADJACENCY_UNITS, params)}
+        live = frozenset(starts)
         entities_of: dict[str, list[str]] = defaultdict(list)
         mentioning: dict[str, list[tuple[float, str]]] = defaultdict(list)
         for uid, eid, occurred_start in run(cypher.ADJACENCY_MENTIONS, params):
@@ -198,7 +202,76 @@ class Adjacency:
                     keys[k].append(eid)
         max_weight = max([1.0, *(w for es in links.values() for w, _ in es[:1])])
         return cls(token, live, {u: tuple(es) for u, es in entities_of.items()}, mentions,
-                   links, entities, {k: tuple(v) for k, v in keys.items()}, max_weight)
+                   links, entities, {k: tuple(v) for k, v in keys.items()}, max_weight,
+                   starts)
+
+    def with_new_units(self, facts: Sequence[Fact], token: str,
+                       fanout: int) -> "Adjacency | None":
+        """This adjacency after ``facts`` were upserted (as ``_upsert_units`` writes them),
+        as version ``token``: what :meth:`read` would give, without reading the graph.
+        None when the facts are not all new to the bank's live units, one revives a stub
+        with ``fanout`` or more incoming links (the copy keeps at most that many, so it
+        cannot know the rest), or the batch names one entity in two ways: then the graph
+        must be read. Copy on write: readers of
+        this adjacency are not disturbed."""
+        ids = [f.id for f in facts]
+        if (len(set(ids)) != len(ids) or any(i in self.live for i in ids)
+                or any(len(self.links.get(i, ())) >= fanout for i in ids)
+                or len(self.live) + len(ids) > SNAPSHOT_MAX_UNITS):
+            return None
+        named: dict[str, set[tuple[str, str]]] = defaultdict(set)
+        for f in facts:
+            for e in f.entities:
+                named[e.id].add((e.name or "", e.label or ""))
+        if any(len(v) > 1 for v in named.values()):
+            # one entity under two names in one batch: which the graph keeps is the
+            # backend's (FalkorDB keeps the first for an entity the batch creates)
+            return None
+        live = self.live | frozenset(ids)
+        starts = dict(self.starts)
+        entities_of = dict(self.entities_of)
+        entities = dict(self.entities)
+        keys = {k: list(v) for k, v in self.keys.items()}
+        mentioning: dict[str, list[str]] = defaultdict(list)
+        for f in facts:
+            starts[f.id] = to_epoch(f.occurred_start) or 0.0
+            unique = list({e.id: e for e in f.entities}.values())
+            if unique:
+                entities_of[f.id] = tuple(e.id for e in unique)
+            for e in unique:
+                mentioning[e.id].append(f.id)
+                key = entity_key(e.name)
+                entities[e.id] = (e.name or "", e.label or "", key or "")
+                if key and e.id not in keys.setdefault(key, []):
+                    keys[key].append(e.id)
+        mentions = dict(self.mentions)
+        for eid, new in mentioning.items():
+            degree, units = mentions.get(eid, (0, ()))
+            if any(u not in starts for u in units):
+                return None  # (a mention of a unit not live: read it as it is)
+            merged = sorted((_recent_first(starts[u], u) for u in (*units, *new)))
+            mentions[eid] = (degree + len(new), tuple(u for _, u in merged[:fanout]))
+        added: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        for i in ids:  # a revived stub's incoming links join their sources' lists
+            for w, src in self.links.get(i, ()):
+                if src in live:
+                    added[src].append((w, i))
+        # MERGE keeps one edge per (source, target, kind), with the last weight written
+        edges: dict[tuple[str, str, str], float] = {}
+        for f in facts:
+            for lk in f.links:
+                if lk.target_id != f.id:
+                    edges[(f.id, lk.target_id, lk.kind)] = float(lk.weight)
+        for (src, dst, _), w in edges.items():
+            if dst in live:
+                added[src].append((w, dst))
+            added[dst].append((w, src))  # the source is one of the new, live units
+        links = dict(self.links)
+        for u, es in added.items():
+            links[u] = tuple(sorted([*links.get(u, ()), *es], reverse=True)[:fanout])
+        max_weight = max([self.max_weight, *edges.values()])
+        return Adjacency(token, live, entities_of, mentions, links, entities,
+                         {k: tuple(v) for k, v in keys.items()}, max_weight, starts)
 
     def live_units(self, ids: Sequence[str]) -> list[str]:
         """Which of ``ids`` are live units of the bank (``cypher.EXISTING_UNITS``)."""
@@ -256,7 +329,7 @@ class CypherGraphStore:
         self._snapshots: OrderedDict[str, Adjacency] = OrderedDict()
         self._seen: dict[str, tuple[str | None, int]] = {}
         self._snapshot_lock = threading.Lock()
-        self.snapshot_stats = {"hits": 0, "builds": 0, "misses": 0}
+        self.snapshot_stats = {"hits": 0, "builds": 0, "misses": 0, "advanced": 0}
         # exclusive stores: bank → version token as last read; _writes counts writes
         # begun or ended, so a read that overlapped one does not keep its token
         self._tokens: dict[str, str | None] = {}
@@ -316,7 +389,37 @@ class CypherGraphStore:
                 # bounded batches keep each query's parameters (and transaction) small
                 for i in range(0, len(unique), BATCH):
                     batch = unique[i:i + BATCH]
+                    current = self._current_adjacency(bank_id)
                     self._write(lambda run, b=batch: _upsert_units(run, bank_id, b))
+                    if current is not None:
+                        self._advance(current, bank_id, batch)
+
+    def _current_adjacency(self, bank_id: str) -> Adjacency | None:
+        """On an :attr:`exclusive` store, the bank's in-memory adjacency if it is known to
+        be current (its token is the one last read, and no write came since), else None."""
+        if not self.exclusive:
+            return None
+        with self._snapshot_lock:
+            snap = self._snapshots.get(bank_id)
+            if snap is not None and self._tokens.get(bank_id, "") == snap.token:
+                return snap
+        return None
+
+    def _advance(self, snap: Adjacency, bank_id: str, facts: list[Fact]) -> None:
+        """After this store upserted ``facts`` into a bank whose adjacency ``snap`` was
+        current, keep a copy updated in memory (:meth:`Adjacency.with_new_units`) as the
+        bank's new version, so the next recall need not read the whole graph again (at
+        10k facts that read takes seconds). Caller holds the store's lock, so no other
+        write came between."""
+        token = self._version(bank_id)
+        new = snap.with_new_units(facts, token, self.fanout) if token is not None else None
+        if new is None:
+            return  # stale: read again once asked for (as after any other write)
+        with self._snapshot_lock:
+            if self._snapshots.get(bank_id) is snap:
+                self._snapshots[bank_id] = new
+                self._seen[bank_id] = (token, SNAPSHOT_AFTER)
+                self.snapshot_stats["advanced"] += 1
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Delete the bank's units ``ids``, the entities no unit mentions any more and
