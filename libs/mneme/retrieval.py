@@ -257,13 +257,21 @@ def reply_share(results: Sequence[Scored]) -> None:
     factor (a question is weighed down as an answer, not as a pointer to one). It is added
     to ``boost`` and ``final`` in place; call before sorting by ``final``. Unlike the
     other boosts it is not capped below :data:`RRF_UNIT`: it carries another result's
-    fused evidence."""
+    fused evidence. A reply to a statement (not a question) gets at most what brings it
+    just below that statement: the statement is the evidence, the reply a comment on it
+    (on the dev split this kept recall@10 within 0.004 and raised temporal nDCG@10 from
+    0.606 to 0.650)."""
     by_id = {s.fact.id: s for s in results}
+    before = {id(s): s.final for s in results}
     for s in results:
         prev = by_id.get(replies_to(s.fact) or "")
         if prev is None or prev is s:
             continue
         add = REPLY_WEIGHT * prev.rrf / question_factor(prev.fact)
+        if question_factor(prev.fact) == 1.0:
+            # a statement's reply may come close to it, not pass it: the statement is
+            # the evidence (a dated event, a fact), the reply only comments on it
+            add = min(add, max(0.0, before[id(prev)] - before[id(s)]) * 0.999)
         s.boost += add
         s.final += add
 

@@ -243,6 +243,21 @@ def test_reply_inherits_a_share_of_the_turn_it_answers():
     assert [s.fact.id for s in sorted(results, key=lambda s: -s.final)] == ["a", "o", "q"]
 
 
+def test_a_reply_to_a_statement_comes_close_to_it_but_stays_below():
+    # the statement is the evidence ("went on 7 May"); the reply only comments on it
+    st = _scored("s", "Caroline: I went to the pride parade on 7 May.", 0.09, index=3)
+    re_ = _scored("r", "Melanie: Wow, that sounds amazing!", 0.07, index=4,
+                  links=[Link("s", "temporal", 0.5)])
+    low = _scored("l", "Melanie: Nice!", 0.01, index=8, links=[Link("s", "temporal", 0.5)])
+    reply_share([st, re_, low])
+    assert re_.final < st.final and re_.final == pytest.approx(0.09, rel=1e-2)
+    assert low.boost == pytest.approx(REPLY_WEIGHT * 0.09)  # far below: the full share
+    ahead = _scored("a", "Melanie: The parade was on 7 May, I was there too.", 0.12, index=4,
+                    links=[Link("s", "temporal", 0.5)])
+    reply_share([st, ahead])  # already above the statement: nothing added
+    assert ahead.boost == 0.0
+
+
 def test_reply_share_needs_the_turn_among_the_results_and_a_reply_link():
     a = _scored("a", "Mia: Yes, twice.", 0.03, links=[Link("gone", "temporal", 0.5)])
     b = _scored("b", "Mia: And then a swim.", 0.02, links=[Link("a", "temporal", 1.0)])
