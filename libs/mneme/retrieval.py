@@ -267,8 +267,9 @@ def reply_share(results: Sequence[Scored]) -> None:
         prev = by_id.get(replies_to(s.fact) or "")
         if prev is None or prev is s:
             continue
-        add = REPLY_WEIGHT * prev.rrf / question_factor(prev.fact)
-        if question_factor(prev.fact) == 1.0:
+        factor = question_factor(prev.fact)
+        add = REPLY_WEIGHT * prev.rrf / factor
+        if factor == 1.0:
             # a statement's reply may come close to it, not pass it: the statement is
             # the evidence (a dated event, a fact), the reply only comments on it
             add = min(add, max(0.0, before[id(prev)] - before[id(s)]) * 0.999)

@@ -50,10 +50,6 @@ DEFAULT_MAX_TOKENS = 4096
 #: How many of each of the semantic and keyword arms' top hits seed the graph arm.
 GRAPH_SEEDS = 10
 
-#: Reorder the fused head with :func:`mneme.retrieval.rerank_head` (entity overlap with
-#: the query, adjacency to other hits).
-HEAD_RERANK = True
-
 TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
 
 _pool: ThreadPoolExecutor | None = None
@@ -186,8 +182,7 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     reply_share(results)
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
-    if HEAD_RERANK:
-        results = rerank_head(results, entity_ids)
+    results = rerank_head(results, entity_ids)
     if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
         deadline.check("recall: rerank")
         results = reranker(q.query, results)

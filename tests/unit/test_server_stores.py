@@ -199,7 +199,7 @@ def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
     answers = {
         cypher.BANK_VERSION: [["t1"]], cypher.COUNT_UNITS: [[4]],
         cypher.ADJACENCY_UNITS: [["u1", None], ["u2", None], ["u3", None], ["u4", None]],
-        cypher.ADJACENCY_MENTIONS: [["u2", "e1", None], ["u3", "e1", None]],
+        cypher.ADJACENCY_MENTIONS: [["u2", "e1"], ["u3", "e1"]],
         cypher.ADJACENCY_LINKS: [["u1", "u4", 0.5]],
         cypher.ADJACENCY_ENTITIES: [["e1", "Alice", "PERSON", "alice", ["alice"]]],
         cypher.EXISTING_UNITS: [["u1"]],

@@ -271,7 +271,7 @@ RETURN n.id AS unit_id, n.occurred_start AS occurred_start
 """
 ADJACENCY_MENTIONS = """
 MATCH (n:Unit {bank_id: $bank_id})-[:MENTIONS]->(e:Entity)
-RETURN n.id AS unit_id, e.id AS entity_id, n.occurred_start AS occurred_start
+RETURN n.id AS unit_id, e.id AS entity_id
 """
 ADJACENCY_LINKS = """
 MATCH (n:Unit {bank_id: $bank_id})-[l:LINK]->(m:Unit)

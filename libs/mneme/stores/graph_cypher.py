@@ -178,9 +178,9 @@ class Adjacency:
         live = frozenset(starts)
         entities_of: dict[str, list[str]] = defaultdict(list)
         mentioning: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for uid, eid, occurred_start in run(cypher.ADJACENCY_MENTIONS, params):
+        for uid, eid in run(cypher.ADJACENCY_MENTIONS, params):
             entities_of[uid].append(eid)
-            mentioning[eid].append(_recent_first(occurred_start, uid))
+            mentioning[eid].append(_recent_first(starts.get(uid), uid))
         mentions = {eid: (len(units), tuple(u for _, u in sorted(units)[:fanout]))
                     for eid, units in mentioning.items()}
         edges: dict[str, list[tuple[float, str]]] = defaultdict(list)
@@ -616,6 +616,9 @@ class _CypherView:
     """The questions spreading activation asks of a bank (as :class:`Adjacency` answers
     them from memory), answered with Cypher inside one unit of work ``run``."""
 
+    #: Unknown without reading every link: spreading skips nothing (see spread_activation).
+    max_weight = math.inf
+
     def __init__(self, run: Run, bank_id: str, fanout: int) -> None:
         self.run, self.bank_id, self.fanout = run, bank_id, fanout
 
@@ -662,11 +665,10 @@ def _spread_from(view: "Adjacency | _CypherView", seeds: dict[str, float],
         for uid in units:
             starts[uid] = max(starts.get(uid, 0.0), a)
     starts = {u: a for u, a in starts.items() if a > 0}
-    # in memory the largest weight is known, so work that cannot reach the top k is skipped
-    max_weight = view.max_weight if isinstance(view, Adjacency) else math.inf
+    # with the largest weight known (in memory), work that cannot reach the top k is skipped
     return spread_activation(starts, hops, decay, view.neighbours,
                              frontier_cap=max(4 * k, MIN_FRONTIER), keep=k,
-                             max_weight=max_weight)
+                             max_weight=view.max_weight)
 
 
 # ---- units of work (plain functions of a Run, so a managed transaction may retry them) ----
