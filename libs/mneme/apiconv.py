@@ -119,6 +119,52 @@ def memory_to_api(f: Fact) -> resources_pb2.Memory:
         entities=[resources_pb2.EntityRef(id=e.id, name=e.name, label=e.label) for e in f.entities])
 
 
+class MemoryMessages:
+    """Serialized :func:`memory_to_api` messages of recently returned facts, so that
+    returning a fact again parses bytes in C (~9 µs a fact) instead of building the
+    message from Python values (~50 µs; a recall returns ~100 facts at 4,096 tokens, and
+    this was a third of the Recall handler's time on a 10k-fact bank).
+
+    A hit needs the same unit (bank id, id) *and* the very same field objects. The search
+    store's hydration cache hands out shallow copies of one :class:`Fact`, which share
+    them; a fact read from a store again, changed, or built another way has new objects and
+    misses, so a stale message is never returned (a mutation in place of a shared field
+    would already corrupt the hydration cache). At most ``size`` facts (LRU); thread-safe.
+    """
+
+    def __init__(self, size: int = 20_000):
+        import threading
+        from collections import OrderedDict
+
+        self.size = size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], tuple[tuple, bytes]] = OrderedDict()
+
+    @staticmethod
+    def _fields(f: Fact) -> tuple:
+        return (f.text, f.fact_type, f.context, f.occurred_start, f.occurred_end,
+                f.mentioned_at, f.tags, f.metadata, f.document_id, f.chunk_id, f.entities)
+
+    def fill(self, target: resources_pb2.Memory, f: Fact) -> None:
+        """Set ``target`` (an empty Memory, e.g. a result's ``memory`` field) to
+        ``memory_to_api(f)``."""
+        key, fields = (f.bank_id, f.id), self._fields(f)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], fields)):
+            target.MergeFromString(hit[1])
+            return
+        m = memory_to_api(f)
+        target.CopyFrom(m)
+        data = m.SerializeToString()
+        with self._lock:
+            self._cache[key] = (fields, data)
+            while len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+
+
 def operation_to_api(o: Operation) -> operations_pb2.Operation:
     return operations_pb2.Operation(
         name=f"operations/{o.operation_id}", bank_id=o.bank_id, kind=o.kind,

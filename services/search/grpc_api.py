@@ -36,10 +36,15 @@ def scores_to_api(s) -> recall_pb2.ArmScores:
     return recall_pb2.ArmScores(rrf=s.rrf, boost=s.boost, final=s.final, **kw)
 
 
+#: Recall returns the same facts again and again (see :class:`apiconv.MemoryMessages`).
+_MEMORIES = apiconv.MemoryMessages()
+
+
 def outcome_to_api(o: RecallOutcome) -> recall_pb2.RecallResponse:
-    resp = recall_pb2.RecallResponse(total_tokens=o.total_tokens, results=[
-        recall_pb2.RecallResult(memory=apiconv.memory_to_api(s.fact), scores=scores_to_api(s),
-                                tokens=s.tokens) for s in o.results])
+    resp = recall_pb2.RecallResponse(total_tokens=o.total_tokens)
+    for s in o.results:
+        r = resp.results.add(scores=scores_to_api(s), tokens=s.tokens)
+        _MEMORIES.fill(r.memory, s.fact)
     if o.time_window:
         resp.query_time_range.CopyFrom(memory_pb2.TimeRange(
             start=dt_to_ts(o.time_window.start), end=dt_to_ts(o.time_window.end)))
