@@ -100,9 +100,9 @@ def _replaced(model: str, bank: str = "b", **vectors) -> ev.VectorsReplaced:
 def test_a_re_embed_switches_a_bank_and_a_replay_adopts_what_preceded_it():
     """``mneme reembed``'s VectorsReplaced: a store of its model applies the vectors (the
     vector store only) and from then on the bank is that model's; a store of another model
-    ignores them. A replay's build (adopt) accepts a bank's old-model events until its
-    re-embed, refuses them after it, and reports a bank never re-embedded; a live
-    projection refuses another model's events as before."""
+    ignores them. A replay's build (adopt) accepts a bank's old-model events and reports
+    the banks no complete re-embed followed; a live projection refuses another model's
+    events as before."""
     from services.search.handlers import on_vectors_replaced
     old = fake_projections()
     old.embedding_model = L6
@@ -116,16 +116,19 @@ def test_a_re_embed_switches_a_bank_and_a_replay_adopts_what_preceded_it():
     assert build.adopt and build.embedding_model == L3
     on_facts_extracted(_extracted(L6), meta(), stores=build)  # before the re-embed
     assert build.unswitched() and L6 in build.unswitched()[0]
+    partial = _replaced(L3, f1=[0.0, 1.0, 0.0, 0.0])
+    partial.batches = 2  # the first of two batches: the bank is not re-embedded yet
+    on_vectors_replaced(partial, meta(), stores=build)
+    assert build.unswitched()
     on_vectors_replaced(_replaced(L3, f1=[0.0, 1.0, 0.0, 0.0]), meta(), stores=build)
     assert build.unswitched() == []
     (unit,) = build.vectors.get("b", ["f1"], with_vectors=True)
     assert unit.embedding == [0.0, 1.0, 0.0, 0.0] and unit.text == "Alice moved to Lisbon."
     assert build.text.ids("b") == {"f1"} and build.graph.ids("b") == {"f1"}
-    with pytest.raises(EmbeddingModelMismatch, match="mneme reembed --model " + L3):
-        on_facts_extracted(_extracted(L6), meta(), stores=build)  # after it: refused
     on_facts_extracted(_extracted(L3), meta(), stores=build)
-    with pytest.raises(EmbeddingModelMismatch):  # live: refused as ever
-        on_facts_extracted(_extracted(L6), meta(), stores=live)
+    assert build.unswitched() == []
+    with pytest.raises(EmbeddingModelMismatch, match="mneme reembed --model " + L3):
+        on_facts_extracted(_extracted(L6), meta(), stores=live)  # live: refused as ever
     # units gone since are skipped; a deleted bank forgets its model state
     on_vectors_replaced(_replaced(L3, gone=[1.0, 0.0, 0.0, 0.0]), meta(), stores=build)
     assert build.vectors.ids("b") == {"f1"}
