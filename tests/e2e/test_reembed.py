@@ -221,3 +221,30 @@ def test_reembed_refuses_the_distributed_topology(tmp_path):
     with pytest.raises(ReembedRefused, match="Kafka log"):
         reembed(Settings(data_dir=data, bus_url="kafka://127.0.0.1:1"), L3)
     assert not (data / "embedding_model").exists()
+
+
+def test_reembed_refuses_while_memory_records_are_not_projected(tmp_path):
+    """A memory record search or consolidation has not handled yet (a server stopped
+    behind) would bring units the re-embed does not see: refused, nothing changed."""
+    from mneme.bootstrap import Root
+    from mneme.bus import codec
+    from mneme.events.v1 import events_pb2 as ev
+    from mneme.runtime.reembed import ReembedRefused, reembed
+    data = tmp_path / "data"
+    node, m = _serve(data, L6)
+    try:
+        m.upsert_bank("b")
+        m.close()
+    finally:
+        node.close()
+    (data / "vectors").mkdir(exist_ok=True)  # a data dir with vectors (of L6)
+    root = Root(Settings(data_dir=data))
+    try:
+        root.log.append([codec.encode(ev.ConsolidationScheduled(
+            bank_id="b", operation_id="op", action="consolidate"), bank_id="b", source="t")])
+    finally:
+        root.close()
+    with pytest.raises(ReembedRefused, match="search has 1 record.*not handled yet"):
+        reembed(Settings(data_dir=data), L3)
+    assert (data / "embedding_model").read_text().strip() == L6
+    assert not (data / "vectors.g2").exists()  # no generation was built

@@ -46,7 +46,6 @@ log = logging.getLogger("mneme")
 _MAY_LAG = (codec.TYPE_PREFIX + "VectorsReplaced",)
 #: The groups whose projections hold vectors (or the units a re-embed reads).
 _GROUPS = ("search", "consolidation")
-SOURCE = "mneme/reembed"
 
 
 class ReembedRefused(RuntimeError):
@@ -139,8 +138,8 @@ def _check_projected(root) -> None:
             raise ReembedRefused(
                 f"{name} has {pending} record(s) of {MEMORY} not handled yet: start the "
                 f"server under its model (MNEME_EMBEDDING_MODEL="
-                f"{root.settings.embedding_model}) until it has caught up (mneme status: "
-                "no pending records), stop it, then re-embed")
+                f"{root.settings.embedding_model}) until it has caught up (`mneme banks "
+                "stats BANK`: no pending records), stop it, then re-embed")
 
 
 def _banks(catalog) -> list[str]:
@@ -158,13 +157,14 @@ def _append_vectors(root, target: str, previous: str, progress) -> dict:
     """Embed every unit of every bank of ``root``'s live stores with ``target`` and append
     the VectorsReplaced events (a bank with no unit gets one empty event: its vectors
     are ``target``'s from there on). Returns {"banks", "units", "events"}."""
-    from mneme.bootstrap import build_extraction
+    from mneme.bootstrap import build_extraction, services
     from mneme.embedding import default_embedder
     from services.extraction.reembed import BATCH, reembed_batch
 
     embedder = default_embedder(target)
     extractor = build_extraction(root).api["extractor"]
     vectors = root.stores.vectors
+    source = services()["extraction"].source  # its policy; it declares the event type
     banks = _banks(root.catalog)
     total = sum(vectors.count(b) for b in banks)
     done = events = 0
@@ -181,7 +181,7 @@ def _append_vectors(root, target: str, previous: str, progress) -> dict:
             # the same id for the same batch of the same re-embed: a re-run's events
             # are recognisable as repeats (each is idempotent anyway)
             eid = derive_id("reembed", bank, previous, target, k, page[0].id if page else "")
-            root.log.append([codec.encode(msg, bank_id=bank, source=SOURCE, event_id=eid)])
+            root.log.append([codec.encode(msg, bank_id=bank, source=source, event_id=eid)])
             events += 1
             k += 1
             done += len(page)
