@@ -73,6 +73,10 @@ def _texts(node, bank: str) -> dict[str, str]:
     return {i: t for i, (_, t) in _units(node, bank).items()}
 
 
+def _ranked(m, bank: str) -> dict[str, list[str]]:
+    return {q: [r.memory.id for r in m.recall(bank, q).results[:5]] for q in ASK}
+
+
 def _finds(m, bank: str) -> dict[str, bool]:
     return {q: any(word in r.memory.text for r in m.recall(bank, q).results[:3])
             for q, word in ASK.items()}
@@ -81,7 +85,6 @@ def _finds(m, bank: str) -> dict[str, bool]:
 def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
     from mneme.cli import app
     from mneme.runtime.reembed import reembed
-    from mneme.runtime.replay import replay
     import services.extraction.reembed as policy
     monkeypatch.setattr(policy, "BATCH", 2)  # several VectorsReplaced per bank
     data = tmp_path / "data"
@@ -165,6 +168,7 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
                    for r in m.recall("b", "Who makes loaves at the weekend?").results[:3])
         settled = _vectors(node, "b")
         texts = _texts(node, "b")
+        ranked = _ranked(m, "b")
         m.close()
     finally:
         node.close()
@@ -184,8 +188,10 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
                         lambda self, texts: np.tile(fixed, (len(texts), 1)))
     monkeypatch.setattr(OnnxEmbedder, "embed",
                         lambda self, texts: np.tile(fixed, (len(texts), 1)).tolist())
-    out = replay(Settings(data_dir=data, embedding_model=L3))
-    assert out["state"] == "LIVE" and out["generation"] == 3
+    monkeypatch.setenv("MNEME_EMBEDDING_MODEL", L3)
+    out = CliRunner().invoke(app, ["replay", "-d", str(data)])
+    assert out.exit_code == 0, out.output
+    assert "generation 3 is live" in " ".join(out.output.split())
     monkeypatch.undo()
     node, m = _serve(data, L3)
     try:
@@ -193,7 +199,7 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
         assert set(replayed) == set(settled)
         for uid, v in replayed.items():
             assert np.allclose(v, settled[uid], atol=1e-5), texts[uid]
-        assert all(_finds(m, "b").values())
+        assert _ranked(m, "b") == ranked
         m.close()
     finally:
         node.close()
