@@ -254,3 +254,28 @@ def test_reembed_refuses_while_memory_records_are_not_projected(tmp_path):
         reembed(Settings(data_dir=data), L3)
     assert (data / "embedding_model").read_text().strip() == L6
     assert not (data / "vectors.g2").exists()  # no generation was built
+
+
+def test_the_live_generations_model_wins_over_the_marker(tmp_path):
+    """A re-embed stopped between its switch (the generation record names the new model)
+    and the marker's update: the data dir is the new model's, and the marker follows."""
+    from mneme.bootstrap import Root
+    from mneme.generations import Generations
+    data = tmp_path / "data"
+    (data / "vectors").mkdir(parents=True)
+    (data / "embedding_model").write_text(L6 + "\n")
+    gens = Generations(data)
+    g = gens.begin()
+    gens.update(g.generation, state="LIVE", embedding_model=L3)
+    root = Root(Settings(data_dir=data, embedding_model=L6))
+    try:
+        with pytest.raises(ConfigurationError, match=f"holds vectors of embedding model '{L3}'"):
+            root.check_embedding_model()
+    finally:
+        root.close()
+    root = Root(Settings(data_dir=data, embedding_model=L3))
+    try:
+        root.check_embedding_model()
+    finally:
+        root.close()
+    assert (data / "embedding_model").read_text().strip() == L3
