@@ -45,8 +45,11 @@ class Root:
     DataDirLocked when another process holds it). Opening the event log connects to the
     broker for a Kafka URL (ConnectionError after ``kafka_connect_timeout_s``)."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, reembedding: bool = False) -> None:
         self.settings = settings or Settings()
+        #: ``mneme reembed``: the live stores may hold another model's vectors than
+        #: ``MNEME_EMBEDDING_MODEL`` (the one the new generation is built with)
+        self.reembedding = reembedding
         self.data_dir = self.settings.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = lock(self.data_dir)
@@ -179,29 +182,46 @@ class Root:
             raise
         return Projections(*opened, embedding_model=self.embedder.model_name)
 
+    def stored_embedding_model(self) -> str:
+        """The model of the live generation's vectors: its generation record's
+        (:attr:`mneme.generations.Generation.embedding_model`, set by the switch, so a
+        re-embed's switch and its model change are one write), else
+        ``<data_dir>/embedding_model`` (written on first use); a data dir with vectors but
+        neither predates the choice and holds all-MiniLM-L6-v2's; "" for a new one."""
+        from mneme.embedding import MODEL_NAME as LEGACY
+        live = self.generations.get(self.generations.live())
+        if live is not None and live.embedding_model:
+            return live.embedding_model
+        mark = self.data_dir / "embedding_model"
+        return (mark.read_text().strip() if mark.exists() else
+                LEGACY if any(self.data_dir.glob("vectors*")) else "")
+
     def check_embedding_model(self) -> None:
         """The data dir keeps the embedding model its vectors were made with
-        (``<data_dir>/embedding_model``, written on first use; a data dir with vectors
-        but no such file predates the choice and holds all-MiniLM-L6-v2's): raises
-        :class:`mneme.errors.ConfigurationError` when ``MNEME_EMBEDDING_MODEL`` names
-        another (recall would compare a query of one model with vectors of another).
-        Store servers shared by replicas are not checked here (projections refuse events
-        of another model: :class:`services.search.handlers.EmbeddingModelMismatch`)."""
-        from mneme.embedding import MODEL_NAME as LEGACY
+        (:meth:`stored_embedding_model`): raises :class:`mneme.errors.ConfigurationError`
+        when ``MNEME_EMBEDDING_MODEL`` names another (recall would compare a query of one
+        model with vectors of another), unless this Root is a re-embed's
+        (``reembedding``). ``<data_dir>/embedding_model`` is written on first use and
+        kept equal to the live generation's model. Store servers shared by replicas are
+        not checked here (projections refuse events of another model:
+        :class:`services.search.handlers.EmbeddingModelMismatch`)."""
         from mneme.errors import ConfigurationError
         if not self.owns_stores:
             return
-        mark = self.data_dir / "embedding_model"
         want = self.embedder.model_name
-        have = (mark.read_text().strip() if mark.exists() else
-                LEGACY if any(self.data_dir.glob("vectors*")) else "")
+        have = self.stored_embedding_model()
+        if self.reembedding:
+            return
         if have and have != want:
             raise ConfigurationError(
                 f"{self.data_dir} holds vectors of embedding model {have!r}, "
-                f"MNEME_EMBEDDING_MODEL is {want!r}: set MNEME_EMBEDDING_MODEL={have} "
-                "(a model change needs the bank re-embedded)")
-        if not mark.exists():
-            mark.write_text(want + "\n")
+                f"MNEME_EMBEDDING_MODEL is {want!r}: set MNEME_EMBEDDING_MODEL={have}, or "
+                f"re-embed the data dir with the server stopped: mneme reembed --data-dir "
+                f"{self.data_dir} --model {want}")
+        mark = self.data_dir / "embedding_model"
+        if not mark.exists() or mark.read_text().strip() != want:
+            from mneme.datadir import write_atomic
+            write_atomic(mark, want + "\n")
 
     @cached_property
     def stores(self):
@@ -212,8 +232,11 @@ class Root:
         from services.search.handlers import Projections
         self.check_embedding_model()
         live = self.open_stores(self.generations.live())
-        stores = Projections(*(Switchable(s) for s in live.all()),
-                             embedding_model=live.embedding_model)
+        # a re-embed's live stores hold the old model's vectors (its new generation the
+        # configured one's)
+        model = (self.stored_embedding_model() or live.embedding_model if self.reembedding
+                 else live.embedding_model)
+        stores = Projections(*(Switchable(s) for s in live.all()), embedding_model=model)
         return self._opened(stores, lambda: [s.target.close() for s in stores.all()])
 
     @cached_property
@@ -425,6 +448,7 @@ def build_extraction(root: Root) -> ServiceParts:
     deps = dict(extractor=extractor, embedder=root.embedder, resolver=root.resolver,
                 cancels=CancelWatch(root.raw_log), **root.own_catalog())
     return ServiceParts("extraction", _routers(root, "extraction", **deps),
+                        api={"extractor": extractor},  # a re-embed embeds facts as it did
                         restorers=_restorers(root, "extraction", **deps))
 
 
@@ -687,8 +711,11 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
 
         def bank_config(bank_id: str):
             return root.bank_config(bank_id) or (catch_up(bank_id) and root.bank_config(bank_id))
+    # the model of the store's vectors (a re-embed's VectorsReplaced of another is not
+    # applied); a name only: no model is loaded for it
+    model = root.embedder.model_name
     consolidator = Consolidator(store, bank_config, embedder=root.embedder if decide else None,
-                                llm=root.llm if decide else None)
+                                llm=root.llm if decide else None, embedding_model=model)
     deps = dict(consolidator=consolidator, decide=decide, **root.own_catalog())
     parts.routers = _routers(root, "consolidation", **deps)
     parts.restorers = _restorers(root, "consolidation", **deps)
@@ -697,7 +724,8 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     def make_router(other, group_id: str) -> Router:
         # its restore handlers: the recorded decisions applied, nothing decided
         return Router(svc, "consolidation", {"consolidator": Consolidator(
-            other, bank_config), **root.own_catalog()}, group_id=group_id, restore=True)
+            other, bank_config, embedding_model=model), **root.own_catalog()},
+            group_id=group_id, restore=True)
     follower = parts.api["follower"] = Follower(
         router=parts.routers["consolidation"], make_router=make_router,
         open=lambda g: SqliteObservationStore(str(path(g)), durable=False), path=path,

@@ -3,7 +3,8 @@
 ``mneme up`` runs every service in one process on the embedded stores; the other
 commands are gRPC clients of a running server (``--address``, or ``MNEME_ADDRESS``; TLS
 with ``--tls-ca``/``--tls-cert``/``--tls-key`` or ``MNEME_CLIENT_TLS_*``),
-except ``replay``, which rebuilds the projections of a stopped server's data dir.
+except ``replay``, which rebuilds the projections of a stopped server's data dir, and
+``reembed``, which moves a stopped server's data dir to another embedding model.
 """
 
 from __future__ import annotations
@@ -555,6 +556,59 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                       f"{g - 1}`")
     else:
         console.print(f"replayed {stats['records']} records; generation {g} is live")
+
+
+@app.command("reembed")
+def reembed_cmd(model: str = typer.Option(..., "--model", "-m", help="the new embedding model "
+                                          "(one of MNEME_EMBEDDING_MODEL's choices)"),
+                data_dir: Path = typer.Option(None, "--data-dir", "-d"),
+                force: bool = typer.Option(False, "--force", help="switch even when the "
+                                           "check finds the new generation differs")):
+    """Move a stopped server's data dir to another embedding model: every fact,
+    observation and opinion of every bank is embedded with MODEL and appended to the log
+    (VectorsReplaced events), then the stores are rebuilt by replay into a new generation
+    under MODEL, checked and switched; the data dir's model becomes MODEL (serve it with
+    MNEME_EMBEDDING_MODEL=MODEL from then on). Replay stays model-free afterwards. A
+    failed or interrupted re-embed changes nothing live (the old model still serves);
+    running it again is safe. Embedded data dirs only."""
+    from mneme.datadir import DataDirLocked
+    from mneme.embedding import MODELS
+    from mneme.runtime.reembed import ReembedRefused, reembed
+    from mneme.runtime.replay import ReplayFailed
+    from mneme.bus.sqlite_log import LogDamaged
+    from mneme.config import Settings
+
+    if model not in MODELS:
+        console.print(f"[red]unknown embedding model {model!r}; choose one of "
+                      f"{', '.join(sorted(MODELS))}[/red]")
+        raise typer.Exit(2)
+    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    with _progress() as prog:
+        tasks: dict[str, object] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                label = ("embedding units with " + model if stage == "embedding"
+                         else "replaying the log")
+                tasks[stage] = prog.add_task(label, total=None)
+            prog.update(tasks[stage], completed=done, total=total or None)
+        try:
+            out = reembed(settings, model, progress, force=force)
+        except (DataDirLocked, LogDamaged, ReplayFailed, ReembedRefused) as e:
+            console.print(f"[red]{e}[/red]")
+            if isinstance(e, DataDirLocked):
+                console.print("stop the server first (mneme reembed works on a stopped "
+                              "server's data dir)")
+            console.print("nothing changed: the data dir still serves under its model")
+            raise typer.Exit(1)
+    if out["state"] == "UNCHANGED":
+        console.print(f"the data dir already holds {model} vectors"
+                      + ("" if out["previous_model"] else " (none yet)") + "; nothing to do")
+        return
+    console.print(f"re-embedded {out['units']} units of {out['banks']} banks with {model} "
+                  f"(was {out['previous_model']}): {out['events']} events appended, "
+                  f"{out['records']} records replayed; generation {out['generation']} is "
+                  f"live. Serve with MNEME_EMBEDDING_MODEL={model}")
 
 
 def _each_address(address: str) -> list[str]:

@@ -157,7 +157,8 @@ class Generation:
     ``create_time``/``update_time`` (Unix seconds), ``records_done``/``records_total``
     (log records replayed so far / to replay), ``error`` (why it FAILED), ``check``
     (what the switch compared: banks, units per store, recalls sampled and their
-    agreement)."""
+    agreement), ``embedding_model`` (the model of its vectors; "" in records written
+    before it was kept: the data dir's ``embedding_model`` file says)."""
 
     generation: int
     state: str
@@ -167,6 +168,7 @@ class Generation:
     records_total: int = 0
     error: str = ""
     check: dict[str, Any] = field(default_factory=dict)
+    embedding_model: str = ""
 
 
 class Generations:

@@ -428,6 +428,13 @@ class ObservationStore(Protocol):
         """Every opinion state of the bank (deleted ones as tombstones), ordered by id, as
         deterministic protobuf bytes: what a replay must reproduce byte for byte."""
 
+    def replace_vectors(self, bank_id: str, vectors: "dict[str, list[float]]",
+                        model: str) -> None:
+        """A re-embed (``VectorsReplaced``): each fact, live observation and live opinion
+        of the bank whose id is in ``vectors`` (id → vector) gets that vector (observations
+        and opinions ``model`` as their ``embedding_model``; versions unchanged); other
+        ids are skipped. Atomic, idempotent."""
+
     def flush(self) -> None:
         """Make every write so far durable: a no-op for a store whose every write is
         (the live one); a store opened for a replay's build may write without syncing

@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 class Consolidator:
     """Decisions for one process. ``bank_config(bank_id)`` → BankConfig or None
     (defaults); ``embedder`` embeds model-written texts; ``llm`` is the gateway or None
-    (offline)."""
+    (offline); ``embedding_model``: the model of the vectors the store holds (default the
+    embedder's; "" takes any), whose re-embeds (VectorsReplaced) it applies."""
 
     def __init__(self, store: ObservationStore, bank_config: Callable[[str], BankConfig | None],
-                 embedder=None, llm=None):
+                 embedder=None, llm=None, embedding_model: str | None = None):
         self.store, self.bank_config = store, bank_config
         self.embedder, self.llm = embedder, llm
+        self.embedding_model = (embedding_model if embedding_model is not None
+                                else getattr(embedder, "model_name", ""))
         # (bank, fact id) → (fact, its occurred window): the facts read during one event
         self._memo: dict[tuple[str, str], tuple[ev.Fact, tuple[int, int] | None]] = {}
 
@@ -72,6 +75,13 @@ class Consolidator:
             return []
         if isinstance(m, ev.OpinionsChanged):
             self.store.apply_opinions(m)
+            return []
+        if isinstance(m, ev.VectorsReplaced):
+            # a re-embed: the stored facts', observations' and opinions' vectors, when
+            # they are of its model (another model's re-embed is not this store's)
+            if not self.embedding_model or m.embedding_model == self.embedding_model:
+                self.store.replace_vectors(m.bank_id, {u.id: list(u.vector) for u in m.units
+                                                       if u.vector}, m.embedding_model)
             return []
         at, cause = meta.time, meta.id
         out: list = []  # this event's opinion changes, after its observation change

@@ -14,7 +14,7 @@ from mneme.router import Group, Service
 from services.consolidation import handlers
 
 _MEMORY = (ev.FactsExtracted, ev.FactsRetracted, ev.ConsolidationScheduled,
-           ev.ObservationsChanged, ev.OpinionsChanged, ev.EntitiesMerged)
+           ev.ObservationsChanged, ev.OpinionsChanged, ev.EntitiesMerged, ev.VectorsReplaced)
 
 SERVICE = Service(
     "consolidation",

@@ -30,6 +30,9 @@ SERVICE = Service(
                  ev.EntitySplit: handlers.on_entity_split,
                  ev.FactsRetracted: handlers.on_bank_retracted},
     }),),
+    # VectorsReplaced: `mneme reembed` runs extraction's re-embedding policy
+    # (services/extraction/reembed.py) offline, under extraction's source
     produces={MEMORY: (ev.EntitiesResolved, ev.FactsExtracted, ev.FactsRetracted,
-                       ev.ConsolidationScheduled, ev.EntitiesMerged, ev.EntitySplit)},
+                       ev.ConsolidationScheduled, ev.EntitiesMerged, ev.EntitySplit,
+                       ev.VectorsReplaced)},
 )

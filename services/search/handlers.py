@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from mneme import telemetry
 from mneme.bus import codec
@@ -31,21 +32,54 @@ class Projections:
     """The three search projections, written together. ``embedding_model`` names the
     model of the vector store's vectors (:attr:`mneme.ports.Embedder.model_name`); events
     recording another model are refused (:class:`EmbeddingModelMismatch`); "" accepts
-    any (tests without a model)."""
+    any (tests without a model).
+
+    ``adopt`` (a replay's build of a new generation, :meth:`building`): a bank's events of
+    another model are accepted, and the bank remembered as holding that model's vectors
+    until a complete :class:`~mneme.events.v1.events_pb2.VectorsReplaced` of this store's
+    model (``mneme reembed`` appended it after them) re-embeds it. :meth:`unswitched`
+    lists the banks left with another model's vectors at the end (the replay's check
+    refuses to switch to them). Old-model events after a re-embed are not refused here
+    (a server under the old model may have written them after an interrupted re-embed,
+    which the complete one re-embeds again): the check reports them if none did."""
 
     vectors: VectorStore
     text: TextStore
     graph: GraphStore
     embedding_model: str = ""
+    adopt: bool = False
+    #: bank → the other model whose vectors it holds (adopt: not re-embedded since)
+    foreign: dict = field(default_factory=dict, repr=False)
+
+    def building(self, vectors, text, graph) -> "Projections":
+        """Projections over other adapters (a new generation's, wrapped) with this
+        model, in adopt mode (see the class docstring)."""
+        return Projections(vectors, text, graph, self.embedding_model, adopt=True)
 
     def check_model(self, bank_id: str, model: str, what: str) -> None:
         """Raise :class:`EmbeddingModelMismatch` when ``model`` (recorded on an event of
-        ``bank_id`` that carries ``what``) is set and is not this store's model."""
+        ``bank_id`` that carries ``what``) is set and is not this store's model (adopt:
+        remembered instead: :meth:`unswitched`)."""
         if self.embedding_model and model and model != self.embedding_model:
+            if self.adopt:
+                self.foreign[bank_id] = model
+                return
             raise EmbeddingModelMismatch(
                 f"bank {bank_id}: {what} embedded with {model!r}, this vector store holds "
                 f"{self.embedding_model!r} vectors (MNEME_EMBEDDING_MODEL); run with "
-                f"MNEME_EMBEDDING_MODEL={model} or re-embed the bank")
+                f"MNEME_EMBEDDING_MODEL={model} or re-embed: mneme reembed --model "
+                f"{self.embedding_model}")
+
+    def switch(self, bank_id: str) -> None:
+        """``bank_id``'s vectors are this store's model's from here on (a complete
+        re-embed) or gone (a deleted bank)."""
+        self.foreign.pop(bank_id, None)
+
+    def unswitched(self) -> list[str]:
+        """Problems: the banks holding vectors of another model (adopt mode)."""
+        return [f"bank {b}: its vectors are {m!r}'s, not {self.embedding_model!r}'s (no "
+                f"re-embed on the log: mneme reembed --model {self.embedding_model})"
+                for b, m in sorted(self.foreign.items())]
 
     def all(self):
         return (self.vectors, self.text, self.graph)
@@ -143,6 +177,7 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
     had one). The progress is committed after the stores' flush, which makes the
     deletion physical (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
     if m.bank_deleted:
+        stores.switch(m.bank_id)
         for s in stores.each("delete", m.bank_id):
             s.delete_where(m.bank_id, None)
     gone = list(m.memory_ids)
@@ -196,6 +231,31 @@ def on_opinions_changed(m: ev.OpinionsChanged, meta: EventMeta, *,
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                  kind="delete_opinion", state="failed",
                                  error="opinion not found")]
+
+
+def on_vectors_replaced(m: ev.VectorsReplaced, meta: EventMeta, *,
+                        stores: Projections) -> list:
+    """A re-embed (``mneme reembed``): when its model is this store's (or the store
+    names none), each unit still held gets the new vector (vector store only: the text
+    and the graph do not depend on the model), and its bank's last batch marks the bank
+    re-embedded (:meth:`Projections.switch`; an interrupted re-embed's first batches do
+    not); a store of another model ignores it (a re-embed that has not switched yet, or
+    one to another model). Units gone since (deleted, or erased: their seal's key was
+    destroyed) are skipped. Idempotent; produces nothing."""
+    model = stores.embedding_model
+    if model and m.embedding_model != model:
+        log.info("search: bank %s: ignoring vectors of %r (this store holds %r)",
+                 m.bank_id, m.embedding_model, model)
+        return []
+    if m.batch >= m.batches - 1:
+        stores.switch(m.bank_id)
+    vectors = {u.id: list(u.vector) for u in m.units if u.vector}
+    if vectors:
+        held = stores.vectors.get(m.bank_id, list(vectors))
+        if held:
+            stores.vectors.upsert([dataclasses.replace(f, embedding=vectors[f.id])
+                                   for f in held])
+    return []
 
 
 def on_entities_merged(m: ev.EntitiesMerged, meta: EventMeta, *,

@@ -20,7 +20,8 @@ SERVICE = Service(
                                   ev.ObservationsChanged: handlers.on_observations_changed,
                                   ev.OpinionsChanged: handlers.on_opinions_changed,
                                   ev.EntitiesMerged: handlers.on_entities_merged,
-                                  ev.EntitySplit: handlers.on_entity_split}},
+                                  ev.EntitySplit: handlers.on_entity_split,
+                                  ev.VectorsReplaced: handlers.on_vectors_replaced}},
               replay=True, state="stores", durable=("stores",)),
         # a retain succeeds with its facts; the history of its documents follows on (a
         # deletion's erasure of their text does fail the deletion)

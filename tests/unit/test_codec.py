@@ -92,6 +92,10 @@ def sample_events() -> list:
                                 display_name="Ally"),
         ev.EntitySplit(bank_id="b1", operation_id="op6", entity_id="e1", new_entity_id="e4",
                        aliases=["ally"], memory_ids=["m1"], display_name="Ally"),
+        ev.VectorsReplaced(bank_id="b1", embedding_model="paraphrase-MiniLM-L3-v2-onnx",
+                           previous_model="all-MiniLM-L6-v2-onnx-int8", batch=0, batches=1,
+                           units=[ev.UnitVector(id="m1", fact_type="world",
+                                                vector=[0.5, 0.25])]),
     ]
 
 
@@ -107,7 +111,7 @@ EXPECTED_TOPIC = {
     "OperationCancelRequested": INTAKE,
     "ObservationsChanged": MEMORY, "EntitiesResolved": MEMORY, "OpinionsChanged": MEMORY,
     "EntityMergeRequested": INTAKE, "EntitySplitRequested": INTAKE,
-    "EntitiesMerged": MEMORY, "EntitySplit": MEMORY,
+    "EntitiesMerged": MEMORY, "EntitySplit": MEMORY, "VectorsReplaced": MEMORY,
 }
 
 
@@ -133,7 +137,7 @@ def test_topic_map_covers_every_top_level_event():
     nested = {"BankConfig", "RetainItem", "Entity", "Link", "Fact", "ItemFailure", "LlmUsage",
               "ObservationScopes", "ScopeTags", "Evidence", "ObservationRevision", "Observation",
               "ResolvedEntity", "EntityAlias", "Seal", "MentalModelRefresh", "ReflectionEvidence",
-              "Opinion", "OpinionRevision"}
+              "Opinion", "OpinionRevision", "UnitVector"}
     names = set(ev.DESCRIPTOR.message_types_by_name) - nested
     assert {t.removeprefix(codec.TYPE_PREFIX) for t in codec.TOPIC_OF_TYPE} == names
     assert set(EXPECTED_TOPIC) == names

@@ -89,3 +89,77 @@ def test_a_projection_refuses_vectors_of_another_model():
         on_facts_extracted(_extracted(L6), meta(), stores=stores)
     stores.embedding_model = ""  # a store without a model (tests) accepts any
     on_facts_extracted(_extracted(L6), meta(), stores=stores)
+
+
+def _replaced(model: str, bank: str = "b", **vectors) -> ev.VectorsReplaced:
+    return ev.VectorsReplaced(bank_id=bank, embedding_model=model, previous_model=L6,
+                              units=[ev.UnitVector(id=i, fact_type="world", vector=v)
+                                     for i, v in vectors.items()])
+
+
+def test_a_re_embed_switches_a_bank_and_a_replay_adopts_what_preceded_it():
+    """``mneme reembed``'s VectorsReplaced: a store of its model applies the vectors (the
+    vector store only) and from then on the bank is that model's; a store of another model
+    ignores them. A replay's build (adopt) accepts a bank's old-model events and reports
+    the banks no complete re-embed followed; a live projection refuses another model's
+    events as before."""
+    from services.search.handlers import on_vectors_replaced
+    old = fake_projections()
+    old.embedding_model = L6
+    on_facts_extracted(_extracted(L6), meta(), stores=old)
+    assert on_vectors_replaced(_replaced(L3, f1=[0.0, 1.0, 0.0, 0.0]), meta(), stores=old) == []
+    assert old.vectors.get("b", ["f1"], with_vectors=True)[0].embedding == [1, 0, 0, 0]
+
+    live = fake_projections()
+    live.embedding_model = L3
+    build = live.building(*fake_projections().all())
+    assert build.adopt and build.embedding_model == L3
+    on_facts_extracted(_extracted(L6), meta(), stores=build)  # before the re-embed
+    assert build.unswitched() and L6 in build.unswitched()[0]
+    partial = _replaced(L3, f1=[0.0, 1.0, 0.0, 0.0])
+    partial.batches = 2  # the first of two batches: the bank is not re-embedded yet
+    on_vectors_replaced(partial, meta(), stores=build)
+    assert build.unswitched()
+    on_vectors_replaced(_replaced(L3, f1=[0.0, 1.0, 0.0, 0.0]), meta(), stores=build)
+    assert build.unswitched() == []
+    (unit,) = build.vectors.get("b", ["f1"], with_vectors=True)
+    assert unit.embedding == [0.0, 1.0, 0.0, 0.0] and unit.text == "Alice moved to Lisbon."
+    assert build.text.ids("b") == {"f1"} and build.graph.ids("b") == {"f1"}
+    on_facts_extracted(_extracted(L3), meta(), stores=build)
+    assert build.unswitched() == []
+    with pytest.raises(EmbeddingModelMismatch, match="mneme reembed --model " + L3):
+        on_facts_extracted(_extracted(L6), meta(), stores=live)  # live: refused as ever
+    # units gone since are skipped; a deleted bank forgets its model state
+    on_vectors_replaced(_replaced(L3, gone=[1.0, 0.0, 0.0, 0.0]), meta(), stores=build)
+    assert build.vectors.ids("b") == {"f1"}
+    from services.search.handlers import on_facts_retracted
+    on_facts_retracted(ev.FactsRetracted(bank_id="b", bank_deleted=True), meta(), stores=build)
+    on_facts_extracted(_extracted(L6), meta(), stores=build)
+    assert build.unswitched()
+
+
+def test_consolidation_applies_a_re_embed_of_its_model_only():
+    from mneme.stores.memory import MemoryObservationStore
+    from mneme.stores.observations_sqlite import SqliteObservationStore
+    from services.consolidation.handlers import Consolidator
+    for store in (MemoryObservationStore(), SqliteObservationStore(":memory:")):
+        store.add_facts("b", [(pb_fact("f1", "Alice moved to Lisbon."), [[]])])
+        store.apply(ev.ObservationsChanged(bank_id="b", observations=[ev.Observation(
+            id="o1", text="Alice lives in Lisbon", version=1, embedding=[1, 0, 0, 0],
+            embedding_model=L6)]))
+        store.apply_opinions(ev.OpinionsChanged(bank_id="b", opinions=[ev.Opinion(
+            id="p1", text="Alice likes cities", version=1, embedding=[1, 0, 0, 0],
+            embedding_model=L6)]))
+        before = (store.dump("b"), store.dump_opinions("b"))
+        Consolidator(store, lambda b: None, embedding_model=L6).handle(
+            _replaced(L3, f1=[0, 1, 0, 0], o1=[0, 0, 1, 0], p1=[0, 0, 0, 1]), meta())
+        assert (store.dump("b"), store.dump_opinions("b")) == before  # not its model
+        c = Consolidator(store, lambda b: None, embedding_model=L3)
+        for _ in range(2):  # idempotent
+            assert c.handle(_replaced(L3, f1=[0, 1, 0, 0], o1=[0, 0, 1, 0], p1=[0, 0, 0, 1]),
+                            meta()) == []
+        assert list(store.facts_by_id("b", ["f1"])["f1"].embedding) == [0, 1, 0, 0]
+        o = store.observations("b")["o1"]
+        assert (list(o.embedding), o.embedding_model, o.version) == ([0, 0, 1, 0], L3, 1)
+        p = store.opinions("b")["p1"]
+        assert (list(p.embedding), p.embedding_model, p.version) == ([0, 0, 0, 1], L3, 1)

@@ -952,6 +952,9 @@ SAMPLES = {
     ev.EntitySplit: ev.EntitySplit(bank_id="b", operation_id="op-es", entity_id="e1",
                                    new_entity_id="e3", aliases=["ally"], memory_ids=["f1"],
                                    display_name="Ally"),
+    ev.VectorsReplaced: ev.VectorsReplaced(
+        bank_id="b", embedding_model="fake", previous_model="older",
+        units=[ev.UnitVector(id="f1", fact_type="world", vector=vec(0, 1, 0, 0))]),
 }
 
 #: What each route yields for its sample on fresh state (output type names, in order).

@@ -324,3 +324,30 @@ def test_entity_corrections_are_sealed_under_the_bank_key(keyring, msg):
     assert back == msg
     keyring.destroy_bank("b")
     assert erased_record(sealer.open(_as_read(out)))
+
+
+def test_a_re_embeds_vectors_are_sealed_with_their_facts_keys(keyring):
+    """VectorsReplaced (``mneme reembed``): each unit's vector is sealed under the keys
+    :func:`services.extraction.reembed.seal_keys` names (a fact's own, an observation's
+    evidence facts'), so deleting a document erases its facts' new vectors too."""
+    from mneme.domain import Fact
+    from services.extraction.reembed import seal_keys
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "d1"), ("f2", "d2")))
+    units = [Fact(id="f1", bank_id="b", text="x"), Fact(id="f2", bank_id="b", text="y"),
+             Fact(id="o1", bank_id="b", text="z", fact_type="observation",
+                  metadata={"evidence": '[{"memory_id": "f1", "quote": "x"}]'})]
+    assert [seal_keys(u) for u in units] == [["f:f1"], ["f:f2"], ["f:f1"]]
+    msg = ev.VectorsReplaced(bank_id="b", embedding_model="m2", units=[
+        ev.UnitVector(id=u.id, fact_type=u.fact_type, vector=codec.to_float32([0.5] * 8),
+                      seal=ev.Seal(keys=seal_keys(u))) for u in units])
+    out, opened = _seal_open(sealer, msg)
+    vector = array("f", msg.units[0].vector).tobytes()
+    assert vector[:16] not in out.value
+    assert ev.VectorsReplaced.FromString(opened.value) == ev.VectorsReplaced(
+        bank_id="b", embedding_model="m2", units=[
+            ev.UnitVector(id=u.id, fact_type=u.fact_type, vector=list(msg.units[0].vector),
+                          seal=ev.Seal(keys=seal_keys(u))) for u in units])
+    keyring.destroy_scope("b", "d:d1")
+    assert [u.id for u in ev.VectorsReplaced.FromString(
+        sealer.open(_as_read(out)).value).units] == ["f2"]

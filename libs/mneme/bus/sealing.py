@@ -15,6 +15,8 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     ReflectionRecorded  query, answer, evidence         keys: its own q:<id> + its facts'
     Opinion             text, entities, history,        keys: those of its evidence facts
                         embedding
+    UnitVector          vector                          keys: named by the producer (the
+                                                              unit's facts' own f:<id>)
     DirectiveChanged    title, text                     keys: the bank's
     MentalModelChanged  display_name, source_query,     keys: the bank's
                         content
@@ -73,6 +75,7 @@ SEALED: dict[str, tuple[str, ...]] = {
     "Observation": ("text", "evidence", "history", "embedding", "entities"),
     "ReflectionRecorded": ("query", "answer", "evidence"),
     "Opinion": ("text", "entities", "history", "embedding"),
+    "UnitVector": ("vector",),
     "DirectiveChanged": ("title", "text"),
     "MentalModelChanged": ("display_name", "source_query", "content"),
     "EntityMergeRequested": ("display_name",),
@@ -87,7 +90,8 @@ _BANK_SEALED = (ev.DirectiveChanged, ev.MentalModelChanged, ev.EntityMergeReques
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
     "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "OpinionsChanged",
-    "EntityMergeRequested", "EntitiesMerged", "EntitySplitRequested", "EntitySplit"))
+    "EntityMergeRequested", "EntitiesMerged", "EntitySplitRequested", "EntitySplit",
+    "VectorsReplaced"))
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -222,6 +226,8 @@ class Opener:
             each(m, "observations")
         elif isinstance(m, ev.OpinionsChanged):
             each(m, "opinions")
+        elif isinstance(m, ev.VectorsReplaced):
+            each(m, "units")
         elif isinstance(m, (ev.ReflectionRecorded, *_BANK_SEALED)):
             ok = self._open(m, bank)
             if ok is False:
@@ -324,6 +330,9 @@ class Sealer(Opener):
                 if not o.seal.keys:  # its evidence facts' own keys (consolidation names them)
                     o.seal.keys.extend(dict.fromkeys(fact_key_id(i) for i in o.evidence_ids))
                 n += self._seal(o, bank)
+        elif isinstance(m, ev.VectorsReplaced):
+            for u in m.units:  # keys named by the producer (else the bank's: _seal)
+                n += self._seal(u, bank)
         elif isinstance(m, ev.ReflectionRecorded):
             if not m.seal.keys:
                 own = f"q:{event_id or secrets.token_hex(8)}"

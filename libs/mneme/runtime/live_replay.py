@@ -230,7 +230,7 @@ class LiveReplay:
     # -- the replay --
 
     def _run(self, g: int, force: bool, progress=None) -> None:
-        new, extra = None, []  # extra: the followers' stores of g, as opened
+        new, extra, built = None, [], None  # extra: the followers' stores of g, as opened
         behind: list[WriteBehind] = []  # the build's buffers of new's stores
         try:
             self._refuse_in_use(g)
@@ -255,8 +255,10 @@ class LiveReplay:
                 # trip per batch, not per record, written while the next batch is
                 # handled (nothing reads g before drain_all has waited for them)
                 behind = [WriteBehind(s, empty=True, background=True) for s in new.all()]
-                search = _Build(self.root.log, self.router,
-                                self.make_router(type(new)(*behind), gid), gid)
+                # the build accepts a bank's vectors of the model it had before a
+                # re-embed that follows on the log (Projections.building)
+                built = new.building(*behind)
+                search = _Build(self.root.log, self.router, self.make_router(built, gid), gid)
                 builds.append(search)
             for f in self.followers:
                 extra.append(f.open(g))
@@ -285,6 +287,8 @@ class LiveReplay:
                 banks = self._banks()
                 check = (self._check(new, search.position, targets[0], banks)
                          if search is not None else _no_check(banks))
+                if built is not None:  # banks left with another model's vectors
+                    check["problems"] += built.unswitched()[:CHECK_PROBLEMS]
                 for f, b, store, t in zip(self.followers, builds[n:], extra, targets[n:]):
                     moving, problems = self._check_follower(f, store, b.position, t, banks)
                     check["moving"] += moving
@@ -304,8 +308,9 @@ class LiveReplay:
                 raise CheckFailed("; ".join(check["problems"][:5]))
             for store in extra:  # built without syncing (Follower.open): durable from here
                 store.flush()
+            model = new.embedding_model if new is not None else ""
             if self.shared:
-                self.generations.update(g, state="READY")
+                self.generations.update(g, state="READY", embedding_model=model)
                 _close(new.all())
                 log.info("replay: generation %d is built and checked (%d records); set "
                          "MNEME_STORE_GENERATION=%d on the search replicas to switch",
@@ -326,10 +331,13 @@ class LiveReplay:
                 if new is not None:
                     new.flush()
                     old = [s.swap(n) for s, n in zip(self.root.stores.all(), new.all())]
+                    # a re-embed's generation holds another model's vectors than the old
+                    self.root.stores.embedding_model = model
                 old += [f.live.swap(store) for f, store in zip(self.followers, extra)]
                 prev = self.generations.live()
                 done = sum(b.done for b in builds)
-                self.generations.update(g, state="LIVE", records_done=done)
+                self.generations.update(g, state="LIVE", records_done=done,
+                                        embedding_model=model)
             self._retire(prev, old)
             log.info("replay: generation %d is live (%d records; generation %d retired)",
                      g, done, prev)
@@ -439,11 +447,16 @@ class LiveReplay:
                 f"... and {len(problems) - CHECK_PROBLEMS} more differences"]
         scores = []
         alike = [b for b in banks if b not in differ and b not in more]  # same units
+        # a re-embed's new generation: its vectors and the live ones are of two models
+        # (their kNN answers cannot agree); its text and graph are still compared
+        same_model = (not live.embedding_model or not new.embedding_model
+                      or live.embedding_model == new.embedding_model)
         for b in alike[:CHECK_BANKS]:
             facts, _ = new.vectors.scroll(b, CHECK_QUERIES)
             facts = new.vectors.get(b, [f.id for f in facts], with_vectors=True)
             for i, f in enumerate(facts):
-                for ids_a, ids_z in _probes(live, new, f, graph=i == 0):
+                for ids_a, ids_z in _probes(live, new, f, graph=i == 0,
+                                            vectors=same_model):
                     scores.append(len(set(ids_a) & set(ids_z))
                                   / max(len(ids_a), len(ids_z), 1))
         agreement = sum(scores) / len(scores) if scores else 1.0
@@ -623,7 +636,8 @@ class _Builder(Consumer):
         return []  # nothing to append: the check reports it
 
 
-def _probes(live, new, fact, graph: bool = True) -> list[tuple[list[str], list[str]]]:
+def _probes(live, new, fact, graph: bool = True, vectors: bool = True
+            ) -> list[tuple[list[str], list[str]]]:
     """The check's comparisons for one sampled unit ``fact`` (with its embedding): the
     top :data:`CHECK_TOP` ids each store of ``live`` and of ``new`` answers to the
     questions recall asks of it -- the vector store's kNN of the unit's own embedding,
@@ -633,13 +647,14 @@ def _probes(live, new, fact, graph: bool = True) -> list[tuple[list[str], list[s
     a question neither answers is left out (nothing to compare). Per store rather than
     through recall: a broken store cannot hide behind the other arms of a fused
     ranking, and nothing needs a model (no query embedding, no query parsing), so an
-    offline replay loads none."""
+    offline replay loads none. ``vectors`` False: no kNN (the two generations' vectors
+    are of two models: a re-embed)."""
     b = fact.bank_id
     asks = [lambda s: s.text.search(b, fact.text[:500], CHECK_TOP)]
     if graph:
         asks.append(lambda s: s.graph.spread(b, {fact.id: 1.0},
                                              [e.id for e in fact.entities], CHECK_TOP))
-    if fact.embedding:
+    if fact.embedding and vectors:
         asks.insert(0, lambda s: s.vectors.search(b, fact.embedding, CHECK_TOP))
     out = []
     for ask in asks:

@@ -23,8 +23,8 @@ def _drain(runner: LogRunner, progress, total: int) -> int:
     return done
 
 
-def replay(settings: Settings | None = None, progress=None, force: bool = False
-           ) -> dict[str, int]:
+def replay(settings: Settings | None = None, progress=None, force: bool = False,
+           reembedding: bool = False) -> dict[str, int]:
     """Rebuild projections from the log; no model is called (derived events carry the
     facts and embeddings) and nothing is appended (the progress events the projections
     would emit are already on the log). ``progress(done, total)`` is called as records
@@ -50,8 +50,12 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False
       This process's bank catalog is rebuilt first (the check's bank list), then the
       generation after ``MNEME_STORE_GENERATION`` is built under the consumer group it
       will run under and left READY; the replicas switch to it when they are configured
-      with it (their group goes on from where the replay stopped)."""
-    root = Root(settings)
+      with it (their group goes on from where the replay stopped).
+
+    ``reembedding`` (:func:`mneme.runtime.reembed.reembed`): the live generation may hold
+    another model's vectors than ``MNEME_EMBEDDING_MODEL``, the new one's; the switch
+    records the new model (:attr:`mneme.generations.Generation.embedding_model`)."""
+    root = Root(settings, reembedding=reembedding)
     try:
         if root.distributed:
             parts = [build_search(root)]

@@ -289,6 +289,26 @@ class MemoryObservationStore:
             if i in bank:
                 bank[i][3] = consolidated
 
+    def replace_vectors(self, bank_id: str, vectors: dict[str, list[float]], model: str) -> None:
+        """See :meth:`mneme.ports.ObservationStore.replace_vectors`."""
+        with self._lock:
+            for i, r in self._facts.get(bank_id, {}).items():
+                if i in vectors:
+                    f = ev.Fact.FromString(r[4])
+                    f.embedding[:] = vectors[i]
+                    r[4] = f.SerializeToString(deterministic=True)
+            for table, cls, at in ((self._obs, ev.Observation, 3), (self._opinions, ev.Opinion, 3)):
+                bank = table.get(bank_id, {})
+                for i, r in list(bank.items()):
+                    if i not in vectors:
+                        continue
+                    o = cls.FromString(r[at])
+                    if o.deleted:
+                        continue
+                    o.embedding[:] = vectors[i]
+                    o.embedding_model = model
+                    bank[i] = (*r[:at], o.SerializeToString(deterministic=True))
+
     # ---- observations ----
     def observations(self, bank_id: str, scope: list[str] | None = None,
                      include_deleted: bool = False) -> dict[str, ev.Observation]:

@@ -178,6 +178,39 @@ class SqliteObservationStore:
         self._db.executemany("UPDATE facts SET consolidated=? WHERE bank_id=? AND id=?",
                              [(consolidated, bank_id, i) for i in ids])
 
+    def replace_vectors(self, bank_id: str, vectors: dict[str, list[float]], model: str) -> None:
+        """A re-embed: the facts, observations and opinions of ``bank_id`` among
+        ``vectors`` (id → vector) get their new vector (observations and opinions also
+        ``model`` as their ``embedding_model``; versions unchanged). Unknown ids are
+        skipped. One transaction. Idempotent."""
+        if not vectors:
+            return
+        ids = sorted(vectors)
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for table, cls in (("facts", ev.Fact), ("observations", ev.Observation),
+                                   ("opinions", ev.Opinion)):
+                    for i in range(0, len(ids), 500):  # SQLite's bound on host parameters
+                        part = ids[i:i + 500]
+                        rows = self._db.execute(
+                            f"SELECT id, data FROM {table} WHERE bank_id=? AND id IN "
+                            f"({','.join('?' * len(part))})", (bank_id, *part)).fetchall()
+                        for uid, data in rows:
+                            msg = cls.FromString(data)
+                            if getattr(msg, "deleted", False):
+                                continue  # a tombstone keeps no vector
+                            msg.embedding[:] = vectors[uid]
+                            if table != "facts":
+                                msg.embedding_model = model
+                            self._db.execute(f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?",
+                                             (msg.SerializeToString(deterministic=True),
+                                              bank_id, uid))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     # ---- observations -------------------------------------------------------------------
 
     def observations(self, bank_id: str, scope: list[str] | None = None,
