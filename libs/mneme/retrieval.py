@@ -65,7 +65,7 @@ RERANK_HEAD = 50
 ENTITY_WEIGHT = 0.3
 ADJACENT_WEIGHT = 0.2
 #: A fact naming an entity of the kind the question asks for (:func:`answer_labels`).
-#: Stronger than one arm's first place (1.5 × RRF_UNIT) on purpose: the kind of the answer is known from
+#: Stronger than one arm's first place on purpose: the kind of the answer is known from
 #: the question alone, and facts that share the question's words but name no such thing
 #: crowd the head otherwise. Measured on LoCoMo dev (all 7 conversations, recall@10 over
 #: the same run without it): 0.3 +0.006, 0.6 +0.007, 1.0 +0.013, 1.5 +0.021 (multi-hop

@@ -8,8 +8,8 @@ import pytest
 
 from mneme.domain import EntityRef, Fact, Link, Scored, TimeWindow
 from mneme.retrieval import (
-    ANSWER_TYPE_WEIGHT, BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT, REPLY_WEIGHT, RRF_K,
-    RRF_UNIT, TEMPORAL_WEIGHT, answer_labels, fill_budget, is_question, proof_boost,
+    ANSWER_TYPE_WEIGHT, BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT,
+    REPLY_WEIGHT, RRF_K, RRF_UNIT, TEMPORAL_WEIGHT, answer_labels, fill_budget, is_question, proof_boost,
     question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
     temporal_proximity_boost, window_overlap,
 )
