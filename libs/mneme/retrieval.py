@@ -308,7 +308,6 @@ _ANSWER_TYPES: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
          r"charit(?:y|ies)|brands?)\b", ("ORG",)),
         (r"\b(?:nationality|religio(?:n|us)|political|ethnicity)\b", ("NORP",)),
         (r"\blanguages?\b", ("LANGUAGE",)),
-        (r"^\s*(?:who|whom)\b|\bwith whom\b", ("PERSON",)),
     ))
 
 
@@ -316,8 +315,11 @@ def answer_labels(query: str) -> frozenset[str]:
     """The spaCy entity labels (``mneme.nlp.NER_LABELS``) an answer to ``query`` would
     name, from its wording: places (GPE, LOC, FAC) for "where ..." or "which countries
     ...", works (WORK_OF_ART, PRODUCT) for books, films, songs, games; ORG for companies,
-    teams, schools, charities; NORP for nationality or religion; LANGUAGE; PERSON for
-    "who ...". Empty when the question names no such kind (most questions).
+    teams, schools, charities; NORP for nationality or religion; LANGUAGE. Empty when
+    the question names no such kind (most questions). "Who ..." gets no PERSON: nearly
+    every fact of a conversation names a person, and the small NER model labels short
+    first names in other ways ("Carol sang fado" → ORG), so the boost would lift every
+    fact about someone else above the one that answers.
 
     This is the expected answer type of question answering: classify the question, then
     prefer passages naming an entity of that type (X. Li, D. Roth, "Learning Question
