@@ -19,8 +19,9 @@ halved (``mneme.retrieval.is_question``: a question shares its words with the qu
 states nothing), boosted
 (recency, temporal proximity, proof count; see ``mneme.retrieval``), each reply given a
 share of the fused score of the turn it answers (``mneme.retrieval.reply_share``), the head
-reordered by entity overlap with the query and adjacency to other hits
-(``mneme.retrieval.rerank_head``, no model) and filled greedily into ``max_tokens``.
+reordered by entity overlap with the query, adjacency to other hits and naming an entity of
+the kind the question asks for (``mneme.retrieval.rerank_head``,
+``mneme.retrieval.answer_labels``; no model) and filled greedily into ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from mneme.deadline import current as current_deadline
 from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
-    BUDGETS, RRF_K, fact_span, fill_budget, proof_boost, question_factor, recency_boost,
-    reply_share, rerank_head, temporal_proximity_boost, window_overlap, rrf,
+    BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, proof_boost,
+    question_factor, recency_boost, reply_share, rerank_head, temporal_proximity_boost,
+    window_overlap, rrf,
 )
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
@@ -182,7 +184,7 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     reply_share(results)
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
-    results = rerank_head(results, entity_ids)
+    results = rerank_head(results, entity_ids, labels=answer_labels(q.query))
     if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
         deadline.check("recall: rerank")
         results = reranker(q.query, results)

@@ -8,8 +8,8 @@ import pytest
 
 from mneme.domain import EntityRef, Fact, Link, Scored, TimeWindow
 from mneme.retrieval import (
-    BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT, REPLY_WEIGHT, RRF_K,
-    RRF_UNIT, TEMPORAL_WEIGHT, fill_budget, is_question, proof_boost,
+    ANSWER_TYPE_WEIGHT, BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT,
+    REPLY_WEIGHT, RRF_K, RRF_UNIT, SPEAKER_WEIGHT, TEMPORAL_WEIGHT, answer_labels, fill_budget, is_question, proof_boost,
     question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
     temporal_proximity_boost, window_overlap,
 )
@@ -274,8 +274,67 @@ def test_rerank_head_prefers_entity_overlap_and_neighbours():
     near = _scored("x", "Joanna: So cute!", 0.05, doc="c/1", index=5, entities=["joanna"])
     out = rerank_head([strong, plain, named, near], ["nate"])
     assert [s.fact.id for s in out] == ["s", "n", "x", "p"]
-    assert named.boost == pytest.approx(ENTITY_WEIGHT * RRF_UNIT)
+    assert named.boost == pytest.approx((ENTITY_WEIGHT + SPEAKER_WEIGHT) * RRF_UNIT)
     assert plain.boost == 0.0
     # only the head is reordered; the tail keeps its order after it
     out = rerank_head([plain, named, strong], ["nate"], head=2)
     assert [s.fact.id for s in out] == ["n", "p", "s"]
+
+
+@pytest.mark.parametrize("query, labels", [
+    ("Where did Maria make friends?", {"GPE", "LOC", "FAC"}),
+    ("Which countries has Tim visited?", {"GPE", "LOC", "FAC"}),
+    ("What books has John read?", {"WORK_OF_ART", "PRODUCT"}),
+    ("What is Gina's favourite movie?", {"WORK_OF_ART", "PRODUCT"}),
+    ("Which company does Dave work for?", {"ORG"}),
+    ("Who did Caroline meet at the parade?", set()),
+    ("What is Calvin's religion?", {"NORP"}),
+    ("What activities does Melanie partake in?", set()),
+    ("When did Jon lose his job?", set()),
+])
+def test_answer_labels(query, labels):
+    assert answer_labels(query) == labels
+
+
+def test_rerank_head_prefers_a_fact_naming_what_the_question_asks_for():
+    def fact(fid, text, rrf_score, ents):
+        f = Fact(id=fid, bank_id="b", text=text, document_id=f"d{fid}",
+                 entities=[EntityRef(e, e, label) for e, label in ents])
+        return Scored(fact=f, rrf=rrf_score, final=rrf_score)
+
+    def candidates():
+        return [
+            fact("w", "Tim: I love to travel, I'm planning my travels now.", 0.06,
+                 [("tim", "PERSON"), ("travels", "CONCEPT")]),
+            # the speaker and the query's own entities do not count as the answer
+            fact("s", "Paris: I went out.", 0.05, [("paris", "GPE")]),
+            fact("a", "Tim: I met Tim's brother in a cafe.", 0.05, [("tim", "PERSON")]),
+            fact("p", "Tim: I had a nice chat with a fan in California.", 0.04,
+                 [("tim", "PERSON"), ("california", "GPE")]),
+        ]
+
+    labels = answer_labels("Which places has Tim been to?")
+    out = rerank_head(candidates(), ["tim"], labels=labels)
+    by = {s.fact.id: s for s in out}
+    assert [s.fact.id for s in out][:2] == ["p", "w"]
+    assert by["p"].boost - by["w"].boost == pytest.approx(ANSWER_TYPE_WEIGHT * RRF_UNIT)
+    assert by["s"].boost == 0.0  # a GPE, but the speaker
+    # said by Tim: entity overlap and speaker, no answer type
+    assert by["a"].boost == pytest.approx((ENTITY_WEIGHT + SPEAKER_WEIGHT) * RRF_UNIT)
+    out = rerank_head(candidates(), ["tim"])  # no labels: no answer type
+    assert out[0].fact.id == "w"
+
+
+def test_rerank_head_prefers_what_the_asked_about_person_says():
+    # both name Melanie; only one is said by her
+    said = _scored("s", "Melanie: I went camping with the kids.", 0.05, doc="c/1", index=3,
+                   entities=["melanie", "kids"])
+    named = _scored("n", "Caroline: Melanie, the camping pics are great!", 0.05, doc="c/2",
+                    index=7, entities=["caroline", "melanie"])
+    out = rerank_head([named, said], ["melanie"])
+    assert [x.fact.id for x in out] == ["s", "n"]
+    assert said.boost - named.boost == pytest.approx(SPEAKER_WEIGHT * RRF_UNIT)
+    # a fact without a "Speaker:" prefix has no speaker, whatever its first entity
+    plain = _scored("p", "Melanie went camping.", 0.05, entities=["melanie"])
+    rerank_head([plain], ["melanie"])
+    assert plain.boost == pytest.approx(ENTITY_WEIGHT * RRF_UNIT)
