@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from typing import Sequence
 
@@ -133,9 +135,6 @@ class MemoryMessages:
     """
 
     def __init__(self, size: int = 20_000):
-        import threading
-        from collections import OrderedDict
-
         self.size = size
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], tuple[tuple, bytes]] = OrderedDict()

@@ -13,6 +13,17 @@ from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog
 
 
+def bank_ids(catalog: Catalog, page: int = 500) -> list[str]:
+    """Every bank id of ``catalog``, in id order, read ``page`` banks at a time."""
+    banks, after = [], ""
+    while True:
+        got = catalog.list_banks(page, after)
+        banks += [b.bank_id for b in got]
+        if len(got) < page:
+            return banks
+        after = got[-1].bank_id
+
+
 def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, catalog: Catalog | None = None):
     """A create, a replace, or the masked fields of an update, into ``catalog`` at the
     event's time (so replay reproduces it). Idempotent; produces nothing. Without a

@@ -208,10 +208,10 @@ class Root:
         from mneme.errors import ConfigurationError
         if not self.owns_stores:
             return
-        want = self.embedder.model_name
-        have = self.stored_embedding_model()
         if self.reembedding:
             return
+        want = self.embedder.model_name
+        have = self.stored_embedding_model()
         if have and have != want:
             raise ConfigurationError(
                 f"{self.data_dir} holds vectors of embedding model {have!r}, "

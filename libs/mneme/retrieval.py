@@ -340,10 +340,12 @@ def _speaker_id(fact: Fact) -> str | None:
     return None
 
 
-def _names_answer_type(fact: Fact, labels: frozenset[str], skip: set[str]) -> bool:
+def _names_answer_type(fact: Fact, labels: frozenset[str], skip: set[str],
+                       spoken: bool) -> bool:
     """Whether ``fact`` mentions an entity labelled one of ``labels`` other than those in
-    ``skip`` and other than its speaker (the first entity of a "Speaker: ..." fact)."""
-    ents = fact.entities[1:] if _speaker_id(fact) is not None else fact.entities
+    ``skip`` and, when ``spoken`` (a "Speaker: ..." fact), other than its speaker (its
+    first entity)."""
+    ents = fact.entities[1:] if spoken else fact.entities
     return any(e.label in labels and e.id not in skip for e in ents)
 
 
@@ -389,9 +391,10 @@ def rerank_head(results: list[Scored], query_entities: Sequence[str],
             near = max(by_pos.get((s.fact.document_id, s.fact.item_index + d), 0.0)
                        for d in (-1, 1))
             add += ADJACENT_WEIGHT * RRF_UNIT * near / best_rrf
-        if qents and _speaker_id(s.fact) in qents:
+        speaker = _speaker_id(s.fact)
+        if qents and speaker in qents:
             add += SPEAKER_WEIGHT * RRF_UNIT
-        if labels and _names_answer_type(s.fact, labels, qents):
+        if labels and _names_answer_type(s.fact, labels, qents, speaker is not None):
             add += ANSWER_TYPE_WEIGHT * RRF_UNIT
         s.boost += add
         s.final += add

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mneme import telemetry
 from mneme.bus import codec
@@ -253,7 +252,7 @@ def on_vectors_replaced(m: ev.VectorsReplaced, meta: EventMeta, *,
     if vectors:
         held = stores.vectors.get(m.bank_id, list(vectors))
         if held:
-            stores.vectors.upsert([dataclasses.replace(f, embedding=vectors[f.id])
+            stores.vectors.upsert([replace(f, embedding=vectors[f.id])
                                    for f in held])
     return []
 

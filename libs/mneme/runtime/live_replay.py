@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from mneme.bank_catalog import bank_ids
 from mneme.bus.consumer import Consumer
 from mneme.generations import (Generation, drop_stores, generation_group, remove_file,
                                remove_local)
@@ -384,13 +385,7 @@ class LiveReplay:
 
     def _banks(self) -> list[str]:
         """Every bank of this process's catalog."""
-        banks, after = [], ""
-        while True:
-            page = self.root.catalog.list_banks(500, after)
-            banks += [b.bank_id for b in page]
-            if len(page) < 500:
-                return banks
-            after = page[-1].bank_id
+        return bank_ids(self.root.catalog)
 
     def _moving(self, router, banks, at: dict, position: Callable[[], dict]) -> set[str]:
         """Those of ``banks`` whose partition ``router``'s live group has moved past ``at``

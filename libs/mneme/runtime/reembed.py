@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from mneme.bank_catalog import bank_ids
 from mneme.bus import MEMORY, codec
 from mneme.config import Settings
 from mneme.domain import derive_id
@@ -142,17 +143,6 @@ def _check_projected(root) -> None:
                 "stats BANK`: no pending records), stop it, then re-embed")
 
 
-def _banks(catalog) -> list[str]:
-    """Every bank of ``catalog``, by id (a page at a time)."""
-    banks, after = [], ""
-    while True:
-        page = catalog.list_banks(500, after)
-        banks += [b.bank_id for b in page]
-        if len(page) < 500:
-            return banks
-        after = page[-1].bank_id
-
-
 def _append_vectors(root, target: str, previous: str, progress) -> dict:
     """Embed every unit of every bank of ``root``'s live stores with ``target`` and append
     the VectorsReplaced events (a bank with no unit gets one empty event: its vectors
@@ -165,7 +155,7 @@ def _append_vectors(root, target: str, previous: str, progress) -> dict:
     extractor = build_extraction(root).api["extractor"]
     vectors = root.stores.vectors
     source = services()["extraction"].source  # its policy; it declares the event type
-    banks = _banks(root.catalog)
+    banks = bank_ids(root.catalog)
     total = sum(vectors.count(b) for b in banks)
     done = events = 0
     if progress:

@@ -196,6 +196,7 @@ class SqliteObservationStore:
                         rows = self._db.execute(
                             f"SELECT id, data FROM {table} WHERE bank_id=? AND id IN "
                             f"({','.join('?' * len(part))})", (bank_id, *part)).fetchall()
+                        updates = []
                         for uid, data in rows:
                             msg = cls.FromString(data)
                             if getattr(msg, "deleted", False):
@@ -203,9 +204,10 @@ class SqliteObservationStore:
                             msg.embedding[:] = vectors[uid]
                             if table != "facts":
                                 msg.embedding_model = model
-                            self._db.execute(f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?",
-                                             (msg.SerializeToString(deterministic=True),
-                                              bank_id, uid))
+                            updates.append((msg.SerializeToString(deterministic=True),
+                                            bank_id, uid))
+                        self._db.executemany(
+                            f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?", updates)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
