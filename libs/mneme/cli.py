@@ -217,7 +217,7 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
           empathy: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
           auto_consolidate: Optional[bool] = typer.Option(
               None, "--auto-consolidate/--no-auto-consolidate", help="update"),
-          extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline or llm"),
+          extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline, llm or llm_only"),
           erasure: Optional[str] = typer.Option(None, help="update: crypto_shred or none"),
           store_documents: Optional[bool] = typer.Option(
               None, "--store-documents/--no-store-documents",
@@ -233,7 +233,8 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         ("extraction_mode", extraction_mode), ("erasure", erasure),
         ("store_documents", store_documents)) if v is not None}
     if extraction_mode is not None:
-        _choice("--extraction-mode", extraction_mode, ("auto", "offline", "llm"))
+        from mneme.domain import EXTRACTION_MODES
+        _choice("--extraction-mode", extraction_mode, EXTRACTION_MODES)
     if erasure is not None:
         _choice("--erasure", erasure, ("crypto_shred", "none"))
     if action == "stats" and bank_id:

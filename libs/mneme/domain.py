@@ -73,6 +73,14 @@ def from_epoch(ts: float | None) -> datetime | None:
     return datetime.fromtimestamp(min(max(ts, MIN_EPOCH), MAX_EPOCH), tz=timezone.utc)
 
 
+#: A bank's ``config.extraction_mode``: ``auto`` (default: as ``llm`` when a retain model
+#: is configured, else ``offline``), ``offline`` (no model), ``llm`` (the model's facts with
+#: the offline facts of the same items beside them, so that a model never makes recall
+#: worse than no model), ``llm_only`` (the model's facts alone: a smaller index, at the
+#: model's mercy).
+EXTRACTION_MODES = ("auto", "offline", "llm", "llm_only")
+
+
 @dataclass(frozen=True)
 class BankConfig:
     """Per-bank configuration. Traits are 1..5; ``dedup_threshold`` is a cosine in [0, 1]."""
@@ -86,7 +94,8 @@ class BankConfig:
     empathy: int = 3
     auto_consolidate: bool = True
     dedup_threshold: float = 0.97
-    extraction_mode: str = "auto"  # auto: the LLM when a retain model is configured
+    #: One of :data:`EXTRACTION_MODES`.
+    extraction_mode: str = "auto"
     #: "crypto_shred": user content is sealed on the log with keys deletions destroy
     #: (mneme.bus.sealing); "none": plaintext topics (no erasure on the log).
     erasure: str = "crypto_shred"

@@ -240,6 +240,9 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     else:
         facts, failures = _extract_items(m, items, source_id, extractor, stop)
     report = getattr(extractor, "report", lambda _: None)(source_id) if items else None
+    # the model found nothing in an item, but facts kept beside the model's (offline
+    # ones) may have: such an item is not a no-fact item
+    with_facts = {f.item_index for f in facts}
     for f in facts:
         f.item_index = keep[f.item_index]
     for f in failures:
@@ -248,7 +251,8 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
                                                    reason=r.reason or "rejected")
                                     for i, r in rejected.items())],
                       key=lambda f: f.item_index)
-    no_fact_items = [keep[i] for i in (report.no_fact_items if report is not None else [])]
+    no_fact_items = [keep[i] for i in (report.no_fact_items if report is not None else [])
+                     if i not in with_facts]
     if facts:
         # An extractor may embed a fact with context its text leaves out (a short reply
         # with the turn it answers); the vector travels in the event, so replay reuses it.

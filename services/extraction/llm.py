@@ -36,6 +36,11 @@ Same interface as :class:`~services.extraction.offline.OfflineExtractor`
 
 After a call, :meth:`LlmExtractor.report` gives the request's per-item outcomes and the
 token/cost usage, for the handler to put on ``FactsExtracted``.
+
+By default (extraction mode ``auto``/``llm``) the model's facts are not alone:
+:class:`WithOfflineFacts` keeps each item's offline facts beside them, so a model never
+makes recall worse than no model; ``llm_only`` uses :class:`LlmExtractor` alone.
+:class:`BankModeExtractor` picks per bank.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ from mneme.ports import Llm
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
-__all__ = ["LlmExtractor", "BankModeExtractor", "ItemExtractionFailed", "ExtractionIncomplete",
+__all__ = ["LlmExtractor", "BankModeExtractor", "WithOfflineFacts", "OFFLINE", "ItemExtractionFailed", "ExtractionIncomplete",
            "ExtractionReport", "FACTS_SCHEMA", "SYSTEM_PROMPT"]
 
 #: What the model must return (OpenAI strict-mode compatible: every property required,
@@ -565,11 +570,87 @@ def _copy(f: Fact) -> Fact:
                    embedding=list(f.embedding))
 
 
+#: ``Fact.metadata["extracted_by"]`` of the offline facts kept beside a model's facts.
+OFFLINE = "offline"
+
+
+class WithOfflineFacts:
+    """The model's facts of each item with the offline extractor's facts of the same item
+    beside them (extraction modes ``auto`` and ``llm``), so that a model can add to what
+    is remembered but never lose it: a turn the model skips, shortens or misreads is
+    still recalled as offline would recall it.
+
+    The offline facts carry ``metadata["extracted_by"] = "offline"`` and ids derived from
+    ``derive_id(source_id, "offline")`` (fact n of item i: ``derive_id(that, i, n)``), so
+    they never collide with the model's. An item the model *failed* on gets no offline
+    facts: it fails as before (recorded on the operation with its reason, retried by
+    RetryOperation) rather than being half-remembered. Same interface as the extractors
+    (``extract``, ``extract_many``, ``embedding_texts``, ``report``)."""
+
+    def __init__(self, llm: "LlmExtractor", offline) -> None:
+        self.llm, self.offline = llm, offline
+
+    def extract(self, bank_id: str, item: RetainItem, item_index: int,
+                source_id: str) -> list[Fact]:
+        """Facts of one item. Raises :class:`ItemExtractionFailed` as the model's extractor."""
+        facts = self.llm.extract(bank_id, item, item_index, source_id)
+        return facts + self._offline(bank_id, [item], source_id, item_index)
+
+    def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+                     first_index: int = 0, stop: Callable[[], bool] | None = None) -> list[Fact]:
+        """Facts of all ``items``: per item, the model's facts then the offline ones.
+        Raises :class:`ExtractionIncomplete` (with the facts of the items that
+        succeeded, offline ones included) when the model failed on any item."""
+        try:
+            facts, failures = self.llm.extract_many(bank_id, items, source_id, first_index,
+                                                    stop), {}
+        except ExtractionIncomplete as e:
+            facts, failures = e.facts, e.failures
+        # offline over each run of consecutive items the model did not fail on, so that
+        # adjacent turns stay linked as offline links them
+        run_start = None
+        for k in range(len(items) + 1):
+            ok = k < len(items) and first_index + k not in failures
+            if ok and run_start is None:
+                run_start = k
+            elif not ok and run_start is not None:
+                facts += self._offline(bank_id, items[run_start:k], source_id,
+                                       first_index + run_start)
+                run_start = None
+        facts.sort(key=lambda f: f.item_index)  # stable: the model's facts first per item
+        if failures:
+            raise ExtractionIncomplete(facts, failures)
+        return facts
+
+    def report(self, source_id: str) -> ExtractionReport | None:
+        """The model's report of the latest request (see :meth:`LlmExtractor.report`)."""
+        return self.llm.report(source_id)
+
+    def _offline(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+                 first_index: int) -> list[Fact]:
+        facts = self.offline.extract_many(bank_id, items, derive_id(source_id, OFFLINE),
+                                          first_index=first_index)
+        for f in facts:
+            f.metadata["extracted_by"] = OFFLINE
+        return facts
+
+    def embedding_texts(self, facts: Sequence[Fact]) -> list[str]:
+        """What to embed: an offline fact as the offline extractor embeds it (a short reply
+        with the turn it answers), a model's fact its own text (it is self-contained)."""
+        offline = [f for f in facts if f.metadata.get("extracted_by") == OFFLINE]
+        rule = getattr(self.offline, "embedding_texts", None)
+        texts = dict(zip((f.id for f in offline), rule(offline) if rule else
+                         [f.text for f in offline]))
+        return [texts.get(f.id, f.text) for f in facts]
+
+
 class BankModeExtractor:
     """Chooses the extractor per bank by ``BankConfig.extraction_mode``: ``llm`` → the
-    LLM extractor, ``offline`` → the offline one, ``""``/``auto`` → the LLM extractor when
-    a retain model is configured, else offline. A bank asking for ``llm`` on a server with
-    no model gets offline extraction (logged once per bank, counted as
+    model's facts with the offline facts beside them (:class:`WithOfflineFacts`),
+    ``llm_only`` → the model's facts alone (:class:`LlmExtractor`), ``offline`` → the
+    offline extractor, ``""``/``auto`` → as ``llm`` when a retain model is configured,
+    else offline. A bank asking for ``llm`` or ``llm_only`` on a server with no model gets
+    offline extraction (logged once per bank, counted as
     ``mneme.retain.llm_unavailable_fallback``): retained text must still become memories.
 
     ``llm`` may be None (no model configured: everything is offline and litellm is never
@@ -578,6 +659,7 @@ class BankModeExtractor:
     def __init__(self, offline, llm: LlmExtractor | None,
                  bank_config: Callable[[str], BankConfig | None] | None = None):
         self.offline, self.llm = offline, llm
+        self.with_offline = WithOfflineFacts(llm, offline) if llm is not None else None
         self.bank_config = bank_config or (lambda bank_id: None)
         self._warned: set[str] = set()
 
@@ -588,7 +670,7 @@ class BankModeExtractor:
         have_llm = self.llm is not None and self.llm.gateway.configured("retain")
         if mode == "offline":
             return self.offline
-        if mode == "llm" and not have_llm:
+        if mode in ("llm", "llm_only") and not have_llm:
             if bank_id not in self._warned:
                 self._warned.add(bank_id)
                 import logging
@@ -597,7 +679,9 @@ class BankModeExtractor:
                     "(MNEME_RETAIN_LLM_MODEL / MNEME_LLM_MODEL): extracting offline", bank_id)
             METRICS.add("mneme.retain.llm_unavailable_fallback")
             return self.offline
-        return self.llm if have_llm else self.offline
+        if not have_llm:
+            return self.offline
+        return self.llm if mode == "llm_only" else self.with_offline
 
     def extract(self, bank_id: str, item: RetainItem, item_index: int, source_id: str) -> list[Fact]:
         return self.for_bank(bank_id).extract(bank_id, item, item_index, source_id)

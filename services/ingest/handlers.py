@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 
 from mneme import bank_catalog
 from mneme.bus import INTAKE, MEMORY, codec, partition_for
-from mneme.domain import (DIRECTIVE_FIELDS, Bank, BankConfig, Directive, EventMeta, Operation,
-                          RetainItem, derive_id)
+from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, Directive,
+                          EventMeta, Operation, RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
 from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                           NotFound, Unavailable)
@@ -599,8 +599,9 @@ def _check_config(c: BankConfig) -> None:
             raise InvalidArgument(f"bank.config.{f}", "must be between 1 and 5")
     if not 0.0 < c.dedup_threshold <= 1.0:
         raise InvalidArgument("bank.config.dedup_threshold", "must be in (0, 1]")
-    if c.extraction_mode not in ("auto", "offline", "llm"):
-        raise InvalidArgument("bank.config.extraction_mode", "must be 'auto', 'offline' or 'llm'")
+    if c.extraction_mode not in EXTRACTION_MODES:
+        raise InvalidArgument("bank.config.extraction_mode",
+                              "must be one of " + ", ".join(map(repr, EXTRACTION_MODES)))
     if c.erasure not in ("crypto_shred", "none"):
         raise InvalidArgument("bank.config.erasure", "must be 'crypto_shred' or 'none'")
 

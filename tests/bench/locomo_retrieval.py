@@ -14,15 +14,26 @@ top 10: the question, its category, the evidence turn's text, the evidence's fus
 (0 = not returned) and best rank per arm (0 = that arm did not return it), and the top 3
 results that beat it (text, dialog ids, per-arm ranks).
 
+``--model sentences|empty`` retains through a retain *model*: a local OpenAI-compatible
+stub (``tests/llm/stub.py``) over real HTTP and litellm, standing in for a weak model, so
+the model path can be compared with offline extraction on the same data. ``sentences``
+makes one fact per sentence of the turn with "I"/"my"/"me" replaced by the speaker's name
+and drops the shared photo; ``empty`` finds nothing in any turn (the worst a model can do
+without failing). ``--extraction-mode`` sets the banks' ``config.extraction_mode``
+(default ``auto``: with a model, its facts with the offline facts beside them).
+
 Usage: python tests/bench/locomo_retrieval.py --data FILE [--conversations ID ...]
        [--json] [--budget mid] [--max-tokens 8192] [--misses FILE]
+       [--model sentences|empty] [--extraction-mode auto|offline|llm|llm_only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -31,6 +42,9 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests.llm.stub when run as a script
 
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
@@ -40,6 +54,7 @@ from mneme import locomo  # noqa: E402
 from mneme.runtime.embedded import bootstrap  # noqa: E402
 from mneme.client import MnemeClient  # noqa: E402
 from mneme.config import Settings  # noqa: E402
+from mneme.domain import EXTRACTION_MODES  # noqa: E402
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 KS = (5, 10, 20)
@@ -85,8 +100,60 @@ def _misses(q: dict, results, ranked: list[str], turns: dict[str, str], k: int =
     return out
 
 
+_SENT = re.compile(r"(?<=[.!?])\s+")
+_FIRST_PERSON = [(re.compile(r"\bI(?:'m| am)\b"), "{} is"), (re.compile(r"\bI've\b"), "{} has"),
+                 (re.compile(r"\bI'll\b"), "{} will"), (re.compile(r"\bI'd\b"), "{} would"),
+                 (re.compile(r"\bI\b"), "{}"), (re.compile(r"\b[Mm]y\b"), "{}'s"),
+                 (re.compile(r"\b(?:me|myself)\b"), "{}")]
+
+
+def sentence_facts(request) -> dict:
+    """The ``sentences`` stand-in model's reply to one retain request: a fact per sentence
+    of the text (of at least 3 words), first person replaced by the speaker's name."""
+    user = request.messages[-1]["content"]
+    speaker = re.search(r"^Speaker: ([^\n(]+)", user, re.M)
+    name = speaker.group(1).strip() if speaker else "Someone"
+    text = user.split('Text:\n"""\n', 1)[-1].rsplit('\n"""', 1)[0]
+    text = re.sub(r"^[^:\n]{1,40}:\s+", "", text)  # the "Speaker:" prefix of a chat turn
+    facts = []
+    for sent in _SENT.split(text):
+        for rx, repl in _FIRST_PERSON:
+            sent = rx.sub(repl.format(name), sent)
+        if len(sent.split()) >= 3:
+            facts.append({"text": sent, "fact_type": "world", "occurred_start": None,
+                          "occurred_end": None, "entities": [{"name": name, "type": "person"}],
+                          "caused_by": []})
+    return {"facts": facts}
+
+
+@contextlib.contextmanager
+def retain_model(kind: str | None):
+    """Point the retain model (only: reflect and consolidation stay offline) at a stub
+    serving ``kind``; nothing when ``kind`` is None."""
+    if kind is None:
+        yield
+        return
+    from tests.llm.stub import StubLLM, chat, computed
+    with StubLLM() as stub:
+        stub.on("chat", computed(lambda req: chat(
+            sentence_facts(req) if kind == "sentences" else {"facts": []})), forever=True)
+        env = {"MNEME_RETAIN_LLM_MODEL": "openai/stand-in", "MNEME_RETAIN_LLM_BASE_URL": stub.base_url,
+               "MNEME_RETAIN_LLM_API_KEY": "sk-bench"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def run(data: Path, conversations: list[str], budget: str, max_tokens: int, console: Console,
-        misses: list[dict] | None = None) -> dict:
+        misses: list[dict] | None = None, model: str | None = None,
+        extraction_mode: str = "auto") -> dict:
     convs = [c for c in locomo.load(data) if not conversations or c["sample_id"] in conversations]
     if not convs:
         raise SystemExit(f"no conversations {conversations} in {data}")
@@ -94,7 +161,7 @@ def run(data: Path, conversations: list[str], budget: str, max_tokens: int, cons
     latencies: list[float] = []
     turns = 0
     retain_s = 0.0
-    with tempfile.TemporaryDirectory(prefix="mneme-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mneme-bench-") as tmp, retain_model(model):
         node = bootstrap(Settings(data_dir=Path(tmp)))
         node.start()
         port = node.serve("127.0.0.1:0")
@@ -107,7 +174,7 @@ def run(data: Path, conversations: list[str], budget: str, max_tokens: int, cons
                     sessions = locomo.sessions(c)
                     n = sum(len(s.items) for s in sessions)
                     task = prog.add_task(f"retain {sid}", total=n)
-                    m.upsert_bank(sid)
+                    m.upsert_bank(sid, extraction_mode=extraction_mode)
                     t0 = time.perf_counter()
                     for s in sessions:
                         m.retain(sid, s.items)
@@ -150,7 +217,8 @@ def run(data: Path, conversations: list[str], budget: str, max_tokens: int, cons
                        "p95": round(lat[min(len(lat) - 1, int(len(lat) * 0.95))], 1)},
         "retain_turns_per_s": round(turns / retain_s, 1),
         "conversations": [c["sample_id"] for c in convs],
-        "budget": budget, "max_tokens": max_tokens,
+        "budget": budget, "max_tokens": max_tokens, "model": model,
+        "extraction_mode": extraction_mode,
     }
 
 
@@ -162,10 +230,14 @@ def main() -> int:
     ap.add_argument("--budget", default="mid", choices=("low", "mid", "high"))
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--misses", type=Path, help="write each evidence id missed at 10 (JSON lines)")
+    ap.add_argument("--model", choices=("sentences", "empty"),
+                    help="retain through a stand-in model over HTTP (see the module docs)")
+    ap.add_argument("--extraction-mode", default="auto", choices=EXTRACTION_MODES)
     args = ap.parse_args()
     console = Console(stderr=True)
     misses: list[dict] | None = [] if args.misses else None
-    res = run(args.data, args.conversations, args.budget, args.max_tokens, console, misses)
+    res = run(args.data, args.conversations, args.budget, args.max_tokens, console, misses,
+              args.model, args.extraction_mode)
     if args.misses:
         args.misses.write_text("".join(json.dumps(m) + "\n" for m in misses))
         console.print(f"{len(misses)} missed evidence ids written to {args.misses}")

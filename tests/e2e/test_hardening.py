@@ -252,6 +252,8 @@ def test_update_bank_keeps_what_it_is_not_given(m):
         update_mask=field_mask_pb2.FieldMask(paths=["config.nope"]))), "update_mask.paths[0]")
     refused(lambda: m.update_bank("upd", skepticism=9), "bank.config.skepticism")
     refused(lambda: m.update_bank("upd", erasure="shred"), "bank.config.erasure")
+    refused(lambda: m.update_bank("upd", extraction_mode="LLM"), "bank.config.extraction_mode")
+    assert m.update_bank("upd", extraction_mode="llm_only").config.extraction_mode == "llm_only"
     assert m.get_bank("upd").config.erasure == "crypto_shred"  # the default
     with pytest.raises(grpc.RpcError) as e:
         m.update_bank("no-such-bank", display_name="x")

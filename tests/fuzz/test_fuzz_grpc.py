@@ -503,7 +503,7 @@ def bank_config(draw, fixed: bool):
     c.dedup_threshold = draw(st.sampled_from([0.0, 0.5, 0.97, 1.0, -1.0, 2.0, float("nan"),
                                               float("inf"), 1e-300]))
     # A fixed bank keeps an offline mode: "llm" without a model would fail every later retain.
-    modes = ["", "auto", "offline"] if fixed else ["", "auto", "offline", "llm"]
+    modes = ["", "auto", "offline"] if fixed else ["", "auto", "offline", "llm", "llm_only"]
     c.extraction_mode = draw(rarely(noise(8), st.sampled_from(modes)))
     return c
 

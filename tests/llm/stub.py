@@ -99,6 +99,7 @@ class Rule:
     route: str
     match: str | None
     replies: list[Reply]
+    forever: bool = False  # answer every matching request with the one reply
 
 
 @dataclass
@@ -137,11 +138,15 @@ class StubLLM:
 
     # ---- scripting ---------------------------------------------------------------------
 
-    def on(self, route: str, *replies: Reply, match: str | None = None) -> "StubLLM":
+    def on(self, route: str, *replies: Reply, match: str | None = None,
+           forever: bool = False) -> "StubLLM":
         """Script ``replies`` for ``route`` (chat, rerank, embeddings), used in order by
-        requests whose body contains ``match`` (any request when None)."""
+        requests whose body contains ``match`` (any request when None). ``forever``: one
+        reply (typically :func:`computed`) answers every such request, never used up."""
+        if forever and len(replies) != 1:
+            raise ValueError("forever takes exactly one reply")
         with self._lock:
-            self.rules.append(Rule(route, match, list(replies)))
+            self.rules.append(Rule(route, match, list(replies), forever))
         return self
 
     def chat_requests(self, without: str | None = None) -> list[Request]:
@@ -156,7 +161,7 @@ class StubLLM:
         with self._lock:
             for rule in self.rules:
                 if rule.route == route and rule.replies and (rule.match is None or rule.match in raw):
-                    return rule.replies.pop(0)
+                    return rule.replies[0] if rule.forever else rule.replies.pop(0)
         return None
 
     # ---- lifecycle ---------------------------------------------------------------------

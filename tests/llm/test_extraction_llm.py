@@ -219,16 +219,79 @@ class FakeOffline:
 def test_extraction_mode_per_bank(stub, gateway):
     from services.extraction.llm import BankModeExtractor
 
-    modes = {"a": "offline", "b": "llm", "c": ""}
+    modes = {"a": "offline", "b": "llm", "c": "", "d": "llm_only"}
     offline = FakeOffline()
     router = BankModeExtractor(offline, extractor(gateway),
                                bank_config=lambda b: BankConfig(extraction_mode=modes[b]) if b in modes else None)
     assert router.for_bank("a") is offline
-    assert router.for_bank("b") is router.llm and router.for_bank("c") is router.llm
-    assert router.for_bank("unknown") is router.llm
-    no_model = BankModeExtractor(offline, None, bank_config=lambda b: BankConfig(extraction_mode="llm"))
-    assert no_model.for_bank("b") is offline
-    assert METRICS.get("mneme.retain.llm_unavailable_fallback") == 1
+    assert router.for_bank("b") is router.with_offline and router.for_bank("c") is router.with_offline
+    assert router.for_bank("unknown") is router.with_offline
+    assert router.for_bank("d") is router.llm
+    assert router.with_offline.llm is router.llm and router.with_offline.offline is offline
+    no_model = BankModeExtractor(offline, None,
+                                 bank_config=lambda b: BankConfig(extraction_mode=modes[b]))
+    assert no_model.for_bank("b") is offline and no_model.for_bank("d") is offline
+    assert METRICS.get("mneme.retain.llm_unavailable_fallback") == 2
+
+
+def _with_offline(gw):
+    from services.extraction.llm import WithOfflineFacts
+    from services.extraction.offline import OfflineExtractor
+    return WithOfflineFacts(extractor(gw), OfflineExtractor())
+
+
+def test_offline_facts_are_kept_beside_the_models(stub, gateway):
+    """The model's facts come first per item, then the offline facts of the same item,
+    marked and with their own ids; an item the model finds nothing in keeps its offline
+    fact (and is no no-fact item), so a model cannot make an item unrecallable."""
+    stub.on("chat", chat({"facts": [fact("Caroline went to an LGBTQ support group on 7 May 2023.",
+                                          start="2023-05-07", end="2023-05-07")]}),
+            match="support group")
+    stub.on("chat", chat({"facts": []}), match="pottery")
+    items = [RetainItem("Caroline: I went to a LGBTQ support group yesterday.", TS,
+                        document_id="conv", metadata={"speaker": "Caroline", "dia_id": "D1:1"}),
+             RetainItem("Melanie: Yeah, painted that pottery bowl last year!", TS,
+                        document_id="conv", metadata={"speaker": "Melanie", "dia_id": "D1:2"})]
+    x = _with_offline(gateway)
+    facts = x.extract_many("bank", items, "op-1")
+    by = [(f.item_index, f.metadata.get("extracted_by")) for f in facts]
+    assert by == [(0, "openai/stub-model"), (0, "offline"), (1, "offline")]
+    assert facts[0].id == derive_id("op-1", 0, 0)
+    assert len({f.id for f in facts}) == 3
+    assert facts[1].text.startswith("Caroline: I went to a LGBTQ support group yesterday")
+    assert [f.metadata["dia_id"] for f in facts] == ["D1:1", "D1:1", "D1:2"]
+    # the offline reply is linked to the offline turn it answers, not to the model's fact
+    assert ("temporal", facts[1].id) in {(l.kind, l.target_id) for l in facts[2].links}
+    # embedded as offline embeds it: the short reply with the turn it answers
+    texts = x.embedding_texts(facts)
+    assert texts[0] == facts[0].text and "(in reply to Caroline:" in texts[2]
+
+    out = handlers.extract(ev.RetainRequested(bank_id="bank", operation_id="op-1", items=[
+        codec.retain_item_to_pb(i) for i in items]), "op-1", x, FakeEmbedder())  # cached replies
+    assert not out.failures and list(out.no_fact_items) == []
+    assert [f.item_index for f in out.facts] == [0, 0, 1]
+
+
+def test_an_item_the_model_fails_on_gets_no_offline_facts(stub):
+    """A model failure stays a failure (recorded, retryable); the other items keep both
+    kinds of facts, and the offline facts of a run after the failure are not linked
+    across it."""
+    gw = make_gateway(stub, llm_max_retries=0, llm_max_concurrency=1)
+    stub.on("chat", chat({"facts": [fact("Alice adopted a cat named Miso.")]}), match="ITEM-0")
+    stub.on("chat", status(400, "bad request"), match="ITEM-1")
+    stub.on("chat", chat({"facts": [fact("Bob runs marathons.")]}), match="ITEM-2")
+    items = [RetainItem(f"ITEM-{n}: something worth remembering about cats", TS,
+                        document_id="d") for n in range(3)]
+    x = _with_offline(gw)
+    with pytest.raises(ExtractionIncomplete) as e:
+        x.extract_many("bank", items, "op-1")
+    assert set(e.value.failures) == {1}
+    assert [(f.item_index, f.metadata.get("extracted_by")) for f in e.value.facts] == [
+        (0, "openai/stub-model"), (0, "offline"), (2, "openai/stub-model"), (2, "offline")]
+    offline2 = e.value.facts[3]
+    assert not any(l.weight == 0.5 for l in offline2.links)
+    with pytest.raises(ItemExtractionFailed):  # the handler's per-item path, the same way
+        x.extract("bank", items[1], 1, "op-1")
 
 
 def test_a_cancelled_request_stops_before_the_next_item(stub):

@@ -32,8 +32,9 @@ def test_retain_and_reflect_through_a_model(stub, server):
                       {"name": "Sweden", "type": "place"}], "caused_by": []}]}),
         match="support group yesterday")
     with server.client() as m:
-        # no observations: the scripted citation [m1] must be the fact recall shows
-        m.upsert_bank("llm", auto_consolidate=False)
+        # no observations: the scripted citation [m1] must be the fact recall shows;
+        # the model's facts alone (test_offline_facts_beside_the_models has both)
+        m.upsert_bank("llm", auto_consolidate=False, extraction_mode="llm_only")
         r = m.retain("llm", [{"content": "Caroline: I went to a LGBTQ support group yesterday. "
                                          "I moved from Sweden in 2015.", "timestamp": TS}])
         assert r.operation.state == 3 and r.operation.facts == 2
@@ -67,6 +68,38 @@ def test_retain_and_reflect_through_a_model(stub, server):
         check = m.check_llm("llm")
         assert check.extraction == "llm"
         assert [c.operation for c in check.checks][:1] == ["retain"] and check.checks[0].ok
+
+
+def test_offline_facts_beside_the_models(stub, server):
+    """By default a bank keeps each item's offline facts beside the model's: a turn the
+    model found nothing in is still recalled; ``llm_only`` keeps the model's facts alone."""
+    skip = chat({"facts": []})
+    bowl = chat({"facts": [
+        {"text": "Melanie painted a pottery bowl in 2022.", "fact_type": "world",
+         "occurred_start": "2022", "occurred_end": "2022",
+         "entities": [{"name": "Melanie", "type": "person"}], "caused_by": []}]})
+    stub.on("chat", bowl, bowl, match="pottery bowl")
+    stub.on("chat", skip, skip, match="kayak")
+    items = [{"content": "Melanie: Yeah, I painted that pottery bowl last year!", "timestamp": TS,
+              "document_id": "c", "metadata": {"speaker": "Melanie"}},
+             {"content": "Caroline: we took the red kayak out at dawn", "timestamp": TS,
+              "document_id": "c", "metadata": {"speaker": "Caroline"}}]
+    with server.client() as m:
+        m.upsert_bank("both", auto_consolidate=False)
+        r = m.retain("both", items)
+        assert r.operation.state == 3 and r.operation.facts == 3
+        mems = list(m.list_memories("both"))
+        kinds = sorted((x.metadata.get("extracted_by"), x.text.split(":")[0]) for x in mems)
+        assert kinds == [("offline", "Caroline"), ("offline", "Melanie"),
+                         ("openai/stub-model", "Melanie painted a pottery bowl in 2022.")]
+        hits = [x.memory.text for x in m.recall("both", "red kayak at dawn").results]
+        assert hits and hits[0].startswith("Caroline: we took the red kayak")
+
+        m.upsert_bank("only", auto_consolidate=False, extraction_mode="llm_only")
+        r = m.retain("only", items)
+        assert r.operation.state == 3 and r.operation.facts == 1
+        assert [x.text for x in m.list_memories("only")] == ["Melanie painted a pottery bowl in 2022."]
+        assert not any("kayak" in x.memory.text for x in m.recall("only", "red kayak at dawn").results)
 
 
 def test_model_failure_is_recorded_not_lost(stub, server):

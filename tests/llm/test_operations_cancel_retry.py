@@ -69,7 +69,8 @@ def test_cancel_stops_a_running_retain_and_retry_finishes_it(stub, server):
                 facts(f"Alice keeps fact number {k}."), match=f"ITEM-{k:02d} ")
     try:
         with server.client(timeout=60) as m:
-            m.upsert_bank("ops", auto_consolidate=False)
+            # the model's facts alone: the test counts one fact per extracted item
+            m.upsert_bank("ops", auto_consolidate=False, extraction_mode="llm_only")
             r = m.retain("ops", [{"content": f"ITEM-{k:02d} Alice told me fact number {k}.",
                                   "timestamp": TS} for k in range(N)], async_=True)
             name = r.operation.name
@@ -114,7 +115,7 @@ def test_retry_reruns_the_items_whose_extraction_failed(stub, server):
     stub.on("chat", facts("Carol paints."), facts("Carol paints."), match="ITEM-C ")
     # ITEM-B: no reply scripted yet -> the stub answers 500, retried, the item fails
     with server.client(timeout=60) as m:
-        m.upsert_bank("partly", auto_consolidate=False)
+        m.upsert_bank("partly", auto_consolidate=False, extraction_mode="llm_only")
         r = m.retain("partly", [
             {"content": "ITEM-A Bob keeps bees.", "timestamp": TS, "document_id": "d1"},
             {"content": "ITEM-B Dan sails.", "timestamp": TS, "document_id": "d2"},
