@@ -55,7 +55,7 @@ from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, e
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
-__all__ = ["OfflineExtractor", "AGENT_SPEAKERS", "embedding_texts"]
+__all__ = ["OfflineExtractor", "AGENT_SPEAKERS", "embedding_texts", "named_speaker"]
 
 #: Speaker names (lowercase) that mean the agent itself → ``experience`` facts.
 AGENT_SPEAKERS = frozenset({"assistant", "agent", "ai", "bot", "ai assistant"})
@@ -374,25 +374,56 @@ def _body_words(text: str) -> int:
     return len(body.split())
 
 
+# First-person forms → the speaker's name (with the verb of a contraction in the third
+# person), for the text a chat turn is embedded as.
+_FIRST_PERSON = [(re.compile(r"\bI(?:'m|\u2019m| am)\b"), "{} is"),
+                 (re.compile(r"\bI(?:'ve|\u2019ve)\b"), "{} has"),
+                 (re.compile(r"\bI(?:'ll|\u2019ll)\b"), "{} will"),
+                 (re.compile(r"\bI(?:'d|\u2019d)\b"), "{} would"),
+                 (re.compile(r"\bI\b"), "{}"),
+                 (re.compile(r"\b(?:[Mm]y|[Mm]ine)\b"), "{}'s"),
+                 (re.compile(r"\b(?:me|myself)\b"), "{}")]
+
+
+def named_speaker(text: str) -> str:
+    """A chat turn's text with its speaker named instead of "I": "Caroline: I went to my
+    support group" → "Caroline: Caroline went to Caroline's support group". Text without
+    a speaker prefix, or whose speaker is a role ("user", "assistant"), is unchanged.
+
+    For embedding only (the fact's text stays verbatim): a small sentence encoder does
+    not tie "I" to the "Caroline:" in front of it, so "What did Caroline do ...?" is
+    nearer to the named form. Measured with MiniLM-L6 on the LoCoMo dev split
+    (README, Benchmark): evidence recall@10 0.733 → 0.753, multi-hop 0.432 → 0.471; the
+    same with the prefix dropped measured 0.749, dropping the prefix alone 0.740, and
+    also naming the addressee for "you" 0.741."""
+    speaker, body = _speaker_of(text)
+    if not speaker or speaker.lower() in _ROLE_WORDS:
+        return text
+    for rx, repl in _FIRST_PERSON:
+        body = rx.sub(repl.format(speaker), body)
+    return f"{speaker}: {body}"
+
+
 def embedding_texts(facts: Sequence[Fact]) -> list[str]:
     """The text to embed for each of ``facts`` (one request's facts, in order).
 
     A short reply ("Melanie: Yeah, I painted that lake sunrise last year!") means little on
     its own, so a fact of fewer than ``_SHORT_REPLY_WORDS`` words that starts an item
     linked to the previous turn (the ``temporal`` 0.5 link of ``link_adjacent``) is
-    embedded together with that turn: "<fact> (in reply to <previous fact>)". The fact's
+    embedded together with that turn: "<fact> (in reply to <previous fact>)". Both are
+    embedded with the speaker named instead of "I" (:func:`named_speaker`). The fact's
     text is unchanged; only its vector carries the context (and replay reuses it, as
-    derived events carry their embeddings). Every other fact embeds its own text."""
+    derived events carry their embeddings)."""
     by_id = {f.id: f for f in facts}
     out: list[str] = []
     for f in facts:
-        text = f.text
+        text = named_speaker(f.text)
         prev = next((by_id[lk.target_id] for lk in f.links
                      if lk.kind == "temporal" and lk.weight < 1.0 and lk.target_id in by_id),
                     None)
         if prev is not None and _body_words(f.text) < _SHORT_REPLY_WORDS:
-            ctx = prev.text.split()
+            ctx = named_speaker(prev.text).split()
             ctx_text = " ".join(ctx[:_CONTEXT_WORDS]) + (" …" if len(ctx) > _CONTEXT_WORDS else "")
-            text = f"{f.text} (in reply to {ctx_text})"
+            text = f"{text} (in reply to {ctx_text})"
         out.append(text)
     return out

@@ -270,13 +270,33 @@ def test_short_replies_are_embedded_with_the_turn_they_answer():
     facts = OfflineExtractor().extract_many("b", items, "op")
     texts = embedding_texts(facts)
     assert len(texts) == len(facts) == 3
-    assert texts[0] == facts[0].text  # no previous turn
+    assert texts[0] == facts[0].text  # no previous turn, no "I"
     assert texts[1] == f"{facts[1].text} (in reply to {facts[0].text})"
-    assert texts[2] == facts[2].text  # long enough to stand alone
-    assert [f.text for f in facts][1] == "Leo: Yes, it was great!"  # the text itself is unchanged
+    # long enough to stand alone; its speaker named instead of "I"
+    assert texts[2] == ("Leo: The final project was a blue ceramic bowl with a spiral glaze "
+                        "that took Leo three full weekends to get right and Leo is keeping it "
+                        "on Leo's desk.")
+    assert facts[2].text.endswith("I'm keeping it on my desk.")  # the text itself is unchanged
+    assert [f.text for f in facts][1] == "Leo: Yes, it was great!"
     # another document (or a single item) has no context to borrow
     alone = OfflineExtractor().extract_many("b", items[1:2], "op2")
     assert embedding_texts(alone) == [alone[0].text]
+
+
+def test_named_speaker_replaces_the_first_person_of_a_chat_turn_only():
+    from services.extraction.offline import named_speaker
+
+    assert named_speaker("Caroline: I went to my support group; I'm proud, I've grown, "
+                         "I'll go again, I\u2019d say it changed me.") == (
+        "Caroline: Caroline went to Caroline's support group; Caroline is proud, Caroline has "
+        "grown, Caroline will go again, Caroline would say it changed Caroline.")
+    assert named_speaker("Dr. Ann Lee: mine is the red one") == \
+        "Dr. Ann Lee: Dr. Ann Lee's is the red one"
+    for same in ("I went to the store.",  # no speaker
+                 "user: I love sushi",  # a role, not a name
+                 "Meeting notes: I will send the deck",  # a heading
+                 "Mia: Did Ike win? IKEA is open."):  # "I" inside words stays
+        assert named_speaker(same) == same
 
 
 def test_the_handler_embeds_the_extractors_embedding_texts():
