@@ -51,6 +51,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
+from itertools import groupby
 from typing import Callable, Sequence
 
 from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
@@ -608,15 +609,11 @@ class WithOfflineFacts:
             facts, failures = e.facts, e.failures
         # offline over each run of consecutive items the model did not fail on, so that
         # adjacent turns stay linked as offline links them
-        run_start = None
-        for k in range(len(items) + 1):
-            ok = k < len(items) and first_index + k not in failures
-            if ok and run_start is None:
-                run_start = k
-            elif not ok and run_start is not None:
-                facts += self._offline(bank_id, items[run_start:k], source_id,
-                                       first_index + run_start)
-                run_start = None
+        for ok, run in groupby(range(len(items)), key=lambda k: first_index + k not in failures):
+            if ok:
+                ks = list(run)
+                facts += self._offline(bank_id, items[ks[0]:ks[-1] + 1], source_id,
+                                       first_index + ks[0])
         facts.sort(key=lambda f: f.item_index)  # stable: the model's facts first per item
         if failures:
             raise ExtractionIncomplete(facts, failures)
