@@ -24,6 +24,7 @@ from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import document_scope, retain_scope
 from mneme.ports import Catalog, Embedder, EventLog, StoredEntity
 from services.extraction.llm import CANCELLED, ExtractionIncomplete
+from services.extraction.reembed import embed_parts, embedding_parts
 
 if TYPE_CHECKING:
     from services.extraction.resolver import EntityResolver
@@ -255,11 +256,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
                      if i not in with_facts]
     if facts:
         # An extractor may embed a fact with context its text leaves out (a short reply
-        # with the turn it answers); the vector travels in the event, so replay reuses it.
+        # with the turn it answers) or with its sentences apart; the vector travels in the
+        # event, so replay reuses it.
         # (A per-bank-mode extractor answers for the extractor this bank used.)
-        used = extractor.for_bank(m.bank_id) if hasattr(extractor, "for_bank") else extractor
-        texts_for = getattr(used, "embedding_texts", None)
-        vectors = embedder.embed(texts_for(facts) if texts_for else [f.text for f in facts])
+        vectors = embed_parts(embedder, embedding_parts(facts, extractor, m.bank_id))
         for f, v in zip(facts, vectors):
             f.embedding = list(v)
     docs = sorted({i.document_id for i in items if i.document_id})

@@ -586,7 +586,7 @@ class WithOfflineFacts:
     they never collide with the model's. An item the model *failed* on gets no offline
     facts: it fails as before (recorded on the operation with its reason, retried by
     RetryOperation) rather than being half-remembered. Same interface as the extractors
-    (``extract``, ``extract_many``, ``embedding_texts``, ``report``)."""
+    (``extract``, ``extract_many``, ``embedding_parts``, ``report``)."""
 
     def __init__(self, llm: "LlmExtractor", offline) -> None:
         self.llm, self.offline = llm, offline
@@ -631,14 +631,15 @@ class WithOfflineFacts:
             f.metadata["extracted_by"] = OFFLINE
         return facts
 
-    def embedding_texts(self, facts: Sequence[Fact]) -> list[str]:
+    def embedding_parts(self, facts: Sequence[Fact]) -> list[list[str]]:
         """What to embed: an offline fact as the offline extractor embeds it (a short reply
-        with the turn it answers), a model's fact its own text (it is self-contained)."""
+        with the turn it answers, a long turn with its sentences), a model's fact its own
+        text (it is self-contained)."""
         offline = [f for f in facts if f.metadata.get("extracted_by") == OFFLINE]
-        rule = getattr(self.offline, "embedding_texts", None)
-        texts = dict(zip((f.id for f in offline), rule(offline) if rule else
-                         [f.text for f in offline]))
-        return [texts.get(f.id, f.text) for f in facts]
+        rule = getattr(self.offline, "embedding_parts", None)
+        parts = dict(zip((f.id for f in offline), rule(offline) if rule else
+                         [[f.text] for f in offline]))
+        return [parts.get(f.id, [f.text]) for f in facts]
 
 
 class BankModeExtractor:

@@ -55,7 +55,8 @@ from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, e
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
 
-__all__ = ["OfflineExtractor", "AGENT_SPEAKERS", "embedding_texts", "named_speaker"]
+__all__ = ["OfflineExtractor", "AGENT_SPEAKERS", "embedding_parts", "embedding_texts",
+           "named_speaker", "sentences_of"]
 
 #: Speaker names (lowercase) that mean the agent itself → ``experience`` facts.
 AGENT_SPEAKERS = frozenset({"assistant", "agent", "ai", "bot", "ai assistant"})
@@ -90,9 +91,15 @@ _GREETING = frozenset({"hey", "hi", "hello", "thanks", "thank", "bye", "congrats
                        "oh", "yep", "yeah", "yes", "sure", "congratulations", "dear", "hiya"})
 
 #: A fact of fewer words than this is embedded with the turn it answers (see
-#: :func:`embedding_texts`); the context itself is cut to ``_CONTEXT_WORDS`` words.
+#: :func:`embedding_parts`); the context itself is cut to ``_CONTEXT_WORDS`` words.
 _SHORT_REPLY_WORDS = 12
 _CONTEXT_WORDS = 40
+#: A sentence of fewer words than this ("Wow!", "Thanks so much.") gets no vector of its
+#: own in a long fact's (see :func:`embedding_parts`).
+_SENTENCE_WORDS = 3
+# a sentence ends at . ! ? before a capital or a quote, not after an initial or a title
+_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)(?<!\b(?:Dr|Mr|Ms|St|Jr|Sr|vs)\.)"
+                           r"(?<!\bMrs\.)(?<!\bProf\.)\s+(?=[A-Z\"'\u201c])")
 
 _WORDS_PER_FACT = 60
 _SENTENCES_PER_FACT = 3
@@ -341,9 +348,9 @@ class OfflineExtractor:
         return facts
 
     @staticmethod
-    def embedding_texts(facts: Sequence[Fact]) -> list[str]:
-        """See :func:`embedding_texts`."""
-        return embedding_texts(facts)
+    def embedding_parts(facts: Sequence[Fact]) -> list[list[str]]:
+        """See :func:`embedding_parts`."""
+        return embedding_parts(facts)
 
     def _text_and_time(self, ch: _Chunk, ts: datetime):
         """Fact text (speaker prefix, annotated times, caption) and the window of its
@@ -404,18 +411,29 @@ def named_speaker(text: str) -> str:
     return f"{speaker}: {body}"
 
 
-def embedding_texts(facts: Sequence[Fact]) -> list[str]:
-    """The text to embed for each of ``facts`` (one request's facts, in order).
+def embedding_parts(facts: Sequence[Fact]) -> list[list[str]]:
+    """The texts to embed for each of ``facts`` (one request's facts, in order); the
+    fact's vector is the normalised sum of theirs
+    (:func:`services.extraction.reembed.embed_parts`).
 
-    A short reply ("Melanie: Yeah, I painted that lake sunrise last year!") means little on
-    its own, so a fact of fewer than ``_SHORT_REPLY_WORDS`` words that starts an item
-    linked to the previous turn (the ``temporal`` 0.5 link of ``link_adjacent``) is
-    embedded together with that turn: "<fact> (in reply to <previous fact>)". Both are
-    embedded with the speaker named instead of "I" (:func:`named_speaker`). The fact's
-    text is unchanged; only its vector carries the context (and replay reuses it, as
-    derived events carry their embeddings)."""
+    The first text is the whole fact. A short reply ("Melanie: Yeah, I painted that lake
+    sunrise last year!") means little on its own, so a fact of fewer than
+    ``_SHORT_REPLY_WORDS`` words that starts an item linked to the previous turn (the
+    ``temporal`` 0.5 link of ``link_adjacent``) is embedded together with that turn:
+    "<fact> (in reply to <previous fact>)". Both are embedded with the speaker named
+    instead of "I" (:func:`named_speaker`).
+
+    A longer fact of two or more sentences adds each sentence (:func:`sentences_of`): a
+    turn that mixes topics ("... It reminds me of the film camera I had as a kid" in a
+    turn about nature) is then near a question about any one of them, not only its
+    average. Measured on the LoCoMo dev split, semantic arm alone: evidence recall@10
+    0.594 → 0.651 (two vectors per fact, the whole and the best sentence's similarity
+    averaged, measured 0.652; the sum without the whole text 0.641).
+
+    The fact's text is unchanged; only its vector carries the context (and replay reuses
+    it, as derived events carry their embeddings)."""
     by_id = {f.id: f for f in facts}
-    out: list[str] = []
+    out: list[list[str]] = []
     for f in facts:
         text = named_speaker(f.text)
         prev = next((by_id[lk.target_id] for lk in f.links
@@ -424,6 +442,25 @@ def embedding_texts(facts: Sequence[Fact]) -> list[str]:
         if prev is not None and _body_words(f.text) < _SHORT_REPLY_WORDS:
             ctx = named_speaker(prev.text).split()
             ctx_text = " ".join(ctx[:_CONTEXT_WORDS]) + (" …" if len(ctx) > _CONTEXT_WORDS else "")
-            text = f"{text} (in reply to {ctx_text})"
-        out.append(text)
+            out.append([f"{text} (in reply to {ctx_text})"])
+        else:
+            out.append([text, *sentences_of(text)])
     return out
+
+
+def embedding_texts(facts: Sequence[Fact]) -> list[str]:
+    """The whole text each of ``facts`` is embedded as: the first of its
+    :func:`embedding_parts`."""
+    return [parts[0] for parts in embedding_parts(facts)]
+
+
+def sentences_of(text: str) -> list[str]:
+    """The sentences of ``text`` of at least ``_SENTENCE_WORDS`` words, each with the
+    text's "Speaker: " prefix, when there are two or more of them; else [] (a text of
+    one sentence is its own sentence). Sentences end at ".", "!" or "?" before a capital
+    or a quote; a trailing photo caption stays with the last sentence."""
+    speaker, body = _speaker_of(text)
+    parts = [p for p in _SENTENCE_END.split(body) if len(p.split()) >= _SENTENCE_WORDS]
+    if len(parts) < 2:
+        return []
+    return [f"{speaker}: {p}" if speaker else p for p in parts]

@@ -4,14 +4,17 @@ again with another model, as :class:`~mneme.events.v1.events_pb2.VectorsReplaced
 The model is called here, once; the events carry the vectors and the model's name, so a
 replay under the new model applies them and calls no model (DESIGN: derived events carry
 what projections need). A fact embeds as extraction embedded it (its extractor's
-``embedding_texts``: a short reply with the turn it answers); an observation or opinion
-embeds its text (as consolidation and reflect embed model-written texts).
+``embedding_parts``: a short reply with the turn it answers, a long turn with its
+sentences; :func:`embed_parts`); an observation or opinion embeds its text (as
+consolidation and reflect embed model-written texts).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Callable, Sequence
+
+import numpy as np
 
 from mneme.domain import Fact
 from mneme.events.v1 import events_pb2 as ev
@@ -41,16 +44,19 @@ def seal_keys(unit: Fact) -> list[str]:
     return list(dict.fromkeys(fact_key_id(i) for i in ids if i))
 
 
-def embedding_texts(units: Sequence[Fact], extractor=None, bank_id: str = "",
-                    context: Callable[[list[str]], list[Fact]] | None = None) -> list[str]:
-    """The text to embed for each of ``units``, in order: facts as ``extractor`` (the
-    bank's, :meth:`~services.extraction.llm.BankModeExtractor.for_bank`) embeds them at
-    extraction, with the facts they follow (``context(ids)``: the bank's units of those
-    ids, asked for the targets of their temporal links) at hand; observations and opinions their text."""
+def embedding_parts(units: Sequence[Fact], extractor=None, bank_id: str = "",
+                    context: Callable[[list[str]], list[Fact]] | None = None
+                    ) -> list[list[str]]:
+    """The texts to embed for each of ``units``, in order (:func:`embed_parts` makes one
+    vector of them): facts as ``extractor`` (the bank's,
+    :meth:`~services.extraction.llm.BankModeExtractor.for_bank`) embeds them at
+    extraction (its ``embedding_parts``; none: the fact's text), with the facts they
+    follow (``context(ids)``: the bank's units of those ids, asked for the targets of
+    their temporal links) at hand; observations and opinions their text."""
     facts = [u for u in units if u.fact_type not in DERIVED]
-    texts = {u.id: u.text for u in units}
+    parts = {u.id: [u.text] for u in units}
     used = extractor.for_bank(bank_id) if hasattr(extractor, "for_bank") else extractor
-    rule = getattr(used, "embedding_texts", None)
+    rule = getattr(used, "embedding_parts", None)
     if facts and rule is not None:
         have = {f.id for f in facts}
         # the rule looks at the turn a fact follows (its temporal links); entity links
@@ -59,10 +65,32 @@ def embedding_texts(units: Sequence[Fact], extractor=None, bank_id: str = "",
                          if lk.kind == "temporal"} - have)
         extra = [x for x in (context(linked) if context and linked else [])
                  if x.fact_type not in DERIVED]
-        for f, t in zip(facts + extra, rule(facts + extra)):
+        for f, p in zip(facts + extra, rule(facts + extra)):
             if f.id in have:
-                texts[f.id] = t
-    return [texts[u.id] for u in units]
+                parts[f.id] = list(p)
+    return [parts[u.id] for u in units]
+
+
+def embed_parts(embedder: Embedder, parts: Sequence[Sequence[str]]) -> list[list[float]]:
+    """One vector per entry of ``parts`` (each a non-empty list of texts): the L2-normalised
+    sum of its texts' vectors, all texts embedded in one ``embedder.embed`` call. An entry
+    of one text is that text's vector unchanged. Cosine against the sum is, up to the
+    norm, the sum of the cosines: the whole text and each sentence of it count."""
+    flat = [t for p in parts for t in p]
+    if not flat:
+        return []
+    vectors = embedder.embed(flat)
+    out: list[list[float]] = []
+    i = 0
+    for p in parts:
+        if len(p) == 1:
+            out.append(list(vectors[i]))
+        else:
+            total = np.sum(np.asarray(vectors[i:i + len(p)], dtype=np.float32), axis=0)
+            norm = float(np.linalg.norm(total))
+            out.append((total / norm if norm > 0 else total).tolist())
+        i += len(p)
+    return out
 
 
 def reembed_batch(bank_id: str, units: Sequence[Fact], embedder: Embedder, previous_model: str,
@@ -75,7 +103,7 @@ def reembed_batch(bank_id: str, units: Sequence[Fact], embedder: Embedder, previ
     :data:`BATCH` units."""
     if len(units) > BATCH:
         raise ValueError(f"at most {BATCH} units per VectorsReplaced, got {len(units)}")
-    vectors = embedder.embed(embedding_texts(units, extractor, bank_id, context)) if units else []
+    vectors = embed_parts(embedder, embedding_parts(units, extractor, bank_id, context))
     out = ev.VectorsReplaced(bank_id=bank_id, embedding_model=embedder.model_name,
                              previous_model=previous_model, batch=batch, batches=batches)
     for u, v in zip(units, vectors):
@@ -84,4 +112,4 @@ def reembed_batch(bank_id: str, units: Sequence[Fact], embedder: Embedder, previ
     return out
 
 
-__all__ = ["BATCH", "DERIVED", "embedding_texts", "reembed_batch", "seal_keys"]
+__all__ = ["BATCH", "DERIVED", "embed_parts", "embedding_parts", "reembed_batch", "seal_keys"]

@@ -263,8 +263,9 @@ def test_offline_facts_are_kept_beside_the_models(stub, gateway):
     # the offline reply is linked to the offline turn it answers, not to the model's fact
     assert ("temporal", facts[1].id) in {(l.kind, l.target_id) for l in facts[2].links}
     # embedded as offline embeds it: the short reply with the turn it answers
-    texts = x.embedding_texts(facts)
-    assert texts[0] == facts[0].text and "(in reply to Caroline:" in texts[2]
+    parts = x.embedding_parts(facts)
+    assert parts[0] == [facts[0].text] and "(in reply to Caroline:" in parts[2][0]
+    assert len(parts[2]) == 1
 
     out = handlers.extract(ev.RetainRequested(bank_id="bank", operation_id="op-1", items=[
         codec.retain_item_to_pb(i) for i in items]), "op-1", x, FakeEmbedder())  # cached replies

@@ -283,6 +283,80 @@ def test_short_replies_are_embedded_with_the_turn_they_answer():
     assert embedding_texts(alone) == [alone[0].text]
 
 
+def test_a_long_turn_is_embedded_with_each_of_its_sentences():
+    from services.extraction.offline import embedding_parts, sentences_of
+
+    ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    turn = ("Leo: I hiked the ridge trail with my sister. It reminds me of the film camera "
+            "I had as a kid!")
+    (fact,) = OfflineExtractor().extract_many("b", [RetainItem(turn, ts, document_id="d")], "op")
+    (parts,) = embedding_parts([fact])
+    # the whole turn first, then each sentence of 3+ words, the speaker named on each
+    assert parts == [
+        "Leo: Leo hiked the ridge trail with Leo's sister. It reminds Leo of the film camera "
+        "Leo had as a kid!",
+        "Leo: Leo hiked the ridge trail with Leo's sister.",
+        "Leo: It reminds Leo of the film camera Leo had as a kid!"]
+    assert fact.text == turn  # the text itself is unchanged
+    # one sentence (or one long one and short ones) is its own sentence
+    assert sentences_of("Leo: We went to the lake. Wow!") == []
+    assert sentences_of("Leo: We went to the lake and swam all day") == []
+    # initials and titles do not end a sentence; a text with no speaker has no prefix
+    assert sentences_of("Dr. Ann Lee met J. K. Rowling in May. She asked about the books.") == [
+        "Dr. Ann Lee met J. K. Rowling in May.", "She asked about the books."]
+
+
+def test_a_facts_vector_is_the_normalised_sum_of_its_parts():
+    import numpy as np
+
+    from services.extraction.reembed import embed_parts
+
+    class Axes:
+        model_name, dim = "axes", 3
+        vectors = {"a": [1.0, 0.0, 0.0], "b": [0.0, 1.0, 0.0], "c": [0.0, 0.0, 1.0]}
+
+        def __init__(self):
+            self.calls = []
+
+        def embed(self, texts):
+            self.calls.append(list(texts))
+            return [self.vectors[t] for t in texts]
+
+    e = Axes()
+    out = embed_parts(e, [["a"], ["a", "b"], ["c", "b", "c"]])
+    assert e.calls == [["a", "a", "b", "c", "b", "c"]]  # one call for every text
+    assert out[0] == [1.0, 0.0, 0.0]
+    np.testing.assert_allclose(out[1], [2 ** -0.5, 2 ** -0.5, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(out[2], [0.0, 5 ** -0.5, 2 * 5 ** -0.5], rtol=1e-6)
+    assert embed_parts(e, []) == []
+
+
+def test_the_handler_puts_the_summed_vector_of_a_long_turn_on_the_event():
+    """Through the extraction handler with the real MiniLM: the event's vector (what
+    replay reuses) is the normalised sum of the whole turn's and its sentences'."""
+    import numpy as np
+
+    from mneme.bus import codec
+    from mneme.embedding import default_embedder
+    from mneme.events.v1 import events_pb2 as ev
+    from services.extraction.handlers import extract
+    from services.extraction.offline import named_speaker
+
+    ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    turn = ("Leo: We spent the whole weekend hiking through the pine forest with the kids. "
+            "By the way, I finally adopted a puppy, a golden retriever named Max.")
+    m = ev.RetainRequested(bank_id="b", operation_id="op", items=[
+        codec.retain_item_to_pb(RetainItem(turn, ts, document_id="d"))])
+    e = default_embedder()
+    (fact,) = extract(m, "op", OfflineExtractor(), e).facts
+    text = named_speaker(turn)
+    first, second = text.split(" By the way, ")
+    vs = np.asarray(e.embed([text, first, "Leo: By the way, " + second]))
+    want = vs.sum(axis=0) / np.linalg.norm(vs.sum(axis=0))
+    np.testing.assert_allclose(codec.fact_from_pb(fact, "b").embedding, want, atol=1e-5)
+    assert float(np.dot(want, vs[0])) < 0.999  # not the whole turn's vector alone
+
+
 def test_named_speaker_replaces_the_first_person_of_a_chat_turn_only():
     from services.extraction.offline import named_speaker
 
@@ -299,7 +373,7 @@ def test_named_speaker_replaces_the_first_person_of_a_chat_turn_only():
         assert named_speaker(same) == same
 
 
-def test_the_handler_embeds_the_extractors_embedding_texts():
+def test_the_handler_embeds_the_extractors_embedding_parts():
     from mneme.bus import codec
     from mneme.events.v1 import events_pb2 as ev
     from services.extraction.handlers import extract

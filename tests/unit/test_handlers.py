@@ -357,8 +357,8 @@ def test_the_extractors_report_gives_no_fact_items_and_usage():
 
 def test_the_bank_s_extractor_chooses_the_texts_embedded():
     class WithContext(FakeExtractor):
-        def embedding_texts(self, facts):
-            return [f"ctx: {f.text}" for f in facts]
+        def embedding_parts(self, facts):
+            return [[f"ctx: {f.text}"] for f in facts]
 
     class PerBank(FakeExtractor):
         def __init__(self):
