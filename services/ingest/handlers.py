@@ -3,6 +3,7 @@ for read-your-writes) and the catalog projection of intake and progress events."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -24,6 +25,9 @@ from mneme.ports import Catalog, EventLog, Llm, Record
 #: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
 CONFIG_FIELDS = tuple(BankConfig.__dataclass_fields__)
 MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
+#: Seconds an async request waits, at most, for its operation to be in the catalog
+#: (read-your-writes: it is there within milliseconds while the catalog's consumer runs).
+ASYNC_PROJECTED_S = 5.0
 
 
 # ---- projection: the catalog of operations (banks: mneme.bank_catalog) ---------------------
@@ -472,7 +476,13 @@ class Ingest:
                 self._wait_every_projection(bank_id, timeout - (time.monotonic() - started),
                                             rec)
             return self.catalog.get_operation(op_id)
-        # Async: acknowledged once durable on the log; the catalog may lag a moment.
+        # Async: acknowledged once durable on the log and in this catalog, so the
+        # operation just named is found by GetOperation and CancelOperation at once. A
+        # catalog that does not catch up soon (a stalled consumer) does not fail a write
+        # already durable: the pending operation is returned as the request made it.
+        if rec is not None:
+            with contextlib.suppress(DeadlineExceeded):
+                self._wait_projected(rec, min(timeout, ASYNC_PROJECTED_S))
         now = (rec.timestamp if rec else 0) or time.time()
         return self.catalog.get_operation(op_id) or Operation(
             op_id, bank_id, kind, "pending", items_total=total, created_at=now, updated_at=now)

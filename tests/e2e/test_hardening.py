@@ -337,3 +337,29 @@ def test_cli_bad_choices_name_the_allowed_values(server, args, allowed):
     assert out.exit_code == 2, out.output
     assert allowed in out.output and "Traceback" not in out.output
     assert out.exception is None or isinstance(out.exception, SystemExit)
+
+
+# ---- read-your-writes: an operation an async call returns is found at once --------------
+
+
+def test_an_async_operation_is_found_the_moment_it_is_returned(m):
+    """GetOperation, CancelOperation and ListOperations right after an async Retain or
+    Consolidate find the operation the call named (the catalog is a projection of the
+    log; the call answers once the operation is in it)."""
+    m.upsert_bank("ryw")
+    for n in range(25):
+        r = m.retain("ryw", [{"content": f"Olaf: I counted to {n}.", "timestamp": T0}],
+                     async_=True)
+        got = m.get_operation(r.operation.name)
+        assert got.name == r.operation.name
+        if n % 5 == 0:  # a cancel straight away finds it too (or it has ended already)
+            try:
+                assert m.cancel_operation(r.operation.name).name == r.operation.name
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()
+        c = m.memory.Consolidate(memory_pb2.ConsolidateRequest(parent="banks/ryw",
+                                                               **{"async": True}))
+        assert m.get_operation(c.name).name == c.name
+    listed = m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+        parent="banks/ryw", page_size=1000))
+    assert {o.name for o in listed.operations} >= {r.operation.name, c.name}
