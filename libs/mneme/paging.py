@@ -16,6 +16,9 @@ import json
 from mneme.errors import InvalidArgument
 
 DEFAULT_PAGE_SIZE = 100
+#: The largest offset a token may carry: a signed 64-bit integer, as SQLite and the
+#: other stores take it (a list is never near so long).
+MAX_OFFSET = 2**63 - 1
 
 _BAD = "not a page token this API returned for this list"
 
@@ -42,7 +45,8 @@ def encode_token(kind: str, position: str | int) -> str:
 def decode_token(token: str, kind: str, type_: type = str, field: str = "page_token"):
     """``position`` of a token from :func:`encode_token` for list ``kind``; None for an
     empty token (the first page). Raises InvalidArgument naming ``field`` for anything
-    else (bad base64, another list's token, a position of the wrong type)."""
+    else (bad base64, another list's token, a position of the wrong type, an offset
+    beyond :data:`MAX_OFFSET`, an id with control characters)."""
     if not token:
         return None
     try:
@@ -50,6 +54,11 @@ def decode_token(token: str, kind: str, type_: type = str, field: str = "page_to
         got_kind, position = json.loads(raw.decode())
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise InvalidArgument(field, _BAD) from None
-    if got_kind != kind or type(position) is not type_ or (type_ is int and position < 0):
+    if got_kind != kind or type(position) is not type_:
+        raise InvalidArgument(field, _BAD)
+    # Positions this API issues: offsets a store can take, ids of printable characters.
+    if type_ is int and not 0 <= position <= MAX_OFFSET:
+        raise InvalidArgument(field, _BAD)
+    if type_ is str and any(ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 for c in position):
         raise InvalidArgument(field, _BAD)
     return position

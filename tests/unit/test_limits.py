@@ -65,9 +65,17 @@ def test_page_tokens_round_trip_and_refuse_anything_else():
     assert paging.decode_token("", "banks") is None
     n = paging.encode_token("ops:b", 200)
     assert paging.decode_token(n, "ops:b", int) == 200
+    assert paging.decode_token(paging.encode_token("ops:b", 2**63 - 1), "ops:b", int) == 2**63 - 1
+    assert paging.decode_token(paging.encode_token("banks", "Zoë/../x y"), "banks") == "Zoë/../x y"
     for bad, kind, typ in ((t, "ops:b", int), (n, "ops:c", int), (n, "ops:b", str),
                            ("garbage", "banks", str), ("MTA=", "banks", str),
-                           (paging.encode_token("ops:b", -1), "ops:b", int), ("!!", "banks", str)):
+                           (paging.encode_token("ops:b", -1), "ops:b", int), ("!!", "banks", str),
+                           # forged: past a 64-bit offset, a float, ids with control characters
+                           (paging.encode_token("ops:b", 2**63), "ops:b", int),
+                           (paging.encode_token("ops:b", 1.0), "ops:b", int),
+                           (paging.encode_token("banks", "a\x00b"), "banks", str),
+                           (paging.encode_token("banks", "a\nb"), "banks", str),
+                           (paging.encode_token("banks", "a\x85b"), "banks", str)):
         with pytest.raises(InvalidArgument) as e:
             paging.decode_token(bad, kind, typ)
         assert e.value.violations[0][0] == "page_token"
