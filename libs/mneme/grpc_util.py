@@ -135,6 +135,57 @@ def wrap_handler(handler, wrap):
     return handler
 
 
+class _Undecodable:
+    """A request whose bytes did not parse (``error``: why)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class DecodeInterceptor(grpc.ServerInterceptor):
+    """Request bytes that do not parse as the method's message (corrupt wire format,
+    invalid UTF-8 in a string field, nesting past protobuf's recursion limit) are
+    INVALID_ARGUMENT naming ``request``, before any other interceptor or the servicer
+    sees them; grpcio's own answer would be INTERNAL ("Exception deserializing
+    request!") with a traceback logged per call. Only ``mneme.v1`` methods."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if (handler is None or not handler_call_details.method.startswith("/mneme.v1.")
+                or handler.request_deserializer is None):
+            return handler
+        parse = handler.request_deserializer
+        message = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def lenient(raw: bytes):
+            try:
+                return parse(raw)
+            except Exception as e:  # noqa: BLE001 - any parse failure is the client's input
+                return _Undecodable(e)
+
+        def refuse(request, context) -> None:
+            if isinstance(request, _Undecodable):
+                abort_for(context, InvalidArgument(
+                    "request", f"the bytes of this {message} request do not parse as its "
+                    f"message (corrupt, a string field not UTF-8, or nested too deep): "
+                    f"{request.error}"))
+
+        def wrap(behaviour, streaming):
+            if streaming:
+                def checked_stream(request, context):
+                    refuse(request, context)
+                    yield from behaviour(request, context)
+                return checked_stream
+
+            def checked(request, context):
+                refuse(request, context)
+                return behaviour(request, context)
+            return checked
+
+        wrapped = wrap_handler(handler, wrap)
+        return wrapped._replace(request_deserializer=lenient) if wrapped is not handler else handler
+
+
 class ValidationInterceptor(grpc.ServerInterceptor):
     """Checks every request of a ``mneme.v1`` method against :mod:`mneme.limits` before
     the servicer runs: violations → INVALID_ARGUMENT with a ``BadRequest`` naming each

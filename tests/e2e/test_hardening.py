@@ -372,3 +372,34 @@ def test_an_async_operation_is_found_the_moment_it_is_returned(m):
     listed = m.operations.ListOperations(operations_pb2.ListOperationsRequest(
         parent="banks/ryw", page_size=1000))
     assert {o.name for o in listed.operations} >= {r.operation.name, c.name}
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_argument(m):
+    """Corrupt wire bytes, a string field that is not UTF-8, or a message nested past
+    protobuf's recursion limit: INVALID_ARGUMENT naming ``request`` (grpcio alone answers
+    INTERNAL), and the server goes on serving."""
+    m.upsert_bank("undecodable")
+    m.retain("undecodable", [{"content": "Ada: I moved to Lisbon in May.", "timestamp": T0}])
+    raw = lambda method: m.channel.unary_unary(  # noqa: E731
+        method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    query = recall_pb2.RecallRequest(parent="banks/undecodable", query="Lisbon").SerializeToString()
+    bad_utf8 = query.replace(b"Lisbon", b"Lis\xff\xfen")
+    for method, body in (("/mneme.v1.RecallService/Recall", bad_utf8),
+                         ("/mneme.v1.RecallService/Recall", b"\xff\xff\xff\xff"),
+                         ("/mneme.v1.MemoryService/Retain", b"\x0a\x05banks\x12\x03\x0a\x01\xff"),
+                         ("/mneme.v1.ReflectService/StreamReflect", b"\xff\xff")):
+        call = raw(method) if "Stream" not in method else (
+            lambda b, f=m.channel.unary_stream(method, request_serializer=lambda b: b,
+                                               response_deserializer=lambda b: b): list(f(b)))
+        fields = refused(lambda: call(body), "request")
+        assert "do not parse" in fields[0][1]
+    # a response schema nested deeper than protobuf parses (a Struct takes 3 levels a JSON
+    # object): refused whole, as nothing of it can be read
+    schema: dict = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "object", "properties": {"x": schema}}
+    deep = reflect_pb2.ReflectRequest(parent="banks/undecodable", query="Where does Ada live?")
+    deep.response_schema.update(schema)
+    refused(lambda: raw("/mneme.v1.ReflectService/Reflect")(deep.SerializeToString()), "request")
+    still_readable(m, "undecodable")
+    assert "Lisbon" in m.recall("undecodable", "Lisbon").results[0].memory.text

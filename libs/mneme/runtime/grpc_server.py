@@ -40,15 +40,17 @@ def audit_to(event_log) -> Callable:
 
 def server(settings: Settings, guard=None) -> grpc.Server:
     """A gRPC server with the tracing interceptor (spans, ``rpc.server.duration``),
-    inside it ``guard`` (authentication, authorisation, audit), and innermost the
+    inside it the request's parsing (:class:`mneme.grpc_util.DecodeInterceptor`), then
+    ``guard`` (authentication, authorisation, audit), and innermost the
     request limits (:class:`mneme.grpc_util.ValidationInterceptor`). Requests larger
     than ``MNEME_LIMIT_REQUEST_BYTES`` are refused by gRPC itself (RESOURCE_EXHAUSTED).
     The listening port is exclusive: :func:`bind` of a port another server holds fails."""
     from mneme import telemetry
-    from mneme.grpc_util import ValidationInterceptor
+    from mneme.grpc_util import DecodeInterceptor, ValidationInterceptor
     from mneme.limits import limits
-    interceptors = ([telemetry.TracingInterceptor()] + ([guard] if guard is not None else [])
-                    + [ValidationInterceptor()])
+    # the request is parsed (undecodable: INVALID_ARGUMENT) before the guard reads it
+    interceptors = ([telemetry.TracingInterceptor(), DecodeInterceptor()]
+                    + ([guard] if guard is not None else []) + [ValidationInterceptor()])
     return grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
                        interceptors=interceptors,
                        options=[("grpc.max_receive_message_length", limits().request_bytes),
