@@ -101,7 +101,18 @@ def time_range_from_api(tr, field: str = "time_range") -> TimeWindow | None:
     return TimeWindow(start, end)
 
 
+def check_tags(tags, field: str = "tags") -> tuple[str, ...]:
+    """``tags`` as a tuple; InvalidArgument naming ``field[i]`` for an empty or blank tag
+    (no memory carries one, so as a filter or a scope it could only match nothing)."""
+    for i, t in enumerate(tags):
+        if not t.strip():
+            raise InvalidArgument(f"{field}[{i}]", "must not be empty")
+    return tuple(tags)
+
+
 def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
+    """The filters of a RecallRequest; InvalidArgument naming the field."""
+    check_tags(r.tags)
     if r.tags_match not in TAGS_MATCH:
         raise InvalidArgument("tags_match", "unknown value")
     return Filters(types=types_from_api(r.types), tags=tuple(r.tags),
@@ -194,5 +205,7 @@ def observation_scopes_from_api(s: resources_pb2.ObservationScopes,
     mode = _SCOPE_MODES[s.mode]
     if mode == "explicit" and not s.scopes:
         raise InvalidArgument(f"{field}.scopes", "EXPLICIT needs at least one scope")
+    for i, x in enumerate(s.scopes):
+        check_tags(x.tags, f"{field}.scopes[{i}].tags")
     return events_pb2.ObservationScopes(
         mode=mode, scopes=[events_pb2.ScopeTags(tags=list(x.tags)) for x in s.scopes])

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from google.protobuf import empty_pb2
 
 from mneme import apiconv, auth, limits, paging
-from mneme.errors import InvalidArgument
+from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import dt_to_ts, remaining, translate_errors
 from mneme.domain import DIRECTIVE_FIELDS, Directive, from_epoch
 from mneme.names import (bank_id_of, directive_name, directive_of, memory_of, operation_of,
@@ -204,6 +204,9 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
         offset = paging.decode_token(request.page_token, kind, int) or 0
         self.ingest.catch_up(bank_id or None)
         ops = self.ingest.catalog.list_operations(bank_id, size + 1, offset)
+        if bank_id and not ops and not offset and self.ingest.catalog.get_bank(bank_id) is None:
+            # a bank that never was (a deleted bank's operations stay listable)
+            raise NotFound(f"bank {bank_id!r} not found")
         more = len(ops) > size
         return operations_pb2.ListOperationsResponse(
             operations=[apiconv.operation_to_api(o) for o in ops[:size]],

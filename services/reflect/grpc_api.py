@@ -59,9 +59,7 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
             raise InvalidArgument("response_schema", "must be a non-empty JSON schema")
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")
                if request.HasField("query_timestamp") else None)
-        for i, t in enumerate(request.tags):
-            if not t.strip():
-                raise InvalidArgument(f"tags[{i}]", "must not be empty")
+        apiconv.check_tags(request.tags)
         return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
                 now or datetime.now(timezone.utc), schema, tuple(request.tags))
 
@@ -150,9 +148,7 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
     @translate_errors
     def ListMentalModels(self, request, context):
         bank_id = bank_id_of(request.parent)
-        for i, t in enumerate(request.tags):
-            if not t.strip():
-                raise InvalidArgument(f"tags[{i}]", "must not be empty")
+        apiconv.check_tags(request.tags)
         size = paging.page_size(request.page_size)
         kind = f"mental-models:{bank_id}"
         after = paging.decode_token(request.page_token, kind) or ""

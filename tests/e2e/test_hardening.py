@@ -403,3 +403,30 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument(m):
     refused(lambda: raw("/mneme.v1.ReflectService/Reflect")(deep.SerializeToString()), "request")
     still_readable(m, "undecodable")
     assert "Lisbon" in m.recall("undecodable", "Lisbon").results[0].memory.text
+
+
+def test_empty_tags_are_refused_wherever_tags_are_given(m):
+    """An empty tag is refused the same way in every request that takes tags (no memory
+    carries one), and a list of an unknown bank's operations is NOT_FOUND."""
+    m.upsert_bank("tags-empty")
+    refused(lambda: m.recall_stub.Recall(recall_pb2.RecallRequest(
+        parent="banks/tags-empty", query="anything", tags=["a", " "])), "tags[1]")
+    refused(lambda: m.reflect_stub.Reflect(reflect_pb2.ReflectRequest(
+        parent="banks/tags-empty", query="anything", tags=[""])), "tags[0]")
+    scopes = resources_pb2.ObservationScopes(
+        mode=resources_pb2.ObservationScopes.EXPLICIT,
+        scopes=[resources_pb2.ObservationScopes.Scope(tags=["x"]),
+                resources_pb2.ObservationScopes.Scope(tags=["y", ""])])
+    refused(lambda: m.retain("tags-empty", [{"content": "Ada: I like tea.", "timestamp": T0}],
+                             observation_scopes=scopes),
+            "observation_scopes.scopes[1].tags[1]")
+    refused(lambda: m.memory.Consolidate(memory_pb2.ConsolidateRequest(
+        parent="banks/tags-empty", observation_scopes=scopes)),
+        "observation_scopes.scopes[1].tags[1]")
+    assert not list(m.list_memories("tags-empty"))  # nothing was appended
+    with pytest.raises(grpc.RpcError) as e:
+        m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+            parent="banks/never-was"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert not m.operations.ListOperations(operations_pb2.ListOperationsRequest(
+        parent="banks/tags-empty")).operations  # a bank with none: an empty list
