@@ -24,7 +24,7 @@ from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import document_scope, retain_scope
 from mneme.ports import Catalog, Embedder, EventLog, StoredEntity
 from services.extraction.llm import CANCELLED, ExtractionIncomplete
-from services.extraction.reembed import embed_parts, embedding_parts
+from services.extraction.vectors import unit_vectors
 
 if TYPE_CHECKING:
     from services.extraction.resolver import EntityResolver
@@ -255,11 +255,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     no_fact_items = [keep[i] for i in (report.no_fact_items if report is not None else [])
                      if i not in with_facts]
     if facts:
-        # An extractor may embed a fact with context its text leaves out (a short reply
-        # with the turn it answers) or with its sentences apart; the vector travels in the
-        # event, so replay reuses it.
+        # An extractor may embed a fact as other texts than its own (its sentences, the
+        # turn it answers or follows); the vector travels in the event, so replay reuses it.
         # (A per-bank-mode extractor answers for the extractor this bank used.)
-        vectors = embed_parts(embedder, embedding_parts(facts, extractor, m.bank_id))
+        vectors = unit_vectors(facts, embedder, extractor, m.bank_id)
         for f, v in zip(facts, vectors):
             f.embedding = list(v)
     docs = sorted({i.document_id for i in items if i.document_id})

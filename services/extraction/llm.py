@@ -60,6 +60,7 @@ from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
 from mneme.timeparse import day_window, parse_when
 from services.extraction.resolver import EntityResolver
+from services.extraction.vectors import EmbeddingParts
 
 __all__ = ["LlmExtractor", "BankModeExtractor", "WithOfflineFacts", "OFFLINE", "ItemExtractionFailed", "ExtractionIncomplete",
            "ExtractionReport", "FACTS_SCHEMA", "SYSTEM_PROMPT"]
@@ -631,15 +632,17 @@ class WithOfflineFacts:
             f.metadata["extracted_by"] = OFFLINE
         return facts
 
-    def embedding_parts(self, facts: Sequence[Fact]) -> list[list[str]]:
-        """What to embed: an offline fact as the offline extractor embeds it (a short reply
-        with the turn it answers, a long turn with its sentences), a model's fact its own
-        text (it is self-contained)."""
-        offline = [f for f in facts if f.metadata.get("extracted_by") == OFFLINE]
+    def embedding_parts(self, facts: Sequence[Fact]) -> list[EmbeddingParts]:
+        """How to embed: an offline fact as the offline extractor embeds it (its
+        sentences, a short reply with the turn it answers, the turn before as context,
+        among the offline facts), a model's fact as its own text (it is self-contained)."""
+        offline = [k for k, f in enumerate(facts) if f.metadata.get("extracted_by") == OFFLINE]
+        out = [EmbeddingParts((f.text,)) for f in facts]
         rule = getattr(self.offline, "embedding_parts", None)
-        parts = dict(zip((f.id for f in offline), rule(offline) if rule else
-                         [[f.text] for f in offline]))
-        return [parts.get(f.id, [f.text]) for f in facts]
+        if rule is not None and offline:
+            for k, p in zip(offline, rule([facts[k] for k in offline])):
+                out[k] = EmbeddingParts(p.texts, None if p.context is None else offline[p.context])
+        return out
 
 
 class BankModeExtractor:

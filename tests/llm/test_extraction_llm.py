@@ -264,13 +264,36 @@ def test_offline_facts_are_kept_beside_the_models(stub, gateway):
     assert ("temporal", facts[1].id) in {(l.kind, l.target_id) for l in facts[2].links}
     # embedded as offline embeds it: the short reply with the turn it answers
     parts = x.embedding_parts(facts)
-    assert parts[0] == [facts[0].text] and "(in reply to Caroline:" in parts[2][0]
-    assert len(parts[2]) == 1
+    assert parts[0].texts == (facts[0].text,) and parts[0].context is None
+    assert len(parts[2].texts) == 1 and "(in reply to Caroline:" in parts[2].texts[0]
+    assert parts[1].context is None  # the offline turn's context is an offline fact, if any
 
     out = handlers.extract(ev.RetainRequested(bank_id="bank", operation_id="op-1", items=[
         codec.retain_item_to_pb(i) for i in items]), "op-1", x, FakeEmbedder())  # cached replies
     assert not out.failures and list(out.no_fact_items) == []
     assert [f.item_index for f in out.facts] == [0, 0, 1]
+
+
+def test_the_offline_facts_context_is_found_among_the_models_facts():
+    """Beside a model's facts, an offline fact's context (the offline turn before it) is
+    named by its index in the whole list, not among the offline facts alone."""
+    from mneme.domain import Fact
+    from services.extraction.llm import OFFLINE, WithOfflineFacts
+    from services.extraction.offline import OfflineExtractor
+
+    items = [RetainItem("Mia: Who is in the photo on your desk?", TS, document_id="d"),
+             RetainItem("Leo: That's my sister and my dogs. We were chilling at the lake "
+                        "house yesterday.", TS, document_id="d")]
+    offline = OfflineExtractor().extract_many("bank", items, "op")
+    for f in offline:
+        f.metadata["extracted_by"] = OFFLINE
+    model = [Fact(id=f"m{k}", bank_id="bank", text=t, fact_type=WORLD) for k, t in
+             enumerate(("Mia asked about a photo.", "Leo's sister visited him."))]
+    facts = [model[0], offline[0], model[1], offline[1]]
+    parts = WithOfflineFacts(None, OfflineExtractor()).embedding_parts(facts)
+    assert [p.texts for p in parts[::2]] == [(model[0].text,), (model[1].text,)]
+    assert parts[3].context == 1 and len(parts[3].texts) == 2  # its sentences; the turn before
+    assert parts[1].context is None and parts[0].context is None
 
 
 def test_an_item_the_model_fails_on_gets_no_offline_facts(stub):

@@ -259,7 +259,8 @@ def test_query_analyzer():
 
 
 def test_short_replies_are_embedded_with_the_turn_they_answer():
-    from services.extraction.offline import embedding_texts
+    from services.extraction.offline import embedding_parts
+    from services.extraction.vectors import EmbeddingParts
 
     ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
     items = [RetainItem(c, ts, document_id="d") for c in (
@@ -268,22 +269,24 @@ def test_short_replies_are_embedded_with_the_turn_they_answer():
         "Leo: The final project was a blue ceramic bowl with a spiral glaze that took me "
         "three full weekends to get right and I'm keeping it on my desk.")]
     facts = OfflineExtractor().extract_many("b", items, "op")
-    texts = embedding_texts(facts)
-    assert len(texts) == len(facts) == 3
-    assert texts[0] == facts[0].text  # no previous turn, no "I"
-    assert texts[1] == f"{facts[1].text} (in reply to {facts[0].text})"
-    # long enough to stand alone; its speaker named instead of "I"
-    assert texts[2] == ("Leo: The final project was a blue ceramic bowl with a spiral glaze "
-                        "that took Leo three full weekends to get right and Leo is keeping it "
-                        "on Leo's desk.")
+    parts = embedding_parts(facts)
+    assert len(parts) == len(facts) == 3
+    assert parts[0] == EmbeddingParts((facts[0].text,))  # no previous turn, no "I"
+    # a short reply: one text with the turn it answers, no context vector besides
+    assert parts[1] == EmbeddingParts((f"{facts[1].text} (in reply to {facts[0].text})",))
+    # long enough to stand alone (one sentence): its speaker named instead of "I", and
+    # the turn before (index 1) as context
+    assert parts[2] == EmbeddingParts(
+        ("Leo: The final project was a blue ceramic bowl with a spiral glaze that took Leo "
+         "three full weekends to get right and Leo is keeping it on Leo's desk.",), 1)
     assert facts[2].text.endswith("I'm keeping it on my desk.")  # the text itself is unchanged
     assert [f.text for f in facts][1] == "Leo: Yes, it was great!"
     # another document (or a single item) has no context to borrow
     alone = OfflineExtractor().extract_many("b", items[1:2], "op2")
-    assert embedding_texts(alone) == [alone[0].text]
+    assert embedding_parts(alone) == [EmbeddingParts((alone[0].text,))]
 
 
-def test_a_long_turn_is_embedded_with_each_of_its_sentences():
+def test_a_long_turn_is_embedded_as_its_sentences():
     from services.extraction.offline import embedding_parts, sentences_of
 
     ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
@@ -291,12 +294,10 @@ def test_a_long_turn_is_embedded_with_each_of_its_sentences():
             "I had as a kid!")
     (fact,) = OfflineExtractor().extract_many("b", [RetainItem(turn, ts, document_id="d")], "op")
     (parts,) = embedding_parts([fact])
-    # the whole turn first, then each sentence of 3+ words, the speaker named on each
-    assert parts == [
-        "Leo: Leo hiked the ridge trail with Leo's sister. It reminds Leo of the film camera "
-        "Leo had as a kid!",
-        "Leo: Leo hiked the ridge trail with Leo's sister.",
-        "Leo: It reminds Leo of the film camera Leo had as a kid!"]
+    # each sentence of 3+ words, the speaker named on each; no turn before, no context
+    assert parts.texts == ("Leo: Leo hiked the ridge trail with Leo's sister.",
+                           "Leo: It reminds Leo of the film camera Leo had as a kid!")
+    assert parts.context is None
     assert fact.text == turn  # the text itself is unchanged
     # one sentence (or one long one and short ones) is its own sentence
     assert sentences_of("Leo: We went to the lake. Wow!") == []
@@ -306,10 +307,11 @@ def test_a_long_turn_is_embedded_with_each_of_its_sentences():
         "Dr. Ann Lee met J. K. Rowling in May.", "She asked about the books."]
 
 
-def test_a_facts_vector_is_the_normalised_sum_of_its_parts():
+def test_a_units_vector_is_the_normalised_sum_of_its_parts_with_its_context():
     import numpy as np
+    import pytest
 
-    from services.extraction.reembed import embed_parts
+    from services.extraction.vectors import CONTEXT_WEIGHT, EmbeddingParts, embed_parts
 
     class Axes:
         model_name, dim = "axes", 3
@@ -323,38 +325,52 @@ def test_a_facts_vector_is_the_normalised_sum_of_its_parts():
             return [self.vectors[t] for t in texts]
 
     e = Axes()
-    out = embed_parts(e, [["a"], ["a", "b"], ["c", "b", "c"]])
-    assert e.calls == [["a", "a", "b", "c", "b", "c"]]  # one call for every text
+    out = embed_parts(e, [EmbeddingParts(("a",)), EmbeddingParts(("a", "b")),
+                          EmbeddingParts(("c", "b", "c")), EmbeddingParts(("c",), 0),
+                          EmbeddingParts(("a",), 1)])
+    assert e.calls == [["a", "a", "b", "c", "b", "c", "c", "a"]]  # one call for every text
     assert out[0] == [1.0, 0.0, 0.0]
     np.testing.assert_allclose(out[1], [2 ** -0.5, 2 ** -0.5, 0.0], rtol=1e-6)
     np.testing.assert_allclose(out[2], [0.0, 5 ** -0.5, 2 * 5 ** -0.5], rtol=1e-6)
+    w = CONTEXT_WEIGHT  # the context's own vector (not its context) beside the unit's own
+    np.testing.assert_allclose(out[3], np.array([w, 0, 1]) / np.hypot(w, 1), rtol=1e-6)
+    own1 = np.array([1, 1, 0]) / 2 ** 0.5
+    want = np.array([1, 0, 0]) + w * own1
+    np.testing.assert_allclose(out[4], want / np.linalg.norm(want), rtol=1e-6)
     assert embed_parts(e, []) == []
+    for bad in ([EmbeddingParts(())], [EmbeddingParts(("a",), 1)], [EmbeddingParts(("a",), -1)]):
+        with pytest.raises(ValueError):
+            embed_parts(e, bad)
 
 
-def test_the_handler_puts_the_summed_vector_of_a_long_turn_on_the_event():
+def test_the_handler_puts_the_combined_vector_of_a_turn_on_the_event():
     """Through the extraction handler with the real MiniLM: the event's vector (what
-    replay reuses) is the normalised sum of the whole turn's and its sentences'."""
+    replay reuses) is the normalised sum of the turn's sentences', with a little of the
+    turn before."""
     import numpy as np
 
     from mneme.bus import codec
     from mneme.embedding import default_embedder
     from mneme.events.v1 import events_pb2 as ev
     from services.extraction.handlers import extract
-    from services.extraction.offline import named_speaker
+    from services.extraction.vectors import CONTEXT_WEIGHT
 
     ts = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
-    turn = ("Leo: We spent the whole weekend hiking through the pine forest with the kids. "
-            "By the way, I finally adopted a puppy, a golden retriever named Max.")
+    turns = ("Mia: What did you do over the long weekend with the kids?",
+             "Leo: We spent the whole weekend hiking through the pine forest with the kids. "
+             "By the way, I finally adopted a puppy, a golden retriever named Max.")
     m = ev.RetainRequested(bank_id="b", operation_id="op", items=[
-        codec.retain_item_to_pb(RetainItem(turn, ts, document_id="d"))])
+        codec.retain_item_to_pb(RetainItem(t, ts, document_id="d")) for t in turns])
     e = default_embedder()
-    (fact,) = extract(m, "op", OfflineExtractor(), e).facts
-    text = named_speaker(turn)
-    first, second = text.split(" By the way, ")
-    vs = np.asarray(e.embed([text, first, "Leo: By the way, " + second]))
-    want = vs.sum(axis=0) / np.linalg.norm(vs.sum(axis=0))
-    np.testing.assert_allclose(codec.fact_from_pb(fact, "b").embedding, want, atol=1e-5)
-    assert float(np.dot(want, vs[0])) < 0.999  # not the whole turn's vector alone
+    first, second = (codec.fact_from_pb(f, "b").embedding for f in
+                     extract(m, "op", OfflineExtractor(), e).facts)
+    question, s1, s2 = np.asarray(e.embed([
+        turns[0], "Leo: We spent the whole weekend hiking through the pine forest with the kids.",
+        "Leo: By the way, Leo finally adopted a puppy, a golden retriever named Max."]))
+    np.testing.assert_allclose(first, question, atol=1e-5)  # one sentence, nothing before
+    own = (s1 + s2) / np.linalg.norm(s1 + s2)
+    want = own + CONTEXT_WEIGHT * question
+    np.testing.assert_allclose(second, want / np.linalg.norm(want), atol=1e-5)
 
 
 def test_named_speaker_replaces_the_first_person_of_a_chat_turn_only():

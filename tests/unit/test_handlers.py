@@ -185,6 +185,9 @@ class _Log:
         return [Record(r.topic, 0, len(self.appended) - 1, r.key, r.value, r.headers, 0.0)
                 for r in records]
 
+    def committed(self, group, topic, partition):
+        return len(self.appended)  # as if the catalog's consumer were current
+
 
 def test_ingest_reads_catch_up_with_other_replicas_and_writes_only_when_needed():
     # Another ingest replica created bank "elsewhere": this replica's catalog copy holds it
@@ -358,7 +361,8 @@ def test_the_extractors_report_gives_no_fact_items_and_usage():
 def test_the_bank_s_extractor_chooses_the_texts_embedded():
     class WithContext(FakeExtractor):
         def embedding_parts(self, facts):
-            return [[f"ctx: {f.text}"] for f in facts]
+            from services.extraction.vectors import EmbeddingParts
+            return [EmbeddingParts((f"ctx: {f.text}",)) for f in facts]
 
     class PerBank(FakeExtractor):
         def __init__(self):
