@@ -135,6 +135,24 @@ def wrap_handler(handler, wrap):
     return handler
 
 
+def check_first(handler, check):
+    """:func:`wrap_handler` with ``check(request, context)`` called before the behaviour
+    (it aborts the call to refuse the request)."""
+    def wrap(behaviour, streaming):
+        if streaming:
+            def checked_stream(request, context):
+                check(request, context)
+                yield from behaviour(request, context)
+            return checked_stream
+
+        def checked(request, context):
+            check(request, context)
+            return behaviour(request, context)
+        return checked
+
+    return wrap_handler(handler, wrap)
+
+
 class _Undecodable:
     """A request whose bytes did not parse (``error``: why)."""
 
@@ -170,19 +188,7 @@ class DecodeInterceptor(grpc.ServerInterceptor):
                     f"message (corrupt, a string field not UTF-8, or nested too deep): "
                     f"{request.error}"))
 
-        def wrap(behaviour, streaming):
-            if streaming:
-                def checked_stream(request, context):
-                    refuse(request, context)
-                    yield from behaviour(request, context)
-                return checked_stream
-
-            def checked(request, context):
-                refuse(request, context)
-                return behaviour(request, context)
-            return checked
-
-        wrapped = wrap_handler(handler, wrap)
+        wrapped = check_first(handler, refuse)
         return wrapped._replace(request_deserializer=lenient) if wrapped is not handler else handler
 
 
@@ -205,19 +211,7 @@ class ValidationInterceptor(grpc.ServerInterceptor):
                 if found:
                     abort_for(context, InvalidArgument(*found[0], *found[1:]))
 
-        def wrap(behaviour, streaming):
-            if streaming:
-                def checked_stream(request, context):
-                    refuse_invalid(request, context)
-                    yield from behaviour(request, context)
-                return checked_stream
-
-            def checked(request, context):
-                refuse_invalid(request, context)
-                return behaviour(request, context)
-            return checked
-
-        return wrap_handler(handler, wrap)
+        return check_first(handler, refuse_invalid)
 
 
 # ---- client TLS (SDK, CLI, reflect → search) -------------------------------------
