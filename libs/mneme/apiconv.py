@@ -112,10 +112,10 @@ def check_tags(tags, field: str = "tags") -> tuple[str, ...]:
 
 def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
     """The filters of a RecallRequest; InvalidArgument naming the field."""
-    check_tags(r.tags)
+    tags = check_tags(r.tags)
     if r.tags_match not in TAGS_MATCH:
         raise InvalidArgument("tags_match", "unknown value")
-    return Filters(types=types_from_api(r.types), tags=tuple(r.tags),
+    return Filters(types=types_from_api(r.types), tags=tags,
                    tags_match=TAGS_MATCH[r.tags_match],
                    time_range=time_range_from_api(r.time_range) if r.HasField("time_range") else None,
                    document_id=r.document_id)

@@ -21,7 +21,7 @@ from mneme.ports import Embedder
 DERIVED = ("observation", "opinion")
 #: Weight of the context unit's vector (the turn before) beside a unit's own unit-norm
 #: vector. Measured on the LoCoMo dev split (README, Benchmark): with the sentences,
-#: evidence recall@10 0.761 → 0.787 (single-hop 0.847 → 0.885); in a semantic-arm-only
+#: evidence recall@10 0.761 → 0.783 (single-hop 0.847 → 0.873); in a semantic-arm-only
 #: sweep 0.2 beat 0.3 and 0.5 (0.5 cost temporal and open-domain).
 CONTEXT_WEIGHT = 0.2
 

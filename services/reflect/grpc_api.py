@@ -59,9 +59,9 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
             raise InvalidArgument("response_schema", "must be a non-empty JSON schema")
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")
                if request.HasField("query_timestamp") else None)
-        apiconv.check_tags(request.tags)
+        tags = apiconv.check_tags(request.tags)
         return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
-                now or datetime.now(timezone.utc), schema, tuple(request.tags))
+                now or datetime.now(timezone.utc), schema, tags)
 
     @translate_errors
     def Reflect(self, request, context):
