@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from mneme.domain import Fact, Scored, TimeWindow, utc
 
@@ -105,12 +105,19 @@ BUDGETS: dict[str, Budget] = {
 # ---- fusion -------------------------------------------------------------------------------
 
 
-def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K) -> list[tuple[str, float]]:
+def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K,
+        passage: Mapping[str, Hashable] | None = None) -> list[tuple[str, float]]:
     """Reciprocal Rank Fusion of ranked id lists.
 
     ``rankings`` maps an arm name to its ids, best first (rank 1 = index 0); an id listed
     twice in one arm counts once, at its better rank. Returns ``(id, score)`` best first,
     where score(d) = Σ_arms 1 / (k + rank_arm(d)) over the arms that ranked d.
+
+    ``passage`` (optional) maps ids to the source passage they were extracted from: ids
+    of one passage share one rank in an arm (that of its first id there) and the ids
+    after them move up, so a passage told in several facts (a model's facts beside the
+    offline ones) takes one place per arm and does not push other passages down. Ids
+    not in ``passage`` are passages of their own.
 
     Ties (equal scores) are broken deterministically: better best single rank first, then
     smaller id. Terms are summed in a fixed order (smallest rank first) so equal rank
@@ -120,14 +127,22 @@ def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K) -> list[tuple[str
     """
     if k < 0:
         raise ValueError("k: must be >= 0")
+    passage = passage or {}
     ranks: dict[str, list[int]] = {}
     for ids in rankings.values():
         seen: set[str] = set()
-        for pos, doc in enumerate(ids, start=1):
-            if doc in seen:
+        at: dict[Hashable, int] = {}  # passage → its rank in this arm
+        pos = 0
+        for doc in ids:
+            if doc in seen:  # a repeated id keeps its place in the list
+                pos += 1
                 continue
             seen.add(doc)
-            ranks.setdefault(doc, []).append(pos)
+            key = passage.get(doc, ("id", doc))
+            if key not in at:
+                pos += 1
+                at[key] = pos
+            ranks.setdefault(doc, []).append(at[key])
     fused = []
     for doc, rs in ranks.items():
         rs.sort()

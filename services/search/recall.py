@@ -12,9 +12,10 @@ Arms, all scoped to the query's bank and filters:
   overlaps that window, ranked by (1 + cosine)/2 × the fraction of the unit's span inside
   the window.
 
-The arms are fused with Reciprocal Rank Fusion (Cormack et al. SIGIR 2009; k =
-``mneme.retrieval.RRF_K``), the candidates hydrated from the vector store (the payload
-source), re-checked against the filters, the fused score of facts that only ask a question
+The candidates are hydrated from the vector store (the payload source), the arms fused
+with Reciprocal Rank Fusion (Cormack et al. SIGIR 2009; k = ``mneme.retrieval.RRF_K``;
+facts of one passage, the same document and item, share one rank per arm), the
+candidates re-checked against the filters, the fused score of facts that only ask a question
 halved (``mneme.retrieval.is_question``: a question shares its words with the query but
 states nothing), boosted
 (recency, temporal proximity, proof count; see ``mneme.retrieval``), each reply given a
@@ -155,9 +156,12 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     # history, and replay must reproduce the same ranking.
     arms = {arm: sorted(hits, key=lambda h: (-round(h.score, 6), h.id)) for arm, hits in arms.items()}
     rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
-    fused = rrf(rankings, k=RRF_K)
-    if not fused:
+    candidates = list(dict.fromkeys(i for ids in rankings.values() for i in ids))
+    if not candidates:
         return RecallOutcome(results=[], total_tokens=0, time_window=window)
+    facts = {f.id: f for f in vectors.get(q.bank_id, candidates)}
+    fused = rrf(rankings, k=RRF_K, passage={
+        f.id: (f.document_id, f.item_index) for f in facts.values() if f.document_id})
 
     # arm → id → (1-based rank, raw score); the first (best) occurrence wins, as in rrf().
     per_arm: dict[str, dict[str, tuple[int, float]]] = {}
@@ -165,7 +169,6 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         index = per_arm[arm] = {}
         for rank, h in enumerate(hits, start=1):
             index.setdefault(h.id, (rank, h.score))
-    facts = {f.id: f for f in vectors.get(q.bank_id, [doc for doc, _ in fused])}
     results: list[Scored] = []
     for doc, score in fused:
         fact = facts.get(doc)

@@ -259,3 +259,47 @@ def test_invalid_requests(env, kw, field):
     args = dict(bank_id="alpha", query="hello", query_timestamp=NOW) | kw
     with pytest.raises(ValueError, match=rf"^{field}: "):
         recall(RecallQuery(**args), **env["ports"])
+
+
+def test_a_passage_told_twice_takes_one_rank(env):
+    # A model's fact beside the offline fact of the same turn (same document and item)
+    # must not push the next turn down any arm: B's fused score is the same whether its
+    # predecessor is told once or twice.
+    embedder = env["ports"]["embedder"]
+    told = {
+        "a": "Alice planted tomatoes and basil in her garden this spring.",
+        "a_model": "Alice planted tomatoes and basil in the garden.",
+        "b": "Alice waters the garden plants every evening.",
+    }
+    vecs = dict(zip(told, embedder.embed(list(told.values()))))
+
+    def fact(bank, name, item):
+        return Fact(id=derive_id(bank, name), bank_id=bank, text=told[name],
+                    embedding=vecs[name], document_id="doc-1", item_index=item)
+
+    once = [fact("passage-once", "a", 0), fact("passage-once", "b", 1)]
+    twice = [fact("passage-twice", n, i) for n, i in (("a", 0), ("a_model", 0), ("b", 1))]
+    for store in (env["ports"]["vectors"], env["ports"]["text"], env["ports"]["graph"]):
+        store.upsert(once + twice)
+    query = "What did Alice plant in her garden?"
+
+    class NoGraph:  # the graph arm echoes its seeds' positions; this test is about fusion
+        def spread(self, *a, **kw):
+            return []
+
+        def find_entities(self, *a, **kw):
+            return []
+
+    from services.search.recall import recall
+    ports = env["ports"] | {"graph": NoGraph()}
+
+    def results(bank):
+        q = RecallQuery(bank_id=bank, query=query, query_timestamp=NOW)
+        return {s.fact.text: s for s in recall(q, **ports).results}
+
+    r1, r2 = results("passage-once"), results("passage-twice")
+    b = told["b"]
+    assert r2[told["a_model"]].ranks["semantic"] < r2[b].ranks["semantic"]  # it is above B
+    assert r2[told["a"]].ranks["semantic"] < r2[b].ranks["semantic"]
+    assert r2[b].rrf == pytest.approx(r1[b].rrf)
+    assert r2[told["a"]].rrf == pytest.approx(r1[told["a"]].rrf)

@@ -338,3 +338,17 @@ def test_rerank_head_prefers_what_the_asked_about_person_says():
     plain = _scored("p", "Melanie went camping.", 0.05, entities=["melanie"])
     rerank_head([plain], ["melanie"])
     assert plain.boost == pytest.approx(ENTITY_WEIGHT * RRF_UNIT)
+
+
+def test_rrf_facts_of_one_passage_share_a_rank():
+    # a1 and a2 come from one passage (a model's fact beside the offline one): together
+    # they take rank 1, and b, the next passage, keeps rank 2 instead of falling to 3
+    rankings = {"s": ["a1", "a2", "b"], "k": ["b", "a2"]}
+    fused = dict(rrf(rankings, k=60, passage={"a1": "A", "a2": "A"}))
+    assert fused["a1"] == pytest.approx(1 / 61)
+    assert fused["a2"] == pytest.approx(1 / 61 + 1 / 62)
+    assert fused["b"] == pytest.approx(1 / 62 + 1 / 61)
+    plain = dict(rrf(rankings, k=60))
+    assert plain["b"] == pytest.approx(1 / 63 + 1 / 61)
+    # ids without a passage are passages of their own; a repeated id keeps its place
+    assert dict(rrf({"s": ["x", "x", "y"]}, k=60, passage={"z": "Z"}))["y"] == pytest.approx(1 / 63)
