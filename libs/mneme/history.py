@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 from google.protobuf.message import Message
 
 from mneme.bus.codec import message_class
-from mneme.bus.sealing import ERASED_HEADER, Opener, sealed_key_ids
+from mneme.bus.sealing import ERASED_HEADER, Opener
 from mneme.keys import KEY_BYTES, combine
 from mneme.ports import Record
 
@@ -192,18 +192,7 @@ class HistoryOpener:
         """Open many records, fetching the keys they name first (one BatchGetDataKeys
         per bank and 1000 ids, when :attr:`keys` can prefetch)."""
         recs = [as_record(r) for r in records]
-        prefetch = getattr(self.keys, "prefetch", None)
-        if prefetch is not None:
-            wanted: dict[str, set[str]] = {}
-            for r in recs:
-                cls = message_class(r.headers.get("ce_type", ""))
-                if cls is None:
-                    continue
-                ids = sealed_key_ids(cls.FromString(r.value))
-                if ids:
-                    wanted.setdefault(r.headers.get("ce_subject") or r.key, set()).update(ids)
-            for bank_id, ids in wanted.items():
-                prefetch(bank_id, sorted(ids))
+        self._opener.prefetch(recs)
         return [self.open(r) for r in recs]
 
 

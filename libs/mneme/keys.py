@@ -199,17 +199,33 @@ class Keyring:
             if hit is not None:
                 self._keys.move_to_end((bank_id, key_id))
                 return hit
-            row = self.store.get(bank_id, key_id)
-            if row is None or row.wrapped is None:
-                return None
-            bank = self._bank_key(bank_id, create=False)
-            if bank is None:
-                return None
-            try:
-                key = aes_key_unwrap(bank, row.wrapped)
-            except InvalidUnwrap:  # wrapped by an earlier incarnation's bank key
-                return None
-            return self._remember(bank_id, key_id, key)
+            return self._unwrap(bank_id, key_id, self.store.get(bank_id, key_id))
+
+    def _unwrap(self, bank_id: str, key_id: str, row) -> bytes | None:
+        """Unwrap and cache one stored row (lock held); None when it is a tombstone, the
+        bank has no key or the row was wrapped by an earlier incarnation's bank key."""
+        if row is None or row.wrapped is None:
+            return None
+        bank = self._bank_key(bank_id, create=False)
+        if bank is None:
+            return None
+        try:
+            key = aes_key_unwrap(bank, row.wrapped)
+        except InvalidUnwrap:
+            return None
+        return self._remember(bank_id, key_id, key)
+
+    def prefetch(self, bank_id: str, key_ids: Iterable[str]) -> None:
+        """Load the data keys of ``key_ids`` that are not cached with one
+        :meth:`~mneme.ports.KeyStore.get_many` (at most :attr:`cache` of them, so none
+        is evicted before use). Destroyed and unknown ids are skipped."""
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(key_ids) if (bank_id, k) not in self._keys]
+            wanted = wanted[:self.cache]
+            if not wanted:
+                return
+            for key_id, row in self.store.get_many(bank_id, wanted).items():
+                self._unwrap(bank_id, key_id, row)
 
     def keys(self, bank_id: str, key_ids: Iterable[str]) -> list[bytes] | None:
         """The data keys of ``key_ids`` in order, or None when any one is gone."""

@@ -588,6 +588,10 @@ class KeyStore(Protocol):
     def get(self, bank_id: str, key_id: str) -> StoredKey | None:
         """The key ``key_id`` (a tombstone when destroyed), or None when unknown."""
 
+    def get_many(self, bank_id: str, key_ids: Sequence[str]) -> dict[str, StoredKey]:
+        """:meth:`get` of every id in one read (opening a batch of records): key id → its
+        row, for the ids that are known (tombstones included)."""
+
     def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
         """Store a new key unless ``key_id`` exists (live or tombstone): the stored row."""
 
@@ -626,6 +630,12 @@ class SealKeys(Protocol):
     def combined(self, bank_id: str, key_ids: Sequence[str]) -> bytes | None:
         """The 32-byte seal key over ``key_ids`` (:func:`mneme.keys.combine` of their data
         keys, in that order), or None when any of them is destroyed or unknown."""
+
+    def prefetch(self, bank_id: str, key_ids: Iterable[str]) -> None:
+        """Load the data keys of ``key_ids`` not yet held in one read (or a few), so
+        that opening a batch of records asks the store once, not once per key. Ids
+        that are destroyed or unknown are skipped; :meth:`combined` still answers None
+        for them."""
 
 
 class Kms(Protocol):

@@ -121,6 +121,21 @@ def test_add_many_is_add_of_every_row_at_once(backend):
     s.close()
 
 
+
+def test_get_many_is_get_of_every_id_at_once(backend):
+    s = backend.open()
+    s.add_many("b", [(f"f:{i}", "d:x", W1) for i in range(600)])  # past one IN (...) batch
+    s.add("other", "f:1", "d:x", W2)
+    s.destroy("b", ["f:7", "f:gone"])
+    ids = [f"f:{i}" for i in range(600)] + ["f:gone", "f:never", "f:3"]
+    got = s.get_many("b", ids)
+    assert set(got) == {f"f:{i}" for i in range(600)} | {"f:gone"}  # unknown ids absent
+    assert all(got[k] == s.get("b", k) for k in got)
+    assert got["f:7"].wrapped is None and got["f:gone"].wrapped is None  # tombstones
+    assert got["f:1"].wrapped == W1  # this bank's, not the other bank's
+    assert s.get_many("b", []) == {} and s.get_many("nobank", ["f:1"]) == {}
+    s.close()
+
 def test_first_writer_wins_across_two_instances(shared):
     a, b = shared.open(), shared.open()
     assert a.add_bank_key("b", W1) == W1

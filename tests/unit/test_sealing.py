@@ -351,3 +351,32 @@ def test_a_re_embeds_vectors_are_sealed_with_their_facts_keys(keyring):
     keyring.destroy_scope("b", "d:d1")
     assert [u.id for u in ev.VectorsReplaced.FromString(
         sealer.open(_as_read(out)).value).units] == ["f2"]
+
+
+def test_a_batch_read_fetches_its_keys_in_one_store_read(keyring, tmp_path):
+    inner = SqliteEventLog(str(tmp_path / "log.db"))
+    log = SealedLog(inner, Sealer(keyring))
+    try:
+        log.ensure_topic("mneme.memory.v1", 1)
+        log.append([codec.encode(_facts(*[(f"f{n}-{i}", f"doc{n}") for i in range(5)],
+                                        op=f"op{n}"), bank_id="b", source="t")
+                    for n in range(4)])
+        keyring.forget("b", None)  # a fresh process: nothing cached
+        calls = {"get": 0, "get_many": 0}
+        store = keyring.store
+        for name in calls:
+            def counted(*a, _f=getattr(store, name), _n=name, **kw):
+                calls[_n] += 1
+                return _f(*a, **kw)
+            setattr(store, name, counted)
+        first = ev.FactsExtracted.FromString(inner.read("mneme.memory.v1", 0, 0)[0].value)
+        store.destroy("b", [k for k in first.facts[0].seal.keys if k.startswith("f:")])
+        keyring.forget("b", None)
+        opened = [codec.decode(r).message for r in log.read("mneme.memory.v1", 0, 0)]
+        # one read for the batch; the destroyed fact key is asked again when its fact is
+        # opened (a tombstone is not cached)
+        assert calls == {"get": 1, "get_many": 1}
+        assert [len(m.facts) for m in opened] == [4, 5, 5, 5]  # the destroyed one erased
+        assert all(MARKER in f.text for m in opened for f in m.facts)
+    finally:
+        inner.close()

@@ -86,6 +86,13 @@ SEALED: dict[str, tuple[str, ...]] = {
 #: Events sealed whole under the bank's key (user corrections and curated content).
 _BANK_SEALED = (ev.DirectiveChanged, ev.MentalModelChanged, ev.EntityMergeRequested,
                 ev.EntitiesMerged, ev.EntitySplitRequested, ev.EntitySplit)
+#: Event type → its repeated fields whose elements are sealed one by one.
+_ELEMENT_FIELDS: dict[type, tuple[str, ...]] = {
+    ev.RetainRequested: ("items",), ev.FactsExtracted: ("facts",),
+    ev.EntitiesResolved: ("entities", "claims", "aliases"),
+    ev.ObservationsChanged: ("observations",), ev.OpinionsChanged: ("opinions",),
+    ev.VectorsReplaced: ("units",),
+}
 #: The event types that carry sealed content.
 SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
@@ -147,18 +154,13 @@ def _split(msg: Message, fields: Sequence[str]) -> bytes:
 
 def sealed_key_ids(msg: Message) -> set[str]:
     """The key ids named by the seals still closed in event ``msg`` (what opening it will
-    ask its :class:`~mneme.ports.SealKeys` for; to fetch them in one batch)."""
-    out: set[str] = set()
-    for fd, value in msg.ListFields():
-        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
-            continue
-        for sub in (value if fd.is_repeated else [value]):
-            if fd.name == "seal" and fd.message_type is ev.Seal.DESCRIPTOR:
-                if sub.ciphertext:
-                    out.update(sub.keys)
-            else:
-                out |= sealed_key_ids(sub)
-    return out
+    ask its :class:`~mneme.ports.SealKeys` for; to fetch them in one batch). Looks at the
+    sealed elements only (:data:`_ELEMENT_FIELDS`, or the message itself), not a walk of
+    the whole message: facts carry entities, links and vectors that hold no seal."""
+    fields = _ELEMENT_FIELDS.get(type(msg))
+    elements = [e for f in fields for e in getattr(msg, f)] if fields else [msg]
+    return {k for e in elements if "seal" in e.DESCRIPTOR.fields_by_name and e.seal.ciphertext
+            for k in e.seal.keys}
 
 
 class Opener:
@@ -192,6 +194,29 @@ class Opener:
             headers = {**headers, ERASED_HEADER: "record" if whole else str(erased)}
         return dataclasses.replace(record, value=msg.SerializeToString(), headers=headers)
 
+    def prefetch(self, records: Iterable[Record]) -> None:
+        """Ask :attr:`keys` once per bank for every key the sealed records of
+        ``records`` name (:meth:`~mneme.ports.SealKeys.prefetch`), so that opening them
+        one by one finds their keys loaded. Records that do not decode are left to
+        :meth:`open`."""
+        prefetch = getattr(self.keys, "prefetch", None)  # an SDK user's keys may lack it
+        if prefetch is None:
+            return
+        wanted: dict[str, dict[str, None]] = {}
+        for r in records:
+            ce_type = r.headers.get("ce_type", "")
+            if ce_type not in SEALING_TYPES:
+                continue
+            try:
+                ids = sealed_key_ids(message_class(ce_type).FromString(r.value))
+            except Exception:  # noqa: BLE001 - open() reports it
+                continue
+            if ids:
+                wanted.setdefault(r.headers.get("ce_subject") or r.key, {}).update(
+                    dict.fromkeys(sorted(ids)))
+        for bank, ids in wanted.items():
+            prefetch(bank, list(ids))
+
     def _open_event(self, m: Message, bank: str) -> tuple[int, int, bool]:
         opened = erased = 0
 
@@ -217,17 +242,9 @@ class Opener:
                     if i not in rejected:
                         m.rejected_items.add(item_index=i, error=_ERASED_ITEM,
                                              field=f"items[{i}]", reason="erased")
-        elif isinstance(m, ev.FactsExtracted):
-            each(m, "facts")
-        elif isinstance(m, ev.EntitiesResolved):
-            for f in ("entities", "claims", "aliases"):
+        elif type(m) in _ELEMENT_FIELDS:
+            for f in _ELEMENT_FIELDS[type(m)]:
                 each(m, f)
-        elif isinstance(m, ev.ObservationsChanged):
-            each(m, "observations")
-        elif isinstance(m, ev.OpinionsChanged):
-            each(m, "opinions")
-        elif isinstance(m, ev.VectorsReplaced):
-            each(m, "units")
         elif isinstance(m, (ev.ReflectionRecorded, *_BANK_SEALED)):
             ok = self._open(m, bank)
             if ok is False:
@@ -387,7 +404,9 @@ class SealedLog:
         """The records of ``inner.read``, opened; one whose seal does not authenticate
         comes as it is, with the reason in its :data:`SEAL_ERROR_HEADER` header
         (:func:`check_opened`)."""
-        return [self._open(r) for r in self.inner.read(topic, partition, offset, limit)]
+        records = self.inner.read(topic, partition, offset, limit)
+        self.sealer.prefetch(records)  # one key read per bank for the batch, not per key
+        return [self._open(r) for r in records]
 
     def _open(self, record: Record) -> Record:
         try:

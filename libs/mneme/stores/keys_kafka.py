@@ -277,6 +277,17 @@ class KafkaKeyStore:
         with self._view:
             return self._row(bank_id, key_id)
 
+    def get_many(self, bank_id: str, key_ids: Sequence[str]) -> dict[str, StoredKey]:
+        ids = list(dict.fromkeys(key_ids))
+        with self._view:
+            out = {k: row for k in ids if (row := self._row(bank_id, k)) is not None}
+        if len(out) < len(ids):
+            self.catch_up()  # misses: maybe made by another process (one catch-up for all)
+            with self._view:
+                out |= {k: row for k in ids
+                        if k not in out and (row := self._row(bank_id, k)) is not None}
+        return out
+
     def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
         if not key_id:
             raise ValueError("key_id must not be empty")

@@ -14,6 +14,10 @@ from typing import Callable, Sequence
 from mneme.ports import StoredKey
 from mneme.stores import sqlite_erase
 
+#: Ids per ``IN (...)`` of :meth:`SqliteKeyStore.get_many` (under SQLite's default limit
+#: of 32,766 host parameters, and small enough to stay one quick index probe each).
+_IN_BATCH = 500
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS bank_keys (bank_id TEXT PRIMARY KEY, wrapped BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS data_keys (
@@ -66,6 +70,19 @@ class SqliteKeyStore:
         if row is None:
             return None
         return StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
+
+    def get_many(self, bank_id: str, key_ids: Sequence[str]) -> dict[str, StoredKey]:
+        ids = list(dict.fromkeys(key_ids))
+        out: dict[str, StoredKey] = {}
+        with self._lock:
+            for i in range(0, len(ids), _IN_BATCH):
+                chunk = ids[i:i + _IN_BATCH]
+                rows = self._db.execute(
+                    "SELECT key_id, scope, wrapped FROM data_keys WHERE bank_id=? AND key_id "
+                    f"IN ({','.join('?' * len(chunk))})", (bank_id, *chunk)).fetchall()
+                for key_id, scope, wrapped in rows:
+                    out[key_id] = StoredKey(scope, bytes(wrapped) if wrapped is not None else None)
+        return out
 
     def add(self, bank_id: str, key_id: str, scope: str, wrapped: bytes) -> StoredKey:
         with self._lock:
