@@ -173,7 +173,10 @@ class HistoryOpener:
 
     def open(self, record: Any) -> OpenedEvent:
         """The record (see :func:`as_record` for what is accepted) decoded and opened."""
-        rec = self._opener.open(as_record(record))
+        return self._event(self._opener.open(as_record(record)))
+
+    @staticmethod
+    def _event(rec: Record) -> OpenedEvent:
         ce_type = rec.headers.get("ce_type", "")
         cls = message_class(ce_type)
         erased = rec.headers.get(ERASED_HEADER, "")
@@ -192,8 +195,8 @@ class HistoryOpener:
         """Open many records, fetching the keys they name first (one BatchGetDataKeys
         per bank and 1000 ids, when :attr:`keys` can prefetch)."""
         recs = [as_record(r) for r in records]
-        self._opener.prefetch(recs)
-        return [self.open(r) for r in recs]
+        msgs = self._opener.prefetch(recs)
+        return [self._event(self._opener.open(r, m)) for r, m in zip(recs, msgs)]
 
 
 __all__ = ["BATCH", "HistoryOpener", "OpenedEvent", "RemoteKeys", "as_record"]

@@ -171,18 +171,14 @@ class Opener:
     def __init__(self, keys: SealKeys) -> None:
         self.keys = keys
 
-    def open(self, record: Record) -> Record:
+    def open(self, record: Record, msg: Message | None = None) -> Record:
         """``record`` with its sealed content opened (see the module docstring for what
-        an erased element becomes). Raises ValueError for a ciphertext that does not
-        authenticate under live keys (tampered or corrupt: dead-lettered like any
+        an erased element becomes). ``msg``: the record's message as :meth:`prefetch`
+        decoded it (decoded here when None). Raises ValueError for a ciphertext that does
+        not authenticate under live keys (tampered or corrupt: dead-lettered like any
         corrupt payload)."""
-        ce_type = record.headers.get("ce_type", "")
-        if ce_type not in SEALING_TYPES:
-            return record
-        cls = message_class(ce_type)
-        try:
-            msg = cls.FromString(record.value)
-        except Exception:  # noqa: BLE001 - the consumer's decode reports it
+        msg = msg if msg is not None else self._decode(record)
+        if msg is None:
             return record
         bank = record.headers.get("ce_subject") or record.key
         opened, erased, whole = self._open_event(msg, bank)
@@ -194,28 +190,36 @@ class Opener:
             headers = {**headers, ERASED_HEADER: "record" if whole else str(erased)}
         return dataclasses.replace(record, value=msg.SerializeToString(), headers=headers)
 
-    def prefetch(self, records: Iterable[Record]) -> None:
-        """Ask :attr:`keys` once per bank for every key the sealed records of
-        ``records`` name (:meth:`~mneme.ports.SealKeys.prefetch`), so that opening them
-        one by one finds their keys loaded. Records that do not decode are left to
-        :meth:`open`."""
+    @staticmethod
+    def _decode(record: Record) -> Message | None:
+        """The event of a record that may carry sealed content; None for other types and
+        for a value that does not decode (the consumer's decode reports it)."""
+        ce_type = record.headers.get("ce_type", "")
+        if ce_type not in SEALING_TYPES:
+            return None
+        try:
+            return message_class(ce_type).FromString(record.value)
+        except Exception:  # noqa: BLE001 - the consumer's decode reports it
+            return None
+
+    def prefetch(self, records: Sequence[Record]) -> list[Message | None]:
+        """Decode the sealed records of a batch and ask :attr:`keys` once per bank for
+        every key they name (:meth:`~mneme.ports.SealKeys.prefetch`, when the keys have
+        it), so that opening them one by one finds their keys loaded. Returns each
+        record's message (None when it carries no sealed content) to pass to
+        :meth:`open`, which then does not decode it again."""
+        msgs = [self._decode(r) for r in records]
         prefetch = getattr(self.keys, "prefetch", None)  # an SDK user's keys may lack it
-        if prefetch is None:
-            return
-        wanted: dict[str, dict[str, None]] = {}
-        for r in records:
-            ce_type = r.headers.get("ce_type", "")
-            if ce_type not in SEALING_TYPES:
-                continue
-            try:
-                ids = sealed_key_ids(message_class(ce_type).FromString(r.value))
-            except Exception:  # noqa: BLE001 - open() reports it
-                continue
-            if ids:
-                wanted.setdefault(r.headers.get("ce_subject") or r.key, {}).update(
-                    dict.fromkeys(sorted(ids)))
-        for bank, ids in wanted.items():
-            prefetch(bank, list(ids))
+        if prefetch is not None:
+            wanted: dict[str, dict[str, None]] = {}
+            for r, m in zip(records, msgs):
+                ids = sealed_key_ids(m) if m is not None else ()
+                if ids:
+                    wanted.setdefault(r.headers.get("ce_subject") or r.key, {}).update(
+                        dict.fromkeys(sorted(ids)))
+            for bank, ids in wanted.items():
+                prefetch(bank, list(ids))
+        return msgs
 
     def _open_event(self, m: Message, bank: str) -> tuple[int, int, bool]:
         opened = erased = 0
@@ -405,12 +409,12 @@ class SealedLog:
         comes as it is, with the reason in its :data:`SEAL_ERROR_HEADER` header
         (:func:`check_opened`)."""
         records = self.inner.read(topic, partition, offset, limit)
-        self.sealer.prefetch(records)  # one key read per bank for the batch, not per key
-        return [self._open(r) for r in records]
+        msgs = self.sealer.prefetch(records)  # one key read per bank for the batch
+        return [self._open(r, m) for r, m in zip(records, msgs)]
 
-    def _open(self, record: Record) -> Record:
+    def _open(self, record: Record, msg: Message | None) -> Record:
         try:
-            return self.sealer.open(record)
+            return self.sealer.open(record, msg)
         except ValueError as e:
             return dataclasses.replace(record, headers={**record.headers,
                                                         SEAL_ERROR_HEADER: str(e)})
