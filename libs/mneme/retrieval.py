@@ -367,8 +367,11 @@ def _names_answer_type(fact: Fact, labels: frozenset[str], skip: set[str],
 def rerank_head(results: list[Scored], query_entities: Sequence[str],
                 head: int = RERANK_HEAD,
                 labels: frozenset[str] = frozenset()) -> list[Scored]:
-    """Reorder the first ``head`` of ``results`` (sorted by ``final``, best first) with
-    four cheap features, no model; the tail keeps its order after the head.
+    """Reorder the head of ``results`` (sorted by ``final``, best first) with four cheap
+    features, no model; the tail keeps its order after the head. The head is the results
+    of the first ``head`` passages (a passage: one document's item, see :func:`passage_of`),
+    so a turn told in several facts (a model's beside the offline one) takes one of its
+    places, as it takes one rank per arm in :func:`rrf`.
 
     - entity overlap: + :data:`ENTITY_WEIGHT` × RRF_UNIT × the fraction of
       ``query_entities`` (entity ids the query names) that the fact mentions — a fact about
@@ -387,7 +390,7 @@ def rerank_head(results: list[Scored], query_entities: Sequence[str],
     The added amount goes into ``boost`` and ``final``; ties keep the incoming order
     (stable sort). Returns a new list; ``results`` items are updated in place.
     """
-    top = results[:head]
+    top = results[:_head_end(results, head)]
     if not top:
         return list(results)
     qents = set(query_entities)
@@ -413,7 +416,26 @@ def rerank_head(results: list[Scored], query_entities: Sequence[str],
             add += ANSWER_TYPE_WEIGHT * RRF_UNIT
         s.boost += add
         s.final += add
-    return sorted(top, key=lambda s: -s.final) + list(results[head:])
+    return sorted(top, key=lambda s: -s.final) + list(results[len(top):])
+
+
+def passage_of(fact: Fact) -> Hashable:
+    """The passage ``fact`` was extracted from: (document id, item index), or the fact's
+    own id when it has no document. Unique among a bank's live facts, because a retain
+    with a document id replaces that document's facts."""
+    return (fact.document_id, fact.item_index) if fact.document_id else ("id", fact.id)
+
+
+def _head_end(results: Sequence[Scored], head: int) -> int:
+    """How many of ``results`` hold their first ``head`` distinct passages."""
+    seen: set[Hashable] = set()
+    for k, s in enumerate(results):
+        key = passage_of(s.fact)
+        if key not in seen:
+            if len(seen) == head:
+                return k
+            seen.add(key)
+    return len(results)
 
 
 # ---- token budget -------------------------------------------------------------------------

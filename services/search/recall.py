@@ -40,7 +40,7 @@ from mneme.deadline import current as current_deadline
 from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
-    BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, proof_boost,
+    BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, proof_boost,
     question_factor, recency_boost, reply_share, rerank_head, temporal_proximity_boost,
     window_overlap, rrf,
 )
@@ -50,8 +50,11 @@ ARMS = ("semantic", "keyword", "graph", "temporal")
 #: Default token budget when the request leaves ``max_tokens`` at 0.
 DEFAULT_MAX_TOKENS = 4096
 
-#: How many of each of the semantic and keyword arms' top hits seed the graph arm.
+#: How many of each of the semantic and keyword arms' top passages seed the graph arm.
 GRAPH_SEEDS = 10
+#: Hits read per seed passage to find the seeds' passages (a model's facts beside the
+#: offline fact of a turn make ~2-3 facts a passage).
+SEED_READ = 3
 
 TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
 
@@ -144,7 +147,11 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     semantic, keyword = wait(f_sem, "semantic arm"), wait(f_kw, "keyword arm")
     entity_ids = wait(f_ents, "query entities")
     deadline.check("recall: graph arm")
-    seeds = _seeds(semantic, keyword)
+    # the seeds' passages: the top GRAPH_SEEDS passages of an arm may span more facts
+    head = list(dict.fromkeys(h.id for hits in (semantic, keyword)
+                              for h in hits[:GRAPH_SEEDS * SEED_READ]))
+    facts = {f.id: f for f in vectors.get(q.bank_id, head)} if head else {}
+    seeds = _seeds(semantic, keyword, {i: passage_of(f) for i, f in facts.items()})
     graph_hits: list[Hit] = []
     if seeds or entity_ids:
         graph_hits = graph.spread(q.bank_id, seeds, entity_ids, n, budget.hops)
@@ -159,9 +166,9 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     candidates = list(dict.fromkeys(i for ids in rankings.values() for i in ids))
     if not candidates:
         return RecallOutcome(results=[], total_tokens=0, time_window=window)
-    facts = {f.id: f for f in vectors.get(q.bank_id, candidates)}
-    fused = rrf(rankings, k=RRF_K, passage={
-        f.id: (f.document_id, f.item_index) for f in facts.values() if f.document_id})
+    rest = [i for i in candidates if i not in facts]
+    facts.update((f.id, f) for f in (vectors.get(q.bank_id, rest) if rest else ()))
+    fused = rrf(rankings, k=RRF_K, passage={f.id: passage_of(f) for f in facts.values()})
 
     # arm → id → (1-based rank, raw score); the first (best) occurrence wins, as in rrf().
     per_arm: dict[str, dict[str, tuple[int, float]]] = {}
@@ -208,14 +215,25 @@ def _query_entities(graph: GraphStore, analyzer: QueryAnalyzer, bank_id: str,
     return [e.id for e in graph.find_entities(bank_id, keys)]
 
 
-def _seeds(semantic: list[Hit], keyword: list[Hit]) -> dict[str, float]:
-    """Seed activations for the graph arm from the top :data:`GRAPH_SEEDS` hits of each
-    arm: 1.0 at rank 1 falling linearly to 0.55 at rank 10 (rank, not raw score, because
-    cosine and BM25 are on different scales); a unit in both arms keeps the higher value."""
+def _seeds(semantic: list[Hit], keyword: list[Hit],
+           passage: dict[str, object] | None = None) -> dict[str, float]:
+    """Seed activations for the graph arm from the hits of the top :data:`GRAPH_SEEDS`
+    passages of each arm (``passage``: id → passage, as :func:`mneme.retrieval.rrf`
+    takes it; an id not in it is a passage of its own): 1.0 at rank 1 falling linearly
+    to 0.55 at rank 10 (rank, not raw score, because cosine and BM25 are on different
+    scales); the facts of one passage share its rank, and a unit in both arms keeps the
+    higher value."""
+    passage = passage or {}
     seeds: dict[str, float] = {}
     for hits in (semantic, keyword):
-        for rank, h in enumerate(hits[:GRAPH_SEEDS], start=1):
-            a = 1.0 - 0.05 * (rank - 1)
+        at: dict[object, int] = {}
+        for h in hits:
+            key = passage.get(h.id, ("id", h.id))
+            if key not in at:
+                if len(at) == GRAPH_SEEDS:
+                    break
+                at[key] = len(at) + 1
+            a = 1.0 - 0.05 * (at[key] - 1)
             seeds[h.id] = max(seeds.get(h.id, 0.0), a)
     return seeds
 

@@ -303,3 +303,69 @@ def test_a_passage_told_twice_takes_one_rank(env):
     assert r2[told["a"]].ranks["semantic"] < r2[b].ranks["semantic"]
     assert r2[b].rrf == pytest.approx(r1[b].rrf)
     assert r2[told["a"]].rrf == pytest.approx(r1[told["a"]].rrf)
+
+
+def test_graph_seeds_are_the_top_passages():
+    # Facts of one passage share its seed activation, and the seeds are the facts of the
+    # first GRAPH_SEEDS passages of each arm, however many facts they span.
+    from mneme.domain import Hit
+    from services.search.recall import GRAPH_SEEDS, _seeds
+    sem = [Hit(id=f"p{k}-{j}", score=1.0) for k in range(GRAPH_SEEDS + 2) for j in range(3)]
+    passage = {h.id: ("doc", h.id.split("-")[0]) for h in sem}
+    seeds = _seeds(sem, [], passage)
+    assert len(seeds) == 3 * GRAPH_SEEDS
+    assert seeds["p0-0"] == seeds["p0-2"] == 1.0
+    assert seeds["p1-1"] == pytest.approx(0.95)
+    assert seeds[f"p{GRAPH_SEEDS - 1}-2"] == pytest.approx(1.0 - 0.05 * (GRAPH_SEEDS - 1))
+    assert f"p{GRAPH_SEEDS}-0" not in seeds
+    # without passages every hit is its own: the first GRAPH_SEEDS hits
+    assert set(_seeds(sem, [])) == {h.id for h in sem[:GRAPH_SEEDS]}
+    # a unit in both arms keeps the higher activation
+    kw = [Hit(id="p1-0", score=9.0)]
+    assert _seeds(sem, kw, passage)["p1-0"] == 1.0
+
+
+def test_a_passage_told_twice_seeds_the_graph_as_once(env):
+    # recall hands the graph arm the same seed activation for a turn whether it is told
+    # in one fact or in two (a model's beside the offline one)
+    embedder = env["ports"]["embedder"]
+    told = [f"Alice planted {plant} in her garden this spring." for plant in
+            ("tomatoes", "basil", "roses", "tulips", "mint", "beans", "peas", "leeks",
+             "onions", "garlic", "kale", "chard")]
+    vecs = embedder.embed(told)
+
+    def fact(bank, k, copy=""):
+        return Fact(id=derive_id(bank, str(k), copy), bank_id=bank, text=told[k] + copy,
+                    embedding=vecs[k], document_id="doc-1", item_index=k)
+
+    once = [fact("seeds-once", k) for k in range(len(told))]
+    twice = [f for k in range(len(told)) for f in (fact("seeds-twice", k),
+                                                   fact("seeds-twice", k, " Again."))]
+    # (the semantic arm alone: every turn ties on the query's keywords, so the keyword
+    # arm's order among them would be that of their ids, which differ between the banks)
+    env["ports"]["vectors"].upsert(once + twice)
+    seen = {}
+
+    class Recording:
+        def spread(self, bank_id, seeds, *a, **kw):
+            seen[bank_id] = seeds
+            return []
+
+        def find_entities(self, *a, **kw):
+            return []
+
+    from services.search.recall import recall
+    ports = env["ports"] | {"graph": Recording()}
+    for bank in ("seeds-once", "seeds-twice"):
+        recall(RecallQuery(bank_id=bank, query="What did Alice plant in her garden?",
+                           query_timestamp=NOW), **ports)
+    by_turn = {}
+    for bank, seeds in seen.items():
+        texts = {f.id: f.text for f in (once if bank == "seeds-once" else twice)}
+        turns = {}
+        for i, a in seeds.items():
+            turn = told.index(texts[i].removesuffix(" Again."))
+            turns[turn] = max(turns.get(turn, 0.0), a)
+        by_turn[bank] = turns
+    assert by_turn["seeds-twice"] == by_turn["seeds-once"]
+    assert len(by_turn["seeds-once"]) == 10  # the semantic arm's top 10 turns

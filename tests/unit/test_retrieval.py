@@ -281,6 +281,25 @@ def test_rerank_head_prefers_entity_overlap_and_neighbours():
     assert [s.fact.id for s in out] == ["n", "p", "s"]
 
 
+def test_rerank_head_counts_passages_not_facts():
+    # a turn told in two facts (a model's beside the offline one) takes one place of the
+    # head: with a head of two passages the third fact is still in it and is reordered
+    told = _scored("t1", "Joanna: I wrote a script.", 0.06, doc="c/1", index=1,
+                   entities=["joanna"])
+    again = _scored("t2", "Joanna wrote a script.", 0.055, doc="c/1", index=1,
+                    entities=["joanna"])
+    named = _scored("n", "Nate: Gaming is my job.", 0.05, doc="c/3", index=9, entities=["nate"])
+    tail = _scored("z", "Nate: I adopted a turtle.", 0.04, doc="c/4", index=2, entities=["nate"])
+    out = rerank_head([told, again, named, tail], ["nate"], head=2)
+    assert [s.fact.id for s in out] == ["n", "t1", "t2", "z"]
+    assert tail.boost == 0.0  # the third passage is the tail
+    # facts without a document are passages of their own
+    loose = [_scored(i, "Nate: hi.", 0.05 - k * 0.01, doc="", entities=["nate"])
+             for k, i in enumerate("abc")]
+    rerank_head(loose, ["nate"], head=2)
+    assert [s.boost > 0 for s in loose] == [True, True, False]
+
+
 @pytest.mark.parametrize("query, labels", [
     ("Where did Maria make friends?", {"GPE", "LOC", "FAC"}),
     ("Which countries has Tim visited?", {"GPE", "LOC", "FAC"}),
