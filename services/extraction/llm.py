@@ -24,7 +24,9 @@ Same interface as :class:`~services.extraction.offline.OfflineExtractor`
   the facts that name them.
 - **Links.** ``causal`` (1.0) from a fact to each fact it was ``caused_by``; ``temporal``
   (1.0) to the previous fact of the item, and (0.5) from an item's first fact to the last
-  fact of the previous item of the same document said within a day (as offline).
+  fact of the previous item of the same document said within a day (as offline); none
+  when the model found no fact in the previous item (a reply answers the turn just
+  before it, not an earlier one).
 - **Failures.** Transport errors are retried by the gateway; malformed, schema-invalid or
   truncated replies are repaired or re-asked, and a chunk still truncated is split in two
   (twice at most). What still fails makes the *item* fail with
@@ -407,6 +409,7 @@ class LlmExtractor:
                 continue
             if not r.facts:
                 report.no_fact_items.append(idx)
+                prev = None  # the next item answers this one, not the one before it
                 continue
             item_facts = [_copy(f) for f in r.facts]  # cached facts stay pristine
             if self.link_adjacent and prev is not None:

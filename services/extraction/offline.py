@@ -341,8 +341,9 @@ class OfflineExtractor:
                 mention_lists.append([(n, "PERSON" if l != "PERSON" and entity_key(n) in speaker_keys
                                        else l) for n, l in mentions])
             facts += item_facts
-            if item_facts:
-                prev_last = (item, item_facts[-1].id)
+            # an item without facts (blank) breaks the chain: the next one does not
+            # answer the item before it
+            prev_last = (item, item_facts[-1].id) if item_facts else None
 
         for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
             f.entities = refs

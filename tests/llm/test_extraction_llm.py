@@ -240,6 +240,25 @@ def _with_offline(gw):
     return WithOfflineFacts(extractor(gw), OfflineExtractor())
 
 
+def test_a_reply_links_only_to_the_item_just_before_it(stub, gateway):
+    """The first fact of an item links (temporal 0.5, what recall reads as "answers") to
+    the last fact of the item before it; when the model found nothing in that item, to
+    none: not to an earlier item's fact."""
+    stub.on("chat", chat({"facts": [fact("Caroline went to a support group.")]}),
+            match="support group")
+    stub.on("chat", chat({"facts": []}), match="Wow")
+    stub.on("chat", chat({"facts": [fact("Melanie painted a bowl.")]}), match="pottery")
+    stub.on("chat", chat({"facts": [fact("Caroline likes the bowl.")]}), match="lovely")
+    items = [RetainItem(t, TS, document_id="conv") for t in (
+        "Caroline: I went to a support group yesterday.", "Melanie: Wow!",
+        "Melanie: I painted that pottery bowl last year!", "Caroline: It is lovely.")]
+    facts = extractor(gateway).extract_many("bank", items, "op-1")
+    assert [f.item_index for f in facts] == [0, 2, 3]
+    replies = {f.item_index: [lk.target_id for lk in f.links
+                              if lk.kind == "temporal" and lk.weight == 0.5] for f in facts}
+    assert replies == {0: [], 2: [], 3: [facts[1].id]}
+
+
 def test_offline_facts_are_kept_beside_the_models(stub, gateway):
     """The model's facts come first per item, then the offline facts of the same item,
     marked and with their own ids; an item the model finds nothing in keeps its offline
