@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 from mneme.domain import Fact, Scored, TimeWindow, utc
 
@@ -426,15 +426,19 @@ def passage_of(fact: Fact) -> Hashable:
     return (fact.document_id, fact.item_index) if fact.document_id else ("id", fact.id)
 
 
+def passage_ranks(keys: Iterable[Hashable]) -> Iterator[int]:
+    """The 1-based rank of each of ``keys`` (passages, best first) among the distinct
+    passages so far: a passage seen before keeps the rank it got then."""
+    at: dict[Hashable, int] = {}
+    for key in keys:
+        yield at.setdefault(key, len(at) + 1)
+
+
 def _head_end(results: Sequence[Scored], head: int) -> int:
     """How many of ``results`` hold their first ``head`` distinct passages."""
-    seen: set[Hashable] = set()
-    for k, s in enumerate(results):
-        key = passage_of(s.fact)
-        if key not in seen:
-            if len(seen) == head:
-                return k
-            seen.add(key)
+    for k, rank in enumerate(passage_ranks(passage_of(s.fact) for s in results)):
+        if rank > head:
+            return k
     return len(results)
 
 

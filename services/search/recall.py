@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Hashable, Mapping
 
 from mneme.domain import (
     BANK_ID_RE, Fact, Filters, Hit, RecallOutcome, RecallQuery, Scored, TimeWindow, utc,
@@ -40,9 +40,9 @@ from mneme.deadline import current as current_deadline
 from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
-    BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, proof_boost,
-    question_factor, recency_boost, reply_share, rerank_head, temporal_proximity_boost,
-    window_overlap, rrf,
+    BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, passage_ranks,
+    proof_boost, question_factor, recency_boost, reply_share, rerank_head,
+    temporal_proximity_boost, window_overlap, rrf,
 )
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
@@ -216,7 +216,7 @@ def _query_entities(graph: GraphStore, analyzer: QueryAnalyzer, bank_id: str,
 
 
 def _seeds(semantic: list[Hit], keyword: list[Hit],
-           passage: dict[str, object] | None = None) -> dict[str, float]:
+           passage: Mapping[str, Hashable] | None = None) -> dict[str, float]:
     """Seed activations for the graph arm from the hits of the top :data:`GRAPH_SEEDS`
     passages of each arm (``passage``: id → passage, as :func:`mneme.retrieval.rrf`
     takes it; an id not in it is a passage of its own): 1.0 at rank 1 falling linearly
@@ -226,14 +226,11 @@ def _seeds(semantic: list[Hit], keyword: list[Hit],
     passage = passage or {}
     seeds: dict[str, float] = {}
     for hits in (semantic, keyword):
-        at: dict[object, int] = {}
-        for h in hits:
-            key = passage.get(h.id, ("id", h.id))
-            if key not in at:
-                if len(at) == GRAPH_SEEDS:
-                    break
-                at[key] = len(at) + 1
-            a = 1.0 - 0.05 * (at[key] - 1)
+        ranks = passage_ranks(passage.get(h.id, ("id", h.id)) for h in hits)
+        for h, rank in zip(hits, ranks):
+            if rank > GRAPH_SEEDS:
+                break
+            a = 1.0 - 0.05 * (rank - 1)
             seeds[h.id] = max(seeds.get(h.id, 0.0), a)
     return seeds
 
