@@ -3,6 +3,7 @@ contracts, plus what is specific to them: URL dispatch, durability, concurrency.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -307,6 +308,42 @@ class TestFalkorGraphStore(GraphStoreSuite):
             hits = s.spread("a", {"h00": 1.0}, [], k=50, hops=1)
             assert 1 < len(hits) <= 1 + 5
             assert len(s.spread("a", {}, [hub.id], k=50, hops=0)) == 5
+        finally:
+            s.close()
+
+    @pytest.mark.parametrize("first", [True, False])
+    def test_a_purge_waits_for_a_background_save(self, tmp_path, first, monkeypatch):
+        """Redis's save points start background saves on their own, e.g. just after the
+        purge's append-only file rewrite. One running when the purge saves (the first,
+        with no snapshot file yet, or a later one) copied the data set before the
+        deletion: the purge waits for it, then saves, rather than failing on "Background
+        save already in progress" or leaving the deleted data in its snapshot."""
+        from mneme.stores import graph_falkor
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        client = s._db.client
+        started = []
+
+        def rewrite_then_a_save_point(c, timeout):
+            real_rewrite(c, timeout)
+            client.config_set("rdb-key-save-delay", 300_000)  # µs per key, in the child
+            try:
+                started.append(client.bgsave())
+            finally:
+                client.config_set("rdb-key-save-delay", 0)
+
+        real_rewrite = graph_falkor._rewrite_aof
+        try:
+            s.upsert([unit(f"u{i}", entities=[EntityRef(f"e{i}", f"Zqxname{i}", "person")])
+                      for i in range(3)])
+            if not first:
+                client.save()
+            monkeypatch.setattr(graph_falkor, "_rewrite_aof", rewrite_then_a_save_point)
+            s.delete("a", ["u1"])
+            s.flush()
+            assert started and not client.info("persistence")["rdb_bgsave_in_progress"]
+            assert os.path.exists(tmp_path / "g.db")
+            assert holders(tmp_path, {"gone": b"Zqxname1"}) == {}
+            assert s.count("a") == 2
         finally:
             s.close()
 

@@ -219,14 +219,14 @@ class FalkorGraphStore(_FalkorGraph):
         for; Redis then removes the old files) and the snapshot file (``SAVE``, when
         there is one), so neither keeps a deleted entity. Costs about the graph's size;
         :meth:`flush` calls it once per batch of deletions. RuntimeError when the rewrite
-        fails or takes over ``timeout`` seconds (the deletions stay pending)."""
+        or the save fails or takes over ``timeout`` seconds (the deletions stay pending)."""
         with self._lock:
             client = self._db.client
             self._deleted = False
             try:
+                deadline = time.monotonic() + timeout
                 _rewrite_aof(client, timeout)
-                if os.path.exists(self.path):
-                    client.save()
+                _save(client, self.path, deadline)
             except BaseException:
                 self._deleted = True
                 raise
@@ -265,6 +265,27 @@ def _rewrite_aof(client, timeout: float) -> None:
     if info.get("aof_last_bgrewrite_status") != "ok":
         raise RuntimeError("graph store: append-only file rewrite failed "
                            f"({info.get('aof_last_bgrewrite_status')})")
+
+
+def _save(client, path: str, deadline: float) -> None:
+    """``SAVE`` the snapshot file ``path`` when there is one, after any background save
+    has ended: Redis refuses ``SAVE`` while one runs, and one its save points started
+    before a deletion (perhaps the first, so no file yet) writes the deleted data when it
+    ends. RuntimeError past ``deadline`` (a ``time.monotonic()`` value)."""
+    while True:
+        while client.info("persistence").get("rdb_bgsave_in_progress"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("graph store: a background save still running")
+            time.sleep(0.01)
+        if not os.path.exists(path):
+            return  # a save starting from now copies the data set without the deletion
+        try:
+            client.save()
+            return
+        except redis.ResponseError as e:
+            # A save point fired between the check and SAVE: wait for it and save again.
+            if "in progress" not in str(e) or time.monotonic() > deadline:
+                raise
 
 
 def parse_falkor_url(url: str) -> tuple[str, str]:
