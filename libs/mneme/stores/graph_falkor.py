@@ -246,7 +246,8 @@ class FalkorGraphStore(_FalkorGraph):
 
 def _rewrite_aof(client, timeout: float) -> None:
     """``BGREWRITEAOF`` and wait until it is done (RuntimeError when it failed or takes
-    over ``timeout`` seconds). A rewrite already running is waited for, then one made."""
+    over ``timeout`` seconds). A rewrite already running, or one Redis starts on its own
+    meanwhile, is waited for, then one made."""
     deadline = time.monotonic() + timeout
 
     def wait() -> dict:
@@ -259,8 +260,16 @@ def _rewrite_aof(client, timeout: float) -> None:
                                    f"after {timeout:.0f}s")
             time.sleep(0.01)
 
-    wait()  # a rewrite in progress may have copied the data set before the deletion
-    client.bgrewriteaof()
+    while True:
+        wait()  # a rewrite in progress may have copied the data set before the deletion
+        try:
+            client.bgrewriteaof()
+            break
+        except redis.ResponseError as e:
+            # Redis's own rewrite (auto-aof-rewrite-percentage) began after the wait:
+            # wait for it too, then rewrite.
+            if "in progress" not in str(e) or time.monotonic() > deadline:
+                raise
     info = wait()
     if info.get("aof_last_bgrewrite_status") != "ok":
         raise RuntimeError("graph store: append-only file rewrite failed "
