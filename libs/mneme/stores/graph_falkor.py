@@ -247,30 +247,15 @@ class FalkorGraphStore(_FalkorGraph):
 def _rewrite_aof(client, timeout: float) -> None:
     """``BGREWRITEAOF`` and wait until it is done (RuntimeError when it failed or takes
     over ``timeout`` seconds). A rewrite already running, or one Redis starts on its own
-    meanwhile, is waited for, then one made."""
+    meanwhile, is waited for, then one made: it may have copied the data set before the
+    deletion."""
     deadline = time.monotonic() + timeout
 
-    def wait() -> dict:
-        while True:
-            info = client.info("persistence")
-            if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
-                return info
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"graph store: append-only file rewrite still running "
-                                   f"after {timeout:.0f}s")
-            time.sleep(0.01)
+    def rewriting(info: dict) -> bool:
+        return bool(info.get("aof_rewrite_in_progress") or info.get("aof_rewrite_scheduled"))
 
-    while True:
-        wait()  # a rewrite in progress may have copied the data set before the deletion
-        try:
-            client.bgrewriteaof()
-            break
-        except redis.ResponseError as e:
-            # Redis's own rewrite (auto-aof-rewrite-percentage) began after the wait:
-            # wait for it too, then rewrite.
-            if "in progress" not in str(e) or time.monotonic() > deadline:
-                raise
-    info = wait()
+    _when_idle(client, rewriting, client.bgrewriteaof, deadline, "append-only file rewrite")
+    info = _wait_idle(client, rewriting, deadline, "append-only file rewrite")
     if info.get("aof_last_bgrewrite_status") != "ok":
         raise RuntimeError("graph store: append-only file rewrite failed "
                            f"({info.get('aof_last_bgrewrite_status')})")
@@ -280,19 +265,34 @@ def _save(client, path: str, deadline: float) -> None:
     """``SAVE`` the snapshot file ``path`` when there is one, after any background save
     has ended: Redis refuses ``SAVE`` while one runs, and one its save points started
     before a deletion (perhaps the first, so no file yet) writes the deleted data when it
-    ends. RuntimeError past ``deadline`` (a ``time.monotonic()`` value)."""
+    ends. A save starting after the check copies the data set without the deletion.
+    RuntimeError past ``deadline`` (a ``time.monotonic()`` value)."""
+    _when_idle(client, lambda info: bool(info.get("rdb_bgsave_in_progress")),
+               lambda: os.path.exists(path) and client.save(), deadline, "background save")
+
+
+def _wait_idle(client, busy: Callable[[dict], bool], deadline: float, what: str) -> dict:
+    """Poll ``INFO persistence`` until ``busy`` of it is false; returns that info.
+    RuntimeError naming ``what`` past ``deadline`` (a ``time.monotonic()`` value)."""
     while True:
-        while client.info("persistence").get("rdb_bgsave_in_progress"):
-            if time.monotonic() > deadline:
-                raise RuntimeError("graph store: a background save still running")
-            time.sleep(0.01)
-        if not os.path.exists(path):
-            return  # a save starting from now copies the data set without the deletion
+        info = client.info("persistence")
+        if not busy(info):
+            return info
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"graph store: {what} still running at the deadline")
+        time.sleep(0.01)
+
+
+def _when_idle(client, busy: Callable[[dict], bool], command: Callable[[], Any],
+               deadline: float, what: str) -> Any:
+    """``command()`` once Redis's background job is over (:func:`_wait_idle`), and again
+    after waiting when Redis refuses it because a job of its own began in between (its
+    save points, its automatic AOF rewrite: "... already in progress")."""
+    while True:
+        _wait_idle(client, busy, deadline, what)
         try:
-            client.save()
-            return
+            return command()
         except redis.ResponseError as e:
-            # A save point fired between the check and SAVE: wait for it and save again.
             if "in progress" not in str(e) or time.monotonic() > deadline:
                 raise
 
