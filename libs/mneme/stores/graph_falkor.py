@@ -335,7 +335,8 @@ class FalkorGraphStore(_FalkorGraph):
                 raise
 
     def close(self) -> None:
-        """Shut the embedded server down (data saved, deletions purged); further calls
+        """Shut the embedded server down (data saved, deletions purged, the append-only
+        file rewritten when it grew, so the next start loads a snapshot); further calls
         raise RuntimeError."""
         with self._lock:
             if self._graph is None:
