@@ -326,6 +326,33 @@ class GraphStoreSuite:
                 (r[0], r[1] or "", r[2] or "", r[3] or "") for r in by_cypher)
         assert store.snapshot_stats["hits"] == 40 and store.snapshot_stats["builds"] == 1
 
+    def test_a_hub_entity_gives_its_degree_and_most_recent_units(self, store):
+        """With a fanout below the hubs' degrees, the hop-by-hop queries keep each entity's
+        fanout most recent units (then by id) and its full degree, as the in-memory copy
+        does; ``entity`` lists its live units in the same order."""
+        from mneme.stores import graph_cypher as gc
+        store.fanout = 3
+        rng = random.Random(5)
+        units = self._random_bank(store, rng)
+        for _ in range(gc.SNAPSHOT_AFTER):
+            adjacency = store.adjacency("a")
+        assert isinstance(adjacency, gc.Adjacency)
+        entity_ids = [f"e{i}" for i in range(25)] + ["e-none"]
+        view = lambda run: gc._CypherView(run, "a", store.fanout)  # noqa: E731
+        by_cypher = store._read(lambda run: list(view(run).entity_units(entity_ids)))
+        in_memory = list(adjacency.entity_units(entity_ids))
+        assert [(d, list(u)) for d, u in by_cypher] == [(d, list(u)) for d, u in in_memory]
+        assert max(d for d, _ in by_cypher) > store.fanout  # hubs were cut to the fanout
+        frontier = rng.sample(units, 30)
+        hop = store._read(lambda run: [(sorted(s), list(u), w)
+                                       for s, u, w in view(run).neighbours(frontier)])
+        assert sorted(hop) == sorted((sorted(s), list(u), w)
+                                     for s, u, w in adjacency.neighbours(frontier))
+        mentioned = [e for e in entity_ids if e in adjacency.mentions]
+        for eid, (degree, recent) in zip(mentioned, in_memory, strict=True):
+            info = store.entity("a", eid, units=store.fanout)
+            assert info.mentions == degree and list(info.units) == list(recent)
+
     def test_adjacency_is_replaced_after_every_write(self, store):
         """A write renews the bank's token: the next reads answer from the graph as it
         is now (by Cypher until a new copy is made), never from the old copy."""

@@ -14,6 +14,7 @@ index / graph (named after its tmp_path), so tests stay independent.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 
 import pytest
@@ -50,6 +51,12 @@ def falkordb(tmp_path_factory):
 
 
 # ---- vectors: Qdrant (local mode) ------------------------------------------------------------
+
+
+def importing_with(query: str) -> str:
+    """Neo4j's ``CALL (a) {`` (what the adapter sends, :func:`cypher.scope_clause`) as
+    the importing ``WITH`` the FalkorDB engine behind the double parses."""
+    return re.sub(r"CALL \(([\w, ]+)\) \{\n", r"CALL {\n  WITH \1\n", query)
 
 
 class TestQdrantVectorStore(VectorStoreSuite):
@@ -250,9 +257,16 @@ class TestNeo4jAdapterOverFalkor(GraphStoreSuite):
 
     def make_store(self, path):
         graph = self.db.select_graph(name_of(path, "n"))
-        driver = BoltDriverDouble(lambda q, p: graph.query(q, p or None).result_set)
+        driver = BoltDriverDouble(
+            lambda q, p: graph.query(importing_with(q), p or None).result_set)
         return Neo4jGraphStore.from_url("neo4j://user:pw@neo4j.invalid:7687/memory",
                                         driver=driver)
+
+    def test_subqueries_reach_neo4j_with_the_variable_scope_clause(self, store):
+        store.upsert(chain())
+        store.spread("a", {"u2": 1.0}, ["e-bob"], k=5)
+        sent = [c.query for c in store.driver.calls if "CALL" in c.query]
+        assert sent and all("CALL (e) {" in q and "WITH e\n" not in q for q in sent)
 
     def test_every_write_runs_in_a_write_transaction(self, store):
         store.upsert(chain())
@@ -267,8 +281,8 @@ class TestNeo4jAdapterOverFalkor(GraphStoreSuite):
         writes = {c.query for c in calls if c.mode == "write"}
         assert {cypher.UPSERT_UNITS, cypher.MERGE_MENTIONS, cypher.MARK_STUBS,
                 cypher.DELETE_ALL} <= writes
-        assert {c.query for c in calls if c.mode == "read"} >= {
-            cypher.ENTITY_UNITS, cypher.ENTITY_NEIGHBOURS, cypher.FIND_ENTITIES}
+        assert {c.query for c in calls if c.mode == "read"} >= {cypher.scope_clause(q) for q in (
+            cypher.ENTITY_UNITS, cypher.ENTITY_NEIGHBOURS, cypher.FIND_ENTITIES)}
 
     def test_close_closes_the_driver(self, tmp_path):
         s = self.make_store(tmp_path)

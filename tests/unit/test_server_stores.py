@@ -125,10 +125,22 @@ QUERIES = {name: q for name, q in vars(cypher).items()
 def test_queries_keep_to_the_common_dialect(name):
     q = QUERIES[name]
     forbidden = [r"EXISTS\s*\{", r"\bdatetime\s*\(", r"\belementId\s*\(", r"\bid\s*\(",
-                 r"CALL\s*\{", r"\bapoc\.", r"IN TRANSACTIONS", r"\bCOUNT\s*\{"]
+                 r"CALL\s*\(", r"\bapoc\.", r"IN TRANSACTIONS", r"\bCOUNT\s*\{"]
     for pattern in forbidden:
         assert not re.search(pattern, q, re.IGNORECASE), (name, pattern)
+    # subqueries import with WITH (FalkorDB's only form), which the Neo4j adapter rewrites
+    subqueries = len(re.findall(r"CALL\s*\{", q, re.IGNORECASE))
+    assert q.count("CALL (") == 0 and cypher.scope_clause(q).count("CALL (") == subqueries
     assert "$" in q or name == "DELETE_ALL"  # parameters, never inlined values
+
+
+def test_scope_clause_rewrites_only_importing_withs():
+    q = "UNWIND $x AS a\nMATCH (b)\nCALL {\n  WITH a, b\n  MATCH (a)-->(c)\n  RETURN c\n}\nRETURN c"
+    assert cypher.scope_clause(q) == (
+        "UNWIND $x AS a\nMATCH (b)\nCALL (a, b) {\n  MATCH (a)-->(c)\n  RETURN c\n}\nRETURN c")
+    plain = "MATCH (n) WITH n RETURN n"
+    assert cypher.scope_clause(plain) == plain
+    assert "WITH e\n" not in cypher.scope_clause(cypher.ENTITY_NEIGHBOURS)
 
 
 def test_ddl_per_backend():
@@ -183,6 +195,8 @@ def test_neo4j_spread_reads_in_one_read_transaction():
         cypher.ENTITY_NEIGHBOURS: [["e1", ["u2"], 2, ["u2", "u3"]]],
         cypher.LINK_NEIGHBOURS: [["u1", "u4", "causal", 0.5]],
     }
+    # the adapter sends subqueries with Neo4j's scope clause
+    answers = {cypher.scope_clause(q): rows for q, rows in answers.items()}
     driver = BoltDriverDouble(lambda q, p: answers.get(q, []))
     store = Neo4jGraphStore(driver=driver)
     driver.calls.clear()
@@ -207,6 +221,8 @@ def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
         cypher.ENTITY_NEIGHBOURS: [],
         cypher.LINK_NEIGHBOURS: [["u1", "u4", "causal", 0.5]],
     }
+    # the adapter sends subqueries with Neo4j's scope clause
+    answers = {cypher.scope_clause(q): rows for q, rows in answers.items()}
     driver = BoltDriverDouble(lambda q, p: answers.get(q, []))
     store = Neo4jGraphStore(driver=driver)
     results = []
@@ -224,6 +240,8 @@ def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
 def test_neo4j_deletes_and_reset_are_batched_writes():
     answers = {cypher.DELETE_BANK_UNITS: [[0]], cypher.DELETE_BANK_ENTITIES: [[0]],
                cypher.DELETE_ALL: [[0]], cypher.UNITS_OF_DOCUMENT: [["u1"], ["u2"]]}
+    # the adapter sends subqueries with Neo4j's scope clause
+    answers = {cypher.scope_clause(q): rows for q, rows in answers.items()}
     driver = BoltDriverDouble(lambda q, p: answers.get(q, []))
     store = Neo4jGraphStore(driver=driver)
     driver.calls.clear()

@@ -3,8 +3,11 @@
 Kept to the dialect both speak: parameters (``$name``), ``UNWIND`` batches, ``MERGE`` on
 our own ids, epoch-second numbers for times (no ``datetime()``), no ``elementId()``, no
 ``EXISTS {}`` subqueries (counts via ``OPTIONAL MATCH`` … ``count()`` instead), and an
-explicit ``u <> v`` where a pattern could come back to the node it started from.
-Only the index DDL differs per backend.
+explicit ``u <> v`` where a pattern could come back to the node it started from, and
+``CALL { WITH e … }`` subqueries for a per-row top-k (``ORDER BY … LIMIT`` inside).
+Only the index DDL differs per backend, and the subqueries' import: FalkorDB knows only
+the importing ``WITH``, which Neo4j's Cypher 25 (the language of 2026.02+ databases)
+replaced by ``CALL (e) {``; the Neo4j adapter rewrites it (:func:`scope_clause`).
 
 Model::
 
@@ -21,6 +24,18 @@ units still link to it); it is never counted or returned. ``Entity.key`` is
 units or edges, last (see :data:`TOUCH_BANK`): a reader that holds a copy of the bank's
 adjacency knows it is current while the token has not changed.
 """
+
+import re
+
+_IMPORTING_WITH = re.compile(r"CALL\s*\{\s*WITH\s+(\w+(?:\s*,\s*\w+)*)[ \t]*\n")
+
+
+def scope_clause(query: str) -> str:
+    """``query`` with each ``CALL {`` subquery that begins with an importing ``WITH a, b``
+    (on a line of its own) written as ``CALL (a, b) {``, Neo4j's variable scope clause
+    (Neo4j 5.23+; the only form in Cypher 25). Other text is returned unchanged."""
+    return _IMPORTING_WITH.sub(lambda m: f"CALL ({m.group(1)}) {{\n", query)
+
 
 # ---- index DDL, per backend -----------------------------------------------------------------
 
@@ -236,14 +251,25 @@ RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
 ORDER BY id
 """
 
-#: One entity with its live mentions and the $limit most recent units mentioning it.
+#: One entity with its live mentions and the $limit most recent units mentioning it (a
+#: subquery each, as in :data:`ENTITY_UNITS`: a hub's mentions are counted, not held).
 GET_ENTITY = """
 MATCH (e:Entity {bank_id: $bank_id, id: $entity_id})
-OPTIONAL MATCH (e)<-[:MENTIONS]-(u:Unit)
-WHERE u.stub = false
-WITH e, u ORDER BY coalesce(u.occurred_start, 0) DESC, u.id
+CALL {
+  WITH e
+  MATCH (e)<-[:MENTIONS]-(u:Unit)
+  WHERE u.stub = false
+  RETURN count(u) AS mentions
+}
+CALL {
+  WITH e
+  MATCH (e)<-[:MENTIONS]-(u:Unit)
+  WHERE u.stub = false
+  WITH u ORDER BY coalesce(u.occurred_start, 0) DESC, u.id LIMIT $limit
+  RETURN collect(u.id) AS units
+}
 RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
-       count(u) AS mentions, collect(u.id)[0..$limit] AS units
+       mentions, units
 """
 
 #: The entities sharing a live unit with $entity_id: how many units mention both.
@@ -290,27 +316,39 @@ WHERE n.stub = false
 RETURN n.id AS unit_id
 """
 
+#: Per entity ``e``: ``degree`` (how many units mention it) and ``units``, the $fanout most
+#: recent of them (coalesce(occurred_start, 0) DESC, then id).
+_MENTIONS_OF_E = """CALL {
+  WITH e
+  MATCH (e)<-[:MENTIONS]-(v:Unit)
+  RETURN count(v) AS degree
+}
+CALL {
+  WITH e
+  MATCH (e)<-[:MENTIONS]-(v:Unit)
+  WITH v ORDER BY coalesce(v.occurred_start, 0) DESC, v.id LIMIT $fanout
+  RETURN collect(v.id) AS units
+}"""
+
 #: Units mentioning $entity_ids: per entity its degree (all mentioning units) and the
-#: $fanout most recent of them, so a hub entity cannot flood a hop.
+#: $fanout most recent of them, so a hub entity cannot flood a hop. Each is a subquery of
+#: its own: counting keeps no rows, and ORDER BY with LIMIT keeps only the top $fanout,
+#: where collecting a hub's mentions sorted in full made FalkorDB hold them all (a
+#: 100k-fact bank's first cold recall grew the server by 270 MB, kept after).
 ENTITY_UNITS = """
 UNWIND $entity_ids AS eid
-MATCH (e:Entity {bank_id: $bank_id, id: eid})<-[:MENTIONS]-(v:Unit)
-WITH e, v ORDER BY coalesce(v.occurred_start, 0) DESC, v.id
-WITH e, count(v) AS degree, collect(v.id) AS units
-RETURN e.id AS entity_id, degree, units[0..$fanout] AS units
+MATCH (e:Entity {bank_id: $bank_id, id: eid})
+""" + _MENTIONS_OF_E + """
+WITH e, degree, units WHERE degree > 0
+RETURN e.id AS entity_id, degree, units
 """
 
-#: One entity hop from the frontier $ids: per shared entity, which frontier units
-#: mention it (sources), its degree and up to $fanout mentioning units (may include
-#: the sources themselves; the caller skips those).
 ENTITY_NEIGHBOURS = """
 UNWIND $ids AS uid
 MATCH (u:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
 WITH e, collect(DISTINCT uid) AS sources
-MATCH (e)<-[:MENTIONS]-(v:Unit)
-WITH e, sources, v ORDER BY coalesce(v.occurred_start, 0) DESC, v.id
-WITH e, sources, count(v) AS degree, collect(v.id) AS units
-RETURN e.id AS entity_id, sources, degree, units[0..$fanout] AS units
+""" + _MENTIONS_OF_E + """
+RETURN e.id AS entity_id, sources, degree, units
 """
 
 #: One link hop from the frontier $ids, in either direction (a causal or temporal link

@@ -15,6 +15,7 @@ URLs: ``bolt://``, ``bolt+s://``, ``bolt+ssc://``, ``neo4j://``, ``neo4j+s://``,
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -42,6 +43,15 @@ def parse_neo4j_url(url: str) -> tuple[str, tuple[str, str] | None, str | None]:
     database = unquote(parts.path.strip("/")) or None
     # the query is the driver's routing context (neo4j:// only; the driver checks it)
     return urlunsplit((scheme, netloc, "", parts.query, "")), auth, database
+
+
+#: The query set in Neo4j's dialect: subqueries with the variable scope clause (the query
+#: set is a few dozen constants, so the cache holds each once).
+_in_neo4j_dialect = functools.lru_cache(maxsize=256)(cypher.scope_clause)
+
+
+def _runner(tx: Any) -> Run:
+    return lambda q, p: _values(tx.run(_in_neo4j_dialect(q), storable_value(p)))
 
 
 def _values(records: Any) -> list[list[Any]]:
@@ -102,13 +112,11 @@ class Neo4jGraphStore(CypherGraphStore):
 
     def _read(self, work: Callable[[Run], T]) -> T:
         with self._session() as session:
-            return session.execute_read(
-                lambda tx: work(lambda q, p: _values(tx.run(q, storable_value(p)))))
+            return session.execute_read(lambda tx: work(_runner(tx)))
 
     def _write(self, work: Callable[[Run], T]) -> T:
         with self._session() as session:
-            return session.execute_write(
-                lambda tx: work(lambda q, p: _values(tx.run(q, storable_value(p)))))
+            return session.execute_write(lambda tx: work(_runner(tx)))
 
     def _ensure_schema(self) -> None:
         with self._session() as session:
