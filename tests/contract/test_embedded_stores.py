@@ -3,6 +3,7 @@ contracts, plus what is specific to them: URL dispatch, durability, concurrency.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,13 +14,14 @@ import time
 
 import pytest
 
-from .corpus import DIM, corpus
+from .corpus import DIM, corpus, full_fact
 from .graph_suite import GraphStoreSuite, unit
 from mneme.domain import EntityRef
 from mneme.stores import open_graph_store, open_text_store, open_vector_store
 from mneme.stores.graph_falkor import GRAPH_NAME, FalkorGraphStore, hub_damping
 from mneme.stores.text_tantivy import TantivyTextStore
 from mneme.stores.vector_edge import EdgeVectorStore
+from qdrant_edge import Distance, EdgeConfig, EdgeShard, EdgeVectorParams
 from .text_suite import TextStoreSuite
 from .vector_suite import VectorStoreSuite
 
@@ -172,6 +174,8 @@ def test_only_a_deletion_that_removed_something_costs_a_purge(tmp_path, kind, mo
 
 
 class TestEdgeVectorStore(VectorStoreSuite):
+    vector_tolerance = 1e-3  # float16 (vector_edge.DATATYPE)
+
     def make_store(self, path):
         return open_vector_store(f"edge://{path}/vectors", DIM)
 
@@ -182,6 +186,25 @@ class TestEdgeVectorStore(VectorStoreSuite):
         self.make_store(tmp_path).close()
         with pytest.raises(ValueError, match="dim"):
             EdgeVectorStore(str(tmp_path / "vectors"), DIM + 1)
+
+    def test_a_float32_shard_of_an_older_version_opens_and_stays_float32(self, tmp_path):
+        path = str(tmp_path / "vectors")
+        old = EdgeShard.create(path, EdgeConfig(vectors=EdgeVectorParams(
+            size=DIM, distance=Distance.Cosine), wal_enabled=False))
+        old.close()
+        s = EdgeVectorStore(path, DIM)
+        try:
+            f = dataclasses.replace(full_fact(), embedding=[0.1 * (i + 1) for i in range(DIM)])
+            s.upsert([f])
+            [got] = s.get("a", [f.id], with_vectors=True)
+            norm = sum(x * x for x in f.embedding) ** 0.5
+            assert got.embedding == pytest.approx([x / norm for x in f.embedding], abs=1e-6)
+        finally:
+            s.close()
+        new = EdgeVectorStore(str(tmp_path / "new"), DIM)
+        new.close()
+        with open(tmp_path / "new" / "edge_config.json") as fh:
+            assert json.load(fh)["vectors"][""]["datatype"] == "float16"
 
     def test_bad_cursor_is_rejected(self, store):
         with pytest.raises(ValueError, match="cursor"):

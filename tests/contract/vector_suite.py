@@ -14,7 +14,10 @@ from mneme.stores.filters import fact_matches
 
 
 class VectorStoreSuite:
-    """Shared tests; vectors have ``DIM`` dimensions."""
+    """Shared tests; vectors have ``DIM`` dimensions. ``vector_tolerance``: how far a
+    stored vector's components may come back from the normalised ones written."""
+
+    vector_tolerance = 1e-6
 
     def make_store(self, path):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -40,7 +43,7 @@ class VectorStoreSuite:
         store.upsert([f])
         [got] = store.get("a", [f.id], with_vectors=True)
         assert dataclasses.replace(got, embedding=[]) == dataclasses.replace(f, embedding=[])
-        assert got.embedding == pytest.approx(f.embedding, abs=1e-6)
+        assert got.embedding == pytest.approx(f.embedding, abs=self.vector_tolerance)
         [plain] = store.get("a", [f.id])
         assert plain.embedding == []
         assert plain.occurred_end == f.occurred_end  # microseconds survive
@@ -136,7 +139,7 @@ class VectorStoreSuite:
         q = unit([0.9, 0.4, 0.1, 0.0, 0, 0, 0, 0])
         hits = store.search("a", q, k=3)
         assert [h.id for h in hits] == [facts[0].id, facts[1].id, facts[2].id]
-        assert hits[0].score == pytest.approx(q[0], abs=1e-4)
+        assert hits[0].score == pytest.approx(q[0], abs=max(1e-4, self.vector_tolerance))
         assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
         assert store.search("a", q, k=0) == []
 
@@ -248,4 +251,4 @@ class VectorStoreSuite:
         store.upsert(corpus("a", 2))  # usable after reset
         assert store.count("a") == 2
         assert math.isclose(store.search("a", corpus("a", 2)[1].embedding, 1)[0].score, 1.0,
-                            abs_tol=1e-4)
+                            abs_tol=max(1e-4, self.vector_tolerance))
