@@ -99,7 +99,8 @@ def test_the_chosen_model_is_recorded_and_replay_needs_no_model(tmp_path, monkey
         assert {u.id for u in got} == set(units)
         for u in got:
             v = np.array(units[u.id])
-            assert np.allclose(np.array(u.embedding), v / np.linalg.norm(v), atol=1e-5)
+            # the vector store keeps float16 (vector_edge.DATATYPE): within ~1e-3
+            assert np.allclose(np.array(u.embedding), v / np.linalg.norm(v), atol=1e-3)
     finally:
         node.close()
 

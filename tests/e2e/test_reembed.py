@@ -210,12 +210,13 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
     try:
         obs = store.observations("b")
         assert obs and {o.embedding_model for o in obs.values()} == {L3}
+        # (the events' float32 vectors; ``settled`` came from the float16 vector store)
         for o in obs.values():
-            assert np.allclose(list(o.embedding), settled[o.id], atol=1e-5)
+            assert np.allclose(list(o.embedding), settled[o.id], atol=1e-3)
         facts = store.facts_by_id("b", list(settled))
         assert facts
         for f in facts.values():
-            assert np.allclose(list(f.embedding), settled[f.id], atol=1e-5)
+            assert np.allclose(list(f.embedding), settled[f.id], atol=1e-3)
     finally:
         store.close()
 
