@@ -53,12 +53,6 @@ def falkordb(tmp_path_factory):
 # ---- vectors: Qdrant (local mode) ------------------------------------------------------------
 
 
-def importing_with(query: str) -> str:
-    """Neo4j's ``CALL (a) {`` (what the adapter sends, :func:`cypher.scope_clause`) as
-    the importing ``WITH`` the FalkorDB engine behind the double parses."""
-    return re.sub(r"CALL \(([\w, ]+)\) \{\n", r"CALL {\n  WITH \1\n", query)
-
-
 class TestQdrantVectorStore(VectorStoreSuite):
     def make_store(self, path):
         return open_vector_store(f"qdrant-local://{path}/qdrant", DIM)
@@ -241,6 +235,12 @@ class TestFalkorServerGraphStore(GraphStoreSuite):
 
 
 # ---- graph: the Neo4j adapter, its Cypher executed by the FalkorDB server -----------------
+
+
+def importing_with(query: str) -> str:
+    """Neo4j's ``CALL (a) {`` (what the adapter sends, :func:`cypher.scope_clause`) as
+    the importing ``WITH`` the FalkorDB engine behind the double parses."""
+    return re.sub(r"CALL \(([\w, ]+)\) \{\n", r"CALL {\n  WITH \1\n", query)
 
 
 class TestNeo4jAdapterOverFalkor(GraphStoreSuite):

@@ -240,8 +240,6 @@ def test_neo4j_spread_from_the_adjacency_copy_reads_only_the_token():
 def test_neo4j_deletes_and_reset_are_batched_writes():
     answers = {cypher.DELETE_BANK_UNITS: [[0]], cypher.DELETE_BANK_ENTITIES: [[0]],
                cypher.DELETE_ALL: [[0]], cypher.UNITS_OF_DOCUMENT: [["u1"], ["u2"]]}
-    # the adapter sends subqueries with Neo4j's scope clause
-    answers = {cypher.scope_clause(q): rows for q, rows in answers.items()}
     driver = BoltDriverDouble(lambda q, p: answers.get(q, []))
     store = Neo4jGraphStore(driver=driver)
     driver.calls.clear()

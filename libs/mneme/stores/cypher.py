@@ -343,6 +343,9 @@ WITH e, degree, units WHERE degree > 0
 RETURN e.id AS entity_id, degree, units
 """
 
+#: One entity hop from the frontier $ids: per shared entity, which frontier units
+#: mention it (sources), its degree and up to $fanout mentioning units (may include
+#: the sources themselves; the caller skips those).
 ENTITY_NEIGHBOURS = """
 UNWIND $ids AS uid
 MATCH (u:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)

@@ -78,10 +78,8 @@ def _stored_datatype(config_file: str) -> VectorStorageDatatype:
     refuses to load a shard with a config of another datatype."""
     with open(config_file, encoding="utf-8") as fh:
         params = (json.load(fh).get("vectors") or {}).get("") or {}
-    name = str(params.get("datatype") or "float32")
-    return {"float32": VectorStorageDatatype.Float32,
-            "float16": VectorStorageDatatype.Float16,
-            "uint8": VectorStorageDatatype.Uint8}.get(name.lower(), VectorStorageDatatype.Float32)
+    name = str(params.get("datatype") or "float32").capitalize()  # "float16" -> Float16
+    return getattr(VectorStorageDatatype, name, VectorStorageDatatype.Float32)
 
 
 # ---- payload <-> Fact ---------------------------------------------------------------------
@@ -255,8 +253,8 @@ class EdgeVectorStore:
     ``dim`` is the embedding dimension (384 for all-MiniLM-L6-v2); distance is cosine, so
     stored vectors come back L2-normalised. A new shard stores them as float16
     (:data:`DATATYPE`; a shard made as float32 by an older version stays float32 until a
-    replay builds a new one), so they come back within ~1e-3 of what was written. The shard is created when ``path`` holds none
-    and loaded otherwise (creation, its payload indexes and :meth:`optimize` are flushed
+    replay builds a new one), so they come back within ~1e-3 of what was written. The
+    shard is created when ``path`` holds none and loaded otherwise (creation, its payload indexes and :meth:`optimize` are flushed
     at once). A write is visible to reads when it returns but durable only after
     :meth:`flush` or :meth:`close` (an fsync: ~10 ms on a disk, so the consumers flush
     once per batch, before committing its offsets; a crash before then redelivers the
