@@ -138,10 +138,12 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     """Serve every API (ingest, search, reflect, health, reflection) on one port, with
     every service running in this process on the embedded stores."""
     from mneme.datadir import DataDirLocked
+    from mneme.runtime import allocator
     from mneme.runtime.embedded import bootstrap
     from mneme.config import Settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    allocator.tune()
     overrides = {}
     if data_dir:
         overrides["data_dir"] = data_dir
@@ -525,10 +527,12 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
             raise typer.Exit(1)
         return
     from mneme.datadir import DataDirLocked
+    from mneme.runtime import allocator
     from mneme.runtime.replay import ReplayFailed, replay
     from mneme.bus import StaleCommitError
     from mneme.config import Settings
 
+    allocator.tune()
     settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
     with _progress() as prog:
         task = prog.add_task("replaying the log", total=None)

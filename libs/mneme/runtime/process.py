@@ -16,7 +16,7 @@ from mneme.bootstrap import BUILDERS, SERVICES, Root, ServiceParts
 from mneme.datadir import DataDirLocked
 from mneme.config import Settings
 from mneme.errors import ConfigurationError, FailedPrecondition, Unavailable
-from mneme.runtime import generations_api, grpc_server, signals
+from mneme.runtime import allocator, generations_api, grpc_server, signals
 from mneme.runtime.log_runner import LogRunner
 
 log = logging.getLogger("mneme")
@@ -226,6 +226,7 @@ class ServiceProcess:
 
 def run_service(name: str, settings: Settings | None = None) -> None:
     """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
+    allocator.tune()
     proc = ServiceProcess(name, settings)
     grpc_server.setup_telemetry(f"mneme-{name}", proc.settings)
     stop = signals.stop_on_signals()
