@@ -62,7 +62,8 @@ print(json.dumps({"applied": applied, "mmapped": mmapped, "arenas": arenas}))
 
 
 def probe(mode: str, **env: str) -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     e.update(env, PYTHONPATH=os.pathsep.join([str(ROOT / "libs"), str(ROOT)]))
     out = subprocess.run([sys.executable, "-c", PROBE, mode], env=e, capture_output=True,
                          text=True, timeout=60, check=True).stdout
@@ -88,3 +89,10 @@ def test_an_operators_glibc_variable_wins():
     assert got["applied"] == {"MALLOC_MMAP_THRESHOLD_": 128 * 1024}
     assert 2 < got["arenas"] <= 4
     assert got["mmapped"] is True
+
+
+def test_glibc_tunables_win_too():
+    got = probe("tune", GLIBC_TUNABLES="glibc.malloc.mmap_threshold=8388608")
+    assert got["applied"] == {"MALLOC_ARENA_MAX": 2}
+    assert got["arenas"] <= 2
+    assert got["mmapped"] is False  # 4 MiB is under the operator's 8 MiB threshold

@@ -11,7 +11,9 @@ with two arenas, 316 MB with a fixed mmap threshold; glibc's own free lists held
   free) into the arenas, where they fragment.
 
 Both are set with ``mallopt(3)`` before the worker threads start, unless the operator set
-glibc's own variable (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``), which then wins.
+them through glibc's own variables (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or
+``glibc.malloc.arena_max`` / ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``), which
+then win. (The embedded graph server gets its own settings: ``graph_falkor.SERVER_MALLOC``.)
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ def tune(arenas: int = ARENAS, mmap_threshold: int = MMAP_THRESHOLD) -> dict[str
         return {}
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     applied = {}
-    for env, param, value in (("MALLOC_ARENA_MAX", M_ARENA_MAX, arenas),
-                              ("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, mmap_threshold)):
-        if env in os.environ:
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    for env, tunable, param, value in (
+            ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max", M_ARENA_MAX, arenas),
+            ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold", M_MMAP_THRESHOLD,
+             mmap_threshold)):
+        if env in os.environ or tunable + "=" in tunables:
             continue
         if mallopt(param, value) == 1:
             applied[env] = value
