@@ -1,19 +1,17 @@
 """The C allocator's settings for a long-running server process (glibc malloc only).
 
-Two glibc defaults make a server that retains for hours hold far more memory than it uses
-(measured on an in-process 7.6k-fact fill: anonymous RSS 438 MB with the defaults, 309 MB
-with two arenas, 316 MB with a fixed mmap threshold; glibc's own free lists held ~320 MB):
+glibc gives every thread that allocates an arena of its own, up to 8 per core, and memory
+freed in an arena stays there for that arena's threads. A server's threads (gRPC workers,
+consumers, the embedding model's) each leave their peaks behind, so a server that
+retained for an hour held hundreds of MB that no thread used. Measured on an in-process
+fill to 7.6k facts: 438 MB of anonymous RSS with the defaults, 309 MB with two arenas
+(glibc's free lists: ~320 MB before, ~150 MB after); `make bench-load` on conv-26, three
+pairs: retain and recall no slower.
 
-* every thread that allocates gets its own arena, up to 8 per core, and freed memory stays
-  in the arena it came from;
-* the mmap threshold rises to the size of each large block freed (up to 32 MiB), so the
-  embedding model's per-batch buffers of a few MiB move from mmap (returned to the OS on
-  free) into the arenas, where they fragment.
-
-Both are set with ``mallopt(3)`` before the worker threads start, unless the operator set
-them through glibc's own variables (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or
-``glibc.malloc.arena_max`` / ``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``), which
-then win. (The embedded graph server gets its own settings: ``graph_falkor.SERVER_MALLOC``.)
+Set with ``mallopt(3)`` before the worker threads start, unless the operator set it
+through glibc's own variable (``MALLOC_ARENA_MAX``, or ``glibc.malloc.arena_max`` in
+``GLIBC_TUNABLES``), which then wins. (The embedded graph server gets its own settings:
+``graph_falkor.SERVER_MALLOC``.)
 """
 
 from __future__ import annotations
@@ -25,41 +23,30 @@ import platform
 
 log = logging.getLogger(__name__)
 
-#: ``mallopt`` parameters (glibc ``malloc.h``).
-M_MMAP_THRESHOLD = -3
+#: ``mallopt`` parameter (glibc ``malloc.h``).
 M_ARENA_MAX = -8
 #: Arenas of a server process: one per core of the 2-core machines this was measured on
-#: (fewer arenas, less memory stranded in them; more would only ease lock contention).
+#: (fewer arenas strand less memory; more would only ease lock contention).
 ARENAS = 2
-#: Blocks of at least this many bytes are mmapped and unmapped on free (glibc's initial
-#: threshold, kept fixed: ``mallopt`` turns the dynamic threshold off).
-MMAP_THRESHOLD = 128 * 1024
 
 
-def tune(arenas: int = ARENAS, mmap_threshold: int = MMAP_THRESHOLD) -> dict[str, int]:
-    """Set glibc malloc's arena count and a fixed mmap threshold (bytes) for this process.
+def tune(arenas: int = ARENAS) -> dict[str, int]:
+    """Limit glibc malloc to ``arenas`` arenas in this process.
 
     Call once, early, before threads that allocate start (arenas already made stay).
-    Returns the settings applied, by glibc's variable name ({} on another C library, or
-    when the environment sets both). Never raises: a failed ``mallopt`` is logged."""
+    Returns the settings applied, by glibc's variable name: {} on another C library or
+    when the environment sets it. Never raises: a failed ``mallopt`` is logged."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return {}
+    if "MALLOC_ARENA_MAX" in os.environ or \
+            "glibc.malloc.arena_max=" in os.environ.get("GLIBC_TUNABLES", ""):
+        return {}
     try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # a static or odd build: keep the defaults
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # a static or odd build: keep the default
         return {}
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    applied = {}
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    for env, tunable, param, value in (
-            ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max", M_ARENA_MAX, arenas),
-            ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold", M_MMAP_THRESHOLD,
-             mmap_threshold)):
-        if env in os.environ or tunable + "=" in tunables:
-            continue
-        if mallopt(param, value) == 1:
-            applied[env] = value
-        else:
-            log.warning("mallopt(%s=%d) failed; glibc's default stays", env, value)
-    return applied
+    if mallopt(M_ARENA_MAX, arenas) != 1:
+        log.warning("mallopt(M_ARENA_MAX=%d) failed; glibc's default stays", arenas)
+        return {}
+    return {"MALLOC_ARENA_MAX": arenas}
