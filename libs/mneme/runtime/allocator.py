@@ -36,7 +36,7 @@ def tune(arenas: int = ARENAS) -> dict[str, int]:
     Call once, early, before threads that allocate start (arenas already made stay).
     Returns the settings applied, by glibc's variable name: {} on another C library or
     when the environment sets it. Never raises: a failed ``mallopt`` is logged."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":  # ("", "") off Linux
         return {}
     if "MALLOC_ARENA_MAX" in os.environ or \
             "glibc.malloc.arena_max=" in os.environ.get("GLIBC_TUNABLES", ""):
