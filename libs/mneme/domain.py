@@ -291,7 +291,7 @@ class RetainItem:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EntityRef:
     """A resolved entity mention: ``id`` is per bank, ``label`` a spaCy label or CONCEPT."""
 
@@ -317,7 +317,7 @@ class EntityInfo:
     neighbours: tuple[tuple[str, str, str, int], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Link:
     """A directed link from a unit to ``target_id``; ``kind`` in entity/temporal/semantic/causal."""
 
@@ -326,7 +326,7 @@ class Link:
     weight: float = 1.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Fact:
     """A memory unit: one self-contained statement with its times, entities and vector.
 

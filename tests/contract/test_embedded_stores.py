@@ -206,6 +206,48 @@ class TestEdgeVectorStore(VectorStoreSuite):
         with open(tmp_path / "new" / "edge_config.json") as fh:
             assert json.load(fh)["vectors"][""]["datatype"] == "float16"
 
+    def test_cached_facts_share_repeated_values_and_read_as_written(self, store):
+        """The hydration cache keeps one object per repeated value (entities, metadata,
+        times); every fact still reads back exactly as written, and a rewrite of a fact
+        with another entity name is read with the new name."""
+        base = full_fact()
+        facts = [dataclasses.replace(base, id=f"{base.id}-{i}", text=f"fact {i}",
+                                     metadata=dict(base.metadata),
+                                     entities=[EntityRef(e.id, e.name, e.label)
+                                               for e in base.entities],
+                                     links=list(base.links))
+                 for i in range(20)]
+        store.upsert(facts)
+        ids = [f.id for f in facts]
+        for _ in range(2):  # from the shard, then from the cache
+            got = store.get("a", ids)
+            assert [dataclasses.replace(g, embedding=[]) for g in got] == \
+                [dataclasses.replace(f, embedding=[]) for f in facts]
+        assert len({id(g.entities[0]) for g in got}) == 1
+        assert len({id(g.metadata["source"]) for g in got}) == 1
+        assert len({id(g.occurred_start) for g in got}) == 1
+        got[0].metadata["source"] = "changed"  # a caller's change reaches no other fact
+        assert store.get("a", ids[:2])[1].metadata["source"] == "chat"
+        renamed = dataclasses.replace(facts[3], entities=[EntityRef("ent-alice", "Alicia",
+                                                                    "PERSON")])
+        store.upsert([renamed])
+        assert store.get("a", [renamed.id])[0].entities == renamed.entities
+        assert store.get("a", [facts[4].id])[0].entities == facts[4].entities
+
+    def test_a_deletion_drops_the_values_cached_facts_shared(self, store):
+        """Erasure: once facts are deleted, the names and metadata their cached copies
+        shared are not kept in this process either (the shared values are dropped)."""
+        f = dataclasses.replace(full_fact(), entities=[EntityRef("ent-z", "Zelda", "PERSON")],
+                                metadata={"secret": "s3cr3t"})
+        store.upsert([f])
+        assert store.get("a", [f.id])[0].entities[0].name == "Zelda"
+        held = repr(list(store._shared.items()))
+        assert "Zelda" in held and "s3cr3t" in held
+        store.delete("a", [f.id])
+        assert store.get("a", [f.id]) == []
+        held = repr(list(store._shared.items()))
+        assert "Zelda" not in held and "s3cr3t" not in held
+
     def test_bad_cursor_is_rejected(self, store):
         with pytest.raises(ValueError, match="cursor"):
             store.scroll("a", 5, after="not-a-cursor")
