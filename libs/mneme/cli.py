@@ -150,6 +150,7 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     if address:
         overrides["grpc_address"] = address
     settings = Settings(**overrides)
+    allocator.trim_every(settings.malloc_trim_interval_s)
     from mneme.runtime.grpc_server import setup_telemetry
     from mneme.bus.sqlite_log import LogDamaged
     try:

@@ -37,6 +37,9 @@ class Settings(BaseSettings):
         default=10.0, description="SIGTERM: seconds in-flight gRPC calls may finish")
     health_interval_s: float = Field(
         default=5.0, description="Seconds between broker/dependency checks for readiness")
+    malloc_trim_interval_s: float = Field(
+        default=30.0, ge=0, description="Seconds between glibc malloc_trim calls in a "
+        "server process, returning freed heap pages to the system (0: never)")
     kafka_replication_factor: int = Field(
         default=1, description="Replication factor of topics mneme creates (3 on a "
                                "production cluster)")

@@ -76,3 +76,47 @@ def test_glibc_tunables_win_too():
     got = probe("tune", GLIBC_TUNABLES="glibc.malloc.arena_max=3")
     assert got["applied"] == {}
     assert got["arenas"] == 3
+
+
+# Frees 96 MB of 64 KiB heap blocks below a block still in use (so glibc cannot shrink
+# the heap by itself), then reports how much of it stays resident after ~1 s.
+TRIM_PROBE = r"""
+import ctypes, json, sys, time
+from mneme.runtime import allocator
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+thread = allocator.trim_every(float(sys.argv[1]))
+blocks = [libc.malloc(65536) for _ in range(1536)]
+for b in blocks:
+    libc.memset(b, 1, 65536)  # touched: resident
+pin = libc.malloc(65536)
+before = rss_mb()
+for b in blocks:
+    libc.free(b)
+time.sleep(1.0)
+print(json.dumps({"thread": thread is not None, "freed_mb": before - rss_mb()}))
+"""
+
+
+def trim_probe(interval: str) -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, interval], env=e,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_freed_heap_pages_stay_resident_without_trimming():  # what trim_every is for
+    got = trim_probe("0")
+    assert got == {"thread": False, "freed_mb": pytest.approx(0, abs=16)}
+
+
+def test_trim_every_returns_freed_heap_pages():
+    got = trim_probe("0.1")
+    assert got["thread"] and got["freed_mb"] > 80

@@ -12,6 +12,12 @@ Set with ``mallopt(3)`` before the worker threads start, unless the operator set
 through glibc's own variable (``MALLOC_ARENA_MAX``, or ``glibc.malloc.arena_max`` in
 ``GLIBC_TUNABLES``), which then wins. (The embedded graph server gets its own settings:
 ``graph_falkor.SERVER_MALLOC``.)
+
+Even with two arenas, free chunks inside the heaps keep their pages: glibc gives back
+only the top of a heap by itself. :func:`trim_every` calls ``malloc_trim(3)`` from a
+background thread, which returns every whole free page (``madvise(MADV_DONTNEED)``):
+on a server filling a bank, at ~10k facts, 418 → 380 MB of anonymous memory in one
+call; one call over a 200 MB heap took 2-3 ms.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import ctypes
 import logging
 import os
 import platform
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +57,30 @@ def tune(arenas: int = ARENAS) -> dict[str, int]:
         log.warning("mallopt(M_ARENA_MAX=%d) failed; glibc's default stays", arenas)
         return {}
     return {"MALLOC_ARENA_MAX": arenas}
+
+
+def trim_every(interval_s: float) -> threading.Thread | None:
+    """Start a daemon thread that calls glibc's ``malloc_trim(0)`` every ``interval_s``
+    seconds for the rest of the process; returns it, or None when ``interval_s`` ≤ 0 or
+    the C library is not glibc. Never raises: a failed call is logged once and ends the
+    thread."""
+    if interval_s <= 0 or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def run() -> None:
+        wake = threading.Event()  # never set: a sleep that is not a busy loop
+        while not wake.wait(interval_s):
+            try:
+                malloc_trim(0)
+            except Exception:  # noqa: BLE001 (ctypes: never expected; stop, don't spin)
+                log.exception("malloc_trim failed; no more trimming in this process")
+                return
+
+    thread = threading.Thread(target=run, name="malloc-trim", daemon=True)
+    thread.start()
+    return thread

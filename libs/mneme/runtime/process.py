@@ -228,6 +228,7 @@ def run_service(name: str, settings: Settings | None = None) -> None:
     """Run service ``name`` until SIGTERM/SIGINT, then shut down gracefully."""
     allocator.tune()
     proc = ServiceProcess(name, settings)
+    allocator.trim_every(proc.settings.malloc_trim_interval_s)
     grpc_server.setup_telemetry(f"mneme-{name}", proc.settings)
     stop = signals.stop_on_signals()
     proc.bind()
