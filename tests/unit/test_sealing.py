@@ -269,6 +269,24 @@ def test_the_key_caches_are_bounded(tmp_path):
     assert kr.key("b", "f:3") is not None  # evicted from the cache, still in the store
 
 
+def test_a_destroyed_key_leaves_no_cached_seal_key_that_names_it(tmp_path):
+    """Seal keys are cached by a digest of their key ids; destroying one id must still
+    make every seal over it unreadable at once, and leave the others as they were."""
+    kr = Keyring(SqliteKeyStore(":memory:"), LocalKms(os.urandom(32)))
+    for k in ("f:1", "f:2", "f:3"):
+        kr.ensure("b", k, "d:x")
+    kr.ensure("c", "f:1", "d:x")
+    both, other, elsewhere = (kr.combined("b", ["f:1", "f:2"]), kr.combined("b", ["f:3"]),
+                              kr.combined("c", ["f:1"]))
+    assert both and other and elsewhere
+    assert kr.combined("b", ["f:2", "f:1"]) != both  # the order of the ids counts
+    assert kr.combined("b", ["f:1", "f:2"]) == both  # (cached)
+    kr.destroy("b", ["f:2"])
+    assert kr.combined("b", ["f:1", "f:2"]) is None
+    assert kr.combined("b", ["f:3"]) == other
+    assert kr.combined("c", ["f:1"]) == elsewhere
+
+
 def test_ensure_many_creates_the_missing_keys_in_one_write_and_never_a_destroyed_one(tmp_path):
     store = SqliteKeyStore(str(tmp_path / "keys.db"))
     kr = Keyring(store, LocalKms(os.urandom(32)))
