@@ -21,7 +21,8 @@ from mneme.stores import open_graph_store, open_text_store, open_vector_store
 from mneme.stores.graph_falkor import GRAPH_NAME, FalkorGraphStore, hub_damping
 from mneme.stores.text_tantivy import TantivyTextStore
 from mneme.stores.vector_edge import EdgeVectorStore
-from qdrant_edge import Distance, EdgeConfig, EdgeShard, EdgeVectorParams
+from qdrant_edge import (Distance, EdgeConfig, EdgeShard, EdgeVectorParams,
+                         VectorStorageDatatype)
 from .text_suite import TextStoreSuite
 from .vector_suite import VectorStoreSuite
 
@@ -247,6 +248,32 @@ class TestEdgeVectorStore(VectorStoreSuite):
         assert store.get("a", [f.id]) == []
         held = repr(list(store._shared.items()))
         assert "Zelda" not in held and "s3cr3t" not in held
+
+    def test_new_shards_page_vectors_in_and_older_shards_keep_their_placement(self, tmp_path):
+        """A new shard maps its vectors cold (paged in by searches, not read whole at
+        open); a shard made before keeps the placement its segments were built with."""
+        from mneme.stores.vector_edge import VECTOR_MEMORY
+        from qdrant_edge import Memory
+
+        assert VECTOR_MEMORY == Memory.Cold
+        new = EdgeVectorStore(str(tmp_path / "new"), DIM)
+        f = dataclasses.replace(full_fact(), embedding=[0.1 * (i + 1) for i in range(DIM)])
+        new.upsert([f])
+        new.close()
+        with open(tmp_path / "new" / "edge_config.json") as fh:
+            assert json.load(fh)["vectors"][""]["memory"] == "cold"
+        again = EdgeVectorStore(str(tmp_path / "new"), DIM)
+        try:
+            assert again.search("a", f.embedding, 1)[0].id == f.id
+        finally:
+            again.close()
+        path = str(tmp_path / "old")
+        EdgeShard.create(path, EdgeConfig(vectors=EdgeVectorParams(
+            size=DIM, distance=Distance.Cosine, datatype=VectorStorageDatatype.Float16),
+            wal_enabled=False)).close()
+        EdgeVectorStore(path, DIM).close()
+        with open(os.path.join(path, "edge_config.json")) as fh:
+            assert "memory" not in json.load(fh)["vectors"][""]
 
     def test_bad_cursor_is_rejected(self, store):
         with pytest.raises(ValueError, match="cursor"):
