@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +38,28 @@ M_ARENA_MAX = -8
 ARENAS = 2
 
 
+def _glibc(name: str) -> Any | None:
+    """glibc's function ``name`` through ctypes, or None off glibc or in a static or odd
+    build (``platform.libc_ver()`` is ("", "") off Linux)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def tune(arenas: int = ARENAS) -> dict[str, int]:
     """Limit glibc malloc to ``arenas`` arenas in this process.
 
     Call once, early, before threads that allocate start (arenas already made stay).
     Returns the settings applied, by glibc's variable name: {} on another C library or
     when the environment sets it. Never raises: a failed ``mallopt`` is logged."""
-    if platform.libc_ver()[0] != "glibc":  # ("", "") off Linux
-        return {}
     if "MALLOC_ARENA_MAX" in os.environ or \
             "glibc.malloc.arena_max=" in os.environ.get("GLIBC_TUNABLES", ""):
         return {}
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # a static or odd build: keep the default
+    mallopt = _glibc("mallopt")
+    if mallopt is None:  # keep the default
         return {}
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(M_ARENA_MAX, arenas) != 1:
@@ -64,11 +73,8 @@ def trim_every(interval_s: float) -> threading.Thread | None:
     seconds for the rest of the process; returns it, or None when ``interval_s`` ≤ 0 or
     the C library is not glibc. Never raises: a failed call is logged once and ends the
     thread."""
-    if interval_s <= 0 or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc("malloc_trim") if interval_s > 0 else None
+    if malloc_trim is None:
         return None
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
 

@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from datetime import datetime
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 from qdrant_edge import (
     CountRequest,
@@ -55,8 +55,6 @@ from qdrant_edge import (
 from mneme.domain import EntityRef, Fact, Filters, Hit, Link, from_epoch, to_epoch
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 from mneme.stores.storable import storable, storable_facts
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -160,24 +158,28 @@ def payload_to_fact(payload: dict[str, Any], vector: Sequence[float] | None = No
 
     ``shared``: a dict through which values repeated across facts (bank and document ids,
     metadata keys and values, entity ids, names and labels, link kinds, times) become one
-    object each; a fact kept in a cache then costs ~1.9 KB instead of ~3.4 (measured over
-    6,000 LoCoMo facts). The caller bounds it."""
+    object each; a fact kept in a cache then costs ~1.6 KB instead of ~3.4 (measured over
+    6,000 LoCoMo facts, with :class:`Fact`'s slots). The caller bounds it."""
     if "unit" in payload:
         text, context, mentioned, metadata, chunk_id, entities, links, item_index = (
             json.loads(payload["unit"]))
-        one = shared.setdefault if shared is not None else _same
+        one = (shared if shared is not None else {}).setdefault
+
+        def same(value: Any) -> Any:
+            return one(value, value)
+
         return Fact(
-            id=payload["id"], bank_id=one(payload["bank_id"], payload["bank_id"]), text=text,
+            id=payload["id"], bank_id=same(payload["bank_id"]), text=text,
             fact_type=payload.get("fact_type", "world"), context=context,
             occurred_start=_time(payload.get("occurred_start"), one),
             occurred_end=_time(payload.get("occurred_end"), one),
             mentioned_at=_time(mentioned, one), tags=tuple(payload.get("tags") or ()),
-            metadata={one(str(k), str(k)): one(str(v), str(v)) for k, v in metadata.items()},
-            document_id=one(payload.get("document_id", ""), payload.get("document_id", "")),
+            metadata={same(str(k)): same(str(v)) for k, v in metadata.items()},
+            document_id=same(payload.get("document_id", "")),
             chunk_id=chunk_id,
             entities=[one((i, n, lb), EntityRef(i, n, lb)) for i, n, lb in entities],
             embedding=[float(x) for x in vector] if vector is not None else [],
-            links=[Link(t, one(k, k), float(w)) for t, k, w in links],
+            links=[Link(t, same(k), float(w)) for t, k, w in links],
             item_index=int(item_index))
     return Fact(
         id=payload["id"],
@@ -199,10 +201,6 @@ def payload_to_fact(payload: dict[str, Any], vector: Sequence[float] | None = No
                for lk in payload.get("links") or ()],
         item_index=int(payload.get("item_index", 0)),
     )
-
-
-def _same(key: Any, value: T) -> T:
-    return value
 
 
 def _time(epoch: float | None, one: Callable[[Any, Any], Any]) -> datetime | None:
