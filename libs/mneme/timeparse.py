@@ -190,6 +190,9 @@ _FUTURE = re.compile(
     re.I,
 )
 _SENT_END = re.compile(r"[.!?\n]")
+# "every Sunday", "each summer", "every other weekend": a habit, not a date (as the plural
+# "on Sundays" is); no rule's mention begins with these words, so they are checked before it.
+_HABIT_BEFORE = re.compile(r"\b(?:every|each)\s+(?:(?:other|single|second|third)\s+)?$", re.I)
 
 
 def _num(s: str) -> tuple[int, int]:
@@ -849,6 +852,8 @@ def parse_when(text: str, reference: datetime) -> list[TimeMention]:
                 continue
             w, gran, rel = r[:3]
             a, b = r[3] if len(r) > 3 else (m.start(), m.end())
+            if _HABIT_BEFORE.search(text, max(0, a - 30), a):
+                continue
             cands.append(TimeMention(text[a:b], a, b, w, gran, rel))
     cands.sort(key=lambda t: (-(t.end - t.start), t.start))
     picked: list[TimeMention] = []

@@ -90,6 +90,21 @@ def test_tense_decides_direction_of_bare_weekdays():
     assert one("On Friday I went hiking.").window == day(2023, 5, 5)
 
 
+@pytest.mark.parametrize("text,kept", [
+    ("Erin bakes sourdough bread every Sunday morning.", []),
+    ("On Saturdays she teaches the violin.", []),
+    ("We go camping every summer.", []),
+    ("Every Christmas the family meets at Grandma's.", []),
+    ("I see my therapist every other Monday.", []),
+    ("Each weekend we hike, and every Sunday in June 2023 we swam.", ["June 2023"]),
+    ("I ran every day last week.", ["last week"]),
+])
+def test_habits_are_not_dates(text, kept):
+    """A recurring time ("every Sunday", "each summer") names no single period: pinning it to
+    the last one would date the fact wrongly and make recall's temporal fit rank it down."""
+    assert [m.text for m in parse_when(text, REF)] == kept
+
+
 @pytest.mark.parametrize("text", [
     "May I ask what you did?",
     "I'm swamped with the kids & work.",
