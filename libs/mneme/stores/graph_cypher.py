@@ -22,9 +22,11 @@ import heapq
 import math
 import threading
 import uuid
+from array import array
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import numpy as np
 
 from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, to_epoch
 from mneme.stores import cypher
@@ -40,11 +42,11 @@ MIN_FRONTIER = 64
 DELETE_BATCH = 10_000
 #: Banks whose adjacency one store keeps in memory (the least recently read is dropped).
 SNAPSHOT_BANKS = 8
-#: Largest bank (live units) whose adjacency is kept in memory (~0.5 KB per unit): above
+#: Largest bank (live units) whose adjacency is kept in memory (~0.4 KB per unit): above
 #: it every hop is a round trip with results that grow with the bank (recall p50 ~310 ms
 #: at 20k units in one bank, measured, against ~30 ms from memory).
 SNAPSHOT_MAX_UNITS = 200_000
-#: Live units of all the adjacencies one store keeps (~150 MB); the least recently read
+#: Live units of all the adjacencies one store keeps (~120 MB); the least recently read
 #: go first when a new one would pass it.
 SNAPSHOT_TOTAL_UNITS = 300_000
 #: Reads of a bank that must see the same version token before its adjacency is copied
@@ -146,72 +148,188 @@ def _recent_first(occurred_start: Any, unit_id: str) -> tuple[float, str]:
     return (-float(occurred_start or 0), unit_id)
 
 
-@dataclass(frozen=True)
+class _Rows:
+    """Per-index rows of parallel columns, held flat (CSR: ``ptr``, ``cols``) with an
+    ``over`` dict of rows replaced or added since (index → tuple of column lists): the
+    long-lived part is a few NumPy buffers, not a tuple per row. Immutable in use: a
+    change makes a new instance (:meth:`changed`) sharing the buffers."""
+
+    __slots__ = ("ptr", "cols", "over")
+    #: Replaced rows kept aside before the flat buffers are rebuilt (or an eighth of the
+    #: rows, if more): a rebuild copies every buffer once.
+    REBUILD_AFTER = 1024
+
+    def __init__(self, ptr: Any, cols: tuple[Any, ...], over: dict[int, tuple[list, ...]]):
+        self.ptr, self.cols, self.over = ptr, cols, over
+
+    @classmethod
+    def of(cls, rows: Any, cols: Sequence[Any], n: int) -> "_Rows":
+        """From flat ``rows`` (an index per entry, grouped and in order) and matching
+        column arrays, for indices 0..n-1."""
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows, minlength=n)[:n], out=ptr[1:])
+        return cls(ptr, tuple(cols), {})
+
+    def row(self, i: int) -> tuple[list, ...]:
+        """Index ``i``'s row: one list per column (empty lists when it has none)."""
+        r = self.over.get(i)
+        if r is not None:
+            return r
+        if i + 1 >= len(self.ptr):
+            return tuple([] for _ in self.cols)
+        a, b = int(self.ptr[i]), int(self.ptr[i + 1])
+        return tuple(c[a:b].tolist() for c in self.cols)
+
+    def changed(self, rows: dict[int, tuple[list, ...]], n: int) -> "_Rows":
+        """A copy with ``rows`` replaced or added (indices < ``n``); the flat buffers are
+        rebuilt once the replaced rows pass :attr:`REBUILD_AFTER` and an eighth of ``n``,
+        so the rows aside stay few."""
+        over = {**self.over, **rows}
+        if len(over) <= max(self.REBUILD_AFTER, n // 8):
+            return _Rows(self.ptr, self.cols, over)
+        base_n = len(self.ptr) - 1
+        counts = np.diff(self.ptr)
+        replaced = np.zeros(max(n, base_n), dtype=bool)
+        replaced[np.fromiter(over, dtype=np.int64, count=len(over))] = True
+        flat_row = np.repeat(np.arange(base_n, dtype=np.int64), counts)
+        keep = ~replaced[flat_row]
+        extra_rows = np.fromiter((i for i, r in over.items() for _ in r[0]), dtype=np.int64)
+        all_rows = np.concatenate([flat_row[keep], extra_rows])
+        order = np.argsort(all_rows, kind="stable")
+        cols = tuple(np.concatenate([c[keep], np.array([v for r in over.values() for v in r[j]],
+                                                        dtype=c.dtype)])[order]
+                     for j, c in enumerate(self.cols))
+        return _Rows.of(all_rows[order], cols, n)
+
+
 class Adjacency:
     """One bank's graph in memory, as of version ``token``; answers what the hop-by-hop
     queries of :mod:`mneme.stores.cypher` answer, from the same edges.
 
-    ``live``: the bank's live units. ``entities_of``: unit → the entities it mentions.
-    ``mentions``: entity → (degree, its ``fanout`` most recent mentioning units).
-    ``links``: unit → its ``fanout`` heaviest LINK edges in either direction to other live
-    units, as (weight, unit), heaviest first. ``entities``: entity id → (name, label,
-    key); ``keys``: a key or former key → the entity ids that had it. ``max_weight``:
-    the largest weight a hop can have (hub damping is at most 1; links as stored).
-    ``starts``: live unit → its ``occurred_start`` in epoch seconds (0 when unknown), the
-    order of ``mentions``."""
+    Held compactly (measured on a 100k-unit LoCoMo bank: 38 MB of RSS after the read,
+    against 123 MB as per-unit tuples and dicts; ids are made afresh once the query rows
+    are freed, or they pin those rows' pages: 65 MB): each unit id once, as an index into ``_ids`` (live units
+    and link stubs); per unit its ``occurred_start`` (epoch seconds, 0 when unknown), a
+    live flag, the entities it mentions and its ``fanout`` heaviest LINK edges in either
+    direction to other live units ((weight, unit), heaviest first, then by id
+    descending) in :class:`_Rows`. Per entity, as dicts (a bank has far fewer entities
+    than units): ``mentions`` (entity → (degree, its ``fanout`` most recent mentioning
+    units)), ``entities`` (entity id → (name, label, key)), ``keys`` (a key or former
+    key → the entity ids that had it). ``max_weight``: the largest weight a hop can have
+    (hub damping is at most 1; links as stored).
 
-    token: str
-    live: frozenset[str]
-    entities_of: dict[str, tuple[str, ...]]
-    mentions: dict[str, tuple[int, tuple[str, ...]]]
-    links: dict[str, tuple[tuple[float, str], ...]]
-    entities: dict[str, tuple[str, str, str]]
-    keys: dict[str, tuple[str, ...]]
-    max_weight: float = 1.0
-    starts: dict[str, float] = field(default_factory=dict)
+    Copy on write: :meth:`with_new_units` returns a new adjacency; this one keeps
+    answering as before. ``_ids``/``_index`` and ``_ents``/``_ent_index`` only grow and
+    are shared with later versions; each version reads only its first ``_n`` /
+    ``_n_ents``."""
+
+    __slots__ = ("token", "max_weight", "mentions", "entities", "keys", "live_count",
+                 "_ids", "_index", "_n", "_live", "_starts", "_ents", "_ent_index",
+                 "_n_ents", "_entities_of", "_links")
+
+    def __init__(self, token: str, ids: list[str], index: dict[str, int], n: int,
+                 live: Any, starts: Any, ents: list[str], ent_index: dict[str, int],
+                 n_ents: int, entities_of: _Rows, links: _Rows,
+                 mentions: dict[str, tuple[int, tuple[str, ...]]],
+                 entities: dict[str, tuple[str, str, str]], keys: dict[str, tuple[str, ...]],
+                 max_weight: float) -> None:
+        self.token, self.max_weight = token, max_weight
+        self.mentions, self.entities, self.keys = mentions, entities, keys
+        self._ids, self._index, self._n = ids, index, n
+        self._live, self._starts = live, starts
+        self._ents, self._ent_index, self._n_ents = ents, ent_index, n_ents
+        self._entities_of, self._links = entities_of, links
+        #: how many live units (what the store's memory bound counts)
+        self.live_count = int(live.sum())
+
+    def _unit(self, uid: str) -> int | None:
+        i = self._index.get(uid)
+        return i if i is not None and i < self._n else None
+
+    def _is_live(self, uid: str) -> bool:
+        i = self._unit(uid)
+        return i is not None and bool(self._live[i])
 
     @classmethod
     def read(cls, run: Run, bank_id: str, token: str, fanout: int) -> "Adjacency":
         """The bank's adjacency read with four queries (``cypher.ADJACENCY_*``)."""
         params = {"bank_id": bank_id}
-        # Every row brings its own copy of each id and weight; one shared object per
-        # value keeps a 100k-unit bank's copy several times smaller.
-        canon: dict[Any, Any] = {}
-        one = canon.setdefault
-        starts = {one(r[0], r[0]): float(r[1] or 0) for r in run(cypher.ADJACENCY_UNITS, params)}
-        live = frozenset(starts)
-        entities_of: dict[str, list[str]] = defaultdict(list)
-        mentioning: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        index: dict[str, int] = {}
+        start_list: list[float] = []
+        for uid, occurred in run(cypher.ADJACENCY_UNITS, params):
+            if uid not in index:
+                index[uid] = len(index)
+                start_list.append(float(occurred or 0))
+        n_live = len(index)
+
+        def unit(uid: str) -> int:  # an index for any unit id (a stub's too)
+            i = index.get(uid)
+            if i is None:
+                i = index[uid] = len(index)
+            return i
+
+        ent_index: dict[str, int] = {}
+        eo_unit, eo_ent = array("q"), array("q")
         for uid, eid in run(cypher.ADJACENCY_MENTIONS, params):
-            uid, eid = one(uid, uid), one(eid, eid)
-            entities_of[uid].append(eid)
-            mentioning[eid].append(_recent_first(starts.get(uid), uid))
-        mentions = {eid: (len(units), tuple(u for _, u in sorted(units)[:fanout]))
-                    for eid, units in mentioning.items()}
-        edges: dict[str, list[tuple[float, str]]] = defaultdict(list)
+            eo_unit.append(unit(uid))
+            eo_ent.append(ent_index.setdefault(eid, len(ent_index)))
+        src_l, dst_l, w_l = array("q"), array("q"), array("d")
         for src, dst, weight in run(cypher.ADJACENCY_LINKS, params):
             if src == dst:
                 continue
-            src, dst = one(src, src), one(dst, dst)
-            w = float(weight if weight is not None else 1.0)
-            w = one(w, w)
-            if dst in live:
-                edges[src].append((w, dst))
-            if src in live:
-                edges[dst].append((w, src))
-        links = {u: tuple(sorted(es, reverse=True)[:fanout]) for u, es in edges.items()}
+            s, d, w = unit(src), unit(dst), float(weight if weight is not None else 1.0)
+            if d < n_live:
+                src_l.append(s), dst_l.append(d), w_l.append(w)
+            if s < n_live:
+                src_l.append(d), dst_l.append(s), w_l.append(w)
+        entity_rows = run(cypher.ADJACENCY_ENTITIES, params)
+        # each id once, made after the rows above are gone, so the few long-lived
+        # strings do not pin the pages of the many short-lived ones
+        ids = [u.encode().decode() for u in index]
+        del index
+        index = {u: i for i, u in enumerate(ids)}
+        n = len(ids)
+        starts = np.zeros(n, dtype=np.float64)
+        starts[:n_live] = start_list
+        live = np.zeros(n, dtype=bool)
+        live[:n_live] = True
+        ents = list(ent_index)
+
+        eo_u = np.frombuffer(eo_unit, dtype=np.int64)
+        eo_e = np.frombuffer(eo_ent, dtype=np.int64)
+        order = np.argsort(eo_u, kind="stable")
+        entities_of = _Rows.of(eo_u[order], (eo_e[order].astype(np.int32),), n)
+        # mentions: per entity its degree and fanout most recent units (then by id)
+        by_ent = np.argsort(eo_e, kind="stable")
+        mentions: dict[str, tuple[int, tuple[str, ...]]] = {}
+        bounds = np.searchsorted(eo_e[by_ent], np.arange(len(ents) + 1))
+        for j, eid in enumerate(ents):
+            us = eo_u[by_ent[bounds[j]:bounds[j + 1]]].tolist()
+            best = sorted((_recent_first(starts[u], ids[u]) for u in us))[:fanout]
+            mentions[eid] = (len(us), tuple(u for _, u in best))
+        # links: heaviest first, then by id descending, at most fanout per unit
+        src = np.frombuffer(src_l, dtype=np.int64)
+        dst = np.frombuffer(dst_l, dtype=np.int64)
+        w = np.frombuffer(w_l, dtype=np.float64)
+        rank = np.empty(n, dtype=np.int64)
+        rank[sorted(range(n), key=ids.__getitem__)] = np.arange(n)
+        order = np.lexsort((-rank[dst], -w, src))
+        src, dst, w = src[order], dst[order], w[order]
+        first = np.searchsorted(src, src, side="left")
+        keep = (np.arange(len(src)) - first) < fanout
+        links = _Rows.of(src[keep], (w[keep], dst[keep].astype(np.int32)), n)
+        max_weight = max(1.0, float(w[keep].max()) if keep.any() else 1.0)
+
         entities: dict[str, tuple[str, str, str]] = {}
         keys: dict[str, list[str]] = defaultdict(list)
-        for eid, name, label, key, aliases in run(cypher.ADJACENCY_ENTITIES, params):
-            eid = one(eid, eid)
+        for eid, name, label, key, aliases in entity_rows:
             entities[eid] = (name or "", label or "", key or "")
             for k in dict.fromkeys([key, *(aliases or [])]):
                 if k:
                     keys[k].append(eid)
-        max_weight = max([1.0, *(w for es in links.values() for w, _ in es[:1])])
-        return cls(token, live, {u: tuple(es) for u, es in entities_of.items()}, mentions,
-                   links, entities, {k: tuple(v) for k, v in keys.items()}, max_weight,
-                   starts)
+        return cls(token, ids, index, n, live, starts, ents, {e: i for i, e in enumerate(ents)},
+                   len(ents), entities_of, links, mentions, entities,
+                   {k: tuple(v) for k, v in keys.items()}, max_weight)
 
     def with_new_units(self, facts: Sequence[Fact], token: str,
                        fanout: int) -> "Adjacency | None":
@@ -220,12 +338,12 @@ class Adjacency:
         None when the facts are not all new to the bank's live units, one revives a stub
         with ``fanout`` or more incoming links (the copy keeps at most that many, so it
         cannot know the rest), or the batch names one entity in two ways: then the graph
-        must be read. Copy on write: readers of
-        this adjacency are not disturbed."""
+        must be read. Copy on write: readers of this adjacency are not disturbed."""
         ids = [f.id for f in facts]
-        if (len(set(ids)) != len(ids) or any(i in self.live for i in ids)
-                or any(len(self.links.get(i, ())) >= fanout for i in ids)
-                or len(self.live) + len(ids) > SNAPSHOT_MAX_UNITS):
+        if (len(set(ids)) != len(ids) or any(self._is_live(i) for i in ids)
+                or any(len(self._links.row(j)[0]) >= fanout
+                       for j in map(self._unit, ids) if j is not None)
+                or self.live_count + len(ids) > SNAPSHOT_MAX_UNITS):
             return None
         named: dict[str, set[tuple[str, str]]] = defaultdict(set)
         for f in facts:
@@ -235,17 +353,42 @@ class Adjacency:
             # one entity under two names in one batch: which the graph keeps is the
             # backend's (FalkorDB keeps the first for an entity the batch creates)
             return None
-        live = self.live | frozenset(ids)
-        starts = dict(self.starts)
-        entities_of = dict(self.entities_of)
+        # the shared id lists grow in place unless a later version already grew them
+        unit_ids, index = self._ids, self._index
+        if len(unit_ids) != self._n:
+            unit_ids, index = unit_ids[:self._n], {u: i for i, u in enumerate(unit_ids[:self._n])}
+        ents, ent_index = self._ents, self._ent_index
+        if len(ents) != self._n_ents:
+            ents = ents[:self._n_ents]
+            ent_index = {e: i for i, e in enumerate(ents)}
+        fresh: dict[str, int] = {}  # ids new to the bank (facts, link stubs) → index
+        fresh_ents: dict[str, int] = {}
+
+        def unit(uid: str) -> int:
+            i = index.get(uid)
+            return i if i is not None else fresh.setdefault(uid, self._n + len(fresh))
+
+        def entity(eid: str) -> int:
+            i = ent_index.get(eid)
+            return i if i is not None else fresh_ents.setdefault(eid, self._n_ents + len(fresh_ents))
+
+        idx = [unit(i) for i in ids]
+        targets = {lk.target_id: unit(lk.target_id) for f in facts for lk in f.links}
+        n = self._n + len(fresh)
+        live = np.zeros(n, dtype=bool)
+        live[:self._n] = self._live
+        live[idx] = True
+        starts = np.zeros(n, dtype=np.float64)
+        starts[:self._n] = self._starts
         entities = dict(self.entities)
         keys = {k: list(v) for k, v in self.keys.items()}
+        eo_rows: dict[int, tuple[list, ...]] = {}
         mentioning: dict[str, list[str]] = defaultdict(list)
-        for f in facts:
-            starts[f.id] = to_epoch(f.occurred_start) or 0.0
+        for f, i in zip(facts, idx):
+            starts[i] = to_epoch(f.occurred_start) or 0.0
             unique = list({e.id: e for e in f.entities}.values())
             if unique:
-                entities_of[f.id] = tuple(e.id for e in unique)
+                eo_rows[i] = ([entity(e.id) for e in unique],)
             for e in unique:
                 mentioning[e.id].append(f.id)
                 key = entity_key(e.name)
@@ -253,37 +396,64 @@ class Adjacency:
                 if key and e.id not in keys.setdefault(key, []):
                     keys[key].append(e.id)
         mentions = dict(self.mentions)
+        live_ids = set(ids)
         for eid, new in mentioning.items():
             degree, units = mentions.get(eid, (0, ()))
-            if any(u not in starts for u in units):
+            if not all(u in live_ids or self._is_live(u) for u in units):
                 return None  # (a mention of a unit not live: read it as it is)
-            merged = sorted((_recent_first(starts[u], u) for u in (*units, *new)))
+            merged = sorted(_recent_first(starts[unit(u)], u) for u in (*units, *new))
             mentions[eid] = (degree + len(new), tuple(u for _, u in merged[:fanout]))
-        added: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        for i in ids:  # a revived stub's incoming links join their sources' lists
-            for w, src in self.links.get(i, ()):
-                if src in live:
-                    added[src].append((w, i))
+        new_ids, new_ents = list(fresh), list(fresh_ents)
+
+        def name(j: int) -> str:
+            return unit_ids[j] if j < self._n else new_ids[j - self._n]
+
+        added: dict[int, list[tuple[float, str, int]]] = defaultdict(list)
+        for i in idx:  # a revived stub's incoming links join their sources' lists
+            ws, js = self._links.row(i) if i < self._n else ([], [])
+            for w, j in zip(ws, js):
+                if live[j]:
+                    added[j].append((w, name(i), i))
         # MERGE keeps one edge per (source, target, kind), with the last weight written
-        edges: dict[tuple[str, str, str], float] = {}
-        for f in facts:
+        edges: dict[tuple[int, int, str], float] = {}
+        for f, i in zip(facts, idx):
             for lk in f.links:
                 if lk.target_id != f.id:
-                    edges[(f.id, lk.target_id, lk.kind)] = float(lk.weight)
-        for (src, dst, _), w in edges.items():
-            if dst in live:
-                added[src].append((w, dst))
-            added[dst].append((w, src))  # the source is one of the new, live units
-        links = dict(self.links)
+                    edges[(i, targets[lk.target_id], lk.kind)] = float(lk.weight)
+        for (s, d, _), w in edges.items():
+            if live[d]:
+                added[s].append((w, name(d), d))
+            added[d].append((w, name(s), s))  # the source is one of the new, live units
+        link_rows: dict[int, tuple[list, ...]] = {}
         for u, es in added.items():
-            links[u] = tuple(sorted([*links.get(u, ()), *es], reverse=True)[:fanout])
+            ws, js = self._links.row(u) if u < self._n else ([], [])
+            merged = sorted([*((w, name(j), j) for w, j in zip(ws, js)), *es], reverse=True)[:fanout]
+            link_rows[u] = ([w for w, _, _ in merged], [j for _, _, j in merged])
         max_weight = max([self.max_weight, *edges.values()])
-        return Adjacency(token, live, entities_of, mentions, links, entities,
-                         {k: tuple(v) for k, v in keys.items()}, max_weight, starts)
+        if new_ids:
+            if unit_ids is self._ids:
+                unit_ids.extend(new_ids)
+                for j, u in enumerate(new_ids, self._n):
+                    index[u] = j
+            else:
+                unit_ids = unit_ids + new_ids
+                index.update((u, j) for j, u in enumerate(new_ids, self._n))
+        if new_ents:
+            if ents is self._ents:
+                ents.extend(new_ents)
+                for j, e in enumerate(new_ents, self._n_ents):
+                    ent_index[e] = j
+            else:
+                ents = ents + new_ents
+                ent_index.update((e, j) for j, e in enumerate(new_ents, self._n_ents))
+        return Adjacency(token, unit_ids, index, n, live, starts, ents, ent_index,
+                         len(ents), self._entities_of.changed(eo_rows, n),
+                         self._links.changed(link_rows, n), mentions, entities,
+                         {k: tuple(v) for k, v in keys.items()}, max_weight)
 
     def live_units(self, ids: Sequence[str]) -> list[str]:
         """Which of ``ids`` are live units of the bank (``cypher.EXISTING_UNITS``)."""
-        return [u for u in ids if u in self.live]
+        return [u for u in ids if self._is_live(u)]
 
     def entity_units(self, entity_ids: Sequence[str]) -> Iterable[tuple[int, tuple[str, ...]]]:
         """(degree, units) per entity of ``entity_ids`` that any unit mentions
@@ -297,19 +467,45 @@ class Adjacency:
         """The edge groups of :meth:`_CypherView.neighbours`, from memory."""
         sources: dict[str, list[str]] = defaultdict(list)
         for uid in dict.fromkeys(ids):
-            for eid in self.entities_of.get(uid, ()):
-                sources[eid].append(uid)
+            i = self._unit(uid)
+            if i is not None:
+                for e in self._entities_of.row(i)[0]:
+                    sources[self._ents[e]].append(uid)
         for eid, srcs in sources.items():
             degree, units = self.mentions[eid]
             yield srcs, units, hub_damping(degree)
         for uid in ids:
-            for weight, other in self.links.get(uid, ()):
-                yield (uid,), (other,), weight
+            i = self._unit(uid)
+            if i is not None:
+                ws, js = self._links.row(i)
+                for weight, j in zip(ws, js):
+                    yield (uid,), (self._ids[j],), weight
 
     def find_entities(self, keys: Sequence[str]) -> list[list[str]]:
         """Rows (id, name, label, key) of ``cypher.FIND_ENTITIES``."""
         found = dict.fromkeys(eid for k in keys for eid in self.keys.get(k, ()))
         return [[eid, *self.entities[eid]] for eid in found]
+
+    def as_dicts(self) -> dict[str, Any]:
+        """The whole adjacency as plain dicts keyed by id (for tests and inspection):
+        ``live`` (frozenset), ``starts`` (live unit → epoch seconds), ``entities_of``
+        (unit → entity ids), ``links`` (unit → ((weight, unit), ...)), ``mentions``,
+        ``entities``, ``keys``, ``max_weight``."""
+        ids = self._ids[:self._n]
+        live = [i for i in range(self._n) if self._live[i]]
+        entities_of, links = {}, {}
+        for i, u in enumerate(ids):
+            es = self._entities_of.row(i)[0]
+            if es:
+                entities_of[u] = tuple(self._ents[e] for e in es)
+            ws, js = self._links.row(i)
+            if ws:
+                links[u] = tuple((w, ids[j]) for w, j in zip(ws, js))
+        return {"live": frozenset(ids[i] for i in live),
+                "starts": {ids[i]: float(self._starts[i]) for i in live},
+                "entities_of": entities_of, "links": links, "mentions": dict(self.mentions),
+                "entities": dict(self.entities), "keys": dict(self.keys),
+                "max_weight": self.max_weight}
 
 
 class CypherGraphStore:
@@ -599,7 +795,7 @@ class CypherGraphStore:
             self._snapshots.move_to_end(bank_id)
             while len(self._snapshots) > 1 and (
                     len(self._snapshots) > SNAPSHOT_BANKS
-                    or sum(len(s.live) for s in self._snapshots.values()) > SNAPSHOT_TOTAL_UNITS):
+                    or sum(s.live_count for s in self._snapshots.values()) > SNAPSHOT_TOTAL_UNITS):
                 self._snapshots.popitem(last=False)
         self.snapshot_stats["builds"] += 1
         return snap
