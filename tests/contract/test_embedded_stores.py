@@ -709,6 +709,46 @@ class TestFalkorGraphStore(GraphStoreSuite):
         finally:
             s.close()
 
+    def test_adjacency_versions_share_ids_but_not_answers(self, tmp_path):
+        """Versions of one adjacency share its growing id lists: an older version answers
+        as before after a newer one grew them, and advancing the older one again (another
+        batch on the same base) gives what a graph with that batch alone reads."""
+        from mneme.domain import Link
+        from mneme.stores import graph_cypher as gc
+
+        one, two = EntityRef("e1", "One", "PERSON"), EntityRef("e2", "Two", "PERSON")
+        base = [unit(f"u{i}", entities=[one], links=[Link(f"u{i - 1}", "temporal", 0.5)])
+                for i in range(1, 6)]
+        first = [unit("n1", entities=[one, two], links=[Link("u2", "causal", 1.0)]),
+                 unit("s1")]  # revives no stub; n1 → u2
+        second = [unit("m1", entities=[two], links=[Link("u0", "causal", 0.7), Link("x9", "causal", 0.2)])]
+
+        def read(facts, name):
+            s = FalkorGraphStore(str(tmp_path / f"{name}.db"))
+            try:
+                s.upsert(facts)
+                return s._read(lambda run: gc.Adjacency.read(run, "a", "t", s.fanout))
+            finally:
+                s.close()
+
+        def normal(adjacency):  # the graph's order of a unit's entities is its own
+            d = adjacency.as_dicts()
+            return {**d, "entities_of": {u: sorted(e) for u, e in d["entities_of"].items()}}
+
+        a = read(base, "base")
+        before = normal(a)
+        b = a.with_new_units(first, "t1", gc.FANOUT)
+        c = a.with_new_units(second, "t2", gc.FANOUT)
+        assert b is not None and c is not None
+        assert normal(a) == before and "n1" not in before["live"]
+        assert a.live_units(["n1", "m1", "u1"]) == ["u1"]
+        def hop(adjacency):
+            return sorted((sorted(s), list(u), w) for s, u, w in adjacency.neighbours(["u2"]))
+        assert hop(a) == hop(read(base, "base2")) and hop(a)  # u2's own links and entity
+        assert normal(b) == normal(read(base + first, "b"))
+        assert normal(c) == normal(read(base + second, "c"))
+        assert "m1" not in normal(b)["live"] and "n1" not in normal(c)["live"]
+
     def test_keeps_no_log_of_queries_and_their_parameters(self, tmp_path):
         """FalkorDB's query telemetry (the last 1000 queries with their parameters,
         persisted with the graph) would keep every unit text and entity name written,

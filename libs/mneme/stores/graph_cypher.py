@@ -202,6 +202,19 @@ class _Rows:
         return _Rows.of(all_rows[order], cols, n)
 
 
+def _grown(names: list[str], index: dict[str, int], n: int,
+           new: list[str]) -> tuple[list[str], dict[str, int]]:
+    """``names[:n] + new`` and its index (name → position): ``names`` and ``index``
+    themselves, grown in place, when they hold exactly ``n`` (no later version grew them;
+    the versions sharing them read only their own first entries), else new copies."""
+    if len(names) == n:
+        names.extend(new)
+        index.update((x, j) for j, x in enumerate(new, n))
+        return names, index
+    names = names[:n] + new
+    return names, {x: j for j, x in enumerate(names)}
+
+
 class Adjacency:
     """One bank's graph in memory, as of version ``token``; answers what the hop-by-hop
     queries of :mod:`mneme.stores.cypher` answer, from the same edges.
@@ -353,24 +366,18 @@ class Adjacency:
             # one entity under two names in one batch: which the graph keeps is the
             # backend's (FalkorDB keeps the first for an entity the batch creates)
             return None
-        # the shared id lists grow in place unless a later version already grew them
-        unit_ids, index = self._ids, self._index
-        if len(unit_ids) != self._n:
-            unit_ids, index = unit_ids[:self._n], {u: i for i, u in enumerate(unit_ids[:self._n])}
-        ents, ent_index = self._ents, self._ent_index
-        if len(ents) != self._n_ents:
-            ents = ents[:self._n_ents]
-            ent_index = {e: i for i, e in enumerate(ents)}
         fresh: dict[str, int] = {}  # ids new to the bank (facts, link stubs) → index
         fresh_ents: dict[str, int] = {}
 
         def unit(uid: str) -> int:
-            i = index.get(uid)
+            i = self._unit(uid)
             return i if i is not None else fresh.setdefault(uid, self._n + len(fresh))
 
         def entity(eid: str) -> int:
-            i = ent_index.get(eid)
-            return i if i is not None else fresh_ents.setdefault(eid, self._n_ents + len(fresh_ents))
+            i = self._ent_index.get(eid)
+            if i is not None and i < self._n_ents:
+                return i
+            return fresh_ents.setdefault(eid, self._n_ents + len(fresh_ents))
 
         idx = [unit(i) for i in ids]
         targets = {lk.target_id: unit(lk.target_id) for f in facts for lk in f.links}
@@ -403,10 +410,10 @@ class Adjacency:
                 return None  # (a mention of a unit not live: read it as it is)
             merged = sorted(_recent_first(starts[unit(u)], u) for u in (*units, *new))
             mentions[eid] = (degree + len(new), tuple(u for _, u in merged[:fanout]))
-        new_ids, new_ents = list(fresh), list(fresh_ents)
+        new_ids = list(fresh)
 
         def name(j: int) -> str:
-            return unit_ids[j] if j < self._n else new_ids[j - self._n]
+            return self._ids[j] if j < self._n else new_ids[j - self._n]
 
         added: dict[int, list[tuple[float, str, int]]] = defaultdict(list)
         for i in idx:  # a revived stub's incoming links join their sources' lists
@@ -430,22 +437,8 @@ class Adjacency:
             merged = sorted([*((w, name(j), j) for w, j in zip(ws, js)), *es], reverse=True)[:fanout]
             link_rows[u] = ([w for w, _, _ in merged], [j for _, _, j in merged])
         max_weight = max([self.max_weight, *edges.values()])
-        if new_ids:
-            if unit_ids is self._ids:
-                unit_ids.extend(new_ids)
-                for j, u in enumerate(new_ids, self._n):
-                    index[u] = j
-            else:
-                unit_ids = unit_ids + new_ids
-                index.update((u, j) for j, u in enumerate(new_ids, self._n))
-        if new_ents:
-            if ents is self._ents:
-                ents.extend(new_ents)
-                for j, e in enumerate(new_ents, self._n_ents):
-                    ent_index[e] = j
-            else:
-                ents = ents + new_ents
-                ent_index.update((e, j) for j, e in enumerate(new_ents, self._n_ents))
+        unit_ids, index = _grown(self._ids, self._index, self._n, new_ids)
+        ents, ent_index = _grown(self._ents, self._ent_index, self._n_ents, list(fresh_ents))
         return Adjacency(token, unit_ids, index, n, live, starts, ents, ent_index,
                          len(ents), self._entities_of.changed(eo_rows, n),
                          self._links.changed(link_rows, n), mentions, entities,
