@@ -221,15 +221,15 @@ class Adjacency:
 
     Held compactly (measured on a 100k-unit LoCoMo bank: 38 MB of RSS after the read,
     against 123 MB as per-unit tuples and dicts; ids are made afresh once the query rows
-    are freed, or they pin those rows' pages: 65 MB): each unit id once, as an index into ``_ids`` (live units
-    and link stubs); per unit its ``occurred_start`` (epoch seconds, 0 when unknown), a
-    live flag, the entities it mentions and its ``fanout`` heaviest LINK edges in either
-    direction to other live units ((weight, unit), heaviest first, then by id
-    descending) in :class:`_Rows`. Per entity, as dicts (a bank has far fewer entities
-    than units): ``mentions`` (entity → (degree, its ``fanout`` most recent mentioning
-    units)), ``entities`` (entity id → (name, label, key)), ``keys`` (a key or former
-    key → the entity ids that had it). ``max_weight``: the largest weight a hop can have
-    (hub damping is at most 1; links as stored).
+    are freed, or they pin those rows' pages: 65 MB). Each unit id is held once, as an
+    index into ``_ids`` (live units and link stubs); per unit its ``occurred_start``
+    (epoch seconds, 0 when unknown), a live flag, the entities it mentions and its
+    ``fanout`` heaviest LINK edges in either direction to other live units ((weight,
+    unit), heaviest first, then by id descending) in :class:`_Rows`. Per entity, as
+    dicts (a bank has far fewer entities than units): ``mentions`` (entity → (degree, its
+    ``fanout`` most recent mentioning units)), ``entities`` (entity id → (name, label,
+    key)), ``keys`` (a key or former key → the entity ids that had it). ``max_weight``:
+    the largest weight a hop can have (hub damping is at most 1; links as stored).
 
     Copy on write: :meth:`with_new_units` returns a new adjacency; this one keeps
     answering as before. ``_ids``/``_index`` and ``_ents``/``_ent_index`` only grow and
@@ -291,14 +291,16 @@ class Adjacency:
             if src == dst:
                 continue
             s, d, w = unit(src), unit(dst), float(weight if weight is not None else 1.0)
-            if d < n_live:
-                src_l.append(s), dst_l.append(d), w_l.append(w)
-            if s < n_live:
-                src_l.append(d), dst_l.append(s), w_l.append(w)
+            for a, b, ok in ((s, d, d < n_live), (d, s, s < n_live)):
+                if ok:  # a's row gets (w, b) when b is live
+                    src_l.append(a)
+                    dst_l.append(b)
+                    w_l.append(w)
         entity_rows = run(cypher.ADJACENCY_ENTITIES, params)
         # each id once, made after the rows above are gone, so the few long-lived
         # strings do not pin the pages of the many short-lived ones
-        ids = [u.encode().decode() for u in index]
+        ids = [u.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+               for u in index]
         del index
         index = {u: i for i, u in enumerate(ids)}
         n = len(ids)
@@ -434,7 +436,8 @@ class Adjacency:
         link_rows: dict[int, tuple[list, ...]] = {}
         for u, es in added.items():
             ws, js = self._links.row(u) if u < self._n else ([], [])
-            merged = sorted([*((w, name(j), j) for w, j in zip(ws, js)), *es], reverse=True)[:fanout]
+            merged = sorted([*((w, name(j), j) for w, j in zip(ws, js)), *es],
+                            reverse=True)[:fanout]
             link_rows[u] = ([w for w, _, _ in merged], [j for _, _, j in merged])
         max_weight = max([self.max_weight, *edges.values()])
         unit_ids, index = _grown(self._ids, self._index, self._n, new_ids)
