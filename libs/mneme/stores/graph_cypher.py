@@ -342,7 +342,7 @@ class Adjacency:
             for k in dict.fromkeys([key, *(aliases or [])]):
                 if k:
                     keys[k].append(eid)
-        return cls(token, ids, index, n, live, starts, ents, {e: i for i, e in enumerate(ents)},
+        return cls(token, ids, index, n, live, starts, ents, ent_index,
                    len(ents), entities_of, links, mentions, entities,
                    {k: tuple(v) for k, v in keys.items()}, max_weight)
 

@@ -80,7 +80,8 @@ DATATYPE = VectorStorageDatatype.Float16
 #: bank's 77 MB of vectors counted ~170 MB of RSS after 150 recalls). On 100k random
 #: points, 150 kNN of 100 after a fresh open: 168 MB RSS against 265 MB, p50 8.9-9.1 ms
 #: against 9.4-9.6. A restarted 100k-fact server: 98 MB less at open, ~20 MB less after
-#: 150 recalls (recall's reads of vectors page in the second mapping too). The pages are
+#: 150 recalls: searches page in the read-only mapping, and writes (and, after a while,
+#: something not yet found) the read-write one, so both were resident again. The pages are
 #: the page cache's: the kernel can drop them under pressure, and the first searches
 #: after a reboot read them from disk.
 VECTOR_MEMORY = Memory.Cold
