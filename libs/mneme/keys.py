@@ -27,13 +27,14 @@ are cached in memory, bounded (:data:`CACHE_KEYS`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import secrets
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -49,6 +50,11 @@ KEY_BYTES = 32
 #: 100,000 a server that retained 100k facts held ~60 MB of them. A key is read again within
 #: seconds of its first use (its record's consumers), and a replay prefetches per batch.
 CACHE_KEYS = 32_768
+#: The bound while a replay reads the log (:meth:`Keyring.widened`). An observation's seal
+#: names the key of every fact it cites (~260 on average in a 100k-fact LoCoMo bank, up to
+#: ~1,100), so a replay's working set is the bank's keys: with 32,768 of 104k cached, its
+#: replay unwrapped 1.85M keys (two thirds of its time) where 104k suffice. ~80 MB when full.
+REPLAY_CACHE_KEYS = 262_144
 #: The environment variable of :class:`LocalKms`'s master key (base64 of 32 bytes).
 MASTER_KEY_ENV = "MNEME_MASTER_KEY"
 
@@ -182,8 +188,27 @@ class Keyring:
         # themselves (a seal names ~10 keys), ~0.3 KB with a digest (measured at 32k entries)
         self._combined: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self._lock = threading.RLock()
+        self._base, self._widenings = cache, []  # cache = max(base, *widenings)
         # destructions the store learns of (another process's, on a shared store)
         store.listen(self.forget)
+
+    @contextlib.contextmanager
+    def widened(self, cache: int = REPLAY_CACHE_KEYS) -> Iterator["Keyring"]:
+        """Cache up to ``cache`` data keys (and as many seal keys) while the block runs,
+        then trim back to the bound before it (nested blocks: the largest open one
+        applies). For a replay, whose reads name every key of a bank again and again."""
+        with self._lock:
+            self._widenings.append(cache)
+            self.cache = max([self._base, *self._widenings])
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._widenings.remove(cache)
+                self.cache = max([self._base, *self._widenings])
+                for cached in (self._keys, self._combined):
+                    while len(cached) > self.cache:
+                        cached.popitem(last=False)
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -376,6 +401,6 @@ class Keyring:
             self.forget(bank_id)
 
 
-__all__ = ["CACHE_KEYS", "KEY_BYTES", "Keyring", "LocalKms", "MASTER_KEY_ENV", "StoredKey",
-           "combine", "document_scope", "fact_key_id", "local_kms", "retain_scope",
-           "scope_of"]
+__all__ = ["CACHE_KEYS", "KEY_BYTES", "Keyring", "LocalKms", "MASTER_KEY_ENV",
+           "REPLAY_CACHE_KEYS", "StoredKey", "combine", "document_scope", "fact_key_id",
+           "local_kms", "retain_scope", "scope_of"]

@@ -269,6 +269,37 @@ def test_the_key_caches_are_bounded(tmp_path):
     assert kr.key("b", "f:3") is not None  # evicted from the cache, still in the store
 
 
+def test_a_widened_key_cache_unwraps_a_working_set_once_and_is_trimmed_after():
+    """A replay names every key of a bank again and again (observations' seals): inside
+    :meth:`Keyring.widened` a working set over the normal bound is unwrapped once per key,
+    not once per use, and afterwards the caches hold the normal bound again."""
+    store = SqliteKeyStore(":memory:")
+    kr = Keyring(store, LocalKms(os.urandom(32)), cache=10)
+    ids = [f"f:{i}" for i in range(40)]
+    for k in ids:
+        kr.ensure("b", k, "d:x")
+    reads = []
+    get, get_many = store.get, store.get_many
+    store.get = lambda bank, k: reads.append(k) or get(bank, k)
+    store.get_many = lambda bank, wanted: reads.extend(wanted) or get_many(bank, wanted)
+
+    def sweep(times: int) -> None:
+        for _ in range(times):
+            kr.prefetch("b", ids)
+            assert kr.combined("b", ids) is not None and kr.keys("b", ids) is not None
+
+    sweep(3)
+    assert len(reads) >= 3 * 30  # the normal bound thrashes: most keys read every time
+    reads.clear()
+    with kr.widened(100):
+        with kr.widened(50):  # nested: the largest open one applies
+            sweep(3)
+        assert kr.cache == 100
+    assert len(set(reads)) == len(reads) <= len(ids)  # each key read at most once
+    assert kr.cache == 10 and len(kr._keys) <= 10 and len(kr._combined) <= 10
+    assert kr.key("b", "f:0") is not None
+
+
 def test_a_destroyed_key_leaves_no_cached_seal_key_that_names_it(tmp_path):
     """Seal keys are cached by a digest of their key ids; destroying one id must still
     make every seal over it unreadable at once, and leave the others as they were."""

@@ -240,7 +240,11 @@ class LiveReplay:
             self.generations.update(g, state="FAILED", error=str(exc))
             self._building = None
             return
+        widening = contextlib.ExitStack()
         try:
+            # the log read again from the start names each of a bank's keys many times
+            # (every observation's seal: the keys of the facts it cites)
+            widening.enter_context(self.root.keyring.widened())
             for f in self.followers:
                 remove_file(f.path(g))  # a crashed replay's files, if any
             builds, search = [], None
@@ -357,6 +361,7 @@ class LiveReplay:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            widening.close()
             self._building = None
 
     def _drain(self, g: int, b: "_Build", until: dict, builds: list, progress) -> None:
