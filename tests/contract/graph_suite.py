@@ -68,6 +68,18 @@ class GraphStoreSuite:
         assert [e.id for e in store.find_entities("a", ["bob"])] == [BOB.id]
         assert store.find_entities("a", ["robert"]) == [robert]
 
+    def test_mentions_of_one_entity_in_one_batch_leave_the_last_name_and_every_alias(
+            self, store):
+        robert, rob = (dataclasses.replace(BOB, name=n) for n in ("Robert", "Rob"))
+        store.upsert([unit("u1", entities=[BOB]), unit("u2", entities=[robert]),
+                      unit("u3", entities=[rob])])
+        got = store.entity("a", BOB.id)
+        assert (got.name, set(got.aliases), got.mentions) == ("Rob", {"bob", "robert", "rob"}, 3)
+        store.upsert([unit("u4", entities=[BOB])])  # unchanged entity, a new mention
+        got = store.entity("a", BOB.id)
+        assert (got.name, set(got.aliases), got.mentions) == (BOB.name, {"bob", "robert", "rob"},
+                                                             4)
+
     def test_reupsert_replaces_mentions_and_drops_orphans(self, store):
         store.upsert([unit("u1", entities=[ALICE, PIANO]), unit("u2", entities=[ALICE])])
         store.upsert([unit("u1", entities=[LYON])])

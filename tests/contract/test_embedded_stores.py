@@ -405,6 +405,33 @@ class TestFalkorGraphStore(GraphStoreSuite):
         finally:
             s.close()
 
+    def test_a_mention_of_an_unchanged_entity_writes_no_entity_property(self, tmp_path):
+        """FalkorDB re-indexes a node on every SET, and its entity lookups slowed as the
+        same entities were rewritten by every mention: an upsert writes an entity's
+        properties only when they change."""
+        from mneme.stores import cypher
+        s = FalkorGraphStore(str(tmp_path / "g.db"))
+        try:
+            hub = EntityRef("e-hub", "Paris", "GPE")
+            written = []
+            query = s._graph.query
+
+            def counting(q, params=None, *a, **kw):
+                res = query(q, params, *a, **kw)
+                if q == cypher.MERGE_ENTITIES:
+                    written.append(res.properties_set)
+                return res
+            s._graph.query = counting
+            s.upsert([unit("u1", entities=[hub])])
+            s.upsert([unit(f"u{i}", entities=[hub]) for i in range(2, 6)])
+            s.upsert([unit("u6", entities=[dataclasses.replace(hub, name="City of Paris")])])
+            # created (id, bank_id and the four), then nothing, then the new name and key
+            assert written[0] >= 4 and written[1] == 0 and written[2] >= 2, written
+            got = s.entity("a", hub.id)
+            assert got.name == "City of Paris" and got.mentions == 6
+        finally:
+            s.close()
+
     @pytest.mark.parametrize("callers", [None, "glibc.malloc.arena_max=2"])
     def test_the_server_runs_with_fixed_malloc_thresholds(self, tmp_path, monkeypatch, callers):
         """The embedded redis-server is started with SERVER_MALLOC in GLIBC_TUNABLES

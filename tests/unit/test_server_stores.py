@@ -170,7 +170,8 @@ def test_neo4j_upsert_is_one_write_transaction_with_plain_parameters():
     assert {c.mode for c in driver.calls} == {"write"}
     assert [c.query for c in driver.calls] == [
         cypher.UNIT_ENTITIES, cypher.UNIT_LINK_TARGETS, cypher.CLEAR_UNIT_EDGES,
-        cypher.UPSERT_UNITS, cypher.MERGE_MENTIONS, cypher.MERGE_LINKS, cypher.TOUCH_BANK]
+        cypher.UPSERT_UNITS, cypher.MERGE_ENTITIES, cypher.MERGE_MENTIONS, cypher.MERGE_LINKS,
+        cypher.TOUCH_BANK]
     by_query = {c.query: c.params for c in driver.calls}
     # the bank's version token, renewed last in the write (readers' adjacency copies)
     assert re.fullmatch(r"[0-9a-f]{32}", by_query[cypher.TOUCH_BANK]["version"])
@@ -180,9 +181,11 @@ def test_neo4j_upsert_is_one_write_transaction_with_plain_parameters():
                         "occurred_start": f.occurred_start.timestamp(),
                         "occurred_end": f.occurred_end.timestamp()}
     assert units[1]["occurred_start"] is None  # epoch numbers or null, never datetimes
-    assert by_query[cypher.MERGE_MENTIONS]["rows"][0] == {
-        "unit_id": f.id, "entity_id": "ent-alice", "name": "Alice", "key": "alice",
-        "label": "PERSON"}
+    assert by_query[cypher.MERGE_ENTITIES]["entities"][0] == {
+        "entity_id": "ent-alice", "name": "Alice", "key": "alice", "label": "PERSON",
+        "keys": ["alice"]}
+    assert by_query[cypher.MERGE_MENTIONS]["rows"][0] == {"unit_id": f.id,
+                                                          "entity_id": "ent-alice"}
     assert by_query[cypher.MERGE_LINKS]["rows"][0] == {
         "source_id": f.id, "target_id": f.links[0].target_id, "kind": "causal",
         "weight": 0.75}

@@ -889,10 +889,17 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact]) -> None:
         "id": f.id, "document_id": f.document_id, "fact_type": f.fact_type,
         "occurred_start": to_epoch(f.occurred_start),
         "occurred_end": to_epoch(f.occurred_end)} for f in facts]})
-    mentions = [{"unit_id": f.id, "entity_id": e.id, "name": e.name,
-                 "key": entity_key(e.name), "label": e.label}
-                for f in facts for e in {e.id: e for e in f.entities}.values()]
+    mentions, entities = [], {}
+    for f in facts:
+        for e in {e.id: e for e in f.entities}.values():
+            mentions.append({"unit_id": f.id, "entity_id": e.id})
+            key = entity_key(e.name)
+            row = entities.setdefault(e.id, {"entity_id": e.id, "keys": []})
+            row.update(name=e.name, key=key, label=e.label)
+            if key not in row["keys"]:
+                row["keys"].append(key)
     if mentions:
+        run(cypher.MERGE_ENTITIES, {"bank_id": bank_id, "entities": list(entities.values())})
         run(cypher.MERGE_MENTIONS, {"bank_id": bank_id, "rows": mentions})
     links = [{"source_id": f.id, "target_id": lk.target_id, "kind": lk.kind,
               "weight": float(lk.weight)}
