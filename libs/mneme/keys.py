@@ -206,9 +206,12 @@ class Keyring:
             with self._lock:
                 self._widenings.remove(cache)
                 self.cache = max([self._base, *self._widenings])
-                for cached in (self._keys, self._combined):
-                    while len(cached) > self.cache:
-                        cached.popitem(last=False)
+                # copied, not popped: a dict's table never shrinks, and a widened one
+                # would keep its size in a server that replayed while serving
+                if len(self._keys) > self.cache:
+                    self._keys = OrderedDict(list(self._keys.items())[-self.cache:])
+                if len(self._combined) > self.cache:
+                    self._combined = OrderedDict(list(self._combined.items())[-self.cache:])
 
     # ---- reading ----------------------------------------------------------------------
 

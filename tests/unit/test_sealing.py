@@ -297,6 +297,7 @@ def test_a_widened_key_cache_unwraps_a_working_set_once_and_is_trimmed_after():
         assert kr.cache == 100
     assert len(set(reads)) == len(reads) <= len(ids)  # each key read at most once
     assert kr.cache == 10 and len(kr._keys) <= 10 and len(kr._combined) <= 10
+    assert {k for (_, k) in kr._keys} == set(ids[-10:])  # the most recently used stay
     assert kr.key("b", "f:0") is not None
 
 
