@@ -6,10 +6,16 @@ tok2vec, tagger, parser, attribute_ruler, lemmatizer, ner). Loaded once per proc
 first use; calls into one pipeline are serialised by a lock (spaCy does not promise thread
 safety of one ``Language`` object -- its string store grows while parsing -- and the GIL
 would serialise most of the work anyway). Queries get a second copy of the pipeline.
+
+A pipeline's string store and lexicon keep every new token spaCy sees, for the life of
+the process: text full of novel tokens (codes, numbers, names, addresses) grew a server
+by ~25 MB per 10,000 texts. mneme's callers therefore parse inside :func:`zone`, which
+drops all of that at its end (spaCy's ``memory_zone``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -74,6 +80,8 @@ _NOT_ID = frozenset({"TIME", "MONEY", "PERCENT", "QUANTITY"})
 _load_lock = threading.Lock()
 _pipelines: dict[str, object] = {}
 _locks: dict[str, threading.RLock] = {"default": threading.RLock(), "query": threading.RLock()}
+#: Zones open per pipeline (changed only by the thread holding its lock).
+_zone_depth: dict[str, int] = {}
 #: Texts per locked slice of :func:`parse_many`: a query waiting for the shared pipeline
 #: waits for one slice (~0.3 s), not for a whole conversation.
 _SLICE = 64
@@ -142,8 +150,32 @@ def nlp(name: str = "default"):
     return model
 
 
+@contextlib.contextmanager
+def zone(pipeline: str = "default"):
+    """Hold ``pipeline`` for a block, and drop at its end every string and lexeme the block
+    added to it (spaCy's ``Language.memory_zone``, spaCy >= 3.8), so a long-running
+    process does not grow with the text it parses. Every Doc, Span and Token made inside
+    is invalid after the block: take plain values (``span.text``, labels) out of it, not
+    spaCy objects. Other threads wait for the block to end before they use the pipeline
+    (the zone's strings are the pipeline's while it is open). Re-entrant in one thread:
+    an inner zone joins the outer one (spaCy's zones do not nest)."""
+    model = nlp(pipeline)
+    with _locks[pipeline]:
+        depth = _zone_depth.get(pipeline, 0)
+        _zone_depth[pipeline] = depth + 1
+        try:
+            if depth:
+                yield model
+            else:
+                with model.memory_zone():
+                    yield model
+        finally:
+            _zone_depth[pipeline] = depth
+
+
 def parse(text: str, pipeline: str = "default"):
-    """One text → spaCy ``Doc`` (thread-safe)."""
+    """One text → spaCy ``Doc`` (thread-safe). Outside a :func:`zone`, its new strings
+    stay in the pipeline for the life of the process."""
     model = nlp(pipeline)
     with _locks[pipeline]:
         return model(text)
@@ -354,7 +386,12 @@ QUERY_CACHE = 1024
 def _query_entity_keys(query: str) -> tuple[str, ...]:
     """:meth:`QueryAnalyzer.entity_keys` of one non-blank query (cached: a pure function
     of the text and the pinned model)."""
-    doc = parse(query, pipeline="query")
+    with zone("query"):  # a query's new tokens are not kept (see zone)
+        return _entity_keys_of(parse(query, pipeline="query"))
+
+
+def _entity_keys_of(doc) -> tuple[str, ...]:
+    """The entity keys of a parsed query (see :meth:`QueryAnalyzer.entity_keys`)."""
     keys: list[str] = []
 
     def add(name: str) -> None:

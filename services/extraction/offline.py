@@ -254,6 +254,18 @@ class OfflineExtractor:
         entities through one resolver transaction. Every item with non-blank content
         yields at least one fact; blank items yield none. ``stop`` is not asked: the
         request is one batch (the handler asks before it starts)."""
+        # spaCy's objects live only inside the zone (in _facts' frame): what these texts
+        # added to the pipeline's strings is dropped at its end (a server parses for months)
+        with _nlp.zone():
+            facts, mention_lists = self._facts(bank_id, items, source_id, first_index)
+        for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
+            f.entities = refs
+        return facts
+
+    def _facts(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
+               first_index: int) -> tuple[list[Fact], list[list[tuple[str, str]]]]:
+        """:meth:`extract_many`'s facts without entities, and each fact's entity mentions
+        as (name, label) pairs (plain strings: nothing of spaCy's is returned)."""
         segs_by_item = [_segments(k, it) for k, it in enumerate(items)]
         captions = [_caption(it) for it in items]
         all_segs = [s for segs in segs_by_item for s in segs]
@@ -344,10 +356,7 @@ class OfflineExtractor:
             # an item without facts (blank) breaks the chain: the next one does not
             # answer the item before it
             prev_last = (item, item_facts[-1].id) if item_facts else None
-
-        for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
-            f.entities = refs
-        return facts
+        return facts, mention_lists
 
     @staticmethod
     def embedding_parts(facts: Sequence[Fact]) -> list[EmbeddingParts]:
