@@ -207,6 +207,58 @@ class TestEdgeVectorStore(VectorStoreSuite):
         with open(tmp_path / "new" / "edge_config.json") as fh:
             assert json.load(fh)["vectors"][""]["datatype"] == "float16"
 
+    def test_a_flush_optimizes_once_index_every_new_points_arrived(self, tmp_path):
+        """New points, not rewrites of stored ones, count toward the next optimize (the
+        HNSW build and vacuum Qdrant Edge runs only when asked); a reopened store counts
+        the points its shard never indexed; None leaves optimizing to purge."""
+        with pytest.raises(ValueError, match="index_every"):
+            EdgeVectorStore(str(tmp_path / "v"), DIM, index_every=0)
+        base = full_fact()
+        facts = [dataclasses.replace(base, id=f"{base.id}-{i}") for i in range(30)]
+
+        def counted(store):
+            calls, real = [], store.optimize
+            store.optimize = lambda: calls.append(1) or real()
+            return calls
+
+        s = EdgeVectorStore(str(tmp_path / "v"), DIM, index_every=20)
+        calls = counted(s)
+        try:
+            s.upsert(facts[:19])
+            s.flush()
+            s.upsert(facts[:19])  # the same points again
+            s.flush()
+            assert calls == []
+            s.upsert(facts[19:20])
+            s.flush()
+            assert len(calls) == 1
+            s.upsert(facts[:20])  # nothing new since
+            s.flush()
+            s.flush()
+            assert len(calls) == 1
+            assert s.count("a") == 20
+        finally:
+            s.close()
+        s = EdgeVectorStore(str(tmp_path / "v"), DIM, index_every=20)
+        calls = counted(s)
+        try:  # DIM-sized vectors stay below Qdrant's indexing threshold: none indexed
+            s.upsert(facts[:1])
+            s.flush()
+            assert len(calls) == 1
+            s.upsert(facts[20:30])
+            s.flush()
+            assert len(calls) == 1
+        finally:
+            s.close()
+        s = EdgeVectorStore(str(tmp_path / "w"), DIM, index_every=None)
+        calls = counted(s)
+        try:
+            s.upsert(facts)
+            s.flush()
+            assert calls == [] and s.count("a") == 30
+        finally:
+            s.close()
+
     def test_cached_facts_share_repeated_values_and_read_as_written(self, store):
         """The hydration cache keeps one object per repeated value (entities, metadata,
         times); every fact still reads back exactly as written, and a rewrite of a fact

@@ -65,6 +65,13 @@ _SCROLL_BATCH = 256
 #: Vacuum any segment with a deleted point (Qdrant's defaults wait for 20% deleted in
 #: segments of 1000+ vectors): what makes a flush after deletions physical.
 _PURGING_OPTIMIZERS = dict(deleted_threshold=0.0, vacuum_min_vector_number=1)
+#: Segments of at most ~20 MB of vectors (~26k points of 384 float16), up to 8 before the
+#: merge optimizer joins any (its default on 2 cores: 2, so it folded every new segment
+#: into one ever larger one). An optimize or a purge then rebuilds segments of bounded
+#: size, not the bank: on the 100k-fact bank's vectors, optimized every 20k points, each
+#: optimize took 1.4-1.8 s and a purge after a deletion 0.3 s (with the defaults: 1.4-5.0
+#: s growing, and 1.2 s; never optimized before the first purge: 30.1 s). See INDEX_EVERY.
+_SEGMENT_OPTIMIZERS = dict(default_segment_number=8, max_segment_size=20_000)
 
 
 #: How a new shard stores vectors. float16 halves the vectors' memory (a 100k-fact
@@ -85,6 +92,16 @@ DATATYPE = VectorStorageDatatype.Float16
 #: the page cache's: the kernel can drop them under pressure, and the first searches
 #: after a reboot read them from disk.
 VECTOR_MEMORY = Memory.Cold
+
+
+#: New points since the last optimize after which :meth:`EdgeVectorStore.flush` runs it
+#: (a replaced point is not a new one): the new points get their HNSW index in a segment of their own (bounded, see
+#: ``_SEGMENT_OPTIMIZERS``). Qdrant Edge never optimizes by itself, and the binding holds
+#: the GIL while it does. Before, only the purge after a deletion optimized, so a bank's
+#: points all stayed in one exhaustively searched segment until then, and that purge
+#: indexed all of them at once: on the 100k-fact bank of ``make bench-load`` a retain that
+#: replaced one document took 39.6 s, the server answering nothing meanwhile.
+INDEX_EVERY = 20_000
 
 
 def _stored_params(config_file: str) -> tuple[VectorStorageDatatype, Memory | None]:
@@ -317,11 +334,16 @@ class EdgeVectorStore:
     #: Units kept hydrated by :meth:`get` (~1.9 KB each with the values they share).
     cache_units = 20_000
 
-    def __init__(self, path: str, dim: int) -> None:
+    def __init__(self, path: str, dim: int, index_every: int | None = INDEX_EVERY) -> None:
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
+        if index_every is not None and index_every <= 0:
+            raise ValueError(f"index_every must be positive or None, got {index_every}")
         self.path = os.path.abspath(path)
         self.dim = dim
+        #: new points since the last optimize after which a flush optimizes
+        #: (:data:`INDEX_EVERY`; None: only :meth:`purge` and :meth:`optimize` do)
+        self.index_every = index_every
         self._lock = threading.RLock()
         self._dirty = False  # a write since the last flush
         self._deleted = False  # a deletion not purged yet (see purge)
@@ -329,6 +351,9 @@ class EdgeVectorStore:
         # values the cached facts share (see payload_to_fact)
         self._shared: dict[Any, Any] = {}
         self._shard: EdgeShard | None = self._open()
+        # the shard's points at the last optimize (a shard written before INDEX_EVERY:
+        # those it indexed, maybe none); replaced points are not new ones
+        self._optimized_points = self._shard.info().indexed_vectors_count
 
     # -- lifecycle --
 
@@ -337,7 +362,8 @@ class EdgeVectorStore:
         return EdgeConfig(vectors=EdgeVectorParams(size=self.dim, distance=Distance.Cosine,
                                                    datatype=datatype or DATATYPE,
                                                    memory=memory),
-                          optimizers=EdgeOptimizersConfig(**_PURGING_OPTIMIZERS),
+                          optimizers=EdgeOptimizersConfig(**_PURGING_OPTIMIZERS,
+                                                          **_SEGMENT_OPTIMIZERS),
                           wal_enabled=wal)
 
     def _open(self) -> EdgeShard:
@@ -411,14 +437,21 @@ class EdgeVectorStore:
 
     def flush(self) -> None:
         """Make every write so far durable (one fsync of the shard) and, after deletions,
-        physical (:meth:`purge`); nothing when no write was made since the last flush, or
-        once closed (:meth:`close` flushed them)."""
+        physical (:meth:`purge`); once the shard holds :attr:`index_every` more points than
+        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points). Nothing when
+        no write was made since the last flush, or once closed (:meth:`close` flushed
+        them)."""
         with self._lock:
             if self._deleted and self._shard is not None:
                 self.purge()
             if self._dirty and self._shard is not None:
-                self._shard.flush()
-                self._dirty = False
+                if self.index_every is not None and (self._shard.info().points_count
+                                                     - self._optimized_points
+                                                     >= self.index_every):
+                    self.optimize()
+                else:
+                    self._shard.flush()
+                    self._dirty = False
 
     def purge(self) -> bool:
         """Rebuild every segment holding a deleted point (Qdrant's vacuum, with the
@@ -431,6 +464,7 @@ class EdgeVectorStore:
             changed = bool(self.shard.optimize())
             self.shard.flush()
             self._dirty = self._deleted = False
+            self._optimized_points = self.shard.info().points_count
             return changed
 
     def close(self) -> None:
@@ -455,18 +489,20 @@ class EdgeVectorStore:
             self.close()  # (clears the cache)
             shutil.rmtree(self.path, ignore_errors=True)
             self._shard = self._open()
+            self._optimized_points = 0
 
     def optimize(self) -> bool:
         """Build the HNSW index (and merge segments) for points added since the last
         call; True if anything changed. Qdrant Edge never does this by itself: until then
-        new points are searched exhaustively (exact, ~5 ms per 30k 384-d points). It takes
-        tens of seconds for tens of thousands of points and the binding holds the GIL
-        meanwhile, so call it from maintenance (after a replay or bulk retain), not per
-        request."""
+        new points are searched exhaustively (exact, ~5 ms per 30k 384-d points). The
+        binding holds the GIL meanwhile (~1.5 s per 20k new points; a shard never
+        optimized, all at once: 28 s at 100k), so :meth:`flush` calls it once per
+        :attr:`index_every` points, not per request."""
         with self._lock:
             changed = bool(self.shard.optimize())
             self.shard.flush()  # every write so far, too
             self._dirty = self._deleted = False  # (the vacuum ran too)
+            self._optimized_points = self.shard.info().points_count
             return changed
 
     # -- writes --
