@@ -95,9 +95,9 @@ VECTOR_MEMORY = Memory.Cold
 
 
 #: New points since the last optimize after which :meth:`EdgeVectorStore.flush` runs it
-#: (a replaced point is not a new one): the new points get their HNSW index in a segment of their own (bounded, see
-#: ``_SEGMENT_OPTIMIZERS``). Qdrant Edge never optimizes by itself, and the binding holds
-#: the GIL while it does. Before, only the purge after a deletion optimized, so a bank's
+#: (a replaced point is not a new one): the new points get their HNSW index in a segment
+#: of their own (bounded, see ``_SEGMENT_OPTIMIZERS``). Qdrant Edge never optimizes by
+#: itself, and the binding holds the GIL while it does. Before, only the purge after a deletion optimized, so a bank's
 #: points all stayed in one exhaustively searched segment until then, and that purge
 #: indexed all of them at once: on the 100k-fact bank of ``make bench-load`` a retain that
 #: replaced one document took 39.6 s, the server answering nothing meanwhile.
@@ -438,9 +438,9 @@ class EdgeVectorStore:
     def flush(self) -> None:
         """Make every write so far durable (one fsync of the shard) and, after deletions,
         physical (:meth:`purge`); once the shard holds :attr:`index_every` more points than
-        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points). Nothing when
-        no write was made since the last flush, or once closed (:meth:`close` flushed
-        them)."""
+        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points).
+        Nothing when no write was made since the last flush, or once closed
+        (:meth:`close` flushed them)."""
         with self._lock:
             if self._deleted and self._shard is not None:
                 self.purge()
