@@ -173,6 +173,12 @@ def _digest(key_ids: Sequence[str]) -> bytes:
     return h.digest()
 
 
+def _newest(cached: OrderedDict, n: int) -> OrderedDict:
+    """``cached`` itself when it holds at most ``n`` entries, else a new OrderedDict of its
+    ``n`` most recently used (a copy, not pops: a dict's table never shrinks)."""
+    return cached if len(cached) <= n else OrderedDict(list(cached.items())[-n:])
+
+
 class Keyring:
     """Data keys of every bank over a :class:`~mneme.ports.KeyStore` and a
     :class:`~mneme.ports.Kms`, with the unwrapped keys cached (LRU of ``cache`` keys).
@@ -208,10 +214,8 @@ class Keyring:
                 self.cache = max([self._base, *self._widenings])
                 # copied, not popped: a dict's table never shrinks, and a widened one
                 # would keep its size in a server that replayed while serving
-                if len(self._keys) > self.cache:
-                    self._keys = OrderedDict(list(self._keys.items())[-self.cache:])
-                if len(self._combined) > self.cache:
-                    self._combined = OrderedDict(list(self._combined.items())[-self.cache:])
+                self._keys = _newest(self._keys, self.cache)
+                self._combined = _newest(self._combined, self.cache)
 
     # ---- reading ----------------------------------------------------------------------
 

@@ -97,10 +97,11 @@ VECTOR_MEMORY = Memory.Cold
 #: New points since the last optimize after which :meth:`EdgeVectorStore.flush` runs it
 #: (a replaced point is not a new one): the new points get their HNSW index in a segment
 #: of their own (bounded, see ``_SEGMENT_OPTIMIZERS``). Qdrant Edge never optimizes by
-#: itself, and the binding holds the GIL while it does. Before, only the purge after a deletion optimized, so a bank's
-#: points all stayed in one exhaustively searched segment until then, and that purge
-#: indexed all of them at once: on the 100k-fact bank of ``make bench-load`` a retain that
-#: replaced one document took 39.6 s, the server answering nothing meanwhile.
+#: itself, and the binding holds the GIL while it does. Before, only the purge after a
+#: deletion optimized, so a bank's points all stayed in one exhaustively searched segment
+#: until then, and that purge indexed all of them at once: on the 100k-fact bank of
+#: ``make bench-load`` a retain that replaced one document took 39.6 s, the server
+#: answering nothing meanwhile.
 INDEX_EVERY = 20_000
 
 
@@ -460,12 +461,7 @@ class EdgeVectorStore:
         after deletions: one purge covers every deletion since the last. It runs Qdrant's
         other optimizers too (an HNSW build when the new points grew past the indexing
         threshold: seconds at 20k points, then ~0.5 s per purge) and holds the lock."""
-        with self._lock:
-            changed = bool(self.shard.optimize())
-            self.shard.flush()
-            self._dirty = self._deleted = False
-            self._optimized_points = self.shard.info().points_count
-            return changed
+        return self.optimize()  # (Qdrant's optimize runs the vacuum with the rest)
 
     def close(self) -> None:
         """Flush (deletions purged) and release the shard; further calls raise
