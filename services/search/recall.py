@@ -41,7 +41,7 @@ from mneme.errors import DeadlineExceeded
 from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
 from mneme.retrieval import (
     BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, passage_ranks,
-    proof_boost, question_factor, recency_boost, reply_share, rerank_head,
+    asks_for_list, proof_boost, question_factor, recency_boost, reply_share, rerank_head,
     temporal_proximity_boost, window_overlap, rrf,
 )
 
@@ -194,7 +194,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     reply_share(results)
     # Stable sort: equal finals keep RRF's deterministic order.
     results.sort(key=lambda s: -s.final)
-    results = rerank_head(results, entity_ids, labels=answer_labels(q.query))
+    results = rerank_head(results, entity_ids, labels=answer_labels(q.query),
+                          listing=asks_for_list(q.query))
     if reranker is not None:  # a cross-encoder reorders the fused head (mneme.llm.rerank)
         deadline.check("recall: rerank")
         results = reranker(q.query, results)

@@ -9,9 +9,10 @@ import pytest
 from mneme.domain import EntityRef, Fact, Link, Scored, TimeWindow
 from mneme.retrieval import (
     ANSWER_TYPE_WEIGHT, BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT,
-    REPLY_WEIGHT, RRF_K, RRF_UNIT, SPEAKER_WEIGHT, TEMPORAL_WEIGHT, answer_labels, fill_budget, is_question, proof_boost,
+    LENGTH_PIVOT, LENGTH_WEIGHT, REPLY_WEIGHT, RRF_K, RRF_UNIT, SPEAKER_WEIGHT, TEMPORAL_WEIGHT,
+    answer_labels, asks_for_list, fill_budget, is_question, proof_boost,
     question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
-    temporal_proximity_boost, window_overlap,
+    statement_words, temporal_proximity_boost, window_overlap,
 )
 
 NOW = datetime(2024, 6, 15, 12, 0, tzinfo=timezone.utc)
@@ -298,6 +299,50 @@ def test_rerank_head_counts_passages_not_facts():
              for k, i in enumerate("abc")]
     rerank_head(loose, ["nate"], head=2)
     assert [s.boost > 0 for s in loose] == [True, True, False]
+
+
+def test_statement_words_leave_out_the_speaker_and_keep_a_caption():
+    assert statement_words("Melanie: Wow, that's great!") == 3
+    assert statement_words("Nate: This is Max! [shares a photo: a dog on a couch]") == 11
+    assert statement_words("The pump failed at 3 am.") == 6
+    assert statement_words("") == 0
+
+
+def test_a_list_question_prefers_the_longer_turn_up_to_the_pivot():
+    short = "Joanna: That sounds like a good recipe!"  # 6 words
+    told = "Joanna: " + " ".join(["cake"] * LENGTH_PIVOT)
+    longer = "Joanna: " + " ".join(["cake"] * (2 * LENGTH_PIVOT))
+
+    def head():
+        return [_scored("s", short, 0.05, doc="c/1", index=1),
+                _scored("t", told, 0.049, doc="c/2", index=8),
+                _scored("l", longer, 0.048, doc="c/3", index=3)]
+
+    out = rerank_head(head(), [], listing=True)
+    assert [s.fact.id for s in out] == ["t", "l", "s"]  # t and l capped alike
+    boost = {s.fact.id: s.boost for s in out}
+    assert boost["s"] == pytest.approx(LENGTH_WEIGHT * RRF_UNIT * 6 / LENGTH_PIVOT)
+    assert boost["t"] == boost["l"] == pytest.approx(LENGTH_WEIGHT * RRF_UNIT)
+    # any other question: no length feature, the match scores decide
+    out = rerank_head(head(), [])
+    assert [s.fact.id for s in out] == ["s", "t", "l"] and all(s.boost == 0 for s in out)
+
+
+@pytest.mark.parametrize("query, listing", [
+    ("What activities does Melanie partake in?", True),
+    ("What recipes has Joanna made?", True),
+    ("Which countries has Tim visited?", True),
+    ("What LGBTQ+ events has Caroline participated in?", True),
+    ("How many games has John mentioned winning?", True),
+    ("What are Joanna's hobbies?", True),
+    ("What does Melanie do with her family on hikes?", False),
+    ("What is Caroline's identity?", False),
+    ("When did Jon lose his job?", False),
+    ("Where did Maria make friends?", False),
+    ("", False),
+])
+def test_asks_for_list(query, listing):
+    assert asks_for_list(query) is listing
 
 
 @pytest.mark.parametrize("query, labels", [
