@@ -20,9 +20,10 @@ halved (``mneme.retrieval.is_question``: a question shares its words with the qu
 states nothing), boosted
 (recency, temporal proximity, proof count; see ``mneme.retrieval``), each reply given a
 share of the fused score of the turn it answers (``mneme.retrieval.reply_share``), the head
-reordered by entity overlap with the query, adjacency to other hits and naming an entity of
-the kind the question asks for (``mneme.retrieval.rerank_head``,
-``mneme.retrieval.answer_labels``; no model) and filled greedily into ``max_tokens``.
+reordered by entity overlap with the query, its speaker, adjacency to other hits, naming an
+entity of the kind the question asks for and, for a question that asks for several things,
+length (``mneme.retrieval.rerank_head``, ``answer_labels``, ``asks_for_list``; no model) and
+filled greedily into ``max_tokens``.
 """
 
 from __future__ import annotations
