@@ -266,10 +266,7 @@ def is_question(text: str) -> bool:
     turn, ranks above the question that prompted it, and a question alone is still found.
     The answers for the last 20,000 texts are kept (recall asks about the same candidates
     query after query)."""
-    body = _CAPTION_RE.sub("", text or "").strip()
-    m = _SPEAKER_RE.match(body)
-    if m:
-        body = body[m.end():]
+    body = _without_speaker(_CAPTION_RE.sub("", text or ""))
     sentences = [s for s in _SENTENCE_RE.split(body) if s.strip()]
     return bool(sentences) and all(s.rstrip(" \"'\u201d\u2019)").endswith("?")
                                    for s in sentences)
@@ -279,9 +276,14 @@ def is_question(text: str) -> bool:
 def statement_words(text: str) -> int:
     """Words of the fact ``text`` without a "Speaker: " prefix (a shared photo's caption
     counts: it is part of what the turn tells)."""
-    body = (text or "").strip()
+    return len(_without_speaker(text or "").split())
+
+
+def _without_speaker(text: str) -> str:
+    """``text`` stripped, without a leading "Speaker: " prefix."""
+    body = text.strip()
     m = _SPEAKER_RE.match(body)
-    return len((body[m.end():] if m else body).split())
+    return body[m.end():] if m else body
 
 
 def question_factor(fact: Fact) -> float:
