@@ -60,10 +60,23 @@ QUESTION_WEIGHT = 0.5
 REPLY_WEIGHT = 0.3
 
 #: The head reranker (:func:`rerank_head`): how many of the fused results it reorders,
-#: and its features' caps as fractions of :data:`RRF_UNIT`.
+#: and its features' weights as fractions of :data:`RRF_UNIT` (:func:`head_features`).
+#:
+#: The weights of entity overlap, adjacency, speaker, length and time rank were fitted
+#: together on LoCoMo dev by coordinate ascent on recall@10 (D. Metzler, W. B. Croft,
+#: "Linear feature-based models for information retrieval", Information Retrieval 10(3),
+#: 2007) with ``tests/bench/fit_head.py``; each conversation's fit on the other six
+#: chose adjacency 1.1–1.6, speaker 1.0–1.2 and time rank 1.25–1.5, and scored 0.790
+#: out of fold against 0.777 for the weights before (adjacency 0.2, speaker 0.6, no
+#: length on other questions, no time rank). The kept values are the round ones nearest
+#: the fit on all seven; recall@10 over the same dumped heads: 0.800 (each left at its
+#: old value: adjacency −0.015, length −0.004, time rank −0.003, speaker −0.002).
 RERANK_HEAD = 50
 ENTITY_WEIGHT = 0.3
-ADJACENT_WEIGHT = 0.2
+#: A turn next to another head result (a question and its answer, a statement and its
+#: follow-up). First set to 0.2 with the reranker alone; with the answer type, speaker
+#: and length beside it, the fit wants it stronger than one arm's first place.
+ADJACENT_WEIGHT = 1.2
 #: A fact naming an entity of the kind the question asks for (:func:`answer_labels`).
 #: Stronger than one arm's first place on purpose: the kind of the answer is known from
 #: the question alone, and facts that share the question's words but name no such thing
@@ -78,22 +91,38 @@ ANSWER_TYPE_WEIGHT = 1.5
 #: M. Taylor, "Simple BM25 extension to multiple weighted fields", CIKM 2004). Measured
 #: on LoCoMo dev (all 7 conversations, with the answer type on; recall@10 / nDCG@10 over
 #: the same run without it): 0.3 +0.000 / +0.012, 0.6 +0.002 / +0.015 (multi-hop +0.012,
-#: open-domain +0.033, temporal −0.004, single-hop −0.003), 1.0 +0.003 / +0.016.
-SPEAKER_WEIGHT = 0.6
-#: Length prior for questions that ask for several things (:func:`asks_for_list`):
-#: + LENGTH_WEIGHT × RRF_UNIT × min(1, words / LENGTH_PIVOT) of a fact's statement
-#: (:func:`statement_words`). Longer passages are more often relevant than short ones
-#: at the same match score (A. Singhal, C. Buckley, M. Mitra, "Pivoted document length
-#: normalization", SIGIR 1996): on LoCoMo dev a turn of 0–11 words is an evidence turn
-#: 0.13–0.31 times as often as the average turn, one of 32–47 words 1.7–2.1 times. Measured
-#: on dev (all 7 conversations retained once, variants recalled in one process; recall@10
-#: against 0.776 / multi-hop 0.509 without it): on every question, 0.5 → 0.775 (multi-hop
-#: 0.517, single-hop −0.010), 1.0 → 0.771 (0.536, single-hop −0.016), 1.5 → 0.769 (0.543,
-#: −0.027): single-hop answers are often short turns. On list questions only (against
-#: 0.778 / 0.507): 1.0 → 0.780 (0.519), 1.5 with a pivot of 40 → 0.779 (0.526),
-#: 1.5 with 25 → 0.781 (0.524, single-hop unchanged), kept.
-LENGTH_WEIGHT = 1.5
+#: open-domain +0.033, temporal −0.004, single-hop −0.003), 1.0 +0.003 / +0.016; 1.0 in
+#: the joint fit above.
+SPEAKER_WEIGHT = 1.0
+#: Length prior: + weight × RRF_UNIT × min(1, words / LENGTH_PIVOT) of a fact's statement
+#: (:func:`statement_words`), :data:`LIST_LENGTH_WEIGHT` for a question that asks for
+#: several things (:func:`asks_for_list`), :data:`LENGTH_WEIGHT` for any other. Longer
+#: passages are more often relevant than short ones at the same match score (A. Singhal,
+#: C. Buckley, M. Mitra, "Pivoted document length normalization", SIGIR 1996): on LoCoMo
+#: dev a turn of 0–11 words is an evidence turn 0.13–0.31 times as often as the average
+#: turn, one of 32–47 words 1.7–2.1 times. Alone (all 7 dev conversations retained once,
+#: variants recalled in one process; recall@10 against 0.776 / multi-hop 0.509 without
+#: it): on every question, 0.5 → 0.775 (multi-hop 0.517, single-hop −0.010), 1.0 → 0.771
+#: (0.536, single-hop −0.016): single-hop answers are often short turns. On list questions
+#: only (against 0.778 / 0.507): 1.0 → 0.780 (0.519), 1.5 with a pivot of 40 → 0.779
+#: (0.526), 1.5 with 25 → 0.781 (0.524, single-hop unchanged). With the stronger
+#: adjacency, 0.5 on the other questions pays too (joint fit above).
+LENGTH_WEIGHT = 0.5
+LIST_LENGTH_WEIGHT = 1.5
 LENGTH_PIVOT = 25
+#: When the query names a time, the temporal arm's rank counts again in the head: +
+#: weight × RRF_UNIT × (RRF_K + 1) / (RRF_K + rank) (its RRF term, scaled to 1 at rank 1).
+TIME_RANK_WEIGHT = 1.0
+
+
+def head_weights() -> dict[str, float]:
+    """The weight of each feature of :func:`head_features` (× :data:`RRF_UNIT`), read
+    from the module's constants when called."""
+    return {"entity": ENTITY_WEIGHT, "speaker": SPEAKER_WEIGHT,
+            "adjacent": ADJACENT_WEIGHT, "answer_type": ANSWER_TYPE_WEIGHT,
+            "length": LENGTH_WEIGHT, "list_length": LIST_LENGTH_WEIGHT,
+            "time_rank": TIME_RANK_WEIGHT}
+
 
 _DAY = 86400.0
 
@@ -404,32 +433,73 @@ def _names_answer_type(fact: Fact, labels: frozenset[str], skip: set[str],
     return any(e.label in labels and e.id not in skip for e in ents)
 
 
+def head_features(top: Sequence[Scored], query_entities: Sequence[str],
+                  labels: frozenset[str] = frozenset(),
+                  listing: bool = False) -> list[dict[str, float]]:
+    """The features of each of ``top`` (the head of the fused results, sorted by
+    ``final``) that :func:`rerank_head` weighs with :func:`head_weights`; one dict per
+    result, in order, each value in [0, 1]:
+
+    - ``entity``: the fraction of ``query_entities`` (entity ids the query names) that the
+      fact mentions — a fact about the people and things asked about beats one that only
+      shares words;
+    - ``speaker``: 1 when the fact's speaker is one of ``query_entities`` (what a person
+      says about themselves answers most questions about them);
+    - ``adjacent``: the best neighbour's ``rrf`` / the head's best ``rrf``, where a
+      neighbour is another result of ``top`` of the same document whose ``item_index``
+      differs by 1 (the turn before or after in one conversation): a question and its
+      answer, or a statement and its follow-up, support each other;
+    - ``answer_type``: 1 when the fact names an entity of one of ``labels``
+      (:func:`answer_labels` of the query), not counting its speaker and the query's own
+      entities;
+    - ``length`` (``list_length`` when ``listing``, the query asks for several things,
+      :func:`asks_for_list`): min(1, :func:`statement_words` / :data:`LENGTH_PIVOT`);
+    - ``time_rank``: (RRF_K + 1) / (RRF_K + rank) for a fact the temporal arm ranked
+      (only when the query names a time), else 0.
+    """
+    qents = set(query_entities)
+    best_rrf = max((s.rrf for s in top), default=0.0) or 1.0
+    by_pos: dict[tuple[str, int], float] = {}
+    for s in top:
+        if s.fact.document_id:
+            key = (s.fact.document_id, s.fact.item_index)
+            by_pos[key] = max(by_pos.get(key, 0.0), s.rrf)
+    out = []
+    for s in top:
+        speaker = _speaker_id(s.fact)
+        near = 0.0
+        if s.fact.document_id:
+            near = max(by_pos.get((s.fact.document_id, s.fact.item_index + d), 0.0)
+                       for d in (-1, 1))
+        length = min(1.0, statement_words(s.fact.text) / LENGTH_PIVOT)
+        rank = s.ranks.get("temporal")
+        out.append({
+            "entity": (len(qents & {e.id for e in s.fact.entities}) / len(qents)
+                       if qents else 0.0),
+            "speaker": 1.0 if qents and speaker in qents else 0.0,
+            "adjacent": near / best_rrf,
+            "answer_type": 1.0 if labels and _names_answer_type(
+                s.fact, labels, qents, speaker is not None) else 0.0,
+            "length": 0.0 if listing else length,
+            "list_length": length if listing else 0.0,
+            "time_rank": (RRF_K + 1) / (RRF_K + rank) if rank else 0.0,
+        })
+    return out
+
+
 def rerank_head(results: list[Scored], query_entities: Sequence[str],
                 head: int = RERANK_HEAD,
                 labels: frozenset[str] = frozenset(),
                 listing: bool = False) -> list[Scored]:
-    """Reorder the head of ``results`` (sorted by ``final``, best first) with five cheap
+    """Reorder the head of ``results`` (sorted by ``final``, best first) with cheap
     features, no model; the tail keeps its order after the head. The head is the results
     of the first ``head`` passages (a passage: one document's item, see :func:`passage_of`),
     so a turn told in several facts (a model's beside the offline one) takes one of its
     places, as it takes one rank per arm in :func:`rrf`.
 
-    - entity overlap: + :data:`ENTITY_WEIGHT` × RRF_UNIT × the fraction of
-      ``query_entities`` (entity ids the query names) that the fact mentions — a fact about
-      the people and things asked about beats one that only shares words;
-    - speaker: + :data:`SPEAKER_WEIGHT` × RRF_UNIT when the fact's speaker is one of
-      ``query_entities`` (what a person says about themselves answers most questions
-      about them);
-    - adjacency: + :data:`ADJACENT_WEIGHT` × RRF_UNIT × (the best neighbour's ``rrf`` / the
-      head's best ``rrf``), where a neighbour is another head result of the same document
-      whose ``item_index`` differs by 1 (the turn before or after in one conversation):
-      a question and its answer, or a statement and its follow-up, support each other;
-    - answer type: + :data:`ANSWER_TYPE_WEIGHT` × RRF_UNIT when the fact names an entity
-      of one of ``labels`` (:func:`answer_labels` of the query), not counting its speaker
-      and the query's own entities;
-    - length, when ``listing`` (the query asks for several things, :func:`asks_for_list`):
-      + :data:`LENGTH_WEIGHT` × RRF_UNIT × min(1, :func:`statement_words` /
-      :data:`LENGTH_PIVOT`).
+    Each head result gets + RRF_UNIT × Σ :func:`head_weights` × :func:`head_features`
+    (entity overlap with ``query_entities``, speaker, adjacency, answer type of
+    ``labels``, length — stronger when ``listing`` — and the temporal arm's rank).
 
     The added amount goes into ``boost`` and ``final``; ties keep the incoming order
     (stable sort). Returns a new list; ``results`` items are updated in place.
@@ -437,29 +507,9 @@ def rerank_head(results: list[Scored], query_entities: Sequence[str],
     top = results[:_head_end(results, head)]
     if not top:
         return list(results)
-    qents = set(query_entities)
-    best_rrf = max(s.rrf for s in top) or 1.0
-    by_pos: dict[tuple[str, int], float] = {}
-    for s in top:
-        if s.fact.document_id:
-            key = (s.fact.document_id, s.fact.item_index)
-            by_pos[key] = max(by_pos.get(key, 0.0), s.rrf)
-    for s in top:
-        add = 0.0
-        if qents:
-            mine = {e.id for e in s.fact.entities}
-            add += ENTITY_WEIGHT * RRF_UNIT * len(qents & mine) / len(qents)
-        if s.fact.document_id:
-            near = max(by_pos.get((s.fact.document_id, s.fact.item_index + d), 0.0)
-                       for d in (-1, 1))
-            add += ADJACENT_WEIGHT * RRF_UNIT * near / best_rrf
-        speaker = _speaker_id(s.fact)
-        if qents and speaker in qents:
-            add += SPEAKER_WEIGHT * RRF_UNIT
-        if labels and _names_answer_type(s.fact, labels, qents, speaker is not None):
-            add += ANSWER_TYPE_WEIGHT * RRF_UNIT
-        if listing:
-            add += LENGTH_WEIGHT * RRF_UNIT * min(1.0, statement_words(s.fact.text) / LENGTH_PIVOT)
+    weights = head_weights()
+    for s, feats in zip(top, head_features(top, query_entities, labels, listing)):
+        add = RRF_UNIT * math.fsum(weights[k] * v for k, v in feats.items())
         s.boost += add
         s.final += add
     return sorted(top, key=lambda s: -s.final) + list(results[len(top):])

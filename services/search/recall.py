@@ -21,9 +21,10 @@ states nothing), boosted
 (recency, temporal proximity, proof count; see ``mneme.retrieval``), each reply given a
 share of the fused score of the turn it answers (``mneme.retrieval.reply_share``), the head
 reordered by entity overlap with the query, its speaker, adjacency to other hits, naming an
-entity of the kind the question asks for and, for a question that asks for several things,
-length (``mneme.retrieval.rerank_head``, ``answer_labels``, ``asks_for_list``; no model) and
-filled greedily into ``max_tokens``.
+entity of the kind the question asks for, length (more for a question that asks for
+several things) and the temporal arm's rank (``mneme.retrieval.rerank_head``,
+``head_features``, ``answer_labels``, ``asks_for_list``; no model) and filled greedily
+into ``max_tokens``.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ import pytest
 from mneme.domain import EntityRef, Fact, Link, Scored, TimeWindow
 from mneme.retrieval import (
     ANSWER_TYPE_WEIGHT, BUDGETS, ENTITY_WEIGHT, PROOF_WEIGHT, QUESTION_WEIGHT, RECENCY_WEIGHT,
-    LENGTH_PIVOT, LENGTH_WEIGHT, REPLY_WEIGHT, RRF_K, RRF_UNIT, SPEAKER_WEIGHT, TEMPORAL_WEIGHT,
-    answer_labels, asks_for_list, fill_budget, is_question, proof_boost,
+    ADJACENT_WEIGHT, LENGTH_PIVOT, LENGTH_WEIGHT, LIST_LENGTH_WEIGHT, REPLY_WEIGHT, RRF_K,
+    RRF_UNIT, SPEAKER_WEIGHT, TEMPORAL_WEIGHT, TIME_RANK_WEIGHT,
+    answer_labels, asks_for_list, fill_budget, head_features, head_weights, is_question,
+    proof_boost,
     question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
     statement_words, temporal_proximity_boost, window_overlap,
 )
@@ -266,6 +268,11 @@ def test_reply_share_needs_the_turn_among_the_results_and_a_reply_link():
     assert a.boost == b.boost == 0.0
 
 
+def _length(text: str, weight: float = LENGTH_WEIGHT) -> float:
+    """The length feature's share of a boost, in RRF units."""
+    return weight * min(1.0, statement_words(text) / LENGTH_PIVOT)
+
+
 def test_rerank_head_prefers_entity_overlap_and_neighbours():
     # three equal candidates: one mentions the asked-about person, one sits next to a
     # strong hit of the same conversation, one has neither
@@ -275,8 +282,11 @@ def test_rerank_head_prefers_entity_overlap_and_neighbours():
     near = _scored("x", "Joanna: So cute!", 0.05, doc="c/1", index=5, entities=["joanna"])
     out = rerank_head([strong, plain, named, near], ["nate"])
     assert [s.fact.id for s in out] == ["s", "n", "x", "p"]
-    assert named.boost == pytest.approx((ENTITY_WEIGHT + SPEAKER_WEIGHT) * RRF_UNIT)
-    assert plain.boost == 0.0
+    assert named.boost == pytest.approx(
+        (ENTITY_WEIGHT + SPEAKER_WEIGHT + _length(named.fact.text)) * RRF_UNIT)
+    assert plain.boost == pytest.approx(_length(plain.fact.text) * RRF_UNIT)
+    # next to the best hit: the whole adjacency weight
+    assert near.boost == pytest.approx((ADJACENT_WEIGHT + _length(near.fact.text)) * RRF_UNIT)
     # only the head is reordered; the tail keeps its order after it
     out = rerank_head([plain, named, strong], ["nate"], head=2)
     assert [s.fact.id for s in out] == ["n", "p", "s"]
@@ -314,18 +324,21 @@ def test_a_list_question_prefers_the_longer_turn_up_to_the_pivot():
     longer = "Joanna: " + " ".join(["cake"] * (2 * LENGTH_PIVOT))
 
     def head():
-        return [_scored("s", short, 0.05, doc="c/1", index=1),
-                _scored("t", told, 0.049, doc="c/2", index=8),
-                _scored("l", longer, 0.048, doc="c/3", index=3)]
+        return [_scored("s", short, 0.08, doc="c/1", index=1),
+                _scored("t", told, 0.05, doc="c/2", index=8),
+                _scored("l", longer, 0.049, doc="c/3", index=3)]
 
     out = rerank_head(head(), [], listing=True)
     assert [s.fact.id for s in out] == ["t", "l", "s"]  # t and l capped alike
     boost = {s.fact.id: s.boost for s in out}
-    assert boost["s"] == pytest.approx(LENGTH_WEIGHT * RRF_UNIT * 6 / LENGTH_PIVOT)
-    assert boost["t"] == boost["l"] == pytest.approx(LENGTH_WEIGHT * RRF_UNIT)
-    # any other question: no length feature, the match scores decide
+    assert boost["s"] == pytest.approx(LIST_LENGTH_WEIGHT * RRF_UNIT * 6 / LENGTH_PIVOT)
+    assert boost["t"] == boost["l"] == pytest.approx(LIST_LENGTH_WEIGHT * RRF_UNIT)
+    # any other question: the weaker prior, which these match scores outweigh
     out = rerank_head(head(), [])
-    assert [s.fact.id for s in out] == ["s", "t", "l"] and all(s.boost == 0 for s in out)
+    assert [s.fact.id for s in out] == ["s", "t", "l"]
+    assert {s.fact.id: s.boost for s in out} == pytest.approx(
+        {"s": LENGTH_WEIGHT * RRF_UNIT * 6 / LENGTH_PIVOT, "t": LENGTH_WEIGHT * RRF_UNIT,
+         "l": LENGTH_WEIGHT * RRF_UNIT})
 
 
 @pytest.mark.parametrize("query, listing", [
@@ -381,10 +394,14 @@ def test_rerank_head_prefers_a_fact_naming_what_the_question_asks_for():
     out = rerank_head(candidates(), ["tim"], labels=labels)
     by = {s.fact.id: s for s in out}
     assert [s.fact.id for s in out][:2] == ["p", "w"]
-    assert by["p"].boost - by["w"].boost == pytest.approx(ANSWER_TYPE_WEIGHT * RRF_UNIT)
-    assert by["s"].boost == 0.0  # a GPE, but the speaker
+    assert by["p"].boost - by["w"].boost == pytest.approx(
+        (ANSWER_TYPE_WEIGHT + _length(by["p"].fact.text) - _length(by["w"].fact.text))
+        * RRF_UNIT)
+    # a GPE, but the speaker
+    assert by["s"].boost == pytest.approx(_length(by["s"].fact.text) * RRF_UNIT)
     # said by Tim: entity overlap and speaker, no answer type
-    assert by["a"].boost == pytest.approx((ENTITY_WEIGHT + SPEAKER_WEIGHT) * RRF_UNIT)
+    assert by["a"].boost == pytest.approx(
+        (ENTITY_WEIGHT + SPEAKER_WEIGHT + _length(by["a"].fact.text)) * RRF_UNIT)
     out = rerank_head(candidates(), ["tim"])  # no labels: no answer type
     assert out[0].fact.id == "w"
 
@@ -397,11 +414,12 @@ def test_rerank_head_prefers_what_the_asked_about_person_says():
                     index=7, entities=["caroline", "melanie"])
     out = rerank_head([named, said], ["melanie"])
     assert [x.fact.id for x in out] == ["s", "n"]
-    assert said.boost - named.boost == pytest.approx(SPEAKER_WEIGHT * RRF_UNIT)
+    assert said.boost - named.boost == pytest.approx(
+        (SPEAKER_WEIGHT + _length(said.fact.text) - _length(named.fact.text)) * RRF_UNIT)
     # a fact without a "Speaker:" prefix has no speaker, whatever its first entity
     plain = _scored("p", "Melanie went camping.", 0.05, entities=["melanie"])
     rerank_head([plain], ["melanie"])
-    assert plain.boost == pytest.approx(ENTITY_WEIGHT * RRF_UNIT)
+    assert plain.boost == pytest.approx((ENTITY_WEIGHT + _length(plain.fact.text)) * RRF_UNIT)
 
 
 def test_rrf_facts_of_one_passage_share_a_rank():
@@ -416,3 +434,31 @@ def test_rrf_facts_of_one_passage_share_a_rank():
     assert plain["b"] == pytest.approx(1 / 63 + 1 / 61)
     # ids without a passage are passages of their own; a repeated id keeps its place
     assert dict(rrf({"s": ["x", "x", "y"]}, k=60, passage={"z": "Z"}))["y"] == pytest.approx(1 / 63)
+
+
+def test_the_temporal_arms_rank_counts_again_in_the_head():
+    # the query named a time: the temporal arm ranked "a" first and "b" fifth
+    a = _scored("a", "Tim: ok.", 0.05, doc="c/1", index=1)
+    b = _scored("b", "Tim: ok.", 0.05, doc="c/2", index=5)
+    c = _scored("c", "Tim: ok.", 0.05, doc="c/3", index=9)
+    a.ranks["temporal"], b.ranks["temporal"] = 1, 5
+    feats = head_features([a, b, c], [])
+    assert [f["time_rank"] for f in feats] == pytest.approx([1.0, (RRF_K + 1) / (RRF_K + 5), 0.0])
+    out = rerank_head([c, b, a], [])
+    assert [s.fact.id for s in out] == ["a", "b", "c"]
+    assert a.boost - c.boost == pytest.approx(TIME_RANK_WEIGHT * RRF_UNIT)
+
+
+def test_head_features_are_the_weighted_ones_and_bounded():
+    a = _scored("a", "Nate: I adopted a turtle named Tilly last week.", 0.06, doc="c/1",
+                index=4, entities=["nate", "tilly"])
+    b = _scored("b", "Joanna: So cute!", 0.03, doc="c/1", index=5, entities=["joanna"])
+    b.ranks["temporal"] = 2
+    for listing in (False, True):
+        feats = head_features([a, b], ["nate"], frozenset({"PERSON"}), listing)
+        assert all(set(f) == set(head_weights()) for f in feats)
+        assert all(0.0 <= v <= 1.0 for f in feats for v in f.values())
+        assert (feats[0]["list_length"] > 0) is listing and (feats[0]["length"] > 0) is not listing
+    # a: entity and speaker; the answer type names Tilly, not the speaker; b next to a
+    assert feats[0]["entity"] == feats[0]["speaker"] == feats[0]["answer_type"] == 1.0
+    assert feats[1]["adjacent"] == 1.0 and feats[0]["adjacent"] == pytest.approx(0.5)
