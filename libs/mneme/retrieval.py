@@ -504,7 +504,7 @@ def rerank_head(results: list[Scored], query_entities: Sequence[str],
     The added amount goes into ``boost`` and ``final``; ties keep the incoming order
     (stable sort). Returns a new list; ``results`` items are updated in place.
     """
-    top = results[:_head_end(results, head)]
+    top = results[:head_end(results, head)]
     if not top:
         return list(results)
     weights = head_weights()
@@ -530,8 +530,10 @@ def passage_ranks(keys: Iterable[Hashable]) -> Iterator[int]:
         yield at.setdefault(key, len(at) + 1)
 
 
-def _head_end(results: Sequence[Scored], head: int) -> int:
-    """How many of ``results`` hold their first ``head`` distinct passages."""
+def head_end(results: Sequence[Scored], head: int) -> int:
+    """How many of ``results`` (best first) hold their first ``head`` distinct passages
+    (:func:`passage_of`): the head that :func:`rerank_head` reorders is
+    ``results[:head_end(results, head)]``."""
     for k, rank in enumerate(passage_ranks(passage_of(s.fact) for s in results)):
         if rank > head:
             return k

@@ -70,7 +70,7 @@ def collect(data: Path, conversations: list[str]) -> list[dict]:
 
     def spy(results, query_entities, head=retrieval.RERANK_HEAD, labels=frozenset(),
             listing=False):
-        top = results[:retrieval._head_end(results, head)]
+        top = results[:retrieval.head_end(results, head)]
         feats = retrieval.head_features(top, query_entities, labels, listing)
         heads.append(dict(current, head=[
             {"final": s.final / retrieval.RRF_UNIT, "features": f, "dia": _dia(s.fact)}
