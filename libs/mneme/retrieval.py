@@ -149,7 +149,8 @@ BUDGETS: dict[str, Budget] = {
 
 
 def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K,
-        passage: Mapping[str, Hashable] | None = None) -> list[tuple[str, float]]:
+        passage: Mapping[str, Hashable] | None = None,
+        order: Mapping[str, tuple] | None = None) -> list[tuple[str, float]]:
     """Reciprocal Rank Fusion of ranked id lists.
 
     ``rankings`` maps an arm name to its ids, best first (rank 1 = index 0); an id listed
@@ -163,8 +164,10 @@ def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K,
     not in ``passage`` are passages of their own.
 
     Ties (equal scores) are broken deterministically: better best single rank first, then
-    smaller id. Terms are summed in a fixed order (smallest rank first) so equal rank
-    multisets give bit-identical floats regardless of arm order.
+    the smaller ``order`` key (optional, id → a tuple, e.g. :func:`tie_key`; ids without
+    one come after those with one), then the smaller id. Terms are summed in a fixed order
+    (smallest rank first) so equal rank multisets give bit-identical floats regardless of
+    arm order.
 
     Raises ValueError if ``k`` < 0. Source: Cormack, Clarke & Büttcher, SIGIR 2009.
     """
@@ -186,13 +189,25 @@ def rrf(rankings: Mapping[str, Sequence[str]], k: int = RRF_K,
                 pos += 1
                 at[key] = pos
             ranks.setdefault(doc, []).append(at[key])
+    order = order or {}
     fused = []
     for doc, rs in ranks.items():
         rs.sort()
         score = math.fsum(1.0 / (k + r) for r in rs)
-        fused.append((doc, score, rs[0]))
-    fused.sort(key=lambda t: (-t[1], t[2], t[0]))
-    return [(doc, score) for doc, score, _ in fused]
+        key = order.get(doc)
+        fused.append((doc, score, rs[0], (0, key) if key is not None else (1, ())))
+    fused.sort(key=lambda t: (-t[1], t[2], t[3], t[0]))
+    return [(t[0], t[1]) for t in fused]
+
+
+def tie_key(fact: Fact) -> tuple[str, int, str]:
+    """A key that orders facts the stores score alike by where they were told: document
+    id, item index, then the fact's text and id. Fact ids are random (uuid4), so breaking
+    ties by id alone would order equal scores differently each time the same content is
+    retained; the graph arm's activations tie often (every seed of one rank, every unit
+    one hop from it). A fact without a document sorts by text and id."""
+    return (fact.document_id or "", fact.item_index if fact.document_id else 0,
+            fact.text or "", fact.id)
 
 
 # ---- boosts -------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ Arms, all scoped to the query's bank and filters:
 
 The candidates are hydrated from the vector store (the payload source), the arms fused
 with Reciprocal Rank Fusion (Cormack et al. SIGIR 2009; k = ``mneme.retrieval.RRF_K``;
-facts of one passage, the same document and item, share one rank per arm), the
+facts of one passage, the same document and item, share one rank per arm; equal scores
+ordered by where the fact was told, ``mneme.retrieval.tie_key``, so two copies of the same
+content rank alike whatever their random ids), the
 candidates re-checked against the filters, the fused score of facts that only ask a question
 halved (``mneme.retrieval.is_question``: a question shares its words with the query but
 states nothing), boosted
@@ -44,7 +46,7 @@ from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCou
 from mneme.retrieval import (
     BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, passage_ranks,
     asks_for_list, proof_boost, question_factor, recency_boost, reply_share, rerank_head,
-    temporal_proximity_boost, window_overlap, rrf,
+    temporal_proximity_boost, tie_key, window_overlap, rrf,
 )
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
@@ -153,6 +155,7 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     head = list(dict.fromkeys(h.id for hits in (semantic, keyword)
                               for h in hits[:GRAPH_SEEDS * SEED_READ]))
     facts = {f.id: f for f in vectors.get(q.bank_id, head)} if head else {}
+    semantic, keyword = _by_score(semantic, facts, n), _by_score(keyword, facts, n)
     seeds = _seeds(semantic, keyword, {i: passage_of(f) for i, f in facts.items()})
     graph_hits: list[Hit] = []
     if seeds or entity_ids:
@@ -161,16 +164,16 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     deadline.check("recall: fusion")
 
     arms = {"semantic": semantic, "keyword": keyword, "graph": graph_hits, "temporal": temporal}
-    # Ties broken by id: a store's order among equal scores may depend on its write
-    # history, and replay must reproduce the same ranking.
-    arms = {arm: sorted(hits, key=lambda h: (-round(h.score, 6), h.id)) for arm, hits in arms.items()}
-    rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
-    candidates = list(dict.fromkeys(i for ids in rankings.values() for i in ids))
+    candidates = list(dict.fromkeys(h.id for hits in arms.values() for h in hits))
     if not candidates:
         return RecallOutcome(results=[], total_tokens=0, time_window=window)
     rest = [i for i in candidates if i not in facts]
     facts.update((f.id, f) for f in (vectors.get(q.bank_id, rest) if rest else ()))
-    fused = rrf(rankings, k=RRF_K, passage={f.id: passage_of(f) for f in facts.values()})
+    arms = {arm: _by_score(hits, facts, n) for arm, hits in arms.items()}
+    ties = {i: tie_key(f) for i, f in facts.items()}
+    rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
+    fused = rrf(rankings, k=RRF_K, passage={f.id: passage_of(f) for f in facts.values()},
+                order=ties)
 
     # arm → id → (1-based rank, raw score); the first (best) occurrence wins, as in rrf().
     per_arm: dict[str, dict[str, tuple[int, float]]] = {}
@@ -207,6 +210,29 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
 
 
 # ---- arms ---------------------------------------------------------------------------------
+
+
+def _by_score(hits: list[Hit], facts: Mapping[str, Fact], limit: int) -> list[Hit]:
+    """``hits`` (a store's answer to a request for at most ``limit``) best first: by score
+    (rounded to 6 places: stores differ in the last bits), ties by where the fact was told
+    (:func:`mneme.retrieval.tie_key`; a hit not in ``facts`` by its id). Not by the store's
+    order, which may depend on its write history, nor by the random id alone: the same
+    content retained twice, or replayed, ranks the same.
+
+    When the store returned ``limit`` hits and the last two or more tie, that tie group is
+    dropped (unless it is all of them): the store chose which of a larger group to return
+    by its own order, so they would differ from one copy of the bank to another. The
+    graph arm's activations tie often (every unit one hop from seeds of one rank)."""
+    def key(h: Hit):
+        f = facts.get(h.id)
+        return (-round(h.score, 6), tie_key(f) if f is not None else ("", 0, "", h.id))
+    out = sorted(hits, key=key)
+    if limit and len(out) >= limit > 1:
+        last = round(out[-1].score, 6)
+        keep = [h for h in out if round(h.score, 6) != last]
+        if keep and len(out) - len(keep) >= 2:
+            return keep
+    return out
 
 
 def _query_entities(graph: GraphStore, analyzer: QueryAnalyzer, bank_id: str,

@@ -369,3 +369,67 @@ def test_a_passage_told_twice_seeds_the_graph_as_once(env):
         by_turn[bank] = turns
     assert by_turn["seeds-twice"] == by_turn["seeds-once"]
     assert len(by_turn["seeds-once"]) == 10  # the semantic arm's top 10 turns
+
+
+def test_an_arms_ties_are_ordered_by_where_the_fact_was_told():
+    # equal scores: the turn told first comes first, whatever the (random) ids say
+    from mneme.domain import Hit
+    from services.search.recall import _by_score
+    facts = {i: Fact(id=i, bank_id="b", text=f"turn {k}", document_id="doc", item_index=k)
+             for k, i in enumerate(["z", "y", "x", "w"])}
+    hits = [Hit(id=i, score=0.5) for i in ("w", "x", "y", "z")]
+    assert [h.id for h in _by_score(hits, facts, 10)] == ["z", "y", "x", "w"]
+    # a better score still wins; a hit of a stale index (not hydrated) sorts by its id
+    best = [Hit(id="w", score=0.9), Hit(id="gone", score=0.5)] + hits[1:]
+    assert [h.id for h in _by_score(best, facts, 10)] == ["w", "gone", "z", "y", "x"]
+
+
+def test_a_tie_group_cut_by_the_stores_limit_is_dropped():
+    from mneme.domain import Hit
+    from services.search.recall import _by_score
+    facts = {}
+    cut = [Hit(id="a", score=0.9), Hit(id="b", score=0.5), Hit(id="c", score=0.5)]
+    # the store returned its limit and the last two tie: which of the group it returned
+    # was its choice, so none of them is kept
+    assert [h.id for h in _by_score(cut, facts, 3)] == ["a"]
+    assert [h.id for h in _by_score(cut, facts, 4)] == ["a", "b", "c"]  # not cut
+    single = [Hit(id="a", score=0.9), Hit(id="b", score=0.7), Hit(id="c", score=0.5)]
+    assert [h.id for h in _by_score(single, facts, 3)] == ["a", "b", "c"]  # no tie at the cut
+    alike = [Hit(id=i, score=1.0) for i in "abc"]
+    assert [h.id for h in _by_score(alike, facts, 3)] == ["a", "b", "c"]  # all alike: kept
+
+
+def test_the_same_content_retained_twice_ranks_the_same(env):
+    # two banks of the same turns under different random ids; the keyword arm ties on
+    # every turn and the graph answers its tied activations in id order, as a store may
+    import uuid
+
+    from mneme.domain import Hit
+    from services.search.recall import recall
+    embedder = env["ports"]["embedder"]
+    told = [f"Nate fed the {pet} this morning." for pet in
+            ("turtle", "dog", "cat", "parrot", "fish", "rabbit", "hamster", "horse")]
+    vecs = embedder.embed(told)
+    banks = {}
+    for bank in ("same-1", "same-2"):
+        banks[bank] = [Fact(id=str(uuid.uuid4()), bank_id=bank, text=t, embedding=v,
+                            document_id="conv", item_index=k)
+                       for k, (t, v) in enumerate(zip(told, vecs))]
+        env["ports"]["vectors"].upsert(banks[bank])
+        env["ports"]["text"].upsert(banks[bank])
+
+    class TiedGraph:
+        def spread(self, bank_id, seeds, entity_ids, n, hops):
+            return [Hit(id=f.id, score=0.5) for f in sorted(banks[bank_id], key=lambda f: f.id)][:n]
+
+        def find_entities(self, *a, **kw):
+            return []
+
+    ports = env["ports"] | {"graph": TiedGraph()}
+    ranked = {}
+    for bank in banks:
+        out = recall(RecallQuery(bank_id=bank, query="What did Nate feed this morning?",
+                                 query_timestamp=NOW, budget="low"), **ports)
+        ranked[bank] = [(s.fact.text, s.ranks.get("graph")) for s in out.results]
+    assert len(ranked["same-1"]) == len(told)
+    assert ranked["same-1"] == ranked["same-2"]

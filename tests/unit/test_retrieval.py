@@ -14,7 +14,7 @@ from mneme.retrieval import (
     answer_labels, asks_for_list, fill_budget, head_features, head_weights, is_question,
     proof_boost,
     question_factor, recency_boost, replies_to, reply_share, rerank_head, rrf,
-    statement_words, temporal_proximity_boost, window_overlap,
+    statement_words, temporal_proximity_boost, tie_key, window_overlap,
 )
 
 NOW = datetime(2024, 6, 15, 12, 0, tzinfo=timezone.utc)
@@ -462,3 +462,19 @@ def test_head_features_are_the_weighted_ones_and_bounded():
     # a: entity and speaker; the answer type names Tilly, not the speaker; b next to a
     assert feats[0]["entity"] == feats[0]["speaker"] == feats[0]["answer_type"] == 1.0
     assert feats[1]["adjacent"] == 1.0 and feats[0]["adjacent"] == pytest.approx(0.5)
+
+
+def test_rrf_breaks_ties_by_the_order_key_before_the_id():
+    rankings = {"s": ["b"], "k": ["a"]}  # a and b tie: one rank 1 each
+    assert [d for d, _ in rrf(rankings)] == ["a", "b"]  # by id
+    assert [d for d, _ in rrf(rankings, order={"a": ("doc", 2), "b": ("doc", 1)})] == ["b", "a"]
+    # an id without a key comes after those with one
+    assert [d for d, _ in rrf(rankings, order={"b": ("doc", 9)})] == ["b", "a"]
+
+
+def test_tie_key_is_where_the_fact_was_told():
+    told = Fact(id="z", bank_id="b", text="Nate: hi", document_id="conv", item_index=3)
+    later = Fact(id="a", bank_id="b", text="Nate: hi", document_id="conv", item_index=4)
+    loose = Fact(id="q", bank_id="b", text="A pump failed.")
+    assert sorted([later, told], key=tie_key) == [told, later]
+    assert tie_key(loose) == ("", 0, "A pump failed.", "q")
