@@ -61,6 +61,14 @@ FILLERS = [
     "Rosa hiked to the summit of Ben Nevis in the rain.",
     "Karl and his friends went on a canoe trip in Sweden.",
     "June explored the Grand Canyon on a guided hike.",
+    "Hugo cycled along the Danube river for a week.",
+    "Maria went rock climbing in the Dolomiti di Brenta guide's gym.",
+    "Kenji walked the Kumano Kodo pilgrimage trail.",
+    "Lena went snowshoeing in the Rockies with her uncle.",
+    "Pablo kayaked around the fjords near Bergen.",
+    "Tara camped under the stars in the Sahara desert.",
+    "Ahmed went hillwalking in the Lake District.",
+    "Greta hiked the Tour du Mont Blanc last autumn.",
 ]
 BETA = {
     "hike": ("Alice went hiking in the Dolomites with her sister Maya.",
@@ -138,6 +146,7 @@ def test_rare_keyword_first(env):
 
 
 def test_graph_arm_reaches_multi_hop_fact(env):
+    from services.search.recall import GRAPH_SEEDS
     out = _recall(env, "Who did Alice go hiking with?")
     by_id = {s.fact.id: s for s in out.results}
     hike, maya_job = env["alpha"]["hike"], env["alpha"]["maya_job"]
@@ -145,13 +154,14 @@ def test_graph_arm_reaches_multi_hop_fact(env):
     assert maya_job.id in by_id
     found = by_id[maya_job.id]
     assert "graph" in found.ranks and found.scores["graph"] > 0
-    # Not a seed: outside the semantic top 10 and not a keyword hit, so only the graph
-    # arm (Maya, shared with the top hit) can have brought it in.
-    assert found.ranks.get("semantic", 99) > 10 and "keyword" not in found.ranks
+    # Not a seed: outside the semantic top GRAPH_SEEDS and not a keyword hit, so only
+    # the graph arm (Maya, shared with the top hit) can have brought it in.
+    assert found.ranks.get("semantic", 99) > GRAPH_SEEDS and "keyword" not in found.ranks
     # A filler sharing nothing with the seeds gets no graph rank unless it was a seed.
     for s in out.results:
         if "graph" in s.ranks and s.fact.entities == []:
-            assert s.ranks.get("semantic", 99) <= 10 or s.ranks.get("keyword", 99) <= 10
+            assert (s.ranks.get("semantic", 99) <= GRAPH_SEEDS
+                    or s.ranks.get("keyword", 99) <= GRAPH_SEEDS)
 
 
 def test_last_week_temporal(env):
@@ -331,7 +341,8 @@ def test_a_passage_told_twice_seeds_the_graph_as_once(env):
     embedder = env["ports"]["embedder"]
     told = [f"Alice planted {plant} in her garden this spring." for plant in
             ("tomatoes", "basil", "roses", "tulips", "mint", "beans", "peas", "leeks",
-             "onions", "garlic", "kale", "chard")]
+             "onions", "garlic", "kale", "chard", "carrots", "lettuce", "spinach",
+             "radishes", "squash", "pumpkins", "sunflowers", "lavender")]
     vecs = embedder.embed(told)
 
     def fact(bank, k, copy=""):
@@ -368,7 +379,8 @@ def test_a_passage_told_twice_seeds_the_graph_as_once(env):
             turns[turn] = max(turns.get(turn, 0.0), a)
         by_turn[bank] = turns
     assert by_turn["seeds-twice"] == by_turn["seeds-once"]
-    assert len(by_turn["seeds-once"]) == 10  # the semantic arm's top 10 turns
+    from services.search.recall import GRAPH_SEEDS
+    assert len(by_turn["seeds-once"]) == GRAPH_SEEDS  # the semantic arm's top turns
 
 
 def test_an_arms_ties_are_ordered_by_where_the_fact_was_told():
