@@ -31,6 +31,7 @@ into ``max_tokens``.
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -61,9 +62,6 @@ DEFAULT_MAX_TOKENS = 4096
 #: 10 is kept: with a retain model's facts beside the offline ones (the ``sentences``
 #: stand-in), 15 measures 0.800 against 10's 0.803, below the offline figure.
 GRAPH_SEEDS = 10
-#: Hits read per seed passage to find the seeds' passages (a model's facts beside the
-#: offline fact of a turn make ~2-3 facts a passage).
-SEED_READ = 3
 
 TAGS_MATCH_MODES = ("any", "all", "any_strict", "all_strict", "exact")
 
@@ -140,7 +138,9 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     deadline.check("recall")
     # Phase 1: everything that depends only on the query.
     f_vec = ex.submit(lambda: embedder.embed([q.query])[0])
-    f_kw = ex.submit(text.search, q.bank_id, q.query, n, filters)
+    # Each store is asked for one hit more than the arm keeps: a tie across the n-th
+    # place shows that the store chose among equals (see _by_score).
+    f_kw = ex.submit(text.search, q.bank_id, q.query, n + 1, filters)
     f_ents = ex.submit(_query_entities, graph, analyzer, q.bank_id, q.query)
     f_win = ex.submit(analyzer.time_window, q.query, now)
 
@@ -148,7 +148,7 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     vec = wait(f_vec, "query embedding")
     window = wait(f_win, "time window")
     deadline.check("recall: vector arms")
-    f_sem = ex.submit(vectors.search, q.bank_id, vec, n, filters)
+    f_sem = ex.submit(vectors.search, q.bank_id, vec, n + 1, filters)
     f_tmp = ex.submit(_temporal_arm, vectors, q.bank_id, vec, n, filters, window)
 
     # Phase 3: graph, seeded by the best semantic and keyword hits (runs here, alongside
@@ -156,15 +156,15 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     semantic, keyword = wait(f_sem, "semantic arm"), wait(f_kw, "keyword arm")
     entity_ids = wait(f_ents, "query entities")
     deadline.check("recall: graph arm")
-    # the seeds' passages: the top GRAPH_SEEDS passages of an arm may span more facts
-    head = list(dict.fromkeys(h.id for hits in (semantic, keyword)
-                              for h in hits[:GRAPH_SEEDS * SEED_READ]))
+    # Hydrated now (all of them: their ties are ordered by where they were told, and the
+    # seeds are passages, which may span several facts); read once for the whole recall.
+    head = list(dict.fromkeys(h.id for hits in (semantic, keyword) for h in hits))
     facts = {f.id: f for f in vectors.get(q.bank_id, head)} if head else {}
     semantic, keyword = _by_score(semantic, facts, n), _by_score(keyword, facts, n)
     seeds = _seeds(semantic, keyword, {i: passage_of(f) for i, f in facts.items()})
     graph_hits: list[Hit] = []
     if seeds or entity_ids:
-        graph_hits = graph.spread(q.bank_id, seeds, entity_ids, n, budget.hops)
+        graph_hits = graph.spread(q.bank_id, seeds, entity_ids, n + 1, budget.hops)
     temporal = wait(f_tmp, "temporal arm")
     deadline.check("recall: fusion")
 
@@ -174,7 +174,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         return RecallOutcome(results=[], total_tokens=0, time_window=window)
     rest = [i for i in candidates if i not in facts]
     facts.update((f.id, f) for f in (vectors.get(q.bank_id, rest) if rest else ()))
-    arms = {arm: _by_score(hits, facts, n) for arm, hits in arms.items()}
+    arms["graph"] = _by_score(graph_hits, facts, n)
+    arms["temporal"] = _by_score(temporal, facts)  # cut by cosine in _temporal_arm
     ties = {i: tie_key(f) for i, f in facts.items()}
     rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
     fused = rrf(rankings, k=RRF_K, passage={f.id: passage_of(f) for f in facts.values()},
@@ -217,27 +218,32 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
 # ---- arms ---------------------------------------------------------------------------------
 
 
-def _by_score(hits: list[Hit], facts: Mapping[str, Fact], limit: int) -> list[Hit]:
-    """``hits`` (a store's answer to a request for at most ``limit``) best first: by score
-    (rounded to 6 places: stores differ in the last bits), ties by where the fact was told
-    (:func:`mneme.retrieval.tie_key`; a hit not in ``facts`` by its id). Not by the store's
+def _by_score(hits: list[Hit], facts: Mapping[str, Fact], limit: int | None = None) -> list[Hit]:
+    """``hits`` best first: by score (rounded to 6 places: stores differ in the last bits;
+    NaN last), ties by where the fact was told (:func:`mneme.retrieval.tie_key`; hits not
+    in ``facts``, e.g. of a stale index, after those in it, by id). Not by the store's
     order, which may depend on its write history, nor by the random id alone: the same
     content retained twice, or replayed, ranks the same.
 
-    When the store returned ``limit`` hits and the last two or more tie, that tie group is
-    dropped (unless it is all of them): the store chose which of a larger group to return
-    by its own order, so they would differ from one copy of the bank to another. The
-    graph arm's activations tie often (every unit one hop from seeds of one rank)."""
+    ``limit``: at most that many are kept, from a store asked for ``limit`` + 1. When the
+    hits at places ``limit`` and ``limit`` + 1 tie, the store chose which of a larger group
+    of equals to return by its own order, so that whole tie group is dropped, even when
+    it is every hit: an arbitrary subset of equals would rank differently in each copy
+    of the bank, and its ranks say nothing the arm knows. The graph arm's activations
+    tie often (every unit one hop from seeds of one rank)."""
+    def score(h: Hit) -> float:
+        return -round(h.score, 6) if h.score == h.score else math.inf
+
     def key(h: Hit):
         f = facts.get(h.id)
-        return (-round(h.score, 6), tie_key(f) if f is not None else ("", 0, "", h.id))
+        return (score(h), (0, tie_key(f)) if f is not None else (1, ("", 0, "", h.id)))
     out = sorted(hits, key=key)
-    if limit and len(out) >= limit > 1:
-        last = round(out[-1].score, 6)
-        keep = [h for h in out if round(h.score, 6) != last]
-        if keep and len(out) - len(keep) >= 2:
-            return keep
-    return out
+    if limit is None or len(out) <= limit:
+        return out
+    if limit <= 0:
+        return []
+    edge = score(out[limit])
+    return [h for h in out[:limit] if score(h) != edge]
 
 
 def _query_entities(graph: GraphStore, analyzer: QueryAnalyzer, bank_id: str,
@@ -293,11 +299,12 @@ def _temporal_arm(vectors: VectorStore, bank_id: str, vec: list[float], n: int,
     w = _intersect(filters.time_range, window)
     if w is None:
         return []
-    hits = vectors.search(bank_id, vec, n, replace(filters, time_range=w))
+    hits = vectors.search(bank_id, vec, n + 1, replace(filters, time_range=w))
     if not hits:
         return []
     # The store's time filter may be coarser than ours (or absent): check each unit's span.
     by_id = {f.id: f for f in vectors.get(bank_id, [h.id for h in hits])}
+    hits = _by_score(hits, by_id, n)  # the store's cut, by cosine
     scored: list[Hit] = []
     for h in hits:
         fact = by_id.get(h.id)

@@ -390,37 +390,44 @@ def test_an_arms_ties_are_ordered_by_where_the_fact_was_told():
     facts = {i: Fact(id=i, bank_id="b", text=f"turn {k}", document_id="doc", item_index=k)
              for k, i in enumerate(["z", "y", "x", "w"])}
     hits = [Hit(id=i, score=0.5) for i in ("w", "x", "y", "z")]
-    assert [h.id for h in _by_score(hits, facts, 10)] == ["z", "y", "x", "w"]
-    # a better score still wins; a hit of a stale index (not hydrated) sorts by its id
-    best = [Hit(id="w", score=0.9), Hit(id="gone", score=0.5)] + hits[1:]
-    assert [h.id for h in _by_score(best, facts, 10)] == ["w", "gone", "z", "y", "x"]
+    assert [h.id for h in _by_score(hits, facts)] == ["z", "y", "x", "w"]
+    # a better score still wins; a hit of a stale index (not hydrated) comes after the
+    # facts it ties with, and a NaN score last
+    best = [Hit(id="nan", score=float("nan")), Hit(id="w", score=0.9),
+            Hit(id="gone", score=0.5)] + hits[1:]
+    assert [h.id for h in _by_score(best, facts)] == ["w", "z", "y", "x", "gone", "nan"]
 
 
 def test_a_tie_group_cut_by_the_stores_limit_is_dropped():
     from mneme.domain import Hit
     from services.search.recall import _by_score
-    facts = {}
-    cut = [Hit(id="a", score=0.9), Hit(id="b", score=0.5), Hit(id="c", score=0.5)]
-    # the store returned its limit and the last two tie: which of the group it returned
-    # was its choice, so none of them is kept
-    assert [h.id for h in _by_score(cut, facts, 3)] == ["a"]
-    assert [h.id for h in _by_score(cut, facts, 4)] == ["a", "b", "c"]  # not cut
-    single = [Hit(id="a", score=0.9), Hit(id="b", score=0.7), Hit(id="c", score=0.5)]
-    assert [h.id for h in _by_score(single, facts, 3)] == ["a", "b", "c"]  # no tie at the cut
-    alike = [Hit(id=i, score=1.0) for i in "abc"]
-    assert [h.id for h in _by_score(alike, facts, 3)] == ["a", "b", "c"]  # all alike: kept
+
+    def ids(scores, limit):
+        hits = [Hit(id=chr(97 + k), score=x) for k, x in enumerate(scores)]
+        return "".join(h.id for h in _by_score(hits, {}, limit))
+
+    # asked for 3 + 1: places 3 and 4 tie, so the store chose among equals; none is kept
+    assert ids([0.9, 0.5, 0.5, 0.5], 3) == "a"
+    assert ids([0.9, 0.7, 0.5, 0.5], 3) == "ab"  # one of the group inside, one outside
+    assert ids([0.9, 0.7, 0.5, 0.4], 3) == "abc"  # no tie across the cut
+    assert ids([0.9, 0.5, 0.5], 3) == "abc"  # the store had no more: nothing was cut
+    assert ids([1.0, 1.0, 1.0, 1.0], 3) == ""  # all alike: an arbitrary 3 of them
+    assert ids([0.9, 0.5], 0) == ""
 
 
 def test_the_same_content_retained_twice_ranks_the_same(env):
     # two banks of the same turns under different random ids; the keyword arm ties on
-    # every turn and the graph answers its tied activations in id order, as a store may
+    # every turn and the graph answers its tied activations in id order, cut at the
+    # limit it is given, as a store may
     import uuid
 
     from mneme.domain import Hit
     from services.search.recall import recall
     embedder = env["ports"]["embedder"]
-    told = [f"Nate fed the {pet} this morning." for pet in
-            ("turtle", "dog", "cat", "parrot", "fish", "rabbit", "hamster", "horse")]
+    pets = ("turtle", "dog", "cat", "parrot", "fish", "rabbit", "hamster", "horse", "goat",
+            "pony", "duck", "goose", "hen", "lamb", "pig", "cow", "frog", "snake", "lizard",
+            "gecko", "crab", "snail", "mouse", "rat", "ferret", "canary", "finch", "owl")
+    told = [f"Nate fed the {pet} this morning." for pet in pets]
     vecs = embedder.embed(told)
     banks = {}
     for bank in ("same-1", "same-2"):
@@ -432,7 +439,10 @@ def test_the_same_content_retained_twice_ranks_the_same(env):
 
     class TiedGraph:
         def spread(self, bank_id, seeds, entity_ids, n, hops):
-            return [Hit(id=f.id, score=0.5) for f in sorted(banks[bank_id], key=lambda f: f.id)][:n]
+            # the first four turns activate most; the rest tie, answered in id order
+            score = {f.id: 0.9 if f.item_index < 4 else 0.5 for f in banks[bank_id]}
+            return [Hit(id=i, score=score[i])
+                    for i in sorted(score, key=lambda i: (-score[i], i))][:n]
 
         def find_entities(self, *a, **kw):
             return []
@@ -442,6 +452,9 @@ def test_the_same_content_retained_twice_ranks_the_same(env):
     for bank in banks:
         out = recall(RecallQuery(bank_id=bank, query="What did Nate feed this morning?",
                                  query_timestamp=NOW, budget="low"), **ports)
-        ranked[bank] = [(s.fact.text, s.ranks.get("graph")) for s in out.results]
-    assert len(ranked["same-1"]) == len(told)
+        ranked[bank] = [(s.fact.text, s.ranks.get("graph"), s.ranks.get("keyword"))
+                        for s in out.results]
+    assert len(ranked["same-1"]) >= 20
+    # the graph's cut tie group is gone: only the four it ranked above the rest remain
+    assert sorted(r for _, r, _ in ranked["same-1"] if r) == [1, 2, 3, 4]
     assert ranked["same-1"] == ranked["same-2"]
