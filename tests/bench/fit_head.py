@@ -59,6 +59,18 @@ def _dia(fact) -> list[str]:
     return [d.strip() for d in (fact.metadata.get("dia_id") or "").split(",") if d.strip()]
 
 
+def head_row(results, query_entities, head: int = retrieval.RERANK_HEAD,
+             labels: frozenset[str] = frozenset(), listing: bool = False) -> dict:
+    """What the fit keeps of one recall, from the arguments ``rerank_head`` receives:
+    ``head`` (per head result: ``final`` / RRF_UNIT before the reranker adds its features,
+    the ``features``, the ``dia`` ids) and ``tail`` (dialog ids per result after it)."""
+    top = results[:retrieval.head_end(results, head)]
+    feats = retrieval.head_features(top, query_entities, labels, listing)
+    return {"head": [{"final": s.final / retrieval.RRF_UNIT, "features": f, "dia": _dia(s.fact)}
+                     for s, f in zip(top, feats)],
+            "tail": [_dia(s.fact) for s in results[len(top):]]}
+
+
 def collect(data: Path, conversations: list[str]) -> list[dict]:
     """Retain and recall; one dict per question: conversation, category, evidence,
     ``head`` (per result: ``final`` / RRF_UNIT before the reranker adds its features,
@@ -70,11 +82,7 @@ def collect(data: Path, conversations: list[str]) -> list[dict]:
 
     def spy(results, query_entities, head=retrieval.RERANK_HEAD, labels=frozenset(),
             listing=False):
-        top = results[:retrieval.head_end(results, head)]
-        feats = retrieval.head_features(top, query_entities, labels, listing)
-        heads.append(dict(current, head=[
-            {"final": s.final / retrieval.RRF_UNIT, "features": f, "dia": _dia(s.fact)}
-            for s, f in zip(top, feats)], tail=[_dia(s.fact) for s in results[len(top):]]))
+        heads.append(current | head_row(results, query_entities, head, labels, listing))
         return original(results, query_entities, head=head, labels=labels, listing=listing)
 
     convs = locomo.load(data)
