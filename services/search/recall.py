@@ -160,7 +160,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     # seeds are passages, which may span several facts); read once for the whole recall.
     head = list(dict.fromkeys(h.id for hits in (semantic, keyword) for h in hits))
     facts = {f.id: f for f in vectors.get(q.bank_id, head)} if head else {}
-    semantic, keyword = _by_score(semantic, facts, n), _by_score(keyword, facts, n)
+    ties = {i: tie_key(f) for i, f in facts.items()}
+    semantic, keyword = _by_score(semantic, ties, n), _by_score(keyword, ties, n)
     seeds = _seeds(semantic, keyword, {i: passage_of(f) for i, f in facts.items()})
     graph_hits: list[Hit] = []
     if seeds or entity_ids:
@@ -173,10 +174,10 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     if not candidates:
         return RecallOutcome(results=[], total_tokens=0, time_window=window)
     rest = [i for i in candidates if i not in facts]
-    facts.update((f.id, f) for f in (vectors.get(q.bank_id, rest) if rest else ()))
-    arms["graph"] = _by_score(graph_hits, facts, n)
-    arms["temporal"] = _by_score(temporal, facts)  # cut by cosine in _temporal_arm
-    ties = {i: tie_key(f) for i, f in facts.items()}
+    for f in (vectors.get(q.bank_id, rest) if rest else ()):
+        facts[f.id], ties[f.id] = f, tie_key(f)
+    arms["graph"] = _by_score(graph_hits, ties, n)
+    arms["temporal"] = _by_score(temporal, ties)  # cut by cosine in _temporal_arm
     rankings = {arm: [h.id for h in hits] for arm, hits in arms.items()}
     fused = rrf(rankings, k=RRF_K, passage={f.id: passage_of(f) for f in facts.values()},
                 order=ties)
@@ -218,10 +219,11 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
 # ---- arms ---------------------------------------------------------------------------------
 
 
-def _by_score(hits: list[Hit], facts: Mapping[str, Fact], limit: int | None = None) -> list[Hit]:
+def _by_score(hits: list[Hit], order: Mapping[str, tuple], limit: int | None = None) -> list[Hit]:
     """``hits`` best first: by score (rounded to 6 places: stores differ in the last bits;
-    NaN last), ties by where the fact was told (:func:`mneme.retrieval.tie_key`; hits not
-    in ``facts``, e.g. of a stale index, after those in it, by id). Not by the store's
+    NaN last), ties by ``order`` (id → :func:`mneme.retrieval.tie_key` of the hydrated
+    facts, as :func:`mneme.retrieval.rrf` takes it; hits without one, e.g. of a stale
+    index, after those with one, by id). Not by the store's
     order, which may depend on its write history, nor by the random id alone: the same
     content retained twice, or replayed, ranks the same.
 
@@ -235,8 +237,8 @@ def _by_score(hits: list[Hit], facts: Mapping[str, Fact], limit: int | None = No
         return -round(h.score, 6) if h.score == h.score else math.inf
 
     def key(h: Hit):
-        f = facts.get(h.id)
-        return (score(h), (0, tie_key(f)) if f is not None else (1, ("", 0, "", h.id)))
+        tie = order.get(h.id)
+        return (score(h), (0, tie) if tie is not None else (1, h.id))
     out = sorted(hits, key=key)
     if limit is None or len(out) <= limit:
         return out
@@ -304,7 +306,7 @@ def _temporal_arm(vectors: VectorStore, bank_id: str, vec: list[float], n: int,
         return []
     # The store's time filter may be coarser than ours (or absent): check each unit's span.
     by_id = {f.id: f for f in vectors.get(bank_id, [h.id for h in hits])}
-    hits = _by_score(hits, by_id, n)  # the store's cut, by cosine
+    hits = _by_score(hits, {i: tie_key(f) for i, f in by_id.items()}, n)  # the store's cut
     scored: list[Hit] = []
     for h in hits:
         fact = by_id.get(h.id)

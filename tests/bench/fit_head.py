@@ -55,10 +55,6 @@ CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 STEPS = (-1.0, -0.5, -0.25, -0.1, 0.1, 0.25, 0.5, 1.0)
 
 
-def _dia(fact) -> list[str]:
-    return [d.strip() for d in (fact.metadata.get("dia_id") or "").split(",") if d.strip()]
-
-
 def head_row(results, query_entities, head: int = retrieval.RERANK_HEAD,
              labels: frozenset[str] = frozenset(), listing: bool = False) -> dict:
     """What the fit keeps of one recall, from the arguments ``rerank_head`` receives:
@@ -66,9 +62,9 @@ def head_row(results, query_entities, head: int = retrieval.RERANK_HEAD,
     the ``features``, the ``dia`` ids) and ``tail`` (dialog ids per result after it)."""
     top = results[:retrieval.head_end(results, head)]
     feats = retrieval.head_features(top, query_entities, labels, listing)
-    return {"head": [{"final": s.final / retrieval.RRF_UNIT, "features": f, "dia": _dia(s.fact)}
-                     for s, f in zip(top, feats)],
-            "tail": [_dia(s.fact) for s in results[len(top):]]}
+    return {"head": [{"final": s.final / retrieval.RRF_UNIT, "features": f,
+                      "dia": locomo.dia_ids([s])} for s, f in zip(top, feats)],
+            "tail": [locomo.dia_ids([s]) for s in results[len(top):]]}
 
 
 def collect(data: Path, conversations: list[str]) -> list[dict]:

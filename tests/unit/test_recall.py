@@ -387,7 +387,9 @@ def test_an_arms_ties_are_ordered_by_where_the_fact_was_told():
     # equal scores: the turn told first comes first, whatever the (random) ids say
     from mneme.domain import Hit
     from services.search.recall import _by_score
-    facts = {i: Fact(id=i, bank_id="b", text=f"turn {k}", document_id="doc", item_index=k)
+    from mneme.retrieval import tie_key
+    facts = {i: tie_key(Fact(id=i, bank_id="b", text=f"turn {k}", document_id="doc",
+                             item_index=k))
              for k, i in enumerate(["z", "y", "x", "w"])}
     hits = [Hit(id=i, score=0.5) for i in ("w", "x", "y", "z")]
     assert [h.id for h in _by_score(hits, facts)] == ["z", "y", "x", "w"]
