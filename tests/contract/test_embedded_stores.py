@@ -14,16 +14,18 @@ import time
 
 import pytest
 
-from .corpus import DIM, corpus, full_fact
+from .corpus import DIM, corpus, fid, filter_cases, full_fact
 from .graph_suite import GraphStoreSuite, unit
-from mneme.domain import EntityRef
+from mneme.domain import EntityRef, Fact
+from mneme.stores.filters import fact_matches
+from mneme.stores.storable import storable_facts
 from mneme.stores import open_graph_store, open_text_store, open_vector_store
 from mneme.stores.graph_falkor import GRAPH_NAME, FalkorGraphStore, hub_damping
 from mneme.stores.text_tantivy import TantivyTextStore
 from mneme.stores.vector_edge import EdgeVectorStore
 from qdrant_edge import (Distance, EdgeConfig, EdgeShard, EdgeVectorParams,
                          VectorStorageDatatype)
-from .text_suite import TextStoreSuite
+from .text_suite import TextStoreSuite, fact
 from .vector_suite import VectorStoreSuite
 
 
@@ -78,10 +80,13 @@ def erasure_needles(fact) -> dict[str, bytes]:
 
 
 def text_segments_with_deletes(path) -> list[str]:
-    """Ids of the Tantivy index's segments that still hold deleted documents."""
+    """Ids of the segments of the Tantivy store's indexes (one per bank) that still hold
+    deleted documents."""
     import json
-    meta = json.loads((path / "meta.json").read_text())
-    return [seg["segment_id"] for seg in meta["segments"]
+    metas = list(path.glob("banks/*/meta.json"))
+    assert metas, "the check can fail: the store has indexes"
+    return [seg["segment_id"] for meta in metas
+            for seg in json.loads(meta.read_text())["segments"]
             if (seg.get("deletes") or {}).get("num_deleted_docs")]
 
 
@@ -406,6 +411,10 @@ class TestEdgeVectorStore(VectorStoreSuite):
         assert not errors and store.count("a") == 40
 
 
+def _scores(store, bank_id, query):
+    return [(h.id, round(h.score, 6)) for h in store.search(bank_id, query, k=20)]
+
+
 class TestTantivyTextStore(TextStoreSuite):
     def make_store(self, path):
         return open_text_store(f"tantivy://{path}/text")
@@ -437,6 +446,91 @@ class TestTantivyTextStore(TextStoreSuite):
         for t in threads:
             t.join()
         assert store.count("a") == 20
+
+    def test_bm25_statistics_are_the_banks_own(self, store):
+        """Another bank's writes change neither a bank's keyword ranking nor its scores:
+        in one shared index "violin" would become common (lower IDF) and "sunrise" stay
+        rare, flipping the order, and a bank's scores would tell how common a word is in
+        other banks."""
+        store.upsert([Fact(id="f1", bank_id="a", text="practised violin at sunrise today"),
+                      Fact(id="f2", bank_id="a", text="violin lesson"),
+                      Fact(id="f3", bank_id="a", text="painted the sunrise"),
+                      Fact(id="f4", bank_id="a", text="walked the dog")])
+        before = _scores(store, "a", "violin")
+        both = _scores(store, "a", "violin sunrise")
+        store.upsert([Fact(id=f"g{i}", bank_id="b", text=f"violin concert number {i}")
+                      for i in range(60)])
+        assert _scores(store, "a", "violin") == before
+        assert _scores(store, "a", "violin sunrise") == both
+        # the other bank scores by its own statistics: "violin" is in all of its documents
+        assert max(s for _, s in _scores(store, "b", "violin")) < before[0][1]
+
+    def test_a_bank_deleted_whole_leaves_no_files(self, store, tmp_path):
+        store.upsert([fact(1, "zqxmarker one"), fact(2, "other words", bank_id="b")])
+        assert (tmp_path / "text" / "banks" / "a").is_dir()
+        store.delete_where("a")
+        assert not (tmp_path / "text" / "banks" / "a").exists()
+        assert store.count("a") == 0 and store.search("a", "zqxmarker", k=5) == []
+        assert store.count("b") == 1
+        store.upsert([fact(3, "zqxmarker again")])  # the bank can be written again
+        assert [h.id for h in store.search("a", "zqxmarker", k=5)] == [fid("a", "text", 3)]
+
+    def test_more_banks_than_open_indexes(self, tmp_path, monkeypatch):
+        """Banks past :data:`OPEN_INDEXES` close the least recently used indexes (their
+        deletions purged first) and reopen them when asked again."""
+        from mneme.stores import text_tantivy
+        monkeypatch.setattr(text_tantivy, "OPEN_INDEXES", 2)
+        s = self.make_store(tmp_path)
+        try:
+            banks = [f"bank-{i}" for i in range(5)]
+            for b in banks:
+                s.upsert([fact(i, f"word{i} shared", bank_id=b) for i in range(3)])
+            s.delete(banks[0], [fid(banks[0], "text", 0)])
+            for b in banks[1:]:
+                s.upsert([fact(9, "late shared", bank_id=b)])
+            assert len(s._open) == 2
+            assert [s.count(b) for b in banks] == [2, 4, 4, 4, 4]
+            assert text_segments_with_deletes(tmp_path / "text") == []
+            assert {h.id for h in s.search(banks[0], "shared", k=10)} == {
+                fid(banks[0], "text", 1), fid(banks[0], "text", 2)}
+        finally:
+            s.close()
+        s = self.make_store(tmp_path)
+        try:
+            assert [s.count(b) for b in banks] == [2, 4, 4, 4, 4]
+        finally:
+            s.close()
+
+    def test_one_store_per_directory(self, store, tmp_path):
+        from mneme.stores.text_tantivy import TextStoreLocked
+        with pytest.raises(TextStoreLocked):
+            self.make_store(tmp_path)
+        store.close()
+        self.make_store(tmp_path).close()  # released on close
+
+    def test_an_index_of_every_bank_is_split_per_bank(self, tmp_path):
+        """A data dir from before per-bank indexes (one index holding every bank) opens
+        split: every document, field and filter kept, the bank's own statistics, the old
+        files gone."""
+        from mneme.stores.text_tantivy import _Index
+        facts = [dataclasses.replace(f, bank_id=b, id=f"{b}-{f.id}")
+                 for b in ("a", "b") for f in corpus(n=30)]
+        old = _Index(str(tmp_path / "text"))
+        old.upsert(storable_facts(facts))
+        old.close()
+        s = self.make_store(tmp_path)
+        try:
+            assert sorted(p.name for p in (tmp_path / "text").iterdir()) == [
+                ".mneme-text.lock", "banks"]
+            assert s.count("a") == 30 and s.count("b") == 30
+            for case in filter_cases():
+                want = sorted(f.id for f in facts
+                              if f.bank_id == "a" and fact_matches(f, case)
+                              and "memory" in f.text.lower())
+                got = sorted(h.id for h in s.search("a", "memory", k=100, filters=case))
+                assert got == want, case
+        finally:
+            s.close()
 
 
 class TestFalkorGraphStore(GraphStoreSuite):

@@ -1,4 +1,5 @@
-"""BM25 text store over Tantivy (``tantivy``), one index directory for every bank.
+"""BM25 text store over Tantivy (``tantivy``), one index directory per bank (so BM25's
+statistics are the bank's own; see :class:`TantivyTextStore`).
 
 Text is segmented before analysis by :func:`mneme.cjk.segment` (CJK runs become
 overlapping character bigrams, other text is unchanged), then analysed by Tantivy's
@@ -7,7 +8,7 @@ parsed with Tantivy's query language: the user's text goes through the same segm
 and analysis minus English stop words and the question and function words of
 :data:`QUERY_STOP_WORDS`, and the resulting terms are OR-ed as term queries. Filters become
 non-scoring boolean clauses, so ``Hit.score`` is the pure BM25 score. Term statistics
-(IDF, average length) are index-wide, not per bank.
+(IDF, average length) are the bank's.
 
 The schema is unchanged by segmentation, so an index written before it opens as before
 and its Latin-script text is searched as before; CJK text it holds was indexed as whole
@@ -26,11 +27,14 @@ it says so once, and ``mneme replay`` rebuilds it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
-from typing import Any, Sequence
+from collections import OrderedDict
+from typing import IO, Any, Sequence
 
 import tantivy
 from tantivy import (
@@ -46,7 +50,7 @@ from tantivy import (
 )
 
 from mneme.cjk import segment
-from mneme.domain import Fact, Filters, Hit, to_epoch
+from mneme.domain import BANK_ID_RE, Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 from mneme.stores.storable import storable, storable_facts
@@ -58,6 +62,12 @@ _KEY_SEP = "\x1f"  # joins bank_id and id into the unique document key
 #: Version of the text analysis (2: CJK bigram segmentation), kept in VERSION_FILE.
 ANALYSIS_VERSION = 2
 VERSION_FILE = "mneme-analysis-version"
+#: Subdirectory of the store's directory holding one index directory per bank.
+BANKS_DIR = "banks"
+LOCK_FILE = ".mneme-text.lock"
+#: Banks whose index (and writer) stays open; the least recently used are closed
+#: (reopening one costs ~0.5 ms).
+OPEN_INDEXES = 32
 log = logging.getLogger(__name__)
 
 
@@ -108,18 +118,14 @@ def _query_analyzer() -> tantivy.TextAnalyzer:
             .build())
 
 
-class TantivyTextStore:
-    """:class:`mneme.ports.TextStore` over a Tantivy index in directory ``path``
-    (created when absent, reopened otherwise).
+class _Index:
+    """One Tantivy index in directory ``path`` (created when absent, reopened otherwise):
+    a bank's index, or the shared index of every bank that data dirs made before
+    per-bank indexes hold. Not thread-safe: :class:`TantivyTextStore` holds its lock
+    around every call. Every write commits and reloads the searcher before returning."""
 
-    Every write commits and reloads the searcher before returning, so it is durable and
-    searchable at once. Deletions are physical once :meth:`flush` returns (it runs
-    :meth:`purge` after any). One writer per directory: a second store (or process) on
-    the same ``path`` fails with Tantivy's lock error. Thread-safe (one lock).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(path)
+    def __init__(self, path: str, check_version: bool = True) -> None:
+        self.path = path
         os.makedirs(self.path, exist_ok=True)
         #: False for an index written before every field was stored: its deleted
         #: documents stay in their segments until a merge (``mneme replay`` rebuilds it).
@@ -132,9 +138,8 @@ class TantivyTextStore:
         self._index = Index(self._schema, path=self.path, reuse=True)
         self._writer: tantivy.IndexWriter | None = self._index.writer(_WRITER_HEAP, 1)
         self._deleted = False  # a deletion not purged yet
-        self._check_version()
-        self._analyzer = _query_analyzer()
-        self._lock = threading.RLock()
+        if check_version:
+            self._check_version()
 
     def _check_version(self) -> None:
         """Warn when the index holds documents analysed by an older version (see the
@@ -215,6 +220,259 @@ class TantivyTextStore:
         return Query.boolean_query([(Occur.Must, c)
                                     for c in self._filter_clauses(bank_id, filters)])
 
+    # -- writes and reads (the store has checked and converted the arguments) --
+
+    def upsert(self, facts: Sequence[Fact]) -> None:
+        """Index ``facts``, replacing any earlier version of the same (bank_id, id)."""
+        w = self.writer
+        for fact in facts:
+            key = fact.bank_id + _KEY_SEP + fact.id
+            w.delete_documents_by_term("key", key)
+            w.add_document(_document(fact, key))
+        self._commit()
+
+    def add_documents(self, docs: Sequence[Document]) -> None:
+        """Index stored documents of another index (same schema), replacing any with
+        the same key."""
+        w = self.writer
+        for doc in docs:
+            w.delete_documents_by_term("key", doc.get_first("key"))
+            w.add_document(doc)
+        self._commit()
+
+    def delete(self, bank_id: str, ids: Sequence[str]) -> None:
+        """Remove the bank's documents with these fact ids."""
+        keys = [bank_id + _KEY_SEP + i for i in ids]
+        if not keys or not self._any(Query.term_set_query(self._schema, "key", keys)):
+            return
+        for key in keys:
+            self.writer.delete_documents_by_term("key", key)
+        self._deleted = True
+        self._commit()
+
+    def delete_where(self, bank_id: str, filters: Filters | None) -> None:
+        """Remove the bank's documents that match ``filters``."""
+        query = self._scoped(bank_id, filters)
+        if not self._any(query):  # (a retain deletes its document's old units first)
+            return
+        self.writer.delete_documents_by_query(query)
+        self._deleted = True
+        self._commit()
+
+    def _any(self, query: Query) -> bool:
+        """Whether ``query`` matches a live document."""
+        return bool(self._index.searcher().search(query, limit=1, count=True).count)
+
+    def search(self, bank_id: str, terms: Sequence[str], k: int,
+               filters: Filters | None) -> list[Hit]:
+        """BM25 of the OR of the analysed ``terms`` over the bank's documents that match
+        ``filters``, best first, ties by id."""
+        text_q = Query.boolean_query([(Occur.Should, self._term("text", t)) for t in terms])
+        q = Query.boolean_query([(Occur.Must, text_q),
+                                 (Occur.Must, Query.const_score_query(
+                                     self._scoped(bank_id, filters), 0.0))])
+        searcher = self._index.searcher()
+        # Tantivy orders equal scores by segment address, which depends on commit
+        # history; fetch some slack and break ties by id so a rebuilt index (replay)
+        # ranks exactly as the original did.
+        hits = searcher.search(q, limit=k + 32).hits
+        out = [Hit(searcher.doc(addr).get_first("id"), float(score)) for score, addr in hits]
+        out.sort(key=lambda h: (-round(h.score, 5), h.id))
+        return out[:k]
+
+    def count(self, bank_id: str) -> int:
+        """Number of the bank's documents."""
+        return int(self._index.searcher().search(self._scoped(bank_id), limit=1,
+                                                 count=True).count)
+
+    def documents(self) -> list[Document]:
+        """Every live document, as stored."""
+        searcher = self._index.searcher()
+        hits = searcher.search(Query.all_query(), limit=max(1, searcher.num_docs)).hits
+        return [searcher.doc(addr) for _, addr in hits]
+
+    def reset(self) -> None:
+        """Delete every document."""
+        self.writer.delete_all_documents()
+        self._deleted = True
+        self._commit()
+
+    def purge(self) -> int:
+        """Drop deleted documents from the files: finish running merges (one could be
+        copying a deleted document into a new segment), then re-index the live documents
+        of every segment that holds a deleted one, from their stored fields, in one
+        commit; those segments are then wholly deleted, which Tantivy drops on commit,
+        and their files are garbage-collected. Returns the documents re-indexed. Costs
+        about the size of those segments. Nothing (0) for an index that does not store
+        its fields."""
+        self._deleted = False
+        if not self.physical_deletes:
+            return 0
+        w, self._writer = self.writer, None
+        w.wait_merging_threads()  # (the binding's writer is spent by this)
+        self._writer = self._index.writer(_WRITER_HEAP, 1)
+        self._index.reload()
+        searcher = self._index.searcher()
+        with open(os.path.join(self.path, "meta.json")) as f:
+            segments = json.load(f)["segments"]
+        # The searcher's segment ordinals follow meta.json's order (no merge runs
+        # now); when the live counts disagree, every segment is re-indexed.
+        live = [s["max_doc"] - ((s.get("deletes") or {}).get("num_deleted_docs") or 0)
+                for s in segments]
+        hits = searcher.search(Query.all_query(), limit=max(1, searcher.num_docs)).hits
+        per_segment = [0] * len(segments)
+        for _, addr in hits:
+            if addr.segment_ord < len(per_segment):
+                per_segment[addr.segment_ord] += 1
+        if per_segment != live or searcher.num_segments != len(segments):
+            dirty = set(range(searcher.num_segments))
+        else:
+            dirty = {i for i, s in enumerate(segments) if live[i] < s["max_doc"]}
+        n = 0
+        for _, addr in hits:
+            if addr.segment_ord in dirty:
+                doc = searcher.doc(addr)
+                self.writer.delete_documents_by_term("key", doc.get_first("key"))
+                self.writer.add_document(doc)
+                n += 1
+        self._commit()
+        self.writer.garbage_collect_files()
+        return n
+
+    def close(self) -> None:
+        """Purge deletions, finish merges and release the writer lock. Idempotent."""
+        if self._deleted and self._writer is not None:
+            self.purge()
+        if self._writer is not None:
+            w, self._writer = self._writer, None
+            w.wait_merging_threads()
+
+
+def _document(fact: Fact, key: str) -> Document:
+    doc = Document()
+    doc.add_text("key", key)
+    doc.add_text("id", fact.id)
+    doc.add_text("bank_id", fact.bank_id)
+    doc.add_text("text", segment(fact.text))
+    doc.add_text("fact_type", fact.fact_type)
+    doc.add_text("document_id", fact.document_id)
+    tags = sorted(set(fact.tags))
+    for t in tags:
+        doc.add_text("tags", t)
+    doc.add_integer("n_tags", len(tags))
+    start, end = to_epoch(fact.occurred_start), to_epoch(fact.occurred_end)
+    if start is not None or end is not None:
+        doc.add_float("occurred_start", start if start is not None else end)
+        doc.add_float("occurred_end", end if end is not None else start)
+    return doc
+
+
+class TantivyTextStore:
+    """:class:`mneme.ports.TextStore` over Tantivy in directory ``path`` (created when
+    absent, reopened otherwise): one index per bank, in ``path/banks/<bank_id>``.
+
+    Why an index per bank: BM25's statistics (document frequencies, average length) are
+    those of the index searched. In one shared index a bank's keyword ranking would
+    change when another tenant writes, and a bank's raw BM25 scores would tell how
+    common a word is in other banks. Deleting a bank removes its directory.
+
+    A data dir made before holds one index of every bank in ``path`` itself. It is split
+    into per-bank indexes when opened (from its stored fields; the old files are then
+    removed). An index too old to store its fields cannot be split: it keeps serving
+    every bank, with shared statistics, until ``mneme replay`` rebuilds it (a warning
+    says so).
+
+    Every write commits and reloads the searcher before returning, so it is durable and
+    searchable at once. Deletions are physical once :meth:`flush` returns. At most
+    :data:`OPEN_INDEXES` banks' indexes (each with its writer) stay open, the least
+    recently used are closed. One store per directory: a second one (or process) on the
+    same ``path`` raises :class:`TextStoreLocked`. Thread-safe (one lock).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self._lockfile = _lock(self.path)
+        self._banks_dir = os.path.join(self.path, BANKS_DIR)
+        self._open: OrderedDict[str, _Index] = OrderedDict()
+        self._analyzer = _query_analyzer()
+        self._lock = threading.RLock()
+        self._closed = False
+        #: The shared index of a data dir made before per-bank indexes, when it could
+        #: not be split (it does not store its fields); it then serves every bank.
+        self._shared: _Index | None = None
+        try:
+            if os.path.exists(os.path.join(self.path, "meta.json")):
+                self._split_shared()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- the indexes --
+
+    def _bank_path(self, bank_id: str) -> str | None:
+        """The bank's index directory; None when ``bank_id`` is no bank id (it names a
+        directory, so only :data:`mneme.domain.BANK_ID_RE` is one)."""
+        if not BANK_ID_RE.fullmatch(bank_id or ""):
+            return None
+        return os.path.join(self._banks_dir, bank_id)
+
+    def _index_of(self, bank_id: str, create: bool) -> _Index | None:
+        """The bank's open index, opened (or, with ``create``, created) when needed;
+        None for a bank without one. Caller holds the lock."""
+        if self._closed:
+            raise RuntimeError("TantivyTextStore is closed")
+        if self._shared is not None:
+            return self._shared
+        index = self._open.get(bank_id)
+        if index is not None:
+            self._open.move_to_end(bank_id)
+            return index
+        path = self._bank_path(bank_id)
+        if path is None and create:
+            raise ValueError(f"not a bank id: {bank_id!r}")
+        if path is None or not (create or os.path.isdir(path)):
+            return None
+        while len(self._open) >= OPEN_INDEXES:
+            _, oldest = self._open.popitem(last=False)
+            oldest.close()
+        index = self._open[bank_id] = _Index(path)
+        return index
+
+    def _split_shared(self) -> None:
+        """Move the documents of a shared index in ``path`` into per-bank indexes, then
+        remove its files (see the class docs). Idempotent: a split that stopped midway
+        is done again on the next open."""
+        shared = _Index(self.path, check_version=False)  # (its text is segmented anew)
+        if not shared.physical_deletes:
+            shared._check_version()
+            log.warning("text index %s holds every bank in one index, with BM25 "
+                        "statistics shared by the banks, and cannot be split per bank "
+                        "(it does not store its documents): `mneme replay` rebuilds it",
+                        self.path)
+            self._shared = shared
+            return
+        by_bank: dict[str, list[Document]] = {}
+        for doc in shared.documents():
+            fields = doc.to_dict()
+            # re-segmented: documents of an index from before CJK segmentation hold
+            # their text as written (segmenting segmented text changes nothing)
+            fields["text"] = [segment(t) for t in fields.get("text", [])]
+            by_bank.setdefault(fields["bank_id"][0], []).append(
+                Document.from_dict(fields, shared._schema))
+        shared.close()
+        for bank_id, docs in sorted(by_bank.items()):
+            index = self._index_of(bank_id, create=True)
+            for i in range(0, len(docs), 10_000):
+                index.add_documents(docs[i:i + 10_000])
+        log.info("text index %s: split into %d per-bank indexes", self.path, len(by_bank))
+        # meta.json last but one: without it the old files are no index any more
+        os.remove(os.path.join(self.path, "meta.json"))
+        for name in os.listdir(self.path):
+            full = os.path.join(self.path, name)
+            if name not in (BANKS_DIR, LOCK_FILE) and os.path.isfile(full):
+                os.remove(full)
+
     def query_terms(self, text: str) -> list[str]:
         """The distinct index terms of free ``text`` (CJK bigrams, stemmed words, no stop
         words), in order, at most :data:`MAX_QUERY_TERMS`."""
@@ -224,158 +482,124 @@ class TantivyTextStore:
     # -- TextStore --
 
     def upsert(self, facts: Sequence[Fact]) -> None:
-        """Index ``facts``, replacing any earlier version of the same (bank_id, id)."""
+        """Index ``facts``, replacing any earlier version of the same (bank_id, id).
+        ValueError for a fact whose bank id is not one (:data:`mneme.domain.BANK_ID_RE`)."""
         if not facts:
             return
         facts = storable_facts(facts)  # the same text as every other store holds
+        by_bank: dict[str, list[Fact]] = {}
+        for fact in facts:
+            by_bank.setdefault(fact.bank_id, []).append(fact)
         with self._lock:
-            w = self.writer
-            for fact in facts:
-                key = fact.bank_id + _KEY_SEP + fact.id
-                w.delete_documents_by_term("key", key)
-                w.add_document(self._document(fact, key))
-            self._commit()
-
-    @staticmethod
-    def _document(fact: Fact, key: str) -> Document:
-        doc = Document()
-        doc.add_text("key", key)
-        doc.add_text("id", fact.id)
-        doc.add_text("bank_id", fact.bank_id)
-        doc.add_text("text", segment(fact.text))
-        doc.add_text("fact_type", fact.fact_type)
-        doc.add_text("document_id", fact.document_id)
-        tags = sorted(set(fact.tags))
-        for t in tags:
-            doc.add_text("tags", t)
-        doc.add_integer("n_tags", len(tags))
-        start, end = to_epoch(fact.occurred_start), to_epoch(fact.occurred_end)
-        if start is not None or end is not None:
-            doc.add_float("occurred_start", start if start is not None else end)
-            doc.add_float("occurred_end", end if end is not None else start)
-        return doc
+            for bank_id, bank_facts in by_bank.items():
+                self._index_of(bank_id, create=True).upsert(bank_facts)
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Remove the bank's documents with these fact ids."""
         if not ids:
             return
-        keys = [bank_id + _KEY_SEP + i for i in ids]
         with self._lock:
-            if not self._any(Query.term_set_query(self._schema, "key", keys)):
-                return
-            for key in keys:
-                self.writer.delete_documents_by_term("key", key)
-            self._deleted = True
-            self._commit()
+            index = self._index_of(bank_id, create=False)
+            if index is not None:
+                index.delete(bank_id, ids)
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
-        """Remove the bank's documents of ``document_id`` (all of the bank when None).
-        ValueError for "" (never means "the whole bank")."""
+        """Remove the bank's documents of ``document_id``; all of the bank when None (its
+        index directory is removed). ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
         document_id = storable(document_id)
-        filters = Filters(document_id=document_id) if document_id else None
-        query = self._scoped(bank_id, filters)
         with self._lock:
-            if not self._any(query):  # (a retain deletes its document's old units first)
+            index = self._index_of(bank_id, create=False)
+            if index is None:
                 return
-            self.writer.delete_documents_by_query(query)
-            self._deleted = True
-            self._commit()
-
-    def _any(self, query: Query) -> bool:
-        """Whether ``query`` matches a live document; caller holds the lock."""
-        return bool(self._index.searcher().search(query, limit=1, count=True).count)
+            if document_id or index is self._shared:
+                filters = Filters(document_id=document_id) if document_id else None
+                index.delete_where(bank_id, filters)
+                return
+            del self._open[bank_id]
+            index._deleted = False  # (its files go: nothing to purge)
+            index.close()
+            shutil.rmtree(index.path)
 
     def search(self, bank_id: str, query: str, k: int,
                filters: Filters | None = None) -> list[Hit]:
-        """BM25 over the bank's fact texts, best first (``Hit.score`` = BM25). Any text is
-        accepted; a query with no indexable term (empty, stop words, punctuation) → []."""
+        """BM25 over the bank's fact texts, with the bank's own statistics, best first
+        (``Hit.score`` = BM25). Any text is accepted; a query with no indexable term
+        (empty, stop words, punctuation) → []."""
         terms = self.query_terms(query)
         if k <= 0 or not terms:
             return []
-        text_q = Query.boolean_query([(Occur.Should, self._term("text", t)) for t in terms])
-        q = Query.boolean_query([(Occur.Must, text_q),
-                                 (Occur.Must, Query.const_score_query(
-                                     self._scoped(bank_id, filters), 0.0))])
         with self._lock:
-            searcher = self._index.searcher()
-            # Tantivy orders equal scores by segment address, which depends on commit
-            # history; fetch some slack and break ties by id so a rebuilt index (replay)
-            # ranks exactly as the original did.
-            hits = searcher.search(q, limit=k + 32).hits
-            out = [Hit(searcher.doc(addr).get_first("id"), float(score)) for score, addr in hits]
-        out.sort(key=lambda h: (-round(h.score, 5), h.id))
-        return out[:k]
+            index = self._index_of(bank_id, create=False)
+            return [] if index is None else index.search(bank_id, terms, k, filters)
 
     def count(self, bank_id: str) -> int:
         """Number of the bank's indexed facts."""
         with self._lock:
-            return int(self._index.searcher().search(self._scoped(bank_id), limit=1,
-                                                     count=True).count)
+            index = self._index_of(bank_id, create=False)
+            return 0 if index is None else index.count(bank_id)
 
     def reset(self) -> None:
         """Delete every bank's documents."""
         with self._lock:
-            self.writer.delete_all_documents()
-            self._deleted = True
-            self._commit()
+            if self._shared is not None:
+                self._shared.reset()
+                return
+            self._close_indexes(purge=False)
+            shutil.rmtree(self._banks_dir, ignore_errors=True)
 
     def flush(self) -> None:
         """Every write commits before it returns (durable already); after deletions,
         :meth:`purge` makes them physical."""
         with self._lock:
-            if self._deleted and self._writer is not None:
-                self.purge()
+            if any(i._deleted for i in self._indexes()):
+                self.purge(only_deleted=True)
 
-    def purge(self) -> int:
-        """Drop deleted documents from the files: finish running merges (one could be
-        copying a deleted document into a new segment), then re-index the live documents
-        of every segment that holds a deleted one, from their stored fields, in one
-        commit; those segments are then wholly deleted, which Tantivy drops on commit,
-        and their files are garbage-collected. Returns the documents re-indexed. Costs
-        about the size of those segments; :meth:`flush` calls it once per batch of
-        deletions. Nothing (0) for an index that does not store its fields."""
+    def purge(self, only_deleted: bool = False) -> int:
+        """Make deletions physical in every open index (:meth:`_Index.purge`); with
+        ``only_deleted``, only in those that deleted something since their last purge
+        (an index closed since purged then). Returns the documents re-indexed."""
         with self._lock:
-            self._deleted = False
-            if not self.physical_deletes:
-                return 0
-            w, self._writer = self.writer, None
-            w.wait_merging_threads()  # (the binding's writer is spent by this)
-            self._writer = self._index.writer(_WRITER_HEAP, 1)
-            self._index.reload()
-            searcher = self._index.searcher()
-            with open(os.path.join(self.path, "meta.json")) as f:
-                segments = json.load(f)["segments"]
-            # The searcher's segment ordinals follow meta.json's order (no merge runs
-            # now); when the live counts disagree, every segment is re-indexed.
-            live = [s["max_doc"] - ((s.get("deletes") or {}).get("num_deleted_docs") or 0)
-                    for s in segments]
-            hits = searcher.search(Query.all_query(), limit=max(1, searcher.num_docs)).hits
-            per_segment = [0] * len(segments)
-            for _, addr in hits:
-                if addr.segment_ord < len(per_segment):
-                    per_segment[addr.segment_ord] += 1
-            if per_segment != live or searcher.num_segments != len(segments):
-                dirty = set(range(searcher.num_segments))
-            else:
-                dirty = {i for i, s in enumerate(segments) if live[i] < s["max_doc"]}
-            n = 0
-            for _, addr in hits:
-                if addr.segment_ord in dirty:
-                    doc = searcher.doc(addr)
-                    self.writer.delete_documents_by_term("key", doc.get_first("key"))
-                    self.writer.add_document(doc)
-                    n += 1
-            self._commit()
-            self.writer.garbage_collect_files()
-            return n
+            return sum(i.purge() for i in self._indexes() if i._deleted or not only_deleted)
+
+    def _indexes(self) -> list[_Index]:
+        """The open indexes; caller holds the lock."""
+        return [self._shared] if self._shared is not None else list(self._open.values())
+
+    def _close_indexes(self, purge: bool = True) -> None:
+        for index in self._indexes():
+            if not purge:
+                index._deleted = False
+            index.close()
+        self._open.clear()
+        self._shared = None
+
+    def _release(self) -> None:
+        self._close_indexes()
+        self._closed = True
+        if self._lockfile is not None:
+            self._lockfile.close()  # (releases the lock)
+            self._lockfile = None
 
     def close(self) -> None:
         """Purge deletions (see :meth:`flush`), finish merges and release the writer
-        lock; further writes raise RuntimeError."""
+        locks; further calls raise RuntimeError. Idempotent."""
         with self._lock:
-            if self._deleted and self._writer is not None:
-                self.purge()
-            if self._writer is not None:
-                w, self._writer = self._writer, None
-                w.wait_merging_threads()
+            if not self._closed:
+                self._release()
+
+
+class TextStoreLocked(RuntimeError):
+    """Another store (in this process or another) has the text store's directory open."""
+
+
+def _lock(path: str) -> IO[str]:
+    """An exclusive lock on ``path``'s :data:`LOCK_FILE`, held while the returned file
+    stays open. :class:`TextStoreLocked` when another store holds it."""
+    f = open(os.path.join(path, LOCK_FILE), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise TextStoreLocked(f"text store {path} is open in another store or process") from None
+    return f
