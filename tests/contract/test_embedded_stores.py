@@ -25,7 +25,7 @@ from mneme.stores.text_tantivy import TantivyTextStore
 from mneme.stores.vector_edge import EdgeVectorStore
 from qdrant_edge import (Distance, EdgeConfig, EdgeShard, EdgeVectorParams,
                          VectorStorageDatatype)
-from .text_suite import TextStoreSuite, fact
+from .text_suite import PerBankStatistics, TextStoreSuite, fact
 from .vector_suite import VectorStoreSuite
 
 
@@ -411,11 +411,7 @@ class TestEdgeVectorStore(VectorStoreSuite):
         assert not errors and store.count("a") == 40
 
 
-def _scores(store, bank_id, query):
-    return [(h.id, round(h.score, 6)) for h in store.search(bank_id, query, k=20)]
-
-
-class TestTantivyTextStore(TextStoreSuite):
+class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
     def make_store(self, path):
         return open_text_store(f"tantivy://{path}/text")
 
@@ -446,24 +442,6 @@ class TestTantivyTextStore(TextStoreSuite):
         for t in threads:
             t.join()
         assert store.count("a") == 20
-
-    def test_bm25_statistics_are_the_banks_own(self, store):
-        """Another bank's writes change neither a bank's keyword ranking nor its scores:
-        in one shared index "violin" would become common (lower IDF) and "sunrise" stay
-        rare, flipping the order, and a bank's scores would tell how common a word is in
-        other banks."""
-        store.upsert([Fact(id="f1", bank_id="a", text="practised violin at sunrise today"),
-                      Fact(id="f2", bank_id="a", text="violin lesson"),
-                      Fact(id="f3", bank_id="a", text="painted the sunrise"),
-                      Fact(id="f4", bank_id="a", text="walked the dog")])
-        before = _scores(store, "a", "violin")
-        both = _scores(store, "a", "violin sunrise")
-        store.upsert([Fact(id=f"g{i}", bank_id="b", text=f"violin concert number {i}")
-                      for i in range(60)])
-        assert _scores(store, "a", "violin") == before
-        assert _scores(store, "a", "violin sunrise") == both
-        # the other bank scores by its own statistics: "violin" is in all of its documents
-        assert max(s for _, s in _scores(store, "b", "violin")) < before[0][1]
 
     def test_a_bank_deleted_whole_leaves_no_files(self, store, tmp_path):
         store.upsert([fact(1, "zqxmarker one"), fact(2, "other words", bank_id="b")])

@@ -23,7 +23,7 @@ from .bolt_double import BoltDriverDouble
 from .corpus import DIM, corpus, fid
 from .graph_suite import GraphStoreSuite, chain, unit
 from .servers import falkordb_server, noida_server
-from .text_suite import TextStoreSuite, fact
+from .text_suite import PerBankStatistics, TextStoreSuite, fact
 from .vector_suite import VectorStoreSuite
 from mneme.domain import EntityRef, Filters
 from mneme.stores import cypher, open_graph_store, open_text_store, open_vector_store
@@ -185,6 +185,56 @@ class TestOpenSearchTextStore(TextStoreSuite):
         for t in threads:
             t.join()
         assert store.count("a") == 20
+
+
+class TestOpenSearchTextStorePerBank(TestOpenSearchTextStore, PerBankStatistics):
+    """The same contract with an index per bank (``?per_bank=1``)."""
+
+    def make_store(self, path):
+        return open_text_store(f"{self.server.url}?index={name_of(path, 'mneme-t-')}"
+                               "&per_bank=1")
+
+    def test_index_has_english_text_and_keyword_filters(self, store):
+        assert store.per_bank
+        store.upsert([fact(1, "She paints landscapes")])
+        index = store.index_of("a")
+        assert index == f"{store.index}-a"
+        props = store.client.indices.get_mapping(index=index)[index]["mappings"]["properties"]
+        assert props["text"] == {"type": "text", "analyzer": "mneme_text"}
+        assert props["bank_id"]["type"] == "keyword"
+        template = store.client.indices.get_index_template(name=store.index)
+        assert template["index_templates"][0]["index_template"]["index_patterns"] == [
+            f"{store.index}-*"]
+
+    def test_a_bank_has_its_index_from_its_first_write_until_deleted(self, store):
+        exists = store.client.indices.exists
+        # reads and deletions of a bank never written make no index
+        assert store.search("a", "paints", k=5) == [] and store.count("a") == 0
+        store.delete("a", ["x"])
+        store.delete_where("a", "doc")
+        store.delete_where("a")
+        assert not exists(index=f"{store.index}-a")
+        store.upsert([fact(1, "She paints landscapes"), fact(2, "paints too", bank_id="b")])
+        assert exists(index=f"{store.index}-a") and exists(index=f"{store.index}-b")
+        store.delete_where("a")
+        assert not exists(index=f"{store.index}-a") and store.count("a") == 0
+        assert store.count("b") == 1
+        store.upsert([fact(3, "paints again")])  # written again: a new index
+        assert [h.id for h in store.search("a", "paints", k=5)] == [fid("a", "text", 3)]
+        store.reset()
+        assert store.count("a") == 0 and store.count("b") == 0
+        assert store._bank_indexes() == []
+
+    def test_an_invalid_bank_id_is_refused_for_writes_and_empty_for_reads(self, store):
+        with pytest.raises(ValueError, match="bank id"):
+            store.upsert([fact(1, "x", bank_id="Not_A/Bank")])
+        assert store.search("Not_A/Bank", "x", k=5) == [] and store.count("*") == 0
+
+    def test_drop_deletes_every_bank_index_and_the_template(self, store):
+        store.upsert([fact(1, "a words"), fact(2, "b words", bank_id="b")])
+        store.drop()
+        assert store._bank_indexes() == []
+        assert not store.client.indices.exists_index_template(name=store.index)
 
 
 # ---- graph: FalkorDB server over redis:// ----------------------------------------------------

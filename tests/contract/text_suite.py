@@ -184,3 +184,29 @@ class TextStoreSuite:
         assert hits and hits[0].id == fid("a", "text", 2)
         # full-width Latin is folded like the indexed text
         assert [h.id for h in store.search("a", "ｉＰｈｏｎｅ", k=5)] == [fid("a", "text", 6)]
+
+
+def _scores(store, bank_id, query):
+    return [(h.id, round(h.score, 6)) for h in store.search(bank_id, query, k=20)]
+
+
+class PerBankStatistics:
+    """For a store whose BM25 statistics are per bank (Tantivy; OpenSearch ``per_bank``)."""
+
+    def test_bm25_statistics_are_the_banks_own(self, store):
+        """Another bank's writes change neither a bank's keyword ranking nor its scores:
+        in one shared index "violin" would become common (lower IDF) and "sunrise" stay
+        rare, flipping the order, and a bank's scores would tell how common a word is in
+        other banks."""
+        store.upsert([Fact(id="f1", bank_id="a", text="practised violin at sunrise today"),
+                      Fact(id="f2", bank_id="a", text="violin lesson"),
+                      Fact(id="f3", bank_id="a", text="painted the sunrise"),
+                      Fact(id="f4", bank_id="a", text="walked the dog")])
+        before = _scores(store, "a", "violin")
+        both = _scores(store, "a", "violin sunrise")
+        store.upsert([Fact(id=f"g{i}", bank_id="b", text=f"violin concert number {i}")
+                      for i in range(60)])
+        assert _scores(store, "a", "violin") == before
+        assert _scores(store, "a", "violin sunrise") == both
+        # the other bank scores by its own statistics: "violin" is in all of its documents
+        assert max(s for _, s in _scores(store, "b", "violin")) < before[0][1]

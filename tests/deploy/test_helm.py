@@ -811,3 +811,14 @@ def test_every_service_gets_one_kept_master_key(default):
         _pod(own, "ingest")["containers"][0]["envFrom"]
     with pytest.raises(Exception):
         hc.check_chart(sets=["masterKey.value=short"])
+
+
+def test_opensearch_per_bank_puts_an_index_per_bank_in_the_text_url():
+    """``opensearch.perBank`` asks the bundled OpenSearch for an index per bank (each
+    bank's own BM25 statistics); off by default."""
+    on = _objects(hc.check_chart(values=[hc.FULL_VALUES], sets=["opensearch.perBank=true"]))
+    assert on[("Secret", "mneme")]["stringData"]["MNEME_TEXT_URL"] == (
+        "http://mneme-opensearch:9200?per_bank=1")
+    off = _objects(hc.check_chart(values=[hc.FULL_VALUES]))
+    assert off[("Secret", "mneme")]["stringData"]["MNEME_TEXT_URL"] == (
+        "http://mneme-opensearch:9200")

@@ -51,7 +51,9 @@ def test_opensearch_urls():
         "http_auth": ("admin", "p@ss"), "index": "facts", "verify_certs": False}
     assert parse_opensearch_url("http://gw/search")["hosts"] == [
         {"host": "gw", "port": 9200, "scheme": "http", "url_prefix": "/search"}]
-    for bad in ("tantivy:///x", "http://os:9200?idx=a", "https://"):
+    assert parse_opensearch_url("http://os?per_bank=1")["per_bank"] is True
+    assert parse_opensearch_url("http://os?per_bank=0")["per_bank"] is False
+    for bad in ("tantivy:///x", "http://os:9200?idx=a", "https://", "http://os?per_bank=2"):
         with pytest.raises(ValueError):
             parse_opensearch_url(bad)
 

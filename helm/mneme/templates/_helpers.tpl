@@ -98,7 +98,7 @@ app.kubernetes.io/part-of: mneme
 
 {{- define "mneme.opensearchUrl" -}}
 {{- if .Values.opensearch.enabled -}}
-{{- printf "http://%s-opensearch:9200" (include "mneme.fullname" .) -}}
+{{- printf "http://%s-opensearch:9200%s" (include "mneme.fullname" .) (ternary "?per_bank=1" "" (default false .Values.opensearch.perBank)) -}}
 {{- else -}}
 {{- required "externalOpenSearch.url is required (or opensearch.enabled=true)" .Values.externalOpenSearch.url -}}
 {{- end -}}

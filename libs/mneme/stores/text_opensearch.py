@@ -1,9 +1,15 @@
 """BM25 text store over OpenSearch (``opensearch-py``), the production twin of
 :mod:`mneme.stores.text_tantivy`.
 
-One index holds every bank. Its settings and mappings are installed as an index template
-(so an index re-created by an operator or by auto-creation gets them too) and given
-explicitly when the store creates the index: ``text`` is analysed with
+One index holds every bank, so BM25's statistics (document frequencies, average length)
+are shared by the banks: a bank's keyword ranking changes when another bank is written,
+and its scores tell how common a word is in other banks. With ``per_bank`` (URL
+``?per_bank=1``) every bank has an index of its own, ``<index>-<bank_id>``, created on
+its first write and deleted with the bank: the statistics are the bank's own (as in the
+Tantivy adapter), at the cost of one index (one shard) per bank, which OpenSearch counts
+against ``cluster.max_shards_per_node`` (1,000 by default). The settings and mappings are
+installed as an index template (so an index re-created by an operator or by
+auto-creation gets them too) and given explicitly when the store creates an index: ``text`` is analysed with
 :data:`ANALYZER` -- the built-in ``english`` analyzer's chain (standard tokenizer,
 possessive stemmer, lowercase, English stop words, Porter stemmer) with ``cjk_width`` and
 ``cjk_bigram`` added -- after the client has segmented it with :func:`mneme.cjk.segment`
@@ -23,7 +29,7 @@ characters to stay under OpenSearch's 1024-clause limit. Writes use
 ``refresh=wait_for`` (``refresh=true`` for delete-by-query), so they are searchable
 on return.
 
-URLs: ``http(s)://[user:password@]host[:9200][/prefix][?index=…&verify_certs=0]``.
+URLs: ``http(s)://[user:password@]host[:9200][/prefix][?index=…&per_bank=1&verify_certs=0]``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from opensearchpy import OpenSearch
 from opensearchpy.exceptions import NotFoundError, RequestError
 
 from mneme.cjk import segment
-from mneme.domain import Fact, Filters, Hit, to_epoch
+from mneme.domain import BANK_ID_RE, Fact, Filters, Hit, to_epoch
 from mneme.retrieval import QUERY_STOP_WORDS
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 from mneme.stores.storable import storable, storable_facts
@@ -87,14 +93,15 @@ SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1}, "analysis": {
 
 def parse_opensearch_url(url: str) -> dict[str, Any]:
     """Keyword arguments of :class:`OpenSearchTextStore` for
-    ``http(s)://[user:password@]host[:port][/prefix][?index=name&verify_certs=0|1]`` (port 9200
-    when absent). ValueError for another scheme, no host or an unknown parameter."""
+    ``http(s)://[user:password@]host[:port][/prefix][?index=name&per_bank=0|1&verify_certs=0|1]``
+    (port 9200 when absent). ValueError for another scheme, no host or an unknown
+    parameter."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an OpenSearch URL (http(s)://host:9200): {url!r}")
     query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-    unknown = set(query) - {"index", "verify_certs"}
+    unknown = set(query) - {"index", "verify_certs", "per_bank"}
     if unknown:
         raise ValueError(f"text store URL {url!r}: unknown parameter(s) {sorted(unknown)}")
     host: dict[str, Any] = {"host": parts.hostname, "port": parts.port or 9200,
@@ -106,9 +113,19 @@ def parse_opensearch_url(url: str) -> dict[str, Any]:
         out["http_auth"] = (unquote(parts.username), unquote(parts.password or ""))
     if query.get("index"):
         out["index"] = query["index"]
+    if "per_bank" in query:
+        out["per_bank"] = _flag(url, "per_bank", query["per_bank"])
     if scheme == "https":
         out["verify_certs"] = query.get("verify_certs", "1").lower() not in ("0", "false", "no")
     return out
+
+
+def _flag(url: str, name: str, value: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise ValueError(f"text store URL {url!r}: {name} must be 0 or 1, got {value!r}")
 
 
 _QUERY_STOP = frozenset(QUERY_STOP_WORDS)
@@ -179,21 +196,25 @@ def fact_document(fact: Fact) -> dict[str, Any]:
 
 
 class OpenSearchTextStore:
-    """:class:`mneme.ports.TextStore` over one OpenSearch index (``index``), reached at
-    ``hosts`` (opensearch-py host dicts) or through a ready ``client``.
+    """:class:`mneme.ports.TextStore` over one OpenSearch index (``index``), or with
+    ``per_bank`` one index per bank (``<index>-<bank_id>``; see the module docs), reached
+    at ``hosts`` (opensearch-py host dicts) or through a ready ``client``.
 
-    The template and the index are created when missing (a concurrent creator is
-    tolerated). Errors of the cluster surface as ``opensearchpy`` exceptions
+    The template and the index (a bank's index: on its first write) are created when
+    missing (a concurrent creator is tolerated). Errors of the cluster surface as ``opensearchpy`` exceptions
     (``ConnectionError``, ``TransportError``); a bulk write with failed items raises
     RuntimeError naming the first failure. Thread-safe (the client pools connections).
     """
 
     def __init__(self, *, hosts: list[dict[str, Any]] | None = None, index: str = INDEX,
                  http_auth: tuple[str, str] | None = None, verify_certs: bool = True,
-                 client: OpenSearch | None = None, timeout: float = 30.0) -> None:
+                 client: OpenSearch | None = None, timeout: float = 30.0,
+                 per_bank: bool = False) -> None:
         if (hosts is None) == (client is None):
             raise ValueError("give exactly one of hosts or client")
         self.index = index
+        self.per_bank = per_bank
+        self._made: set[str] = set()  # bank indexes known to exist (per_bank)
         self._client: OpenSearch | None = client or OpenSearch(
             hosts=hosts, http_auth=http_auth, verify_certs=verify_certs, timeout=timeout,
             use_ssl=any(h.get("scheme") == "https" for h in hosts or ()))
@@ -219,16 +240,50 @@ class OpenSearchTextStore:
     def _ensure_index(self) -> None:
         c = self.client
         c.indices.put_index_template(name=self.index, body={
-            "index_patterns": [self.index],
+            "index_patterns": [self._pattern() if self.per_bank else self.index],
             "template": {"settings": SETTINGS, "mappings": MAPPINGS}})
+        if self.per_bank:
+            return  # a bank's index is made on its first write
         if c.indices.exists(index=self.index):
             self._check_analyzer()
             return
+        self._create(self.index)
+
+    def _create(self, index: str) -> None:
         try:
-            c.indices.create(index=self.index, body={"settings": SETTINGS, "mappings": MAPPINGS})
+            self.client.indices.create(index=index,
+                                       body={"settings": SETTINGS, "mappings": MAPPINGS})
         except RequestError as e:
             if e.error != "resource_already_exists_exception":  # else a concurrent creator
                 raise
+
+    def _pattern(self) -> str:
+        return f"{self.index}-*"
+
+    def index_of(self, bank_id: str) -> str | None:
+        """The index holding ``bank_id``'s documents; None (per_bank) when ``bank_id`` is
+        no bank id (:data:`mneme.domain.BANK_ID_RE`: lowercase, so a valid index name)."""
+        if not self.per_bank:
+            return self.index
+        return f"{self.index}-{bank_id}" if BANK_ID_RE.fullmatch(bank_id or "") else None
+
+    def _writable(self, bank_id: str) -> str:
+        """The bank's index, created when missing. ValueError for no bank id."""
+        index = self.index_of(bank_id)
+        if index is None:
+            raise ValueError(f"not a bank id: {bank_id!r}")
+        if self.per_bank and index not in self._made:
+            if not self.client.indices.exists(index=index):
+                self._create(index)
+            self._made.add(index)
+        return index
+
+    def _bank_indexes(self) -> list[str]:
+        """Every bank's index (per_bank)."""
+        try:
+            return sorted(self.client.indices.get(index=self._pattern()))
+        except NotFoundError:
+            return []
 
     def _check_analyzer(self) -> None:
         """Warn when an existing index analyses ``text`` otherwise than :data:`MAPPINGS`
@@ -255,21 +310,28 @@ class OpenSearchTextStore:
         ``index.translog.durability=request``)."""
 
     def reset(self) -> None:
-        """Delete every bank's documents: the index is dropped and created afresh."""
-        try:
-            self.client.indices.delete(index=self.index)
-        except NotFoundError:
-            pass
+        """Delete every bank's documents: the index (every bank's index) is dropped, and
+        created afresh."""
+        self._delete_indexes()
         self._ensure_index()
 
-    def drop(self) -> None:
-        """Delete the index and its template (an old store generation)."""
-        for delete, kw in ((self.client.indices.delete, {"index": self.index}),
-                           (self.client.indices.delete_index_template, {"name": self.index})):
+    def _delete_indexes(self) -> None:
+        # by name: a wildcard delete is refused where action.destructive_requires_name
+        for index in self._bank_indexes() if self.per_bank else [self.index]:
             try:
-                delete(**kw)
+                self.client.indices.delete(index=index)
             except NotFoundError:
                 pass
+        self._made.clear()
+
+    def drop(self) -> None:
+        """Delete the index (every bank's index) and the template (an old store
+        generation)."""
+        self._delete_indexes()
+        try:
+            self.client.indices.delete_index_template(name=self.index)
+        except NotFoundError:
+            pass
 
     # -- writes --
 
@@ -294,27 +356,56 @@ class OpenSearchTextStore:
         searchable on return."""
         ops: list[dict[str, Any]] = []
         facts = storable_facts(facts)  # the same text as every other store holds
+        indexes = {b: self._writable(b) for b in {f.bank_id for f in facts}}
         for fact in {(f.bank_id, f.id): f for f in facts}.values():
-            ops.append({"index": {"_index": self.index, "routing": fact.bank_id,
+            ops.append({"index": {"_index": indexes[fact.bank_id], "routing": fact.bank_id,
                                   "_id": self._doc_id(fact.bank_id, fact.id)}})
             ops.append(fact_document(fact))
         self._bulk(ops)
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Remove the bank's documents with these fact ids (unknown ids are ignored)."""
-        self._bulk([{"delete": {"_index": self.index, "routing": bank_id,
+        index = self._existing(bank_id)
+        if index is None:
+            return
+        self._bulk([{"delete": {"_index": index, "routing": bank_id,
                                 "_id": self._doc_id(bank_id, i)}}
                     for i in dict.fromkeys(ids)])
 
+    def _existing(self, bank_id: str) -> str | None:
+        """The bank's index if it exists (always the index, shared); None otherwise, so
+        that a deletion never auto-creates a bank's index."""
+        index = self.index_of(bank_id)
+        if not self.per_bank or index is None or index in self._made:
+            return index
+        if not self.client.indices.exists(index=index):
+            return None
+        self._made.add(index)
+        return index
+
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
         """Remove the bank's documents of ``document_id`` (all of the bank when None)
-        with one delete-by-query. ValueError for "" (never means "the whole bank")."""
+        with one delete-by-query; per_bank, the whole bank by deleting its index.
+        ValueError for "" (never means "the whole bank")."""
         check_document_id(document_id)
         document_id = storable(document_id)
+        index = self._existing(bank_id)
+        if index is None:
+            return
+        if self.per_bank and not document_id:
+            self._made.discard(index)
+            try:
+                self.client.indices.delete(index=index)
+            except NotFoundError:
+                pass
+            return
         filters = Filters(document_id=document_id) if document_id else None
-        self.client.delete_by_query(
-            index=self.index, routing=bank_id, refresh=True, conflicts="proceed",
-            body={"query": {"bool": {"filter": filter_clauses(bank_id, filters)}}})
+        try:
+            self.client.delete_by_query(
+                index=index, routing=bank_id, refresh=True, conflicts="proceed",
+                body={"query": {"bool": {"filter": filter_clauses(bank_id, filters)}}})
+        except NotFoundError:  # (per_bank: deleted meanwhile)
+            self._made.discard(index)
 
     # -- reads --
 
@@ -336,7 +427,15 @@ class OpenSearchTextStore:
             "_source": ["id"],
             "track_total_hits": False,
         }
-        resp = self.client.search(index=self.index, routing=bank_id, body=body)
+        index = self.index_of(bank_id)
+        if index is None:
+            return []
+        try:
+            resp = self.client.search(index=index, routing=bank_id, body=body)
+        except NotFoundError:
+            if not self.per_bank:
+                raise
+            return []  # a bank never written
         out = [Hit(h["_source"]["id"], float(h["_score"])) for h in resp["hits"]["hits"]]
         # Equal scores come back in segment order, which depends on write history; break
         # ties by id (as the Tantivy adapter does) so a rebuilt index ranks the same.
@@ -345,6 +444,14 @@ class OpenSearchTextStore:
 
     def count(self, bank_id: str) -> int:
         """Number of the bank's indexed facts."""
-        resp = self.client.count(index=self.index, routing=bank_id, body={
-            "query": {"bool": {"filter": [{"term": {"bank_id": bank_id}}]}}})
+        index = self.index_of(bank_id)
+        if index is None:
+            return 0
+        try:
+            resp = self.client.count(index=index, routing=bank_id, body={
+                "query": {"bool": {"filter": [{"term": {"bank_id": bank_id}}]}}})
+        except NotFoundError:
+            if not self.per_bank:
+                raise
+            return 0  # a bank never written
         return int(resp["count"])
