@@ -460,3 +460,29 @@ def test_the_same_content_retained_twice_ranks_the_same(env):
     # the graph's cut tie group is gone: only the four it ranked above the rest remain
     assert sorted(r for _, r, _ in ranked["same-1"] if r) == [1, 2, 3, 4]
     assert ranked["same-1"] == ranked["same-2"]
+
+
+def test_another_banks_writes_change_neither_a_banks_ranking_nor_its_scores(env):
+    """Banks are tenants: recall in one is the same, ranks and scores, before and after
+    another bank is filled with the query's own words (in a shared BM25 index they
+    would lower those words' IDF in this bank, and its keyword scores would tell how
+    common they are elsewhere)."""
+    query = "Which mountains did Alice trek through together with her sibling?"
+
+    def seen():
+        out = _recall(env, query)
+        return [(s.fact.id, round(s.final, 9), s.ranks.get("keyword"),
+                 round(s.scores.get("keyword", 0.0), 9)) for s in out.results]
+
+    before = seen()
+    assert any(k for _, _, k, _ in before), "the check can fail: the keyword arm answers"
+    texts = [f"Alice trekked the mountains with her sibling, trip {i}." for i in range(80)]
+    other = [Fact(id=f"tenant-{i}", bank_id="other-tenant", text=t, embedding=v)
+             for i, (t, v) in enumerate(zip(texts, env["ports"]["embedder"].embed(texts)))]
+    for store in ("vectors", "text", "graph"):
+        env["ports"][store].upsert(other)
+    try:
+        assert seen() == before
+    finally:
+        for store in ("vectors", "text", "graph"):
+            env["ports"][store].delete_where("other-tenant")
