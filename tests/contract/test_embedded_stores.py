@@ -486,7 +486,7 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
         store.close()
         self.make_store(tmp_path).close()  # released on close
 
-    def test_an_index_of_every_bank_is_split_per_bank(self, tmp_path):
+    def test_an_index_of_every_bank_is_split_per_bank(self, tmp_path, monkeypatch):
         """A data dir from before per-bank indexes (one index holding every bank) opens
         split: every document, field and filter kept, the bank's own statistics, the old
         files gone."""
@@ -496,6 +496,19 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
         old = _Index(str(tmp_path / "text"))
         old.upsert(storable_facts(facts))
         old.close()
+        # a split that stopped after it wrote the banks' indexes is done again
+        from mneme.stores import text_tantivy
+        real_remove = os.remove
+
+        def crash(path):
+            if str(path).endswith("meta.json"):
+                raise OSError("crash")
+            real_remove(path)
+        with monkeypatch.context() as m:
+            m.setattr(text_tantivy.os, "remove", crash)
+            with pytest.raises(OSError, match="crash"):
+                self.make_store(tmp_path)
+        assert (tmp_path / "text" / "banks" / "a").is_dir()
         s = self.make_store(tmp_path)
         try:
             assert sorted(p.name for p in (tmp_path / "text").iterdir()) == [
@@ -507,6 +520,13 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
                               and "memory" in f.text.lower())
                 got = sorted(h.id for h in s.search("a", "memory", k=100, filters=case))
                 assert got == want, case
+        finally:
+            s.close()
+        # a split that stopped before it removed every old file removes them on open
+        (tmp_path / "text" / "1234.store").write_bytes(b"old segment")
+        s = self.make_store(tmp_path)
+        try:
+            assert not (tmp_path / "text" / "1234.store").exists() and s.count("b") == 30
         finally:
             s.close()
 

@@ -404,6 +404,8 @@ class TantivyTextStore:
         try:
             if os.path.exists(os.path.join(self.path, "meta.json")):
                 self._split_shared()
+            if self._shared is None:
+                self._remove_old_files()
         except BaseException:
             self._release()
             raise
@@ -466,8 +468,12 @@ class TantivyTextStore:
             for i in range(0, len(docs), 10_000):
                 index.add_documents(docs[i:i + 10_000])
         log.info("text index %s: split into %d per-bank indexes", self.path, len(by_bank))
-        # meta.json last but one: without it the old files are no index any more
+        # meta.json first: without it the old files are no index any more
         os.remove(os.path.join(self.path, "meta.json"))
+
+    def _remove_old_files(self) -> None:
+        """Remove the files of a shared index already split (a split stopped before it
+        removed them all: they may hold deleted text)."""
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
             if name not in (BANKS_DIR, LOCK_FILE) and os.path.isfile(full):
