@@ -464,6 +464,10 @@ class TantivyTextStore:
                 Document.from_dict(fields, shared._schema))
         shared.close()
         for bank_id, docs in sorted(by_bank.items()):
+            if self._bank_path(bank_id) is None:  # (never searchable: recall checks ids)
+                log.warning("text index %s: %d documents of %r, which is no bank id, are "
+                            "not kept", self.path, len(docs), bank_id)
+                continue
             index = self._index_of(bank_id, create=True)
             for i in range(0, len(docs), 10_000):
                 index.add_documents(docs[i:i + 10_000])
