@@ -454,10 +454,12 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
         assert [h.id for h in store.search("a", "zqxmarker", k=5)] == [fid("a", "text", 3)]
 
     def test_more_banks_than_open_indexes(self, tmp_path, monkeypatch):
-        """Banks past :data:`OPEN_INDEXES` close the least recently used indexes (their
-        deletions purged first) and reopen them when asked again."""
+        """Banks past :data:`OPEN_INDEXES` close the least recently used indexes, and
+        past :data:`OPEN_WRITERS` the least recently written release their writers
+        (their deletions purged first); both reopen when needed."""
         from mneme.stores import text_tantivy
-        monkeypatch.setattr(text_tantivy, "OPEN_INDEXES", 2)
+        monkeypatch.setattr(text_tantivy, "OPEN_INDEXES", 3)
+        monkeypatch.setattr(text_tantivy, "OPEN_WRITERS", 2)
         s = self.make_store(tmp_path)
         try:
             banks = [f"bank-{i}" for i in range(5)]
@@ -466,7 +468,9 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
             s.delete(banks[0], [fid(banks[0], "text", 0)])
             for b in banks[1:]:
                 s.upsert([fact(9, "late shared", bank_id=b)])
-            assert len(s._open) == 2
+            assert len(s._open) == 3
+            # writers (~6 threads each) are released sooner than the indexes
+            assert sum(i._writer is not None for i in s._open.values()) == 2
             assert [s.count(b) for b in banks] == [2, 4, 4, 4, 4]
             assert text_segments_with_deletes(tmp_path / "text") == []
             assert {h.id for h in s.search(banks[0], "shared", k=10)} == {

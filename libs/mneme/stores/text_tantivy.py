@@ -65,9 +65,12 @@ VERSION_FILE = "mneme-analysis-version"
 #: Subdirectory of the store's directory holding one index directory per bank.
 BANKS_DIR = "banks"
 LOCK_FILE = ".mneme-text.lock"
-#: Banks whose index (and writer) stays open; the least recently used are closed
-#: (reopening one costs ~0.5 ms).
+#: Banks whose index stays open (a thread each); the least recently used are closed
+#: (reopening one costs ~0.1 ms).
 OPEN_INDEXES = 32
+#: Banks whose index writer stays open (~6 threads each); the least recently written
+#: release theirs (reopening one costs ~0.4 ms).
+OPEN_WRITERS = 4
 log = logging.getLogger(__name__)
 
 
@@ -136,7 +139,10 @@ class _Index:
                         "in its segment files until Tantivy merges them; `mneme replay` "
                         "rebuilds it in the current format", self.path)
         self._index = Index(self._schema, path=self.path, reuse=True)
-        self._writer: tantivy.IndexWriter | None = self._index.writer(_WRITER_HEAP, 1)
+        # opened on the first write and released by release_writer: a writer runs ~6
+        # threads, an index 1
+        self._writer: tantivy.IndexWriter | None = None
+        self._closed = False
         self._deleted = False  # a deletion not purged yet
         if check_version:
             self._check_version()
@@ -163,8 +169,11 @@ class _Index:
 
     @property
     def writer(self) -> tantivy.IndexWriter:
-        if self._writer is None:
+        """The index's writer, opened when none is."""
+        if self._closed:
             raise RuntimeError("TantivyTextStore is closed")
+        if self._writer is None:
+            self._writer = self._index.writer(_WRITER_HEAP, 1)
         return self._writer
 
     def _commit(self) -> None:
@@ -308,9 +317,9 @@ class _Index:
         self._deleted = False
         if not self.physical_deletes:
             return 0
-        w, self._writer = self.writer, None
-        w.wait_merging_threads()  # (the binding's writer is spent by this)
-        self._writer = self._index.writer(_WRITER_HEAP, 1)
+        if self._writer is not None:
+            w, self._writer = self._writer, None
+            w.wait_merging_threads()  # (the binding's writer is spent by this)
         self._index.reload()
         searcher = self._index.searcher()
         with open(os.path.join(self.path, "meta.json")) as f:
@@ -339,13 +348,19 @@ class _Index:
         self.writer.garbage_collect_files()
         return n
 
-    def close(self) -> None:
-        """Purge deletions, finish merges and release the writer lock. Idempotent."""
-        if self._deleted and self._writer is not None:
+    def release_writer(self) -> None:
+        """Purge deletions, finish merges and release the writer (and its lock); the
+        next write opens one again."""
+        if self._deleted and not self._closed:
             self.purge()
         if self._writer is not None:
             w, self._writer = self._writer, None
             w.wait_merging_threads()
+
+    def close(self) -> None:
+        """:meth:`release_writer`; further writes raise RuntimeError. Idempotent."""
+        self.release_writer()
+        self._closed = True
 
 
 def _document(fact: Fact, key: str) -> Document:
@@ -395,6 +410,7 @@ class TantivyTextStore:
         self._lockfile = _lock(self.path)
         self._banks_dir = os.path.join(self.path, BANKS_DIR)
         self._open: OrderedDict[str, _Index] = OrderedDict()
+        self._writers: OrderedDict[str, _Index] = OrderedDict()  # by path
         self._analyzer = _query_analyzer()
         self._lock = threading.RLock()
         self._closed = False
@@ -437,8 +453,19 @@ class TantivyTextStore:
             return None
         while len(self._open) >= OPEN_INDEXES:
             _, oldest = self._open.popitem(last=False)
+            self._writers.pop(oldest.path, None)
             oldest.close()
         index = self._open[bank_id] = _Index(path)
+        return index
+
+    def _writing(self, index: _Index) -> _Index:
+        """``index``, about to be written: the least recently written beyond
+        :data:`OPEN_WRITERS` release their writers. Caller holds the lock."""
+        self._writers[index.path] = index
+        self._writers.move_to_end(index.path)
+        while len(self._writers) > OPEN_WRITERS:
+            _, oldest = self._writers.popitem(last=False)
+            oldest.release_writer()
         return index
 
     def _split_shared(self) -> None:
@@ -468,7 +495,7 @@ class TantivyTextStore:
                 log.warning("text index %s: %d documents of %r, which is no bank id, are "
                             "not kept", self.path, len(docs), bank_id)
                 continue
-            index = self._index_of(bank_id, create=True)
+            index = self._writing(self._index_of(bank_id, create=True))
             for i in range(0, len(docs), 10_000):
                 index.add_documents(docs[i:i + 10_000])
         log.info("text index %s: split into %d per-bank indexes", self.path, len(by_bank))
@@ -502,7 +529,7 @@ class TantivyTextStore:
             by_bank.setdefault(fact.bank_id, []).append(fact)
         with self._lock:
             for bank_id, bank_facts in by_bank.items():
-                self._index_of(bank_id, create=True).upsert(bank_facts)
+                self._writing(self._index_of(bank_id, create=True)).upsert(bank_facts)
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Remove the bank's documents with these fact ids."""
@@ -511,7 +538,7 @@ class TantivyTextStore:
         with self._lock:
             index = self._index_of(bank_id, create=False)
             if index is not None:
-                index.delete(bank_id, ids)
+                self._writing(index).delete(bank_id, ids)
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
         """Remove the bank's documents of ``document_id``; all of the bank when None (its
@@ -524,9 +551,10 @@ class TantivyTextStore:
                 return
             if document_id or index is self._shared:
                 filters = Filters(document_id=document_id) if document_id else None
-                index.delete_where(bank_id, filters)
+                self._writing(index).delete_where(bank_id, filters)
                 return
             del self._open[bank_id]
+            self._writers.pop(index.path, None)
             index._deleted = False  # (its files go: nothing to purge)
             index.close()
             shutil.rmtree(index.path)
@@ -553,7 +581,7 @@ class TantivyTextStore:
         """Delete every bank's documents."""
         with self._lock:
             if self._shared is not None:
-                self._shared.reset()
+                self._writing(self._shared).reset()
                 return
             self._close_indexes(purge=False)
             shutil.rmtree(self._banks_dir, ignore_errors=True)
@@ -582,6 +610,7 @@ class TantivyTextStore:
                 index._deleted = False
             index.close()
         self._open.clear()
+        self._writers.clear()
         self._shared = None
 
     def _release(self) -> None:
