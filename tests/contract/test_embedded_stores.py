@@ -453,6 +453,45 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
         store.upsert([fact(3, "zqxmarker again")])  # the bank can be written again
         assert [h.id for h in store.search("a", "zqxmarker", k=5)] == [fid("a", "text", 3)]
 
+    def test_a_damaged_bank_can_still_be_deleted_and_written_again(self, store, tmp_path):
+        """A bank whose index lost files (a crash inside an earlier removal) is deleted
+        without being opened; a directory left renamed aside by a crash goes on open."""
+        store.upsert([fact(1, "zqxmarker one"), fact(2, "other words", bank_id="b")])
+        store.close()
+        bank = tmp_path / "text" / "banks" / "a"
+        for f in bank.glob("*.store"):
+            f.unlink()
+        aside = tmp_path / "text" / "banks" / ".deleting-a-0123"
+        aside.mkdir()
+        (aside / "x.store").write_bytes(b"zqxmarker")
+        s = self.make_store(tmp_path)
+        try:
+            assert not aside.exists()
+            s.delete_where("a")
+            assert not bank.exists() and s.count("a") == 0
+            assert sorted(p.name for p in (tmp_path / "text" / "banks").iterdir()) == ["b"]
+            s.upsert([fact(3, "zqxmarker again")])
+            assert [h.id for h in s.search("a", "zqxmarker", k=5)] == [fid("a", "text", 3)]
+            s.reset()
+            assert s.count("a") == 0 and s.count("b") == 0
+        finally:
+            s.close()
+
+    def test_a_closed_store_refuses_writes_reset_and_purge(self, tmp_path):
+        s = self.make_store(tmp_path)
+        s.upsert([fact(1, "words")])
+        s.close()
+        other = self.make_store(tmp_path)  # the directory is another store's now
+        try:
+            for call in (lambda: s.upsert([fact(2, "more")]), s.reset, s.purge,
+                         lambda: s.delete_where("a"), lambda: s.search("a", "words", k=1)):
+                with pytest.raises(RuntimeError, match="closed"):
+                    call()
+            s.flush()  # nothing to do
+            assert other.count("a") == 1
+        finally:
+            other.close()
+
     def test_more_banks_than_open_indexes(self, tmp_path, monkeypatch):
         """Banks past :data:`OPEN_INDEXES` close the least recently used indexes, and
         past :data:`OPEN_WRITERS` the least recently written release their writers
@@ -526,11 +565,15 @@ class TestTantivyTextStore(TextStoreSuite, PerBankStatistics):
                 assert got == want, case
         finally:
             s.close()
-        # a split that stopped before it removed every old file removes them on open
-        (tmp_path / "text" / "1234.store").write_bytes(b"old segment")
+        # a split that stopped before it removed every old file removes them on open,
+        # and only Tantivy's: the directory may hold other files
+        old_segment = tmp_path / "text" / f"{'ab' * 16}.store"
+        old_segment.write_bytes(b"old segment")
+        (tmp_path / "text" / "catalog.db").write_bytes(b"not ours")
         s = self.make_store(tmp_path)
         try:
-            assert not (tmp_path / "text" / "1234.store").exists() and s.count("b") == 30
+            assert not old_segment.exists() and s.count("b") == 30
+            assert (tmp_path / "text" / "catalog.db").read_bytes() == b"not ours"
         finally:
             s.close()
 

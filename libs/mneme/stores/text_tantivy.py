@@ -31,10 +31,12 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import threading
+import uuid
 from collections import OrderedDict
-from typing import IO, Any, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 import tantivy
 from tantivy import (
@@ -65,6 +67,14 @@ VERSION_FILE = "mneme-analysis-version"
 #: Subdirectory of the store's directory holding one index directory per bank.
 BANKS_DIR = "banks"
 LOCK_FILE = ".mneme-text.lock"
+#: Prefix of a directory being deleted (a bank's index, or every bank's): renamed first,
+#: so a crash never leaves a half-deleted index under a bank's name; removed on open.
+DELETING = ".deleting-"
+#: Files of a Tantivy index (and this module's version file), the only ones a split
+#: removes from the store's directory.
+_INDEX_FILE = re.compile(r"[0-9a-f]{32}\.(idx|term|pos|store|fast|fieldnorm|del)"
+                         r"|meta\.json|\.managed\.json|\.tantivy-(meta|writer)\.lock"
+                         r"|" + re.escape(VERSION_FILE))
 #: Banks whose index stays open (a thread each); the least recently used are closed
 #: (reopening one costs ~0.1 ms).
 OPEN_INDEXES = 32
@@ -294,11 +304,13 @@ class _Index:
         return int(self._index.searcher().search(self._scoped(bank_id), limit=1,
                                                  count=True).count)
 
-    def documents(self) -> list[Document]:
-        """Every live document, as stored."""
+    def documents(self, chunk: int = 10_000) -> Iterator[list[Document]]:
+        """Every live document, as stored, ``chunk`` at a time (the split of a large
+        index never holds all of them)."""
         searcher = self._index.searcher()
         hits = searcher.search(Query.all_query(), limit=max(1, searcher.num_docs)).hits
-        return [searcher.doc(addr) for _, addr in hits]
+        for i in range(0, len(hits), chunk):
+            yield [searcher.doc(addr) for _, addr in hits[i:i + chunk]]
 
     def reset(self) -> None:
         """Delete every document."""
@@ -313,9 +325,10 @@ class _Index:
         commit; those segments are then wholly deleted, which Tantivy drops on commit,
         and their files are garbage-collected. Returns the documents re-indexed. Costs
         about the size of those segments. Nothing (0) for an index that does not store
-        its fields."""
-        self._deleted = False
+        its fields. A purge that fails leaves the deletion pending (the next flush
+        tries again)."""
         if not self.physical_deletes:
+            self._deleted = False
             return 0
         if self._writer is not None:
             w, self._writer = self._writer, None
@@ -346,6 +359,7 @@ class _Index:
                 n += 1
         self._commit()
         self.writer.garbage_collect_files()
+        self._deleted = False
         return n
 
     def release_writer(self) -> None:
@@ -398,10 +412,12 @@ class TantivyTextStore:
     says so).
 
     Every write commits and reloads the searcher before returning, so it is durable and
-    searchable at once. Deletions are physical once :meth:`flush` returns. At most
-    :data:`OPEN_INDEXES` banks' indexes (each with its writer) stay open, the least
-    recently used are closed. One store per directory: a second one (or process) on the
-    same ``path`` raises :class:`TextStoreLocked`. Thread-safe (one lock).
+    searchable at once. Deletions are physical once :meth:`flush` returns (a deleted
+    bank's directory at once: renamed aside, then removed). At most
+    :data:`OPEN_INDEXES` banks' indexes stay open and :data:`OPEN_WRITERS` of them keep
+    a writer, the least recently used close first. One store per directory: a second one
+    (or process) on the same ``path`` raises :class:`TextStoreLocked`. Thread-safe (one
+    lock).
     """
 
     def __init__(self, path: str) -> None:
@@ -418,6 +434,7 @@ class TantivyTextStore:
         #: not be split (it does not store its fields); it then serves every bank.
         self._shared: _Index | None = None
         try:
+            self._remove_deleting()
             if os.path.exists(os.path.join(self.path, "meta.json")):
                 self._split_shared()
             if self._shared is None:
@@ -440,6 +457,8 @@ class TantivyTextStore:
         None for a bank without one. Caller holds the lock."""
         if self._closed:
             raise RuntimeError("TantivyTextStore is closed")
+        if create and self._bank_path(bank_id) is None:
+            raise ValueError(f"not a bank id: {bank_id!r}")
         if self._shared is not None:
             return self._shared
         index = self._open.get(bank_id)
@@ -447,8 +466,6 @@ class TantivyTextStore:
             self._open.move_to_end(bank_id)
             return index
         path = self._bank_path(bank_id)
-        if path is None and create:
-            raise ValueError(f"not a bank id: {bank_id!r}")
         if path is None or not (create or os.path.isdir(path)):
             return None
         while len(self._open) >= OPEN_INDEXES:
@@ -477,38 +494,65 @@ class TantivyTextStore:
             shared._check_version()
             log.warning("text index %s holds every bank in one index, with BM25 "
                         "statistics shared by the banks, and cannot be split per bank "
-                        "(it does not store its documents): `mneme replay` rebuilds it",
-                        self.path)
+                        "(it does not store its documents): `mneme replay` rebuilds it "
+                        "(with --force if its check refuses the new ranking)", self.path)
             self._shared = shared
             return
-        by_bank: dict[str, list[Document]] = {}
-        for doc in shared.documents():
-            fields = doc.to_dict()
-            # re-segmented: documents of an index from before CJK segmentation hold
-            # their text as written (segmenting segmented text changes nothing)
-            fields["text"] = [segment(t) for t in fields.get("text", [])]
-            by_bank.setdefault(fields["bank_id"][0], []).append(
-                Document.from_dict(fields, shared._schema))
+        banks: set[str] = set()
+        for chunk in shared.documents():
+            by_bank: dict[str, list[Document]] = {}
+            for doc in chunk:
+                fields = doc.to_dict()
+                # re-segmented: documents of an index from before CJK segmentation hold
+                # their text as written (segmenting segmented text changes nothing)
+                fields["text"] = [segment(t) for t in fields.get("text", [])]
+                by_bank.setdefault(fields["bank_id"][0], []).append(
+                    Document.from_dict(fields, shared._schema))
+            for bank_id, docs in sorted(by_bank.items()):
+                if self._bank_path(bank_id) is None:  # (no request can name it)
+                    log.warning("text index %s: %d documents of %r, which is no bank id, "
+                                "are not kept", self.path, len(docs), bank_id)
+                    continue
+                self._writing(self._index_of(bank_id, create=True)).add_documents(docs)
+                banks.add(bank_id)
         shared.close()
-        for bank_id, docs in sorted(by_bank.items()):
-            if self._bank_path(bank_id) is None:  # (never searchable: recall checks ids)
-                log.warning("text index %s: %d documents of %r, which is no bank id, are "
-                            "not kept", self.path, len(docs), bank_id)
-                continue
-            index = self._writing(self._index_of(bank_id, create=True))
-            for i in range(0, len(docs), 10_000):
-                index.add_documents(docs[i:i + 10_000])
-        log.info("text index %s: split into %d per-bank indexes", self.path, len(by_bank))
+        log.info("text index %s: split into %d per-bank indexes", self.path, len(banks))
         # meta.json first: without it the old files are no index any more
         os.remove(os.path.join(self.path, "meta.json"))
 
     def _remove_old_files(self) -> None:
         """Remove the files of a shared index already split (a split stopped before it
-        removed them all: they may hold deleted text)."""
+        removed them all: they may hold deleted text). Only Tantivy's files: the
+        directory may hold others."""
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            if name not in (BANKS_DIR, LOCK_FILE) and os.path.isfile(full):
+            if _INDEX_FILE.fullmatch(name) and os.path.isfile(full):
                 os.remove(full)
+
+    def _remove_deleting(self) -> None:
+        """Finish deletions a crash (or a Tantivy thread still writing a lock file)
+        stopped: every directory renamed to be deleted."""
+        for parent in (self.path, self._banks_dir):
+            if os.path.isdir(parent):
+                for name in os.listdir(parent):
+                    if name.startswith(DELETING):
+                        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+    def _remove_dir(self, path: str) -> None:
+        """Delete directory ``path``: renamed first (durably), so a crash leaves no
+        half-deleted index under its name, then removed (what a Tantivy thread still
+        recreates meanwhile goes on the next open). Caller holds the lock."""
+        if not os.path.isdir(path):
+            return
+        parent = os.path.dirname(path)
+        gone = os.path.join(parent, f"{DELETING}{os.path.basename(path)}-{uuid.uuid4().hex}")
+        os.rename(path, gone)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        shutil.rmtree(gone, ignore_errors=True)
 
     def query_terms(self, text: str) -> list[str]:
         """The distinct index terms of free ``text`` (CJK bigrams, stemmed words, no stop
@@ -546,18 +590,23 @@ class TantivyTextStore:
         check_document_id(document_id)
         document_id = storable(document_id)
         with self._lock:
-            index = self._index_of(bank_id, create=False)
-            if index is None:
+            if self._closed:
+                raise RuntimeError("TantivyTextStore is closed")
+            path = self._bank_path(bank_id)
+            if document_id or self._shared is not None or path is None:
+                index = self._index_of(bank_id, create=False)
+                if index is not None:
+                    filters = Filters(document_id=document_id) if document_id else None
+                    self._writing(index).delete_where(bank_id, filters)
                 return
-            if document_id or index is self._shared:
-                filters = Filters(document_id=document_id) if document_id else None
-                self._writing(index).delete_where(bank_id, filters)
-                return
-            del self._open[bank_id]
-            self._writers.pop(index.path, None)
-            index._deleted = False  # (its files go: nothing to purge)
-            index.close()
-            shutil.rmtree(index.path)
+            # the whole bank: its directory goes, without opening it (it may be damaged)
+            index = self._open.pop(bank_id, None)
+            if index is not None:
+                self._writers.pop(index.path, None)
+                index._deleted = False  # (its files go: nothing to purge)
+                index.close()
+                del index
+            self._remove_dir(path)
 
     def search(self, bank_id: str, query: str, k: int,
                filters: Filters | None = None) -> list[Hit]:
@@ -580,25 +629,36 @@ class TantivyTextStore:
     def reset(self) -> None:
         """Delete every bank's documents."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("TantivyTextStore is closed")
             if self._shared is not None:
                 self._writing(self._shared).reset()
                 return
             self._close_indexes(purge=False)
-            shutil.rmtree(self._banks_dir, ignore_errors=True)
+            self._remove_dir(self._banks_dir)
 
     def flush(self) -> None:
         """Every write commits before it returns (durable already); after deletions,
         :meth:`purge` makes them physical."""
         with self._lock:
-            if any(i._deleted for i in self._indexes()):
+            if not self._closed and any(i._deleted for i in self._indexes()):
                 self.purge(only_deleted=True)
 
     def purge(self, only_deleted: bool = False) -> int:
         """Make deletions physical in every open index (:meth:`_Index.purge`); with
         ``only_deleted``, only in those that deleted something since their last purge
-        (an index closed since purged then). Returns the documents re-indexed."""
+        (an index closed since purged then). Returns the documents re-indexed.
+        RuntimeError once closed."""
         with self._lock:
-            return sum(i.purge() for i in self._indexes() if i._deleted or not only_deleted)
+            if self._closed:
+                raise RuntimeError("TantivyTextStore is closed")
+            n = 0
+            for index in self._indexes():
+                if index._deleted or not only_deleted:
+                    n += index.purge()
+                    if index.path not in self._writers:  # (keep to OPEN_WRITERS)
+                        index.release_writer()
+            return n
 
     def _indexes(self) -> list[_Index]:
         """The open indexes; caller holds the lock."""
@@ -622,7 +682,8 @@ class TantivyTextStore:
 
     def close(self) -> None:
         """Purge deletions (see :meth:`flush`), finish merges and release the writer
-        locks; further calls raise RuntimeError. Idempotent."""
+        locks and the directory; further writes, :meth:`reset` and :meth:`purge` raise
+        RuntimeError, :meth:`flush` does nothing. Idempotent."""
         with self._lock:
             if not self._closed:
                 self._release()
