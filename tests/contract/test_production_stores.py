@@ -230,6 +230,27 @@ class TestOpenSearchTextStorePerBank(TestOpenSearchTextStore, PerBankStatistics)
             store.upsert([fact(1, "x", bank_id="Not_A/Bank")])
         assert store.search("Not_A/Bank", "x", k=5) == [] and store.count("*") == 0
 
+    def test_a_bank_deleted_by_another_replica_is_written_again(self, store, tmp_path):
+        other = self.make_store(tmp_path)  # a second replica on the same indexes
+        try:
+            store.upsert([fact(1, "first words")])
+            other.delete_where("a")
+            store.upsert([fact(2, "second words")])
+            assert [h.id for h in other.search("a", "words", k=5)] == [fid("a", "text", 2)]
+        finally:
+            other.close()
+
+    def test_reset_deletes_an_index_left_from_the_shared_layout(self, store, tmp_path):
+        shared = open_text_store(f"{self.server.url}?index={store.index}")
+        try:
+            shared.upsert([fact(1, "text of a bank deleted later")])
+        finally:
+            shared.close()
+        store.upsert([fact(2, "words", bank_id="b")])
+        store.reset()
+        assert not store.client.indices.exists(index=store.index)
+        assert store._bank_indexes() == []
+
     def test_drop_deletes_every_bank_index_and_the_template(self, store):
         store.upsert([fact(1, "a words"), fact(2, "b words", bank_id="b")])
         store.drop()
@@ -342,3 +363,57 @@ class TestNeo4jAdapterOverFalkor(GraphStoreSuite):
         assert driver.closed
         with pytest.raises(RuntimeError):
             s.count("a")
+
+
+class _NoAutoCreateClient:
+    """An OpenSearch client double for the one path noida-db cannot show: a cluster with
+    ``action.auto_create_index`` off, where a bulk write to a deleted index fails."""
+
+    def __init__(self):
+        self.docs: dict[str, dict] = {}
+        outer = self
+
+        class Indices:
+            def put_index_template(self, **kw):
+                pass
+
+            def exists(self, index):
+                return index in outer.docs
+
+            def create(self, index, body):
+                outer.docs.setdefault(index, {})
+
+            def delete(self, index):
+                outer.docs.pop(index)
+
+            def get(self, index):
+                return {i: {} for i in outer.docs if i.startswith(index.rstrip("*"))}
+
+        self.indices = Indices()
+
+    def bulk(self, body, refresh):
+        items = []
+        for op, doc in zip(body[::2], body[1::2]):
+            meta = op["index"]
+            if meta["_index"] not in self.docs:
+                items.append({"index": {"_index": meta["_index"], "_id": meta["_id"],
+                                        "status": 404,
+                                        "error": {"type": "index_not_found_exception"}}})
+            else:
+                self.docs[meta["_index"]][meta["_id"]] = doc
+                items.append({"index": {"_index": meta["_index"], "status": 201}})
+        return {"errors": any(i["index"]["status"] >= 300 for i in items), "items": items}
+
+    def close(self):
+        pass
+
+
+def test_per_bank_write_recreates_an_index_another_replica_deleted():
+    client = _NoAutoCreateClient()
+    a = OpenSearchTextStore(client=client, per_bank=True, index="m")
+    b = OpenSearchTextStore(client=client, per_bank=True, index="m")
+    a.upsert([fact(1, "first words")])
+    b.delete_where("a")  # another replica deletes the bank; `a` still has it cached
+    assert "m-a" not in client.docs
+    a.upsert([fact(2, "second words")])
+    assert list(client.docs["m-a"]) == [f"a:{fid('a', 'text', 2)}"]

@@ -6,7 +6,8 @@ are shared by the banks: a bank's keyword ranking changes when another bank is w
 and its scores tell how common a word is in other banks. With ``per_bank`` (URL
 ``?per_bank=1``) every bank has an index of its own, ``<index>-<bank_id>``, created on
 its first write and deleted with the bank: the statistics are the bank's own (as in the
-Tantivy adapter), at the cost of one index (one shard) per bank, which OpenSearch counts
+Tantivy adapter), at the cost of one index per bank: one primary shard, and a replica
+where there is a second node (``auto_expand_replicas: 0-1``), which OpenSearch counts
 against ``cluster.max_shards_per_node`` (1,000 by default). The settings and mappings are
 installed as an index template (so an index re-created by an operator or by
 auto-creation gets them too) and given explicitly when the store creates an index: ``text`` is analysed with
@@ -78,7 +79,10 @@ MAPPINGS: dict[str, Any] = {
         "occurred_end": {"type": "double"},
     },
 }
-SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1}, "analysis": {
+#: One primary shard; a replica only where there is a node to hold it (a single node
+#: would count an unassignable replica against ``cluster.max_shards_per_node``).
+SETTINGS: dict[str, Any] = {"index": {"number_of_shards": 1, "auto_expand_replicas": "0-1"},
+                            "analysis": {
     "filter": {
         "mneme_possessive": {"type": "stemmer", "language": "possessive_english"},
         "mneme_stop": {"type": "stop", "stopwords": "_english_"},
@@ -200,8 +204,9 @@ class OpenSearchTextStore:
     ``per_bank`` one index per bank (``<index>-<bank_id>``; see the module docs), reached
     at ``hosts`` (opensearch-py host dicts) or through a ready ``client``.
 
-    The template and the index (a bank's index: on its first write) are created when
-    missing (a concurrent creator is tolerated). Errors of the cluster surface as ``opensearchpy`` exceptions
+    The template and the index (a bank's index: on its first write, and again when a
+    write finds it deleted by another replica) are created when missing (a concurrent
+    creator is tolerated). Errors of the cluster surface as ``opensearchpy`` exceptions
     (``ConnectionError``, ``TransportError``); a bulk write with failed items raises
     RuntimeError naming the first failure. Thread-safe (the client pools connections).
     """
@@ -243,7 +248,16 @@ class OpenSearchTextStore:
             "index_patterns": [self._pattern() if self.per_bank else self.index],
             "template": {"settings": SETTINGS, "mappings": MAPPINGS}})
         if self.per_bank:
+            if c.indices.exists(index=self.index):
+                log.warning("OpenSearch index %s holds banks from before per_bank was set; "
+                            "they are not searched until `mneme replay` rebuilds the text "
+                            "store, and it is deleted with the store's reset or drop",
+                            self.index)
             return  # a bank's index is made on its first write
+        if self._bank_indexes():
+            log.warning("OpenSearch indexes %s-* hold banks from when per_bank was set; "
+                        "they are not searched until `mneme replay` rebuilds the text "
+                        "store, and are deleted with the store's reset or drop", self.index)
         if c.indices.exists(index=self.index):
             self._check_analyzer()
             return
@@ -310,14 +324,16 @@ class OpenSearchTextStore:
         ``index.translog.durability=request``)."""
 
     def reset(self) -> None:
-        """Delete every bank's documents: the index (every bank's index) is dropped, and
-        created afresh."""
+        """Delete every bank's documents: the index and every bank's index (both
+        layouts) are dropped, and the one in use created afresh."""
         self._delete_indexes()
         self._ensure_index()
 
     def _delete_indexes(self) -> None:
-        # by name: a wildcard delete is refused where action.destructive_requires_name
-        for index in self._bank_indexes() if self.per_bank else [self.index]:
+        # Both layouts: an index of the other one is left from before per_bank changed
+        # and may hold deleted banks' text. By name: a wildcard delete is refused where
+        # action.destructive_requires_name is set.
+        for index in [self.index] + self._bank_indexes():
             try:
                 self.client.indices.delete(index=index)
             except NotFoundError:
@@ -325,8 +341,8 @@ class OpenSearchTextStore:
         self._made.clear()
 
     def drop(self) -> None:
-        """Delete the index (every bank's index) and the template (an old store
-        generation)."""
+        """Delete the index, every bank's index (both layouts) and the template (an old
+        store generation)."""
         self._delete_indexes()
         try:
             self.client.indices.delete_index_template(name=self.index)
@@ -338,18 +354,36 @@ class OpenSearchTextStore:
     def _doc_id(self, bank_id: str, fact_id: str) -> str:
         return f"{bank_id}:{fact_id}"  # bank ids hold no ':' (BANK_ID_RE)
 
-    def _bulk(self, ops: list[dict[str, Any]]) -> None:
+    def _bulk(self, ops: list[dict[str, Any]], retry_missing: bool = False) -> None:
+        """Send ``ops``; RuntimeError naming the first failed item. With
+        ``retry_missing`` (per_bank writes), indexes another replica deleted meanwhile
+        (``index_not_found_exception``, where auto-creation is off) are created again
+        and the bulk is sent once more (its writes are idempotent)."""
         if not ops:
             return
         resp = self.client.bulk(body=ops, refresh="wait_for")
-        if resp.get("errors"):
-            for item in resp["items"]:
-                (action, result), = item.items()
-                # deleting an id that is not there is fine (idempotent deletes)
-                if result.get("status", 200) >= 300 and not (
-                        action == "delete" and result.get("status") == 404):
-                    raise RuntimeError(f"OpenSearch bulk {action} of {result.get('_id')} "
-                                       f"failed: {result.get('error')}")
+        if not resp.get("errors"):
+            return
+        failed = []
+        for item in resp["items"]:
+            (action, result), = item.items()
+            # deleting an id that is not there is fine (idempotent deletes)
+            if result.get("status", 200) >= 300 and not (
+                    action == "delete" and result.get("status") == 404):
+                failed.append((action, result))
+        missing = {r.get("_index") for a, r in failed
+                   if (r.get("error") or {}).get("type") == "index_not_found_exception"}
+        if failed and retry_missing and self.per_bank and missing == {
+                r.get("_index") for _, r in failed}:
+            for index in missing:
+                self._made.discard(index)
+                self._create(index)
+                self._made.add(index)
+            return self._bulk(ops)
+        if failed:
+            action, result = failed[0]
+            raise RuntimeError(f"OpenSearch bulk {action} of {result.get('_id')} "
+                               f"failed: {result.get('error')}")
 
     def upsert(self, facts: Sequence[Fact]) -> None:
         """Index ``facts``, replacing any earlier version of the same (bank_id, id);
@@ -361,7 +395,7 @@ class OpenSearchTextStore:
             ops.append({"index": {"_index": indexes[fact.bank_id], "routing": fact.bank_id,
                                   "_id": self._doc_id(fact.bank_id, fact.id)}})
             ops.append(fact_document(fact))
-        self._bulk(ops)
+        self._bulk(ops, retry_missing=True)
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Remove the bank's documents with these fact ids (unknown ids are ignored)."""
