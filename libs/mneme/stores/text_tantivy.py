@@ -10,11 +10,12 @@ and analysis minus English stop words and the question and function words of
 non-scoring boolean clauses, so ``Hit.score`` is the pure BM25 score. Term statistics
 (IDF, average length) are the bank's.
 
-The schema is unchanged by segmentation, so an index written before it opens as before
-and its Latin-script text is searched as before; CJK text it holds was indexed as whole
-runs and is found by keyword only after ``mneme replay`` rebuilds the index. The file
-:data:`VERSION_FILE` in the index directory records the analysis version; opening an
-index without it (or with an older one) logs that warning once and records the version.
+The schema is unchanged by segmentation. A shared index written before it is split per
+bank on open with its stored text segmented anew, so its CJK text is found by keyword;
+only one too old to store its text keeps CJK runs indexed whole until ``mneme replay``
+rebuilds it. The file :data:`VERSION_FILE` in an index directory records the analysis
+version; opening such an old index without it (or with an older one) logs that warning
+once and records the version.
 
 Deletions are made physical by :meth:`TantivyTextStore.flush`: Tantivy only marks a
 deleted document, which stays in its segment's files until a merge rewrites the segment
