@@ -283,12 +283,12 @@ class OpenSearchTextStore:
 
     def _writable(self, bank_id: str) -> str:
         """The bank's index, created when missing. ValueError for no bank id."""
-        index = self.index_of(bank_id)
+        index = self._existing(bank_id)
         if index is None:
-            raise ValueError(f"not a bank id: {bank_id!r}")
-        if self.per_bank and index not in self._made:
-            if not self.client.indices.exists(index=index):
-                self._create(index)
+            index = self.index_of(bank_id)
+            if index is None:
+                raise ValueError(f"not a bank id: {bank_id!r}")
+            self._create(index)
             self._made.add(index)
         return index
 
@@ -376,9 +376,7 @@ class OpenSearchTextStore:
         if failed and retry_missing and self.per_bank and missing == {
                 r.get("_index") for _, r in failed}:
             for index in missing:
-                self._made.discard(index)
                 self._create(index)
-                self._made.add(index)
             return self._bulk(ops)
         if failed:
             action, result = failed[0]

@@ -453,11 +453,14 @@ class TantivyTextStore:
             return None
         return os.path.join(self._banks_dir, bank_id)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TantivyTextStore is closed")
+
     def _index_of(self, bank_id: str, create: bool) -> _Index | None:
         """The bank's open index, opened (or, with ``create``, created) when needed;
         None for a bank without one. Caller holds the lock."""
-        if self._closed:
-            raise RuntimeError("TantivyTextStore is closed")
+        self._check_open()
         if create and self._bank_path(bank_id) is None:
             raise ValueError(f"not a bank id: {bank_id!r}")
         if self._shared is not None:
@@ -591,8 +594,7 @@ class TantivyTextStore:
         check_document_id(document_id)
         document_id = storable(document_id)
         with self._lock:
-            if self._closed:
-                raise RuntimeError("TantivyTextStore is closed")
+            self._check_open()
             path = self._bank_path(bank_id)
             if document_id or self._shared is not None or path is None:
                 index = self._index_of(bank_id, create=False)
@@ -606,7 +608,7 @@ class TantivyTextStore:
                 self._writers.pop(index.path, None)
                 index._deleted = False  # (its files go: nothing to purge)
                 index.close()
-                del index
+                del index  # the last reference: its reader thread ends before the removal
             self._remove_dir(path)
 
     def search(self, bank_id: str, query: str, k: int,
@@ -630,8 +632,7 @@ class TantivyTextStore:
     def reset(self) -> None:
         """Delete every bank's documents."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("TantivyTextStore is closed")
+            self._check_open()
             if self._shared is not None:
                 self._writing(self._shared).reset()
                 return
@@ -651,8 +652,7 @@ class TantivyTextStore:
         (an index closed since purged then). Returns the documents re-indexed.
         RuntimeError once closed."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("TantivyTextStore is closed")
+            self._check_open()
             n = 0
             for index in self._indexes():
                 if index._deleted or not only_deleted:
