@@ -107,3 +107,39 @@ def test_token_counts_are_kept_for_texts_counted_again():
     assert n == len(c._load().encode(text, add_special_tokens=False).ids) > 0
     assert c.count(text) == n and c._cached.cache_info().hits == 1
     assert c.count("") == 0 and c.count_many([text, "a b"]) == [n, 2]
+
+
+def test_forward_batches_cover_every_text_once_and_bound_padding():
+    import random
+    from mneme.embedding import PAD_SLACK, forward_batches
+
+    rng = random.Random(7)
+    for n in (0, 1, 5, 100, 333):
+        lengths = [rng.choice([rng.randint(3, 12), rng.randint(20, 90)]) for _ in range(n)]
+        groups = forward_batches(lengths, 16)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        for g in groups:
+            assert 1 <= len(g) <= 16
+            widest = max(lengths[i] for i in g)
+            real = sum(lengths[i] for i in g)
+            # a pass of one text never pads; otherwise the bound held when its last text joined
+            assert len(g) == 1 or widest * len(g) <= PAD_SLACK * real + 1e-9
+        # passes go from short to long texts, so each pass pads to similar lengths
+        widths = [max(lengths[i] for i in g) for g in groups]
+        assert widths == sorted(widths)
+
+
+def test_forward_batches_pad_less_than_fixed_batches():
+    from mneme.embedding import forward_batches
+
+    lengths = [5, 40, 6, 41, 7, 42, 8, 43] * 4
+    padded = sum(max(lengths[i] for i in g) * len(g) for g in forward_batches(lengths, 16))
+    fixed = sum(max(lengths[b:b + 16]) * len(lengths[b:b + 16]) for b in range(0, 32, 16))
+    assert padded <= 1.15 * sum(lengths) < fixed
+
+
+def test_mixed_lengths_keep_input_order(emb):
+    texts = ["x " * k + f"item {k}" for k in (40, 1, 25, 3, 60, 2, 17, 9)] * 3
+    got = np.array(emb.embed(texts))
+    single = np.array([emb.embed([t])[0] for t in texts])
+    assert np.abs(got - single).max() < 1e-5
