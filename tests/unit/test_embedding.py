@@ -143,3 +143,41 @@ def test_mixed_lengths_keep_input_order(emb):
     got = np.array(emb.embed(texts))
     single = np.array([emb.embed([t])[0] for t in texts])
     assert np.abs(got - single).max() < 1e-5
+
+
+def test_forward_batches_split_only_where_needed():
+    """Each pass ends only where the next text would break the size or the padding bound:
+    passes are never smaller than they have to be (fewer passes, less per-pass cost)."""
+    import random
+    from mneme.embedding import PAD_SLACK, forward_batches
+
+    assert [len(g) for g in forward_batches([7] * 40, 16)] == [16, 16, 8]
+    rng = random.Random(3)
+    lengths = [rng.randint(3, 90) for _ in range(300)]
+    groups = forward_batches(lengths, 16)
+    for g, nxt in zip(groups, groups[1:]):
+        n = lengths[nxt[0]]
+        real = sum(lengths[i] for i in g) + n
+        assert len(g) == 16 or n * (len(g) + 1) > PAD_SLACK * real
+
+
+def test_a_cancelled_call_stops_between_tokenizer_slices(emb, monkeypatch):
+    from mneme import embedding
+    from mneme.deadline import Cancelled, Deadline, bind
+
+    emb.embed(["load the session"])
+    sess, tok = emb._load()
+    calls = []
+    real = tok.encode_batch
+
+    class Counting:
+        def encode_batch(self, texts):
+            calls.append(len(texts))
+            return real(texts)
+
+    monkeypatch.setattr(emb, "_tokenizer", Counting())
+    monkeypatch.setattr(embedding, "TOKENIZE_SLICE", 4)
+    gone = iter([True, True, False])  # the caller leaves after two slices
+    with bind(Deadline(active=lambda: next(gone, False))), pytest.raises(Cancelled):
+        emb.embed([f"text number {i}" for i in range(40)])
+    assert calls == [4, 4]
