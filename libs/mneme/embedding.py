@@ -149,7 +149,8 @@ class OnnxEmbedder:
     allow concurrent ``run``). ``threads`` sets onnxruntime's intra-op threads (default:
     ``MNEME_EMBED_THREADS`` or the core count, at most 4); ``batch_size`` is the most
     texts per forward pass (16 measured fastest on 2 AVX2 cores: larger batches fall out
-    of cache; :func:`forward_batches` groups texts of similar token counts); ``max_tokens`` overrides the model's truncation length.
+    of cache; :func:`forward_batches` groups texts of similar token counts);
+    ``max_tokens`` overrides the model's truncation length.
     Raises ValueError for an unknown model name.
     """
 
