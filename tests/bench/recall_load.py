@@ -25,6 +25,9 @@ What it measures, per system, on the same machine in the same run:
   channel / keep-alive HTTP connection), take the next query until all are done:
   p50/p95 latency (ms, nearest rank) and QPS (answered queries / wall time). Each side is
   warmed first with 3 unmeasured queries per bank.
+* **bank stats**: GetBankStats (the peer: its stats endpoint) of the largest bank 30
+  times after the recall phase, median and slowest in the notes; with ``--keep`` over
+  a data dir that holds the banks, also the first call the new server answers.
 * **RSS**: at the end, the summed RSS (psutil) of the server's process tree: mneme's
   ``mneme up``, its children and its embedded graph server (redis-server with FalkorDB,
   daemonised, found through its watchdog: :func:`graph_servers`; before 2026-12-04 it was
@@ -484,6 +487,19 @@ class Runner:
                 f"{k // 1000}k: {n / s:.1f}" for k, (n, s) in sorted(by.items()))
         self.say(f"fill: {items} items in {t1 - t0:.1f} s")
 
+    def stats_phase(self, calls: int = 30) -> None:
+        """Bank statistics (GetBankStats / Hindsight's stats) of the largest bank,
+        ``calls`` times in a row: the median and the slowest (ms) into the notes."""
+        bank = max(self.wl.banks, key=lambda b: self.side.facts(b)[0])
+        lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            self.side.facts(bank)
+            lat.append((time.perf_counter() - t0) * 1000)
+        lat.sort()
+        self.notes[f"bank stats p50 / max of {calls} calls (ms)"] = \
+            f"{lat[len(lat) // 2]:.1f} / {lat[-1]:.1f}"
+
     def recall_phase(self) -> dict:
         side, qs = self.side, self.wl.queries
         warm = side.new_client()
@@ -548,6 +564,11 @@ class Runner:
         self.side.start()
         self.phases["start"] = time.perf_counter() - t0
         try:
+            if self.reuse:  # a kept data dir: the banks exist, and this server is new
+                t1 = time.perf_counter()
+                self.side.facts(self.wl.banks[0])
+                self.notes["bank stats, first call after start (ms)"] = round(
+                    (time.perf_counter() - t1) * 1000, 1)
             if self.reuse and all(self.side.facts(b)[0] >= (self.target or 1)
                                   for b in self.wl.banks):
                 # a kept data dir that already holds the banks: measure recall only
@@ -563,6 +584,7 @@ class Runner:
             self.say(f"{facts} facts per bank (mean), "
                      f"{self.notes['observations (all banks)']} observations in all")
             clients = self.recall_phase()
+            self.stats_phase()
             rss = tree_mb(self.side.pids())
             extra = self.side.extra_memory()
             if extra:

@@ -55,6 +55,7 @@ from qdrant_edge import (
 from mneme.domain import EntityRef, Fact, Filters, Hit, Link, from_epoch, to_epoch
 from mneme.stores.filters import TAGS_MATCH_MODES, check_document_id
 from mneme.stores.storable import storable, storable_facts
+from mneme.stores.unit_counts import COUNTS_FILE, UNTYPED, UnitCounts
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,10 @@ class EdgeVectorStore:
     into facts cost more than the rest of the vector arm. The shard is this process's
     own (the directory is opened by one process), so every write passes through here and
     drops the units it touches from the cache.
+
+    For the same reason it keeps each bank's units by fact type as it writes
+    (:class:`mneme.stores.unit_counts.UnitCounts`, saved in the shard's directory at each
+    flush): :meth:`count` by type alone answers from them at any bank size.
     """
 
     #: Units kept hydrated by :meth:`get` (~1.9 KB each with the values they share).
@@ -355,6 +360,7 @@ class EdgeVectorStore:
         # the shard's points at the last optimize (a shard written before INDEX_EVERY:
         # those it indexed, maybe none); replaced points are not new ones
         self._optimized_points = self._shard.info().indexed_vectors_count
+        self._counts = self._open_counts()
 
     # -- lifecycle --
 
@@ -439,9 +445,9 @@ class EdgeVectorStore:
     def flush(self) -> None:
         """Make every write so far durable (one fsync of the shard) and, after deletions,
         physical (:meth:`purge`); once the shard holds :attr:`index_every` more points than
-        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points).
-        Nothing when no write was made since the last flush, or once closed
-        (:meth:`close` flushed them)."""
+        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points); then
+        save the unit counts when they changed. Nothing when no write was made since the
+        last flush, or once closed (:meth:`close` flushed them)."""
         with self._lock:
             if self._deleted and self._shard is not None:
                 self.purge()
@@ -453,6 +459,8 @@ class EdgeVectorStore:
                 else:
                     self._shard.flush()
                     self._dirty = False
+            if self._shard is not None and not self._dirty:  # (counts made by reads too)
+                self._save_counts()
 
     def purge(self) -> bool:
         """Rebuild every segment holding a deleted point (Qdrant's vacuum, with the
@@ -472,6 +480,7 @@ class EdgeVectorStore:
                     self.purge()
                 self._shard.flush()
                 self._dirty = False
+                self._save_counts()
                 self._shard.close()
                 self._shard = None
             self._cache.clear()
@@ -483,9 +492,10 @@ class EdgeVectorStore:
             if self._shard is None:
                 raise RuntimeError("EdgeVectorStore is closed")
             self.close()  # (clears the cache)
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.path, ignore_errors=True)  # (the counts' file too)
             self._shard = self._open()
             self._optimized_points = 0
+            self._counts = self._open_counts()
 
     def optimize(self) -> bool:
         """Build the HNSW index (and merge segments) for points added since the last
@@ -499,7 +509,63 @@ class EdgeVectorStore:
             self.shard.flush()  # every write so far, too
             self._dirty = self._deleted = False  # (the vacuum ran too)
             self._optimized_points = self.shard.info().points_count
+            self._save_counts()
             return changed
+
+    # -- unit counts --
+
+    def _open_counts(self) -> UnitCounts:
+        return UnitCounts(os.path.join(self.path, COUNTS_FILE),
+                          self.shard.info().points_count, self._count_bank)
+
+    def _save_counts(self) -> None:
+        """Save the unit counts stamped with the flushed shard's point total; caller
+        holds the lock, after a flush."""
+        if not self._counts.saved:
+            self._counts.save(self.shard.info().points_count)
+
+    def _count_bank(self, bank_id: str) -> dict[str, int]:
+        """The bank's units by fact type, counted in the shard (exact facet of the
+        keyword index, linear in the bank; :class:`UnitCounts` asks once per bank).
+        Points without a fact type count under :data:`UNTYPED`."""
+        flt = qdrant_filter(bank_id)
+        hits = self.shard.facet(FacetRequest("fact_type", limit=_TYPES_MAX, exact=True,
+                                             filter=flt)).hits
+        counts = {str(h.value): int(h.count) for h in hits}
+        untyped = int(self.shard.count(CountRequest(filter=flt, exact=True))) \
+            - sum(counts.values())
+        if untyped > 0:
+            counts[UNTYPED] = untyped
+        return counts
+
+    def _stored_types(self, ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(bank, fact type) of each point among ``ids`` (point ids) the shard holds;
+        caller holds the lock."""
+        if not ids:
+            return []
+        records = self.shard.retrieve(list(ids), with_payload=["bank_id", "fact_type"],
+                                      with_vector=False)
+        return [(str(r.payload.get("bank_id", "")), str(r.payload.get("fact_type", UNTYPED)))
+                for r in records if r.payload]
+
+    def _update_counted(self, op, changes: dict[tuple[str, str], int],
+                        banks: Sequence[str]) -> None:
+        """Apply ``op`` to the shard, then ``changes`` ((bank, fact type) → units) to the
+        counts. The banks of ``changes`` and ``banks`` are counted *before* the update
+        when not yet known (so the load does not see it); when the update fails, their
+        counts are forgotten, since a part of it may have been applied. Caller holds the
+        lock."""
+        touched = set(banks) | {b for b, _ in changes}
+        for bank in touched:
+            self._counts.of(bank)
+        try:
+            self.shard.update(op)
+        except BaseException:
+            for bank in touched:
+                self._counts.forget(bank)
+            raise
+        for (bank, fact_type), n in changes.items():
+            self._counts.add(bank, fact_type, n)
 
     # -- writes --
 
@@ -507,19 +573,28 @@ class EdgeVectorStore:
         """Insert or replace ``facts`` by id. Each needs an embedding of ``dim`` floats
         (ValueError otherwise, before anything is written)."""
         points, keys = [], []
+        new: dict[str, tuple[str, str]] = {}  # point id → (bank, type); the last one stored
         for fact in storable_facts(facts):  # the same text as every other store holds
             if len(fact.embedding) != self.dim:
                 raise ValueError(f"fact {fact.id}: embedding has {len(fact.embedding)} "
                                  f"dimensions, the store expects {self.dim}")
-            points.append(Point(point_id(fact.id), [float(x) for x in fact.embedding],
-                                fact_to_payload(fact)))
+            payload = fact_to_payload(fact)
+            pid = point_id(fact.id)
+            points.append(Point(pid, [float(x) for x in fact.embedding], payload))
             keys.append((fact.bank_id, fact.id))
+            new[pid] = (fact.bank_id, str(payload.get("fact_type", UNTYPED)))
         if not points:
             return
         with self._lock:
             self._dirty = True  # set first: a failed update may have applied a part
             self._forget(keys)
-            self.shard.update(UpdateOperation.upsert_points(points))
+            changes: dict[tuple[str, str], int] = {}
+            for key in self._stored_types(list(new)):  # replaced points
+                changes[key] = changes.get(key, 0) - 1
+            for key in new.values():
+                changes[key] = changes.get(key, 0) + 1
+            self._update_counted(UpdateOperation.upsert_points(points), changes,
+                                 [b for b, _ in new.values()])
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Delete the bank's facts with these ids (ids of other banks are left alone).
@@ -528,14 +603,19 @@ class EdgeVectorStore:
         dropped) costs a count, not a vacuum."""
         if not ids:
             return
-        flt = Filter(must=[_match("bank_id", bank_id),
-                           HasIdCondition({point_id(i) for i in ids})])
+        pids = {point_id(i) for i in ids}
+        flt = Filter(must=[_match("bank_id", bank_id), HasIdCondition(pids)])
         with self._lock:
-            if not self.shard.count(CountRequest(filter=flt, exact=True)):
+            gone = [t for b, t in self._stored_types(list(pids)) if b == bank_id]
+            if not gone:
                 return
             self._dirty = self._deleted = True
             self._forget(((bank_id, i) for i in ids), erased=True)
-            self.shard.update(UpdateOperation.delete_points_by_filter(flt))
+            changes: dict[tuple[str, str], int] = {}
+            for t in gone:
+                changes[(bank_id, t)] = changes.get((bank_id, t), 0) - 1
+            self._update_counted(UpdateOperation.delete_points_by_filter(flt), changes,
+                                 [bank_id])
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
         """Delete the bank's facts of ``document_id`` (all of the bank when None);
@@ -544,11 +624,17 @@ class EdgeVectorStore:
         document_id = storable(document_id)
         flt = qdrant_filter(bank_id, Filters(document_id=document_id) if document_id else None)
         with self._lock:
-            ids = [p["id"] for p in self._scan(flt, payload=["id"])]
+            found = self._scan(flt, payload=["id", "fact_type"])
+            ids = [p["id"] for p in found]
             if ids:
                 self._dirty = self._deleted = True
                 self._forget(((bank_id, i) for i in ids), erased=True)
-                self.shard.update(UpdateOperation.delete_points_by_filter(flt))
+                changes: dict[tuple[str, str], int] = {}
+                for p in found:
+                    key = (bank_id, str(p.get("fact_type", UNTYPED)))
+                    changes[key] = changes.get(key, 0) - 1
+                self._update_counted(UpdateOperation.delete_points_by_filter(flt), changes,
+                                     [bank_id])
         return ids
 
     def _forget(self, keys, erased: bool = False) -> None:
@@ -625,8 +711,14 @@ class EdgeVectorStore:
         return page, (_encode_cursor(str(nxt)) if nxt is not None else None)
 
     def count(self, bank_id: str, filters: Filters | None = None) -> int:
-        """Number of the bank's units matching ``filters`` (all when None), exact."""
+        """Number of the bank's units matching ``filters`` (all when None), exact. By
+        fact type alone (or no filter) it is the kept count (a dict lookup; the first
+        call for a bank this store has not counted yet walks it once); other filters
+        count in the shard, linear in the bank."""
         with self._lock:
+            self.shard  # (RuntimeError once closed, as for every other call)
+            if _types_only(filters):
+                return self._counts.total(bank_id, filters.types if filters else ())
             return int(self.shard.count(CountRequest(filter=qdrant_filter(bank_id, filters),
                                                      exact=True)))
 
@@ -652,6 +744,18 @@ class EdgeVectorStore:
             out.extend(r.payload for r in records)
             if offset is None:
                 return out
+
+
+#: Most distinct fact types one bank's count expects (there are four).
+_TYPES_MAX = 64
+
+
+def _types_only(filters: Filters | None) -> bool:
+    """Whether ``filters`` narrows by fact type alone (None: not at all), so the kept
+    unit counts answer it. (``exact`` with no tags means "untagged": a real filter.)"""
+    f = filters or Filters()
+    return f.tags_match in TAGS_MATCH_MODES and not (f.tags or f.tags_match == "exact" or f.time_range is not None
+                or f.document_id)
 
 
 def _has_wal(config_file: str) -> bool:
