@@ -138,3 +138,27 @@ def kafka_log(tansu):
 
 def mneme_bin() -> str:
     return str(Path(sys.executable).with_name("mneme"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran a distributed cluster (a fixture holding a
+    :class:`tests.integration.cluster.Cluster`) reports the tail of each service's log:
+    a timeout in one process is otherwise silent about what the others were doing."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    from tests.integration.cluster import Cluster
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Cluster):
+            for name in value.procs:
+                try:
+                    tail = value.log(name)[-LOG_TAIL_CHARS:]
+                except OSError as e:
+                    tail = f"(log unreadable: {e})"
+                report.sections.append((f"service {name}: log tail", tail))
+
+
+#: Characters of each service's log a failed cluster test reports.
+LOG_TAIL_CHARS = 4000
