@@ -35,6 +35,21 @@ class TestSqliteCatalog(CatalogSuite):
     def make_catalog(self, path):
         return SqliteCatalog(str(path / "catalog.db"))
 
+    def test_pending_operations_are_counted_from_their_partial_index(self, tmp_path):
+        # GetBankStats must not walk every operation of a large bank to find the few
+        # pending ones: the count's condition must stay the index's
+        from mneme.stores.catalog_sqlite import _PENDING
+        c = self.make_catalog(tmp_path)
+        try:
+            plan = c._db.execute("EXPLAIN QUERY PLAN SELECT count(*) FROM operations "
+                                 f"WHERE bank_id=? AND {_PENDING}", ("a",)).fetchall()
+            assert any("operations_pending" in str(row) for row in plan), plan
+            plan = c._db.execute("EXPLAIN QUERY PLAN SELECT count(*) FROM operations "
+                                 "WHERE bank_id=?", ("a",)).fetchall()
+            assert any("COVERING INDEX" in str(row) for row in plan), plan
+        finally:
+            c.close()
+
     def test_reopen_keeps_banks_generations_and_final_states(self, tmp_path):
         c = self.make_catalog(tmp_path)
         c.upsert_bank("a", "A", BankConfig(), T0)
