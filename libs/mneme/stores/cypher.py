@@ -148,7 +148,7 @@ WHERE links = 0
 DETACH DELETE s
 """
 
-#: Delete entities among $entity_ids that no unit mentions any more.
+#: Delete entities among $entity_ids that no unit mentions any more; returns how many.
 DELETE_ORPHAN_ENTITIES = """
 UNWIND $entity_ids AS eid
 MATCH (e:Entity {bank_id: $bank_id, id: eid})
@@ -156,6 +156,14 @@ OPTIONAL MATCH (e)<-[m:MENTIONS]-(:Unit)
 WITH e, count(m) AS mentions
 WHERE mentions = 0
 DETACH DELETE e
+RETURN count(*) AS deleted
+"""
+
+#: How many of the entities $ids exist (before a write that may create them).
+EXISTING_ENTITIES = """
+UNWIND $ids AS eid
+MATCH (e:Entity {bank_id: $bank_id, id: eid})
+RETURN count(e) AS existing
 """
 
 #: Ids of the bank's (non-stub) units of $document_id.
@@ -230,6 +238,7 @@ DELETE_ENTITIES = """
 UNWIND $ids AS eid
 MATCH (e:Entity {bank_id: $bank_id, id: eid})
 DETACH DELETE e
+RETURN count(*) AS deleted
 """
 
 # ---- reads ---------------------------------------------------------------------------------
@@ -298,6 +307,22 @@ LIMIT $limit
 BANK_VERSION = """
 MATCH (b:Bank {bank_id: $bank_id})
 RETURN b.version AS version
+"""
+
+#: The bank's saved entity count and the version token it was counted at (a count is
+#: current only while the token is the bank's version).
+BANK_ENTITY_COUNT = """
+MATCH (b:Bank {bank_id: $bank_id})
+RETURN b.version AS version, b.entities AS entities, b.entities_at AS counted_at
+"""
+
+#: $rows: [{bank_id, version, entities}]: save each count on its bank, unless the bank
+#: was written since (its version is no longer the one counted at).
+SAVE_ENTITY_COUNTS = """
+UNWIND $rows AS r
+MATCH (b:Bank {bank_id: r.bank_id})
+WHERE b.version = r.version
+SET b.entities = r.entities, b.entities_at = r.version
 """
 
 #: The bank's adjacency, read whole into memory (:class:`mneme.stores.graph_cypher.Adjacency`):

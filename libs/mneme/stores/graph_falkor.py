@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -47,11 +48,17 @@ from mneme.stores.graph_cypher import (  # re-exported: the embedded adapter's o
 )
 from mneme.stores.storable import storable_value
 
+log = logging.getLogger(__name__)
+
 __all__ = ["FalkorGraphStore", "FalkorServerGraphStore", "parse_falkor_url", "hub_damping",
            "spread_activation", "BATCH", "FANOUT", "MIN_FRONTIER", "GRAPH_NAME"]
 
 GRAPH_NAME = "mneme"
 T = TypeVar("T")
+
+
+#: Writes that overwrite only bookkeeping (no user content), so nothing to purge.
+_NOT_CONTENT = (cypher.TOUCH_BANK, cypher.SAVE_ENTITY_COUNTS)
 
 
 class _FalkorGraph(CypherGraphStore):
@@ -71,9 +78,9 @@ class _FalkorGraph(CypherGraphStore):
         res = self._graph.query(query, storable_value(params) or None)
         # FalkorDB counts an overwritten property as removed: the version token every
         # write renews (a random id, no content) is not a deletion to purge (it made
-        # every retain rewrite the append-only file).
+        # every retain rewrite the append-only file), nor is a bank's entity count.
         if res.nodes_deleted or res.relationships_deleted or (
-                res.properties_removed and query != cypher.TOUCH_BANK):
+                res.properties_removed and query not in _NOT_CONTENT):
             self._deleted = True  # the files still hold them (the embedded store purges)
         return res.result_set
 
@@ -337,12 +344,16 @@ class FalkorGraphStore(_FalkorGraph):
                 raise
 
     def close(self) -> None:
-        """Shut the embedded server down (data saved, deletions purged, the append-only
-        file rewritten when it grew, so the next start loads a snapshot); further calls
-        raise RuntimeError."""
+        """Shut the embedded server down (the kept entity counts saved on their banks,
+        data saved, deletions purged, the append-only file rewritten when it grew, so the
+        next start loads a snapshot); further calls raise RuntimeError."""
         with self._lock:
             if self._graph is None:
                 return
+            try:  # (a failure costs the next process one count per bank, not the close)
+                self.save_entity_counts()
+            except (redis.RedisError, RuntimeError) as e:
+                log.warning("entity counts not saved: %s", e)
             client = self._db.client
             try:
                 info = client.info("persistence")
