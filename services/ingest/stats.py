@@ -5,8 +5,10 @@ latest activity).
 * facts, observations, entities: counted in search's projections when this process has
   them (the embedded topology); -1 when it does not (the distributed ingest process holds
   only the catalog: ask the embedded server, or read the stores directly).
-  Every figure is a count the store or the catalog makes (no paging), so the call costs
-  the same at any bank size.
+  The stores keep these counts as they write (the vector store by fact type, the
+  embedded graph store its entities), so the call costs about the same at any bank size;
+  a store with no current count of the bank (after a crash; a graph other processes
+  write) counts it once.
 * pending work: the operations of the bank not yet terminal (catalog), and the records
   every consumer group has not yet committed on the bank's partition of its topics
   (events are keyed by bank, so one partition holds all of a bank's events; other banks
