@@ -38,14 +38,13 @@ class TestSqliteCatalog(CatalogSuite):
     def test_pending_operations_are_counted_from_their_partial_index(self, tmp_path):
         # GetBankStats must not walk every operation of a large bank to find the few
         # pending ones: the count's condition must stay the index's
-        from mneme.stores.catalog_sqlite import _PENDING
+        from mneme.stores.catalog_sqlite import COUNT_OPERATIONS, COUNT_PENDING_OPERATIONS
         c = self.make_catalog(tmp_path)
         try:
-            plan = c._db.execute("EXPLAIN QUERY PLAN SELECT count(*) FROM operations "
-                                 f"WHERE bank_id=? AND {_PENDING}", ("a",)).fetchall()
+            plan = c._db.execute("EXPLAIN QUERY PLAN " + COUNT_PENDING_OPERATIONS,
+                                 ("a",)).fetchall()
             assert any("operations_pending" in str(row) for row in plan), plan
-            plan = c._db.execute("EXPLAIN QUERY PLAN SELECT count(*) FROM operations "
-                                 "WHERE bank_id=?", ("a",)).fetchall()
+            plan = c._db.execute("EXPLAIN QUERY PLAN " + COUNT_OPERATIONS, ("a",)).fetchall()
             assert any("COVERING INDEX" in str(row) for row in plan), plan
         finally:
             c.close()

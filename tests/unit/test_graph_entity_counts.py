@@ -123,3 +123,12 @@ def test_a_write_that_fails_leaves_the_bank_to_be_counted_again(path, monkeypatc
         assert store.count_entities("a") == store._count_entities("a") == 3
     finally:
         store.close()
+
+
+def test_a_closed_store_answers_no_count(path):
+    store = FalkorGraphStore(path)
+    store.upsert([_fact("a", 1, [1])])
+    assert store.count_entities("a") == 1
+    store.close()
+    with pytest.raises(RuntimeError):
+        store.count_entities("a")

@@ -88,25 +88,53 @@ def test_a_reopened_store_answers_from_the_saved_counts(tmp_path, monkeypatch):
         store.close()
 
 
-def test_counts_changed_after_the_last_save_are_not_trusted(tmp_path):
+def test_counts_are_on_disk_only_while_the_store_is_closed(tmp_path):
+    store = EdgeVectorStore(str(tmp_path), DIM)
+    store.upsert([_fact("a", i, WORLD) for i in range(5)])
+    store.close()
+    assert (tmp_path / COUNTS_FILE).exists()
     store = EdgeVectorStore(str(tmp_path), DIM)
     try:
-        store.upsert([_fact("a", i, WORLD) for i in range(5)])
-        store.flush()
-        assert (tmp_path / COUNTS_FILE).exists()
-        # a write after the save removes the file: a crash now leaves nothing stale
-        store.upsert([_fact("a", 99, WORLD)])
+        # read at open and removed: a process that dies from now on leaves nothing that
+        # could miss its writes, flushed or not
         assert not (tmp_path / COUNTS_FILE).exists()
+        store.upsert([_fact("a", 99, WORLD)])
         store.flush()
-        assert json.loads((tmp_path / COUNTS_FILE).read_text())["banks"]["a"] == {WORLD: 6}
+        assert not (tmp_path / COUNTS_FILE).exists()
+    finally:
+        store.close()
+    assert json.loads((tmp_path / COUNTS_FILE).read_text())["banks"]["a"] == {WORLD: 6}
+
+
+def test_a_write_by_another_writer_makes_the_saved_counts_stale(tmp_path):
+    from qdrant_edge import EdgeShard, Point, UpdateOperation
+    from mneme.stores.vector_edge import fact_to_payload, point_id
+    store = EdgeVectorStore(str(tmp_path), DIM)
+    facts = [_fact("a", i, WORLD) for i in range(10)]
+    store.upsert(facts)
+    assert store.count("a", Filters(types=(WORLD,))) == 10
+    store.close()
+    # e.g. an older version after a rollback: four units change type, the total stays
+    shard = EdgeShard.load(str(tmp_path), store._config())
+    shard.update(UpdateOperation.upsert_points([
+        Point(point_id(f.id), f.embedding,
+              fact_to_payload(dataclasses.replace(f, fact_type=OBSERVATION)))
+        for f in facts[:4]]))
+    shard.flush()
+    shard.close()
+    store = EdgeVectorStore(str(tmp_path), DIM)
+    try:
+        assert store.count("a", Filters(types=(WORLD,))) == 6
+        assert store.count("a", Filters(types=(OBSERVATION,))) == 4
     finally:
         store.close()
 
 
 @pytest.mark.parametrize("content", [
-    '{"version": 1, "points": 3, "banks": {"a": {"world": 1000}}}',  # stamp: 6 points now
-    '{"version": 1, "points": 6, "banks": {"a": {"world": "many"}}}',
-    '{"version": 1, "points": 6, "banks": [1]}',
+    '{"version": 2, "stamp": [3, []], "banks": {"a": {"world": 1000}}}',
+    '{"version": 1, "points": 6, "banks": {"a": {"world": 1000}}}',
+    '{"version": 2, "stamp": null, "banks": {"a": {"world": "many"}}}',
+    '{"version": 2, "banks": [1]}',
     'not json',
     '',
 ])
@@ -119,6 +147,34 @@ def test_a_stale_or_unreadable_counts_file_is_recounted(tmp_path, content):
     try:
         assert store.count("a", Filters(types=(WORLD,))) == 6
         assert store.count("a") == 6
+    finally:
+        store.close()
+
+
+def test_counts_that_disagree_with_the_shard_are_made_again_not_doubled(tmp_path):
+    store = EdgeVectorStore(str(tmp_path), DIM)
+    try:
+        store.upsert([_fact("a", i, WORLD) for i in range(3)])
+        assert store.count("a") == 3
+        store._counts._banks["a"] = {}  # (as if they had drifted)
+        # the deletion would take world below zero: the bank is counted again, once
+        store.upsert([_fact("a", 0, EXPERIENCE), _fact("a", 7, EXPERIENCE)])
+        assert store.count("a", Filters(types=(WORLD,))) == 2 == _exact(store, "a", (WORLD,))
+        assert store.count("a") == 4 == _exact(store, "a")
+    finally:
+        store.close()
+
+
+def test_units_without_a_type_count_the_same_written_and_recounted(tmp_path):
+    store = EdgeVectorStore(str(tmp_path), DIM)
+    try:
+        untyped = dataclasses.replace(_fact("a", 1, WORLD), fact_type=None)
+        store.upsert([untyped, _fact("a", 2, WORLD)])
+        assert store.count("a") == 2
+        store.upsert([untyped, _fact("a", 3, WORLD)])  # replaced, and one more
+        assert store.count("a") == 3 == _exact(store, "a")
+        store._counts.forget("a")
+        assert store.count("a") == 3 and store.count("a", Filters(types=(WORLD,))) == 2
     finally:
         store.close()
 

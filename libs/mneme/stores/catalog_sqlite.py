@@ -52,9 +52,14 @@ CREATE TABLE IF NOT EXISTS mental_model_revisions (
 CREATE TABLE IF NOT EXISTS bank_generations (bank_id TEXT PRIMARY KEY, generation INTEGER NOT NULL);
 """
 
-#: An operation not yet ended, as the partial index ``operations_pending`` reads it.
-_PENDING = "state NOT IN ('succeeded', 'failed')"
-assert set(TERMINAL) == {"succeeded", "failed"}, "operations_pending must follow TERMINAL"
+#: The counts of GetBankStats: all of a bank's operations (index-only, on
+#: ``operations_bank``) and those not yet ended (on the partial index
+#: ``operations_pending``, whose condition this one must repeat for SQLite to use it).
+COUNT_OPERATIONS = "SELECT count(*) FROM operations WHERE bank_id=?"
+COUNT_PENDING_OPERATIONS = ("SELECT count(*) FROM operations WHERE bank_id=? "
+                            "AND state NOT IN ('succeeded', 'failed')")
+if set(TERMINAL) != {"succeeded", "failed"}:
+    raise ImportError("operations_pending and COUNT_PENDING_OPERATIONS must follow TERMINAL")
 
 # Columns added after the first release: (table, column, DDL) for older catalog files.
 _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
@@ -216,12 +221,9 @@ class SqliteCatalog:
     def count_operations(self, bank_id: str) -> tuple[int, int]:
         """(operations, of which not yet terminal) of the bank: two index-only counts
         (all of the bank's, ~50 ns each; the pending ones in their partial index)."""
-        with self._lock:
-            (total,) = self._db.execute(
-                "SELECT count(*) FROM operations WHERE bank_id=?", (bank_id,)).fetchone()
-            (pending,) = self._db.execute(
-                f"SELECT count(*) FROM operations WHERE bank_id=? AND {_PENDING}",
-                (bank_id,)).fetchone()
+        with self._lock:  # (one connection: no write comes between the two)
+            (total,) = self._db.execute(COUNT_OPERATIONS, (bank_id,)).fetchone()
+            (pending,) = self._db.execute(COUNT_PENDING_OPERATIONS, (bank_id,)).fetchone()
         return int(total), int(pending)
 
     def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:

@@ -115,6 +115,7 @@ class _FalkorGraph(CypherGraphStore):
             except redis.ResponseError:
                 pass  # an empty graph has no key to delete
             self._wrote()
+            self._entity_counts.clear()
             self._graph = self._db.select_graph(self._graph.name)
             self._ensure_schema()
             self._deleted = True  # (the embedded store's files still hold the graph)
@@ -354,6 +355,8 @@ class FalkorGraphStore(_FalkorGraph):
                 self.save_entity_counts()
             except (redis.RedisError, RuntimeError) as e:
                 log.warning("entity counts not saved: %s", e)
+            self._entity_counts.clear()
+            self._wrote()  # (no version token outlives the store either)
             client = self._db.client
             try:
                 info = client.info("persistence")

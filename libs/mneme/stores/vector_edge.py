@@ -333,8 +333,8 @@ class EdgeVectorStore:
     drops the units it touches from the cache.
 
     For the same reason it keeps each bank's units by fact type as it writes
-    (:class:`mneme.stores.unit_counts.UnitCounts`, saved in the shard's directory at each
-    flush): :meth:`count` by type alone answers from them at any bank size.
+    (:class:`mneme.stores.unit_counts.UnitCounts`, saved in the shard's directory when it
+    closes): :meth:`count` by type alone answers from them at any bank size.
     """
 
     #: Units kept hydrated by :meth:`get` (~1.9 KB each with the values they share).
@@ -445,9 +445,9 @@ class EdgeVectorStore:
     def flush(self) -> None:
         """Make every write so far durable (one fsync of the shard) and, after deletions,
         physical (:meth:`purge`); once the shard holds :attr:`index_every` more points than
-        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points); then
-        save the unit counts when they changed. Nothing when no write was made since the
-        last flush, or once closed (:meth:`close` flushed them)."""
+        at the last optimize, index them (:meth:`optimize`, ~1.5 s per 20k points).
+        Nothing when no write was made since the last flush, or once closed
+        (:meth:`close` flushed them)."""
         with self._lock:
             if self._deleted and self._shard is not None:
                 self.purge()
@@ -459,8 +459,6 @@ class EdgeVectorStore:
                 else:
                     self._shard.flush()
                     self._dirty = False
-            if self._shard is not None and not self._dirty:  # (counts made by reads too)
-                self._save_counts()
 
     def purge(self) -> bool:
         """Rebuild every segment holding a deleted point (Qdrant's vacuum, with the
@@ -472,8 +470,8 @@ class EdgeVectorStore:
         return self.optimize()  # (Qdrant's optimize runs the vacuum with the rest)
 
     def close(self) -> None:
-        """Flush (deletions purged) and release the shard; further calls raise
-        RuntimeError."""
+        """Flush (deletions purged), save the unit counts, and release the shard; further
+        calls raise RuntimeError."""
         with self._lock:
             if self._shard is not None:
                 if self._deleted:
@@ -509,33 +507,51 @@ class EdgeVectorStore:
             self.shard.flush()  # every write so far, too
             self._dirty = self._deleted = False  # (the vacuum ran too)
             self._optimized_points = self.shard.info().points_count
-            self._save_counts()
             return changed
 
     # -- unit counts --
 
     def _open_counts(self) -> UnitCounts:
-        return UnitCounts(os.path.join(self.path, COUNTS_FILE),
-                          self.shard.info().points_count, self._count_bank)
+        return UnitCounts(os.path.join(self.path, COUNTS_FILE), self._stamp(),
+                          self._count_bank)
 
     def _save_counts(self) -> None:
-        """Save the unit counts stamped with the flushed shard's point total; caller
-        holds the lock, after a flush."""
-        if not self._counts.saved:
-            self._counts.save(self.shard.info().points_count)
+        """Save the unit counts with the stamp of the flushed shard; caller holds the
+        lock, after a flush."""
+        self._counts.save(self._stamp())
+
+    def _stamp(self) -> list:
+        """What the shard's files hold, as far as the counts care: its point total and
+        each segment's saved version (Qdrant's ``segments/*/segment.json``; the version
+        is the last operation the segment applied). Any write that reached the files,
+        by this code or another, changes it."""
+        root = os.path.join(self.path, "segments")
+        segments = []
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+            try:
+                with open(os.path.join(root, name, "segment.json"), encoding="utf-8") as fh:
+                    segments.append([name, json.load(fh).get("version")])
+            except (OSError, ValueError):
+                segments.append([name, None])
+        return [self.shard.info().points_count, segments]
 
     def _count_bank(self, bank_id: str) -> dict[str, int]:
         """The bank's units by fact type, counted in the shard (exact facet of the
         keyword index, linear in the bank; :class:`UnitCounts` asks once per bank).
         Points without a fact type count under :data:`UNTYPED`."""
         flt = qdrant_filter(bank_id)
-        hits = self.shard.facet(FacetRequest("fact_type", limit=_TYPES_MAX, exact=True,
+        hits = self.shard.facet(FacetRequest("fact_type", limit=_TYPES_MAX + 1, exact=True,
                                              filter=flt)).hits
-        counts = {str(h.value): int(h.count) for h in hits}
+        counts: dict[str, int] = {}
+        for h in hits:
+            key = str(h.value) if h.value else UNTYPED
+            counts[key] = counts.get(key, 0) + int(h.count)
+        if len(hits) > _TYPES_MAX:  # (types beyond would count as untyped)
+            raise RuntimeError(f"bank {bank_id} has over {_TYPES_MAX} fact types")
         untyped = int(self.shard.count(CountRequest(filter=flt, exact=True))) \
             - sum(counts.values())
         if untyped > 0:
-            counts[UNTYPED] = untyped
+            counts[UNTYPED] = counts.get(UNTYPED, 0) + untyped
         return counts
 
     def _stored_types(self, ids: Sequence[str]) -> list[tuple[str, str]]:
@@ -545,7 +561,7 @@ class EdgeVectorStore:
             return []
         records = self.shard.retrieve(list(ids), with_payload=["bank_id", "fact_type"],
                                       with_vector=False)
-        return [(str(r.payload.get("bank_id", "")), str(r.payload.get("fact_type", UNTYPED)))
+        return [(str(r.payload.get("bank_id", "")), _type_key(r.payload))
                 for r in records if r.payload]
 
     def _update_counted(self, op, changes: dict[tuple[str, str], int],
@@ -564,8 +580,11 @@ class EdgeVectorStore:
             for bank in touched:
                 self._counts.forget(bank)
             raise
+        by_bank: dict[str, dict[str, int]] = {}
         for (bank, fact_type), n in changes.items():
-            self._counts.add(bank, fact_type, n)
+            by_bank.setdefault(bank, {})[fact_type] = n
+        for bank, change in by_bank.items():
+            self._counts.apply(bank, change)
 
     # -- writes --
 
@@ -582,7 +601,7 @@ class EdgeVectorStore:
             pid = point_id(fact.id)
             points.append(Point(pid, [float(x) for x in fact.embedding], payload))
             keys.append((fact.bank_id, fact.id))
-            new[pid] = (fact.bank_id, str(payload.get("fact_type", UNTYPED)))
+            new[pid] = (fact.bank_id, _type_key(payload))
         if not points:
             return
         with self._lock:
@@ -631,7 +650,7 @@ class EdgeVectorStore:
                 self._forget(((bank_id, i) for i in ids), erased=True)
                 changes: dict[tuple[str, str], int] = {}
                 for p in found:
-                    key = (bank_id, str(p.get("fact_type", UNTYPED)))
+                    key = (bank_id, _type_key(p))
                     changes[key] = changes.get(key, 0) - 1
                 self._update_counted(UpdateOperation.delete_points_by_filter(flt), changes,
                                      [bank_id])
@@ -748,6 +767,11 @@ class EdgeVectorStore:
 
 #: Most distinct fact types one bank's count expects (there are four).
 _TYPES_MAX = 64
+
+
+def _type_key(payload: dict[str, Any]) -> str:
+    """The fact type a payload counts under (:data:`UNTYPED` for none or empty)."""
+    return str(payload.get("fact_type") or UNTYPED)
 
 
 def _types_only(filters: Filters | None) -> bool:
