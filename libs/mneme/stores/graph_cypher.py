@@ -593,14 +593,20 @@ class CypherGraphStore:
                 for i in range(0, len(unique), BATCH):
                     batch = unique[i:i + BATCH]
                     current = self._current_adjacency(bank_id)
-                    known = self._take_entity_count(bank_id)
-                    delta = self._write(lambda run, b=batch, t=known is not None:
-                                        _upsert_units(run, bank_id, b, t))
-                    self._put_entity_count(bank_id, known, delta)
+                    self._write_counted(bank_id, lambda run, tally, b=batch:
+                                        _upsert_units(run, bank_id, b, tally))
                     if current is not None:
                         self._advance(current, bank_id, batch)
 
     # -- entity counts (GetBankStats) --
+
+    def _write_counted(self, bank_id: str, work: Callable[[Run, bool], int | None]) -> None:
+        """One unit of work on the bank, ``work(run, tally)`` returning how many entities
+        it added (it need only count them when ``tally``: the bank's count is known),
+        which moves the kept count on; caller holds the lock."""
+        known = self._take_entity_count(bank_id)
+        self._put_entity_count(bank_id, known,
+                               self._write(lambda run: work(run, known is not None)))
 
     def _take_entity_count(self, bank_id: str) -> int | None:
         """Before a write of the bank: its entity count if known and current (on an
@@ -667,9 +673,8 @@ class CypherGraphStore:
         with self._lock:
             for i in range(0, len(ids), BATCH):
                 batch = ids[i:i + BATCH]
-                known = self._take_entity_count(bank_id)
-                self._put_entity_count(bank_id, known, self._write(
-                    lambda run, b=batch: _delete_units(run, bank_id, b)))
+                self._write_counted(bank_id, lambda run, _, b=batch:
+                                    _delete_units(run, bank_id, b))
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None:
         """Delete the bank's units of ``document_id`` as :meth:`delete` does, or, when
@@ -690,9 +695,8 @@ class CypherGraphStore:
                                                  bank_id=bank_id, document_id=document_id))
             for i in range(0, len(ids), BATCH):
                 batch = ids[i:i + BATCH]
-                known = self._take_entity_count(bank_id)
-                self._put_entity_count(bank_id, known, self._write(
-                    lambda run, b=batch: _delete_units(run, bank_id, b)))
+                self._write_counted(bank_id, lambda run, _, b=batch:
+                                    _delete_units(run, bank_id, b))
 
     def merge_entities(self, bank_id: str, survivor_id: str, merged_ids: Sequence[str],
                        display_name: str = "") -> None:
@@ -702,10 +706,8 @@ class CypherGraphStore:
         deleted. Idempotent; nothing happens when none of them exists."""
         merged = [m for m in dict.fromkeys(merged_ids) if m != survivor_id]
         with self._lock:
-            known = self._take_entity_count(bank_id)
-            self._put_entity_count(bank_id, known, self._write(
-                lambda run: _merge_entities(run, bank_id, survivor_id, merged,
-                                            " ".join(display_name.split()))))
+            self._write_counted(bank_id, lambda run, _: _merge_entities(
+                run, bank_id, survivor_id, merged, " ".join(display_name.split())))
 
     def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
                      display_name: str, unit_ids: Sequence[str]) -> None:
@@ -715,12 +717,9 @@ class CypherGraphStore:
         MENTIONS edges of the units ``unit_ids``. The new entity exists even when no unit
         mentions it yet. Idempotent; nothing happens when ``entity_id`` does not exist."""
         with self._lock:
-            known = self._take_entity_count(bank_id)
-            self._put_entity_count(bank_id, known, self._write(
-                lambda run: _split_entity(run, bank_id, entity_id, new_id,
-                                          list(dict.fromkeys(aliases)),
-                                          " ".join(display_name.split()),
-                                          list(dict.fromkeys(unit_ids)))))
+            self._write_counted(bank_id, lambda run, _: _split_entity(
+                run, bank_id, entity_id, new_id, list(dict.fromkeys(aliases)),
+                " ".join(display_name.split()), list(dict.fromkeys(unit_ids))))
 
     # -- reads --
 

@@ -21,9 +21,9 @@ import os
 import shutil
 import threading
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from datetime import datetime
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from qdrant_edge import (
     CountRequest,
@@ -564,25 +564,25 @@ class EdgeVectorStore:
         return [(str(r.payload.get("bank_id", "")), _type_key(r.payload))
                 for r in records if r.payload]
 
-    def _update_counted(self, op, changes: dict[tuple[str, str], int],
-                        banks: Sequence[str]) -> None:
-        """Apply ``op`` to the shard, then ``changes`` ((bank, fact type) → units) to the
-        counts. The banks of ``changes`` and ``banks`` are counted *before* the update
-        when not yet known (so the load does not see it); when the update fails, their
-        counts are forgotten, since a part of it may have been applied. Caller holds the
-        lock."""
-        touched = set(banks) | {b for b, _ in changes}
-        for bank in touched:
+    def _update_counted(self, op, added: Iterable[tuple[str, str]],
+                        removed: Iterable[tuple[str, str]]) -> None:
+        """Apply ``op`` to the shard, then its effect to the counts: one unit more for
+        each (bank, fact type) of ``added``, one fewer for each of ``removed``. Those
+        banks are counted *before* the update when not yet known (so the load does not
+        see it); when the update fails, their counts are forgotten, since a part of it
+        may have been applied. Caller holds the lock."""
+        by_bank: dict[str, Counter[str]] = {}
+        for sign, units in ((1, added), (-1, removed)):
+            for bank, fact_type in units:
+                by_bank.setdefault(bank, Counter())[fact_type] += sign
+        for bank in by_bank:
             self._counts.of(bank)
         try:
             self.shard.update(op)
         except BaseException:
-            for bank in touched:
+            for bank in by_bank:
                 self._counts.forget(bank)
             raise
-        by_bank: dict[str, dict[str, int]] = {}
-        for (bank, fact_type), n in changes.items():
-            by_bank.setdefault(bank, {})[fact_type] = n
         for bank, change in by_bank.items():
             self._counts.apply(bank, change)
 
@@ -607,19 +607,14 @@ class EdgeVectorStore:
         with self._lock:
             self._dirty = True  # set first: a failed update may have applied a part
             self._forget(keys)
-            changes: dict[tuple[str, str], int] = {}
-            for key in self._stored_types(list(new)):  # replaced points
-                changes[key] = changes.get(key, 0) - 1
-            for key in new.values():
-                changes[key] = changes.get(key, 0) + 1
-            self._update_counted(UpdateOperation.upsert_points(points), changes,
-                                 [b for b, _ in new.values()])
+            self._update_counted(UpdateOperation.upsert_points(points), new.values(),
+                                 self._stored_types(list(new)))  # (the replaced points)
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
         """Delete the bank's facts with these ids (ids of other banks are left alone).
         Ids with no point change nothing, and leave no purge to make: a redelivered or
         repeated deletion (consolidation's retraction of observations search already
-        dropped) costs a count, not a vacuum."""
+        dropped) costs a lookup, not a vacuum."""
         if not ids:
             return
         pids = {point_id(i) for i in ids}
@@ -630,11 +625,8 @@ class EdgeVectorStore:
                 return
             self._dirty = self._deleted = True
             self._forget(((bank_id, i) for i in ids), erased=True)
-            changes: dict[tuple[str, str], int] = {}
-            for t in gone:
-                changes[(bank_id, t)] = changes.get((bank_id, t), 0) - 1
-            self._update_counted(UpdateOperation.delete_points_by_filter(flt), changes,
-                                 [bank_id])
+            self._update_counted(UpdateOperation.delete_points_by_filter(flt), (),
+                                 [(bank_id, t) for t in gone])
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> list[str]:
         """Delete the bank's facts of ``document_id`` (all of the bank when None);
@@ -648,12 +640,8 @@ class EdgeVectorStore:
             if ids:
                 self._dirty = self._deleted = True
                 self._forget(((bank_id, i) for i in ids), erased=True)
-                changes: dict[tuple[str, str], int] = {}
-                for p in found:
-                    key = (bank_id, _type_key(p))
-                    changes[key] = changes.get(key, 0) - 1
-                self._update_counted(UpdateOperation.delete_points_by_filter(flt), changes,
-                                     [bank_id])
+                self._update_counted(UpdateOperation.delete_points_by_filter(flt), (),
+                                     [(bank_id, _type_key(p)) for p in found])
         return ids
 
     def _forget(self, keys, erased: bool = False) -> None:
@@ -778,8 +766,8 @@ def _types_only(filters: Filters | None) -> bool:
     """Whether ``filters`` narrows by fact type alone (None: not at all), so the kept
     unit counts answer it. (``exact`` with no tags means "untagged": a real filter.)"""
     f = filters or Filters()
-    return f.tags_match in TAGS_MATCH_MODES and not (f.tags or f.tags_match == "exact" or f.time_range is not None
-                or f.document_id)
+    return f.tags_match in TAGS_MATCH_MODES and not (
+        f.tags or f.tags_match == "exact" or f.time_range is not None or f.document_id)
 
 
 def _has_wal(config_file: str) -> bool:
