@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Iterator, Protocol, Sequence
 
 from mneme.domain import (Bank, BankConfig, Directive, DocumentRevision, EntityInfo, EntityRef,
                           Fact, Filters, Hit, MentalModel, MentalModelRevision, Operation,
@@ -396,6 +396,13 @@ class ObservationStore(Protocol):
                      include_deleted: bool = False) -> dict[str, "ev.Observation"]:
         """id → state of the bank's observations, ordered by id: of one ``scope`` (None:
         every scope), live ones only unless ``include_deleted``."""
+
+    def revision(self, bank_id: str) -> Hashable:
+        """An opaque value that changes whenever the bank's observation states held here
+        change (an apply that stores any state, a re-embed, the bank's deletion, a reset)
+        and is never repeated by another store instance: a caller that keeps observations
+        in memory compares it to know they are still what the store holds. Not durable
+        (a store opened again starts a new series)."""
 
     def apply(self, m: "ev.ObservationsChanged") -> None:
         """Apply one ObservationsChanged atomically: store each observation state whose

@@ -180,6 +180,11 @@ class ScopeIndex:
         self._norm = np.zeros(self._m.shape[0])
         self._live = np.zeros(self._m.shape[0], dtype=bool)
         self._odd: dict[int, Sequence[float]] = {}  # row → an embedding of another dimension
+        # prime(): a vector's bytes → its cosines with the first _primed_n rows, and the
+        # rows put since (their cosines are computed again)
+        self._primed: dict[bytes, np.ndarray] = {}
+        self._primed_n = 0
+        self._dirty: set[int] = set()
         for o in current.values():
             self.put(o)
 
@@ -196,6 +201,8 @@ class ScopeIndex:
                 self._m = np.vstack([self._m, np.zeros((extra, self._m.shape[1]))])
                 self._norm = np.concatenate([self._norm, np.zeros(extra)])
                 self._live = np.concatenate([self._live, np.zeros(extra, dtype=bool)])
+        if self._primed:
+            self._dirty.add(r)
         ok = not o.deleted and len(o.embedding) == self._dim and self._dim > 0
         self._m[r] = np.asarray(o.embedding, dtype=np.float64) if ok else 0.0
         self._norm[r] = float(np.linalg.norm(self._m[r])) if ok else 0.0
@@ -204,13 +211,44 @@ class ScopeIndex:
         if not o.deleted and not ok and len(o.embedding):
             self._odd[r] = list(o.embedding)
 
+    def prime(self, vecs: Iterable[Sequence[float]]) -> None:
+        """Compute now, in one matrix product, the cosines of each of ``vecs`` with every
+        row, for the queries of a batch: a query with one of them then reads its column
+        and computes only the rows :meth:`put` since (one product per query read the
+        whole matrix once per fact of the batch). Replaces an earlier priming; a vector
+        of another dimension or zero is left to the query."""
+        n = len(self._ids)
+        xs = {}
+        for v in vecs:
+            x = np.asarray(v, dtype=np.float64)
+            if len(x) == self._dim and self._dim > 0 and np.linalg.norm(x) > 0:
+                xs[x.tobytes()] = x
+        self._primed, self._primed_n, self._dirty = {}, n, set()
+        if not xs or not n:
+            return
+        xm = np.stack(list(xs.values()))
+        nx = np.linalg.norm(xm, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sims = np.where(self._norm[:n, None] > 0,
+                            (self._m[:n] @ xm.T) / (self._norm[:n, None] * nx[None, :]), 0.0)
+        self._primed = {k: sims[:, j] for j, k in enumerate(xs)}
+
     def _cosines(self, vec: Sequence[float]) -> np.ndarray:
         """Cosine of ``vec`` with every row (NaN for rows not live)."""
         n = len(self._ids)
         x = np.asarray(vec, dtype=np.float64)
         nx = float(np.linalg.norm(x)) if len(x) else 0.0
+        col = self._primed.get(x.tobytes()) if self._primed and nx else None
         if len(x) != self._dim or not nx:
             sims = np.zeros(n)
+        elif col is not None:  # primed: only the rows put since
+            sims = np.zeros(n)
+            sims[:self._primed_n] = col
+            rows = np.array(sorted(self._dirty | set(range(self._primed_n, n))), dtype=np.intp)
+            if len(rows):
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    sims[rows] = np.where(self._norm[rows] > 0,
+                                          (self._m[rows] @ x) / (self._norm[rows] * nx), 0.0)
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
                 sims = np.where(self._norm[:n] > 0, (self._m[:n] @ x) / (self._norm[:n] * nx),
@@ -485,6 +523,7 @@ def reconcile(scope_obs: dict[str, ev.Observation], touched: Iterable[str], thre
     if threshold >= 1.0:
         return []
     index = index or ScopeIndex(scope_obs)
+    index.prime(scope_obs[t].embedding for t in sorted(set(touched)) if t in scope_obs)
     changed: dict[str, ev.Observation] = {}
     for tid in sorted(set(touched)):
         a = scope_obs.get(tid)

@@ -18,8 +18,10 @@ Consolidate request. Event ids derive from the causing event (redelivery → sam
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable
+from typing import Callable, Hashable
 
 from mneme.bus import codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
@@ -29,6 +31,20 @@ from mneme.ports import ObservationStore
 from services.consolidation import engine, opinions
 
 log = logging.getLogger(__name__)
+
+# Observations the scopes a Consolidator keeps between events may hold in all (each is its
+# state and a row of float64 embedding, ~5 KB at 384 dimensions: ~100 MB); the scopes used
+# least recently are dropped first, and a larger scope is read per event.
+SCOPE_CACHE_OBSERVATIONS = 20_000
+
+
+@dataclass
+class _Scope:
+    """One scope's live observations (id → state) and their index, as the store held
+    them at ``revision``."""
+    revision: Hashable
+    current: dict[str, ev.Observation]
+    index: engine.ScopeIndex
 
 
 class Consolidator:
@@ -45,6 +61,10 @@ class Consolidator:
                                 else getattr(embedder, "model_name", ""))
         # (bank, fact id) → (fact, its occurred window): the facts read during one event
         self._memo: dict[tuple[str, str], tuple[ev.Fact, tuple[int, int] | None]] = {}
+        # (bank, scope key) → _Scope kept between events, least recently used first; and
+        # those an event has taken (changed by its decisions until its change is applied)
+        self._scopes: OrderedDict[tuple[str, str], _Scope] = OrderedDict()
+        self._working: dict[tuple[str, str], _Scope] = {}
 
     def _facts_by_id(self, bank_id: str, ids) -> dict[str, ev.Fact]:
         """:meth:`ObservationStore.facts_by_id`, remembered for the event being handled:
@@ -61,6 +81,54 @@ class Consolidator:
                 memo[(bank_id, i)] = (f, engine.fact_window(f))
         return {i: memo[(bank_id, i)][0] for i in sorted(set(ids)) if (bank_id, i) in memo}
 
+    def _scope(self, bank_id: str, scope: list[str], key: str) -> _Scope:
+        """The live observations of one scope and their :class:`engine.ScopeIndex`, for
+        this event to decide with (and change). Kept from an earlier event while the
+        store's :meth:`~mneme.ports.ObservationStore.revision` of the bank is the one they
+        were kept at; else read from the store and indexed again (what every batch did
+        before: reading and indexing a whole scope grew with the bank)."""
+        s = self._working.get((bank_id, key))
+        if s is not None:
+            return s
+        rev = self.store.revision(bank_id)
+        s = self._scopes.pop((bank_id, key), None)
+        if s is None or s.revision != rev:
+            current = self.store.observations(bank_id, scope)
+            s = _Scope(rev, current, engine.ScopeIndex(current))
+        self._working[(bank_id, key)] = s
+        return s
+
+    def _apply(self, change: ev.ObservationsChanged) -> None:
+        """Apply this event's ``change`` to the store, then keep the scopes it took, brought
+        to the states the store now holds -- unless the store changed otherwise since they
+        were read (then they are read again when next needed)."""
+        bank = change.bank_id
+        before = self.store.revision(bank)
+        self.store.apply(change)
+        after = self.store.revision(bank)
+        for (b, key), s in self._working.items():
+            if b != bank or s.revision != before:
+                continue
+            for o in change.observations:
+                if o.deleted:
+                    s.current.pop(o.id, None)
+                    s.index.put(o)
+                elif engine.scope_key(o.scope) == key:
+                    cur = s.current.get(o.id)
+                    if cur is None or cur.version <= o.version:
+                        kept = ev.Observation()
+                        kept.CopyFrom(o)
+                        s.current[o.id] = kept
+                        s.index.put(kept)
+            for i in [i for i, o in s.current.items() if o.deleted]:  # a merge's losers
+                del s.current[i]
+            s.revision = after
+            self._scopes[(b, key)] = s
+        self._working = {}
+        held = sum(len(s.current) for s in self._scopes.values())
+        while held > SCOPE_CACHE_OBSERVATIONS and self._scopes:
+            held -= len(self._scopes.popitem(last=False)[1].current)
+
     def _config(self, bank_id: str) -> BankConfig:
         return self.bank_config(bank_id) or BankConfig()
 
@@ -69,7 +137,13 @@ class Consolidator:
     def handle(self, m, meta: EventMeta, decide: bool = True) -> list:
         """One memory event → the ObservationsChanged and OpinionsChanged it causes (none
         when ``decide`` is False: replay applies recorded decisions only)."""
-        self._memo = {}
+        self._memo, self._working = {}, {}
+        try:
+            return self._handle(m, meta, decide)
+        finally:
+            self._working = {}  # taken and not kept by _apply: read again when needed
+
+    def _handle(self, m, meta: EventMeta, decide: bool) -> list:
         if isinstance(m, ev.ObservationsChanged):
             self.store.apply(m)
             return []
@@ -144,7 +218,7 @@ class Consolidator:
         if not (change.observations or change.consolidated_memory_ids or change.reset_memory_ids
                 or change.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
             return self._opinions(out)
-        self.store.apply(change)
+        self._apply(change)
         return [change, *self._opinions(out)]
 
     def _opinions(self, changes) -> list[ev.OpinionsChanged]:
@@ -225,26 +299,27 @@ class Consolidator:
         model = getattr(self.embedder, "model_name", "")
         for k in sorted(by_scope):
             scope, scope_facts = by_scope[k]
-            current = self.store.observations(bank_id, scope)
+            kept = self._scope(bank_id, scope, k)
+            current, index = kept.current, kept.index
             for o in change.observations:  # this event's earlier decisions win
-                if engine.scope_key(o.scope) == k:
+                if engine.scope_key(o.scope) == k or o.id in current:
                     if o.deleted:
                         current.pop(o.id, None)
                     else:
                         current[o.id] = o
+                    index.put(o)
             touched: list[str] = []
             by_model = False
             if self.llm is not None and self.llm.configured("consolidation"):
                 try:
-                    touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause, cfg)
+                    touched = self._llm(bank_id, scope, scope_facts, current, change, at, cause,
+                                        cfg, index)
                     change.decided_by, by_model = "llm", True
                 except Cancelled:  # the process is stopping: decide again after the restart
                     raise
                 except Exception as e:  # the model failed: decide offline, say so in the log
                     log.warning("consolidation model failed (%r); deciding offline", e)
                     touched = []
-            # the scope's embeddings as one matrix, kept in step with every decision
-            index = engine.ScopeIndex(current)
             if not by_model:
                 self._offline(scope, scope_facts, current, change, at, cause, model, touched,
                               index)
@@ -256,6 +331,8 @@ class Consolidator:
                     new = engine.next_state(o, at)
                     new.updated_at.CopyFrom(o.updated_at)
                     self._put(change, new)
+            for i in [i for i, o in current.items() if o.deleted]:  # a merge's losers
+                del current[i]
             done |= {f.id for f in scope_facts}
         have = set(change.consolidated_memory_ids)
         change.consolidated_memory_ids.extend(sorted(done - have))
@@ -264,6 +341,7 @@ class Consolidator:
                  index: engine.ScopeIndex) -> None:
         def lookup(ids):
             return self._facts_by_id(change.bank_id, ids)
+        index.prime(f.embedding for f in facts)
         for f in facts:
             new = engine.decide_offline(f, scope, current, at, cause, model, lookup, index)
             if new is not None:
@@ -272,7 +350,8 @@ class Consolidator:
                 self._put(change, new)
                 touched.append(new.id)
 
-    def _llm(self, bank_id, scope, facts, current, change, at, cause, cfg) -> list[str]:
+    def _llm(self, bank_id, scope, facts, current, change, at, cause, cfg,
+             index: engine.ScopeIndex) -> list[str]:
         from services.consolidation import llm as llm_decide
         texts = {f.id: f.text for f in facts}
         shown = llm_decide.nearest(facts, current)
@@ -294,6 +373,7 @@ class Consolidator:
                 current.pop(o.id, None)
             else:
                 current[o.id] = o
+            index.put(o)
             self._put(change, o)
         return [o.id for o in changed if not o.deleted]
 

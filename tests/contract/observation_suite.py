@@ -191,6 +191,41 @@ class ObservationStoreSuite:
         store.reset()
         assert store.facts("b") == [] and store.dump("a") == store.dump("b") == []
 
+    def test_revision_changes_with_the_banks_observations_only(self, store, tmp_path):
+        """A kept copy of a bank's observations is current while the revision is equal:
+        every change of the bank's states moves it; facts, no-op applies and other banks
+        do not; another store never shares a value."""
+        seen = [store.revision("a")]
+
+        def moved():
+            now = store.revision("a")
+            assert now not in seen
+            seen.append(now)
+
+        store.apply(changed(observations=[obs("o1", 1)]))
+        moved()
+        store.apply(changed(observations=[obs("o1", 1)]))  # the same state again: no change
+        store.add_facts("a", [(fact("f1"), [[]])])
+        store.apply(changed(consolidated=["f1"]))
+        store.delete_facts("a", ["f1"])
+        store.apply(changed("b", [obs("o9", 1)]))
+        assert store.revision("a") == seen[-1]
+        store.apply(changed(observations=[obs("o1", 2, deleted=True)]))
+        moved()
+        store.apply(changed(observations=[obs("o2", 1)]))
+        store.replace_vectors("a", {"o2": [1.0, 0.0]}, "m")
+        moved()
+        store.delete_bank("a")
+        moved()
+        store.reset()
+        moved()
+        (tmp_path / "other").mkdir()
+        other = self.make_observations(tmp_path / "other")
+        try:
+            assert other.revision("a") not in seen
+        finally:
+            other.close()
+
     def test_counts_facts_consolidated_and_observation_states_per_bank(self, store):
         assert store.counts("a") == (0, 0, 0)
         store.add_facts("a", [(fact("f1"), [[]]), (fact("f2"), [[]]), (fact("f3"), [[]])])

@@ -168,7 +168,8 @@ def test_scope_index_answers_as_cosine_pair_by_pair():
     """ScopeIndex (one matrix product per query) gives what :func:`engine.cosine` over
     every pair gives -- nearest (ties to the lowest id), those above a threshold, the
     best of several vectors -- with deleted states, zero vectors, vectors of another
-    dimension, replaced states, exact ties and growth past its first capacity."""
+    dimension, replaced states, exact ties and growth past its first capacity; and, primed
+    for a batch of queries, with states put between them."""
     import random
     rng = random.Random(7)
 
@@ -199,6 +200,21 @@ def test_scope_index_answers_as_cosine_pair_by_pair():
                 best_id, best = k, sims[k]
         got_id, got = index.nearest(q)
         assert got_id == best_id and got == pytest.approx(best, abs=1e-12)
+        assert index.similar(q, 0.3) == sorted(k for k, s in sims.items() if s >= 0.3)
+    # primed for a batch of queries, then rows replaced, added and deleted between them
+    qs = [rvec() for _ in range(12)] + [[], [0.0] * 8, rvec(6)]
+    index.prime(qs)
+    for n, q in enumerate(qs):
+        o = ev.Observation(id=f"o{n % 5:02d}" if n % 2 else f"p{n:03d}", embedding=rvec(),
+                           deleted=(n % 3 == 0))
+        current[o.id] = o
+        index.put(o)
+        live = {k: o for k, o in current.items() if not o.deleted}
+        sims = {k: engine.cosine(q, o.embedding) for k, o in live.items()}
+        best = max(sims.values())
+        got_id, got = index.nearest(q)
+        assert got == pytest.approx(best, abs=1e-12)
+        assert got_id == min(k for k, s in sims.items() if abs(s - best) <= 1e-12)
         assert index.similar(q, 0.3) == sorted(k for k, s in sims.items() if s >= 0.3)
     qs = [rvec() for _ in range(3)]
     want = {k: max(engine.cosine(q, o.embedding) for q in qs) for k, o in live.items()}
@@ -463,3 +479,73 @@ def test_observation_unit_and_api_carry_the_occurred_span():
     o.occurred_end.seconds = 300000000000  # beyond year 9999 on an old log: clamped
     assert observation_fact("b", o).occurred_end.year == 9999
     assert not to_api(observation_fact("b", ev.Observation(id="o2"))).HasField("occurred_start")
+
+
+def _script(h: Harness) -> None:
+    """Retains (paraphrases, contradictions, a tagged scope), a retraction, a re-derived
+    fact and a reconsolidation: every path that changes a kept scope."""
+    h.send(h.facts("Alice loves hiking in the mountains.", "Alice likes coffee.",
+                   "Bob repaired his old bicycle on Sunday.", doc="d1"))
+    h.send(h.facts("Alice really enjoys mountain hiking.", "Alice prefers tea now, not coffee.",
+                   doc="d2"))
+    h.send(h.facts("I live in Berlin.", "My name is Anna.", doc="d3", at=_at(2023, 1, 1)))
+    h.send(h.facts("I moved to Lisbon, I live in Lisbon now.", doc="d4", at=_at(2023, 6, 1)))
+    h.send(h.facts("Caroline went to a support group.", tags=["caroline"], doc="d5"))
+    h.send(h.facts("Caroline attended the support group again.", tags=["caroline"], doc="d6"))
+    h.send(ev.FactsRetracted(bank_id="b", operation_id="del", document_id="d1"))
+    h.send(h.facts("Alice loves hiking in the mountains.", doc="d7"))
+    h.send(ev.ConsolidationScheduled(bank_id="b", operation_id="c1", action="reconsolidate"))
+    h.send(h.facts("Bob fixed his bicycle.", "Alice enjoys hiking.", doc="d8"))
+
+
+class _Uncached(Harness):
+    """Every event decided by a new Consolidator: nothing kept between events."""
+
+    def send(self, msg, decide: bool = True):
+        self.c = Consolidator(self.store, lambda b: self.config, embedder=self.embedder)
+        return super().send(msg, decide)
+
+
+def _scope_reads(h: Harness) -> list:
+    reads, read = [], h.store.observations
+
+    def counted(bank_id, scope=None, include_deleted=False):
+        if scope is not None:
+            reads.append(scope)
+        return read(bank_id, scope, include_deleted)
+    h.store.observations = counted
+    return reads
+
+
+def test_kept_scopes_decide_as_a_scope_read_per_event(embedder):
+    """The scopes a Consolidator keeps between events give the decisions, byte for byte,
+    that reading each scope from the store per event gives; a scope is read again only
+    when the store changed otherwise (a retraction's partial apply, a reconsolidation)."""
+    kept, fresh = Harness(embedder), _Uncached(embedder)
+    kept_reads, fresh_reads = _scope_reads(kept), _scope_reads(fresh)
+    _script(kept)
+    _script(fresh)
+    assert [(i, m.SerializeToString(deterministic=True)) for i, m, _ in kept.log] == \
+        [(i, m.SerializeToString(deterministic=True)) for i, m, _ in fresh.log]
+    assert kept.store.dump("b") == fresh.store.dump("b")
+    assert len(kept.live()) >= 4
+    # [] and ["caroline"] read once each, then again after the retraction and the
+    # reconsolidation (each applies a part of its change first); per event otherwise
+    assert len(kept_reads) <= 6 < len(fresh_reads)
+
+
+def test_a_kept_scope_follows_a_change_decided_elsewhere(embedder):
+    """An ObservationsChanged this Consolidator did not decide (another replica's, a
+    restore) changes the store: the kept scope is read again, so a deleted observation is
+    not reinforced."""
+    h = Harness(embedder)
+    h.send(h.facts("Alice loves hiking in the mountains.", doc="d1"))
+    (o,) = h.live()
+    gone = engine.next_state(o, T0 + timedelta(days=1))
+    gone.deleted = True
+    h.c.handle(ev.ObservationsChanged(bank_id="b", observations=[gone]),
+               EventMeta("elsewhere", T0 + timedelta(days=1)))
+    h.send(h.facts("Alice really enjoys mountain hiking.", doc="d2"))
+    (now,) = h.live()
+    assert now.id != o.id and now.proof_count == 1
+    assert h.store.observations("b", include_deleted=True)[o.id].deleted

@@ -9,6 +9,7 @@ Nothing returned aliases stored state: values are copied in and out, as a databa
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from dataclasses import asdict, replace
 from typing import Iterable, Sequence
@@ -216,6 +217,9 @@ def _copy_op(op: Operation) -> Operation:
 # ---- observations ------------------------------------------------------------------------
 
 
+_OBSERVATION_STORES = itertools.count(1)  # each store's revisions are its own
+
+
 class MemoryObservationStore:
     """consolidation's projection in dicts (see :class:`mneme.ports.ObservationStore`).
     Messages are kept as their deterministic bytes, so callers never share them."""
@@ -229,6 +233,17 @@ class MemoryObservationStore:
         self._obs: dict[str, dict[str, tuple]] = {}
         # bank → opinion id → (version, deleted, entity ids, bytes)
         self._opinions: dict[str, dict[str, tuple]] = {}
+        self._uid = next(_OBSERVATION_STORES)
+        self._epoch = 0  # bumped by reset
+        self._revs: dict[str, int] = {}  # bank → changes of its observations
+
+    def revision(self, bank_id: str) -> tuple[int, int, int]:
+        """See :meth:`mneme.ports.ObservationStore.revision`."""
+        with self._lock:
+            return self._uid, self._epoch, self._revs.get(bank_id, 0)
+
+    def _changed(self, bank_id: str) -> None:
+        self._revs[bank_id] = self._revs.get(bank_id, 0) + 1
 
     def flush(self) -> None:
         """Nothing to make durable (memory)."""
@@ -241,6 +256,7 @@ class MemoryObservationStore:
             self._facts.clear()
             self._obs.clear()
             self._opinions.clear()
+            self._epoch += 1
 
     # ---- facts ----
     def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
@@ -282,6 +298,7 @@ class MemoryObservationStore:
             self._facts.pop(bank_id, None)
             self._obs.pop(bank_id, None)
             self._opinions.pop(bank_id, None)
+            self._changed(bank_id)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:
         bank = self._facts.get(bank_id, {})
@@ -308,6 +325,7 @@ class MemoryObservationStore:
                     o.embedding[:] = vectors[i]
                     o.embedding_model = model
                     bank[i] = (*r[:at], o.SerializeToString(deterministic=True))
+            self._changed(bank_id)
 
     # ---- observations ----
     def observations(self, bank_id: str, scope: list[str] | None = None,
@@ -325,6 +343,7 @@ class MemoryObservationStore:
                 old = bank.get(o.id)
                 if old is not None and old[1] >= o.version:
                     continue
+                self._changed(m.bank_id)
                 o = tombstone(o)  # as the SQLite store keeps a deleted one
                 bank[o.id] = (_scope_key(o.scope), o.version, bool(o.deleted),
                               o.SerializeToString(deterministic=True))

@@ -15,6 +15,7 @@ and the WAL truncated after every call that deleted something).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import threading
@@ -55,6 +56,9 @@ def _scope_key(tags: Iterable[str]) -> str:
     return json.dumps(sorted(set(tags)))
 
 
+_INSTANCES = itertools.count(1)  # each open store's revisions are its own
+
+
 class SqliteObservationStore:
     """The projection in one SQLite file (``path``; ":memory:" in tests). Thread-safe.
 
@@ -72,6 +76,17 @@ class SqliteObservationStore:
         sqlite_erase.secure(self._db)
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
+        self._uid = next(_INSTANCES)
+        self._epoch = 0  # bumped by reset
+        self._revs: dict[str, int] = {}  # bank → changes of its observations since open
+
+    def revision(self, bank_id: str) -> tuple[int, int, int]:
+        """See :meth:`mneme.ports.ObservationStore.revision`."""
+        with self._lock:
+            return self._uid, self._epoch, self._revs.get(bank_id, 0)
+
+    def _changed(self, bank_id: str) -> None:
+        self._revs[bank_id] = self._revs.get(bank_id, 0) + 1
 
     def close(self) -> None:
         self._db.close()
@@ -92,6 +107,7 @@ class SqliteObservationStore:
         with self._lock:
             self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters; "
                                  "DELETE FROM opinions; DELETE FROM opinion_entities;")
+            self._epoch += 1
             sqlite_erase.truncate_wal(self._db)
 
     # ---- facts --------------------------------------------------------------------------
@@ -172,6 +188,7 @@ class SqliteObservationStore:
             self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM opinions WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM opinion_entities WHERE bank_id=?", (bank_id,))
+            self._changed(bank_id)
             sqlite_erase.truncate_wal(self._db)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
@@ -209,6 +226,7 @@ class SqliteObservationStore:
                         self._db.executemany(
                             f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?", updates)
                 self._db.execute("COMMIT")
+                self._changed(bank_id)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -233,7 +251,7 @@ class SqliteObservationStore:
         """Apply one ObservationsChanged: upsert each state whose version is newer than
         the stored one (a deleted one as its :func:`tombstone`, after which the WAL is
         truncated); mark consolidated and reset facts. Idempotent."""
-        erased = False
+        erased = written = False
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -242,6 +260,7 @@ class SqliteObservationStore:
                                            (m.bank_id, o.id)).fetchone()
                     if row is not None and row[0] >= o.version:
                         continue
+                    written = True
                     erased |= o.deleted and row is not None
                     o = tombstone(o)
                     self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
@@ -250,6 +269,8 @@ class SqliteObservationStore:
                 self._mark(m.bank_id, m.reset_memory_ids, 0)
                 self._mark(m.bank_id, m.consolidated_memory_ids, 1)
                 self._db.execute("COMMIT")
+                if written:
+                    self._changed(m.bank_id)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
