@@ -188,6 +188,12 @@ class ScopeIndex:
         for o in current.values():
             self.put(o)
 
+    @property
+    def capacity(self) -> int:
+        """Rows the matrix has room for (what it holds in memory: ``capacity`` ×
+        dimension float64 values)."""
+        return self._m.shape[0]
+
     def put(self, o: ev.Observation) -> None:
         """Add or replace ``o``'s row (a deleted state drops it)."""
         r = self._row.get(o.id)

@@ -32,10 +32,11 @@ from services.consolidation import engine, opinions
 
 log = logging.getLogger(__name__)
 
-# Observations the scopes a Consolidator keeps between events may hold in all (each is its
-# state and a row of float64 embedding, ~5 KB at 384 dimensions: ~100 MB); the scopes used
-# least recently are dropped first, and a larger scope is read per event.
-SCOPE_CACHE_OBSERVATIONS = 20_000
+# Index rows (ScopeIndex.capacity: its observations and room for more) the scopes a
+# Consolidator keeps between events may hold in all. A row is a float64 embedding and, when
+# used, an observation's state: ~5 KB at 384 dimensions, so ~100 MB. The scopes used least
+# recently are dropped first; a larger scope is read per event, as before.
+SCOPE_CACHE_ROWS = 20_000
 
 
 @dataclass
@@ -122,12 +123,13 @@ class Consolidator:
                         s.index.put(kept)
             for i in [i for i, o in s.current.items() if o.deleted]:  # a merge's losers
                 del s.current[i]
+            s.index.prime(())  # this event's queries are done
             s.revision = after
             self._scopes[(b, key)] = s
         self._working = {}
-        held = sum(len(s.current) for s in self._scopes.values())
-        while held > SCOPE_CACHE_OBSERVATIONS and self._scopes:
-            held -= len(self._scopes.popitem(last=False)[1].current)
+        held = sum(s.index.capacity for s in self._scopes.values())
+        while held > SCOPE_CACHE_ROWS and self._scopes:
+            held -= self._scopes.popitem(last=False)[1].index.capacity
 
     def _config(self, bank_id: str) -> BankConfig:
         return self.bank_config(bank_id) or BankConfig()

@@ -549,3 +549,20 @@ def test_a_kept_scope_follows_a_change_decided_elsewhere(embedder):
     (now,) = h.live()
     assert now.id != o.id and now.proof_count == 1
     assert h.store.observations("b", include_deleted=True)[o.id].deleted
+
+
+def test_kept_scopes_are_bounded_by_their_rows(embedder, monkeypatch):
+    """Many scopes (a tag each) keep at most SCOPE_CACHE_ROWS index rows between events,
+    the least recently used dropped first; dropped scopes are read again and decide as
+    before."""
+    from services.consolidation import handlers
+    monkeypatch.setattr(handlers, "SCOPE_CACHE_ROWS", 200)
+    kept, fresh = Harness(embedder), _Uncached(embedder)
+    for h in (kept, fresh):
+        for n in range(6):
+            h.send(h.facts(f"Person {n} likes painting landscapes.", tags=[f"t{n}"], doc=f"d{n}"))
+        h.send(h.facts("Person 0 enjoys painting landscapes.", tags=["t0"], doc="again"))
+    held = [s.index.capacity for s in kept.c._scopes.values()]
+    assert held and sum(held) <= 200 < 6 * min(held)  # not all six fit
+    assert ("b", engine.scope_key(["t0"])) in kept.c._scopes  # used last: kept
+    assert kept.store.dump("b") == fresh.store.dump("b")
