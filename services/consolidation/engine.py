@@ -209,6 +209,11 @@ class ScopeIndex:
                 self._live = np.concatenate([self._live, np.zeros(extra, dtype=bool)])
         if self._primed:
             self._dirty.add(r)
+        if not self._dim and len(o.embedding) and not o.deleted:
+            # built empty (a new scope): the first embedding sets the dimension, else
+            # every row would be compared one by one (no row holds a vector yet)
+            self._dim = len(o.embedding)
+            self._m = np.zeros((self._m.shape[0], self._dim))
         ok = not o.deleted and len(o.embedding) == self._dim and self._dim > 0
         self._m[r] = np.asarray(o.embedding, dtype=np.float64) if ok else 0.0
         self._norm[r] = float(np.linalg.norm(self._m[r])) if ok else 0.0

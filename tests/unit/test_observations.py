@@ -220,6 +220,17 @@ def test_scope_index_answers_as_cosine_pair_by_pair():
     want = {k: max(engine.cosine(q, o.embedding) for q in qs) for k, o in live.items()}
     assert index.best_of(qs) == pytest.approx(want, abs=1e-12)
     assert engine.ScopeIndex({}).nearest(rvec()) == (None, -1.0)
+    # built empty (a new scope, kept between events): the first vector sets the dimension,
+    # so later ones go into the matrix, not the one-by-one path of another dimension
+    grown = engine.ScopeIndex({})
+    grown.put(ev.Observation(id="x", embedding=[]))
+    for i in range(5):
+        grown.put(ev.Observation(id=f"g{i}", embedding=rvec()))
+    grown.put(ev.Observation(id="odd", embedding=rvec(6)))
+    assert len(grown._odd) == 1
+    q = rvec()
+    best = max(range(5), key=lambda i: engine.cosine(q, grown._m[grown._row[f"g{i}"]]))
+    assert grown.nearest(q)[0] == f"g{best}"
 
 
 def test_scopes(embedder):
