@@ -194,6 +194,12 @@ class ScopeIndex:
         dimension float64 values)."""
         return self._m.shape[0]
 
+    @property
+    def rows(self) -> int:
+        """Rows in use: every observation put, including those deleted since (a deleted
+        one keeps its row, not live)."""
+        return len(self._ids)
+
     def put(self, o: ev.Observation) -> None:
         """Add or replace ``o``'s row (a deleted state drops it)."""
         r = self._row.get(o.id)

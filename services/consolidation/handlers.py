@@ -123,6 +123,8 @@ class Consolidator:
                         s.index.put(kept)
             for i in [i for i, o in s.current.items() if o.deleted]:  # a merge's losers
                 del s.current[i]
+            if s.index.rows > 2 * len(s.current) + 64:  # mostly deleted rows: index anew
+                s.index = engine.ScopeIndex(s.current)
             s.index.prime(())  # this event's queries are done
             s.revision = after
             self._scopes[(b, key)] = s

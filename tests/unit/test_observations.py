@@ -577,3 +577,25 @@ def test_kept_scopes_are_bounded_by_their_rows(embedder, monkeypatch):
     assert held and sum(held) <= 200 < 6 * min(held)  # not all six fit
     assert ("b", engine.scope_key(["t0"])) in kept.c._scopes  # used last: kept
     assert kept.store.dump("b") == fresh.store.dump("b")
+
+
+def test_a_kept_scope_mostly_deleted_is_indexed_anew(embedder):
+    """Deleted observations keep their rows in a kept index until most rows are deleted
+    ones; then the scope is indexed anew from its live observations (memory follows the
+    live scope), and decides as before."""
+    h = Harness(embedder)
+    h.c.llm = gw = ScriptedGateway()
+    first = h.facts(*[f"Topic number {i} was discussed at length today." for i in range(100)])
+    gw.replies.append([{"action": "create", "observation_id": "", "text": f.text,
+                        "evidence": [{"memory_id": f.id, "quote": f.text}], "reason": "new"}
+                       for f in first.facts])
+    h.send(first)
+    obs = sorted(h.live(), key=lambda o: o.text)
+    assert len(obs) == 100
+    second = h.facts("Alice went to the market on Monday.")
+    gw.replies.append([{"action": "delete", "observation_id": o.id, "reason": "gone"}
+                       for o in obs[1:]])
+    h.send(second)
+    (kept,) = h.c._scopes.values()
+    assert len(kept.current) == 1 and kept.index.rows == 1
+    assert kept.index.nearest(list(obs[0].embedding))[0] == obs[0].id
