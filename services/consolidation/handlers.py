@@ -121,8 +121,6 @@ class Consolidator:
                         kept.CopyFrom(o)
                         s.current[o.id] = kept
                         s.index.put(kept)
-            for i in [i for i, o in s.current.items() if o.deleted]:  # a merge's losers
-                del s.current[i]
             if s.index.rows > 2 * len(s.current) + 64:  # mostly deleted rows: index anew
                 s.index = engine.ScopeIndex(s.current)
             s.index.prime(())  # this event's queries are done
@@ -306,7 +304,7 @@ class Consolidator:
             kept = self._scope(bank_id, scope, k)
             current, index = kept.current, kept.index
             for o in change.observations:  # this event's earlier decisions win
-                if engine.scope_key(o.scope) == k or o.id in current:
+                if engine.scope_key(o.scope) == k:
                     if o.deleted:
                         current.pop(o.id, None)
                     else:

@@ -9,7 +9,6 @@ Nothing returned aliases stored state: values are copied in and out, as a databa
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 from dataclasses import asdict, replace
 from typing import Iterable, Sequence
@@ -20,6 +19,7 @@ from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, Me
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import opinion_tombstone, tombstone
+from mneme.stores.revisions import Revisions
 
 
 # ---- catalog -------------------------------------------------------------------------------
@@ -217,9 +217,6 @@ def _copy_op(op: Operation) -> Operation:
 # ---- observations ------------------------------------------------------------------------
 
 
-_OBSERVATION_STORES = itertools.count(1)  # each store's revisions are its own
-
-
 class MemoryObservationStore:
     """consolidation's projection in dicts (see :class:`mneme.ports.ObservationStore`).
     Messages are kept as their deterministic bytes, so callers never share them."""
@@ -233,17 +230,12 @@ class MemoryObservationStore:
         self._obs: dict[str, dict[str, tuple]] = {}
         # bank → opinion id → (version, deleted, entity ids, bytes)
         self._opinions: dict[str, dict[str, tuple]] = {}
-        self._uid = next(_OBSERVATION_STORES)
-        self._epoch = 0  # bumped by reset
-        self._revs: dict[str, int] = {}  # bank → changes of its observations
+        self._changes = Revisions()  # of each bank's observations
 
     def revision(self, bank_id: str) -> tuple[int, int, int]:
         """See :meth:`mneme.ports.ObservationStore.revision`."""
         with self._lock:
-            return self._uid, self._epoch, self._revs.get(bank_id, 0)
-
-    def _changed(self, bank_id: str) -> None:
-        self._revs[bank_id] = self._revs.get(bank_id, 0) + 1
+            return self._changes.of(bank_id)
 
     def flush(self) -> None:
         """Nothing to make durable (memory)."""
@@ -256,7 +248,7 @@ class MemoryObservationStore:
             self._facts.clear()
             self._obs.clear()
             self._opinions.clear()
-            self._epoch += 1
+            self._changes.reset()
 
     # ---- facts ----
     def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
@@ -298,7 +290,7 @@ class MemoryObservationStore:
             self._facts.pop(bank_id, None)
             self._obs.pop(bank_id, None)
             self._opinions.pop(bank_id, None)
-            self._changed(bank_id)
+            self._changes.bump(bank_id)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:
         bank = self._facts.get(bank_id, {})
@@ -325,7 +317,7 @@ class MemoryObservationStore:
                     o.embedding[:] = vectors[i]
                     o.embedding_model = model
                     bank[i] = (*r[:at], o.SerializeToString(deterministic=True))
-            self._changed(bank_id)
+            self._changes.bump(bank_id)
 
     # ---- observations ----
     def observations(self, bank_id: str, scope: list[str] | None = None,
@@ -343,7 +335,7 @@ class MemoryObservationStore:
                 old = bank.get(o.id)
                 if old is not None and old[1] >= o.version:
                     continue
-                self._changed(m.bank_id)
+                self._changes.bump(m.bank_id)
                 o = tombstone(o)  # as the SQLite store keeps a deleted one
                 bank[o.id] = (_scope_key(o.scope), o.version, bool(o.deleted),
                               o.SerializeToString(deterministic=True))

@@ -15,7 +15,6 @@ and the WAL truncated after every call that deleted something).
 
 from __future__ import annotations
 
-import itertools
 import json
 import sqlite3
 import threading
@@ -24,6 +23,7 @@ from typing import Iterable
 from mneme.bus.codec import opinion_tombstone, tombstone
 from mneme.events.v1 import events_pb2 as ev
 from mneme.stores import sqlite_erase
+from mneme.stores.revisions import Revisions
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS facts (
@@ -56,9 +56,6 @@ def _scope_key(tags: Iterable[str]) -> str:
     return json.dumps(sorted(set(tags)))
 
 
-_INSTANCES = itertools.count(1)  # each open store's revisions are its own
-
-
 class SqliteObservationStore:
     """The projection in one SQLite file (``path``; ":memory:" in tests). Thread-safe.
 
@@ -76,17 +73,12 @@ class SqliteObservationStore:
         sqlite_erase.secure(self._db)
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
-        self._uid = next(_INSTANCES)
-        self._epoch = 0  # bumped by reset
-        self._revs: dict[str, int] = {}  # bank → changes of its observations since open
+        self._changes = Revisions()  # of each bank's observations
 
     def revision(self, bank_id: str) -> tuple[int, int, int]:
         """See :meth:`mneme.ports.ObservationStore.revision`."""
         with self._lock:
-            return self._uid, self._epoch, self._revs.get(bank_id, 0)
-
-    def _changed(self, bank_id: str) -> None:
-        self._revs[bank_id] = self._revs.get(bank_id, 0) + 1
+            return self._changes.of(bank_id)
 
     def close(self) -> None:
         self._db.close()
@@ -107,7 +99,7 @@ class SqliteObservationStore:
         with self._lock:
             self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters; "
                                  "DELETE FROM opinions; DELETE FROM opinion_entities;")
-            self._epoch += 1
+            self._changes.reset()
             sqlite_erase.truncate_wal(self._db)
 
     # ---- facts --------------------------------------------------------------------------
@@ -188,7 +180,7 @@ class SqliteObservationStore:
             self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM opinions WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM opinion_entities WHERE bank_id=?", (bank_id,))
-            self._changed(bank_id)
+            self._changes.bump(bank_id)
             sqlite_erase.truncate_wal(self._db)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
@@ -226,7 +218,7 @@ class SqliteObservationStore:
                         self._db.executemany(
                             f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?", updates)
                 self._db.execute("COMMIT")
-                self._changed(bank_id)
+                self._changes.bump(bank_id)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -270,7 +262,7 @@ class SqliteObservationStore:
                 self._mark(m.bank_id, m.consolidated_memory_ids, 1)
                 self._db.execute("COMMIT")
                 if written:
-                    self._changed(m.bank_id)
+                    self._changes.bump(m.bank_id)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
