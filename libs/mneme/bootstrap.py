@@ -674,6 +674,13 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
                         embedder=root.embedder)
 
 
+def observations_file(data_dir: Path, generation: int) -> Path:
+    """consolidation's projection file of ``generation`` in ``data_dir``:
+    ``observations.db`` for 1, ``observations.g<n>.db`` after."""
+    from mneme.generations import versioned_file
+    return versioned_file(Path(data_dir) / "observations.db", generation)
+
+
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     """consolidation: facts → ObservationsChanged, over its projection
     ``<data_dir>/observations.db``. Decisions use the "consolidation" model when one is
@@ -688,17 +695,17 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     :class:`~mneme.runtime.live_replay.LiveReplay` of the follower alone, served as
     GenerationService) rebuilds it from the log, every partition up to where its
     group is, and switches."""
-    from mneme.generations import Generations, Switchable, sqlite_files, versioned_file
+    from mneme.generations import Generations, Switchable, sqlite_files
     from mneme.runtime.live_replay import Follower, LiveReplay
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
-    base = root.data_dir / "observations.db"
+    base = observations_file(root.data_dir, 1)
     # Distributed, this data dir's generations are consolidation's own (search's stores,
     # and MNEME_STORE_GENERATION, belong to other processes).
     generations = Generations(root.data_dir) if root.distributed else root.generations
 
     def path(g: int) -> Path:
-        return versioned_file(base, g)
+        return observations_file(root.data_dir, g)
     live_file = path(generations.live())
     if not live_file.exists() and base.exists():
         # written before the projection had generations (search's stores went on

@@ -95,6 +95,11 @@ class Settings(BaseSettings):
         default="", description="This replica's name (e.g. the pod name; default the host "
                                 "name); its state's id adds a random suffix kept in the "
                                 "data dir")
+    retire_grace_s: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="Seconds a replay's previous generation stays open after the switch "
+                    "(calls begun on it end first); then, when it is this process's own "
+                    "store files, it is deleted (README 'Replay generations')")
     store_generation: int = Field(
         default=1, ge=1, description="With store servers the search replicas share: the "
                                      "generation of search's stores they serve (`mneme "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from array import array
 from pathlib import Path
 
@@ -198,3 +199,55 @@ def test_a_bank_with_erasure_none_writes_plaintext_until_it_changes(erased):
 def test_nothing_went_to_the_dead_letter_topic(erased):
     server, _, _ = erased
     assert [r for r in _records(server.data_dir) if r.topic == DLQ] == []
+
+
+def _generations(m) -> dict[int, int]:
+    return {g.generation: g.state for g in m.list_generations()}
+
+
+def test_a_generation_retired_by_a_replay_keeps_nothing_a_later_deletion_removes(tmp_path):
+    """A replay retires the previous generation's files; they must not outlive a deletion
+    made after the switch (it reaches only the live generation's stores). Embedded, the
+    retired files are deleted once the grace ends, and at the next start when the process
+    died within it."""
+    from mneme.v1 import generations_pb2
+    G = generations_pb2.Generation
+    data = tmp_path / "data"
+    server = Server(data, env={"MNEME_RETIRE_GRACE_S": "0.5"}).start()
+    try:
+        with server.client() as m:
+            m.upsert_bank("rg")
+            m.retain("rg", [{"content": c, "document_id": "secret"} for c in SECRET]
+                     + [{"content": c, "document_id": "keep"} for c in KEEP])
+            assert m.consolidate("rg").state == 3
+            assert any(MARKER in o.text for o in m.list_observations("rg"))
+            assert m.replay().state == G.LIVE
+            deadline = time.monotonic() + 60
+            while _generations(m) != {2: G.LIVE} and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _generations(m) == {2: G.LIVE}
+            assert not (data / "vectors").exists() and not (data / "text").exists()
+            assert not any(data.glob("graph.db*")) and not any(data.glob("observations.db*"))
+            assert m.delete_document("rg", "secret").state == 3
+            assert MARKER not in _texts(m, "rg")
+        for path, raw in _files(data).items():
+            assert MARKER.encode() not in raw, path
+
+        # A process that dies within the grace leaves the retired files; the next start
+        # deletes them before it serves.
+        server.stop()
+        server.env["MNEME_RETIRE_GRACE_S"] = "3600"
+        server.start()
+        with server.client() as m:
+            assert m.replay().state == G.LIVE
+            assert _generations(m) == {2: G.RETIRED, 3: G.LIVE}
+            assert (data / "vectors.g2").is_dir() and (data / "observations.g2.db").exists()
+        server.kill()
+        server.start()
+        with server.client() as m:
+            assert _generations(m) == {3: G.LIVE}
+            texts = [x.text for x in m.list_memories("rg")]
+            assert any("bicycle" in t for t in texts) and not any(MARKER in t for t in texts)
+        assert not (data / "vectors.g2").exists() and not any(data.glob("observations.g2.db*"))
+    finally:
+        server.stop()

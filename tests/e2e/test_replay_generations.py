@@ -2,7 +2,8 @@
 are rebuilt from the log into a new generation while recall keeps answering and retains
 keep arriving; the switch happens after the check; results are the same after it; a
 cancelled replay and one whose check fails leave the live generation serving unchanged;
-old generations are dropped on command; a restart keeps the generation that was live."""
+old generations are dropped on command (or after the grace); a restart keeps the
+generation that was live."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def _consolidation(path: Path, bank: str = BANK) -> tuple[tuple, list[bytes]]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("gen") / "data"
-    s = Server(data).start()
+    # retired generations stay until dropped by command here (deleted after the grace
+    # otherwise: tests/e2e/test_erasure.py)
+    s = Server(data, env={"MNEME_RETIRE_GRACE_S": "3600"}).start()
     conv = next(c for c in locomo.load(conversation_file()) if c["sample_id"] == BANK)
     with s.client() as m:
         m.upsert_bank(BANK)
@@ -183,11 +186,14 @@ def test_replay_while_serving_switches_to_an_equal_generation(server):
         assert done - consolidated[0][1] == len(r.memory_ids)  # decided in generation 3
         assert not (d / "observations.db").exists()
 
-    # An offline replay (server stopped) builds generation 3 the same way.
+    # An offline replay (server stopped) builds generation 4 the same way; nothing reads
+    # the generation it retires, so its files are deleted when the replay ends.
     server.replay()
     with server.client() as m:
         assert _results(m) == before
-        assert {x.generation: x.state for x in m.list_generations()} == {3: G.RETIRED, 4: G.LIVE}
+        assert {x.generation: x.state for x in m.list_generations()} == {4: G.LIVE}
+    assert not (d / "vectors.g3").exists() and not any(d.glob("observations.g3.db*"))
+    assert (d / "vectors.g4").is_dir() and (d / "observations.g4.db").exists()
 
 
 def test_a_cancelled_replay_leaves_the_live_generation_serving(server):

@@ -258,3 +258,21 @@ def test_consolidation_state_from_before_generations_takes_the_live_generations_
         root.close()
     assert (tmp_path / "observations.g2.db").exists()
     assert not any(tmp_path.glob("observations.db*"))
+
+
+def test_dropping_a_generation_with_the_server_stopped_deletes_consolidations_file_too(tmp_path):
+    """Embedded, consolidation's projection is part of each generation: ``mneme
+    generations drop N -d DIR`` deletes ``observations.db`` (generation 1) with search's
+    stores and leaves the live generation's ``observations.g2.db``."""
+    from mneme.runtime.replay import drop_generation
+    gens = Generations(tmp_path)
+    gens.begin()
+    gens.update(2, state="LIVE")
+    for name in ("observations.db", "observations.db-wal", "observations.g2.db"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "vectors").mkdir()
+    drop_generation(Settings(data_dir=tmp_path), 1)
+    assert not (tmp_path / "vectors").exists()
+    assert not any(tmp_path.glob("observations.db*"))
+    assert (tmp_path / "observations.g2.db").exists()
+    assert [g.generation for g in Generations(tmp_path).list()] == [2]

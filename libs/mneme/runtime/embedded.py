@@ -112,6 +112,8 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
         # one generation holds every projection: a replay rebuilds and switches
         # consolidation's with search's stores
         search.api["replay"].followers.append(consolidation.api["follower"])
+        # the files of a generation retired by a process that stopped within its grace
+        search.api["replay"].drop_retired()
     except BaseException:
         root.close()
         raise

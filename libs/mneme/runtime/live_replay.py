@@ -29,7 +29,8 @@ CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
 CHECK_AGREEMENT = 0.8
-#: Seconds the previous generation's stores stay open after a switch (calls in flight end).
+#: Seconds the previous generation's stores stay open after a switch (calls in flight
+#: end), unless the settings say otherwise (``MNEME_RETIRE_GRACE_S``).
 RETIRE_GRACE_S = 30.0
 
 
@@ -123,7 +124,12 @@ class LiveReplay:
        (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
        stores (:class:`mneme.generations.Switchable`) to *g* and record it LIVE; the live
        group goes on from its own offsets, now into *g*. The old generation is RETIRED;
-       its stores close after :data:`RETIRE_GRACE_S` and stay until :meth:`drop`.
+       its stores close after the grace (``MNEME_RETIRE_GRACE_S``, default
+       :data:`RETIRE_GRACE_S`; reads begun on them end first),
+       and then, being this process's own files, are deleted with their record
+       (:meth:`drop_retired`): they would otherwise keep content that a later deletion
+       removes from the live generation (crypto-shredding destroys keys, not
+       projections).
        Shared store servers (:attr:`shared`): *g* is left READY under the consumer group
        its replicas will run under.
 
@@ -150,6 +156,7 @@ class LiveReplay:
         self._cancel = threading.Event()
         self._building: int | None = None
         self._retired: dict[int, list] = {}  # generation → its stores, until closed
+        self._retired_lock = threading.Lock()
         self._lock = threading.Lock()
 
     def start(self, force: bool = False) -> Generation:
@@ -202,11 +209,42 @@ class LiveReplay:
         if rec is not None and rec.state == "BUILDING":
             self.cancel(generation)
             self.wait(60)
-        old = self._retired.pop(generation, None)
-        if old is not None:
-            _close(old)
-        self._discard(generation, None)
-        self.generations.forget(generation)
+        with self._retired_lock:
+            old = self._retired.pop(generation, None)
+            if old is not None:
+                _close(old)
+            self._discard(generation, None)
+            self.generations.forget(generation)
+
+    def drop_retired(self) -> list[int]:
+        """Close and delete every RETIRED generation of this process's own store files
+        (not :attr:`shared`: there old replicas may still serve one) and forget its
+        record; returns their numbers. Called when a retired generation's grace ends,
+        when this process closes, and at start (a process stopped within the grace
+        left its files). A generation whose files cannot be deleted is logged and kept."""
+        if self.shared:
+            return []
+        return [g for g in (r.generation for r in self.generations.list()
+                            if r.state == "RETIRED") if self._drop_retired(g)]
+
+    def _drop_retired(self, generation: int) -> bool:
+        """Close ``generation``'s retired stores if open, delete its files and forget its
+        record, if it is still RETIRED (a command may have dropped it); True when done."""
+        with self._retired_lock:
+            stores = self._retired.pop(generation, None)
+            if stores is not None:
+                _close(stores)
+            rec = self.generations.get(generation)
+            if rec is None or rec.state != "RETIRED":
+                return False
+            try:
+                self._discard(generation, None)
+            except Exception:
+                log.exception("cannot delete the files of retired generation %d", generation)
+                return False
+            self.generations.forget(generation)
+            log.info("replay: retired generation %d deleted", generation)
+            return True
 
     def _refuse_in_use(self, generation: int) -> None:
         """On shared store servers, RuntimeError when replicas run ``generation`` (its
@@ -470,9 +508,14 @@ class LiveReplay:
         self._retired[generation] = stores
 
         def close() -> None:
-            if self._retired.pop(generation, None) is not None:
-                _close(stores)
-        t = threading.Timer(RETIRE_GRACE_S, close)
+            if self.shared:  # old replicas may serve it: kept until dropped by command
+                with self._retired_lock:
+                    if self._retired.pop(generation, None) is not None:
+                        _close(stores)
+            else:
+                self._drop_retired(generation)
+        grace = getattr(getattr(self.root, "settings", None), "retire_grace_s", RETIRE_GRACE_S)
+        t = threading.Timer(grace, close)
         t.daemon = True
         t.start()
 
@@ -487,12 +530,15 @@ class LiveReplay:
             remove_file(f.path(generation))
 
     def close(self) -> None:
-        """Cancel a running replay and close retired stores still open."""
+        """Cancel a running replay; close retired stores still open (and delete them
+        where they are this process's own files, :meth:`drop_retired`)."""
         if self._building is not None:
             self._cancel.set()
             self.wait(30)
-        for g in list(self._retired):
-            _close(self._retired.pop(g))
+        self.drop_retired()
+        with self._retired_lock:
+            for g in list(self._retired):
+                _close(self._retired.pop(g))
 
 
 class WriteBehind:

@@ -141,6 +141,8 @@ class ServiceProcess:
             try:
                 self.parts = BUILDERS[self.name](root)
                 root.log  # connect now (the builders of API-only services may not)
+                if "replay" in self.parts.api:  # a retired generation's files left at a stop
+                    self.parts.api["replay"].drop_retired()
                 return root
             except BaseException:
                 root.close()

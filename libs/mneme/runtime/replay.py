@@ -64,6 +64,9 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
                      build_consolidation(root, decide=False)]
             # consolidation's projection is rebuilt into the new generation with search's
             parts[1].api["replay"].followers.append(parts[2].api["follower"])
+        for p in parts:  # what a process stopped within a retired generation's grace left
+            if "replay" in p.api:
+                p.api["replay"].drop_retired()
         routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
         tps = {g: [(t, p) for t in r.topics for p in range(root.log.partitions(t))]
                for g, r in routers.items()}
@@ -129,11 +132,14 @@ def drop_generation(settings: Settings | None, generation: int) -> None:
     ``mneme generations drop N --address``)."""
     from types import SimpleNamespace
 
-    from mneme.bootstrap import services
+    from mneme.bootstrap import observations_file, services
     from mneme.runtime.live_replay import LiveReplay
     root = Root(settings)
     try:  # the search group's name is all a drop needs of it: the live stores stay shut
         live = SimpleNamespace(group=services()["search"].group("search"))
-        LiveReplay(root, live, make_router=None).drop(generation)
+        # embedded, consolidation's projection is part of each generation: its file too
+        followers = [] if root.distributed else [
+            SimpleNamespace(path=lambda g: observations_file(root.data_dir, g))]
+        LiveReplay(root, live, make_router=None, followers=followers).drop(generation)
     finally:
         root.close()
