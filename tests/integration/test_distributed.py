@@ -101,7 +101,10 @@ def cluster(tansu, tmp_path_factory, stub):
     c = Cluster(tmp_path_factory.mktemp("cluster"), tansu.url, extra_env={
         "MNEME_REFLECT_LLM_MODEL": "openai/stub-model", "MNEME_REFLECT_LLM_BASE_URL": stub.base_url,
         "MNEME_REFLECT_LLM_API_KEY": "sk-test", "MNEME_LLM_MAX_RETRIES": "1",
-        "MNEME_LLM_BACKOFF_S": "0.05"}).start()
+        "MNEME_LLM_BACKOFF_S": "0.05",
+        # a retired generation stays until dropped by command (the consolidation replay
+        # test compares it, then drops it)
+        "MNEME_RETIRE_GRACE_S": "3600"}).start()
     yield c
     c.stop()
 
