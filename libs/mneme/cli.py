@@ -622,7 +622,7 @@ def _each_address(address: str) -> list[str]:
     ready pods); with TLS the certificate is still checked against the host's name."""
     import socket
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()):
         console.print(f"[red]--address must be HOST:PORT, got {address!r}[/red]")
         raise typer.Exit(2)
     try:

@@ -132,7 +132,7 @@ def _load_tokenizer(max_tokens: int | None):
 
 def _default_threads() -> int:
     env = os.environ.get("MNEME_EMBED_THREADS")
-    if env and env.isdigit() and int(env) > 0:
+    if env and env.isascii() and env.isdigit() and int(env) > 0:
         return int(env)
     # All cores up to 4: beyond that MiniLM's small matrices gain little, and the
     # embedded server runs other work (spaCy, stores) next to it.

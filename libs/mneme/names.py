@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from mneme.domain import BANK_ID_RE
@@ -116,10 +117,14 @@ def document_name(bank_id: str, document_id: str) -> str:
     return f"banks/{bank_id}/documents/{document_id}"
 
 
+_GENERATION = re.compile(r"[1-9][0-9]{0,8}")
+
+
 def generation_of(name: str, field: str = "name") -> int:
     """``generations/{n}`` → n (>= 1). Raises InvalidArgument naming ``field``."""
     parts = (name or "").split("/")
-    if len(parts) != 2 or parts[0] != "generations" or not parts[1].isdigit() \
-            or int(parts[1]) < 1 or len(parts[1]) > 9:
+    # ASCII digits without leading zeros: str.isdigit() also takes "²" (int() refuses it)
+    # and "３" or "٣" (int() reads them), which would name one generation several ways
+    if len(parts) != 2 or parts[0] != "generations" or not _GENERATION.fullmatch(parts[1]):
         raise InvalidArgument(field, f"must be 'generations/{{n}}' with n >= 1, got {name!r}")
     return int(parts[1])

@@ -45,20 +45,27 @@ def encode_token(kind: str, position: str | int) -> str:
 def decode_token(token: str, kind: str, type_: type = str, field: str = "page_token"):
     """``position`` of a token from :func:`encode_token` for list ``kind``; None for an
     empty token (the first page). Raises InvalidArgument naming ``field`` for anything
-    else (bad base64, another list's token, a position of the wrong type, an offset
-    beyond :data:`MAX_OFFSET`, an id with control characters)."""
+    else (bad base64, not a JSON array of two, another list's token, a position of the
+    wrong type, an offset beyond :data:`MAX_OFFSET`, an id with control characters or
+    lone surrogates)."""
     if not token:
         return None
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        got_kind, position = json.loads(raw.decode())
+        value = json.loads(raw.decode())
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
         raise InvalidArgument(field, _BAD) from None
+    # a list of two, as issued (an object of two keys would unpack into its keys)
+    if type(value) is not list or len(value) != 2:
+        raise InvalidArgument(field, _BAD)
+    got_kind, position = value
     if got_kind != kind or type(position) is not type_:
         raise InvalidArgument(field, _BAD)
     # Positions this API issues: offsets a store can take, ids of printable characters.
     if type_ is int and not 0 <= position <= MAX_OFFSET:
         raise InvalidArgument(field, _BAD)
-    if type_ is str and any(ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 for c in position):
+    # JSON's "\ud800" escape decodes to a lone surrogate, which no store can encode
+    if type_ is str and any(ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0 or 0xd800 <= ord(c) < 0xe000
+                            for c in position):
         raise InvalidArgument(field, _BAD)
     return position

@@ -104,7 +104,10 @@ def test_a_switchable_store_sends_the_next_call_to_the_new_adapter():
 def test_generation_names_parse_and_refuse_garbage():
     assert generation_of("generations/12") == 12
     for bad in ("", "generations/0", "generations/x", "generation/1", "generations/1/2",
-                "generations/-1", "generations/1234567890"):
+                "generations/-1", "generations/1234567890",
+                # digits str.isdigit() takes: int() refuses "²" and reads the others
+                "generations/\u00b2", "generations/\u0663", "generations/\uff12",
+                "generations/01", "generations/ 1"):
         with pytest.raises(InvalidArgument) as e:
             generation_of(bad)
         assert e.value.violations[0][0] == "name"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 from datetime import datetime, timezone
 
@@ -59,6 +60,10 @@ def test_counts_enums_numbers_and_schemas():
     assert paths(recall_pb2.RecallRequest(query="q", parent="banks/b\n")) == {"parent"}
 
 
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
 def test_page_tokens_round_trip_and_refuse_anything_else():
     t = paging.encode_token("banks", "alpha")
     assert paging.decode_token(t, "banks") == "alpha"
@@ -75,7 +80,11 @@ def test_page_tokens_round_trip_and_refuse_anything_else():
                            (paging.encode_token("ops:b", 1.0), "ops:b", int),
                            (paging.encode_token("banks", "a\x00b"), "banks", str),
                            (paging.encode_token("banks", "a\nb"), "banks", str),
-                           (paging.encode_token("banks", "a\x85b"), "banks", str)):
+                           (paging.encode_token("banks", "a\x85b"), "banks", str),
+                           # a lone surrogate (JSON "\ud800"), an object of two keys, three items
+                           (_b64(b'["banks","\\ud800"]'), "banks", str),
+                           (_b64(b'{"banks":0,"x":0}'), "banks", str),
+                           (_b64(b'["banks","a","b"]'), "banks", str)):
         with pytest.raises(InvalidArgument) as e:
             paging.decode_token(bad, kind, typ)
         assert e.value.violations[0][0] == "page_token"
