@@ -364,7 +364,7 @@ def recall(bank: str, query: str, max_tokens: int = 1024, budget: str = "mid",
             _fail(e)
     if as_json:
         from google.protobuf.json_format import MessageToDict
-        print(json.dumps(MessageToDict(r), indent=1))
+        print(json.dumps(MessageToDict(r, preserving_proto_field_name=True), indent=1))
         return
     print_recall(r)
 

@@ -53,8 +53,12 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
             raise InvalidArgument("query", "must not be empty")
         if request.budget not in apiconv.BUDGET:
             raise InvalidArgument("budget", "must be LOW, MID or HIGH")
-        schema = (json_format.MessageToDict(request.response_schema)
-                  if request.HasField("response_schema") else None)
+        try:
+            schema = (json_format.MessageToDict(request.response_schema)
+                      if request.HasField("response_schema") else None)
+        except ValueError:  # a NaN or an Infinity: no JSON holds them
+            raise InvalidArgument("response_schema", "numbers must be finite "
+                                  "(JSON has no NaN or Infinity)") from None
         if schema is not None and not schema:
             raise InvalidArgument("response_schema", "must be a non-empty JSON schema")
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")

@@ -85,8 +85,10 @@ def test_cli_retain_and_recall_over_mtls(up, pki):
     assert "facts" in out.stdout
     out = run("recall", "alice", "Who plays the violin?", "--json", "-a", up.address)
     assert out.returncode == 0, out.stderr
-    texts = [r["memory"]["text"] for r in json.loads(out.stdout).get("results", [])]
+    results = json.loads(out.stdout).get("results", [])
+    texts = [r["memory"]["text"] for r in results]
     assert any("violin" in t for t in texts)
+    assert "fact_type" in results[0]["memory"]  # the proto's names, as every --json prints
     # The same command without the client certificate: the handshake is refused.
     out = subprocess.run([MNEME, "--tls-ca", str(pki / "ca.pem"), "recall", "alice", "x",
                           "-a", up.address], capture_output=True, text=True, env=env,

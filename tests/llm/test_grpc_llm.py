@@ -122,6 +122,14 @@ def test_response_schema_needs_a_model(tmp_path):
                 m.reflect("b", "anything", response_schema={"type": "object"})
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field_violations(e.value)[0][0] == "response_schema"
+            # no JSON holds a NaN or an Infinity: refused before anything else
+            for bad in (float("nan"), float("inf")):
+                with pytest.raises(grpc.RpcError) as e:
+                    m.reflect("b", "anything", response_schema={
+                        "type": "object", "properties": {"n": {"type": "number", "maximum": bad}}})
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field_violations(e.value)[0][0] == "response_schema"
+                assert "finite" in e.value.details()
     finally:
         s.stop()
 
