@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from mneme import bank_catalog
@@ -168,6 +168,11 @@ def _directive_event(d: Directive, mask: Sequence[str]) -> ev.DirectiveChanged:
 # ---- commands ----------------------------------------------------------------------------
 
 
+#: How many retains with a ``request_id`` :class:`Ingest` remembers having appended
+#: (about 100 bytes each): a repeat of an older one finds it in the catalog by then.
+APPENDED_REQUESTS = 10_000
+
+
 @dataclass
 class Ingest:
     """The write side. ``log`` is the event log, ``catalog`` the ingest projection
@@ -199,6 +204,15 @@ class Ingest:
     #: A sync deletion also waits for every other projection (embedded: they run in this
     #: process). Off on Kafka for now: there the wait did not end in the integration tests.
     wait_projections: bool = True
+    #: Operation ids of retains with a ``request_id`` this process appended and its
+    #: catalog may not show yet, with their item counts (the last
+    #: :data:`APPENDED_REQUESTS`): a repeat arriving before the first is projected is
+    #: answered from it instead of appended again (a second copy would be handled as a
+    #: replacement of its document, its facts briefly gone).
+    _appended: dict = field(default_factory=dict, repr=False)
+    _appended_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _append_locks: tuple = field(default_factory=lambda: tuple(
+        threading.Lock() for _ in range(64)), repr=False)
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -384,17 +398,37 @@ class Ingest:
         # The first incarnation keeps the key of banks made before incarnations existed.
         scope = (bank_id,) if bank.incarnation in ("", "1") else (bank_id, bank.incarnation)
         op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
-        if request_id and (known := self.catalog.get_operation(op_id)) is not None:
-            return self._finish(op_id, None, bank_id, "retain", known.items_total, wait, timeout)
-        msg = ev.RetainRequested(
+        if not request_id:
+            rec = self._append_retain(op_id, bank_id, items, bad, observation_scopes)
+            return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
+        # Check and append as one step per operation id, so two identical calls at once
+        # append it once (across replicas, the consumers' idempotence has to do); the
+        # wait for the operation is outside the lock.
+        rec = None
+        with self._append_locks[hash(op_id) % len(self._append_locks)]:
+            known = self.catalog.get_operation(op_id)
+            with self._appended_lock:
+                total = known.items_total if known is not None else self._appended.get(op_id)
+            if total is None:
+                rec = self._append_retain(op_id, bank_id, items, bad, observation_scopes)
+                total = len(items)
+                with self._appended_lock:
+                    self._appended[op_id] = total
+                    while len(self._appended) > APPENDED_REQUESTS:  # oldest first
+                        del self._appended[next(iter(self._appended))]
+        return self._finish(op_id, rec, bank_id, "retain", total, wait, timeout)
+
+    def _append_retain(self, op_id: str, bank_id: str, items: Sequence[RetainItem],
+                       bad: dict, observation_scopes) -> Record:
+        """Append the RetainRequested of operation ``op_id`` (``bad``: index → violations
+        of the items that travel as empty placeholders); returns its record."""
+        return self._append(ev.RetainRequested(
             bank_id=bank_id, operation_id=op_id,
             items=[ev.RetainItem() if i in bad else codec.retain_item_to_pb(it)
                    for i, it in enumerate(items)],
             observation_scopes=observation_scopes,
             rejected_items=[ev.ItemFailure(item_index=i, field=f, error=d, reason="rejected")
-                            for i in sorted(bad) for f, d in bad[i][:1]])
-        rec = self._append(msg, bank_id)
-        return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
+                            for i in sorted(bad) for f, d in bad[i][:1]]), bank_id)
 
     def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
                         timeout: float | None = None) -> Operation:

@@ -182,6 +182,41 @@ def test_request_id_after_delete_and_recreate_stores_the_new_items(m):
     assert [o.name for o in m.list_operations("reborn")] == [second.operation.name]
 
 
+def test_identical_retains_at_once_append_once_and_keep_the_documents_facts(m):
+    """Two calls with one request_id and document at the same moment (a client's retry
+    racing its first try): one operation, appended once. A second copy on the log would
+    be handled as a replacement of the document, its facts gone for a moment after both
+    calls returned."""
+    m.upsert_bank("twice")
+    items = [{"content": f"Lena{i} collects stamps from Peru.", "document_id": "album",
+              "timestamp": T0} for i in range(20)]
+    for attempt in range(3):
+        rid = f"same-{attempt}"
+        barrier, out = threading.Barrier(2), []
+
+        def call() -> None:
+            barrier.wait()
+            out.append(m.retain("twice", items, request_id=rid))
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(out) == 2 and out[0].operation.name == out[1].operation.name
+        assert sorted(out[0].memory_ids) == sorted(out[1].memory_ids) and out[0].memory_ids
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # read back at once and for a while: never a gap
+            assert len(list(m.list_memories("twice", document_id="album"))) == 20
+            m.get_memory("twice", out[0].memory_ids[0])
+    ops = [o for o in m.list_operations("twice")]
+    assert len(ops) == 3 and len({o.name for o in ops}) == 3
+    # an async call and its repeat right after it (before it is projected): one operation
+    first = m.retain("twice", items, async_=True, request_id="async-1")
+    again = m.retain("twice", items, async_=True, request_id="async-1")
+    assert again.operation.name == first.operation.name
+    assert len(list(m.list_operations("twice"))) == 4
+
+
 # ---- 6. names and page tokens -------------------------------------------------------------
 
 
