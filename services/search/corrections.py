@@ -27,9 +27,10 @@ from mneme.ports import GraphStore, Record, VectorStore
 
 #: Most entities one merge names.
 MAX_MERGE = 100
-#: Most aliases, and memories, one split moves.
+#: Most aliases, and memories, one split moves (memories: the API's bound of any list,
+#: ``MNEME_LIMIT_LIST_ENTRIES``, refuses more before this; kept for other callers).
 MAX_ALIASES = 100
-MAX_MEMORIES = 1000
+MAX_MEMORIES = 256
 #: Longest display name (characters).
 MAX_NAME = 200
 #: Most memories of one entity a split looks at (for those naming a moved alias).

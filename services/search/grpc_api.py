@@ -16,8 +16,8 @@ from mneme.domain import (BUDGETS, DocumentRevision, Filters, RecallOutcome, Rec
 from mneme.errors import InvalidArgument, NotFound
 from mneme.errors import Unavailable
 from mneme.grpc_util import call_deadline, dt_to_ts, remaining, translate_errors, ts_to_dt
-from mneme.names import (bank_id_of, document_name, entity_name, entity_of, memory_name,
-                         memory_of, observation_of, opinion_of)
+from mneme.names import (bank_id_of, check_uuid, document_name, entity_name, entity_of,
+                         memory_name, memory_of, observation_of, opinion_of)
 from mneme.ports import DocumentStore, GraphStore, VectorStore
 from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
                       memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
@@ -127,7 +127,8 @@ class ObservationServicer(observations_pb2_grpc.ObservationServiceServicer):
         bank_id = self.rs._bank(request.parent)
         obs, token = observations.list_observations(
             self.rs.vectors, bank_id, request.page_size, request.page_token,
-            list(request.scope) if request.has_scope or request.scope else None)
+            list(apiconv.check_tags(request.scope, "scope"))
+            if request.has_scope or request.scope else None)
         return observations_pb2.ListObservationsResponse(
             observations=[observations.to_api(o) for o in obs], next_page_token=token)
 
@@ -148,8 +149,8 @@ class OpinionServicer(opinions_pb2_grpc.OpinionServiceServicer):
     @translate_errors
     def ListOpinions(self, request, context):
         bank_id = self.rs._bank(request.parent)
-        if len(request.entity_id) > 200:
-            raise InvalidArgument("entity_id", "must be at most 200 characters")
+        if request.entity_id:  # an entity's id (a UUID, as GetEntity names it)
+            check_uuid(request.entity_id, "entity_id", "entity id")
         ops, token = opinions.list_opinions(self.rs.vectors, bank_id, request.page_size,
                                             request.page_token, request.entity_id)
         return opinions_pb2.ListOpinionsResponse(

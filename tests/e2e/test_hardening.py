@@ -220,6 +220,35 @@ def test_identical_retains_at_once_append_once_and_keep_the_documents_facts(m):
 # ---- 6. names and page tokens -------------------------------------------------------------
 
 
+def test_odd_digits_forged_tokens_and_empty_filters_are_refused_naming_the_field(m):
+    """Inputs a fuzzer found answered with UNKNOWN or taken as something else."""
+    import base64
+    import uuid
+
+    from mneme.v1 import entities_pb2, generations_pb2
+    m.upsert_bank("odd")
+    m.retain("odd", [{"content": "Lena collects stamps from Peru.", "timestamp": T0}])
+    # "²" passes str.isdigit() but not int(); "３" and "٣" int() reads as 3
+    for n in ("\u00b2", "\uff13", "\u0663", "03"):
+        refused(lambda: m.generations.GetGeneration(
+            generations_pb2.GetGenerationRequest(name=f"generations/{n}")), "name")
+        refused(lambda: m.generations.DeleteGeneration(
+            generations_pb2.DeleteGenerationRequest(name=f"generations/{n}")), "name")
+    # a forged page token: a lone surrogate, an object of two keys
+    for raw in (b'["banks","\\ud800"]', b'{"banks":0,"x":0}'):
+        token = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        refused(lambda: m.banks.ListBanks(banks_pb2.ListBanksRequest(page_token=token)),
+                "page_token")
+    refused(lambda: list(m.list_opinions("odd", entity_id="banks/odd/entities/x")), "entity_id")
+    refused(lambda: list(m.list_observations("odd", scope=[""])), "scope[0]")
+    entity = next(iter(m.entities.ListEntities(
+        entities_pb2.ListEntitiesRequest(parent="banks/odd")).entities))
+    memory = next(iter(m.list_memories("odd"))).name
+    refused(lambda: m.entities.SplitEntity(entities_pb2.SplitEntityRequest(
+        name=entity.name, memories=[memory] * 300, display_name="N")), "memories")
+    assert list(m.list_opinions("odd", entity_id=str(uuid.uuid4()))) == []
+
+
 def test_resource_ids_are_matched_in_full(m):
     for bad in ("names\n", "names ", "Names", "ä", "a" * 64, "a/b"):
         refused(lambda: m.get_bank(bad), "name")
