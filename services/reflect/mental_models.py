@@ -314,6 +314,15 @@ class MentalModels:
         new, gone = found
         gone = gone | {x.id for x in new if x.id in m.based_on}
         kept_text, kept = _prune(m.content, m.based_on, gone)
+        # One statement once: an offline observation often quotes its fact word for word
+        # (the first, oldest, is kept), and a line the content still quotes is not added.
+        said = [" ".join(line.lower().split()) for line in kept_text.splitlines()]
+        unique: dict[str, Memory] = {}
+        for x in new:
+            key = " ".join(x.text.lower().split())
+            if key not in unique and not any(_quotes(line, key) for line in said):
+                unique[key] = x
+        new = list(unique.values())
         ranked = self._relevant(m, new)[:DELTA_MAX_NEW]
         if ranked and self.revise is not None:
             r = self.revise(m.bank_id, m.source_query, kept_text, kept,
@@ -527,6 +536,17 @@ def _dot(a: Sequence[float], b: Sequence[float]) -> float:
 
 def _dt(ts) -> datetime | None:
     return ts.ToDatetime(tzinfo=timezone.utc) if ts is not None else None
+
+
+def _quotes(line: str, text: str) -> bool:
+    """Whether ``line`` (of a content, lower-cased, spaces collapsed) is the quote of
+    ``text`` (likewise) as :func:`quote_line` writes it: "- <text>", then nothing, a
+    date in parentheses or citations."""
+    head = f"- {text}"
+    if not line.startswith(head):
+        return False
+    rest = line[len(head):].lstrip()
+    return not rest or rest[0] in "(["
 
 
 def _cite_lines(text: str, n: int) -> str:

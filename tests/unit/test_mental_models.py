@@ -140,6 +140,25 @@ def test_delta_merges_the_changes_in_scope_offline():
     assert seen["cited"] == ["f2"] and set(seen["new"]) == {"f3", "f4", "f6"}
 
 
+def test_delta_quotes_a_statement_once():
+    """An offline observation often quotes its fact word for word: the two (and a line
+    the content already quotes) are appended once, the fact, which came first."""
+    changes = [
+        (5, ev.FactsExtracted(bank_id="b", facts=[
+            fact("f3", "Caroline went to the support group again."),
+            fact("f4", "Caroline has a parrot.")])),
+        (6, ev.ObservationsChanged(bank_id="b", observations=[
+            ev.Observation(id="o1", text="Caroline  went to the support group again.")])),
+    ]
+    mm, cat = models(None, changes, end=7)
+    m = add(cat, "m", "Caroline's week", "What did Caroline do, and her parrot?",
+            "So far:\n- Caroline has a parrot. (01 May 2023) [1]", based_on=["f2"], offset=5)
+    r = mm.delta(m, NOW)
+    assert r.based_on == ["f2", "f3"], r
+    assert r.text == ("So far:\n- Caroline has a parrot. (01 May 2023) [1]\n"
+                      "- Caroline went to the support group again. [2]")
+
+
 def test_delta_of_an_empty_content_or_too_many_changes_is_a_full_refresh():
     mm, cat = models(None, [], end=20_000)
     m = add(cat, "m", "n", "q?", "Some content [1]", based_on=["f1"])
