@@ -285,24 +285,76 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
 
 
 @app.command()
-def retain(bank: str, content: str = typer.Argument(..., help="text, or - to read stdin"),
+def retain(bank: str,
+           content: Optional[str] = typer.Argument(None, help="text, or - to read stdin"),
            context: str = "", document_id: str = "", tag: List[str] = typer.Option([], "--tag"),
            timestamp: Optional[datetime] = typer.Option(None, help="when it happened (ISO 8601)"),
+           items: Optional[Path] = typer.Option(
+               None, "--items", help="a JSON-lines file of items instead of CONTENT, one "
+                                     "object each: content, context, timestamp (ISO 8601), "
+                                     "document_id, tags, metadata"),
            async_: bool = typer.Option(False, "--async"), address: str = AddressOpt):
-    """Retain one item into BANK (the bank is created if missing)."""
-    text = sys.stdin.read() if content == "-" else content
-    ts = _aware(timestamp)
+    """Retain one item (CONTENT), or every item of an --items file, into BANK in one
+    request (the bank is created if missing)."""
+    if (content is None) == (items is None):
+        console.print("[red]give CONTENT or --items FILE (one of them)[/red]")
+        raise typer.Exit(2)
+    if items is not None:
+        batch = _items_file(items)
+    else:
+        text = sys.stdin.read() if content == "-" else content
+        batch = [{"content": text, "context": context, "document_id": document_id,
+                  "tags": tag, "timestamp": _aware(timestamp)}]
     with _client(address) as m:
         try:
             m.upsert_bank(bank) if not _exists(m, bank) else None
-            r = m.retain(bank, [{"content": text, "context": context, "document_id": document_id,
-                                 "tags": tag, "timestamp": ts}], async_=async_)
+            r = m.retain(bank, batch, async_=async_)
         except grpc.RpcError as e:
             _fail(e)
     op = r.operation
     print(f"{op.name}: {op.kind} {_state(op.state)}, {op.facts} facts")
     for mid in r.memory_ids:
         print(f"  {mid}")
+
+
+def _items_file(path: Path) -> list[dict]:
+    """The retain items of a JSON-lines file (blank lines skipped); a ``timestamp`` is
+    ISO 8601. Exits 2 naming the line of anything else."""
+    out = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        console.print(f"[red]--items {path}: {e}[/red]")
+        raise typer.Exit(2)
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if not isinstance(item, dict) or not isinstance(item.get("content"), str):
+                raise ValueError("each line must be an object with a string 'content'")
+            unknown = set(item) - {"content", "context", "timestamp", "document_id", "tags",
+                                   "metadata"}
+            if unknown:
+                raise ValueError(f"unknown field(s) {sorted(unknown)}")
+            for key in ("context", "document_id"):
+                if not isinstance(item.get(key, ""), str):
+                    raise ValueError(f"'{key}' must be a string")
+            if not (isinstance(item.get("tags", []), list)
+                    and all(isinstance(t, str) for t in item.get("tags", []))):
+                raise ValueError("'tags' must be a list of strings")
+            if not isinstance(item.get("metadata", {}), dict):
+                raise ValueError("'metadata' must be an object")
+            if item.get("timestamp") is not None:
+                item["timestamp"] = _aware(datetime.fromisoformat(str(item["timestamp"])))
+        except ValueError as e:
+            console.print(f"[red]--items {path}, line {n}: {e}[/red]")
+            raise typer.Exit(2)
+        out.append(item)
+    if not out:
+        console.print(f"[red]--items {path}: no items[/red]")
+        raise typer.Exit(2)
+    return out
 
 
 def _config_fields(pairs: List[str]) -> dict:

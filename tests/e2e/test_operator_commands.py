@@ -63,6 +63,37 @@ def test_bank_stats_and_operations(server):
     assert "succeeded" in out.output
 
 
+def test_retain_takes_a_json_lines_file_of_items_as_one_request(server, tmp_path):
+    import json
+    runner = CliRunner()
+    lines = [{"content": f"Nora planted {n} tulips.", "document_id": "garden",
+              "timestamp": "2024-04-0%dT10:00:00+00:00" % (n + 1), "tags": ["home"]}
+             for n in range(3)]
+    path = tmp_path / "items.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    out = runner.invoke(app, ["retain", "garden", "--items", str(path), "-a", server])
+    assert out.exit_code == 0, out.output
+    assert "succeeded, 3 facts" in out.output, out.output
+    with MnemeClient(server) as m:
+        ops = [o for o in m.list_operations("garden")]
+        assert len(ops) == 1 and ops[0].items_total == 3
+        mems = list(m.list_memories("garden", document_id="garden"))
+        assert {x.tags[0] for x in mems} == {"home"} and len(mems) == 3
+    # one of CONTENT and --items; a bad line is named, nothing is sent
+    for args, said in ((["retain", "garden", "x", "--items", str(path)], "one of them"),
+                       (["retain", "garden"], "one of them")):
+        out = runner.invoke(app, args + ["-a", server])
+        assert out.exit_code == 2 and said in out.output, out.output
+    for bad, said in (('{"content": 3}', "string 'content'"),
+                      ('{"content": "a", "x": 1}', "unknown"),
+                      ('{"content": "a", "timestamp": "soon"}', "line 2"), ("[1]", "line 2")):
+        path.write_text('{"content": "fine"}\n' + bad + "\n")
+        out = runner.invoke(app, ["retain", "garden", "--items", str(path), "-a", server])
+        assert out.exit_code == 2 and said in " ".join(out.output.split()), out.output
+    with MnemeClient(server) as m:
+        assert len(list(m.list_operations("garden"))) == 1
+
+
 def test_a_service_launcher_enters_the_composition_root(tmp_path):
     """`python -m services.<name>` runs `mneme serve <name>`: a configuration error (reflect
     without the search service's address) is fatal at once, exit status 1."""
