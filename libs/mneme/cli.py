@@ -613,7 +613,10 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                       f"(Helm: storeGeneration) and roll them; then `mneme generations drop "
                       f"{g - 1}`")
     else:
-        console.print(f"replayed {stats['records']} records; generation {g} is live")
+        # the two phases' records: what `generations list` counts, then the catalogs'
+        console.print(f"replayed {stats['records']} records; generation {g} is live "
+                      f"({stats.get('generation_records', stats['records'])} into its stores, "
+                      f"{stats.get('catalog_records', 0)} rebuilding the catalogs)")
 
 
 @app.command("reembed")
@@ -714,7 +717,12 @@ app.add_typer(generations_app, name="generations")
 def generations_list(address: Optional[str] = typer.Option(None, "--address", "-a"),
                      data_dir: Path = typer.Option(None, "--data-dir", "-d")):
     """List the generations of a running server (--address) or of a data dir."""
-    t = Table("generation", "state", "records", "units", "updated", "error")
+    from datetime import datetime, timezone
+
+    def when(seconds: float) -> str:  # generation 1 before any replay has no time
+        return (datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+                if seconds else "-")
+    t = Table("generation", "state", "records", "units checked", "updated", "error")
     if address:
         from mneme.v1 import generations_pb2
         with _client(address) as m:
@@ -722,18 +730,16 @@ def generations_list(address: Optional[str] = typer.Option(None, "--address", "-
                 for g in m.list_generations():
                     t.add_row(str(g.generation), generations_pb2.Generation.State.Name(g.state),
                               str(g.records_done), str(g.check.units),
-                              g.update_time.ToDatetime().isoformat(timespec="seconds"), g.error)
+                              when(g.update_time.seconds), g.error)
             except grpc.RpcError as e:
                 _fail(e)
     else:
-        from datetime import datetime, timezone
         from mneme.config import Settings
         from mneme.generations import Generations, configured
         st = Settings(**({"data_dir": data_dir} if data_dir else {}))
         for g in Generations(st.data_dir.resolve(), configured(st)).list():
-            t.add_row(str(g.generation), g.state, str(g.records_done), str(g.check.get("units", "")),
-                      datetime.fromtimestamp(g.update_time, timezone.utc).isoformat(timespec="seconds"),
-                      g.error)
+            t.add_row(str(g.generation), g.state, str(g.records_done),
+                      str(g.check.get("units", "")), when(g.update_time), g.error)
     Console().print(t)
 
 

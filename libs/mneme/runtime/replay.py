@@ -88,7 +88,8 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
                     "state": gen.state}
         done = _rebuild(root, parts, routers, tps, progress)
         return {"records": gen.records_done + done, "generation": gen.generation,
-                "state": gen.state}
+                "state": gen.state, "generation_records": gen.records_done,
+                "catalog_records": done}
     finally:
         root.close()
 
