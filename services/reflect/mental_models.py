@@ -538,15 +538,17 @@ def _dt(ts) -> datetime | None:
     return ts.ToDatetime(tzinfo=timezone.utc) if ts is not None else None
 
 
+#: What may follow a quoted text on its line: the date :func:`quote_line` writes, then
+#: citations ("(01 may 2023) [3]", lower-cased).
+_QUOTE_TAIL = re.compile(r"(?: \(\d{1,2} [a-z]+ \d{4}\))?(?: ?\[[0-9, ]+\])?\s*")
+
+
 def _quotes(line: str, text: str) -> bool:
     """Whether ``line`` (of a content, lower-cased, spaces collapsed) is the quote of
     ``text`` (likewise) as :func:`quote_line` writes it: "- <text>", then nothing, a
     date in parentheses or citations."""
     head = f"- {text}"
-    if not line.startswith(head):
-        return False
-    rest = line[len(head):].lstrip()
-    return not rest or rest[0] in "(["
+    return line.startswith(head) and bool(_QUOTE_TAIL.fullmatch(line[len(head):]))
 
 
 def _cite_lines(text: str, n: int) -> str:

@@ -81,11 +81,13 @@ def test_retain_takes_a_json_lines_file_of_items_as_one_request(server, tmp_path
         assert {x.tags[0] for x in mems} == {"home"} and len(mems) == 3
     # one of CONTENT and --items; a bad line is named, nothing is sent
     for args, said in ((["retain", "garden", "x", "--items", str(path)], "one of them"),
-                       (["retain", "garden"], "one of them")):
+                       (["retain", "garden"], "one of them"),
+                       (["retain", "garden", "--items", str(path), "--tag", "x"], "each line")):
         out = runner.invoke(app, args + ["-a", server])
         assert out.exit_code == 2 and said in out.output, out.output
     for bad, said in (('{"content": 3}', "string 'content'"),
                       ('{"content": "a", "x": 1}', "unknown"),
+                      ('{"content": "a", "metadata": {"n": 1}}', "object of strings"),
                       ('{"content": "a", "timestamp": "soon"}', "line 2"), ("[1]", "line 2")):
         path.write_text('{"content": "fine"}\n' + bad + "\n")
         out = runner.invoke(app, ["retain", "garden", "--items", str(path), "-a", server])

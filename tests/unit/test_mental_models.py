@@ -152,10 +152,14 @@ def test_delta_quotes_a_statement_once():
     ]
     mm, cat = models(None, changes, end=7)
     m = add(cat, "m", "Caroline's week", "What did Caroline do, and her parrot?",
-            "So far:\n- Caroline has a parrot. (01 May 2023) [1]", based_on=["f2"], offset=5)
+            "So far:\n- Caroline has a parrot. (01 May 2023) [1]\n"
+            "- Caroline went to the support group again. (cancelled)", based_on=["f2"],
+            offset=5)
     r = mm.delta(m, NOW)
     assert r.based_on == ["f2", "f3"], r
+    # a line that goes on past the text ("(cancelled)") says something else
     assert r.text == ("So far:\n- Caroline has a parrot. (01 May 2023) [1]\n"
+                      "- Caroline went to the support group again. (cancelled)\n"
                       "- Caroline went to the support group again. [2]")
 
 

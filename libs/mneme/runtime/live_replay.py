@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from mneme.bank_catalog import bank_ids
 from mneme.bus.consumer import Consumer
-from mneme.generations import (Generation, drop_stores, generation_group, remove_file,
-                               remove_local)
+from mneme.generations import (Generation, drop_stores, generation_group, local_path,
+                               remove_file, remove_local)
 
 log = logging.getLogger("mneme")
 
@@ -126,7 +126,7 @@ class LiveReplay:
        group goes on from its own offsets, now into *g*. The old generation is RETIRED;
        its stores close after the grace (``MNEME_RETIRE_GRACE_S``, default
        :data:`RETIRE_GRACE_S`; reads begun on them end first),
-       and then, being this process's own files, are deleted with their record
+       and then, being this process's own, are deleted with their record
        (:meth:`drop_retired`): they would otherwise keep content that a later deletion
        removes from the live generation (crypto-shredding destroys keys, not
        projections).
@@ -217,9 +217,9 @@ class LiveReplay:
             self.generations.forget(generation)
 
     def drop_retired(self) -> list[int]:
-        """Close and delete every RETIRED generation of this process's own store files
-        (not :attr:`shared`: there old replicas may still serve one) and forget its
-        record; returns their numbers. Called when a retired generation's grace ends,
+        """Close and delete every RETIRED generation of this process's own stores (its
+        files, or store servers only it uses; not :attr:`shared`: there old replicas may
+        still serve one) and forget its record; returns their numbers. Called when a retired generation's grace ends,
         when this process closes, and at start (a process stopped within the grace
         left its files). A generation whose files cannot be deleted is logged and kept."""
         if self.shared:
@@ -228,8 +228,10 @@ class LiveReplay:
                             if r.state == "RETIRED") if self._drop_retired(g)]
 
     def _drop_retired(self, generation: int) -> bool:
-        """Close ``generation``'s retired stores if open, delete its files and forget its
-        record, if it is still RETIRED (a command may have dropped it); True when done."""
+        """Close ``generation``'s retired stores if open, delete them (files; on store
+        servers its collection, index and graph) and forget its record, if it is still
+        RETIRED (a command may have dropped it); True when done. A generation whose stores
+        cannot be deleted keeps its record (``generations drop`` retries)."""
         with self._retired_lock:
             stores = self._retired.pop(generation, None)
             if stores is not None:
@@ -240,7 +242,7 @@ class LiveReplay:
             try:
                 self._discard(generation, None)
             except Exception:
-                log.exception("cannot delete the files of retired generation %d", generation)
+                log.exception("cannot delete the stores of retired generation %d", generation)
                 return False
             self.generations.forget(generation)
             log.info("replay: retired generation %d deleted", generation)
@@ -508,12 +510,15 @@ class LiveReplay:
         self._retired[generation] = stores
 
         def close() -> None:
-            if self.shared:  # old replicas may serve it: kept until dropped by command
-                with self._retired_lock:
-                    if self._retired.pop(generation, None) is not None:
-                        _close(stores)
-            else:
-                self._drop_retired(generation)
+            try:
+                if self.shared:  # old replicas may serve it: kept until dropped by command
+                    with self._retired_lock:
+                        if self._retired.pop(generation, None) is not None:
+                            _close(stores)
+                else:
+                    self._drop_retired(generation)
+            except Exception:  # a timer thread: nobody else would see it
+                log.exception("replay: closing retired generation %d failed", generation)
         grace = getattr(getattr(self.root, "settings", None), "retire_grace_s", RETIRE_GRACE_S)
         t = threading.Timer(grace, close)
         t.daemon = True
@@ -523,9 +528,12 @@ class LiveReplay:
         """Delete ``generation``'s stores: ``stores`` when open, else (on servers) opened
         to be dropped; local files removed."""
         if self.router is not None:
-            if stores is None and self.shared:
+            urls = self.root.store_urls(generation)
+            # store servers (shared, or this process's own): opened to drop their
+            # collection, index or graph; local files are removed by name
+            if stores is None and any(local_path(u) is None for u in urls.values()):
                 stores = self.root.open_stores(generation)
-            drop_stores(stores, self.root.store_urls(generation))
+            drop_stores(stores, urls)
         for f in self.followers:
             remove_file(f.path(generation))
 
@@ -535,7 +543,10 @@ class LiveReplay:
         if self._building is not None:
             self._cancel.set()
             self.wait(30)
-        self.drop_retired()
+        try:
+            self.drop_retired()
+        except Exception:  # e.g. generations.json unreadable: still close what is open
+            log.exception("replay: deleting retired generations failed")
         with self._retired_lock:
             for g in list(self._retired):
                 _close(self._retired.pop(g))

@@ -133,14 +133,17 @@ def drop_generation(settings: Settings | None, generation: int) -> None:
     ``mneme generations drop N --address``)."""
     from types import SimpleNamespace
 
-    from mneme.bootstrap import observations_file, services
+    from mneme.bootstrap import adopt_observations_file, observations_file, services
     from mneme.runtime.live_replay import LiveReplay
     root = Root(settings)
     try:  # the search group's name is all a drop needs of it: the live stores stay shut
         live = SimpleNamespace(group=services()["search"].group("search"))
         # embedded, consolidation's projection is part of each generation: its file too
-        followers = [] if root.distributed else [
-            SimpleNamespace(path=lambda g: observations_file(root.data_dir, g))]
+        # (an observations.db from before it had generations is the live one's)
+        followers = []
+        if not root.distributed:
+            adopt_observations_file(root.data_dir, root.generations.live())
+            followers = [SimpleNamespace(path=lambda g: observations_file(root.data_dir, g))]
         LiveReplay(root, live, make_router=None, followers=followers).drop(generation)
     finally:
         root.close()
