@@ -718,6 +718,8 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     # Distributed, this data dir's generations are consolidation's own (search's stores,
     # and MNEME_STORE_GENERATION, belong to other processes).
     generations = Generations(root.data_dir) if root.distributed else root.generations
+    if root.distributed:  # a replay this replica was running when it stopped has ended
+        generations.recover()
 
     def path(g: int) -> Path:
         return observations_file(root.data_dir, g)

@@ -208,7 +208,9 @@ class LiveReplay:
         self._refuse_in_use(generation)
         if rec is not None and rec.state == "BUILDING":
             self.cancel(generation)
-            self.wait(60)
+            if not self.wait(60):  # its builder still writes: deleting now would race it
+                raise ValueError(f"generation {generation} is still stopping its replay; "
+                                 "drop it again in a minute")
         with self._retired_lock:
             old = self._retired.pop(generation, None)
             if old is not None:
