@@ -76,6 +76,14 @@ def _texts(m, bank: str) -> str:
     return "\n".join(out)
 
 
+def _secret_and_kept(m, bank: str) -> None:
+    """A bank with the secret document and the kept one, retained and consolidated."""
+    m.upsert_bank(bank)
+    m.retain(bank, [{"content": c, "document_id": "secret"} for c in SECRET]
+             + [{"content": c, "document_id": "keep"} for c in KEEP])
+    assert m.consolidate(bank).state == 3
+
+
 @pytest.fixture(scope="module")
 def erased(tmp_path_factory):
     """A bank with a secret and a kept document, extracted, consolidated and recalled;
@@ -85,10 +93,7 @@ def erased(tmp_path_factory):
     server = Server(data).start()
     try:
         with server.client() as m:
-            m.upsert_bank("er")
-            m.retain("er", [{"content": c, "document_id": "secret"} for c in SECRET]
-                     + [{"content": c, "document_id": "keep"} for c in KEEP])
-            assert m.consolidate("er").state == 3
+            _secret_and_kept(m, "er")
             assert MARKER in _texts(m, "er")  # recalled, and in an observation
             assert any(MARKER in o.text for o in m.list_observations("er"))
             ext = Everything(data)
@@ -216,10 +221,7 @@ def test_a_generation_retired_by_a_replay_keeps_nothing_a_later_deletion_removes
     server = Server(data, env={"MNEME_RETIRE_GRACE_S": "0.5"}).start()
     try:
         with server.client() as m:
-            m.upsert_bank("rg")
-            m.retain("rg", [{"content": c, "document_id": "secret"} for c in SECRET]
-                     + [{"content": c, "document_id": "keep"} for c in KEEP])
-            assert m.consolidate("rg").state == 3
+            _secret_and_kept(m, "rg")
             assert any(MARKER in o.text for o in m.list_observations("rg"))
             assert m.replay().state == G.LIVE
             deadline = time.monotonic() + 60
