@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -211,8 +212,10 @@ class Ingest:
     #: replacement of its document, its facts briefly gone).
     _appended: dict = field(default_factory=dict, repr=False)
     _appended_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _append_locks: tuple = field(default_factory=lambda: tuple(
-        threading.Lock() for _ in range(64)), repr=False)
+    #: One lock per operation id being appended (gone with its last holder), so a slow
+    #: append holds up only an identical request, never another one.
+    _append_locks: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary, repr=False)
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -402,10 +405,14 @@ class Ingest:
             rec = self._append_retain(op_id, bank_id, items, bad, observation_scopes)
             return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
         # Check and append as one step per operation id, so two identical calls at once
-        # append it once (across replicas, the consumers' idempotence has to do); the
-        # wait for the operation is outside the lock.
+        # append it once in this process (two ingest replicas may still both append);
+        # the wait for the operation is outside the lock.
         rec = None
-        with self._append_locks[hash(op_id) % len(self._append_locks)]:
+        with self._appended_lock:
+            lock = self._append_locks.get(op_id)
+            if lock is None:
+                lock = self._append_locks[op_id] = threading.Lock()
+        with lock:
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:
                 total = known.items_total if known is not None else self._appended.get(op_id)
