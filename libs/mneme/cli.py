@@ -620,8 +620,8 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
     else:
         # the two phases' records: what `generations list` counts, then the catalogs'
         console.print(f"replayed {stats['records']} records; generation {g} is live "
-                      f"({stats.get('generation_records', stats['records'])} into its stores, "
-                      f"{stats.get('catalog_records', 0)} rebuilding the catalogs)")
+                      f"({stats['generation_records']} into its stores, "
+                      f"{stats['catalog_records']} rebuilding the catalogs)")
 
 
 @app.command("reembed")

@@ -409,9 +409,7 @@ class Ingest:
         # the wait for the operation is outside the lock.
         rec = None
         with self._appended_lock:
-            lock = self._append_locks.get(op_id)
-            if lock is None:
-                lock = self._append_locks[op_id] = threading.Lock()
+            lock = self._append_locks.setdefault(op_id, threading.Lock())
         with lock:
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:

@@ -29,9 +29,6 @@ CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
 #: the vector index is approximate (HNSW), and two builds of one data set may order a
 #: near-tie differently.
 CHECK_AGREEMENT = 0.8
-#: Seconds the previous generation's stores stay open after a switch (calls in flight
-#: end), unless the settings say otherwise (``MNEME_RETIRE_GRACE_S``).
-RETIRE_GRACE_S = 30.0
 
 
 class ReplayCancelled(RuntimeError):
@@ -124,9 +121,8 @@ class LiveReplay:
        (:meth:`mneme.router.Router.paused`), replay exactly up to there, switch the live
        stores (:class:`mneme.generations.Switchable`) to *g* and record it LIVE; the live
        group goes on from its own offsets, now into *g*. The old generation is RETIRED;
-       its stores close after the grace (``MNEME_RETIRE_GRACE_S``, default
-       :data:`RETIRE_GRACE_S`; reads begun on them end first),
-       and then, being this process's own, are deleted with their record
+       its stores close after the grace (``MNEME_RETIRE_GRACE_S``; reads begun on them
+       end first), and then, being this process's own, are deleted with their record
        (:meth:`drop_retired`): they would otherwise keep content that a later deletion
        removes from the live generation (crypto-shredding destroys keys, not
        projections).
@@ -212,18 +208,24 @@ class LiveReplay:
                 raise ValueError(f"generation {generation} is still stopping its replay; "
                                  "drop it again in a minute")
         with self._retired_lock:
-            old = self._retired.pop(generation, None)
-            if old is not None:
-                _close(old)
-            self._discard(generation, None)
-            self.generations.forget(generation)
+            self._delete(generation)
+
+    def _delete(self, generation: int) -> None:
+        """Close ``generation``'s retired stores if still open, delete its stores and
+        forget its record (with :attr:`_retired_lock` held)."""
+        old = self._retired.pop(generation, None)
+        if old is not None:
+            _close(old)
+        self._discard(generation, None)
+        self.generations.forget(generation)
 
     def drop_retired(self) -> list[int]:
         """Close and delete every RETIRED generation of this process's own stores (its
         files, or store servers only it uses; not :attr:`shared`: there old replicas may
-        still serve one) and forget its record; returns their numbers. Called when a retired generation's grace ends,
-        when this process closes, and at start (a process stopped within the grace
-        left its files). A generation whose files cannot be deleted is logged and kept."""
+        still serve one) and forget its record; returns their numbers. Called when a
+        retired generation's grace ends, when this process closes, and at start (a
+        process stopped within the grace left its files). A generation whose stores
+        cannot be deleted is logged and kept."""
         if self.shared:
             return []
         return [g for g in (r.generation for r in self.generations.list()
@@ -235,18 +237,14 @@ class LiveReplay:
         RETIRED (a command may have dropped it); True when done. A generation whose stores
         cannot be deleted keeps its record (``generations drop`` retries)."""
         with self._retired_lock:
-            stores = self._retired.pop(generation, None)
-            if stores is not None:
-                _close(stores)
             rec = self.generations.get(generation)
             if rec is None or rec.state != "RETIRED":
                 return False
             try:
-                self._discard(generation, None)
+                self._delete(generation)
             except Exception:
                 log.exception("cannot delete the stores of retired generation %d", generation)
                 return False
-            self.generations.forget(generation)
             log.info("replay: retired generation %d deleted", generation)
             return True
 
@@ -521,8 +519,7 @@ class LiveReplay:
                     self._drop_retired(generation)
             except Exception:  # a timer thread: nobody else would see it
                 log.exception("replay: closing retired generation %d failed", generation)
-        grace = getattr(getattr(self.root, "settings", None), "retire_grace_s", RETIRE_GRACE_S)
-        t = threading.Timer(grace, close)
+        t = threading.Timer(self.root.settings.retire_grace_s, close)
         t.daemon = True
         t.start()
 

@@ -64,9 +64,6 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
                      build_consolidation(root, decide=False)]
             # consolidation's projection is rebuilt into the new generation with search's
             parts[1].api["replay"].followers.append(parts[2].api["follower"])
-        for p in parts:  # what a process stopped within a retired generation's grace left
-            if "replay" in p.api:
-                p.api["replay"].drop_retired()
         routers = {g: r for p in parts for g, r in p.routers.items() if r.group.replay}
         tps = {g: [(t, p) for t in r.topics for p in range(root.log.partitions(t))]
                for g, r in routers.items()}
