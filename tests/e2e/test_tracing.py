@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+import time
+
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -42,26 +44,35 @@ def test_retain_trace_crosses_every_hop(server):
         r = m.retain("traced", [{"content": "Alice moved to Lisbon in May 2023.",
                                  "timestamp": datetime(2024, 3, 1, tzinfo=timezone.utc)}])
         assert r.memory_ids
-    spans = EXPORTER.get_finished_spans()
-    rpc = [s for s in spans if s.name == "mneme.v1.MemoryService/Retain"]
+    rpc = [s for s in EXPORTER.get_finished_spans() if s.name == "mneme.v1.MemoryService/Retain"]
     assert len(rpc) == 1 and rpc[0].kind == SpanKind.SERVER
     assert rpc[0].attributes["rpc.grpc.status_code"] == "OK"
     trace_id = rpc[0].context.trace_id
-    mine = [s for s in spans if s.context.trace_id == trace_id]
-    by_id = {s.context.span_id: s for s in mine}
+    hops = [("extraction", INTAKE, "RetainRequested"), ("search", MEMORY, "FactsExtracted"),
+            ("ingest", PROGRESS, "OperationProgress")]
 
-    def consumer(group, topic, event_type):
-        found = [s for s in mine if s.kind == SpanKind.CONSUMER
+    def consumers(mine):
+        return [[s for s in mine if s.kind == SpanKind.CONSUMER
                  and s.attributes["messaging.consumer.group.name"] == group
                  and s.attributes["messaging.destination.name"] == topic
                  and s.attributes["cloudevents.event_type"] == f"mneme.events.v1.{event_type}"]
-        assert found, f"no {event_type} span of group {group} on {topic} in {_hex(trace_id)}"
-        return found[0]
+                for group, topic, event_type in hops]
 
-    extraction = consumer("extraction", INTAKE, "RetainRequested")
+    # A consumer span ends after its handler returns, and the retain returns as soon as
+    # ingest's handler has written the catalog: the last spans may end just after it.
+    deadline = time.monotonic() + 15
+    while True:
+        mine = [s for s in EXPORTER.get_finished_spans() if s.context.trace_id == trace_id]
+        found = consumers(mine)
+        if all(found) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for (group, topic, event_type), spans in zip(hops, found):
+        assert spans, f"no {event_type} span of group {group} on {topic} in {_hex(trace_id)}"
+    by_id = {s.context.span_id: s for s in mine}
+
     # (extraction's EntitiesResolved goes to search too, which has nothing to do with it)
-    search = consumer("search", MEMORY, "FactsExtracted")
-    progress = consumer("ingest", PROGRESS, "OperationProgress")
+    extraction, search, progress = (spans[0] for spans in found)
     # The chain: gRPC span → extraction (intake record) → search (memory record) → ingest.
     assert extraction.parent.span_id == rpc[0].context.span_id
     assert search.parent.span_id == extraction.context.span_id
