@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-import time
-
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -19,6 +17,7 @@ from mneme.runtime.embedded import bootstrap
 from mneme.bus import INTAKE, MEMORY, PROGRESS
 from mneme.client import MnemeClient
 from mneme.config import Settings
+from tests.spans import hop_spans
 
 EXPORTER = InMemorySpanExporter()
 
@@ -50,23 +49,7 @@ def test_retain_trace_crosses_every_hop(server):
     trace_id = rpc[0].context.trace_id
     hops = [("extraction", INTAKE, "RetainRequested"), ("search", MEMORY, "FactsExtracted"),
             ("ingest", PROGRESS, "OperationProgress")]
-
-    def consumers(mine):
-        return [[s for s in mine if s.kind == SpanKind.CONSUMER
-                 and s.attributes["messaging.consumer.group.name"] == group
-                 and s.attributes["messaging.destination.name"] == topic
-                 and s.attributes["cloudevents.event_type"] == f"mneme.events.v1.{event_type}"]
-                for group, topic, event_type in hops]
-
-    # A consumer span ends after its handler returns, and the retain returns as soon as
-    # ingest's handler has written the catalog: the last spans may end just after it.
-    deadline = time.monotonic() + 15
-    while True:
-        mine = [s for s in EXPORTER.get_finished_spans() if s.context.trace_id == trace_id]
-        found = consumers(mine)
-        if all(found) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    mine, found = hop_spans(EXPORTER, trace_id, hops)
     for (group, topic, event_type), spans in zip(hops, found):
         assert spans, f"no {event_type} span of group {group} on {topic} in {_hex(trace_id)}"
     by_id = {s.context.span_id: s for s in mine}

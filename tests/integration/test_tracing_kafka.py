@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
 
 from mneme import telemetry
 from mneme.runtime.process import ServiceProcess
 from mneme.bus import INTAKE, MEMORY, PROGRESS
 from mneme.client import MnemeClient
 from mneme.config import Settings
+from tests.spans import hop_spans
 
 EXPORTER = InMemorySpanExporter()
 
@@ -45,21 +45,13 @@ def test_retain_trace_crosses_the_kafka_hops(services):
         EXPORTER.clear()
         r = m.retain("kafka-traced", [{"content": "Bob adopted a cat named Miso in 2022."}])
         assert r.memory_ids
-    spans = EXPORTER.get_finished_spans()
-    rpc = [s for s in spans if s.name == "mneme.v1.MemoryService/Retain"]
+    rpc = [s for s in EXPORTER.get_finished_spans() if s.name == "mneme.v1.MemoryService/Retain"]
     assert len(rpc) == 1
-    mine = [s for s in spans if s.context.trace_id == rpc[0].context.trace_id]
-
-    def consumer(group, topic):
-        found = [s for s in mine if s.kind == SpanKind.CONSUMER
-                 and s.attributes["messaging.consumer.group.name"] == group
-                 and s.attributes["messaging.destination.name"] == topic]
-        assert found, f"no {group} span on {topic}: {sorted(s.name for s in mine)}"
-        return found[0]
-
-    extraction = consumer("extraction", INTAKE)
-    search = consumer("search", MEMORY)
-    ingest = consumer("ingest", PROGRESS)
+    hops = [("extraction", INTAKE, None), ("search", MEMORY, None), ("ingest", PROGRESS, None)]
+    mine, found = hop_spans(EXPORTER, rpc[0].context.trace_id, hops)
+    for (group, topic, _), spans in zip(hops, found):
+        assert spans, f"no {group} span on {topic}: {sorted(s.name for s in mine)}"
+    extraction, search, ingest = (spans[0] for spans in found)
     assert extraction.parent.span_id == rpc[0].context.span_id
     assert search.parent.span_id == extraction.context.span_id
     assert ingest.parent.span_id == search.context.span_id

@@ -1,0 +1,31 @@
+"""Reading a retain's consumer spans from an in-memory span exporter."""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry.trace import SpanKind
+
+
+def hop_spans(exporter, trace_id: int, hops, timeout: float = 15.0):
+    """``(spans of the trace, [consumer spans per hop])`` once every hop in ``hops``
+    (``(group, topic, event type or None)`` tuples) has a finished CONSUMER span in the
+    trace, or when ``timeout`` seconds have passed (a hop then has an empty list).
+
+    A consumer span ends after its handler returns, and a retain returns as soon as
+    ingest's handler has written the catalog, so the last spans may end just after the
+    call: reading them at once would race."""
+    def of(mine, group, topic, event_type):
+        return [s for s in mine if s.kind == SpanKind.CONSUMER
+                and s.attributes["messaging.consumer.group.name"] == group
+                and s.attributes["messaging.destination.name"] == topic
+                and (event_type is None or s.attributes["cloudevents.event_type"]
+                     == f"mneme.events.v1.{event_type}")]
+
+    deadline = time.monotonic() + timeout
+    while True:
+        mine = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        found = [of(mine, *hop) for hop in hops]
+        if all(found) or time.monotonic() > deadline:
+            return mine, found
+        time.sleep(0.05)
