@@ -16,6 +16,7 @@ from mneme import locomo
 from mneme.cli import app
 from mneme.client import field_violations
 from tests.e2e.server import Server, conversation_file
+from tests.waits import drained
 
 BANK = "browse"
 # a fixed set of items: documents with several items, tags on some, one item without a
@@ -175,11 +176,8 @@ def test_memories_cli_round_trip(server):
 
 
 def test_observations_cli_round_trip(server):
-    import time
     with server.client() as m:
-        end = time.monotonic() + 120  # consolidation has run over the bank's facts
-        while m.bank_stats("conv").pending_records and time.monotonic() < end:
-            time.sleep(0.2)
+        drained(m, "conv")  # consolidation has run over the bank's facts
         want = {o.id: o for o in m.list_observations("conv")}
     assert want
     listed = json.loads(cli(server, "observations", "list", "conv", "--json"))

@@ -5,7 +5,6 @@ replay under another (the model change must be explicit)."""
 
 from __future__ import annotations
 
-import time
 from importlib import metadata
 
 import numpy as np
@@ -17,6 +16,7 @@ from mneme.config import Settings
 from mneme.embedding import OnnxEmbedder, default_embedder
 from mneme.errors import ConfigurationError
 from mneme.events.v1 import events_pb2 as ev
+from tests.waits import drained
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +60,7 @@ def test_the_chosen_model_is_recorded_and_replay_needs_no_model(tmp_path, monkey
         m = MnemeClient(f"127.0.0.1:{node.serve('127.0.0.1:0')}", timeout=120)
         m.upsert_bank("b")
         m.retain("b", [{"content": t} for t in TEXTS])
-        end = time.monotonic() + 300
-        while m.bank_stats("b").pending_records and time.monotonic() < end:
-            time.sleep(0.2)
+        drained(m, "b", timeout=300)
         facts = _logged_facts(node)
         assert facts and {model for model, _ in facts} == {L3}
         # the vectors on the log are L3's: near L3's embedding of the fact's text (the

@@ -6,7 +6,6 @@ model, replay reproducing models, history and staleness, validation, and the
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timezone
 
 import grpc
@@ -19,17 +18,10 @@ from mneme.cli import app
 from mneme.client import field_violations
 from mneme.v1 import mental_models_pb2
 from tests.e2e.server import Server, conversation_file
+from tests.waits import drained
 
 BANK = "mm"
 QUESTION = "When did Caroline go to the LGBTQ support group?"
-
-
-def drained(m, bank: str, timeout: float = 120) -> None:
-    """Until every group (consolidation too) has consumed the bank's records."""
-    end = time.monotonic() + timeout
-    while m.bank_stats(bank).pending_records and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not m.bank_stats(bank).pending_records
 
 
 def refused(call) -> grpc.RpcError:

@@ -15,6 +15,7 @@ import pytest
 from mneme import locomo
 from mneme.client import observation_scopes
 from tests.e2e.server import Server, conversation_file
+from tests.waits import drained
 
 pytestmark = pytest.mark.slow
 
@@ -162,6 +163,8 @@ def test_clear_reconsolidate_and_auto_consolidate_off(server, tmp_path):
         # auto_consolidate off: new facts leave the scope's observations stale
         m.upsert_bank("life", auto_consolidate=False)
         m.retain("life", [{"content": "Alice hikes in the Alps every summer."}])
+        # consolidation marks them stale after the retain returns (its own group)
+        drained(m, "life")
         r = m.recall("life", "hiking", types=["observation"])
         assert r.results and all(x.memory.metadata["stale"] == "true" for x in r.results)
         assert all(o.stale for o in m.list_observations("life"))

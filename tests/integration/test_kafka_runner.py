@@ -122,9 +122,15 @@ def test_outputs_are_produced_then_the_offset_committed(kafka_log):
         assert r.wait_idle(timeout=30)
         assert r.groups[group].stats["skipped"] >= 1
         assert len(mine(kafka_log, MEMORY, {bank})) == 5
-        time.sleep(1.2)  # the lag snapshot the metric reads is refreshed by the runner
-        snap = r.lag_snapshot()
-        assert snap and all(n == 0 for (t, _), n in snap.items() if t == INTAKE)
+        # the lag snapshot the metric reads is refreshed by the runner every second or so
+        end = time.monotonic() + 15
+        while True:
+            snap = r.lag_snapshot()
+            if snap and all(n == 0 for (t, _), n in snap.items() if t == INTAKE) \
+                    or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        assert snap and all(n == 0 for (t, _), n in snap.items() if t == INTAKE), snap
     finally:
         assert r.stop(30)
 
@@ -186,8 +192,13 @@ def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log,
         assert a.stop(30) and b.stop(30)
         other.close()
     handled = [(s[1], s[2]) for s in toy.seen if s[1] in banks]
-    # once each (a rebalance could redeliver, but the group was settled)
-    assert sorted(handled) == sorted((bk, f"{bk}:{n}") for n in range(1, 6) for bk in banks)
+    want = {(bk, f"{bk}:{n}") for n in range(1, 6) for bk in banks}
+    # every record, none lost; once each (a revocation waits for the commit), unless a
+    # member missed its heartbeats on a busy machine and its commit was refused: then the
+    # new owner handles those records again (at least once)
+    assert set(handled) == want
+    assert len(handled) == len(want) or any(r.groups[group].stats["commit_failures"]
+                                            for r in (a, b))
     by = {s[0] for s in toy.seen if s[1] in banks}
     assert by == {"a", "b"}
 

@@ -108,11 +108,11 @@ def test_relative_expressions_left_in_the_text_are_annotated(stub, gateway):
 def test_handler_records_failures_and_keeps_the_other_items(stub):
     """Item 1 is malformed every time, item 2 rate-limited past the retries, item 3 times
     out: each is an ItemFailure with its reason; items 0 and 4 keep their facts."""
-    gw = make_gateway(stub, llm_timeout_s=0.3, llm_max_retries=1, llm_json_retries=1)
+    gw = make_gateway(stub, llm_timeout_s=1.0, llm_max_retries=1, llm_json_retries=1)
     stub.on("chat", chat({"facts": [fact("Alice adopted a cat named Miso.")]}), match="ITEM-ZERO")
     stub.on("chat", chat("{facts: [oops"), chat("still { not json"), match="ITEM-ONE")
     stub.on("chat", status(429), status(429), match="ITEM-TWO")
-    stub.on("chat", delay(1.0), delay(1.0), match="ITEM-THREE")
+    stub.on("chat", delay(5.0), delay(5.0), match="ITEM-THREE")
     stub.on("chat", chat({"facts": [fact("Bob runs marathons.")]}), match="ITEM-FOUR")
     names = ["ZERO", "ONE", "TWO", "THREE", "FOUR"]
     m = ev.RetainRequested(bank_id="bank", operation_id="op-9", items=[

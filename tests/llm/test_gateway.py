@@ -96,18 +96,20 @@ def test_rate_limited_beyond_retries_raises_unavailable(stub, gateway):
 
 
 def test_timeouts_are_retried_then_raise(stub):
-    gw = make_gateway(stub, llm_timeout_s=0.3, llm_max_retries=1)
-    stub.on("chat", delay(1.0), delay(1.0))
+    # timeouts of 1 s against replies of 5 s: long enough that a busy machine's quick
+    # replies would not time out, short enough that waiting for the replies would show
+    gw = make_gateway(stub, llm_timeout_s=1.0, llm_max_retries=1)
+    stub.on("chat", delay(5.0), delay(5.0))
     t0 = time.monotonic()
     with pytest.raises(LlmUnavailable) as e:
         gw.complete("retain", MSGS)
     assert e.value.reason == "timeout" and e.value.usage.failed_calls == 2
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 8
 
 
 def test_timeout_then_success(stub):
-    gw = make_gateway(stub, llm_timeout_s=0.3)
-    stub.on("chat", delay(1.0), chat("fine"))
+    gw = make_gateway(stub, llm_timeout_s=1.0)
+    stub.on("chat", delay(5.0), chat("fine"))
     assert gw.complete("retain", MSGS).text == "fine"
 
 

@@ -824,7 +824,10 @@ def test_a_call_waiting_on_a_stopped_kafka_loop_ends_instead_of_hanging():
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.2)
+    end = time.monotonic() + 10  # the call is in flight before the loop stops
+    while not loop._pending and time.monotonic() < end:
+        time.sleep(0.01)
+    assert loop._pending
     loop.stop()
     t.join(5)
     assert not t.is_alive() and outcome == ["cancelled"]

@@ -1,4 +1,5 @@
-"""Reading a retain's consumer spans from an in-memory span exporter."""
+"""Waits for what the services do after a call returns: consumer groups catching up
+(consolidation, stale marks), consumer spans ending."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ def hop_spans(exporter, trace_id: int, hops, timeout: float = 15.0):
         if all(found) or time.monotonic() > deadline:
             return mine, found
         time.sleep(0.05)
+
+
+def drained(m, bank: str, timeout: float = 120.0) -> None:
+    """Until every consumer group (consolidation too) has consumed the bank's records,
+    read from ``m.bank_stats(bank).pending_records`` (``m`` a MnemeClient); fails the
+    test after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while m.bank_stats(bank).pending_records and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not m.bank_stats(bank).pending_records, f"bank {bank!r} not drained in {timeout}s"
