@@ -951,13 +951,17 @@ def memories_get(bank: str, memory_id: str, as_json: bool = typer.Option(False, 
 
 @memories_app.command("delete")
 def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
-    """Delete one memory (and the observations it alone supported)."""
+    """Delete one memory (and the observations it alone supported); exit 1 when the
+    bank holds no such memory ("memory not found")."""
     with _client(address) as m:
         try:
             op = m.delete_memory(bank, memory_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"deleted memory {memory_id}: {_state(op.state)}")
+    console.print(f"deleted memory {memory_id}: {_state(op.state)}"
+                  + (f" ({op.error})" if op.error else ""))
+    if op.state != 3:
+        raise typer.Exit(1)
 
 
 observations_app = typer.Typer(help="A bank's observations: list, show, scopes, consolidate, "

@@ -173,8 +173,12 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
                        stores: Projections) -> list[ev.OperationProgress]:
     """A deleted bank, document or memories out of every store; the deletion's progress
     (none for a retraction that is not an operation: a bank deleted before DeleteBank
-    had one). The progress is committed after the stores' flush, which makes the
-    deletion physical (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
+    had one). A DeleteMemory of a memory the bank does not hold (never there, or deleted
+    already) fails with "memory not found", as DeleteOpinion does. The progress is
+    committed after the stores' flush, which makes the deletion physical
+    (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
+    missing = (m.operation_id and m.memory_ids and not m.bank_deleted and not m.document_id
+               and not stores.vectors.get(m.bank_id, list(m.memory_ids)))
     if m.bank_deleted:
         stores.switch(m.bank_id)
         for s in stores.each("delete", m.bank_id):
@@ -196,6 +200,9 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
         return []
     kind = ("delete_bank" if m.bank_deleted else
             "delete_document" if m.document_id else "delete_memory")
+    if missing:
+        return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                     kind=kind, state="failed", error="memory not found")]
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id, kind=kind,
                                  state="succeeded")]
 

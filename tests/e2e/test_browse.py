@@ -173,6 +173,8 @@ def test_memories_cli_round_trip(server):
         app, ["memories", "delete", BANK, want[0], "-a", server.address]).output
     out = CliRunner().invoke(app, ["memories", "get", BANK, want[0], "-a", server.address])
     assert out.exit_code == 2 and "NOT_FOUND" in out.output
+    again = CliRunner().invoke(app, ["memories", "delete", BANK, want[0], "-a", server.address])
+    assert again.exit_code == 1 and "memory not found" in again.output
 
 
 def test_observations_cli_round_trip(server):

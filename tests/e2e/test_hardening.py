@@ -182,6 +182,28 @@ def test_request_id_after_delete_and_recreate_stores_the_new_items(m):
     assert [o.name for o in m.list_operations("reborn")] == [second.operation.name]
 
 
+def test_delete_memory_of_a_memory_the_bank_does_not_hold_fails_and_deletes_nothing(m):
+    """DeleteMemory's operation fails with "memory not found" for an id never retained,
+    one deleted already, or one of another bank (AIP-135: a missing resource is an
+    error); the bank's other memories stay readable."""
+    import uuid
+
+    m.upsert_bank("del-a")
+    m.upsert_bank("del-b")
+    a = m.retain("del-a", [{"content": "Ola sails on Lake Garda.", "timestamp": T0},
+                           {"content": "Ola repairs old radios.", "timestamp": T0}]).memory_ids
+    b = m.retain("del-b", [{"content": "Piet grows tulips.", "timestamp": T0}]).memory_ids
+    assert len(a) >= 2 and b
+    op = m.delete_memory("del-a", a[0])
+    assert (op.state, op.error) == (operations_pb2.SUCCEEDED, "")
+    for bank, memory in (("del-a", a[0]), ("del-a", str(uuid.uuid4())), ("del-a", b[0])):
+        op = m.delete_memory(bank, memory)
+        assert (op.kind, op.state, op.error) == ("delete_memory", operations_pb2.FAILED,
+                                                 "memory not found"), (bank, memory)
+    assert {x.id for x in m.list_memories("del-a")} == set(a[1:])
+    assert {x.id for x in m.list_memories("del-b")} == set(b)
+
+
 def test_identical_retains_at_once_append_once_and_keep_the_documents_facts(m):
     """Two calls with one request_id and document at the same moment (a client's retry
     racing its first try): one operation, appended once. A second copy on the log would

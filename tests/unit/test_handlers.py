@@ -601,6 +601,13 @@ def test_retractions_and_their_progress():
     assert (p.kind, p.state) == ("delete_memory", "succeeded")
     assert [s.count("b") for s in stores.all()] == [0, 0, 0]
     assert stores.vectors.ids("other") == {"f9"}
+    # deleted already, or held by another bank: the deletion fails, nothing else goes
+    for bank, memory in (("b", "f3"), ("b", "f9"), ("other", "f1")):
+        (p,) = search.on_facts_retracted(ev.FactsRetracted(bank_id=bank, operation_id="op-x",
+                                                           memory_ids=[memory]), meta(4),
+                                         stores=stores)
+        assert (p.kind, p.state, p.error) == ("delete_memory", "failed", "memory not found")
+    assert stores.vectors.ids("other") == {"f9"}
 
 
 def test_a_deleted_bank_leaves_every_store_without_progress():
