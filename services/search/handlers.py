@@ -14,7 +14,8 @@ from mneme.bus import codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, EventMeta
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import GraphStore, TextStore, VectorStore
-from services.search.observations import project_observations, retract_observations
+from mneme.domain import OPINION
+from services.search.observations import OBSERVATION, project_observations, retract_observations
 from services.search.opinions import project_opinions, retract_opinions
 
 log = logging.getLogger(__name__)
@@ -174,11 +175,25 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
     """A deleted bank, document or memories out of every store; the deletion's progress
     (none for a retraction that is not an operation: a bank deleted before DeleteBank
     had one). A DeleteMemory of a memory the bank does not hold (never there, or deleted
-    already) fails with "memory not found", as DeleteOpinion does. The progress is
-    committed after the stores' flush, which makes the deletion physical
-    (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
-    missing = (m.operation_id and m.memory_ids and not m.bank_deleted and not m.document_id
-               and not stores.vectors.get(m.bank_id, list(m.memory_ids)))
+    already) fails with "memory not found", as DeleteOpinion does, and one of an
+    observation or an opinion fails too (they are consolidation's to delete), deleting
+    nothing. The progress is committed after the stores' flush, which makes the deletion
+    physical (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
+    refused = ""
+    if m.memory_ids and not m.bank_deleted and not m.document_id:
+        # DeleteMemory deletes facts. An observation or opinion is consolidation's: deleted
+        # here only, consolidation would bring it back with its next change.
+        units = stores.vectors.get(m.bank_id, list(m.memory_ids))
+        kinds = {u.fact_type for u in units}
+        refused = ("memory not found" if not units else
+                   "an observation, not a fact: ClearObservations re-derives it"
+                   if OBSERVATION in kinds else
+                   "an opinion, not a fact: DeleteOpinion deletes it"
+                   if OPINION in kinds else "")
+        if refused:
+            return ([ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                          kind="delete_memory", state="failed", error=refused)]
+                    if m.operation_id else [])
     if m.bank_deleted:
         stores.switch(m.bank_id)
         for s in stores.each("delete", m.bank_id):
@@ -200,9 +215,6 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
         return []
     kind = ("delete_bank" if m.bank_deleted else
             "delete_document" if m.document_id else "delete_memory")
-    if missing:
-        return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
-                                     kind=kind, state="failed", error="memory not found")]
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id, kind=kind,
                                  state="succeeded")]
 

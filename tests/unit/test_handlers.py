@@ -608,6 +608,15 @@ def test_retractions_and_their_progress():
                                          stores=stores)
         assert (p.kind, p.state, p.error) == ("delete_memory", "failed", "memory not found")
     assert stores.vectors.ids("other") == {"f9"}
+    # an observation or opinion unit is consolidation's: refused, and it stays
+    for unit, fact_type in (("o1", "observation"), ("p1", "opinion")):
+        stores.vectors.upsert([replace(codec.fact_from_pb(pb_fact(unit, "A unit."), "b"),
+                                       fact_type=fact_type)])
+        (p,) = search.on_facts_retracted(ev.FactsRetracted(bank_id="b", operation_id="op-o",
+                                                           memory_ids=[unit]), meta(5),
+                                         stores=stores)
+        assert (p.state, p.error.split(",")[0]) == ("failed", f"an {fact_type}")
+        assert unit in stores.vectors.ids("b")
 
 
 def test_a_deleted_bank_leaves_every_store_without_progress():
