@@ -44,6 +44,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from mneme.cjk import segment
 from mneme.domain import derive_id
 from mneme.events.v1 import events_pb2 as ev
 from services.consolidation import attributes
@@ -103,7 +104,10 @@ def scopes_for(fact_tags: Sequence[str], spec: ev.ObservationScopes | None,
 
 
 def _words(text: str) -> list[str]:
-    return re.findall(r"[A-Za-z0-9']+", text)
+    """The words of ``text`` in any script: runs of letters and digits (an apostrophe
+    inside one joins it, "don't"); a CJK run counts as its character bigrams
+    (:func:`mneme.cjk.segment`), as keyword search counts it."""
+    return re.findall(r"[^\W_]+(?:'[^\W_]+)*", segment(text))
 
 
 def numbers(text: str) -> set[str]:
@@ -304,7 +308,7 @@ def worth_keeping(fact: ev.Fact) -> bool:
     """Offline default rule of what is worth an observation: a statement (not a
     question) of at least :data:`MIN_WORDS` words."""
     text = fact.text.strip()
-    return len(_words(text)) >= MIN_WORDS and not text.endswith("?")
+    return len(_words(text)) >= MIN_WORDS and not text.endswith(("?", "？", "؟"))
 
 
 # ---- times ------------------------------------------------------------------------------

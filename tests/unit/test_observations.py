@@ -88,6 +88,17 @@ def test_paraphrase_reinforces_with_verbatim_quotes(embedder):
     _check_evidence(h)
 
 
+def test_statements_in_any_script_become_observations(embedder):
+    """Words are counted in every script (a CJK run by its bigrams, as keyword search
+    counts it), so a statement not written in Latin letters is worth an observation;
+    a short one or a question still is not."""
+    h = Harness(embedder)
+    h.send(h.facts("Мария переехала в Москву в прошлом году.", "Dave: 我喜欢在东京吃寿司。",
+                   "Да.", "你好吗？", "你明天想去东京吃寿司吗？", "Ça va?"))
+    assert sorted(o.text for o in h.live()) == ["Dave: 我喜欢在东京吃寿司。",
+                                                "Мария переехала в Москву в прошлом году."]
+
+
 def test_two_dogs_then_rex_never_counts_three(embedder):
     h = Harness(embedder)
     h.send(h.facts("I have 2 dogs."))
