@@ -27,7 +27,23 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table  # noqa: E402
 
-console = Console(stderr=True)
+# Text from users and servers is data, never console markup. A command's result goes to
+# stdout (so `$(mneme … delete …)` captures it); errors, hints and progress to stderr.
+console = Console(stderr=True, markup=False)
+results = Console(markup=False)
+
+
+def _out() -> Console:
+    """The console a command prints its tables to: stdout, as wide as the terminal, or
+    200 columns when stdout is not one (a pipe or a file, unless COLUMNS says otherwise),
+    so piped tables keep whole ids and words."""
+    wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    return Console(markup=False, width=None if wide else 200)
+
+
+#: The range of a proto int32 field: a CLI option filling one is bounded by it, so a
+#: larger value is a usage error rather than the protobuf library's ValueError.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _configuration_errors() -> tuple[type[BaseException], ...]:
@@ -65,9 +81,8 @@ class _Commands(typer.core.TyperGroup):
         except Exception as e:
             if not isinstance(e, _configuration_errors()):
                 raise
-            from rich.markup import escape
-            console.print(f"[red]configuration error[/red]: {escape(configuration_message(e))}",
-                          soft_wrap=True)
+            console.print(f"configuration error: {configuration_message(e)}",
+                          soft_wrap=True, style="red")
             raise typer.Exit(1)
 
 
@@ -108,9 +123,11 @@ def _client(address: str):
 
 def _fail(e: grpc.RpcError) -> None:
     from mneme.client import field_violations
-    console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+    details = e.details() or ""
+    console.print(f"{e.code().name}: {details}", style="red")
     for f, d in field_violations(e):
-        console.print(f"  {f}: {d}")
+        if f"{f}: {d}" not in details:  # the message already names most of them
+            console.print(f"  {f}: {d}")
     raise typer.Exit(2)
 
 
@@ -118,7 +135,7 @@ def _choice(option: str, value: str, allowed) -> str:
     """``value`` if it is one of ``allowed``, else a usage error naming the allowed values
     (exit 2) instead of a traceback."""
     if value not in allowed:
-        console.print(f"[red]invalid {option} {value!r}[/red]: one of {', '.join(allowed)}")
+        console.print(f"invalid {option} {value!r}: one of {', '.join(allowed)}", style="red")
         raise typer.Exit(2)
     return value
 
@@ -156,7 +173,7 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     try:
         node = bootstrap(settings)
     except (DataDirLocked, LogDamaged) as e:
-        console.print(f"[red]{e}[/red]", soft_wrap=True)
+        console.print(f"{e}", soft_wrap=True, style="red")
         raise typer.Exit(1)
     tele = setup_telemetry("mneme", settings)
     node.start()
@@ -192,7 +209,7 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
     from mneme.config import Settings
 
     if service not in SERVICES:
-        console.print(f"[red]unknown service {service!r}[/red]; one of {', '.join(SERVICES)}")
+        console.print(f"unknown service {service!r}; one of {', '.join(SERVICES)}", style="red")
         raise typer.Exit(2)
     logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
@@ -251,7 +268,7 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
                 for b in m.list_banks():
                     t.add_row(b.name.split("/", 1)[1], b.display_name,
                               b.create_time.ToDatetime().isoformat(timespec="seconds"))
-                Console().print(t)
+                _out().print(t)
             elif action == "check-llm" and bank_id:
                 r = m.check_llm(bank_id)
                 print(f"extraction: {r.extraction}")
@@ -264,17 +281,18 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
                     raise typer.Exit(1)
             elif action == "update" and bank_id:
                 if name is None and not set_ and not flags:
-                    console.print("[red]nothing to change[/red]: give --name, a config flag "
-                                  "(--reflect-mission, --skepticism, ...) or --set FIELD=VALUE")
+                    console.print("nothing to change: give --name, a config flag "
+                                  "(--reflect-mission, --skepticism, ...) or --set FIELD=VALUE",
+                                  style="red")
                     raise typer.Exit(2)
                 b = m.update_bank(bank_id, display_name=name, **{**_config_fields(set_), **flags})
-                _print_json(b) if as_json else print(b)
+                _print_json(b) if as_json else _print_fields(b)
             elif action in ("create", "get", "delete") and bank_id:
                 b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
                 if b is None:
                     print(f"deleted {bank_id}")
                 else:
-                    _print_json(b) if as_json else print(b)
+                    _print_json(b) if as_json else _print_fields(b)
             else:
                 console.print("usage: mneme banks [list | create ID | get ID | update ID [--name N]"
                               " [--reflect-mission M] [--skepticism 1..5] ... [--set FIELD=VALUE]"
@@ -297,11 +315,11 @@ def retain(bank: str,
     """Retain one item (CONTENT), or every item of an --items file, into BANK in one
     request (the bank is created if missing)."""
     if (content is None) == (items is None):
-        console.print("[red]give CONTENT or --items FILE (one of them)[/red]")
+        console.print("give CONTENT or --items FILE (one of them)", style="red")
         raise typer.Exit(2)
     if items is not None and (context or document_id or tag or timestamp):
-        console.print("[red]with --items, each line gives its own context, document_id, "
-                      "tags and timestamp[/red]")
+        console.print("with --items, each line gives its own context, document_id, "
+                      "tags and timestamp", style="red")
         raise typer.Exit(2)
     if items is not None:
         batch = _items_file(items)
@@ -316,9 +334,13 @@ def retain(bank: str,
         except grpc.RpcError as e:
             _fail(e)
     op = r.operation
-    print(f"{op.name}: {op.kind} {_state(op.state)}, {op.facts} facts")
+    print(f"{op.name}: {op.kind} {_state(op.state)}, {op.facts} facts"
+          + (f", {len(op.item_errors)} items failed" if op.item_errors else ""))
     for mid in r.memory_ids:
         print(f"  {mid}")
+    for e in op.item_errors:  # the other items are stored
+        console.print(f"item {e.item_index} ({e.field or 'extraction'}): {e.error}",
+                      style="yellow")
 
 
 def _items_file(path: Path) -> list[dict]:
@@ -328,7 +350,7 @@ def _items_file(path: Path) -> list[dict]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        console.print(f"[red]--items {path}: {e}[/red]")
+        console.print(f"--items {path}: {e}", style="red")
         raise typer.Exit(2)
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -353,11 +375,11 @@ def _items_file(path: Path) -> list[dict]:
             if item.get("timestamp") is not None:
                 item["timestamp"] = _aware(datetime.fromisoformat(str(item["timestamp"])))
         except ValueError as e:
-            console.print(f"[red]--items {path}, line {n}: {e}[/red]")
+            console.print(f"--items {path}, line {n}: {e}", style="red")
             raise typer.Exit(2)
         out.append(item)
     if not out:
-        console.print(f"[red]--items {path}: no items[/red]")
+        console.print(f"--items {path}: no items", style="red")
         raise typer.Exit(2)
     return out
 
@@ -371,14 +393,14 @@ def _config_fields(pairs: List[str]) -> dict:
         key, sep, value = pair.partition("=")
         fd = fields.get(key)
         if not sep or fd is None:
-            console.print(f"[red]invalid --set {pair!r}[/red]: FIELD=VALUE with FIELD one of "
-                          f"{', '.join(fields)}")
+            console.print(f"invalid --set {pair!r}: FIELD=VALUE with FIELD one of "
+                          f"{', '.join(fields)}", style="red")
             raise typer.Exit(2)
         try:
             out[key] = {fd.TYPE_BOOL: lambda v: v.lower() in ("1", "true", "yes"),
                         fd.TYPE_INT32: int, fd.TYPE_DOUBLE: float}.get(fd.type, str)(value)
         except ValueError:
-            console.print(f"[red]invalid --set {pair!r}[/red]: not a {key} value")
+            console.print(f"invalid --set {pair!r}: not a {key} value", style="red")
             raise typer.Exit(2)
     return out
 
@@ -399,7 +421,8 @@ def _state(s: int) -> str:
 
 
 @app.command()
-def recall(bank: str, query: str, max_tokens: int = 1024, budget: str = "mid",
+def recall(bank: str, query: str,
+           max_tokens: int = typer.Option(1024, min=0, max=INT32_MAX), budget: str = "mid",
            tag: List[str] = typer.Option([], "--tag"), tags_match: str = "any",
            type_: List[str] = typer.Option(
                [], "--type", help="world, experience, observation or opinion (repeatable; "
@@ -435,7 +458,7 @@ def print_recall(r, limit: int | None = None) -> None:
         rank = lambda x: str(x) if x else "-"  # noqa: E731
         t.add_row(str(n), mem.text, when.ToDatetime().strftime("%Y-%m-%d"), rank(s.semantic_rank),
                   rank(s.keyword_rank), rank(s.graph_rank), rank(s.temporal_rank))
-    Console().print(t)
+    _out().print(t)
 
 
 @app.command()
@@ -510,7 +533,7 @@ def keys(action: str = typer.Argument("list", help="create | list | revoke"),
             key_id, key = store.add(bank, scope, subject)
             scope = parse_scope(scope)
         except ValueError as e:
-            console.print(f"[red]{e}[/red]")
+            console.print(f"{e}", style="red")
             raise typer.Exit(2)
         console.print(f"created key {key_id} ({scope} on {', '.join(sorted(set(bank)))}) in "
                       f"{store.path}; it is shown only now:")
@@ -520,12 +543,12 @@ def keys(action: str = typer.Argument("list", help="create | list | revoke"),
         for e in store.entries():
             t.add_row(e.get("id", ""), e.get("scope", ""), ", ".join(e.get("banks", [])),
                       e.get("subject", ""), e.get("created", ""))
-        Console().print(t)
+        _out().print(t)
     elif action == "revoke" and key_id:
         if not store.revoke(key_id):
-            console.print(f"[red]no key {key_id}[/red]")
+            console.print(f"no key {key_id}", style="red")
             raise typer.Exit(1)
-        console.print(f"revoked {key_id}")
+        results.print(f"revoked {key_id}")
     else:
         console.print("usage: mneme keys [list | create --bank B --scope read|write|history | "
                       "revoke ID]")
@@ -540,7 +563,7 @@ def reconsolidate(bank: str, address: str = AddressOpt):
         with _client(address) as m:
             op = m.consolidate(bank, reconsolidate=True)
             n = sum(1 for _ in m.list_observations(bank))
-        console.print(f"reconsolidated {bank}: {_state(op.state)}, {n} observations")
+        results.print(f"reconsolidated {bank}: {_state(op.state)}, {n} observations")
     except grpc.RpcError as e:
         _fail(e)
 
@@ -577,7 +600,7 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                 except grpc.RpcError as e:
                     if not each:
                         _fail(e)
-                    console.print(f"[red]{e.code().name}[/red]: {e.details()}")
+                    console.print(f"{e.code().name}: {e.details()}", style="red")
                     failed += 1
                     continue
             failed += not _report_generation(g)
@@ -601,7 +624,7 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
         try:
             stats = replay(settings, progress, force=force)
         except (DataDirLocked, LogDamaged, ReplayFailed) as e:
-            console.print(f"[red]{e}[/red]")
+            console.print(f"{e}", style="red")
             if isinstance(e, DataDirLocked):
                 console.print("a running server replays while it serves: "
                               "mneme replay --address HOST:PORT")
@@ -609,17 +632,17 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                 console.print("to switch anyway (the live generation is damaged): --force")
             raise typer.Exit(1)
         except StaleCommitError as e:  # Kafka: the search group still has members
-            console.print(f"[red]stop the search processes first: {e}[/red]")
+            console.print(f"stop the search processes first: {e}", style="red")
             raise typer.Exit(1)
     g = stats["generation"]
     if stats["state"] == "READY":  # store servers the search replicas share
-        console.print(f"replayed {stats['records']} records into generation {g}, checked; "
+        results.print(f"replayed {stats['records']} records into generation {g}, checked; "
                       f"to switch, set MNEME_STORE_GENERATION={g} on the search replicas "
                       f"(Helm: storeGeneration) and roll them; then `mneme generations drop "
                       f"{g - 1}`")
     else:
         # the two phases' records: what `generations list` counts, then the catalogs'
-        console.print(f"replayed {stats['records']} records; generation {g} is live "
+        results.print(f"replayed {stats['records']} records; generation {g} is live "
                       f"({stats['generation_records']} into its stores, "
                       f"{stats['catalog_records']} rebuilding the catalogs)")
 
@@ -645,8 +668,8 @@ def reembed_cmd(model: str = typer.Option(..., "--model", "-m", help="the new em
     from mneme.config import Settings
 
     if model not in MODELS:
-        console.print(f"[red]unknown embedding model {model!r}; choose one of "
-                      f"{', '.join(sorted(MODELS))}[/red]")
+        console.print(f"unknown embedding model {model!r}; choose one of "
+                      f"{', '.join(sorted(MODELS))}", style="red")
         raise typer.Exit(2)
     settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
     with _progress() as prog:
@@ -661,7 +684,7 @@ def reembed_cmd(model: str = typer.Option(..., "--model", "-m", help="the new em
         try:
             out = reembed(settings, model, progress, force=force)
         except (DataDirLocked, LogDamaged, ReplayFailed, ReembedRefused) as e:
-            console.print(f"[red]{e}[/red]")
+            console.print(f"{e}", style="red")
             if isinstance(e, DataDirLocked):
                 console.print("stop the server first (mneme reembed works on a stopped "
                               "server's data dir)")
@@ -671,7 +694,7 @@ def reembed_cmd(model: str = typer.Option(..., "--model", "-m", help="the new em
         console.print(f"the data dir already holds {model} vectors"
                       + ("" if out["previous_model"] else " (none yet)") + "; nothing to do")
         return
-    console.print(f"re-embedded {out['units']} units of {out['banks']} banks with {model} "
+    results.print(f"re-embedded {out['units']} units of {out['banks']} banks with {model} "
                   f"(was {out['previous_model']}): {out['events']} events appended, "
                   f"{out['records']} records replayed; generation {out['generation']} is "
                   f"live. Serve with MNEME_EMBEDDING_MODEL={model}")
@@ -683,12 +706,12 @@ def _each_address(address: str) -> list[str]:
     import socket
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()):
-        console.print(f"[red]--address must be HOST:PORT, got {address!r}[/red]")
+        console.print(f"--address must be HOST:PORT, got {address!r}", style="red")
         raise typer.Exit(2)
     try:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except OSError as e:
-        console.print(f"[red]cannot resolve {host}: {e}[/red]")
+        console.print(f"cannot resolve {host}: {e}", style="red")
         raise typer.Exit(1)
     if any(os.environ.get(f"MNEME_CLIENT_TLS_{k}") for k in ("CA", "CERT", "KEY")):
         os.environ.setdefault("MNEME_CLIENT_TLS_SERVER_NAME", host.strip("[]"))
@@ -706,9 +729,9 @@ def _report_generation(g) -> bool:
                   + (f", {g.check.gained} banks repaired" if g.check.gained else "")
                   + (f", {g.check.moving} banks written meanwhile" if g.check.moving else ""))
     for p in g.check.problems:
-        console.print(f"  [yellow]{p}[/yellow]")
+        console.print(f"  {p}", style="yellow")
     if g.state == generations_pb2.Generation.FAILED:
-        console.print(f"[red]{g.error}[/red] (the live generation is unchanged)")
+        console.print(f"{g.error} (the live generation is unchanged)", style="red")
         return False
     return True
 
@@ -719,16 +742,22 @@ app.add_typer(generations_app, name="generations")
 
 
 @generations_app.command("list")
-def generations_list(address: Optional[str] = typer.Option(None, "--address", "-a"),
+def generations_list(address: Optional[str] = typer.Option(
+                         os.environ.get("MNEME_ADDRESS"), "--address", "-a",
+                         help="a running server (default: MNEME_ADDRESS when set)"),
                      data_dir: Path = typer.Option(None, "--data-dir", "-d")):
-    """List the generations of a running server (--address) or of a data dir."""
+    """List the generations of a running server (--address) or of a data dir (--data-dir,
+    which wins; default MNEME_DATA_DIR or ./.mneme)."""
     from datetime import datetime, timezone
 
     def when(seconds: float) -> str:  # generation 1 before any replay has no time
         return (datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
                 if seconds else "-")
     t = Table("generation", "state", "records", "units checked", "updated", "error")
-    if address:
+    if data_dir is not None and not data_dir.is_dir():
+        console.print(f"no data dir {data_dir}", style="red")
+        raise typer.Exit(1)
+    if address and data_dir is None:
         from mneme.v1 import generations_pb2
         with _client(address) as m:
             try:
@@ -745,7 +774,7 @@ def generations_list(address: Optional[str] = typer.Option(None, "--address", "-
         for g in Generations(st.data_dir.resolve(), configured(st)).list():
             t.add_row(str(g.generation), g.state, str(g.records_done),
                       str(g.check.get("units", "")), when(g.update_time), g.error)
-    Console().print(t)
+    _out().print(t)
 
 
 @generations_app.command("drop")
@@ -768,9 +797,10 @@ def generations_drop(generation: int,
         try:
             drop_generation(settings, generation)
         except (DataDirLocked, KeyError, ValueError) as e:
-            console.print(f"[red]{e if not isinstance(e, KeyError) else f'no generation {generation}'}[/red]")
+            console.print(str(e) if not isinstance(e, KeyError) else f"no generation {generation}",
+                          style="red")
             raise typer.Exit(1)
-    console.print(f"dropped generation {generation}")
+    results.print(f"dropped generation {generation}")
 
 
 def _print_json(messages) -> None:
@@ -782,6 +812,22 @@ def _print_json(messages) -> None:
         return MessageToDict(msg, preserving_proto_field_name=True)
     out = [one(x) for x in messages] if isinstance(messages, list) else one(messages)
     print(json.dumps(out, indent=1, ensure_ascii=False))
+
+
+def _print_fields(msg) -> None:
+    """A protobuf message for reading on stdout: one "field: value" line per set field,
+    nested messages indented, times as RFC 3339 (the proto's text format prints seconds
+    and nanos)."""
+    from google.protobuf.json_format import MessageToDict
+
+    def lines(d: dict, indent: str):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                print(f"{indent}{k}:")
+                lines(v, indent + "  ")
+            else:
+                print(f"{indent}{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}")
+    lines(MessageToDict(msg, preserving_proto_field_name=True), "")
 
 
 def _table(*columns: str, ids: tuple[str, ...] = ()) -> Table:
@@ -824,7 +870,8 @@ def _print_directive(d) -> None:
 @directives_app.command("create")
 def directives_create(bank: str, text: str = typer.Argument(..., help="the rule, e.g. 'Answer in German.'"),
                       title: str = typer.Option("", help="a short label"),
-                      priority: int = typer.Option(0, help="higher first when several apply"),
+                      priority: int = typer.Option(0, min=INT32_MIN, max=INT32_MAX,
+                                                   help="higher first when several apply"),
                       inactive: bool = typer.Option(False, "--inactive", help="keep it but do not apply it"),
                       tag: List[str] = typer.Option([], "--tag", help="scope: applies to reflects with one of these tags"),
                       as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
@@ -849,7 +896,7 @@ def directives_list(bank: str, as_json: bool = typer.Option(False, "--json"),
     t = _table("directive", "priority", "active", "tags", "title", "text", ids=("directive",))
     for d in found:
         t.add_row(d.id, str(d.priority), "yes" if d.active else "no", ", ".join(d.tags), d.title, d.text)
-    Console().print(t)
+    _out().print(t)
 
 
 @directives_app.command("get")
@@ -868,7 +915,7 @@ def directives_get(bank: str, directive_id: str, as_json: bool = typer.Option(Fa
 def directives_update(bank: str, directive_id: str,
                       text: Optional[str] = typer.Option(None, help="new rule text"),
                       title: Optional[str] = typer.Option(None),
-                      priority: Optional[int] = typer.Option(None),
+                      priority: Optional[int] = typer.Option(None, min=INT32_MIN, max=INT32_MAX),
                       active: Optional[bool] = typer.Option(None, "--active/--inactive"),
                       tag: Optional[List[str]] = typer.Option(None, "--tag", help="replaces the tags"),
                       clear_tags: bool = typer.Option(False, "--clear-tags", help="remove every tag"),
@@ -879,8 +926,8 @@ def directives_update(bank: str, directive_id: str,
     if tag or clear_tags:
         fields["tags"] = [] if clear_tags else tag
     if not fields:
-        console.print("[red]nothing to change[/red]: give --text, --title, --priority, "
-                      "--active/--inactive, --tag or --clear-tags")
+        console.print("nothing to change: give --text, --title, --priority, "
+                      "--active/--inactive, --tag or --clear-tags", style="red")
         raise typer.Exit(2)
     with _client(address) as m:
         try:
@@ -898,7 +945,7 @@ def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
             m.delete_directive(bank, directive_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"deleted directive {directive_id}")
+    results.print(f"deleted directive {directive_id}")
 
 
 memories_app = typer.Typer(help="A bank's memories (facts): list, show, delete.",
@@ -912,7 +959,7 @@ def _when(ts) -> str:
 
 @memories_app.command("list")
 def memories_list(bank: str, document_id: str = typer.Option("", help="only this document's"),
-                  limit: int = typer.Option(0, help="at most this many (0: all)"),
+                  limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's memories (facts) in a stable order."""
     with _client(address) as m:
@@ -924,7 +971,7 @@ def memories_list(bank: str, document_id: str = typer.Option("", help="only this
     for x in found:
         t.add_row(x.id, resources_pb2.FactType.Name(x.fact_type).lower(),
                   _when(x.occurred_start), x.document_id, x.text)
-    Console().print(t)
+    _out().print(t)
 
 
 @memories_app.command("get")
@@ -958,7 +1005,7 @@ def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
             op = m.delete_memory(bank, memory_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"deleted memory {memory_id}: {_state(op.state)}"
+    results.print(f"deleted memory {memory_id}: {_state(op.state)}"
                   + (f" ({op.error})" if op.error else ""))
     if op.state != 3:
         raise typer.Exit(1)
@@ -973,7 +1020,7 @@ app.add_typer(observations_app, name="observations")
 def observations_list(bank: str, scope: Optional[List[str]] = typer.Option(
                           None, "--scope", help="only this exact scope (its tags)"),
                       global_scope: bool = typer.Option(False, "--global", help="only the untagged scope"),
-                      limit: int = typer.Option(0, help="at most this many (0: all)"),
+                      limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                       as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's observations (of one scope with --scope or --global)."""
     exact = [] if global_scope else scope
@@ -984,7 +1031,7 @@ def observations_list(bank: str, scope: Optional[List[str]] = typer.Option(
     t = _table("observation", "proof", "scope", "text", ids=("observation",))
     for o in found:
         t.add_row(o.id, str(o.proof_count), ", ".join(o.scope) or "(global)", o.text)
-    Console().print(t)
+    _out().print(t)
 
 
 @observations_app.command("get")
@@ -1019,7 +1066,7 @@ def observations_scopes(bank: str, as_json: bool = typer.Option(False, "--json")
     t = _table("scope", "observations")
     for s in scopes:
         t.add_row(", ".join(s.tags) or "(global)", str(s.observations))
-    Console().print(t)
+    _out().print(t)
 
 
 @observations_app.command("consolidate")
@@ -1030,7 +1077,7 @@ def observations_consolidate(bank: str, address: str = AddressOpt):
             op = m.consolidate(bank)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"consolidated {bank}: {_state(op.state)}")
+    results.print(f"consolidated {bank}: {_state(op.state)}")
 
 
 @observations_app.command("clear")
@@ -1042,7 +1089,7 @@ def observations_clear(bank: str, memory_id: str = typer.Option("", help="only t
             op = m.clear_observations(bank, memory_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"cleared observations of {bank}: {_state(op.state)}")
+    results.print(f"cleared observations of {bank}: {_state(op.state)}")
 
 
 opinions_app = typer.Typer(help="Opinions: beliefs the bank formed when it reflected (list, "
@@ -1052,7 +1099,7 @@ app.add_typer(opinions_app, name="opinions")
 
 @opinions_app.command("list")
 def opinions_list(bank: str, entity: str = typer.Option("", help="only those about this entity id"),
-                  limit: int = typer.Option(0, help="at most this many (0: all)"),
+                  limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's opinions with their confidence."""
     with _client(address) as m:
@@ -1062,7 +1109,7 @@ def opinions_list(bank: str, entity: str = typer.Option("", help="only those abo
     t = _table("opinion", "confidence", "entities", "text", ids=("opinion",))
     for o in found:
         t.add_row(o.id, f"{o.confidence:.2f}", ", ".join(e.name for e in o.entities), o.text)
-    Console().print(t)
+    _out().print(t)
 
 
 @opinions_app.command("get")
@@ -1094,7 +1141,7 @@ def opinions_delete(bank: str, opinion_id: str, address: str = AddressOpt):
             op = m.delete_opinion(bank, opinion_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"deleted opinion {opinion_id}: {_state(op.state)}"
+    results.print(f"deleted opinion {opinion_id}: {_state(op.state)}"
                   + (f" ({op.error})" if op.error else ""))
     if op.state != 3:
         raise typer.Exit(1)
@@ -1123,9 +1170,11 @@ def models_create(bank: str, display_name: str = typer.Argument(..., help="its n
                   source_query: str = typer.Argument(..., help="the question it answers"),
                   content: str = typer.Option("", help="a first answer (else: refresh it)"),
                   tag: List[str] = typer.Option([], "--tag", help="its scope"),
-                  max_tokens: int = typer.Option(0, help="most tokens a refresh stores (0: 2048)"),
+                  max_tokens: int = typer.Option(0, min=0, max=INT32_MAX,
+                                                 help="most tokens a refresh stores (0: 2048)"),
                   refresh_policy: str = typer.Option("manual", help=", ".join(_POLICIES)),
-                  refresh_every: int = typer.Option(0, help="new facts between refreshes"),
+                  refresh_every: int = typer.Option(0, min=0, max=INT32_MAX,
+                                                    help="new facts between refreshes"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Create a mental model in BANK."""
     _choice("--refresh-policy", refresh_policy, _POLICIES)
@@ -1155,7 +1204,7 @@ def models_list(bank: str, tag: List[str] = typer.Option([], "--tag", help="only
     for mm in found:
         t.add_row(mm.id, mm.display_name, str(mm.revision), "stale" if mm.is_stale else "fresh",
                   ", ".join(mm.tags), mm.source_query)
-    Console().print(t)
+    _out().print(t)
 
 
 @models_app.command("get")
@@ -1177,9 +1226,9 @@ def models_update(bank: str, model_id: str,
                   content: Optional[str] = typer.Option(None),
                   tag: Optional[List[str]] = typer.Option(None, "--tag", help="replaces the tags"),
                   clear_tags: bool = typer.Option(False, "--clear-tags"),
-                  max_tokens: Optional[int] = typer.Option(None),
+                  max_tokens: Optional[int] = typer.Option(None, min=0, max=INT32_MAX),
                   refresh_policy: Optional[str] = typer.Option(None, help=", ".join(_POLICIES)),
-                  refresh_every: Optional[int] = typer.Option(None),
+                  refresh_every: Optional[int] = typer.Option(None, min=0, max=INT32_MAX),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Change only the given fields of a mental model."""
     if refresh_policy is not None:
@@ -1191,8 +1240,9 @@ def models_update(bank: str, model_id: str,
     if tag or clear_tags:
         fields["tags"] = [] if clear_tags else tag
     if not fields:
-        console.print("[red]nothing to change[/red]: give --name, --query, --content, --tag, "
-                      "--clear-tags, --max-tokens, --refresh-policy or --refresh-every")
+        console.print("nothing to change: give --name, --query, --content, --tag, "
+                      "--clear-tags, --max-tokens, --refresh-policy or --refresh-every",
+                      style="red")
         raise typer.Exit(2)
     with _client(address) as m:
         try:
@@ -1256,7 +1306,7 @@ def models_clear(bank: str, model_id: str, as_json: bool = typer.Option(False, "
             _fail(e)
     if as_json:
         return _print_json(mm)
-    console.print(f"cleared mental model {model_id}: revision {mm.revision}")
+    results.print(f"cleared mental model {model_id}: revision {mm.revision}")
 
 
 @models_app.command("delete")
@@ -1267,7 +1317,7 @@ def models_delete(bank: str, model_id: str, address: str = AddressOpt):
             m.delete_mental_model(bank, model_id)
         except grpc.RpcError as e:
             _fail(e)
-    console.print(f"deleted mental model {model_id}")
+    results.print(f"deleted mental model {model_id}")
 
 
 entities_app = typer.Typer(help="The entities a bank's memories mention.", no_args_is_help=True)
@@ -1275,7 +1325,7 @@ app.add_typer(entities_app, name="entities")
 
 
 @entities_app.command("list")
-def entities_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+def entities_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's entities in id order with their kind and mention count."""
     with _client(address) as m:
@@ -1285,7 +1335,7 @@ def entities_list(bank: str, limit: int = typer.Option(0, help="at most this man
     t = _table("entity", "name", "kind", "mentions", "aliases", ids=("entity",))
     for e in found:
         t.add_row(e.id, e.display_name, e.kind, str(e.mention_count), ", ".join(e.aliases))
-    Console().print(t)
+    _out().print(t)
 
 
 @entities_app.command("get")
@@ -1299,7 +1349,7 @@ def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, 
             _fail(err)
     if as_json:
         return _print_json(e)
-    out = Console()
+    out = _out()
     out.print(f"{e.display_name} ({e.kind}) {e.id}: {e.mention_count} mentions; "
               f"aliases: {', '.join(e.aliases)}")
     t = _table("neighbour", "name", "kind", "shared memories", ids=("neighbour",))
@@ -1331,7 +1381,7 @@ def entities_merge(bank: str,
             _fail(err)
     if as_json:
         return _print_json(e)
-    _print_entity(Console(), e)
+    _print_entity(_out(), e)
 
 
 @entities_app.command("split")
@@ -1353,7 +1403,7 @@ def entities_split(bank: str, entity_id: str,
             _fail(err)
     if as_json:
         return _print_json(r)
-    out = Console()
+    out = _out()
     _print_entity(out, r.entity)
     _print_entity(out, r.new_entity)
 
@@ -1363,7 +1413,7 @@ app.add_typer(documents_app, name="documents")
 
 
 @documents_app.command("list")
-def documents_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+def documents_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's documents in id order with how many memories and revisions each has
     and when it was last retained."""
@@ -1376,7 +1426,7 @@ def documents_list(bank: str, limit: int = typer.Option(0, help="at most this ma
         t.add_row(d.document_id, str(d.memory_count), str(d.revision_count),
                   d.update_time.ToDatetime(timezone.utc).isoformat(timespec="seconds")
                   if d.HasField("update_time") else "")
-    Console().print(t)
+    _out().print(t)
 
 
 @documents_app.command("get")
@@ -1397,7 +1447,7 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
     def iso(ts) -> str:
         return (ts.ToDatetime(timezone.utc).isoformat(timespec="seconds")
                 if ts.seconds or ts.nanos else "unknown")
-    out = Console()
+    out = _out()
     created = iso(d.create_time) if d.HasField("create_time") else "unknown"
     updated = iso(d.update_time) if d.HasField("update_time") else "unknown"
     out.print(f"{d.document_id}: {d.memory_count} memories, {d.revision_count} revisions, "
@@ -1435,7 +1485,7 @@ app.add_typer(tags_app, name="tags")
 
 
 @tags_app.command("list")
-def tags_list(bank: str, limit: int = typer.Option(0, help="at most this many (0: all)"),
+def tags_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
               as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List the tags on BANK's memories in tag order with how many memories carry each."""
     with _client(address) as m:
@@ -1445,7 +1495,7 @@ def tags_list(bank: str, limit: int = typer.Option(0, help="at most this many (0
     t = _table("tag", "memories")
     for tag in tags:
         t.add_row(tag.tag, str(tag.memory_count))
-    Console().print(t)
+    _out().print(t)
 
 
 operations_app = typer.Typer(help="Long-running work (retains, deletions, consolidations).")
@@ -1456,7 +1506,7 @@ app.add_typer(operations_app, name="operations")
 def operations(ctx: typer.Context,
                bank: Optional[str] = typer.Option(None, "--bank", "-b",
                                                   help="one bank; default every bank"),
-               limit: int = typer.Option(50, help="at most this many"),
+               limit: int = typer.Option(50, min=0, help="at most this many"),
                as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List operations (retains, deletions, …) with their status and progress; the
     commands below get, cancel and retry one."""
@@ -1469,13 +1519,14 @@ def operations(ctx: typer.Context,
             _fail(e)
     if as_json:
         return _print_json(ops)
-    t = Table("operation", "bank", "kind", "state", "items", "facts", "updated", "error")
+    t = _table("operation", "bank", "kind", "state", "items", "facts", "updated", "error",
+               ids=("operation",))
     for op in ops:
         t.add_row(op.name.split("/", 1)[-1], op.bank_id, op.kind, _op_state(op),
                   f"{op.items_done}/{op.items_total}", str(op.facts),
                   op.update_time.ToDatetime(timezone.utc).isoformat(timespec="seconds"),
                   op.error)
-    Console().print(t)
+    _out().print(t)
 
 
 def _op_state(op) -> str:
@@ -1622,9 +1673,9 @@ def _report_topics(event_log) -> None:
     from mneme.bus.topics import check
     report = check(event_log)
     for w in report.warnings:
-        console.print(f"[yellow]warning[/yellow] {w}")
+        console.print(f"warning {w}", style="yellow")
     for e in report.errors:
-        console.print(f"[red]error[/red] {e}")
+        console.print(f"error {e}", style="red")
     if report.errors:
         raise typer.Exit(1)
     console.print("topics ok")
@@ -1651,18 +1702,18 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
     settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
     url = settings.url("bus")
     if not url.lower().startswith("sqlite:"):
-        console.print(f"[red]{url} is not an embedded (sqlite) log[/red]")
+        console.print(f"{url} is not an embedded (sqlite) log", style="red")
         raise typer.Exit(2)
     try:
         root = Root(settings)  # the data dir lock: no server may use the log meanwhile
     except DataDirLocked as e:
-        console.print(f"[red]{e}[/red]")
+        console.print(f"{e}", style="red")
         raise typer.Exit(1)
     try:
         path = url.split("://", 1)[1]
         path = path[1:] if path.startswith("//") else path
         if not os.path.exists(path):
-            console.print(f"[red]no event log at {path}[/red]")
+            console.print(f"no event log at {path}", style="red")
             raise typer.Exit(1)
         r = recover(path)
     finally:
@@ -1698,7 +1749,7 @@ def _dlq_records(event_log, start: int = 0):
 
 
 @dlq_app.command("list")
-def dlq_list(start: int = typer.Option(0, help="first DLQ offset")):
+def dlq_list(start: int = typer.Option(0, min=0, help="first DLQ offset")):
     """Dead letters on MNEME_BUS_URL: offset, source topic/partition/offset, group, error."""
     from mneme.bootstrap import Root
     root = Root()
@@ -1709,14 +1760,14 @@ def dlq_list(start: int = typer.Option(0, help="first DLQ offset")):
             t.add_row(str(r.offset), r.key, h.get("ce_type", ""),
                       f"{h.get('dlq_topic')}[{h.get('dlq_partition')}]@{h.get('dlq_offset')}",
                       h.get("dlq_group", ""), h.get("dlq_attempts", ""), h.get("dlq_error", ""))
-        Console().print(t)
+        _out().print(t)
     finally:
         root.close()
 
 
 @dlq_app.command("replay")
 def dlq_replay(offset: List[int] = typer.Option([], "--offset", help="DLQ offsets; default all from --start"),
-               start: int = typer.Option(0, help="first DLQ offset"),
+               start: int = typer.Option(0, min=0, help="first DLQ offset"),
                dry_run: bool = typer.Option(False, "--dry-run")):
     """Re-publish dead letters to the topic they came from (dlq_* headers removed, the
     CloudEvents headers and payload unchanged). Every group on that topic sees them again;
@@ -1737,7 +1788,7 @@ def dlq_replay(offset: List[int] = typer.Option([], "--offset", help="DLQ offset
             print(f"dlq@{r.offset} → {topic} ({h.get('ce_type', '?')}, bank {r.key})")
         if out and not dry_run:
             root.log.append(out)
-        console.print(f"{'would re-publish' if dry_run else 're-published'} {len(out)} records")
+        results.print(f"{'would re-publish' if dry_run else 're-published'} {len(out)} records")
     finally:
         root.close()
 

@@ -169,12 +169,32 @@ def test_memories_cli_round_trip(server):
     one = json.loads(cli(server, "memories", "get", BANK, want[0], "--json"))
     assert one["id"] == want[0] and one["document_id"] == "notes/bob"
     assert one["mentioned_at"] == "2024-05-01T00:00:00Z"  # ISO time
+    # the result on stdout, so a script's $(mneme memories delete …) has it
     assert "deleted memory" in CliRunner().invoke(
-        app, ["memories", "delete", BANK, want[0], "-a", server.address]).output
+        app, ["memories", "delete", BANK, want[0], "-a", server.address]).stdout
     out = CliRunner().invoke(app, ["memories", "get", BANK, want[0], "-a", server.address])
     assert out.exit_code == 2 and "NOT_FOUND" in out.output
     again = CliRunner().invoke(app, ["memories", "delete", BANK, want[0], "-a", server.address])
     assert again.exit_code == 1 and "memory not found" in again.output
+
+
+def test_cli_prints_text_with_brackets_as_it_is(server):
+    """Stored text, ids and server messages are data, not console markup: brackets that
+    look like markup tags (valid or not) print as they are, in tables and errors."""
+    text = "Frank said [bold]hello[/bold] and closed [/x] the tag [red]x"
+    with server.client() as m:
+        m.upsert_bank("marks")
+        m.retain("marks", [{"content": text, "document_id": "[/d]"}])
+    wide = {"COLUMNS": "400"}
+    for args in (["memories", "list", "marks"], ["recall", "marks", "Frank hello"],
+                 ["documents", "list", "marks"]):
+        out = CliRunner().invoke(app, [*args, "-a", server.address], env=wide)
+        assert out.exit_code == 0, out.output
+        assert ("[/d]" if args[0] == "documents" else "[bold]hello[/bold]") in out.output, args
+    out = CliRunner().invoke(app, ["documents", "get", "marks", "[/x]", "-a", server.address])
+    assert out.exit_code == 2 and "NOT_FOUND" in out.output and "[/x]" in out.output
+    out = CliRunner().invoke(app, ["banks", "create", "Not An Id", "-a", server.address])
+    assert out.exit_code == 2 and "[a-z0-9]" in out.output
 
 
 def test_observations_cli_round_trip(server):

@@ -21,6 +21,7 @@ from mneme.client import field_violations
 from mneme.v1 import banks_pb2, memory_pb2, observations_pb2, operations_pb2, recall_pb2
 from mneme.v1 import reflect_pb2, resources_pb2
 from tests.e2e.server import Server
+from tests.waits import drained
 
 T0 = datetime(2024, 5, 20, 12, tzinfo=timezone.utc)
 QUERY_CHARS = 2000  # MNEME_LIMIT_QUERY_CHARS of the server below
@@ -185,7 +186,7 @@ def test_request_id_after_delete_and_recreate_stores_the_new_items(m):
 def test_delete_memory_of_a_memory_the_bank_does_not_hold_fails_and_deletes_nothing(m):
     """DeleteMemory's operation fails with "memory not found" for an id never retained,
     one deleted already, or one of another bank (AIP-135: a missing resource is an
-    error); the bank's other memories stay readable."""
+    error), and for an observation's id; the bank's other memories stay readable."""
     import uuid
 
     m.upsert_bank("del-a")
@@ -202,6 +203,14 @@ def test_delete_memory_of_a_memory_the_bank_does_not_hold_fails_and_deletes_noth
                                                  "memory not found"), (bank, memory)
     assert {x.id for x in m.list_memories("del-a")} == set(a[1:])
     assert {x.id for x in m.list_memories("del-b")} == set(b)
+    # an observation is consolidation's: DeleteMemory refuses it and it stays
+    drained(m, "del-b")
+    (obs,) = m.list_observations("del-b")
+    op = m.delete_memory("del-b", obs.id)
+    assert op.state == operations_pb2.FAILED and "ClearObservations" in op.error
+    assert m.get_observation("del-b", obs.id).text == obs.text
+    hits = m.recall("del-b", "Piet grows tulips", types=["observation"]).results
+    assert obs.id in {r.memory.id for r in hits}
 
 
 def test_identical_retains_at_once_append_once_and_keep_the_documents_facts(m):
@@ -365,6 +374,10 @@ def test_cli_bank_update(server, m):
     assert out.exit_code == 0, out.output
     b = m.get_bank("cli-upd")
     assert (b.display_name, b.config.empathy, b.config.retain_mission) == ("B", 4, "Missions stay.")
+    # printed for reading: field per line, the config nested, times as RFC 3339
+    said = out.stdout.splitlines()
+    assert "display_name: B" in said and "config:" in said and "  empathy: 4" in said
+    assert any(x.startswith("create_time: 20") and x.endswith("Z") for x in said), said
 
 
 # ---- 11. one bad item fails alone ----------------------------------------------------------

@@ -61,6 +61,7 @@ def test_bank_stats_and_operations(server):
     out = runner.invoke(app, ["operations", "--bank", "ops", "-a", server])
     assert out.exit_code == 0, out.output
     assert "succeeded" in out.output
+    assert r.operation.name.split("/")[-1] in out.output  # the full id, even at 80 columns
 
 
 def test_retain_takes_a_json_lines_file_of_items_as_one_request(server, tmp_path):
@@ -94,6 +95,11 @@ def test_retain_takes_a_json_lines_file_of_items_as_one_request(server, tmp_path
         assert out.exit_code == 2 and said in " ".join(out.output.split()), out.output
     with MnemeClient(server) as m:
         assert len(list(m.list_operations("garden"))) == 1
+    # an item refused alone is named; the others are stored
+    path.write_text('{"content": "Nora watered the tulips."}\n{"content": ""}\n')
+    out = runner.invoke(app, ["retain", "garden", "--items", str(path), "-a", server])
+    assert out.exit_code == 0, out.output
+    assert "1 items failed" in out.output and "item 1 (items[1].content)" in out.output
 
 
 def test_a_service_launcher_enters_the_composition_root(tmp_path):
