@@ -85,8 +85,14 @@ class Projections:
         return (self.vectors, self.text, self.graph)
 
     def each(self, op: str, bank_id: str):
-        """(store, span) for every store: one ``store.<op>`` span around each write."""
-        for kind, s in (("vector", self.vectors), ("text", self.text), ("graph", self.graph)):
+        """(store, span) for every store: one ``store.<op>`` span around each write. A
+        "delete" writes the vector store last: a deletion retried after another store
+        failed reads the vector store to learn what it deletes (the units of a document,
+        whether a memory exists), so that must still hold them."""
+        stores = (("vector", self.vectors), ("text", self.text), ("graph", self.graph))
+        if op == "delete":
+            stores = stores[1:] + stores[:1]
+        for kind, s in stores:
             with telemetry.span(f"store.{op} {kind}", mneme__store=kind,
                                 mneme__store_class=type(getattr(s, "target", s)).__name__, mneme__bank_id=bank_id):
                 yield s
@@ -179,21 +185,23 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
     observation or an opinion fails too (they are consolidation's to delete), deleting
     nothing. The progress is committed after the stores' flush, which makes the deletion
     physical (:meth:`mneme.ports.VectorStore.flush`), once per batch."""
-    refused = ""
+    missing = False
     if m.memory_ids and not m.bank_deleted and not m.document_id:
-        # DeleteMemory deletes facts. An observation or opinion is consolidation's: deleted
-        # here only, consolidation would bring it back with its next change.
         units = stores.vectors.get(m.bank_id, list(m.memory_ids))
         kinds = {u.fact_type for u in units}
-        refused = ("memory not found" if not units else
-                   "an observation, not a fact: ClearObservations re-derives it"
+        # DeleteMemory deletes facts. An observation or opinion is consolidation's: deleted
+        # here only, consolidation would bring it back with its next change.
+        refused = ("an observation, not a fact: ClearObservations re-derives it"
                    if OBSERVATION in kinds else
-                   "an opinion, not a fact: DeleteOpinion deletes it"
-                   if OPINION in kinds else "")
+                   "an opinion, not a fact: DeleteOpinion deletes it" if OPINION in kinds
+                   else "")
         if refused:
             return ([ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                           kind="delete_memory", state="failed", error=refused)]
                     if m.operation_id else [])
+        # Not found: the deletes below still run (idempotent), finishing a deletion this
+        # event began before a store failed (the vector store is deleted last).
+        missing = not units
     if m.bank_deleted:
         stores.switch(m.bank_id)
         for s in stores.each("delete", m.bank_id):
@@ -215,6 +223,9 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
         return []
     kind = ("delete_bank" if m.bank_deleted else
             "delete_document" if m.document_id else "delete_memory")
+    if missing:
+        return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
+                                     kind=kind, state="failed", error="memory not found")]
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id, kind=kind,
                                  state="succeeded")]
 

@@ -619,6 +619,29 @@ def test_retractions_and_their_progress():
         assert unit in stores.vectors.ids("b")
 
 
+def test_a_deletion_retried_after_a_store_failed_finishes_and_succeeds():
+    """The vector store is deleted last, so a retry (the consumer retries a handler that
+    raised) still finds the memory, or the document's units, and finishes the deletion
+    in every store instead of answering "memory not found"."""
+    for kind in ("text", "graph"):
+        stores = fake_projections({kind: "delete"})
+        _seed(stores)
+        retracted = ev.FactsRetracted(bank_id="b", operation_id="op-m", memory_ids=["f3"])
+        with pytest.raises(RuntimeError):
+            search.on_facts_retracted(retracted, meta(2), stores=stores)
+        stores.all()[("vector", "text", "graph").index(kind)].fail = None
+        (p,) = search.on_facts_retracted(retracted, meta(2), stores=stores)
+        assert (p.state, p.error) == ("succeeded", "")
+        assert all("f3" not in s.ids("b") for s in stores.all()), kind
+        stores.text.fail = stores.graph.fail = "delete_where"
+        by_doc = ev.FactsRetracted(bank_id="b", operation_id="op-d", document_id="d")
+        with pytest.raises(RuntimeError):
+            search.on_facts_retracted(by_doc, meta(3), stores=stores)
+        stores.text.fail = stores.graph.fail = None
+        (p,) = search.on_facts_retracted(by_doc, meta(3), stores=stores)
+        assert p.state == "succeeded" and all(s.ids("b") == set() for s in stores.all())
+
+
 def test_a_deleted_bank_leaves_every_store_without_progress():
     stores = fake_projections()
     _seed(stores)
