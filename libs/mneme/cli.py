@@ -29,8 +29,8 @@ from rich.table import Table  # noqa: E402
 
 # Text from users and servers is data, never console markup. A command's result goes to
 # stdout (so `$(mneme … delete …)` captures it); errors, hints and progress to stderr.
-console = Console(stderr=True, markup=False)
-results = Console(markup=False)
+console = Console(stderr=True, markup=False, emoji=False, highlight=False, soft_wrap=True)
+results = Console(markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def _out() -> Console:
@@ -38,7 +38,7 @@ def _out() -> Console:
     200 columns when stdout is not one (a pipe or a file, unless COLUMNS says otherwise),
     so piped tables keep whole ids and words."""
     wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
-    return Console(markup=False, width=None if wide else 200)
+    return Console(markup=False, emoji=False, highlight=False, width=None if wide else 200)
 
 
 #: The range of a proto int32 field: a CLI option filling one is bounded by it, so a
@@ -341,6 +341,11 @@ def retain(bank: str,
     for e in op.item_errors:  # the other items are stored
         console.print(f"item {e.item_index} ({e.field or 'extraction'}): {e.error}",
                       style="yellow")
+    from mneme.v1 import operations_pb2
+    if op.state == operations_pb2.FAILED:  # every item failed
+        if op.error:
+            console.print(op.error, style="red")
+        raise typer.Exit(1)
 
 
 def _items_file(path: Path) -> list[dict]:
@@ -418,6 +423,16 @@ def _exists(m, bank: str) -> bool:
 def _state(s: int) -> str:
     from mneme.v1 import operations_pb2
     return operations_pb2.OperationState.Name(s).lower()
+
+
+def _ended(op, said: str) -> None:
+    """``said`` and the operation's state on stdout; when the operation FAILED, on
+    stderr with its error instead, and exit 1."""
+    from mneme.v1 import operations_pb2
+    if op.state == operations_pb2.FAILED:
+        console.print(f"{said}: failed" + (f" ({op.error})" if op.error else ""), style="red")
+        raise typer.Exit(1)
+    results.print(f"{said}: {_state(op.state)}")
 
 
 @app.command()
@@ -563,9 +578,9 @@ def reconsolidate(bank: str, address: str = AddressOpt):
         with _client(address) as m:
             op = m.consolidate(bank, reconsolidate=True)
             n = sum(1 for _ in m.list_observations(bank))
-        results.print(f"reconsolidated {bank}: {_state(op.state)}, {n} observations")
     except grpc.RpcError as e:
         _fail(e)
+    _ended(op, f"reconsolidated {bank} ({n} observations)")
 
 
 @app.command("replay")
@@ -820,13 +835,16 @@ def _print_fields(msg) -> None:
     and nanos)."""
     from google.protobuf.json_format import MessageToDict
 
+    def shown(v) -> str:  # one line each: JSON for what is not a plain one-line string
+        return v if isinstance(v, str) and "\n" not in v else json.dumps(v, ensure_ascii=False)
+
     def lines(d: dict, indent: str):
         for k, v in d.items():
             if isinstance(v, dict):
                 print(f"{indent}{k}:")
                 lines(v, indent + "  ")
             else:
-                print(f"{indent}{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}")
+                print(f"{indent}{k}: {shown(v)}")
     lines(MessageToDict(msg, preserving_proto_field_name=True), "")
 
 
@@ -1005,10 +1023,7 @@ def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
             op = m.delete_memory(bank, memory_id)
         except grpc.RpcError as e:
             _fail(e)
-    results.print(f"deleted memory {memory_id}: {_state(op.state)}"
-                  + (f" ({op.error})" if op.error else ""))
-    if op.state != 3:
-        raise typer.Exit(1)
+    _ended(op, f"deleted memory {memory_id}")
 
 
 observations_app = typer.Typer(help="A bank's observations: list, show, scopes, consolidate, "
@@ -1077,7 +1092,7 @@ def observations_consolidate(bank: str, address: str = AddressOpt):
             op = m.consolidate(bank)
         except grpc.RpcError as e:
             _fail(e)
-    results.print(f"consolidated {bank}: {_state(op.state)}")
+    _ended(op, f"consolidated {bank}")
 
 
 @observations_app.command("clear")
@@ -1089,7 +1104,7 @@ def observations_clear(bank: str, memory_id: str = typer.Option("", help="only t
             op = m.clear_observations(bank, memory_id)
         except grpc.RpcError as e:
             _fail(e)
-    results.print(f"cleared observations of {bank}: {_state(op.state)}")
+    _ended(op, f"cleared observations of {bank}")
 
 
 opinions_app = typer.Typer(help="Opinions: beliefs the bank formed when it reflected (list, "
@@ -1141,10 +1156,7 @@ def opinions_delete(bank: str, opinion_id: str, address: str = AddressOpt):
             op = m.delete_opinion(bank, opinion_id)
         except grpc.RpcError as e:
             _fail(e)
-    results.print(f"deleted opinion {opinion_id}: {_state(op.state)}"
-                  + (f" ({op.error})" if op.error else ""))
-    if op.state != 3:
-        raise typer.Exit(1)
+    _ended(op, f"deleted opinion {opinion_id}")
 
 
 models_app = typer.Typer(help="Mental models: named standing answers reflect searches first.",
@@ -1477,7 +1489,7 @@ def documents_delete(bank: str, document_id: str, address: str = AddressOpt):
             op = m.delete_document(bank, document_id)
         except grpc.RpcError as e:
             _fail(e)
-    print(f"deleted document {document_id}: {_state(op.state)}")
+    _ended(op, f"deleted document {document_id}")
 
 
 tags_app = typer.Typer(help="The tags on a bank's memories.", no_args_is_help=True)

@@ -181,7 +181,7 @@ def test_memories_cli_round_trip(server):
 def test_cli_prints_text_with_brackets_as_it_is(server):
     """Stored text, ids and server messages are data, not console markup: brackets that
     look like markup tags (valid or not) print as they are, in tables and errors."""
-    text = "Frank said [bold]hello[/bold] and closed [/x] the tag [red]x"
+    text = "Frank said [bold]hello[/bold] and closed [/x] the tag [red]x :100:"
     with server.client() as m:
         m.upsert_bank("marks")
         m.retain("marks", [{"content": text, "document_id": "[/d]"}])
@@ -190,7 +190,7 @@ def test_cli_prints_text_with_brackets_as_it_is(server):
                  ["documents", "list", "marks"]):
         out = CliRunner().invoke(app, [*args, "-a", server.address], env=wide)
         assert out.exit_code == 0, out.output
-        assert ("[/d]" if args[0] == "documents" else "[bold]hello[/bold]") in out.output, args
+        assert ("[/d]" if args[0] == "documents" else "[red]x :100:") in out.output, args
     out = CliRunner().invoke(app, ["documents", "get", "marks", "[/x]", "-a", server.address])
     assert out.exit_code == 2 and "NOT_FOUND" in out.output and "[/x]" in out.output
     out = CliRunner().invoke(app, ["banks", "create", "Not An Id", "-a", server.address])
