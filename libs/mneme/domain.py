@@ -29,10 +29,17 @@ def derive_id(*parts: object) -> str:
 
 
 def utc(dt: datetime | None) -> datetime | None:
-    """Return ``dt`` as an aware UTC datetime (naive values are taken as UTC)."""
+    """Return ``dt`` as an aware UTC datetime (naive values are taken as UTC). A time
+    within a day of the range's ends whose offset puts it outside in UTC (year 1 at
+    +14:00, year 9999 at -12:00) is the range's end (:data:`MIN_TIME`, :data:`MAX_TIME`)."""
     if dt is None:
         return None
-    return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt.astimezone(timezone.utc)
+    if dt.tzinfo is None:
+        return dt.replace(tzinfo=timezone.utc)
+    try:
+        return dt.astimezone(timezone.utc)
+    except OverflowError:
+        return MIN_TIME if dt.year == 1 else MAX_TIME
 
 
 #: The representable time range (protobuf Timestamp, RFC 3339, Python ``datetime``):

@@ -165,7 +165,10 @@ def test_dt_to_ts_equals_protobufs_own_conversion():
     cases = [MIN_TIME, MAX_TIME, datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc),
              datetime(1970, 1, 1, tzinfo=timezone.utc),
              datetime(2020, 5, 5, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=-7))),
-             datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)]
+             datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc),
+             # outside the range once in UTC: the range's ends, not an OverflowError
+             datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14))),
+             datetime(9999, 12, 31, 23, 59, tzinfo=timezone(timedelta(hours=-12)))]
     cases += [MIN_TIME + timedelta(seconds=rng.randrange(span), microseconds=rng.randrange(10**6))
               for _ in range(2000)]
     for c in cases:
@@ -174,3 +177,4 @@ def test_dt_to_ts_equals_protobufs_own_conversion():
         got = dt_to_ts(c)
         assert (got.seconds, got.nanos) == (want.seconds, want.nanos), c
     assert dt_to_ts(None) is None
+    assert clamp_time(cases[-2002]) == MIN_TIME and clamp_time(cases[-2001]) == MAX_TIME
