@@ -139,10 +139,14 @@ class MnemeClient:
     certificate for an mtls server, as a :class:`mneme.grpc_util.ClientTLS`, e.g.
     ``ClientTLS(ca="ca.pem", cert="me.pem", key="me.key")``; None: plaintext; default
     from ``MNEME_CLIENT_TLS_CA``/``_CERT``/``_KEY``/``_SERVER_NAME`` (plaintext when none
-    is set). The files are re-read when they change (a new channel after a rotation)."""
+    is set). The files are re-read when they change (a new channel after a rotation).
+    Raises ValueError when ``address`` is neither HOST:PORT (port 0..65535) nor a gRPC
+    target with a scheme."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 600.0,
                  api_key: str | None = None, tls: ClientTLS | None | object = _UNSET):
+        from mneme.names import check_address
+        check_address(address)  # ValueError: not HOST:PORT (or a gRPC target)
         self.channel = api_channel(address, [("grpc.max_receive_message_length", 64 << 20),
                                              ("grpc.max_send_message_length", 64 << 20)],
                                    api_key=api_key, tls=tls)

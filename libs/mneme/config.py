@@ -70,6 +70,12 @@ class Settings(BaseSettings):
                     "all-MiniLM-L6-v2-onnx-int8 or paraphrase-MiniLM-L3-v2-onnx (recorded on "
                     "events; a data dir keeps the model it was built with)")
 
+    @field_validator("grpc_address", "search_address")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        from mneme.names import check_address
+        return check_address(address) if address else address
+
     @field_validator("embedding_model")
     @classmethod
     def _known_model(cls, name: str) -> str:

@@ -128,3 +128,16 @@ def generation_of(name: str, field: str = "name") -> int:
     if len(parts) != 2 or parts[0] != "generations" or not _GENERATION.fullmatch(parts[1]):
         raise InvalidArgument(field, f"must be 'generations/{{n}}' with n >= 1, got {name!r}")
     return int(parts[1])
+
+
+def check_address(address: str) -> str:
+    """``address`` unchanged when it is a usable ``host:port`` gRPC address: a host (an
+    IPv6 one in brackets) and a port 0..65535. A gRPC target with a scheme
+    (``dns:///h:p``, ``unix:/path``) is left to gRPC. Raises ValueError naming the
+    problem: gRPC itself would take port 99999 as 34463 (modulo 65536)."""
+    if "://" in address or address.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT with a port 0..65535")
+    return address
