@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,10 +23,34 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import grpc  # noqa: E402
 import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
+from rich.console import Console as _RichConsole  # noqa: E402
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # noqa: E402
                            TimeElapsedColumn, TimeRemainingColumn)
-from rich.table import Table  # noqa: E402
+from rich.table import Table as _RichTable  # noqa: E402
+
+#: C0 and C1 control characters but tab and newline: stored text that holds them (an
+#: ANSI escape sequence, a carriage return) would recolour, move or clear the terminal.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with each control character shown as its ``\\xNN`` escape."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class Console(_RichConsole):
+    """A rich Console whose printed strings show control characters as escapes."""
+
+    def print(self, *objects, **kwargs) -> None:  # noqa: A003
+        super().print(*(_visible(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+class Table(_RichTable):
+    """A rich Table whose string cells show control characters as escapes."""
+
+    def add_row(self, *cells, **kwargs) -> None:
+        super().add_row(*(_visible(c) if isinstance(c, str) else c for c in cells), **kwargs)
+
 
 # Text from users and servers is data, never console markup. A command's result goes to
 # stdout (so `$(mneme … delete …)` captures it); errors, hints and progress to stderr.
@@ -71,18 +96,30 @@ def configuration_message(e: BaseException) -> str:
 
 class _Commands(typer.core.TyperGroup):
     """The root command group. Every command runs inside its :meth:`invoke`, so this is
-    the one place where a configuration error (see :func:`_configuration_errors`) becomes
-    exit status 1 with a one-line message on stderr instead of a traceback, for every
-    command that reads the settings or opens the event log."""
+    the one place where an error a command did not handle becomes exit status 1 with one
+    line on stderr instead of a traceback: a configuration error (see
+    :func:`_configuration_errors`) for every command that reads the settings or opens
+    the event log, a gRPC error as :func:`_fail` prints it (exit 2), and anything else as
+    its type and message (``MNEME_DEBUG=1``: the traceback)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except Exception as e:
-            if not isinstance(e, _configuration_errors()):
+            if type(e).__module__.split(".")[0] in ("click", "typer"):
+                raise  # usage errors, exits and aborts: the command line library's own
+            if isinstance(e, _configuration_errors()):
+                console.print(f"configuration error: {configuration_message(e)}",
+                              soft_wrap=True, style="red")
+                raise typer.Exit(1)
+            if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+                _fail(e)
+            # Anything else a command did not expect (a file it cannot read, a date it
+            # cannot represent, a port in use) is one line on stderr, not a traceback;
+            # MNEME_DEBUG=1 shows the traceback.
+            if os.environ.get("MNEME_DEBUG"):
                 raise
-            console.print(f"configuration error: {configuration_message(e)}",
-                          soft_wrap=True, style="red")
+            console.print(f"error: {type(e).__name__}: {e}", style="red")
             raise typer.Exit(1)
 
 
@@ -225,27 +262,28 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
 def banks(action: str = typer.Argument("list", help="list | create | get | update | delete | "
                                                     "check-llm | stats | profile"),
           bank_id: Optional[str] = typer.Argument(None),
-          name: Optional[str] = typer.Option(None, "--name", help="update: display name"),
-          set_: List[str] = typer.Option([], "--set", help="update: config FIELD=VALUE, e.g. "
+          name: Optional[str] = typer.Option(None, "--name", help="create, update: display name"),
+          set_: List[str] = typer.Option([], "--set", help="create, update: config FIELD=VALUE, e.g. "
                                          "retain_mission='...' (repeatable)"),
-          retain_mission: Optional[str] = typer.Option(None, help="update: what retain extracts"),
+          retain_mission: Optional[str] = typer.Option(None, help="create, update: what retain extracts"),
           observations_mission: Optional[str] = typer.Option(
-              None, help="update: what consolidation keeps as observations"),
-          reflect_mission: Optional[str] = typer.Option(None, help="update: what reflect answers for"),
-          skepticism: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
-          literalism: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
-          empathy: Optional[int] = typer.Option(None, min=1, max=5, help="update: 1..5"),
+              None, help="create, update: what consolidation keeps as observations"),
+          reflect_mission: Optional[str] = typer.Option(None, help="create, update: what reflect answers for"),
+          skepticism: Optional[int] = typer.Option(None, min=1, max=5, help="create, update: 1..5"),
+          literalism: Optional[int] = typer.Option(None, min=1, max=5, help="create, update: 1..5"),
+          empathy: Optional[int] = typer.Option(None, min=1, max=5, help="create, update: 1..5"),
           auto_consolidate: Optional[bool] = typer.Option(
-              None, "--auto-consolidate/--no-auto-consolidate", help="update"),
-          extraction_mode: Optional[str] = typer.Option(None, help="update: auto, offline, llm or llm_only"),
-          erasure: Optional[str] = typer.Option(None, help="update: crypto_shred or none"),
+              None, "--auto-consolidate/--no-auto-consolidate", help="create, update"),
+          extraction_mode: Optional[str] = typer.Option(None, help="create, update: auto, offline, llm or llm_only"),
+          erasure: Optional[str] = typer.Option(None, help="create, update: crypto_shred or none"),
           store_documents: Optional[bool] = typer.Option(
               None, "--store-documents/--no-store-documents",
-              help="update: keep retained documents' original text (GetDocument)"),
+              help="create, update: keep retained documents' original text (GetDocument)"),
           as_json: bool = typer.Option(False, "--json", help="get, create, update: the bank as JSON"),
           address: str = AddressOpt):
-    """List, create, show, update (only the fields given) or delete banks, or check the
-    language models a bank uses."""
+    """List, create (or replace: the name and config given, defaults for the rest), show,
+    update (only the fields given) or delete banks, or check the language models a bank
+    uses."""
     flags = {k: v for k, v in (
         ("retain_mission", retain_mission), ("observations_mission", observations_mission),
         ("reflect_mission", reflect_mission), ("skepticism", skepticism),
@@ -257,6 +295,10 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         _choice("--extraction-mode", extraction_mode, EXTRACTION_MODES)
     if erasure is not None:
         _choice("--erasure", erasure, ("crypto_shred", "none"))
+    if action not in ("create", "update") and (flags or set_ or name is not None):
+        console.print(f"banks {action}: --name, --set and config flags go with create or "
+                      "update only", style="red")
+        raise typer.Exit(2)
     if action == "stats" and bank_id:
         return _bank_stats(bank_id, address)
     if action == "profile" and bank_id:
@@ -287,8 +329,12 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
                     raise typer.Exit(2)
                 b = m.update_bank(bank_id, display_name=name, **{**_config_fields(set_), **flags})
                 _print_json(b) if as_json else _print_fields(b)
-            elif action in ("create", "get", "delete") and bank_id:
-                b = {"create": m.upsert_bank, "get": m.get_bank}.get(action, m.delete_bank)(bank_id)
+            elif action == "create" and bank_id:  # create or replace: config as given
+                b = m.upsert_bank(bank_id, display_name=name or "",
+                                  **{**_config_fields(set_), **flags})
+                _print_json(b) if as_json else _print_fields(b)
+            elif action in ("get", "delete") and bank_id:
+                b = {"get": m.get_bank}.get(action, m.delete_bank)(bank_id)
                 if b is None:
                     print(f"deleted {bank_id}")
                 else:
@@ -389,6 +435,24 @@ def _items_file(path: Path) -> list[dict]:
     return out
 
 
+def _boolean(value: str) -> bool:
+    """true/false, yes/no, 1/0 (any case); ValueError for anything else."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes"):
+        return True
+    if v in ("0", "false", "no"):
+        return False
+    raise ValueError(value)
+
+
+def _int32(value: str) -> int:
+    """An integer in a proto int32's range; ValueError otherwise."""
+    n = int(value)
+    if not INT32_MIN <= n <= INT32_MAX:
+        raise ValueError(value)
+    return n
+
+
 def _config_fields(pairs: List[str]) -> dict:
     """``FIELD=VALUE`` strings → BankConfig keyword arguments, typed by the field."""
     from mneme.v1 import resources_pb2
@@ -402,8 +466,8 @@ def _config_fields(pairs: List[str]) -> dict:
                           f"{', '.join(fields)}", style="red")
             raise typer.Exit(2)
         try:
-            out[key] = {fd.TYPE_BOOL: lambda v: v.lower() in ("1", "true", "yes"),
-                        fd.TYPE_INT32: int, fd.TYPE_DOUBLE: float}.get(fd.type, str)(value)
+            out[key] = {fd.TYPE_BOOL: _boolean, fd.TYPE_INT32: _int32,
+                        fd.TYPE_DOUBLE: float}.get(fd.type, str)(value)
         except ValueError:
             console.print(f"invalid --set {pair!r}: not a {key} value", style="red")
             raise typer.Exit(2)
@@ -583,6 +647,20 @@ def reconsolidate(bank: str, address: str = AddressOpt):
     _ended(op, f"reconsolidated {bank} ({n} observations)")
 
 
+def _settings_of(data_dir: Optional[Path], embedded_log_only: bool = False):
+    """The settings with ``data_dir`` (default ``MNEME_DATA_DIR`` or ./.mneme) for a
+    command that reads what a data dir holds; exit 1 when that directory does not exist,
+    rather than creating an empty one and reporting on it. ``embedded_log_only``: only
+    when the event log is the data dir's own (a Kafka log can be replayed into a new
+    data dir)."""
+    from mneme.config import Settings
+    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    if not settings.data_dir.is_dir() and not (embedded_log_only and settings.bus_url):
+        console.print(f"no data dir {settings.data_dir}", style="red")
+        raise typer.Exit(1)
+    return settings
+
+
 @app.command("replay")
 def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                address: Optional[str] = typer.Option(
@@ -626,10 +704,9 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
     from mneme.runtime import allocator
     from mneme.runtime.replay import ReplayFailed, replay
     from mneme.bus import StaleCommitError
-    from mneme.config import Settings
 
     allocator.tune()
-    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    settings = _settings_of(data_dir, embedded_log_only=True)
     with _progress() as prog:
         task = prog.add_task("replaying the log", total=None)
 
@@ -680,13 +757,12 @@ def reembed_cmd(model: str = typer.Option(..., "--model", "-m", help="the new em
     from mneme.runtime.reembed import ReembedRefused, reembed
     from mneme.runtime.replay import ReplayFailed
     from mneme.bus.sqlite_log import LogDamaged
-    from mneme.config import Settings
 
     if model not in MODELS:
         console.print(f"unknown embedding model {model!r}; choose one of "
                       f"{', '.join(sorted(MODELS))}", style="red")
         raise typer.Exit(2)
-    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    settings = _settings_of(data_dir, embedded_log_only=True)
     with _progress() as prog:
         tasks: dict[str, object] = {}
 
@@ -769,9 +845,6 @@ def generations_list(address: Optional[str] = typer.Option(
         return (datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
                 if seconds else "-")
     t = Table("generation", "state", "records", "units checked", "updated", "error")
-    if data_dir is not None and not data_dir.is_dir():
-        console.print(f"no data dir {data_dir}", style="red")
-        raise typer.Exit(1)
     if address and data_dir is None:
         from mneme.v1 import generations_pb2
         with _client(address) as m:
@@ -783,9 +856,8 @@ def generations_list(address: Optional[str] = typer.Option(
             except grpc.RpcError as e:
                 _fail(e)
     else:
-        from mneme.config import Settings
         from mneme.generations import Generations, configured
-        st = Settings(**({"data_dir": data_dir} if data_dir else {}))
+        st = _settings_of(data_dir)
         for g in Generations(st.data_dir.resolve(), configured(st)).list():
             t.add_row(str(g.generation), g.state, str(g.records_done),
                       str(g.check.get("units", "")), when(g.update_time), g.error)
@@ -805,10 +877,9 @@ def generations_drop(generation: int,
             except grpc.RpcError as e:
                 _fail(e)
     else:
-        from mneme.config import Settings
         from mneme.datadir import DataDirLocked
         from mneme.runtime.replay import drop_generation
-        settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+        settings = _settings_of(data_dir)
         try:
             drop_generation(settings, generation)
         except (DataDirLocked, KeyError, ValueError) as e:
@@ -836,7 +907,8 @@ def _print_fields(msg) -> None:
     from google.protobuf.json_format import MessageToDict
 
     def shown(v) -> str:  # one line each: JSON for what is not a plain one-line string
-        return v if isinstance(v, str) and "\n" not in v else json.dumps(v, ensure_ascii=False)
+        return (_visible(v) if isinstance(v, str) and "\n" not in v
+                else json.dumps(v, ensure_ascii=False))
 
     def lines(d: dict, indent: str):
         for k, v in d.items():
@@ -1709,9 +1781,8 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
     from mneme.bootstrap import Root
     from mneme.datadir import DataDirLocked
     from mneme.bus.sqlite_log import recover
-    from mneme.config import Settings
 
-    settings = Settings(**({"data_dir": data_dir} if data_dir else {}))
+    settings = _settings_of(data_dir, embedded_log_only=True)
     url = settings.url("bus")
     if not url.lower().startswith("sqlite:"):
         console.print(f"{url} is not an embedded (sqlite) log", style="red")

@@ -600,8 +600,8 @@ class Ingest:
         if not again:
             raise FailedPrecondition(
                 f"operation {operation_id} has nothing to retry: its failed items were "
-                "refused by the API (over a limit) and never logged; retain them again, "
-                "corrected")
+                "refused by the API (invalid or over a limit) and never logged; retain them "
+                "again, corrected")
         if gone := [i for i in again if i in erased]:
             raise FailedPrecondition(
                 f"operation {operation_id} cannot be retried: the content of items[{gone[0]}] "

@@ -180,8 +180,9 @@ def test_memories_cli_round_trip(server):
 
 def test_cli_prints_text_with_brackets_as_it_is(server):
     """Stored text, ids and server messages are data, not console markup: brackets that
-    look like markup tags (valid or not) print as they are, in tables and errors."""
-    text = "Frank said [bold]hello[/bold] and closed [/x] the tag [red]x :100:"
+    look like markup tags (valid or not) print as they are, in tables and errors, and a
+    control character shows as its escape instead of acting on the terminal."""
+    text = "Frank said [bold]hello[/bold] and closed [/x] the tag [red]x :100: \x1b[2J"
     with server.client() as m:
         m.upsert_bank("marks")
         m.retain("marks", [{"content": text, "document_id": "[/d]"}])
@@ -190,7 +191,8 @@ def test_cli_prints_text_with_brackets_as_it_is(server):
                  ["documents", "list", "marks"]):
         out = CliRunner().invoke(app, [*args, "-a", server.address], env=wide)
         assert out.exit_code == 0, out.output
-        assert ("[/d]" if args[0] == "documents" else "[red]x :100:") in out.output, args
+        assert ("[/d]" if args[0] == "documents" else "[red]x :100: \\x1b[2J") in out.output, args
+        assert "\x1b" not in out.output  # an escape sequence stored is shown, not run
     out = CliRunner().invoke(app, ["documents", "get", "marks", "[/x]", "-a", server.address])
     assert out.exit_code == 2 and "NOT_FOUND" in out.output and "[/x]" in out.output
     out = CliRunner().invoke(app, ["banks", "create", "Not An Id", "-a", server.address])

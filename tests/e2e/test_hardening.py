@@ -378,6 +378,12 @@ def test_cli_bank_update(server, m):
     said = out.stdout.splitlines()
     assert "display_name: B" in said and "config:" in said and "  empathy: 4" in said
     assert any(x.startswith("create_time: 20") and x.endswith("Z") for x in said), said
+    # create takes the config it is given (it was ignored)
+    out = CliRunner().invoke(app, ["banks", "create", "cli-new", "--skepticism", "5", "--set",
+                                   "auto_consolidate=false", "-a", server.address])
+    assert out.exit_code == 0, out.output
+    b = m.get_bank("cli-new")
+    assert (b.config.skepticism, b.config.auto_consolidate) == (5, False)
 
 
 # ---- 11. one bad item fails alone ----------------------------------------------------------
