@@ -109,8 +109,7 @@ class _Commands(typer.core.TyperGroup):
             if type(e).__module__.split(".")[0] in ("click", "typer"):
                 raise  # usage errors, exits and aborts: the command line library's own
             if isinstance(e, _configuration_errors()):
-                console.print(f"configuration error: {configuration_message(e)}",
-                              soft_wrap=True, style="red")
+                console.print(f"configuration error: {configuration_message(e)}", style="red")
                 raise typer.Exit(1)
             if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
                 _fail(e)
@@ -210,7 +209,7 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     try:
         node = bootstrap(settings)
     except (DataDirLocked, LogDamaged) as e:
-        console.print(f"{e}", soft_wrap=True, style="red")
+        console.print(f"{e}", style="red")
         raise typer.Exit(1)
     tele = setup_telemetry("mneme", settings)
     node.start()
@@ -1535,17 +1534,16 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
     created = iso(d.create_time) if d.HasField("create_time") else "unknown"
     updated = iso(d.update_time) if d.HasField("update_time") else "unknown"
     out.print(f"{d.document_id}: {d.memory_count} memories, {d.revision_count} revisions, "
-              f"created {created}, last retained {updated}", highlight=False)
+              f"created {created}, last retained {updated}")
     if d.content_hash:
         out.print(f"text: {d.content_chars} characters, sha256 {d.content_hash}, "
-                  f"{'stored' if d.text_stored else 'not stored'}", highlight=False)
+                  f"{'stored' if d.text_stored else 'not stored'}")
     if text and d.original_text:
         print(d.original_text)  # as stored: never rewrapped to the terminal's width
     for r in d.history:  # one line each: full operation names, never cut
         tags = f", tags {', '.join(r.tags)}" if r.tags else ""
         out.print(f"  revision {r.revision}  {iso(r.retain_time)}  {r.operation}  "
-                  f"{r.item_count} item(s), {r.content_chars} chars{tags}", highlight=False,
-                  soft_wrap=True)
+                  f"{r.item_count} item(s), {r.content_chars} chars{tags}", soft_wrap=True)
     from mneme.v1 import resources_pb2
     t = _table("memory", "type", "text", ids=("memory",))
     for mem in d.memories:

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field, replace
 
 from mneme import telemetry
 from mneme.bus import codec
-from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, EventMeta
+from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, OPINION, EventMeta
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import GraphStore, TextStore, VectorStore
-from mneme.domain import OPINION
 from services.search.observations import OBSERVATION, project_observations, retract_observations
 from services.search.opinions import project_opinions, retract_opinions
 
