@@ -79,7 +79,7 @@ def retain_items_from_api(items, now: datetime) -> list[RetainItem]:
             ts = None
         out.append(RetainItem(content=i.content, context=i.context, timestamp=ts or utc(now),
                               document_id=i.document_id, tags=tuple(i.tags),
-                              metadata=dict(i.metadata)))
+                              metadata=dict(i.metadata), time_zone=i.time_zone.strip()))
     return out
 
 

@@ -176,6 +176,10 @@ def _choice(option: str, value: str, allowed) -> str:
     return value
 
 
+_ZONE_HELP = ("the asker's zone, whose calendar 'yesterday' is read in: an IANA name "
+              "(Europe/Paris) or an offset (+05:30); default: the --at's offset, else UTC")
+
+
 def _aware(ts: Optional[datetime]) -> Optional[datetime]:
     return ts.replace(tzinfo=ts.tzinfo or timezone.utc) if ts else None
 
@@ -352,26 +356,30 @@ def retain(bank: str,
            content: Optional[str] = typer.Argument(None, help="text, or - to read stdin"),
            context: str = "", document_id: str = "", tag: List[str] = typer.Option([], "--tag"),
            timestamp: Optional[datetime] = typer.Option(None, help="when it happened (ISO 8601)"),
+           time_zone: Optional[str] = typer.Option(
+               None, "--time-zone", help="the zone it was said in, for relative dates: an "
+               "IANA name (Europe/Paris) or an offset (+05:30); default: the --timestamp's "
+               "offset, else UTC"),
            items: Optional[Path] = typer.Option(
                None, "--items", help="a JSON-lines file of items instead of CONTENT, one "
                                      "object each: content, context, timestamp (ISO 8601), "
-                                     "document_id, tags, metadata"),
+                                     "time_zone, document_id, tags, metadata"),
            async_: bool = typer.Option(False, "--async"), address: str = AddressOpt):
     """Retain one item (CONTENT), or every item of an --items file, into BANK in one
     request (the bank is created if missing)."""
     if (content is None) == (items is None):
         console.print("give CONTENT or --items FILE (one of them)", style="red")
         raise typer.Exit(2)
-    if items is not None and (context or document_id or tag or timestamp):
+    if items is not None and (context or document_id or tag or timestamp or time_zone):
         console.print("with --items, each line gives its own context, document_id, "
-                      "tags and timestamp", style="red")
+                      "tags, timestamp and time_zone", style="red")
         raise typer.Exit(2)
     if items is not None:
         batch = _items_file(items)
     else:
         text = sys.stdin.read() if content == "-" else content
         batch = [{"content": text, "context": context, "document_id": document_id,
-                  "tags": tag, "timestamp": _aware(timestamp)}]
+                  "tags": tag, "timestamp": _aware(timestamp), "time_zone": time_zone}]
     with _client(address) as m:
         try:
             m.upsert_bank(bank) if not _exists(m, bank) else None
@@ -409,11 +417,11 @@ def _items_file(path: Path) -> list[dict]:
             item = json.loads(line)
             if not isinstance(item, dict) or not isinstance(item.get("content"), str):
                 raise ValueError("each line must be an object with a string 'content'")
-            unknown = set(item) - {"content", "context", "timestamp", "document_id", "tags",
-                                   "metadata"}
+            unknown = set(item) - {"content", "context", "timestamp", "time_zone",
+                                   "document_id", "tags", "metadata"}
             if unknown:
                 raise ValueError(f"unknown field(s) {sorted(unknown)}")
-            for key in ("context", "document_id"):
+            for key in ("context", "document_id", "time_zone"):
                 if not isinstance(item.get(key, ""), str):
                     raise ValueError(f"'{key}' must be a string")
             if not (isinstance(item.get("tags", []), list)
@@ -507,6 +515,7 @@ def recall(bank: str, query: str,
                "default: world and experience)"),
            at: Optional[datetime] = typer.Option(None, "--at", help="'now' for relative "
                                                  "expressions in the query (ISO 8601)"),
+           time_zone: Optional[str] = typer.Option(None, "--time-zone", help=_ZONE_HELP),
            as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Recall the memories of BANK that matter for QUERY, with each arm's rank."""
     from mneme.client import BUDGETS, TAGS_MATCH, TYPES
@@ -517,7 +526,8 @@ def recall(bank: str, query: str,
     with _client(address) as m:
         try:
             r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
-                         tags_match=tags_match, types=type_, query_timestamp=_aware(at))
+                         tags_match=tags_match, types=type_, query_timestamp=_aware(at),
+                         time_zone=time_zone)
         except grpc.RpcError as e:
             _fail(e)
     if as_json:
@@ -545,6 +555,7 @@ def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
                                                   "asked, for relative questions (ISO 8601)"),
             tag: List[str] = typer.Option([], "--tag", help="scope: the directives with "
                                           "one of these tags apply too"),
+            time_zone: Optional[str] = typer.Option(None, "--time-zone", help=_ZONE_HELP),
             as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Answer QUERY by reasoning over BANK (extractive without a language model)."""
     from mneme.client import BUDGETS
@@ -552,7 +563,7 @@ def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
     with _client(address) as m:
         try:
             r = m.reflect(bank, query, context=context, budget=budget, query_timestamp=_aware(at),
-                          tags=tag)
+                          tags=tag, time_zone=time_zone)
         except grpc.RpcError as e:
             _fail(e)
     if as_json:

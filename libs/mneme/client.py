@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
+from mneme.timeparse import time_zone_name
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
 from mneme.v1 import opinions_pb2, opinions_pb2_grpc
 from mneme.v1 import documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc
@@ -75,7 +76,17 @@ def field_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
     return out
 
 
+def _zone(ts: datetime | None, time_zone: str | None) -> str:
+    """The time_zone to send: the one given, else the zone of an aware ``ts`` (a
+    ``ZoneInfo`` as its IANA name, a fixed offset as "+HH:MM"), else "" (UTC)."""
+    if time_zone is not None:
+        return time_zone
+    return time_zone_name(ts) if isinstance(ts, datetime) else ""
+
+
 def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
+    """A retain item from a mapping (content, context, timestamp, time_zone, document_id,
+    tags, metadata); an aware timestamp's zone is the item's time_zone unless one is given."""
     if isinstance(i, memory_pb2.RetainItem):
         return i
     ts = i.get("timestamp")
@@ -83,7 +94,8 @@ def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
         content=i["content"], context=i.get("context", ""),
         timestamp=dt_to_ts(ts) if isinstance(ts, datetime) else None,
         document_id=i.get("document_id", ""), tags=list(i.get("tags", ())),
-        metadata={k: str(v) for k, v in (i.get("metadata") or {}).items()})
+        metadata={k: str(v) for k, v in (i.get("metadata") or {}).items()},
+        time_zone=_zone(ts, i.get("time_zone")))
 
 
 class _CallMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -281,7 +293,8 @@ class MnemeClient:
                request_id: str = "",
                observation_scopes: resources_pb2.ObservationScopes | None = None
                ) -> memory_pb2.RetainResponse:
-        """Retain items (dicts with content, timestamp, context, document_id, tags, metadata).
+        """Retain items (dicts with content, timestamp, time_zone, context, document_id, tags,
+        metadata; an aware timestamp's zone is the time_zone unless one is given).
         ``request_id`` makes retries idempotent; ``observation_scopes`` (see
         :func:`observation_scopes`) picks the scopes the facts consolidate into."""
         req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(i) for i in items],
@@ -454,11 +467,16 @@ class MnemeClient:
     # recall / reflect
     def recall(self, bank_id: str, query: str, *, max_tokens: int = 0, budget: str = "mid",
                types: Iterable[str] = (), tags: Iterable[str] = (), tags_match: str = "any",
-               query_timestamp: datetime | None = None, document_id: str = "") -> recall_pb2.RecallResponse:
+               query_timestamp: datetime | None = None, document_id: str = "",
+               time_zone: str | None = None) -> recall_pb2.RecallResponse:
+        """Recall from the bank. ``query_timestamp`` is "now" for relative expressions in
+        the query (default: the server's clock), read in ``time_zone`` (default: the zone
+        of an aware ``query_timestamp``, else UTC)."""
         return self.recall_stub.Recall(recall_pb2.RecallRequest(
             parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens, budget=BUDGETS[budget],
             types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
-            query_timestamp=dt_to_ts(query_timestamp), document_id=document_id), timeout=self.timeout)
+            query_timestamp=dt_to_ts(query_timestamp), document_id=document_id,
+            time_zone=_zone(query_timestamp, time_zone)), timeout=self.timeout)
 
     # observations
     def consolidate(self, bank_id: str, scopes: resources_pb2.ObservationScopes | None = None,
@@ -509,10 +527,11 @@ class MnemeClient:
             name=f"banks/{bank_id}/opinions/{opinion_id}"), timeout=self.timeout)
 
     def _reflect_request(self, bank_id, query, context, budget, response_schema,
-                         query_timestamp=None, tags: Iterable[str] = ()):
+                         query_timestamp=None, tags: Iterable[str] = (), time_zone=None):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
                                          context=context, budget=BUDGETS[budget],
-                                         query_timestamp=dt_to_ts(query_timestamp), tags=list(tags))
+                                         query_timestamp=dt_to_ts(query_timestamp), tags=list(tags),
+                                         time_zone=_zone(query_timestamp, time_zone))
         if response_schema is not None:
             from google.protobuf import json_format
             json_format.ParseDict(response_schema, req.response_schema)
@@ -521,21 +540,24 @@ class MnemeClient:
     def reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                 response_schema: dict | None = None,
                 query_timestamp: datetime | None = None,
-                tags: Iterable[str] = ()) -> reflect_pb2.ReflectResponse:
+                tags: Iterable[str] = (), time_zone: str | None = None) -> reflect_pb2.ReflectResponse:
         """Answer ``query`` from the bank; ``response_schema`` (a JSON schema dict) asks
         for structured output as well (needs a reflect model on the server);
-        ``query_timestamp`` is "now" for relative questions (default: the server's clock);
+        ``query_timestamp`` is "now" for relative questions (default: the server's clock),
+        read in ``time_zone`` (default: the zone of an aware ``query_timestamp``, else UTC);
         ``tags`` the scope (the bank's directives with one of them apply too)."""
         return self.reflect_stub.Reflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp, tags),
+            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone),
             timeout=self.timeout)
 
     def stream_reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                        response_schema: dict | None = None,
-                       query_timestamp: datetime | None = None, tags: Iterable[str] = ()):
-        """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response."""
+                       query_timestamp: datetime | None = None, tags: Iterable[str] = (),
+                       time_zone: str | None = None):
+        """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response
+        (arguments as :meth:`reflect`)."""
         yield from self.reflect_stub.StreamReflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp, tags),
+            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone),
             timeout=self.timeout)
 
     # the history (external consumers of the log)

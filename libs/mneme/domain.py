@@ -288,7 +288,9 @@ DOCUMENT_JOIN = "\n\n"
 
 @dataclass(frozen=True)
 class RetainItem:
-    """One item to retain. ``timestamp`` is when it was said/happened (UTC)."""
+    """One item to retain. ``timestamp`` is when it was said/happened (UTC);
+    ``time_zone`` the zone it was said in (IANA name or offset, "" = UTC), whose calendar
+    its relative dates resolve in (:func:`mneme.timeparse.wall_clock`)."""
 
     content: str
     timestamp: datetime
@@ -296,6 +298,7 @@ class RetainItem:
     document_id: str = ""
     tags: tuple[str, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict)
+    time_zone: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,7 +481,8 @@ BUDGETS = ("low", "mid", "high")
 class RecallQuery:
     """A recall request. ``max_tokens`` bounds the summed token counts of result texts;
     ``budget`` (low/mid/high) sets how many candidates each arm fetches;
-    ``query_timestamp`` is "now" for relative expressions in the query; ``deadline``
+    ``query_timestamp`` is "now" for relative expressions in the query, read in the
+    calendar of ``time_zone`` (IANA name or offset, "" = UTC); ``deadline``
     (a :class:`mneme.deadline.Deadline`, None: none) stops the work when the caller
     stops waiting."""
 
@@ -489,6 +493,7 @@ class RecallQuery:
     budget: str = "mid"
     max_tokens: int = 4096
     deadline: object = field(default=None, compare=False)
+    time_zone: str = ""
 
 
 @dataclass

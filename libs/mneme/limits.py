@@ -15,6 +15,7 @@ What is checked, per field kind:
 * repeated fields and maps — entry counts;
 * enums — the value is one the API defines (proto3 lets unknown numbers through);
 * ``google.protobuf.Timestamp`` — within 0001-01-01 … 9999-12-31, nanos in [0, 1e9);
+* ``time_zone`` — an IANA name or a fixed offset (:func:`mneme.timeparse.time_zone`);
 * ``google.protobuf.Struct`` (a JSON schema) — its encoded size;
 * ``page_size`` / ``max_tokens`` — not negative; ``max_tokens`` at most a bound (a larger
   ``page_size`` is coerced to the largest page, AIP-158).
@@ -35,6 +36,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mneme.domain import MAX_EPOCH, MIN_EPOCH
+from mneme.timeparse import time_zone
 
 
 class Limits(BaseSettings):
@@ -104,6 +106,7 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "extraction_mode": ("id_chars", "id"),
     "erasure": ("id_chars", "id"),
     "paths": ("id_chars", "id"),
+    "time_zone": ("id_chars", "id"),
     "key_ids": ("key_id_chars", "id"),
 }
 _REPEATED_RULES: dict[str, str] = {"items": "items", "tags": "tags", "scope": "tags",
@@ -129,6 +132,11 @@ def _string(value: str, path: str, name: str, lim: Limits, out: list) -> None:
         out.append((path, f"at most {bound} characters (got {len(value)})"))
     elif kind == "id" and _CONTROL.search(value):
         out.append((path, "must not contain control characters (newline, tab, NUL, ...)"))
+    elif name == "time_zone":
+        try:
+            time_zone(value)
+        except ValueError as e:
+            out.append((path, str(e)))
     elif "\x00" in value:
         out.append((path, "must not contain NUL (\\x00) characters"))
 

@@ -23,8 +23,12 @@ past occurrence, or to the next one when the sentence speaks about the future ("
 "going to", "'ll", "plans for", a present progressive), like dateparser's
 ``PREFER_DATES_FROM='past'`` with a tense cue.
 
-Day boundaries are UTC days: the reference is converted to UTC first (LoCoMo and most chat
-logs carry no zone, so naive times are taken as UTC).
+Dates are calendar dates. The reference is taken as a wall clock: an aware datetime is
+read in its own zone, so "yesterday" said at 23:30 on 1 March in New York is 29 February
+(pass :func:`wall_clock` of the instant and the speaker's zone); a naive one is UTC (LoCoMo
+and most chat logs carry no zone). A window holds its days as UTC days (00:00Z ... 23:59Z of
+that date), whatever zone they were resolved in, so windows from items and queries of
+different zones compare as dates.
 """
 
 from __future__ import annotations
@@ -32,12 +36,17 @@ from __future__ import annotations
 import calendar
 import re
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from functools import lru_cache
+from zoneinfo import ZoneInfo
 
 from mneme.domain import TimeWindow, utc
 
 __all__ = [
     "TimeMention",
+    "time_zone",
+    "time_zone_name",
+    "wall_clock",
     "parse_when",
     "parse_session_datetime",
     "query_window",
@@ -46,6 +55,72 @@ __all__ = [
 ]
 
 _US = timedelta(microseconds=1)
+
+# ---- zones -------------------------------------------------------------------------------
+
+_OFFSET = re.compile(r"^(?:UTC|GMT)?([+-])(\d{2}):?(\d{2})$")
+#: What a time zone may be, for error messages.
+TIME_ZONE_FORMS = ('an IANA time zone name like "America/New_York", "UTC", or an offset '
+                   'like "+05:30"')
+
+
+@lru_cache(maxsize=1024)
+def time_zone(name: str) -> tzinfo:
+    """``name`` → tzinfo: "" / "UTC" / "Z" → UTC; a fixed offset "+05:30", "-0800" or
+    "UTC+01:00" (at most ±23:59) → that offset; otherwise an IANA name ("Europe/Paris"),
+    read by :mod:`zoneinfo` (the system's tz database, else the ``tzdata`` package).
+    Raises ValueError saying what is accepted (:data:`TIME_ZONE_FORMS`) for anything else."""
+    s = name.strip()
+    if s.upper() in ("", "UTC", "Z", "GMT", "ETC/UTC"):
+        return timezone.utc
+    m = _OFFSET.match(s)
+    if m:
+        hours, minutes = int(m.group(2)), int(m.group(3))
+        if hours > 23 or minutes > 59:
+            raise ValueError(f"offset out of range: {name!r}; {TIME_ZONE_FORMS}")
+        delta = timedelta(hours=hours, minutes=minutes)
+        return timezone(-delta if m.group(1) == "-" else delta)
+    try:
+        if "/" in s and (s.startswith("/") or ".." in s.split("/")):
+            raise ValueError  # zoneinfo refuses these too; say it in our words
+        return ZoneInfo(s)
+    except (ValueError, KeyError, OSError, UnicodeError):
+        raise ValueError(f"unknown time zone {name[:64]!r}; {TIME_ZONE_FORMS}") from None
+
+
+def time_zone_name(dt: datetime) -> str:
+    """The zone of aware ``dt`` as :func:`time_zone` reads it back: an IANA name, an
+    offset "+05:30", or "" for UTC and naive datetimes."""
+    tz = dt.tzinfo
+    if tz is None or tz == timezone.utc:
+        return ""
+    if isinstance(tz, ZoneInfo):
+        return tz.key
+    off = dt.utcoffset() or timedelta(0)
+    if not off:
+        return ""
+    sign, off = ("-", -off) if off < timedelta(0) else ("+", off)
+    minutes = int(off.total_seconds()) // 60
+    return f"{sign}{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def wall_clock(instant: datetime, zone: str) -> datetime:
+    """``instant`` (aware; naive = UTC) as the date and clock time it was in ``zone``
+    (:func:`time_zone`; "" = UTC), as an aware datetime of that zone: the reference
+    :func:`parse_when`, :func:`query_window` and :func:`day_window` read as a wall clock.
+    Raises ValueError for an unknown zone; an instant at the edge of the representable
+    range stays in UTC rather than overflow."""
+    tz = time_zone(zone)
+    try:
+        return utc(instant).astimezone(tz)
+    except OverflowError:
+        return utc(instant)
+
+
+def _as_wall_utc(d: datetime) -> datetime:
+    """``d``'s wall clock (its own zone; naive = UTC) tagged UTC: the resolver's frame."""
+    return d.replace(tzinfo=timezone.utc)
+
 
 # ---- windows -----------------------------------------------------------------------------
 
@@ -59,12 +134,12 @@ def _end(d: date) -> datetime:
 
 
 def day_window(d: date | datetime, last: date | datetime | None = None) -> TimeWindow:
-    """The whole UTC day(s) ``d`` … ``last`` (inclusive) as a window; datetimes are
-    converted to UTC first and only their date is used."""
+    """The whole day(s) ``d`` … ``last`` (inclusive) as a window of UTC days; a
+    datetime gives its calendar date in its own zone (naive = UTC; :func:`wall_clock`)."""
     if isinstance(d, datetime):
-        d = utc(d).date()
+        d = d.date()
     if isinstance(last, datetime):
-        last = utc(last).date()
+        last = last.date()
     return TimeWindow(_start(d), _end(last or d))
 
 
@@ -833,13 +908,14 @@ def _apply_modifiers(text: str, ms: list[TimeMention], ref: datetime) -> list[Ti
 
 def parse_when(text: str, reference: datetime) -> list[TimeMention]:
     """Time expressions in ``text``, in order of appearance, each resolved against
-    ``reference`` (the item's own timestamp; naive = UTC) to a UTC :class:`TimeWindow`
-    spanning the period it names. Overlapping candidates keep the longest
+    ``reference`` (the item's own timestamp, read as a wall clock in its own zone: pass
+    :func:`wall_clock`; naive = UTC) to a :class:`TimeWindow` of UTC days spanning the
+    period it names. Overlapping candidates keep the longest
     ("8 May, 2023" wins over "May, 2023"). Returns [] when there is none; never raises
     on ordinary text."""
     if not text:
         return []
-    ref = utc(reference)
+    ref = _as_wall_utc(reference)
     ctx = _Ctx(text, ref)
     cands: list[TimeMention] = []
     for pat, handler in _RULES:
@@ -893,7 +969,8 @@ def parse_session_datetime(text: str) -> datetime:
 
 def query_window(query: str, now: datetime) -> TimeWindow | None:
     """The time window a recall query refers to ("what did I do last week?",
-    "in May 2023", "yesterday"), resolved against ``now`` (the query timestamp). Several
+    "in May 2023", "yesterday"), resolved against ``now`` (the query timestamp, read as a
+    wall clock in its own zone as in :func:`parse_when`). Several
     expressions give the window covering all of them; None when the query names no time."""
     ms = parse_when(query, now)
     if not ms:

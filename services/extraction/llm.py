@@ -8,7 +8,8 @@ Same interface as :class:`~services.extraction.offline.OfflineExtractor`
   concurrently, bounded by the gateway). Facts of a chunk share its ``chunk_id``
   (``derive_id(source_id, i, "chunk", c)``); fact n of item i is ``derive_id(source_id, i, n)``,
   numbered across the item's chunks.
-- **Prompt.** The model gets the item's timestamp (ISO and in words), speaker, context and
+- **Prompt.** The model gets the item's timestamp (ISO and in words, on the clock of the
+  item's ``time_zone``), speaker, context and
   the bank's ``retain_mission``, and returns ``{"facts": [{text, fact_type, occurred_start,
   occurred_end, entities, caused_by}]}`` (:data:`FACTS_SCHEMA`): self-contained facts with
   relative time expressions replaced by absolute dates, ``world``/``experience``, the
@@ -60,7 +61,7 @@ from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, 
 from mneme.llm.types import LlmError, Usage
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
-from mneme.timeparse import day_window, parse_when
+from mneme.timeparse import day_window, parse_when, wall_clock
 from services.extraction.resolver import EntityResolver
 from services.extraction.vectors import EmbeddingParts
 
@@ -349,7 +350,8 @@ class LlmExtractor:
         item's model calls: once it is true (the operation was cancelled) the items not
         started fail with reason "cancelled" (not cached)."""
         mission = (self.bank_config(bank_id) or BankConfig()).retain_mission.strip()
-        keys = [(bank_id, source_id, first_index + k, hash(it.content), hash(it.timestamp))
+        keys = [(bank_id, source_id, first_index + k, hash(it.content), hash(it.timestamp),
+                 it.time_zone)
                 for k, it in enumerate(items)]
         report = ExtractionReport(items_total=len(items))
         results: list[_ItemResult | None] = []
@@ -501,7 +503,7 @@ class LlmExtractor:
         return [[f for f in facts or [] if isinstance(f, dict)]]
 
     def _messages(self, item: RetainItem, chunk: str, part, mission: str) -> list[dict]:
-        ts = utc(item.timestamp)
+        ts = wall_clock(item.timestamp, item.time_zone)  # the writer's own clock and date
         lines = [f"Written at: {ts.isoformat().replace('+00:00', 'Z')} "
                  f"({ts:%A}, {ts.day} {ts:%B %Y})"]
         meta = item.metadata or {}
@@ -526,7 +528,7 @@ class LlmExtractor:
         text = fact.get("text")
         if not isinstance(text, str) or not text.strip():
             return None
-        ts = utc(item.timestamp)
+        ts = wall_clock(item.timestamp, item.time_zone)
         text = " ".join(text.split())
         if self.annotate_times:
             text = _annotate(text, ts)

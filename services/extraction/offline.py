@@ -20,7 +20,9 @@ What one item becomes:
   :mod:`mneme.timeparse` ("yesterday" in a turn of 8 May 2023 → all of 7 May 2023). When
   the fact names no time, both default to the whole day of the item's timestamp: the
   event was told then, and "today or shortly before" is the best offline evidence there
-  is -- a temporal query for that day should find it. Relative expressions are also
+  is -- a temporal query for that day should find it. Days are the speaker's calendar
+  days: with the item's ``time_zone`` the timestamp is read on that zone's clock
+  (:func:`mneme.timeparse.wall_clock`). Relative expressions are also
   annotated in the text with their resolved dates ("yesterday (7 May 2023)") so that the
   fact stays true when read later (turn off with ``annotate_times=False``).
 - **Entities.** The speaker (PERSON) first, then the NER entities and noun-phrase
@@ -52,7 +54,7 @@ from typing import Callable, Sequence
 
 from mneme import nlp as _nlp
 from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, entity_key, utc
-from mneme.timeparse import day_window, parse_when
+from mneme.timeparse import day_window, parse_when, wall_clock
 from services.extraction.resolver import EntityResolver
 from services.extraction.vectors import EmbeddingParts
 
@@ -312,10 +314,11 @@ class OfflineExtractor:
         for k, (item, chunks) in enumerate(zip(items, per_item)):
             idx = first_index + k
             ts = utc(item.timestamp)
-            default = day_window(ts)
+            local = wall_clock(ts, item.time_zone)  # dates are the speaker's calendar dates
+            default = day_window(local)
             item_facts: list[Fact] = []
             for n, ch in enumerate(chunks):
-                text, window = self._text_and_time(ch, ts)
+                text, window = self._text_and_time(ch, local)
                 fid = derive_id(source_id, idx, n)
                 meta = dict(item.metadata or {})
                 if ch.speaker:
@@ -365,7 +368,8 @@ class OfflineExtractor:
 
     def _text_and_time(self, ch: _Chunk, ts: datetime):
         """Fact text (speaker prefix, annotated times, caption) and the window of its
-        first time expression (None when it names no time)."""
+        first time expression (None when it names no time); ``ts`` is the item's time on
+        its speaker's wall clock (:func:`mneme.timeparse.wall_clock`)."""
         parts: list[str] = []
         window = None
         for s in ch.sentences:

@@ -55,6 +55,7 @@ from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
+from mneme.timeparse import time_zone_name
 from services.reflect.handlers import (Reflection, is_stale_memory, reflect_offline,
                                       scope_filters)
 
@@ -162,12 +163,18 @@ def _trait(cfg: BankConfig, name: str) -> str:
     return f"- {name} {v}/5: {_TRAITS[name][v]}"
 
 
+def _clock(now: datetime) -> datetime:
+    """``now`` on its own zone's clock; naive = UTC."""
+    return now if now.tzinfo is not None else utc(now)
+
+
 def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
                   directives: Sequence[Directive] = ()) -> str:
     """The reflect system prompt: role, current time, tool order, citation rules,
     disposition, the bank's ``reflect_mission``, its ``directives`` in force (in the order given: highest priority
-    first) and (with ``response_schema``) the answer format."""
-    now = utc(now)
+    first) and (with ``response_schema``) the answer format. ``now`` is shown on its own
+    zone's clock (the caller's ``time_zone``; naive = UTC)."""
+    now = _clock(now)
     parts = [
         "You are the reflection module of a long-term memory system for an AI agent. You "
         "answer a question by reasoning over the memories of one memory bank, which you "
@@ -208,7 +215,7 @@ def system_prompt(cfg: BankConfig, now: datetime, response_schema: dict | None,
 def revise_prompt(cfg: BankConfig, now: datetime, directives: Sequence[Directive] = ()) -> str:
     """The system prompt of :meth:`ReflectAgent.revise`: role, current time, citation
     rules, disposition, mission and directives (no tools)."""
-    now = utc(now)
+    now = _clock(now)
     parts = [
         "You are the reflection module of a long-term memory system for an AI agent. You "
         "keep a mental model: a standing, cited answer to one question about the memories "
@@ -595,7 +602,8 @@ class ReflectAgent:
         elif name == "recall":
             outcome = self.recall(RecallQuery(
                 bank_id=bank_id, query=query, query_timestamp=now, filters=scope_filters(tags),
-                budget=budget, max_tokens=max(1, min(ctx.remaining(), 2048))))
+                budget=budget, max_tokens=max(1, min(ctx.remaining(), 2048)),
+                time_zone=time_zone_name(now)))
             memories = [Memory(s.fact.id, s.fact.text, "fact",
                                s.fact.occurred_start or s.fact.mentioned_at, s.fact.fact_type,
                                s.fact.mentioned_at, tuple(s.fact.entities))

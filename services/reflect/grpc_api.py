@@ -14,6 +14,7 @@ from mneme.errors import InvalidArgument, MnemeError, NotFound
 from mneme.grpc_util import (abort_for, call_deadline, dt_to_ts, remaining, translate_errors,
                              ts_to_dt)
 from mneme.names import bank_id_of, memory_name, mental_model_name, mental_model_of
+from mneme.timeparse import wall_clock
 from mneme.v1 import mental_models_pb2, mental_models_pb2_grpc, reflect_pb2, reflect_pb2_grpc
 from services.reflect.handlers import Reflection
 
@@ -64,8 +65,12 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")
                if request.HasField("query_timestamp") else None)
         tags = apiconv.check_tags(request.tags)
+        try:  # reflect's "now" carries the caller's zone: its prompt and recalls read it
+            now = wall_clock(now or datetime.now(timezone.utc), request.time_zone)
+        except ValueError as e:
+            raise InvalidArgument("time_zone", str(e)) from None
         return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
-                now or datetime.now(timezone.utc), schema, tags)
+                now, schema, tags)
 
     @translate_errors
     def Reflect(self, request, context):

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Sequence
 
 from mneme.domain import Directive, EventMeta, Filters, RecallOutcome, RecallQuery
 from mneme.errors import InvalidArgument
+from mneme.timeparse import time_zone_name
 
 _WORD = re.compile(r"[a-z0-9]+")
 _STOP = frozenset("""a an the and or but of to in on at for with by from is are was were be been
@@ -51,7 +52,8 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
     if not query or not query.strip():
         raise InvalidArgument("query", "must not be empty")
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
-                                 filters=scope_filters(tags), budget=budget, max_tokens=2048))
+                                 filters=scope_filters(tags), budget=budget, max_tokens=2048,
+                                 time_zone=time_zone_name(now)))
     if not outcome.results:
         return Reflection(NO_MEMORIES, [], True)
     terms = content_terms(query + " " + context)

@@ -51,6 +51,7 @@ class RemoteRecall:
         req = recall_pb2.RecallRequest(
             parent=f"banks/{q.bank_id}", query=q.query, max_tokens=q.max_tokens,
             budget=_BUDGET[q.budget], query_timestamp=dt_to_ts(q.query_timestamp),
+            time_zone=q.time_zone,
             tags=list(f.tags) if f else [],
             # observations for search_observations; the tag scope of a scoped reflect
             types=[_TYPE_PB[t] for t in (f.types if f else ()) if t in _TYPE_PB],

@@ -86,7 +86,7 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
         q = RecallQuery(bank_id=bank_id, query=request.query, query_timestamp=now,
                         filters=apiconv.filters_from_recall(request),
                         budget=apiconv.BUDGET[request.budget], max_tokens=request.max_tokens or 4096,
-                        deadline=call_deadline(context))
+                        deadline=call_deadline(context), time_zone=request.time_zone.strip())
         assert q.budget in BUDGETS
         return outcome_to_api(self.recall(q))
 

@@ -33,6 +33,7 @@ from mneme.errors import InvalidArgument, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.grpc_util import dt_to_ts
 from mneme.ports import VectorStore
+from mneme.timeparse import time_zone_name
 from mneme.v1 import resources_pb2
 
 OBSERVATION = "observation"
@@ -131,7 +132,8 @@ def observation_search(recall: Callable) -> Callable:
 
     def search(bank_id, query, now, limit):
         out = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
-                                 filters=Filters(types=(OBSERVATION,)), max_tokens=2048))
+                                 filters=Filters(types=(OBSERVATION,)), max_tokens=2048,
+                                 time_zone=time_zone_name(now)))
         return [Memory(s.fact.id, s.fact.text + (" (stale: newer facts are not consolidated yet)"
                                                  if s.fact.metadata.get("stale") == "true" else ""),
                        "observation", when=s.fact.occurred_end or s.fact.mentioned_at)

@@ -49,6 +49,7 @@ from mneme.retrieval import (
     asks_for_list, proof_boost, question_factor, recency_boost, reply_share, rerank_head,
     temporal_proximity_boost, tie_key, window_overlap, rrf,
 )
+from mneme.timeparse import time_zone, wall_clock
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
 
@@ -91,6 +92,10 @@ def validate(q: RecallQuery) -> None:
         raise ValueError("max_tokens: must be >= 0")
     if q.query_timestamp is None:
         raise ValueError("query_timestamp: must be set")
+    try:
+        time_zone(q.time_zone)
+    except ValueError as e:
+        raise ValueError(f"time_zone: {e}") from None
     mode = q.filters.tags_match or "any"
     if mode not in TAGS_MATCH_MODES:
         raise ValueError(f"filters.tags_match: must be one of {', '.join(TAGS_MATCH_MODES)}")
@@ -142,7 +147,8 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     # place shows that the store chose among equals (see _by_score).
     f_kw = ex.submit(text.search, q.bank_id, q.query, n + 1, filters)
     f_ents = ex.submit(_query_entities, graph, analyzer, q.bank_id, q.query)
-    f_win = ex.submit(analyzer.time_window, q.query, now)
+    # "yesterday" is a date of the asker's calendar (q.time_zone), as at retain
+    f_win = ex.submit(analyzer.time_window, q.query, wall_clock(now, q.time_zone))
 
     # Phase 2: the vector arms (need the query embedding and the window).
     vec = wait(f_vec, "query embedding")

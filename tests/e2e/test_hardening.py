@@ -535,3 +535,92 @@ def test_empty_tags_are_refused_wherever_tags_are_given(m):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert not m.operations.ListOperations(operations_pb2.ListOperationsRequest(
         parent="banks/tags-empty")).operations  # a bank with none: an empty list
+
+
+# ---- 14. relative dates are the speaker's calendar dates ---------------------------------
+
+#: 23:30 on Friday 1 March 2024 in New York is already 2 March in UTC.
+LATE_IN_NEW_YORK = datetime(2024, 3, 2, 4, 30, tzinfo=timezone.utc)
+
+
+def test_relative_dates_resolve_in_the_items_time_zone(m):
+    from zoneinfo import ZoneInfo
+    m.upsert_bank("zones")
+    said = "Ivy: I ran my first marathon yesterday"
+    r = m.retain("zones", [
+        {"content": said, "timestamp": LATE_IN_NEW_YORK, "time_zone": "America/New_York",
+         "document_id": "ny"},
+        {"content": said, "timestamp": LATE_IN_NEW_YORK, "document_id": "utc"},
+        # an aware timestamp says its zone itself (the client sends it as time_zone)
+        {"content": "Ivy: I baked rye bread for the neighbours.", "document_id": "aware",
+         "timestamp": LATE_IN_NEW_YORK.astimezone(ZoneInfo("America/Los_Angeles"))},
+        {"content": "Ivy: I baked rye bread for the neighbours.", "document_id": "offset",
+         "timestamp": LATE_IN_NEW_YORK, "time_zone": "+05:30"},
+    ])
+    assert r.operation.state == operations_pb2.SUCCEEDED, r.operation
+    by_doc = {x.document_id: x for x in m.list_memories("zones")}
+    day = lambda doc: by_doc[doc].occurred_start.ToDatetime().date().isoformat()  # noqa: E731
+    assert day("ny") == "2024-02-29", by_doc["ny"]  # New York's yesterday: a leap day
+    assert "29 February 2024" in by_doc["ny"].text
+    assert day("utc") == "2024-03-01", by_doc["utc"]
+    assert day("aware") == "2024-03-01"  # 20:30 on 1 March in Los Angeles: no time named
+    assert day("offset") == "2024-03-02"  # 10:00 on 2 March in India
+    # the query's "yesterday" is the asker's too, and finds the New York fact's day
+    ny = m.recall("zones", "What did Ivy do yesterday?", query_timestamp=datetime(
+        2024, 3, 1, 3, 0, tzinfo=timezone.utc), time_zone="America/New_York")
+    assert ny.query_time_range.start.ToDatetime().date().isoformat() == "2024-02-28"
+    utc = m.recall("zones", "What did Ivy do yesterday?", query_timestamp=datetime(
+        2024, 3, 1, 3, 0, tzinfo=timezone.utc))
+    assert utc.query_time_range.start.ToDatetime().date().isoformat() == "2024-02-29"
+    assert "marathon" in utc.results[0].memory.text
+    r = m.reflect("zones", "What did Ivy do yesterday?", query_timestamp=LATE_IN_NEW_YORK,
+                  time_zone="America/New_York")
+    assert "marathon" in r.text, r.text
+
+
+def test_an_unknown_time_zone_is_refused_naming_the_field(m):
+    m.upsert_bank("zones-bad")
+    r = m.retain("zones-bad", [
+        {"content": "Jo: I moved to Lisbon last week.", "timestamp": T0, "time_zone": "Europe/Lisbon"},
+        {"content": "Jo: I sold my car last week.", "timestamp": T0, "time_zone": "Mars/Olympus"},
+        {"content": "Jo: I bought a bike.", "timestamp": T0, "time_zone": "../../etc/passwd"},
+        {"content": "Jo: I started a job.", "timestamp": T0, "time_zone": "+25:00"},
+    ])
+    errors = {e.item_index: e for e in r.operation.item_errors}
+    assert set(errors) == {1, 2, 3}, errors
+    assert all(errors[i].field == f"items[{i}].time_zone" for i in (1, 2, 3))
+    assert "IANA" in errors[1].error
+    assert [x.text.split(" (")[0] for x in m.list_memories("zones-bad")] == [
+        "Jo: I moved to Lisbon last week"]
+    got = refused(lambda: m.recall("zones-bad", "Lisbon", time_zone="Nowhere/Land"), "time_zone")
+    assert "IANA" in got[0][1]
+    refused(lambda: m.reflect("zones-bad", "Where did Jo move?", time_zone="\x01"), "time_zone")
+    still_readable(m, "zones-bad")
+
+
+def test_cli_retain_and_recall_take_a_time_zone(server, m, tmp_path):
+    out = CliRunner().invoke(app, ["retain", "zones-cli", "Kim: I adopted a cat yesterday",
+                                   "--timestamp", "2024-03-02T04:30:00+00:00",
+                                   "--time-zone", "America/New_York", "-a", server.address])
+    assert out.exit_code == 0, out.output
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"content": "Kim: I painted the fence yesterday", '
+                     '"timestamp": "2024-03-01T23:30:00-05:00", "document_id": "fence"}\n'
+                     '{"content": "Kim: I fixed the roof yesterday", "document_id": "roof", '
+                     '"timestamp": "2024-03-02T04:30:00Z", "time_zone": "Asia/Tokyo"}\n')
+    out = CliRunner().invoke(app, ["retain", "zones-cli", "--items", str(items),
+                                   "-a", server.address])
+    assert out.exit_code == 0, out.output
+    dates = {x.text.split(" (")[0]: x.occurred_start.ToDatetime().date().isoformat()
+             for x in m.list_memories("zones-cli")}
+    assert dates == {"Kim: I adopted a cat yesterday": "2024-02-29",
+                     "Kim: I painted the fence yesterday": "2024-02-29",  # the offset given
+                     "Kim: I fixed the roof yesterday": "2024-03-01"}  # 13:30 in Tokyo
+    out = CliRunner().invoke(app, ["recall", "zones-cli", "what happened yesterday", "--json",
+                                   "--at", "2024-03-01T03:00:00Z", "--time-zone", "Pacific/Auckland",
+                                   "-a", server.address])
+    assert out.exit_code == 0, out.output
+    assert '"start": "2024-02-29T00:00:00Z"' in out.stdout  # 16:00 on 1 March in Auckland
+    out = CliRunner().invoke(app, ["recall", "zones-cli", "cat", "--time-zone", "Nowhere",
+                                   "-a", server.address])
+    assert out.exit_code == 2 and "time_zone" in out.output, out.output

@@ -48,7 +48,8 @@ def sample_events() -> list:
         ev.BankUpserted(bank_id="b1", display_name="Bank One", config=cfg),
         ev.BankDeleted(bank_id="b1"),
         ev.RetainRequested(bank_id="b1", operation_id="op1", items=[
-            codec.retain_item_to_pb(RetainItem("hello", T0, "ctx", "d1", ("t",), {"a": "b"}))]),
+            codec.retain_item_to_pb(RetainItem("hello", T0, "ctx", "d1", ("t",), {"a": "b"},
+                                              "Europe/Paris"))]),
         ev.DocumentDeleteRequested(bank_id="b1", operation_id="op2", document_id="d1"),
         ev.MemoryDeleteRequested(bank_id="b1", operation_id="op3", memory_id="m1"),
         ev.FactsExtracted(bank_id="b1", operation_id="op1",
@@ -272,3 +273,11 @@ def test_bank_config_round_trip_and_defaults():
     partial = codec.bank_config_from_pb(ev.BankConfig(retain_mission="r", dedup_threshold=0.97,
                                                       auto_consolidate=True))
     assert partial == BankConfig(retain_mission="r")
+
+
+def test_a_retain_items_time_zone_round_trips():
+    item = RetainItem("hello", T0, "ctx", "d1", ("t",), {"a": "b"}, "America/New_York")
+    assert codec.retain_item_from_pb(codec.retain_item_to_pb(item)) == item
+    # events written before the field read as UTC
+    old = codec.retain_item_to_pb(RetainItem("hello", T0))
+    assert codec.retain_item_from_pb(old).time_zone == ""

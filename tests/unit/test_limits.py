@@ -60,6 +60,19 @@ def test_counts_enums_numbers_and_schemas():
     assert paths(recall_pb2.RecallRequest(query="q", parent="banks/b\n")) == {"parent"}
 
 
+
+def test_time_zones_are_checked_where_they_are_given():
+    def zone(z: str) -> set[str]:
+        return paths(memory_pb2.RetainRequest(items=[memory_pb2.RetainItem(content="a", time_zone=z)]))
+    for ok in ("", "UTC", "Z", "America/New_York", "Asia/Kolkata", "+05:30", "-0800", "UTC+01:00"):
+        assert zone(ok) == set(), ok
+    for bad in ("Mars/Olympus", "../etc/passwd", "/etc/localtime", "America", "+24:00",
+                "+05:60", "a" * 300, "Europe/Paris\n", "x\x00"):
+        assert zone(bad) == {"items[0].time_zone"}, bad
+    assert paths(recall_pb2.RecallRequest(query="q", time_zone="Nowhere")) == {"time_zone"}
+    assert paths(reflect_pb2.ReflectRequest(query="q", time_zone="+99:00")) == {"time_zone"}
+
+
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 

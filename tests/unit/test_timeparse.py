@@ -11,7 +11,8 @@ from datetime import datetime, time, timedelta, timezone
 import pytest
 
 from mneme.domain import TimeWindow
-from mneme.timeparse import describe_window, parse_session_datetime, parse_when, query_window
+from mneme.timeparse import (describe_window, parse_session_datetime, parse_when, query_window,
+                             time_zone, time_zone_name, wall_clock)
 
 UTC = timezone.utc
 REF = datetime(2023, 5, 8, 13, 56, tzinfo=UTC)  # LoCoMo conv-26 session 1: a Monday
@@ -79,10 +80,11 @@ def test_absolute_and_relative_flags():
 
 def test_reference_is_the_items_timestamp_not_the_clock():
     assert one("yesterday", datetime(2001, 3, 1, 8, 0, tzinfo=UTC)).window == day(2001, 2, 28)
-    # naive references are UTC; other zones are converted first
+    # naive references are UTC; an aware one is read on its own clock: 02:00 on 8 May in
+    # Tokyo (17:00 on 7 May in UTC) says "yesterday" of 7 May
     assert one("yesterday", datetime(2023, 5, 8, 13, 56)).window == day(2023, 5, 7)
     tokyo = timezone(timedelta(hours=9))
-    assert one("yesterday", datetime(2023, 5, 8, 2, 0, tzinfo=tokyo)).window == day(2023, 5, 6)
+    assert one("yesterday", datetime(2023, 5, 8, 2, 0, tzinfo=tokyo)).window == day(2023, 5, 7)
 
 
 def test_tense_decides_direction_of_bare_weekdays():
@@ -180,3 +182,51 @@ def test_describe_window():
     assert describe_window(day(2023, 3, 1, d2=31)) == "March 2023"
     assert describe_window(day(2015, 1, 1, 2015, 12, 31)) == "2015"
     assert describe_window(day(2018, 1, 1, 2021, 12, 31)) == "2018\u20132021"
+
+
+# ---- time zones: dates are the speaker's calendar dates --------------------------------------
+
+LATE_IN_NEW_YORK = datetime(2024, 3, 2, 4, 30, tzinfo=UTC)  # 23:30 on 1 March there
+
+
+@pytest.mark.parametrize("zone,yesterday,today", [
+    ("", day(2024, 3, 1), day(2024, 3, 2)),
+    ("America/New_York", day(2024, 2, 29), day(2024, 3, 1)),
+    ("-05:00", day(2024, 2, 29), day(2024, 3, 1)),
+    ("Asia/Kolkata", day(2024, 3, 1), day(2024, 3, 2)),
+    ("Pacific/Kiritimati", day(2024, 3, 1), day(2024, 3, 2)),  # +14:00: 18:30 on 2 March
+    ("Pacific/Pago_Pago", day(2024, 2, 29), day(2024, 3, 1)),  # -11:00: 17:30 on 1 March
+])
+def test_relative_dates_are_read_on_the_zones_calendar(zone, yesterday, today):
+    ref = wall_clock(LATE_IN_NEW_YORK, zone)
+    assert ref == LATE_IN_NEW_YORK  # the same instant, read on another clock
+    assert one("I ran a marathon yesterday", ref).window == yesterday
+    assert query_window("what did I do yesterday?", ref) == yesterday
+    from mneme.timeparse import day_window
+    assert day_window(ref) == today
+
+
+def test_daylight_saving_is_the_zones_own():
+    # 04:30Z is 23:30 the day before in New York in winter (-05:00), 00:30 in summer (-04:00)
+    winter = wall_clock(datetime(2024, 1, 10, 4, 30, tzinfo=UTC), "America/New_York")
+    summer = wall_clock(datetime(2024, 7, 10, 4, 30, tzinfo=UTC), "America/New_York")
+    assert (winter.day, summer.day) == (9, 10)
+    assert time_zone_name(winter) == time_zone_name(summer) == "America/New_York"
+
+
+def test_time_zone_names_and_offsets():
+    assert time_zone("") is time_zone("UTC") is time_zone("z") is UTC
+    assert time_zone("+05:30").utcoffset(None) == timedelta(hours=5, minutes=30)
+    assert time_zone("-0800").utcoffset(None) == timedelta(hours=-8)
+    for name in ("", "America/New_York", "+05:30", "-11:00"):
+        ref = wall_clock(LATE_IN_NEW_YORK, name)
+        assert time_zone_name(ref) == name
+        assert wall_clock(LATE_IN_NEW_YORK, time_zone_name(ref)) == ref
+    assert time_zone_name(datetime(2024, 1, 1)) == ""  # naive: UTC
+    for bad in ("Mars/Olympus", "../../etc/passwd", "+24:00", "America/", "x\x00y"):
+        with pytest.raises(ValueError, match="IANA|offset"):
+            time_zone(bad)
+    # the ends of the representable range stay readable in any zone
+    from mneme.domain import MAX_TIME, MIN_TIME
+    assert wall_clock(MAX_TIME, "Pacific/Kiritimati") == MAX_TIME
+    assert wall_clock(MIN_TIME, "Pacific/Pago_Pago") == MIN_TIME

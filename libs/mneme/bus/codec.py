@@ -276,7 +276,7 @@ def retain_item_to_pb(item: RetainItem) -> events_pb2.RetainItem:
     """Domain RetainItem → ``events_pb2.RetainItem``."""
     pb = events_pb2.RetainItem(content=item.content, context=item.context,
                                document_id=item.document_id, tags=list(item.tags),
-                               metadata=dict(item.metadata))
+                               metadata=dict(item.metadata), time_zone=item.time_zone)
     _set_time(pb, "timestamp", item.timestamp)
     return pb
 
@@ -286,7 +286,7 @@ def retain_item_from_pb(pb: events_pb2.RetainItem) -> RetainItem:
     (the ingest API stamps every item, so only hand-written events lack one)."""
     return RetainItem(content=pb.content, timestamp=_get_time(pb, "timestamp"),
                       context=pb.context, document_id=pb.document_id, tags=tuple(pb.tags),
-                      metadata=dict(pb.metadata))
+                      metadata=dict(pb.metadata), time_zone=pb.time_zone)
 
 
 def tombstone(o: events_pb2.Observation) -> events_pb2.Observation:
