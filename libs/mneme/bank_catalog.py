@@ -69,7 +69,8 @@ def on_mental_model_changed(m: ev.MentalModelChanged, meta: EventMeta, *,
         catalog.delete_mental_model(m.bank_id, m.id)
         return []
     refresh = (MentalModelRevision(0, m.content, tuple(m.refresh.based_on),
-                                   m.refresh.source or "refresh", mode=m.refresh.mode or "full")
+                                   m.refresh.source or "refresh", mode=m.refresh.mode or "full",
+                                   documents=_documents(m.refresh))
                if m.HasField("refresh") else None)
     catalog.upsert_mental_model(MentalModel(
         id=m.id, bank_id=m.bank_id, display_name=m.display_name, source_query=m.source_query,
@@ -80,7 +81,31 @@ def on_mental_model_changed(m: ev.MentalModelChanged, meta: EventMeta, *,
     return []
 
 
+def _documents(r: ev.MentalModelRefresh) -> tuple[str, ...]:
+    """The refresh's documents, parallel to its ``based_on`` (padded with "" for an event
+    from before the field)."""
+    docs = list(r.based_on_documents)[:len(r.based_on)]
+    return tuple(docs + [""] * (len(r.based_on) - len(docs)))
+
+
+def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
+                       meta: EventMeta, *, catalog: Catalog | None = None):
+    """A deleted document or memory leaves the bank's mental models: the contents that
+    cite it are erased and a model falls back to its latest content that does not
+    (:meth:`mneme.ports.Catalog.erase_mental_model_sources`), as a replay would have it
+    (those contents are sealed under the deleted memories' keys). Idempotent; produces
+    nothing."""
+    if catalog is not None:
+        if isinstance(m, ev.DocumentDeleteRequested):
+            catalog.erase_mental_model_sources(m.bank_id, (), m.document_id)
+        else:
+            catalog.erase_mental_model_sources(m.bank_id, (m.memory_id,))
+    return []
+
+
 #: The bank projection's routes, for a group reading ``mneme.intake.v1``.
 ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted,
           ev.DirectiveChanged: on_directive_changed,
-          ev.MentalModelChanged: on_mental_model_changed}
+          ev.MentalModelChanged: on_mental_model_changed,
+          ev.DocumentDeleteRequested: on_sources_deleted,
+          ev.MemoryDeleteRequested: on_sources_deleted}

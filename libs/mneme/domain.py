@@ -10,7 +10,7 @@ import re
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Iterable, Sequence
+from typing import AbstractSet, Iterable, Sequence
 
 #: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
 MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
@@ -155,7 +155,8 @@ class MentalModel:
     tokens; 0: the default), ``tags`` (its scope: what its refresh recalls, and which
     changes make it stale), ``refresh_policy`` (:data:`REFRESH_POLICIES`) with
     ``refresh_every`` (new facts between refreshes for "every_n_facts"). ``revision``
-    counts content changes; ``based_on`` are the memory ids of the latest refresh;
+    counts content changes; ``based_on`` are the memory ids of the latest refresh, and
+    ``based_on_documents`` their documents (parallel; "" for none);
     ``memory_offset`` is where its bank's partition of ``mneme.memory.v1`` ended at the
     latest refresh (or creation): changes after it make the model stale. Times are epoch
     seconds (``refreshed_at`` 0: never refreshed)."""
@@ -173,6 +174,7 @@ class MentalModel:
     based_on: tuple[str, ...] = ()
     memory_offset: int = 0
     created_at: float = 0.0
+    based_on_documents: tuple[str, ...] = ()
     updated_at: float = 0.0
     refreshed_at: float = 0.0
 
@@ -181,8 +183,9 @@ class MentalModel:
 class MentalModelRevision:
     """One content of a mental model: ``revision`` (1, 2, ...), the ``content``, the
     memory ids it was ``based_on`` (empty for content a user wrote), ``source``
-    ("user", "refresh" or "refresh_offline"), when (epoch seconds) and the refresh
-    ``mode`` that made it ("full", "delta"; empty for content a user wrote)."""
+    ("user", "refresh" or "refresh_offline"), when (epoch seconds), the refresh
+    ``mode`` that made it ("full", "delta"; empty for content a user wrote) and the
+    ``documents`` of its ``based_on`` (parallel; "" for none)."""
 
     revision: int
     content: str
@@ -190,6 +193,7 @@ class MentalModelRevision:
     source: str = "user"
     at: float = 0.0
     mode: str = ""
+    documents: tuple[str, ...] = ()
 
 
 #: How a mental model is kept current: on request, after a consolidation that leaves it
@@ -217,7 +221,8 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
                                   revision=old.revision if old else 0)
     if refresh is not None:
         new = replace(new, based_on=tuple(refresh.based_on),
-                                  refreshed_at=m.updated_at, memory_offset=m.memory_offset)
+                      based_on_documents=tuple(refresh.documents),
+                      refreshed_at=m.updated_at, memory_offset=m.memory_offset)
     elif not mask:
         new = replace(new, memory_offset=m.memory_offset)
     changed = "content" in mask or (not mask and bool(m.content))
@@ -226,6 +231,38 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
         revision = refresh if refresh is not None else MentalModelRevision(0, m.content)
         revision = replace(revision, content=m.content, at=m.updated_at)
     return new, revision
+
+
+def cites_deleted(based_on: Sequence[str], documents: Sequence[str], memory_ids: AbstractSet[str],
+                  document_id: str) -> bool:
+    """True when content ``based_on`` these memory ids (retained in ``documents``,
+    parallel) stands on a deleted memory (``memory_ids``) or a memory of the deleted
+    document ``document_id`` ("" for none)."""
+    return bool(memory_ids.intersection(based_on)) or bool(document_id and document_id in documents)
+
+
+def erase_mental_model_sources(old: MentalModel, revisions: Sequence[MentalModelRevision],
+                               memory_ids: AbstractSet[str], document_id: str = ""
+                               ) -> tuple[MentalModel, list[MentalModelRevision]] | None:
+    """The model ``old`` and its ``revisions`` (oldest first) without the contents that
+    stand on deleted memories (:func:`cites_deleted`), or None when none does. The kept
+    revisions are numbered 1, 2, ... again, and when the current content is among those
+    dropped, the model falls back to the latest kept one (empty when none is left): what
+    a replay gives, where those contents are sealed under the deleted memories' keys and
+    so are skipped (:mod:`mneme.bus.sealing`). Shared by every catalog adapter."""
+    def hit(r: MentalModelRevision) -> bool:
+        return cites_deleted(r.based_on, r.documents, memory_ids, document_id)
+    if not any(hit(r) for r in revisions) and not cites_deleted(
+            old.based_on, old.based_on_documents, memory_ids, document_id):
+        return None
+    kept = [replace(r, revision=n) for n, r in enumerate((r for r in revisions if not hit(r)), 1)]
+    new = replace(old, revision=len(kept))
+    if cites_deleted(old.based_on, old.based_on_documents, memory_ids, document_id):
+        last = kept[-1] if kept else MentalModelRevision(0, "")
+        new = replace(new, content=last.content, based_on=last.based_on,
+                      based_on_documents=last.documents,
+                      refreshed_at=max((r.at for r in kept if r.source != "user"), default=0.0))
+    return new, kept
 
 
 #: The fields of a directive an update_mask may name.
@@ -463,7 +500,8 @@ class Memory:
     """A memory as a reasoning model is shown it (reflect's tools): its store ``id``,
     ``text``, ``kind`` (mental_model, observation, fact), when it happened (``when``),
     and its fact type when a fact; a fact also keeps when it was told (``mentioned_at``)
-    and its ``entities`` (:class:`EntityRef`), which opinions formed from it are about."""
+    and its ``entities`` (:class:`EntityRef`), which opinions formed from it are about, and
+    the ``document_id`` it was retained in ("" for none)."""
 
     id: str
     text: str
@@ -472,6 +510,7 @@ class Memory:
     fact_type: str = ""
     mentioned_at: datetime | None = None
     entities: tuple = ()
+    document_id: str = ""
 
 
 BUDGETS = ("low", "mid", "high")

@@ -320,6 +320,14 @@ class Catalog(Protocol):
         ``refresh`` (a refresh's result) also sets ``based_on``, ``refreshed_at`` and
         ``memory_offset``. Ignored for a bank that does not exist."""
 
+    def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
+                                   document_id: str = "") -> int:
+        """Deleted memories (``memory_ids``, and every memory of ``document_id`` when
+        given) out of the bank's mental models: each revision whose ``based_on`` cites one
+        is removed, and a model whose current content does falls back to its latest
+        remaining revision (:func:`mneme.domain.erase_mental_model_sources`). Returns how
+        many models changed; idempotent."""
+
     def delete_mental_model(self, bank_id: str, model_id: str) -> None:
         """Remove the model and its revisions (no-op when unknown)."""
 

@@ -57,6 +57,15 @@ def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
     return []
 
 
+def on_deletion_requested(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
+                          meta: EventMeta, *, catalog: Catalog) -> list:
+    """A DeleteDocument or DeleteMemory: a pending operation, and the mental-model
+    contents that cite what it deletes erased (:func:`mneme.bank_catalog.on_sources_deleted`).
+    Idempotent; produces nothing."""
+    on_operation_requested(m, meta, catalog=catalog)
+    return bank_catalog.on_sources_deleted(m, meta, catalog=catalog)
+
+
 def on_operation_cancel_requested(m: ev.OperationCancelRequested, meta: EventMeta, *,
                                   catalog: Catalog) -> list:
     """CancelOperation: the operation (when known and not yet ended) shows

@@ -12,8 +12,8 @@ SERVICE = Service(
     groups=(Group("ingest", {
         INTAKE: {**bank_catalog.ROUTES, ev.BankDeleted: handlers.on_bank_deleted,
                  ev.RetainRequested: handlers.on_operation_requested,
-                 ev.DocumentDeleteRequested: handlers.on_operation_requested,
-                 ev.MemoryDeleteRequested: handlers.on_operation_requested,
+                 ev.DocumentDeleteRequested: handlers.on_deletion_requested,
+                 ev.MemoryDeleteRequested: handlers.on_deletion_requested,
                  ev.ConsolidationRequested: handlers.on_operation_requested,
                  ev.OperationCancelRequested: handlers.on_operation_cancel_requested,
                  # search's EntityService appends these: operations like the others

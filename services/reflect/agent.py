@@ -606,7 +606,7 @@ class ReflectAgent:
                 time_zone=time_zone_name(now)))
             memories = [Memory(s.fact.id, s.fact.text, "fact",
                                s.fact.occurred_start or s.fact.mentioned_at, s.fact.fact_type,
-                               s.fact.mentioned_at, tuple(s.fact.entities))
+                               s.fact.mentioned_at, tuple(s.fact.entities), s.fact.document_id)
                         for s in outcome.results]
             empty = "No memories match. Try other words, or answer that the bank has no memory of it."
         else:

@@ -27,7 +27,8 @@ class Reflection:
     absent: a fact); ``directives`` are the ids of the directives the answer was told to
     follow (none offline: an extractive answer follows no rule); ``evidence`` the facts
     it cites as the model was shown them (:class:`mneme.domain.Memory`: what opinion
-    formation needs)."""
+    formation needs); ``documents`` the document of a cited fact, where known (id →
+    document id: deleting it erases a mental model's content based on the answer)."""
 
     text: str
     based_on: list[str] = field(default_factory=list)
@@ -35,6 +36,7 @@ class Reflection:
     kinds: dict[str, str] = field(default_factory=dict)
     directives: list[str] = field(default_factory=list)
     evidence: list = field(default_factory=list)
+    documents: dict[str, str] = field(default_factory=dict)
 
 
 def scope_filters(tags: Sequence[str]) -> Filters:
@@ -64,7 +66,8 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
              for _, s in ranked]
     text = ("Extractive answer (no language model configured); the most relevant memories:\n"
             + "\n".join(lines))
-    return Reflection(text, [s.fact.id for _, s in ranked], True)
+    return Reflection(text, [s.fact.id for _, s in ranked], True,
+                      documents={s.fact.id: s.fact.document_id for _, s in ranked})
 
 
 #: How :meth:`services.reflect.mental_models.MentalModels.search` marks a stale model in

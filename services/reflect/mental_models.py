@@ -241,12 +241,19 @@ class MentalModels:
                 r = replace(r, text=_cite_lines(r.text, len(r.based_on)))
         content = _cut(r.text, m.max_tokens)
         source = "refresh_offline" if r.extractive else "refresh"
+        # where each cited memory was retained: deleting that document erases this content
+        docs = dict(zip(m.based_on, m.based_on_documents))  # what a delta kept
+        docs.update({x.id: x.document_id for x in r.evidence if getattr(x, "document_id", "")})
+        docs.update({i: d for i, d in r.documents.items() if d})
+        documents = [docs.get(i, "") for i in r.based_on]
         if dry_run:
-            return replace(m, content=content, based_on=tuple(r.based_on)), r
+            return replace(m, content=content, based_on=tuple(r.based_on),
+                           based_on_documents=tuple(documents)), r
         msg = ev.MentalModelChanged(bank_id=bank_id, id=model_id, content=content,
                                     update_mask=["content"], memory_offset=start,
                                     refresh=ev.MentalModelRefresh(based_on=r.based_on,
-                                                                  source=source, mode=mode))
+                                                                  source=source, mode=mode,
+                                                                  based_on_documents=documents))
         self.projected(self.append(msg, bank_id), bank_id)
         return self.get(bank_id, model_id), r
 
@@ -279,7 +286,8 @@ class MentalModels:
                         when = f.occurred_start if f.HasField("occurred_start") else (
                             f.mentioned_at if f.HasField("mentioned_at") else None)
                         new.pop(f.id, None)
-                        new[f.id] = Memory(f.id, f.text, "fact", _dt(when), f.fact_type)
+                        new[f.id] = Memory(f.id, f.text, "fact", _dt(when), f.fact_type,
+                                           document_id=f.document_id)
                         gone.discard(f.id)
             elif isinstance(msg, ev.ObservationsChanged):
                 for o in msg.observations:
@@ -328,7 +336,7 @@ class MentalModels:
             r = self.revise(m.bank_id, m.source_query, kept_text, kept,
                             [x for x, _ in ranked], now, m.tags)
             if r is not None:
-                return r
+                return replace(r, documents={x.id: x.document_id for x, _ in ranked})
         limit = 4 * (m.max_tokens or DEFAULT_MAX_TOKENS)
         text = kept_text
         if not kept and text.strip().startswith(NO_MEMORIES[:40]):
@@ -347,7 +355,7 @@ class MentalModels:
                 based_on.append(x.id)
         if not text.strip():
             text = NO_MEMORIES
-        return Reflection(text, based_on, True)
+        return Reflection(text, based_on, True, documents={x.id: x.document_id for x in new})
 
     def _relevant(self, m: MentalModel, new: Sequence[Memory]) -> list[tuple[Memory, bool]]:
         """``new`` ranked by relevance to the model's name and query (shared content words,

@@ -164,6 +164,44 @@ class CatalogSuite:
         cat.upsert_bank("a", "", BankConfig(), T0 + 9)
         assert cat.list_mental_models("a", 10) == [] and cat.mental_model_revisions("a", "m1") == []
 
+    def test_deleted_sources_erase_the_contents_citing_them(self, cat):
+        cat.upsert_bank("a", "", BankConfig(), T0)
+        cat.upsert_bank("b", "", BankConfig(), T0)
+        for bank in ("a", "b"):
+            cat.upsert_mental_model(MentalModel("m1", bank, "Home", "Where?", content="Mine.",
+                                                updated_at=T0 + 1))
+        def refresh(at, content, based_on, documents):
+            cat.upsert_mental_model(
+                MentalModel("m1", "a", "", "", content=content, memory_offset=int(at),
+                            updated_at=T0 + at),
+                mask=("content",), refresh=MentalModelRevision(
+                    0, "", based_on=based_on, source="refresh_offline", mode="full",
+                    documents=documents))
+        refresh(2, "Lisbon [1].", ("f1",), ("d1",))
+        refresh(3, "Porto [1], Lisbon [2].", ("f2", "f1"), ("d2", "d1"))
+        refresh(4, "Porto [1].", ("f2",), ("d2",))
+        # nothing cites these: nothing changes
+        assert cat.erase_mental_model_sources("a", ("f9",), "d9") == 0
+        assert cat.get_mental_model("a", "m1").revision == 4
+        # document d1: revisions 2 and 3 go, the current one (4) stays, renumbered
+        assert cat.erase_mental_model_sources("a", (), "d1") == 1
+        assert cat.erase_mental_model_sources("a", (), "d1") == 0  # idempotent
+        got = cat.get_mental_model("a", "m1")
+        assert (got.content, got.revision, got.based_on) == ("Porto [1].", 2, ("f2",))
+        assert [(r.revision, r.content, r.documents) for r in cat.mental_model_revisions("a", "m1")] == [
+            (1, "Mine.", ()), (2, "Porto [1].", ("d2",))]
+        # memory f2: the current content goes; the model falls back to the user's content
+        assert cat.erase_mental_model_sources("a", ("f2",)) == 1
+        got = cat.get_mental_model("a", "m1")
+        assert (got.content, got.revision, got.based_on, got.refreshed_at) == ("Mine.", 1, (), 0)
+        assert [r.content for r in cat.mental_model_revisions("a", "m1")] == ["Mine."]
+        # another bank's model of the same id is not touched
+        assert cat.get_mental_model("b", "m1").content == "Mine."
+        # an empty document id erases nothing by document
+        refresh(5, "Faro [1].", ("f3",), ("",))
+        assert cat.erase_mental_model_sources("a", (), "") == 0
+        assert cat.get_mental_model("a", "m1").content == "Faro [1]."
+
     def test_put_operation_is_insert_only(self, cat):
         cat.put_operation(op("o1", items_total=3))
         cat.update_operation(op("o1", state="running", items_total=3, items_done=1))

@@ -105,6 +105,12 @@ def erased(tmp_path_factory):
             vectors = [array("f", f.embedding).tobytes() for f in facts
                        if f.document_id == "secret"]
             assert vectors and any(MARKER in f.text for f in facts)
+            # a mental model refreshed from it (twice: two revisions quote it) and one a
+            # user wrote
+            phone = m.create_mental_model("er", "The phone", "What phone number was given?")
+            for _ in range(2):
+                assert MARKER in m.refresh_mental_model("er", phone.id).content
+            m.create_mental_model("er", "Bob", "What does Bob ride?", content=KEEP[1])
             op = m.delete_document("er", "secret")
             assert op.state == 3, op
         yield server, facts, vectors
@@ -150,14 +156,38 @@ def test_recall_memories_and_observations_return_nothing_of_it(erased):
         assert not list(m.list_memories("er", document_id="secret"))
 
 
+def _models(m, bank: str) -> list:
+    return [(x.display_name, x.content, list(x.based_on), x.revision,
+             [(r.revision, r.content, list(r.based_on)) for r in m.mental_model_revisions(bank, x.id)])
+            for x in m.list_mental_models(bank)]
+
+
+def test_mental_models_keep_nothing_of_it(erased):
+    server, _, _ = erased
+    with server.client() as m:
+        models = {x.display_name: x for x in m.list_mental_models("er")}
+        phone, bob = models["The phone"], models["Bob"]
+        # both refreshes quoted the document: nothing is left of them
+        assert (phone.content, list(phone.based_on), phone.revision) == ("", [], 0)
+        assert phone.is_stale and not m.mental_model_revisions("er", phone.id)
+        assert bob.content == KEEP[1] and bob.revision == 1  # a user's content stays
+        r = m.reflect("er", "What phone number was given?")
+        assert MARKER not in r.text
+        again = m.refresh_mental_model("er", phone.id)
+        assert MARKER not in again.content and again.revision == 1
+
+
 def test_a_replay_brings_nothing_of_it_back(erased):
     server, facts, _ = erased
+    with server.client() as m:
+        models = _models(m, "er")
     server.replay()
     with server.client() as m:
         texts = _texts(m, "er")
         assert MARKER not in texts
         assert {x.text for x in m.list_memories("er")} == \
             {f.text for f in facts if f.document_id == "keep"}
+        assert _models(m, "er") == models  # the sealed refreshes are skipped, as erased
     for path, data in _files(server.data_dir).items():
         assert MARKER.encode() not in data, path
 

@@ -18,8 +18,8 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     UnitVector          vector                          keys: named by the producer (the
                                                               unit's facts' own f:<id>)
     DirectiveChanged    title, text                     keys: the bank's
-    MentalModelChanged  display_name, source_query,     keys: the bank's
-                        content
+    MentalModelChanged  display_name, source_query,     keys: the bank's (+ a refresh's
+                        content                               cited facts' own f:<id>)
     EntityMergeRequested, EntitiesMerged                keys: the bank's
                         display_name
     EntitySplitRequested, EntitySplit                   keys: the bank's
@@ -363,6 +363,16 @@ class Sealer(Opener):
                     k = fact_key_id(i)
                     if k not in m.seal.keys and kr.key(bank, k) is not None:
                         m.seal.keys.append(k)
+            n += self._seal(m, bank)
+        elif isinstance(m, ev.MentalModelChanged) and m.refresh.based_on and not m.seal.keys:
+            # A refresh's content is derived from the facts it cites: deleting one (or its
+            # document) erases it, as a reflection's. The bank's key keeps it per bank.
+            kr.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
+            m.seal.keys.append(BANK_KEY_ID)
+            for i in m.refresh.based_on:
+                k = fact_key_id(i)
+                if k not in m.seal.keys and kr.key(bank, k) is not None:
+                    m.seal.keys.append(k)
             n += self._seal(m, bank)
         elif isinstance(m, _BANK_SEALED):  # the bank's key
             n += self._seal(m, bank)

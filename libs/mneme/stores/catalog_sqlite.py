@@ -11,11 +11,12 @@ import json
 import sqlite3
 import threading
 import time
+from typing import Iterable
 from dataclasses import asdict
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
-                          Operation, from_epoch, merge_directive, merge_mental_model,
-                          merge_operation)
+                          Operation, erase_mental_model_sources, from_epoch, merge_directive,
+                          merge_mental_model, merge_operation)
 from mneme.stores import sqlite_erase
 
 _SCHEMA = """
@@ -65,6 +66,7 @@ if set(TERMINAL) != {"succeeded", "failed"}:
 _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
                ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"),
                ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"),
+               ("mental_model_revisions", "documents", "TEXT NOT NULL DEFAULT '[]'"),
                ("operations", "cancel_requested", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "cancelled", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "retry_of", "TEXT NOT NULL DEFAULT ''"),
@@ -80,7 +82,8 @@ _DIRECTIVE_COLUMNS = ("bank_id, directive_id, title, text, priority, active, tag
 
 def mental_model_from_json(state: str) -> MentalModel:
     d = json.loads(state)
-    return MentalModel(**{**d, "tags": tuple(d["tags"]), "based_on": tuple(d["based_on"])})
+    return MentalModel(**{**d, "tags": tuple(d["tags"]), "based_on": tuple(d["based_on"]),
+                          "based_on_documents": tuple(d.get("based_on_documents", ()))})
 
 
 def _directive(row) -> Directive:
@@ -283,12 +286,8 @@ class SqliteCatalog:
                     top = self._db.execute(
                         "SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
                         "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
-                    self._db.execute(
-                        "INSERT OR IGNORE INTO mental_model_revisions (bank_id, model_id, "
-                        "revision, at, content, based_on, source, mode) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (m.bank_id, m.id, top + 1, revision.at, revision.content,
-                         json.dumps(list(revision.based_on)), revision.source, revision.mode))
+                    self._insert_revision(m.bank_id, m.id,
+                                          dataclasses.replace(revision, revision=top + 1))
                 n = self._db.execute("SELECT coalesce(max(revision), 0) FROM mental_model_revisions "
                                      "WHERE bank_id=? AND model_id=?", (m.bank_id, m.id)).fetchone()[0]
                 new = dataclasses.replace(new, revision=n)
@@ -298,6 +297,49 @@ class SqliteCatalog:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def _insert_revision(self, bank_id: str, model_id: str, r: MentalModelRevision) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO mental_model_revisions (bank_id, model_id, revision, at, "
+            "content, based_on, source, mode, documents) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (bank_id, model_id, r.revision, r.at, r.content, json.dumps(list(r.based_on)),
+             r.source, r.mode, json.dumps(list(r.documents))))
+
+    def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
+                                   document_id: str = "") -> int:
+        ids = sorted(set(memory_ids))
+        marks = ",".join("?" * len(ids))
+        cited = f"EXISTS (SELECT 1 FROM json_each(based_on) WHERE value IN ({marks}))" if ids else "0"
+        with self._lock:
+            # "\x00" matches no document: an empty document_id erases by memory id only
+            models = [r[0] for r in self._db.execute(
+                "SELECT DISTINCT model_id FROM mental_model_revisions WHERE bank_id=? AND "
+                f"({cited} OR EXISTS (SELECT 1 FROM json_each(documents) WHERE value=?))",
+                (bank_id, *ids, document_id or "\x00"))]
+            changed = 0
+            for model_id in models:
+                old = self._mental_model(bank_id, model_id)
+                out = old and erase_mental_model_sources(
+                    old, self._revisions(bank_id, model_id), set(ids), document_id)
+                if not out:
+                    continue
+                new, kept = out
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("DELETE FROM mental_model_revisions WHERE bank_id=? AND "
+                                     "model_id=?", (bank_id, model_id))
+                    for r in kept:
+                        self._insert_revision(bank_id, model_id, r)
+                    self._db.execute("INSERT OR REPLACE INTO mental_models VALUES (?, ?, ?)",
+                                     (bank_id, model_id, json.dumps(dataclasses.asdict(new))))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                changed += 1
+            if changed:
+                sqlite_erase.truncate_wal(self._db)  # the erased contents' old pages
+        return changed
 
     def delete_mental_model(self, bank_id: str, model_id: str) -> None:
         with self._lock:
@@ -319,11 +361,15 @@ class SqliteCatalog:
 
     def mental_model_revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
         with self._lock:
-            rows = self._db.execute(
-                "SELECT revision, content, based_on, source, at, mode FROM mental_model_revisions "
-                "WHERE bank_id=? AND model_id=? ORDER BY revision", (bank_id, model_id)).fetchall()
-        return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], r[5])
-                for r in rows]
+            return self._revisions(bank_id, model_id)
+
+    def _revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
+        rows = self._db.execute(
+            "SELECT revision, content, based_on, source, at, mode, documents "
+            "FROM mental_model_revisions WHERE bank_id=? AND model_id=? ORDER BY revision",
+            (bank_id, model_id)).fetchall()
+        return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], r[5],
+                                    tuple(json.loads(r[6]))) for r in rows]
 
     def _mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
         row = self._db.execute("SELECT state FROM mental_models WHERE bank_id=? AND model_id=?",

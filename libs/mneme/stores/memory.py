@@ -14,8 +14,8 @@ from dataclasses import asdict, replace
 from typing import Iterable, Sequence
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
-                          Operation, from_epoch, merge_directive, merge_mental_model,
-                          merge_operation)
+                          Operation, erase_mental_model_sources, from_epoch, merge_directive,
+                          merge_mental_model, merge_operation)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import StoredEntity
 from mneme.bus.codec import opinion_tombstone, tombstone
@@ -127,6 +127,18 @@ class MemoryCatalog:
             if revision is not None and all(r.at != revision.at for r in revs):
                 revs.append(replace(revision, revision=len(revs) + 1))
             self._models[key] = replace(new, revision=len(revs))
+
+    def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
+                                   document_id: str = "") -> int:
+        ids, changed = set(memory_ids), 0
+        with self._lock:
+            for key in [k for k in self._models if k[0] == bank_id]:
+                out = erase_mental_model_sources(self._models[key], self._revisions.get(key, []),
+                                                 ids, document_id)
+                if out:
+                    self._models[key], self._revisions[key] = out
+                    changed += 1
+        return changed
 
     def delete_mental_model(self, bank_id: str, model_id: str) -> None:
         with self._lock:
