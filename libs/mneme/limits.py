@@ -55,7 +55,7 @@ class Limits(BaseSettings):
     metadata_key_chars: int = Field(128, description="A metadata key")
     metadata_value_chars: int = Field(8_192, description="A metadata value")
     id_chars: int = Field(256, description="Resource names, document / request / memory "
-                                           "ids, page tokens")
+                                           "ids")
     mission_chars: int = Field(20_000, description="Bank retain / observations mission")
     text_chars: int = Field(4_096, description="Any other string (display name, …)")
     list_entries: int = Field(256, description="Any other repeated field (types, scopes, "
@@ -73,6 +73,14 @@ class Limits(BaseSettings):
         """A data key id (``d:<document_id>#<generation>``): an id plus its prefix and
         generation (:data:`KEY_ID_OVERHEAD`)."""
         return self.id_chars + KEY_ID_OVERHEAD
+
+    @property
+    def page_token_chars(self) -> int:
+        """A page token: the longest one a list issues for ids, tags and scopes within
+        these limits (:func:`mneme.paging.max_token_chars`), so every issued token is
+        taken back."""
+        from mneme import paging  # paging reads the limits lazily too
+        return paging.max_token_chars(self.key_id_chars, self.tag_chars, self.tags)
 
 
 #: Characters a data key id adds to the id it is made of ("d:" + "#" + 16 hex digits,
@@ -102,7 +110,7 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "document_id": ("id_chars", "id"),
     "request_id": ("id_chars", "id"),
     "memory_id": ("id_chars", "id"),
-    "page_token": ("id_chars", "id"),
+    "page_token": ("page_token_chars", "id"),
     "extraction_mode": ("id_chars", "id"),
     "erasure": ("id_chars", "id"),
     "paths": ("id_chars", "id"),

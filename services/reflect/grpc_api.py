@@ -159,10 +159,11 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         bank_id = bank_id_of(request.parent)
         apiconv.check_tags(request.tags)
         size = paging.page_size(request.page_size)
-        kind = f"mental-models:{bank_id}"
-        after = paging.decode_token(request.page_token, kind) or ""
         if request.tags_match not in apiconv.TAGS_MATCH:
             raise InvalidArgument("tags_match", "unknown value")
+        # bound to the filters: the next page of other tags is not this list's (AIP-158)
+        kind = ("mental-models", bank_id, list(request.tags), request.tags_match)
+        after = paging.decode_token(request.page_token, kind) or ""
         found = self.models.list(bank_id, size + 1, after, tuple(request.tags),
                                  apiconv.TAGS_MATCH[request.tags_match])
         page = found[:size]
@@ -195,7 +196,7 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
     def ListMentalModelRevisions(self, request, context):
         bank_id, model_id = mental_model_of(request.parent, "parent")
         size = paging.page_size(request.page_size)
-        kind = f"revisions:{bank_id}/{model_id}"
+        kind = ("revisions", bank_id, model_id)
         after = paging.decode_token(request.page_token, kind, int) or 0
         revs = [r for r in self.models.history(bank_id, model_id) if r.revision > after]
         page = revs[:size]

@@ -34,10 +34,13 @@ def get_memory(vectors: VectorStore, bank_id: str, memory_id: str) -> Fact:
 
 def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token: str,
                   filters: Filters | None = None) -> tuple[list[Fact], str]:
-    """One page of the bank's memories in a stable order and the next page token
-    ('' at the end). ``page_size`` 0 means 100; at most 1000."""
+    """One page of the bank's memories matching ``filters`` (its ``types`` and
+    ``document_id``) in a stable order and the next page token ('' at the end), bound to
+    those filters. ``page_size`` 0 means 100; at most 1000. InvalidArgument naming
+    ``page_token`` for a token of another list or other filters."""
     size = paging.page_size(page_size, maximum=MAX_PAGE)
-    kind = f"memories:{bank_id}"
+    f = filters or Filters()
+    kind = ("memories", bank_id, f.document_id, list(f.types))
     after = paging.decode_token(page_token, kind)
     try:
         facts, nxt = vectors.scroll(bank_id, size, after, filters)
@@ -50,7 +53,7 @@ def list_memories(vectors: VectorStore, bank_id: str, page_size: int, page_token
 
 
 def _page_of_values(pairs: list[tuple[str, int]], page_size: int, page_token: str,
-                    kind: str) -> tuple[list[tuple[str, int]], str]:
+                    kind: tuple) -> tuple[list[tuple[str, int]], str]:
     """One page of (value, count) pairs in value order after the token's value."""
     size = paging.page_size(page_size, maximum=MAX_PAGE)
     after = paging.decode_token(page_token, kind)
@@ -67,7 +70,7 @@ def list_documents(documents: DocumentStore, vectors: VectorStore, bank_id: str,
     ('' at the end). ``page_size`` 0 means 100, at most 1000; InvalidArgument for a token
     this list did not issue."""
     size = paging.page_size(page_size, maximum=MAX_PAGE)
-    kind = f"documents:{bank_id}"
+    kind = ("documents", bank_id)
     after = paging.decode_token(page_token, kind) or ""
     got = documents.list(bank_id, size + 1, after)
     page = got[:size]
@@ -120,7 +123,7 @@ def list_tags(vectors: VectorStore, bank_id: str, page_size: int, page_token: st
     order, and the next page token ('' at the end); sizes and errors as
     :func:`list_documents`."""
     return _page_of_values(vectors.facet(bank_id, "tags", MAX_VALUES, Filters(types=FACT_TYPES)),
-                           page_size, page_token, f"tags:{bank_id}")
+                           page_size, page_token, ("tags", bank_id))
 
 
 def list_entities(graph: GraphStore, bank_id: str, page_size: int, page_token: str
@@ -128,7 +131,7 @@ def list_entities(graph: GraphStore, bank_id: str, page_size: int, page_token: s
     """One page of the bank's entities in id order (with mention counts) and the next
     page token ('' at the end); sizes and errors as :func:`list_documents`."""
     size = paging.page_size(page_size, maximum=MAX_PAGE)
-    kind = f"entities:{bank_id}"
+    kind = ("entities", bank_id)
     after = paging.decode_token(page_token, kind)
     got = graph.entities(bank_id, size + 1, after or "")
     page = got[:size]

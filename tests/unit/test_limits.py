@@ -85,6 +85,14 @@ def test_page_tokens_round_trip_and_refuse_anything_else():
     assert paging.decode_token(n, "ops:b", int) == 200
     assert paging.decode_token(paging.encode_token("ops:b", 2**63 - 1), "ops:b", int) == 2**63 - 1
     assert paging.decode_token(paging.encode_token("banks", "Zoë/../x y"), "banks") == "Zoë/../x y"
+    # any id the limits take comes back: C1 characters and emoji included
+    assert paging.decode_token(paging.encode_token("banks", "a\x85b\U0001f600"), "banks") == \
+        "a\x85b\U0001f600"
+    # positions of several parts, bound to a kind of several fields
+    kind = ("operations", "b", ["x", "y"])
+    pos = [1716206400.25, "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"]
+    assert paging.decode_token(paging.encode_token(kind, pos), kind, (float, str)) == pos
+    assert paging.decode_token(paging.encode_token("s", ["a", "b"]), "s", [str]) == ["a", "b"]
     for bad, kind, typ in ((t, "ops:b", int), (n, "ops:c", int), (n, "ops:b", str),
                            ("garbage", "banks", str), ("MTA=", "banks", str),
                            (paging.encode_token("ops:b", -1), "ops:b", int), ("!!", "banks", str),
@@ -93,7 +101,14 @@ def test_page_tokens_round_trip_and_refuse_anything_else():
                            (paging.encode_token("ops:b", 1.0), "ops:b", int),
                            (paging.encode_token("banks", "a\x00b"), "banks", str),
                            (paging.encode_token("banks", "a\nb"), "banks", str),
-                           (paging.encode_token("banks", "a\x85b"), "banks", str),
+                           (paging.encode_token("banks", "a\x7fb"), "banks", str),
+                           # the same list with other filters (AIP-158)
+                           (paging.encode_token(("m", "b", ["x"]), "a"), ("m", "b", ["y"]), str),
+                           (paging.encode_token(("m", "b", ""), "a"), ("m", "b", "d"), str),
+                           # shapes: not a pair, a non-finite float, a list with a number
+                           (paging.encode_token("o", ["a"]), "o", (float, str)),
+                           (_b64(b'["x","y"]'), "o", (float, str)),
+                           (paging.encode_token("s", ["a", 1]), "s", [str]),
                            # a lone surrogate (JSON "\ud800"), an object of two keys, three items
                            (_b64(b'["banks","\\ud800"]'), "banks", str),
                            (_b64(b'{"banks":0,"x":0}'), "banks", str),
@@ -101,9 +116,31 @@ def test_page_tokens_round_trip_and_refuse_anything_else():
         with pytest.raises(InvalidArgument) as e:
             paging.decode_token(bad, kind, typ)
         assert e.value.violations[0][0] == "page_token"
+    with pytest.raises(InvalidArgument) as e:  # NaN is JSON to Python's json module
+        paging.decode_token(paging.encode_token("o", [float("nan"), "x"]), "o", (float, str))
     with pytest.raises(InvalidArgument):
         paging.page_size(-1)
     assert paging.page_size(0) == 100 and paging.page_size(10**6) == 1000
+
+
+def test_every_page_token_the_server_can_issue_is_within_the_page_token_limit():
+    """The costliest positions (ids of emoji or of characters JSON escapes, a scope of
+    the most and longest tags) of lists bound to long filters pass the limits check."""
+    from mneme.v1 import documents_pb2, observations_pb2
+    lim = Limits()
+    longest_kind = ("observations", "b" * 63, ["\U0001f600" * lim.tag_chars] * lim.tags)
+    for ch in ("a", "\u4e2d", "\U0001f600", '"', "\\", "\x85"):
+        for position in (ch * lim.id_chars, ch * lim.key_id_chars, ch * lim.tag_chars,
+                         [ch * lim.tag_chars] * lim.tags,
+                         [1716206400.123456, "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"]):
+            token = paging.encode_token(longest_kind, position)
+            assert check(documents_pb2.ListDocumentsRequest(parent="banks/b", page_token=token),
+                         lim) == []
+            assert check(observations_pb2.ListObservationScopesRequest(
+                parent="banks/b", page_token=token), lim) == []
+    # the bound is a bound: one more character is refused, naming the field
+    assert check(documents_pb2.ListDocumentsRequest(page_token="A" * (lim.page_token_chars + 1)),
+                 lim)[0][0] == "page_token"
 
 
 def test_times_from_any_store_or_log_are_read_without_error():
