@@ -358,9 +358,12 @@ class Catalog(Protocol):
     def count_operations(self, bank_id: str) -> tuple[int, int]:
         """(operations, of which not yet terminal) of the bank, counted by the catalog."""
 
-    def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
-        """Newest first (``created_at`` descending, then ``operation_id`` ascending),
-        skipping ``offset``, at most ``limit``; ``bank_id`` "" lists every bank's."""
+    def list_operations(self, bank_id: str, limit: int,
+                        after: tuple[float, str] | None = None) -> list[Operation]:
+        """Newest first (``created_at`` descending, then ``operation_id`` ascending), at
+        most ``limit``, only those after ``after`` in that order (the ``(created_at,
+        operation_id)`` of the previous page's last one: operations added or deleted
+        meanwhile shift nothing); ``bank_id`` "" lists every bank's."""
 
     def reset(self) -> None:
         """Forget everything, bank generations and deleted operations included (replay

@@ -199,18 +199,22 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
     def ListOperations(self, request, context):
         bank_id = bank_id_of(request.parent) if request.parent else ""
         size = paging.page_size(request.page_size)
-        # The token is bound to its parent: another bank's token is refused.
-        kind = f"operations:{bank_id}"
-        offset = paging.decode_token(request.page_token, kind, int) or 0
+        # The token is bound to its parent: another bank's token is refused. It holds the
+        # last operation's (created_at, id): new operations (listed first) shift nothing.
+        kind = ("operations", bank_id)
+        after = paging.decode_token(request.page_token, kind, (float, str))
         self.ingest.catch_up(bank_id or None)
-        ops = self.ingest.catalog.list_operations(bank_id, size + 1, offset)
-        if bank_id and not ops and not offset and self.ingest.catalog.get_bank(bank_id) is None:
+        ops = self.ingest.catalog.list_operations(bank_id, size + 1,
+                                                  tuple(after) if after else None)
+        if bank_id and not ops and after is None and self.ingest.catalog.get_bank(bank_id) is None:
             # a bank that never was (a deleted bank's operations stay listable)
             raise NotFound(f"bank {bank_id!r} not found")
-        more = len(ops) > size
+        page = ops[:size]
         return operations_pb2.ListOperationsResponse(
-            operations=[apiconv.operation_to_api(o) for o in ops[:size]],
-            next_page_token=paging.encode_token(kind, offset + size) if more else "")
+            operations=[apiconv.operation_to_api(o) for o in page],
+            next_page_token=paging.encode_token(
+                kind, [float(page[-1].created_at), page[-1].operation_id])
+            if len(ops) > size else "")
 
 
 def key_ids_of(request) -> list[str]:
@@ -280,7 +284,7 @@ class DirectiveServicer(directives_pb2_grpc.DirectiveServiceServicer):
     def ListDirectives(self, request, context):
         bank_id = bank_id_of(request.parent)
         size = paging.page_size(request.page_size)
-        kind = f"directives:{bank_id}"
+        kind = ("directives", bank_id)
         after = paging.decode_token(request.page_token, kind) or ""
         self.ingest.require_bank(bank_id)
         found = self.ingest.catalog.list_directives(bank_id, size + 1, after)

@@ -175,43 +175,54 @@ def _all(vectors: VectorStore, bank_id: str, filters: Filters) -> list[Fact]:
             return out
 
 
-def _offset(token: str, kind: str) -> int:
-    return paging.decode_token(token, kind, int) or 0
-
-
 def _size(page_size: int) -> int:
     return paging.page_size(page_size)
 
 
-def _token(n: int, kind: str) -> str:
-    return paging.encode_token(kind, n)
+def page_by_id(units: list[Fact], page_size: int, page_token: str, kind
+               ) -> tuple[list[Fact], str]:
+    """One page of ``units`` in id order after the token's id (keyset: units added or
+    removed between calls shift nothing), and the next page token ('' at the end).
+    InvalidArgument naming ``page_token`` for a token not of list ``kind``."""
+    size = _size(page_size)
+    after = paging.decode_token(page_token, kind)
+    rest = sorted((u for u in units if after is None or u.id > after), key=lambda u: u.id)
+    page = rest[:size]
+    return page, paging.encode_token(kind, page[-1].id) if len(rest) > size else ""
+
+
+def _scope_key(tags) -> str:
+    return json.dumps(sorted(tags))
 
 
 def list_scopes(vectors: VectorStore, bank_id: str, page_size: int, page_token: str
                 ) -> tuple[list[tuple[list[str], int]], str]:
     """[(scope tags, observation count)] ordered by scope (JSON of the sorted tags), one
-    page, and the next page token ('' at the end)."""
-    size, start = _size(page_size), _offset(page_token, f"scopes:{bank_id}")
+    page, and the next page token ('' at the end; it holds the last scope's tags, so
+    scopes that appear or go between calls shift nothing). InvalidArgument naming
+    ``page_token`` for a token of another list."""
+    kind = ("scopes", bank_id)
+    size = _size(page_size)
+    after = paging.decode_token(page_token, kind, [str])
     counts: dict[str, int] = {}
     for f in _all(vectors, bank_id, Filters(types=(OBSERVATION,))):
-        k = json.dumps(sorted(f.tags))
+        k = _scope_key(f.tags)
         counts[k] = counts.get(k, 0) + 1
-    keys = sorted(counts)
-    page = keys[start:start + size]
-    nxt = _token(start + size, f"scopes:{bank_id}") if start + size < len(keys) else ""
+    keys = sorted(k for k in counts if after is None or k > _scope_key(after))
+    page = keys[:size]
+    nxt = paging.encode_token(kind, json.loads(page[-1])) if len(keys) > size else ""
     return [(json.loads(k), counts[k]) for k in page], nxt
 
 
 def list_observations(vectors: VectorStore, bank_id: str, page_size: int, page_token: str,
                       scope: list[str] | None = None) -> tuple[list[Fact], str]:
     """One page of observations ordered by id (of one exact scope when ``scope`` is not
-    None; [] is the global scope) and the next page token."""
-    size, start = _size(page_size), _offset(page_token, f"observations:{bank_id}")
+    None; [] is the global scope) and the next page token, bound to ``scope``
+    (:func:`page_by_id`)."""
+    kind = ("observations", bank_id, scope)  # bound to the scope asked for (AIP-158)
     f = Filters(types=(OBSERVATION,), tags=tuple(scope or ()), tags_match="exact") \
         if scope is not None else Filters(types=(OBSERVATION,))
-    obs = sorted(_all(vectors, bank_id, f), key=lambda x: x.id)
-    nxt = _token(start + size, f"observations:{bank_id}") if start + size < len(obs) else ""
-    return obs[start:start + size], nxt
+    return page_by_id(_all(vectors, bank_id, f), page_size, page_token, kind)
 
 
 def get_observation(vectors: VectorStore, bank_id: str, observation_id: str) -> Fact:

@@ -24,7 +24,7 @@ from mneme.errors import NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import VectorStore
 from mneme.v1 import resources_pb2
-from services.search.observations import _all, _iso, _offset, _size, _token, _ts
+from services.search.observations import _all, _iso, _ts, page_by_id
 
 
 def opinion_fact(bank_id: str, o: ev.Opinion) -> Fact:
@@ -103,13 +103,9 @@ def list_opinions(vectors: VectorStore, bank_id: str, page_size: int, page_token
                   entity_id: str = "") -> tuple[list[Fact], str]:
     """One page of the bank's opinions ordered by id (only those about ``entity_id`` when
     set) and the next page token ('' at the end). Raises InvalidArgument for a bad token."""
-    kind = f"opinions:{bank_id}:{entity_id}"
-    size, start = _size(page_size), _offset(page_token, kind)
-    ops = sorted((f for f in _all(vectors, bank_id, Filters(types=(OPINION,)))
-                  if not entity_id or any(e.id == entity_id for e in f.entities)),
-                 key=lambda x: x.id)
-    nxt = _token(start + size, kind) if start + size < len(ops) else ""
-    return ops[start:start + size], nxt
+    ops = [f for f in _all(vectors, bank_id, Filters(types=(OPINION,)))
+           if not entity_id or any(e.id == entity_id for e in f.entities)]
+    return page_by_id(ops, page_size, page_token, ("opinions", bank_id, entity_id))
 
 
 def get_opinion(vectors: VectorStore, bank_id: str, opinion_id: str) -> Fact:

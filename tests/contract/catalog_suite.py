@@ -274,10 +274,30 @@ class CatalogSuite:
         cat.put_operation(op("x", "b", at=T0 + 1))
         assert [o.operation_id for o in cat.list_operations("a", 10)] == [
             "o-new", "o-a", "o-b", "o-old"]
-        assert [o.operation_id for o in cat.list_operations("a", 2, offset=1)] == ["o-a", "o-b"]
-        assert [o.operation_id for o in cat.list_operations("a", 10, offset=4)] == []
+        # keyset: after (created_at, id) of the last one served, ties by id
+        assert [o.operation_id for o in cat.list_operations("a", 2, after=(T0 + 5, "o-new"))] \
+            == ["o-a", "o-b"]
+        assert [o.operation_id for o in cat.list_operations("a", 10, after=(T0 + 2, "o-a"))] \
+            == ["o-b", "o-old"]
+        assert [o.operation_id for o in cat.list_operations("a", 10, after=(T0, "o-old"))] == []
         assert [o.operation_id for o in cat.list_operations("", 10)] == [
             "o-new", "o-a", "o-b", "x", "o-old"]
+        assert [o.operation_id for o in cat.list_operations("", 2, after=(T0 + 2, "o-b"))] == [
+            "x", "o-old"]
+
+    def test_list_operations_pages_stay_put_when_operations_come_and_go(self, cat):
+        for i in range(4):
+            cat.put_operation(op(f"o{i}", "a", at=T0 + i))
+        cat.upsert_bank("b", "B", BankConfig(), T0)
+        cat.put_operation(op("b0", "b", at=T0 + 1.5))
+        first = cat.list_operations("", 2)
+        assert [o.operation_id for o in first] == ["o3", "o2"]
+        # between pages: a newer operation, another bank deleted
+        cat.put_operation(op("o9", "a", at=T0 + 9))
+        cat.delete_bank("b")
+        last = first[-1]
+        rest = cat.list_operations("", 10, after=(last.created_at, last.operation_id))
+        assert [o.operation_id for o in rest] == ["o1", "o0"]
 
     def test_reset_forgets_everything(self, cat):
         cat.upsert_bank("a", "A", BankConfig(), T0)

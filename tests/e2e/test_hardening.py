@@ -328,10 +328,11 @@ def test_page_tokens_are_opaque_and_validated_on_every_list(m):
     refused(lambda: m.recall_stub.ListMemories(memory_pb2.ListMemoriesRequest(
         parent="banks/pages-b", page_token=mems.next_page_token)), "page_token")
     refused(lambda: m.banks.ListBanks(banks_pb2.ListBanksRequest(page_size=-1)), "page_size")
-    # forged positions: an offset past what a store takes, an id with a NUL
+    # forged positions: a time past what a store takes, not a (time, id), an id with a NUL
     from mneme.paging import encode_token
-    for parent, token in (("banks/pages-a", encode_token("operations:pages-a", 2**63)),
-                          ("", encode_token("operations:", 2**70))):
+    for parent, token in (("banks/pages-a", encode_token(("operations", "pages-a"), [2**70, "x"])),
+                          ("", encode_token(("operations", ""), 2**62)),
+                          ("", encode_token(("operations", ""), [1.5, "a\x00b"]))):
         refused(lambda: m.operations.ListOperations(operations_pb2.ListOperationsRequest(
             parent=parent, page_token=token)), "page_token")
     refused(lambda: m.banks.ListBanks(banks_pb2.ListBanksRequest(

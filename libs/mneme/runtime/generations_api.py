@@ -39,13 +39,14 @@ class GenerationServicer(generations_pb2_grpc.GenerationServiceServicer):
     @translate_errors
     def ListGenerations(self, request, context):
         size = page_size(request.page_size)
-        start = decode_token(request.page_token, "generations", int) or 0
-        gens = self.replay.generations.list()
-        page = gens[start:start + size]
-        more = start + size < len(gens)
+        # keyset: the token holds the last generation served (oldest first)
+        after = decode_token(request.page_token, "generations", int)
+        gens = [g for g in self.replay.generations.list() if after is None or g.generation > after]
+        page = gens[:size]
         return generations_pb2.ListGenerationsResponse(
             generations=[generation_to_api(g) for g in page],
-            next_page_token=encode_token("generations", start + size) if more else "")
+            next_page_token=encode_token("generations", page[-1].generation)
+            if len(gens) > size else "")
 
     @translate_errors
     def DeleteGeneration(self, request, context):

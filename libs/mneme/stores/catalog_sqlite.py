@@ -229,16 +229,23 @@ class SqliteCatalog:
             (pending,) = self._db.execute(COUNT_PENDING_OPERATIONS, (bank_id,)).fetchone()
         return int(total), int(pending)
 
-    def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
-        """Newest first; ``bank_id`` empty lists every bank."""
-        q = f"SELECT {_OP_COLUMNS} FROM operations"
-        args: tuple = ()
+    def list_operations(self, bank_id: str, limit: int,
+                        after: tuple[float, str] | None = None) -> list[Operation]:
+        """Newest first, after ``after`` (keyset: see the port); ``bank_id`` empty lists
+        every bank."""
+        where, args = [], []
         if bank_id:
-            q += " WHERE bank_id=?"
-            args = (bank_id,)
-        q += " ORDER BY created_at DESC, operation_id LIMIT ? OFFSET ?"
+            where.append("bank_id=?")
+            args.append(bank_id)
+        if after is not None:
+            where.append("(created_at < ? OR (created_at = ? AND operation_id > ?))")
+            args += [after[0], after[0], after[1]]
+        q = f"SELECT {_OP_COLUMNS} FROM operations"
+        if where:
+            q += " WHERE " + " AND ".join(where)
+        q += " ORDER BY created_at DESC, operation_id LIMIT ?"
         with self._lock:
-            rows = self._db.execute(q, args + (limit, offset)).fetchall()
+            rows = self._db.execute(q, (*args, limit)).fetchall()
         return [_op(r) for r in rows]
 
     # ---- directives ----

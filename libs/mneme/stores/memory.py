@@ -192,12 +192,15 @@ class MemoryCatalog:
             ops = [o for o in self._ops.values() if o.bank_id == bank_id]
             return len(ops), sum(1 for o in ops if not o.done)
 
-    def list_operations(self, bank_id: str, limit: int, offset: int = 0) -> list[Operation]:
+    def list_operations(self, bank_id: str, limit: int,
+                        after: tuple[float, str] | None = None) -> list[Operation]:
         with self._lock:
-            ops = [o for o in self._ops.values() if not bank_id or o.bank_id == bank_id]
+            ops = [o for o in self._ops.values() if (not bank_id or o.bank_id == bank_id)
+                   and (after is None or o.created_at < after[0]
+                        or (o.created_at == after[0] and o.operation_id > after[1]))]
             ops.sort(key=lambda o: o.operation_id)
             ops.sort(key=lambda o: o.created_at, reverse=True)  # stable: ties stay by id
-            return [_copy_op(o) for o in ops[max(offset, 0):max(offset, 0) + max(limit, 0)]]
+            return [_copy_op(o) for o in ops[:max(limit, 0)]]
 
     def reset(self) -> None:
         with self._lock:
