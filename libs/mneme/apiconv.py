@@ -27,10 +27,33 @@ TAGS_MATCH = {recall_pb2.TAGS_MATCH_UNSPECIFIED: "any", recall_pb2.ANY: "any",
               recall_pb2.ALL_STRICT: "all_strict", recall_pb2.EXACT: "exact"}
 
 
-def update_paths(mask: Sequence[str], fields: Sequence[str]) -> list[str]:
+def populated(msg, fields: Sequence[str], prefix: str = "") -> list[str]:
+    """The fields among ``fields`` that are populated in message ``msg`` (AIP-134: what
+    an update without a mask changes), as ``prefix + name`` in ``fields``' order: a field
+    with presence (a message, an ``optional`` scalar) when set, a repeated field when not
+    empty, any other scalar when not its zero value (a client sets a field to 0, "" or
+    false only through a mask)."""
+    out = []
+    for f in fields:
+        fd = msg.DESCRIPTOR.fields_by_name[f]
+        if fd.is_repeated:
+            has = len(getattr(msg, f)) > 0
+        elif fd.has_presence:
+            has = msg.HasField(f)
+        else:
+            has = getattr(msg, f) != fd.default_value
+        if has:
+            out.append(prefix + f)
+    return out
+
+
+def update_paths(mask: Sequence[str], fields: Sequence[str], resource=None) -> list[str]:
     """The fields an AIP-134 ``update_mask`` names among ``fields``, in ``fields``' order
-    and without repeats; an empty mask or "*" names them all. InvalidArgument naming
-    ``update_mask.paths[i]`` for a path that is not one of them."""
+    and without repeats: "*" names them all; an empty mask names those populated in
+    ``resource``, the request's message (:func:`populated`; none without it).
+    InvalidArgument naming ``update_mask.paths[i]`` for a path that is not one of them."""
+    if not mask:
+        return populated(resource, fields) if resource is not None else []
     named: set[str] = set()
     for i, p in enumerate(mask):
         if p == "*":
@@ -40,7 +63,14 @@ def update_paths(mask: Sequence[str], fields: Sequence[str]) -> list[str]:
         else:
             raise InvalidArgument(f"update_mask.paths[{i}]",
                                   f"unknown field {p!r}; one of {', '.join(fields)} or *")
-    return [f for f in fields if f in named or not mask]
+    return [f for f in fields if f in named]
+
+
+def bank_paths_populated(bank: resources_pb2.Bank) -> list[str]:
+    """The UpdateBank paths an empty ``update_mask`` means (AIP-134): "display_name" when
+    set and "config.<field>" for each populated config field (:func:`populated`)."""
+    return (populated(bank, ("display_name",))
+            + populated(bank.config, [f.name for f in bank.config.DESCRIPTOR.fields], "config."))
 
 
 def bank_config_from_api(c: resources_pb2.BankConfig) -> BankConfig:

@@ -40,7 +40,9 @@ class BankServicer(banks_pb2_grpc.BankServiceServicer):
 
     @translate_errors
     def UpdateBank(self, request, context):
-        bank = self.ingest.update_bank(*_bank_fields(request), list(request.update_mask.paths),
+        bank = self.ingest.update_bank(*_bank_fields(request),
+                                       list(request.update_mask.paths)
+                                       or apiconv.bank_paths_populated(request.bank),
                                        timeout=remaining(context, 30.0))
         return apiconv.bank_to_api(bank)
 
@@ -300,7 +302,7 @@ class DirectiveServicer(directives_pb2_grpc.DirectiveServiceServicer):
         bank_id, directive_id = directive_of(request.directive.name, "directive.name")
         d = self.ingest.update_directive(
             _directive_from_api(request.directive, bank_id, directive_id),
-            apiconv.update_paths(request.update_mask.paths, DIRECTIVE_FIELDS),
+            apiconv.update_paths(request.update_mask.paths, DIRECTIVE_FIELDS, request.directive),
             timeout=remaining(context, 30.0))
         return directive_to_api(d)
 

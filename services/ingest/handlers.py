@@ -307,9 +307,10 @@ class Ingest:
     def update_bank(self, bank_id: str, display_name: str, config: BankConfig,
                     mask: Sequence[str], timeout: float | None = None) -> Bank:
         """Change the fields of an existing bank named in ``mask`` (paths relative to the
-        bank: "display_name", "config", "config.<field>"; empty or "*" = all); returns the
-        bank as projected. NotFound for an unknown bank; InvalidArgument for an unknown
-        path or an invalid value of a masked field."""
+        bank: "display_name", "config", "config.<field>"; "*" = all; empty = none, the
+        transport names the populated fields: :func:`mneme.apiconv.bank_paths_populated`);
+        returns the bank as projected. NotFound for an unknown bank; InvalidArgument for an
+        unknown path or an invalid value of a masked field."""
         current = self.require_bank(bank_id)
         paths: list[str] = []
         for i, p in enumerate(mask):
@@ -322,7 +323,9 @@ class Ingest:
             else:
                 raise InvalidArgument(f"update_mask.paths[{i}]",
                                       f"unknown field {p!r}; one of {', '.join(MASK_PATHS)}")
-        paths = list(dict.fromkeys(paths or MASK_PATHS))
+        paths = list(dict.fromkeys(paths))
+        if not paths:  # nothing to change (an empty mask on the log would replace it all)
+            return current
         changed = {p[7:]: getattr(config, p[7:]) for p in paths if p.startswith("config.")}
         merged = replace(current.config, **changed)
         _check_config(merged)
@@ -356,11 +359,13 @@ class Ingest:
     def update_directive(self, d: Directive, paths: Sequence[str],
                          timeout: float | None = None) -> Directive:
         """Change the fields ``paths`` of directive ``d.id`` (some of
-        :data:`~mneme.domain.DIRECTIVE_FIELDS`: :func:`mneme.apiconv.update_paths`);
-        returns it as projected. NotFound for an unknown bank or directive;
+        :data:`~mneme.domain.DIRECTIVE_FIELDS`: :func:`mneme.apiconv.update_paths`; none:
+        no change); returns it as projected. NotFound for an unknown bank or directive;
         InvalidArgument naming ``directive.<field>`` for a bad value."""
-        self.require_directive(d.bank_id, d.id)
+        current = self.require_directive(d.bank_id, d.id)
         paths = [p for p in DIRECTIVE_FIELDS if p in paths]
+        if not paths:  # nothing to change (an event without a mask would replace it all)
+            return current
         _check_directive(d, paths)
         rec = self._append(_directive_event(d, paths), d.bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)

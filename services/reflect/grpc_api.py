@@ -180,7 +180,8 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
         with deadline.bind(call_deadline(context)):
             return self._api(self.models.update(
                 _model_from_api(request.mental_model, bank_id, model_id),
-                apiconv.update_paths(request.update_mask.paths, MENTAL_MODEL_FIELDS),
+                apiconv.update_paths(request.update_mask.paths, MENTAL_MODEL_FIELDS,
+                                     request.mental_model),
                 remaining(context, 30.0)))
 
     @translate_errors

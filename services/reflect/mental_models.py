@@ -198,10 +198,12 @@ class MentalModels:
 
     def update(self, m: MentalModel, paths: Sequence[str], timeout: float) -> MentalModel:
         """Change the fields ``paths`` (some of :data:`~mneme.domain.MENTAL_MODEL_FIELDS`:
-        :func:`mneme.apiconv.update_paths`); InvalidArgument naming
+        :func:`mneme.apiconv.update_paths`; none: no change); InvalidArgument naming
         ``mental_model.<field>`` for a bad value."""
-        self.get(m.bank_id, m.id)
+        current = self.get(m.bank_id, m.id)
         paths = [p for p in MENTAL_MODEL_FIELDS if p in paths]
+        if not paths:  # nothing to change (an event without a mask would replace it all)
+            return current
         _check(m, paths)
         self.projected(self.append(_event(m, paths), m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)

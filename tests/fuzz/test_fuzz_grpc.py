@@ -33,6 +33,7 @@ from google.protobuf import field_mask_pb2, struct_pb2, timestamp_pb2
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
+from mneme import apiconv
 from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, memory_pb2,
                       mental_models_pb2, observations_pb2, operations_pb2, opinions_pb2, recall_pb2,
                       reflect_pb2, resources_pb2)
@@ -537,6 +538,8 @@ def bank_write_case(draw):
         elif paths and "*" not in paths and req.HasField("update_mask"):
             keep = tuple(leaf for leaf in LEAVES if not any(
                 p == leaf or (p == "config" and leaf.startswith("config.")) for p in paths))
+        elif not req.update_mask.paths:  # no mask (AIP-134): what is not populated is kept
+            keep = tuple(leaf for leaf in LEAVES if leaf not in apiconv.bank_paths_populated(b))
         return Case("UpdateBank", req, draw(deadline()), bank, write=True, must_refuse=why,
                     keep=keep)
     req = banks_pb2.UpsertBankRequest(bank=b)

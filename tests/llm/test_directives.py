@@ -123,11 +123,13 @@ def test_directive_requests_are_validated(server):
         assert m.get_directive("v", d.id).text == "Be brief."  # nothing changed
         err = refused(lambda: m.update_directive("v", d.id, text=""))
         assert [f for f, _ in field_violations(err)] == ["directive.text"]
-        # an empty mask changes every field: the text given, the rest to their defaults
+        # an empty mask changes the fields populated in the request (AIP-134), keeps the rest
+        m.update_directive("v", d.id, title="Brevity", tags=["style"])
         req = directives_pb2.UpdateDirectiveRequest(directive=directives_pb2.Directive(
             name=d.name, text="Be very brief.", priority=3))
         got = m.directives.UpdateDirective(req)
-        assert (got.text, got.priority, got.active, list(got.tags)) == ("Be very brief.", 3, True, [])
+        assert (got.text, got.title, got.priority, got.active, list(got.tags)) == (
+            "Be very brief.", "Brevity", 3, True, ["style"])
 
 
 def test_directives_cli_round_trip(server):
