@@ -186,10 +186,11 @@ class MentalModels:
 
     def create(self, m: MentalModel, timeout: float) -> MentalModel:
         """A new model (the server picks its id). InvalidArgument naming
-        ``mental_model.<field>`` for an empty name or query, a bad policy or a negative
-        number."""
+        ``mental_model.<field>`` for an empty name or query, a bad policy, a negative
+        number or refresh_every 0 with policy every_n_facts."""
         self.require_bank(m.bank_id)
         _check(m, MENTAL_MODEL_FIELDS)
+        _check_refresh(m)
         m = replace(m, id=str(uuid.uuid4()))
         msg = _event(m, ())
         msg.memory_offset = self.memory_end(m.bank_id)
@@ -205,6 +206,10 @@ class MentalModels:
         if not paths:  # nothing to change (an event without a mask would replace it all)
             return current
         _check(m, paths)
+        if {"refresh_policy", "refresh_every"} & set(paths):
+            # the policy and its count as they will be, whichever of the two the mask names
+            # (a model stored so before this check can still be renamed)
+            _check_refresh(replace(current, **{p: getattr(m, p) for p in paths}))
         self.projected(self.append(_event(m, paths), m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)
 
@@ -648,6 +653,14 @@ def _check(m: MentalModel, fields: Iterable[str]) -> None:
                               f"one of {', '.join(REFRESH_POLICIES)}")
     if "refresh_every" in fields and m.refresh_every < 0:
         raise InvalidArgument("mental_model.refresh_every", "must not be negative")
+
+
+def _check_refresh(m: MentalModel) -> None:
+    """A model as it would be stored: every_n_facts needs refresh_every >= 1 (with 0 it
+    would never refresh). InvalidArgument naming ``mental_model.refresh_every``."""
+    if m.refresh_policy == "every_n_facts" and m.refresh_every < 1:
+        raise InvalidArgument("mental_model.refresh_every",
+                              "must be at least 1 with refresh_policy EVERY_N_FACTS")
 
 
 def _event(m: MentalModel, mask: Sequence[str]) -> ev.MentalModelChanged:

@@ -1,6 +1,7 @@
 """Updates through a real ``mneme up`` (AIP-134): without an update_mask, UpdateBank,
 UpdateDirective and UpdateMentalModel change the fields populated in the request and keep
-the others; "*" still replaces every field."""
+the others; "*" still replaces every field. A mental model refreshed every N facts needs
+N >= 1 (INVALID_ARGUMENT naming mental_model.refresh_every, on create and update)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,23 @@ def test_update_mental_model_without_a_mask_changes_the_populated_fields_only(m)
             got.refresh_policy, got.refresh_every) == (
         "Ana's pets", "Which pets does Ana have?", "Ana has a cat.", ["pets"], 300,
         mental_models_pb2.EVERY_N_FACTS, 5)
+
+
+def test_every_n_facts_needs_refresh_every_of_at_least_one(m):
+    m.upsert_bank("every-n")
+    refused(lambda: m.create_mental_model("every-n", "Pets", "Which pets?",
+                                          refresh_policy="every_n_facts"),
+            "mental_model.refresh_every")
+    mm = m.create_mental_model("every-n", "Pets", "Which pets?")
+    # the policy alone, the count alone and both: the model as it would be is checked
+    refused(lambda: m.update_mental_model("every-n", mm.id, refresh_policy="every_n_facts"),
+            "mental_model.refresh_every")
+    refused(lambda: m.update_mental_model("every-n", mm.id, refresh_policy="every_n_facts",
+                                          refresh_every=0), "mental_model.refresh_every")
+    got = m.update_mental_model("every-n", mm.id, refresh_policy="every_n_facts",
+                                refresh_every=2)
+    assert (got.refresh_policy, got.refresh_every) == (mental_models_pb2.EVERY_N_FACTS, 2)
+    refused(lambda: m.update_mental_model("every-n", mm.id, refresh_every=0),
+            "mental_model.refresh_every")
+    assert m.update_mental_model("every-n", mm.id, refresh_policy="manual",
+                                 refresh_every=0).refresh_every == 0
