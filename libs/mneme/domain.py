@@ -225,6 +225,8 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
                       refreshed_at=m.updated_at, memory_offset=m.memory_offset)
     elif not mask:
         new = replace(new, memory_offset=m.memory_offset)
+    if refresh is None and "content" in mask:  # a user's content (or a clear) cites nothing
+        new = replace(new, based_on=(), based_on_documents=())
     changed = "content" in mask or (not mask and bool(m.content))
     revision = None
     if changed:

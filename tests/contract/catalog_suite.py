@@ -152,6 +152,11 @@ class CatalogSuite:
         got = cat.get_mental_model("a", "m1")
         assert (got.display_name, got.revision, got.content) == ("Alice's home", 2,
                                                                  "Porto since 2024 [1].")
+        # a user's content (a clear too) cites nothing: based_on goes with the refresh's
+        cat.upsert_mental_model(MentalModel("m1", "a", "", "", content="", updated_at=T0 + 6.5),
+                                mask=("content",))
+        got = cat.get_mental_model("a", "m1")
+        assert (got.content, got.revision, got.based_on) == ("", 3, ())
         cat.upsert_mental_model(MentalModel("m9", "a", "x", "y", updated_at=T0), mask=("content",))
         assert cat.get_mental_model("a", "m9") is None  # an update never creates
         cat.upsert_mental_model(MentalModel("m2", "a", "Empty", "What?", updated_at=T0 + 7))
