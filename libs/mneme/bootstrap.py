@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from concurrent import futures
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,6 +26,7 @@ from mneme.bus import codec, partition_for, topics
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
 from mneme.datadir import DataDirLocked, lock, replica_id, unlock
+from mneme.errors import MnemeError
 from mneme.generations import generation_group
 from mneme.router import Group, Router, Service, group_ids
 
@@ -39,17 +41,34 @@ def services() -> dict[str, Service]:
     return {n: importlib.import_module(f"services.{n}.routes").SERVICE for n in SERVICES}
 
 
+class ProjectionUnreadable(MnemeError):
+    """A projection file of the data dir (the catalog, search's document projection or a
+    store of the live generation) is damaged, or missing although the log says it was
+    projected: serving would answer from an empty or broken copy. The message names the
+    file and the remedy, ``mneme replay -d`` (every projection is rebuilt from the log)."""
+
+    def __init__(self, path: str, what: str, problem: str, data_dir: Path) -> None:
+        path = str(Path(path).resolve())  # a "sqlite:////d/x" URL's path reads "//d/x"
+        self.path = path
+        super().__init__(f"{what} {path}: {problem}. It is a projection of the event log: "
+                         f"stop mneme and run `mneme replay -d {data_dir}` to rebuild it")
+
+
 class Root:
     """Settings plus every adapter they name, opened on first use and closed by
     :meth:`close` (in reverse order of opening). Locks ``settings.data_dir`` (raises
     DataDirLocked when another process holds it). Opening the event log connects to the
     broker for a Kafka URL (ConnectionError after ``kafka_connect_timeout_s``)."""
 
-    def __init__(self, settings: Settings | None = None, reembedding: bool = False) -> None:
+    def __init__(self, settings: Settings | None = None, reembedding: bool = False,
+                 rebuilding: bool = False) -> None:
         self.settings = settings or Settings()
         #: ``mneme reembed``: the live stores may hold another model's vectors than
         #: ``MNEME_EMBEDDING_MODEL`` (the one the new generation is built with)
         self.reembedding = reembedding
+        #: ``mneme replay -d``: the local projection files are rebuilt from the log, so a
+        #: damaged or missing one is not an error (a damaged one is deleted and made anew)
+        self.rebuilding = rebuilding
         self.data_dir = self.settings.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = lock(self.data_dir)
@@ -125,7 +144,8 @@ class Root:
         bank list in the distributed topology."""
         from mneme.stores.catalog_sqlite import SqliteCatalog
         url = self.settings.url("catalog")
-        return self._opened(SqliteCatalog(url.split("://", 1)[1] if "://" in url else url))
+        return self._local_projection(url.split("://", 1)[1] if "://" in url else url,
+                                      "the catalog", ("ingest",), SqliteCatalog)
 
     @cached_property
     def documents(self):
@@ -133,7 +153,43 @@ class Root:
         SqliteDocumentStore`, ``<data_dir>/documents.db``): this process's own full copy,
         like the catalog (group ``search-documents`` runs once per replica)."""
         from mneme.stores.documents_sqlite import SqliteDocumentStore
-        return self._opened(SqliteDocumentStore(str(self.data_dir / "documents.db")))
+        return self._local_projection(str(self.data_dir / "documents.db"),
+                                      "search's document projection", ("search-documents",),
+                                      SqliteDocumentStore)
+
+    def _local_projection(self, path: str, what: str, groups: tuple[str, ...], open_):
+        """``open_(path)``: a SQLite projection of this data dir, opened. Embedded, a file
+        that is damaged, or missing although its ``groups`` have consumed the intake topic
+        (so they would not project it again: it would be served empty), raises
+        :class:`ProjectionUnreadable` naming the file and the remedy (``mneme replay -d``,
+        which rebuilds it: :attr:`rebuilding`, where a damaged file is deleted and made
+        anew)."""
+        import sqlite3
+
+        from mneme.bus import INTAKE
+        from mneme.bus.sqlite_log import is_damage
+        from mneme.generations import remove_file, sqlite_files
+        fresh = path != ":memory:" and not os.path.exists(path)
+        try:
+            store = open_(path)
+        except sqlite3.DatabaseError as e:
+            if not is_damage(e):
+                raise
+            if not self.rebuilding:
+                raise ProjectionUnreadable(path, what, f"it is damaged ({e})",
+                                           self.data_dir) from None
+            log.warning("%s %s is damaged (%s): deleted, rebuilt from the log", what, path, e)
+            for f in sqlite_files(Path(path)):
+                remove_file(f)
+            store = open_(path)
+        if fresh and not self.rebuilding and not self.distributed:
+            events = self.raw_log
+            if any(events.committed(g, INTAKE, p) > 0 for g in groups
+                   for p in range(events.partitions(INTAKE))):
+                store.close()
+                raise ProjectionUnreadable(path, what, "it is missing, although the log "
+                                           "says it was projected", self.data_dir)
+        return self._opened(store)
 
     @cached_property
     def embedder(self):
@@ -165,6 +221,23 @@ class Root:
         from mneme.generations import versioned_url
         return {k: versioned_url(k, self.settings.url(k), generation)
                 for k in ("vector", "text", "graph")}
+
+    def _check_live_stores(self, generation: int) -> None:
+        """Embedded: :class:`ProjectionUnreadable` when a local store of the live
+        ``generation`` is missing although group ``search`` has consumed the memory topic
+        (it would be served empty, and never projected again)."""
+        from mneme.bus import MEMORY
+        from mneme.generations import local_path
+        if self.rebuilding or self.distributed:
+            return
+        missing = [p for p in (local_path(u) for u in self.store_urls(generation).values())
+                   if p is not None and not p.exists()]
+        events = self.raw_log
+        if missing and any(events.committed("search", MEMORY, p) > 0
+                           for p in range(events.partitions(MEMORY))):
+            raise ProjectionUnreadable(str(missing[0]), "search's store",
+                                       "it is missing, although the log says it was "
+                                       "projected", self.data_dir)
 
     def open_stores(self, generation: int):
         """search's three stores of ``generation``, opened (the caller closes them)."""
@@ -231,6 +304,7 @@ class Root:
         from mneme.generations import Switchable
         from services.search.handlers import Projections
         self.check_embedding_model()
+        self._check_live_stores(self.generations.live())
         live = self.open_stores(self.generations.live())
         # a re-embed's live stores hold the old model's vectors (its new generation the
         # configured one's)

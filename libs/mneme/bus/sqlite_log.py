@@ -118,7 +118,9 @@ class LogDamaged(Unavailable):
             f"intact record into a new log and keeps the damaged file beside it)")
 
 
-def _is_damage(exc: BaseException) -> bool:
+def is_damage(exc: BaseException) -> bool:
+    """True when ``exc`` is SQLite saying a file itself is damaged (corrupt, not a
+    database), not a busy or full disk."""
     if not isinstance(exc, sqlite3.DatabaseError):
         return False
     code = getattr(exc, "sqlite_errorcode", None)
@@ -212,7 +214,7 @@ def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
         if rows != ["ok"]:
             return "SQLite quick_check: " + "; ".join(rows)
     except sqlite3.DatabaseError as e:
-        if _is_damage(e):
+        if is_damage(e):
             return f"SQLite: {e}"
         raise
     finally:
@@ -232,7 +234,7 @@ def _guarded(method):
         try:
             return method(self, *args, **kwargs)
         except sqlite3.DatabaseError as e:
-            if not _is_damage(e):
+            if not is_damage(e):
                 raise
             self._mark_damaged(f"SQLite: {e}")
             raise LogDamaged(self.path, self.damage) from e
@@ -309,7 +311,7 @@ class SqliteEventLog:
             self._size = os.path.getsize(self.path)
             self._page_size = self._writer.execute("PRAGMA page_size").fetchone()[0]
         except sqlite3.DatabaseError as e:
-            if not _is_damage(e):
+            if not is_damage(e):
                 raise
             raise LogDamaged(self.path, f"SQLite: {e}") from e
 

@@ -112,8 +112,10 @@ def bootstrap(settings: Settings | None = None) -> Embedded:
         # one generation holds every projection: a replay rebuilds and switches
         # consolidation's with search's stores
         search.api["replay"].followers.append(consolidation.api["follower"])
-        # the files of a generation retired by a process that stopped within its grace
+        # the files of a generation retired by a process that stopped within its grace,
+        # and of one whose replay a crash stopped
         search.api["replay"].drop_retired()
+        search.api["replay"].drop_failed()
     except BaseException:
         root.close()
         raise

@@ -31,6 +31,10 @@ CHECK_ATTEMPTS, CHECK_PROBLEMS = 5, 50
 CHECK_AGREEMENT = 0.8
 
 
+#: What a FAILED generation's error says once its stores are deleted (:meth:`drop_failed`).
+_STORES_DELETED = " (its stores are deleted)"
+
+
 class ReplayCancelled(RuntimeError):
     """The replay was cancelled (its generation is FAILED, the live one unchanged)."""
 
@@ -230,6 +234,28 @@ class LiveReplay:
             return []
         return [g for g in (r.generation for r in self.generations.list()
                             if r.state == "RETIRED") if self._drop_retired(g)]
+
+    def drop_failed(self) -> list[int]:
+        """Delete the stores of every FAILED generation of this process's own stores that
+        may still hold some (a replay stopped by a crash leaves its files: they hold
+        content later deletions never reach); the record stays, so ``generations list``
+        still says why it failed. Called at start, when no replay can be running. Returns
+        their numbers; a generation whose stores cannot be deleted is logged and kept."""
+        if self.shared:
+            return []
+        done = []
+        for rec in self.generations.list():
+            if rec.state != "FAILED" or rec.error.endswith(_STORES_DELETED):
+                continue
+            try:
+                with self._retired_lock:
+                    self._discard(rec.generation, None)
+            except Exception:
+                log.exception("cannot delete the stores of failed generation %d", rec.generation)
+                continue
+            self.generations.update(rec.generation, error=rec.error + _STORES_DELETED)
+            done.append(rec.generation)
+        return done
 
     def _drop_retired(self, generation: int) -> bool:
         """Close ``generation``'s retired stores if open, delete them (files; on store

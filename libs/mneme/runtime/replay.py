@@ -55,7 +55,7 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
     ``reembedding`` (:func:`mneme.runtime.reembed.reembed`): the live generation may hold
     another model's vectors than ``MNEME_EMBEDDING_MODEL``, the new one's; the switch
     records the new model (:attr:`mneme.generations.Generation.embedding_model`)."""
-    root = Root(settings, reembedding=reembedding)
+    root = Root(settings, reembedding=reembedding, rebuilding=True)
     try:
         if root.distributed:
             parts = [build_search(root)]
@@ -97,13 +97,17 @@ def _rebuild(root: Root, parts, routers: dict, tps: dict, progress) -> int:
     observation projection), which go on from their groups' offsets; returns the records
     consumed."""
     routers = {n: r for n, r in routers.items() if n != "consolidation"}
+    # Offsets first: a process stopped between the two steps leaves a full catalog that
+    # its groups project again from 0 (idempotent upserts), never an empty one whose
+    # groups think it is current.
+    for name, r in routers.items():
+        if name != "search":
+            root.log.reset_group(r.group_id, r.topics)
     root.catalog.reset()
     if "search-documents" in routers:  # search's document projection, rebuilt likewise
         root.documents.reset()
     total = 0
     for name, r in routers.items():
-        if name != "search":
-            root.log.reset_group(r.group_id, r.topics)
         total += sum(root.log.end_offset(*tp) - root.log.committed(r.group_id, *tp)
                      for tp in tps[name])
     done = _drain(LogRunner(root.log, routers), progress, total)

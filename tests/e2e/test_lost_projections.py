@@ -1,0 +1,126 @@
+"""Projection files lost, damaged or left behind, through the real ``mneme`` CLI (found
+by a crash-consistency review): a catalog, document projection or live store that is
+missing although the log says it was projected, or a catalog SQLite cannot read, makes
+``mneme up`` refuse with a message naming the file and ``mneme replay -d``, which rebuilds
+it; a replay stopped by a crash leaves a FAILED generation whose files the next start
+deletes (they held content later deletions never reach)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mneme.generations import Generations
+from tests.e2e.server import Server, free_port
+
+pytestmark = pytest.mark.slow
+
+MNEME = str(Path(sys.executable).with_name("mneme"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
+MARKER = "QUOKKAZEBRA7731"
+FACTS = [f"Maria said the vault code is {MARKER} and asked me to keep it.",
+         "Bob adopted a grey cat called Pixel last spring."]
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    """A data dir with one bank holding FACTS (one document each), the server stopped."""
+    data = tmp_path / "data"
+    server = Server(data).start()
+    try:
+        with server.client(timeout=60) as m:
+            m.upsert_bank("b")
+            for n, text in enumerate(FACTS):
+                r = m.retain("b", [{"content": text, "document_id": f"d{n}"}])
+                assert r.operation.state == 3
+    finally:
+        server.stop()
+    return data
+
+
+def _up_refuses(data: Path) -> str:
+    p = subprocess.run([MNEME, "up", "--data-dir", str(data), "--address",
+                        f"127.0.0.1:{free_port()}"], env=ENV, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode != 0, p.stdout + p.stderr
+    out = " ".join((p.stdout + p.stderr).split())
+    assert "Traceback" not in out, out
+    return out
+
+
+def _replay(data: Path) -> None:
+    p = subprocess.run([MNEME, "replay", "--data-dir", str(data)], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _texts(m) -> list[str]:
+    """The bank's memories, each by its fact's words (annotated dates left out)."""
+    return sorted(x.text.split(" (")[0].rstrip(".") for x in m.list_memories("b"))
+
+
+def _serves_everything(data: Path) -> None:
+    server = Server(data).start()
+    try:
+        with server.client(timeout=60) as m:
+            assert [b.name for b in m.list_banks()] == ["banks/b"]
+            assert _texts(m) == sorted(f.rstrip(".") for f in FACTS)
+            assert sorted(d.document_id for d in m.list_documents("b")) == ["d0", "d1"]
+            hit = m.recall("b", "What is the vault code?").results[0]
+            assert MARKER in hit.memory.text and hit.scores.keyword_rank == 1
+    finally:
+        server.stop()
+
+
+def _remove(path: Path) -> None:
+    for p in [path, *path.parent.glob(path.name + "-*")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+@pytest.mark.parametrize("lost,named", [("catalog.db", "the catalog"),
+                                        ("documents.db", "search's document projection"),
+                                        ("text", "search's store")])
+def test_a_lost_projection_refuses_to_start_and_replay_rebuilds_it(data, lost, named):
+    _remove(data / lost)
+    out = _up_refuses(data)
+    assert f"{named} " in out and f"{data.resolve()}/{lost}" in out, out
+    assert "it is missing" in out and f"mneme replay -d {data.resolve()}" in out, out
+    _replay(data)
+    _serves_everything(data)
+
+
+def test_a_damaged_catalog_refuses_to_start_and_replay_rebuilds_it(data):
+    catalog = data / "catalog.db"
+    os.truncate(catalog, catalog.stat().st_size // 2)
+    out = _up_refuses(data)
+    assert f"{data.resolve()}/catalog.db" in out and "damaged" in out, out
+    assert f"mneme replay -d {data.resolve()}" in out, out
+    _replay(data)
+    _serves_everything(data)
+
+
+def test_the_files_of_a_replay_a_crash_stopped_are_deleted_at_start(data):
+    gens = Generations(data)
+    building = gens.begin()  # what a replay killed mid-build leaves behind
+    g = building.generation
+    left = [data / f"vectors.g{g}", data / f"text.g{g}", data / f"graph.g{g}.db",
+            data / f"observations.g{g}.db"]
+    for p in left[:2]:
+        p.mkdir()
+        (p / "segment").write_text(MARKER)
+    for p in left[2:]:
+        p.write_text(MARKER)
+    server = Server(data).start()
+    try:
+        rec = Generations(data).get(g)
+        assert rec.state == "FAILED" and "stores are deleted" in rec.error, rec
+        assert not any(p.exists() for p in left), [p for p in left if p.exists()]
+        with server.client(timeout=60) as m:
+            assert _texts(m) == sorted(f.rstrip(".") for f in FACTS)
+    finally:
+        server.stop()
