@@ -230,8 +230,12 @@ class Root:
         from mneme.generations import local_path
         if self.rebuilding or self.distributed:
             return
+        def absent(p: Path) -> bool:
+            # FalkorDB keeps its data in the append-only dir "<file>.aof" and writes
+            # "<file>" only at a save point: a hard stop before the first leaves none
+            return not p.exists() and not p.with_name(p.name + ".aof").exists()
         missing = [p for p in (local_path(u) for u in self.store_urls(generation).values())
-                   if p is not None and not p.exists()]
+                   if p is not None and absent(p)]
         events = self.raw_log
         if missing and any(events.committed("search", MEMORY, p) > 0
                            for p in range(events.partitions(MEMORY))):

@@ -184,8 +184,9 @@ class MentalModelRevision:
     """One content of a mental model: ``revision`` (1, 2, ...), the ``content``, the
     memory ids it was ``based_on`` (empty for content a user wrote), ``source``
     ("user", "refresh" or "refresh_offline"), when (epoch seconds), the refresh
-    ``mode`` that made it ("full", "delta"; empty for content a user wrote) and the
-    ``documents`` of its ``based_on`` (parallel; "" for none)."""
+    ``mode`` that made it ("full", "delta"; empty for content a user wrote), the
+    ``documents`` of its ``based_on`` (parallel; "" for none) and the model's
+    ``memory_offset`` with it (:class:`MentalModel`)."""
 
     revision: int
     content: str
@@ -194,6 +195,7 @@ class MentalModelRevision:
     at: float = 0.0
     mode: str = ""
     documents: tuple[str, ...] = ()
+    memory_offset: int = 0
 
 
 #: How a mental model is kept current: on request, after a consolidation that leaves it
@@ -231,7 +233,8 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
     revision = None
     if changed:
         revision = refresh if refresh is not None else MentalModelRevision(0, m.content)
-        revision = replace(revision, content=m.content, at=m.updated_at)
+        revision = replace(revision, content=m.content, at=m.updated_at,
+                           memory_offset=new.memory_offset)
     return new, revision
 
 
@@ -258,12 +261,13 @@ def erase_mental_model_sources(old: MentalModel, revisions: Sequence[MentalModel
             old.based_on, old.based_on_documents, memory_ids, document_id):
         return None
     kept = [replace(r, revision=n) for n, r in enumerate((r for r in revisions if not hit(r)), 1)]
-    new = replace(old, revision=len(kept))
+    new = replace(old, revision=len(kept),
+                  refreshed_at=max((r.at for r in kept if r.source != "user"), default=0.0))
     if cites_deleted(old.based_on, old.based_on_documents, memory_ids, document_id):
+        # the state the kept content was made in (no content left: stale, refreshed in full)
         last = kept[-1] if kept else MentalModelRevision(0, "")
         new = replace(new, content=last.content, based_on=last.based_on,
-                      based_on_documents=last.documents,
-                      refreshed_at=max((r.at for r in kept if r.source != "user"), default=0.0))
+                      based_on_documents=last.documents, memory_offset=last.memory_offset)
     return new, kept
 
 

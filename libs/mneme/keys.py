@@ -305,6 +305,12 @@ class Keyring:
                 self._combined.popitem(last=False)
             return key
 
+    def destroyed(self, bank_id: str, key_id: str) -> bool:
+        """True when ``key_id`` existed and was destroyed (its tombstone); False for a
+        live or an unknown id."""
+        row = self.store.get(bank_id, key_id)
+        return row is not None and row.wrapped is None
+
     def scope(self, bank_id: str, key_id: str) -> str | None:
         """The scope of a live key, or None."""
         row = self.store.get(bank_id, key_id)

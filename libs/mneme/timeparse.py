@@ -67,9 +67,11 @@ TIME_ZONE_FORMS = ('an IANA time zone name like "America/New_York", "UTC", or an
 @lru_cache(maxsize=1024)
 def time_zone(name: str) -> tzinfo:
     """``name`` → tzinfo: "" / "UTC" / "Z" → UTC; a fixed offset "+05:30", "-0800" or
-    "UTC+01:00" (at most ±23:59) → that offset; otherwise an IANA name ("Europe/Paris"),
-    read by :mod:`zoneinfo` (the system's tz database, else the ``tzdata`` package).
-    Raises ValueError saying what is accepted (:data:`TIME_ZONE_FORMS`) for anything else."""
+    "UTC+01:00" (at most ±23:59) → that offset; otherwise a name of the IANA database as
+    the pinned ``tzdata`` package lists it ("Europe/Paris"; not host files such as
+    "localtime", "posixrules" or "right/…", which would read differently on another
+    host), read by :mod:`zoneinfo`. Raises ValueError saying what is accepted
+    (:data:`TIME_ZONE_FORMS`) for anything else."""
     s = name.strip()
     if s.upper() in ("", "UTC", "Z", "GMT", "ETC/UTC"):
         return timezone.utc
@@ -80,12 +82,20 @@ def time_zone(name: str) -> tzinfo:
             raise ValueError(f"offset out of range: {name!r}; {TIME_ZONE_FORMS}")
         delta = timedelta(hours=hours, minutes=minutes)
         return timezone(-delta if m.group(1) == "-" else delta)
+    if s not in _iana_names() or s == "Factory":
+        raise ValueError(f"unknown time zone {name[:64]!r}; {TIME_ZONE_FORMS}")
     try:
-        if "/" in s and (s.startswith("/") or ".." in s.split("/")):
-            raise ValueError  # zoneinfo refuses these too; say it in our words
         return ZoneInfo(s)
     except (ValueError, KeyError, OSError, UnicodeError):
         raise ValueError(f"unknown time zone {name[:64]!r}; {TIME_ZONE_FORMS}") from None
+
+
+@lru_cache(maxsize=1)
+def _iana_names() -> frozenset[str]:
+    """The zone names of the pinned ``tzdata`` package (its ``zones`` list): one set on
+    every host, whatever the system's tz database holds."""
+    from importlib.resources import files
+    return frozenset(files("tzdata").joinpath("zones").read_text(encoding="utf-8").split())
 
 
 def time_zone_name(dt: datetime) -> str:

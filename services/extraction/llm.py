@@ -198,7 +198,8 @@ class _ItemResult:
 
 
 def _period(value: object) -> tuple[datetime, datetime] | None:
-    """An ISO date/time at any granularity → the UTC period it names; None if unusable."""
+    """An ISO date/time at any granularity → the period it names, its dates as UTC days
+    (a time: its wall clock, an offset given with it ignored); None if unusable."""
     if not isinstance(value, str) or not value.strip():
         return None
     m = _ISO.match(value)
@@ -221,9 +222,12 @@ def _period(value: object) -> tuple[datetime, datetime] | None:
         if hh is None:
             w = day_window(day)
             return w.start, w.end
+        # the model reads and answers the writer's wall clock (the prompt's "Written at"):
+        # its time is kept as that wall time, as every window holds its dates as UTC days
+        # (mneme.timeparse); an offset it repeats is not a conversion to make
         dt = datetime.fromisoformat(f"{day.isoformat()}T{int(hh):02d}:{mm}:{ss or '00'}"
-                                    f"{(tz or '+00:00').replace('Z', '+00:00')}")
-        return utc(dt), utc(dt)
+                                    ).replace(tzinfo=timezone.utc)
+        return dt, dt
     except ValueError:
         return None
 

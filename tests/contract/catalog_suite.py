@@ -206,6 +206,11 @@ class CatalogSuite:
         refresh(5, "Faro [1].", ("f3",), ("",))
         assert cat.erase_mental_model_sources("a", (), "") == 0
         assert cat.get_mental_model("a", "m1").content == "Faro [1]."
+        # a fallback restores the state its content was made in, as a replay would
+        refresh(6, "Faro [1], Elvas [2].", ("f3", "f4"), ("", "d4"))
+        assert cat.erase_mental_model_sources("a", ("f4",)) == 1
+        got = cat.get_mental_model("a", "m1")
+        assert (got.content, got.memory_offset, got.refreshed_at) == ("Faro [1].", 5, T0 + 5)
 
     def test_put_operation_is_insert_only(self, cat):
         cat.put_operation(op("o1", items_total=3))

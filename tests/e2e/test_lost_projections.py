@@ -124,3 +124,11 @@ def test_the_files_of_a_replay_a_crash_stopped_are_deleted_at_start(data):
             assert _texts(m) == sorted(f.rstrip(".") for f in FACTS)
     finally:
         server.stop()
+
+
+def test_a_graph_store_kept_in_its_append_only_files_alone_starts(data):
+    # FalkorDB writes graph.db only at a save point; after a hard stop before the first,
+    # its data is in graph.db.aof alone, which is no loss
+    assert (data / "graph.db.aof").is_dir()
+    (data / "graph.db").unlink()
+    _serves_everything(data)

@@ -352,3 +352,22 @@ def test_a_cancelled_request_stops_before_the_next_item(stub):
     assert len(stub.chat_requests()) == 1
     assert [f.text for f in ex.extract_many("bank", items[1:2], "op-c", first_index=1)] == [
         "Bob runs marathons."]
+
+
+def test_a_model_reads_and_answers_the_writers_clock(stub, gateway):
+    # 23:30 on 1 March 2024 in New York is 04:30 on 2 March in UTC
+    stub.on("chat", chat({"facts": [
+        fact("Ivy ran a marathon on 29 February 2024 at 9 pm.", start="2024-02-29T21:00-05:00"),
+        fact("Ivy is tired."),
+    ]}))
+    item = RetainItem("Ivy: I ran a marathon yesterday at 9 pm, I'm tired", datetime(
+        2024, 3, 2, 4, 30, tzinfo=UTC), time_zone="America/New_York", metadata={"speaker": "Ivy"})
+    timed, untimed = extractor(gateway).extract_many("bank", [item], "op-tz")
+    prompt = stub.chat_requests()[-1].raw
+    assert "2024-03-01T23:30:00-05:00" in prompt and "Friday, 1 March 2024" in prompt
+    # the model's time is a wall time of the writer's day, kept as such (not shifted to
+    # 2 March 02:00 UTC by its offset); a fact with no time is dated by the writer's day
+    assert timed.occurred_start == datetime(2024, 2, 29, 21, tzinfo=UTC)
+    assert (untimed.occurred_start.date().isoformat(), untimed.occurred_end.date().isoformat()) == (
+        "2024-03-01", "2024-03-01")
+    assert timed.mentioned_at == item.timestamp  # the instant itself stays as it was

@@ -161,6 +161,39 @@ def test_a_reflection_is_wholly_erased_with_a_fact_it_is_based_on(keyring):
     assert erased_record(gone)
 
 
+def _refresh(content: str, *based_on: str) -> ev.MentalModelChanged:
+    return ev.MentalModelChanged(bank_id="b", id="m1", content=content, update_mask=["content"],
+                                 refresh=ev.MentalModelRefresh(based_on=list(based_on)))
+
+
+def test_a_mental_models_refresh_is_erased_with_a_fact_it_cites(keyring):
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "secret"), ("f2", "keep")))
+    out, opened = _seal_open(sealer, _refresh(f"The phone is {MARKER} [1].", "f1", "o9"))
+    assert MARKER.encode() not in out.value
+    assert ev.MentalModelChanged.FromString(opened.value).content.startswith("The phone")
+    kept, _ = _seal_open(sealer, _refresh("Bob keeps a bike [1].", "f2"))
+    user, _ = _seal_open(sealer, ev.MentalModelChanged(bank_id="b", id="m1", content="Mine.",
+                                                       update_mask=["content"]))
+    keyring.destroy_scope("b", "d:secret")
+    assert erased_record(sealer.open(_as_read(out)))
+    assert not erased_record(sealer.open(_as_read(kept)))
+    assert not erased_record(sealer.open(_as_read(user)))  # a user's content: the bank's key
+
+
+def test_an_answer_citing_a_fact_deleted_while_it_was_made_is_erased_at_birth(keyring):
+    """A refresh (or a reflection) that recalled a fact just before its document was
+    deleted: its seal names the fact's destroyed key, so nobody can open it."""
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "secret")))
+    keyring.destroy_scope("b", "d:secret")
+    out, opened = _seal_open(sealer, _refresh(f"The phone is {MARKER} [1].", "f1"))
+    assert MARKER.encode() not in out.value and erased_record(opened)
+    out, opened = _seal_open(sealer, ev.ReflectionRecorded(
+        bank_id="b", query="phone?", answer=MARKER, based_on=["f1"]), event_id="e2")
+    assert MARKER.encode() not in out.value and erased_record(opened)
+
+
 def test_deleting_the_bank_erases_everything_of_it_and_a_new_bank_starts_afresh(keyring):
     sealer = Sealer(keyring)
     out, _ = _seal_open(sealer, _retain("keep"))

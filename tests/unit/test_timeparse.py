@@ -223,7 +223,9 @@ def test_time_zone_names_and_offsets():
         assert time_zone_name(ref) == name
         assert wall_clock(LATE_IN_NEW_YORK, time_zone_name(ref)) == ref
     assert time_zone_name(datetime(2024, 1, 1)) == ""  # naive: UTC
-    for bad in ("Mars/Olympus", "../../etc/passwd", "+24:00", "America/", "x\x00y"):
+    # host files of the tz database would read differently on another host
+    for bad in ("Mars/Olympus", "../../etc/passwd", "+24:00", "America/", "x\x00y",
+                "localtime", "posixrules", "right/UTC", "posix/Europe/Paris", "Factory"):
         with pytest.raises(ValueError, match="IANA|offset"):
             time_zone(bad)
     # the ends of the representable range stay readable in any zone

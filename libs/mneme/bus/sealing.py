@@ -359,20 +359,14 @@ class Sealer(Opener):
                 own = f"q:{event_id or secrets.token_hex(8)}"
                 kr.ensure(bank, own, scope_of(own))
                 m.seal.keys.append(own)
-                for i in m.based_on:
-                    k = fact_key_id(i)
-                    if k not in m.seal.keys and kr.key(bank, k) is not None:
-                        m.seal.keys.append(k)
+                _cited_keys(kr, bank, m.based_on, m.seal.keys)
             n += self._seal(m, bank)
         elif isinstance(m, ev.MentalModelChanged) and m.refresh.based_on and not m.seal.keys:
             # A refresh's content is derived from the facts it cites: deleting one (or its
             # document) erases it, as a reflection's. The bank's key keeps it per bank.
             kr.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
             m.seal.keys.append(BANK_KEY_ID)
-            for i in m.refresh.based_on:
-                k = fact_key_id(i)
-                if k not in m.seal.keys and kr.key(bank, k) is not None:
-                    m.seal.keys.append(k)
+            _cited_keys(kr, bank, m.refresh.based_on, m.seal.keys)
             n += self._seal(m, bank)
         elif isinstance(m, _BANK_SEALED):  # the bank's key
             n += self._seal(m, bank)
@@ -395,6 +389,16 @@ class Sealer(Opener):
                                                                       _aad(bank, msg))
         msg.seal.nonce, msg.seal.ciphertext = nonce, sealed
         return 1
+
+
+def _cited_keys(kr: Keyring, bank: str, ids: Iterable[str], keys) -> None:
+    """Append to ``keys`` the own key of every cited id that has one: live, or destroyed
+    (a fact deleted while the answer citing it was made: sealed under its destroyed key,
+    the answer is erased at birth). Ids with no key (observations) add none."""
+    for i in ids:
+        k = fact_key_id(i)
+        if k not in keys and (kr.key(bank, k) is not None or kr.destroyed(bank, k)):
+            keys.append(k)
 
 
 class SealedLog:

@@ -67,6 +67,7 @@ _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
                ("operations", "item_errors", "TEXT NOT NULL DEFAULT '[]'"),
                ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"),
                ("mental_model_revisions", "documents", "TEXT NOT NULL DEFAULT '[]'"),
+               ("mental_model_revisions", "memory_offset", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "cancel_requested", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "cancelled", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "retry_of", "TEXT NOT NULL DEFAULT ''"),
@@ -308,12 +309,15 @@ class SqliteCatalog:
     def _insert_revision(self, bank_id: str, model_id: str, r: MentalModelRevision) -> None:
         self._db.execute(
             "INSERT OR IGNORE INTO mental_model_revisions (bank_id, model_id, revision, at, "
-            "content, based_on, source, mode, documents) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "content, based_on, source, mode, documents, memory_offset) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (bank_id, model_id, r.revision, r.at, r.content, json.dumps(list(r.based_on)),
-             r.source, r.mode, json.dumps(list(r.documents))))
+             r.source, r.mode, json.dumps(list(r.documents)), r.memory_offset))
 
     def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
                                    document_id: str = "") -> int:
+        """See :meth:`mneme.ports.Catalog.erase_mental_model_sources`; the models citing
+        them are found by SQLite's ``json_each`` over the revisions."""
         ids = sorted(set(memory_ids))
         marks = ",".join("?" * len(ids))
         cited = f"EXISTS (SELECT 1 FROM json_each(based_on) WHERE value IN ({marks}))" if ids else "0"
@@ -372,11 +376,11 @@ class SqliteCatalog:
 
     def _revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
         rows = self._db.execute(
-            "SELECT revision, content, based_on, source, at, mode, documents "
+            "SELECT revision, content, based_on, source, at, mode, documents, memory_offset "
             "FROM mental_model_revisions WHERE bank_id=? AND model_id=? ORDER BY revision",
             (bank_id, model_id)).fetchall()
         return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], r[5],
-                                    tuple(json.loads(r[6]))) for r in rows]
+                                    tuple(json.loads(r[6])), r[7]) for r in rows]
 
     def _mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
         row = self._db.execute("SELECT state FROM mental_models WHERE bank_id=? AND model_id=?",

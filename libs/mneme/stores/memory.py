@@ -130,6 +130,7 @@ class MemoryCatalog:
 
     def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
                                    document_id: str = "") -> int:
+        """See :meth:`mneme.ports.Catalog.erase_mental_model_sources`."""
         ids, changed = set(memory_ids), 0
         with self._lock:
             for key in [k for k in self._models if k[0] == bank_id]:
