@@ -120,13 +120,20 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             raise InvalidArgument(*invalid[0], *invalid[1:])
         bank_id = bank_id_of(request.parent)
         items = apiconv.retain_items_from_api(request.items, datetime.now(timezone.utc))
+        scopes = (apiconv.observation_scopes_from_api(request.observation_scopes)
+                  if request.HasField("observation_scopes") else None)
+        if scopes is not None and scopes.mode == "combined":
+            # one scope of every item's tags: a scope is bounded like an item's tags
+            union = {t for n, i in enumerate(items) if n not in rejected for t in i.tags}
+            bound = limits.limits().tags
+            if len(union) > bound:
+                raise InvalidArgument("observation_scopes.mode", f"COMBINED makes one scope "
+                                      f"of the items' {len(union)} distinct tags; a scope "
+                                      f"holds at most {bound}")
         op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
                                 rejected=rejected,
                                 timeout=remaining(context, self.ingest.retain_timeout_s),
-                                request_id=request.request_id,
-                                observation_scopes=apiconv.observation_scopes_from_api(
-                                    request.observation_scopes)
-                                if request.HasField("observation_scopes") else None)
+                                request_id=request.request_id, observation_scopes=scopes)
         return memory_pb2.RetainResponse(operation=apiconv.operation_to_api(op),
                                          memory_ids=op.memory_ids)
 

@@ -625,3 +625,15 @@ def test_cli_retain_and_recall_take_a_time_zone(server, m, tmp_path):
     out = CliRunner().invoke(app, ["recall", "zones-cli", "cat", "--time-zone", "Nowhere",
                                    "-a", server.address])
     assert out.exit_code == 2 and "time_zone" in out.output, out.output
+
+
+def test_a_combined_scope_is_bounded_like_an_items_tags(m):
+    from mneme.client import observation_scopes
+    m.upsert_bank("combined")
+    items = [{"content": f"Note {n} about the garden.", "tags": [f"t{n}-{k}" for k in range(30)]}
+             for n in range(3)]
+    refused(lambda: m.retain("combined", items, observation_scopes=observation_scopes("combined")),
+            "observation_scopes.mode")
+    assert not list(m.list_memories("combined"))
+    r = m.retain("combined", items[:2], observation_scopes=observation_scopes("combined"))
+    assert r.operation.state == operations_pb2.SUCCEEDED  # 60 tags: one scope of them
