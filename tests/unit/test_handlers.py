@@ -848,6 +848,7 @@ def _fake_root(tmp_path, distributed: bool):
     root.settings = Settings(data_dir=tmp_path, bus_url="kafka://127.0.0.1:1" if distributed
                              else "", search_address="127.0.0.1:1")
     root.data_dir, root._lock_fd, root._closers = tmp_path, None, []
+    root.reembedding = root.rebuilding = False
     root.__dict__.update(log=object(), raw_log=object(), catalog=MemoryCatalog(),
                          embedder=FakeEmbedder(),
                          stores=fake_projections(), resolver=EntityResolver(MemoryEntityStore()),
