@@ -850,6 +850,7 @@ def _fake_root(tmp_path, distributed: bool):
     root.data_dir, root._lock_fd, root._closers = tmp_path, None, []
     root.reembedding = root.rebuilding = False
     root.__dict__.update(log=object(), raw_log=object(), catalog=MemoryCatalog(),
+                         documents=MemoryDocumentStore(),
                          embedder=FakeEmbedder(),
                          stores=fake_projections(), resolver=EntityResolver(MemoryEntityStore()),
                          llm=FakeLlm(()), keyring=_memory_keyring())
