@@ -51,7 +51,7 @@ class ProjectionUnreadable(MnemeError):
         path = str(Path(path).resolve())  # a "sqlite:////d/x" URL's path reads "//d/x"
         self.path = path
         super().__init__(f"{what} {path}: {problem}. It is a projection of the event log: "
-                         f"stop mneme and run `mneme replay -d {data_dir}` to rebuild it")
+                         f"rebuild it with `mneme replay -d {data_dir}` (mneme stopped)")
 
 
 class Root:
@@ -169,7 +169,15 @@ class Root:
         from mneme.bus import INTAKE
         from mneme.bus.sqlite_log import is_damage
         from mneme.generations import remove_file, sqlite_files
-        fresh = path != ":memory:" and not os.path.exists(path)
+        if (path != ":memory:" and not os.path.exists(path) and not self.rebuilding
+                and not self.distributed):
+            # checked before opening, which would create it: a refused start must leave no
+            # empty file that the next start takes for the projection
+            events = self.raw_log
+            if any(events.committed(g, INTAKE, p) > 0 for g in groups
+                   for p in range(events.partitions(INTAKE))):
+                raise ProjectionUnreadable(path, what, "it is missing, although the log "
+                                           "says it was projected", self.data_dir)
         try:
             store = open_(path)
         except sqlite3.DatabaseError as e:
@@ -182,13 +190,6 @@ class Root:
             for f in sqlite_files(Path(path)):
                 remove_file(f)
             store = open_(path)
-        if fresh and not self.rebuilding and not self.distributed:
-            events = self.raw_log
-            if any(events.committed(g, INTAKE, p) > 0 for g in groups
-                   for p in range(events.partitions(INTAKE))):
-                store.close()
-                raise ProjectionUnreadable(path, what, "it is missing, although the log "
-                                           "says it was projected", self.data_dir)
         return self._opened(store)
 
     @cached_property

@@ -105,6 +105,10 @@ class _Commands(typer.core.TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            # the reader went away (`| head`): click ends quietly (exit 1), as it does for a
+            # pipe closed after the command
+            raise
         except Exception as e:
             if type(e).__module__.split(".")[0] in ("click", "typer"):
                 raise  # usage errors, exits and aborts: the command line library's own
@@ -180,8 +184,16 @@ _ZONE_HELP = ("the asker's zone, whose calendar 'yesterday' is read in: an IANA 
               "(Europe/Paris) or an offset (+05:30); default: the --at's offset, else UTC")
 
 
-def _aware(ts: Optional[datetime]) -> Optional[datetime]:
-    return ts.replace(tzinfo=ts.tzinfo or timezone.utc) if ts else None
+def _aware(ts: Optional[datetime], zone: Optional[str] = None) -> Optional[datetime]:
+    """``ts`` made aware: a time without an offset is read on the clock of ``zone`` (the
+    --time-zone given with it) when that is a zone the server knows, else as UTC."""
+    if ts is None or ts.tzinfo is not None:
+        return ts
+    from mneme.timeparse import time_zone
+    try:
+        return ts.replace(tzinfo=time_zone(zone or ""))
+    except ValueError:  # the server refuses the zone, naming the field
+        return ts.replace(tzinfo=timezone.utc)
 
 
 def _progress() -> Progress:
@@ -379,7 +391,7 @@ def retain(bank: str,
     else:
         text = sys.stdin.read() if content == "-" else content
         batch = [{"content": text, "context": context, "document_id": document_id,
-                  "tags": tag, "timestamp": _aware(timestamp), "time_zone": time_zone}]
+                  "tags": tag, "timestamp": _aware(timestamp, time_zone), "time_zone": time_zone}]
     with _client(address) as m:
         try:
             m.upsert_bank(bank) if not _exists(m, bank) else None
@@ -431,7 +443,8 @@ def _items_file(path: Path) -> list[dict]:
                     and all(isinstance(v, str) for v in item.get("metadata", {}).values())):
                 raise ValueError("'metadata' must be an object of strings")
             if item.get("timestamp") is not None:
-                item["timestamp"] = _aware(datetime.fromisoformat(str(item["timestamp"])))
+                item["timestamp"] = _aware(datetime.fromisoformat(str(item["timestamp"])),
+                                           item.get("time_zone"))
         except ValueError as e:
             console.print(f"--items {path}, line {n}: {e}", style="red")
             raise typer.Exit(2)
@@ -526,8 +539,8 @@ def recall(bank: str, query: str,
     with _client(address) as m:
         try:
             r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
-                         tags_match=tags_match, types=type_, query_timestamp=_aware(at),
-                         time_zone=time_zone)
+                         tags_match=tags_match, types=type_,
+                         query_timestamp=_aware(at, time_zone), time_zone=time_zone)
         except grpc.RpcError as e:
             _fail(e)
     if as_json:
@@ -562,8 +575,8 @@ def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
     _choice("--budget", budget, BUDGETS)
     with _client(address) as m:
         try:
-            r = m.reflect(bank, query, context=context, budget=budget, query_timestamp=_aware(at),
-                          tags=tag, time_zone=time_zone)
+            r = m.reflect(bank, query, context=context, budget=budget,
+                          query_timestamp=_aware(at, time_zone), tags=tag, time_zone=time_zone)
         except grpc.RpcError as e:
             _fail(e)
     if as_json:

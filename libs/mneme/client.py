@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
 from mneme.grpc_util import ClientTLS, dt_to_ts, secure_channel
+from mneme.timeparse import time_zone as time_zone_of
 from mneme.timeparse import time_zone_name
 from mneme.v1 import generations_pb2, generations_pb2_grpc, observations_pb2, observations_pb2_grpc
 from mneme.v1 import opinions_pb2, opinions_pb2_grpc
@@ -76,6 +77,17 @@ def field_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
     return out
 
 
+def _local(ts: datetime | None, time_zone: str | None) -> datetime | None:
+    """A naive ``ts`` read on the clock of ``time_zone`` when one is given (and known);
+    aware ones, and naive ones without a zone (UTC), as they are."""
+    if not isinstance(ts, datetime) or ts.tzinfo is not None or not time_zone:
+        return ts
+    try:
+        return ts.replace(tzinfo=time_zone_of(time_zone))
+    except ValueError:  # the server refuses the zone, naming the field
+        return ts
+
+
 def _zone(ts: datetime | None, time_zone: str | None) -> str:
     """The time_zone to send: the one given, else the zone of an aware ``ts`` (a
     ``ZoneInfo`` as its IANA name, a fixed offset as "+HH:MM"), else "" (UTC)."""
@@ -89,7 +101,7 @@ def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
     tags, metadata); an aware timestamp's zone is the item's time_zone unless one is given."""
     if isinstance(i, memory_pb2.RetainItem):
         return i
-    ts = i.get("timestamp")
+    ts = _local(i.get("timestamp"), i.get("time_zone"))
     return memory_pb2.RetainItem(
         content=i["content"], context=i.get("context", ""),
         timestamp=dt_to_ts(ts) if isinstance(ts, datetime) else None,
@@ -294,7 +306,8 @@ class MnemeClient:
                observation_scopes: resources_pb2.ObservationScopes | None = None
                ) -> memory_pb2.RetainResponse:
         """Retain items (dicts with content, timestamp, time_zone, context, document_id, tags,
-        metadata; an aware timestamp's zone is the time_zone unless one is given).
+        metadata; an aware timestamp's zone is the time_zone unless one is given, and a
+        naive one is read on the clock of the time_zone given, else as UTC).
         ``request_id`` makes retries idempotent; ``observation_scopes`` (see
         :func:`observation_scopes`) picks the scopes the facts consolidate into."""
         req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(i) for i in items],
@@ -471,11 +484,12 @@ class MnemeClient:
                time_zone: str | None = None) -> recall_pb2.RecallResponse:
         """Recall from the bank. ``query_timestamp`` is "now" for relative expressions in
         the query (default: the server's clock), read in ``time_zone`` (default: the zone
-        of an aware ``query_timestamp``, else UTC)."""
+        of an aware ``query_timestamp``, else UTC; a naive ``query_timestamp`` is read on
+        the clock of ``time_zone``)."""
         return self.recall_stub.Recall(recall_pb2.RecallRequest(
             parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens, budget=BUDGETS[budget],
             types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
-            query_timestamp=dt_to_ts(query_timestamp), document_id=document_id,
+            query_timestamp=dt_to_ts(_local(query_timestamp, time_zone)), document_id=document_id,
             time_zone=_zone(query_timestamp, time_zone)), timeout=self.timeout)
 
     # observations
@@ -530,8 +544,8 @@ class MnemeClient:
                          query_timestamp=None, tags: Iterable[str] = (), time_zone=None):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
                                          context=context, budget=BUDGETS[budget],
-                                         query_timestamp=dt_to_ts(query_timestamp), tags=list(tags),
-                                         time_zone=_zone(query_timestamp, time_zone))
+                                         query_timestamp=dt_to_ts(_local(query_timestamp, time_zone)),
+                                         tags=list(tags), time_zone=_zone(query_timestamp, time_zone))
         if response_schema is not None:
             from google.protobuf import json_format
             json_format.ParseDict(response_schema, req.response_schema)

@@ -322,7 +322,8 @@ class Ingest:
                 paths.append(p)
             else:
                 raise InvalidArgument(f"update_mask.paths[{i}]",
-                                      f"unknown field {p!r}; one of {', '.join(MASK_PATHS)}")
+                                      f"unknown field {p!r}; one of {', '.join(MASK_PATHS)}, "
+                                      "config or *")
         paths = list(dict.fromkeys(paths))
         if not paths:  # nothing to change (an empty mask on the log would replace it all)
             return current

@@ -625,6 +625,18 @@ def test_cli_retain_and_recall_take_a_time_zone(server, m, tmp_path):
     out = CliRunner().invoke(app, ["recall", "zones-cli", "cat", "--time-zone", "Nowhere",
                                    "-a", server.address])
     assert out.exit_code == 2 and "time_zone" in out.output, out.output
+    # a time without an offset, given with a zone, is read on that zone's clock
+    out = CliRunner().invoke(app, ["retain", "zones-local", "Emi: I went to the onsen yesterday",
+                                   "--timestamp", "2024-03-02T20:00:00", "--time-zone",
+                                   "Asia/Tokyo", "-a", server.address])
+    assert out.exit_code == 0, out.output
+    (x,) = m.list_memories("zones-local")
+    assert x.occurred_start.ToDatetime().date().isoformat() == "2024-03-01", x
+    assert x.mentioned_at.ToDatetime() == datetime(2024, 3, 2, 11, 0)  # 20:00 in Tokyo
+    r = m.recall("zones-local", "onsen yesterday", query_timestamp=datetime(2024, 3, 2, 20),
+                 time_zone="Asia/Tokyo")
+    assert r.query_time_range.start.ToDatetime().date().isoformat() == "2024-03-01"
+
 
 
 def test_a_combined_scope_is_bounded_like_an_items_tags(m):

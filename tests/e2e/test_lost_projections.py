@@ -90,6 +90,7 @@ def test_a_lost_projection_refuses_to_start_and_replay_rebuilds_it(data, lost, n
     out = _up_refuses(data)
     assert f"{named} " in out and f"{data.resolve()}/{lost}" in out, out
     assert "it is missing" in out and f"mneme replay -d {data.resolve()}" in out, out
+    assert _up_refuses(data) == out  # a refused start leaves no empty file behind
     _replay(data)
     _serves_everything(data)
 

@@ -72,3 +72,23 @@ def test_a_bank_setting_that_cannot_apply_is_a_usage_error(args):
     silent false, or ignored)."""
     out = CliRunner().invoke(app, [*args, "-a", "127.0.0.1:1"], env={"COLUMNS": "200"})
     assert out.exit_code == 2 and "UNAVAILABLE" not in out.output, out.output
+
+
+def test_a_closed_pipe_ends_quietly_as_click_ends_it():
+    """`mneme … | head -1`: the reader goes away while the command writes; click's own
+    handling (a quiet exit 1), not an "error: BrokenPipeError" line."""
+    import typer
+
+    from mneme.cli import _Commands
+    app = typer.Typer(cls=_Commands)
+
+    @app.command()
+    def spill():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    @app.command()
+    def other():
+        pass
+
+    r = CliRunner().invoke(app, ["spill"])
+    assert r.exit_code == 1 and "error" not in r.output.lower(), r.output
