@@ -77,3 +77,14 @@ class Server:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+
+
+def up_refuses(data_dir: Path) -> str:
+    """Run ``mneme up`` on ``data_dir``: it must exit non-zero by itself (a data dir it
+    refuses to serve); returns its output, whitespace folded (rich wraps long lines)."""
+    p = subprocess.run([str(Path(sys.executable).with_name("mneme")), "up", "--data-dir",
+                        str(data_dir), "--address", f"127.0.0.1:{free_port()}"],
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"},
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0, p.stdout + p.stderr
+    return " ".join((p.stdout + p.stderr).split())

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.server import Server, free_port
+from tests.e2e.server import Server, up_refuses
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +43,6 @@ def _filled(tmp_path: Path) -> Path:
     return data
 
 
-def _up_refuses(data: Path) -> str:
-    """Run ``mneme up`` on ``data``: it must exit non-zero by itself; returns its output."""
-    p = subprocess.run([MNEME, "up", "--data-dir", str(data), "--address",
-                        f"127.0.0.1:{free_port()}"], env=ENV, capture_output=True, text=True,
-                       timeout=180)
-    assert p.returncode != 0, p.stdout + p.stderr
-    return " ".join((p.stdout + p.stderr).split())  # rich wraps long lines
-
-
 def _assert_names_file_and_remedy(out: str, data: Path) -> None:
     assert f"{data.resolve()}/log.db is damaged" in out, out
     assert "restore the file from a backup" in out and "mneme log recover" in out, out
@@ -62,7 +53,7 @@ def test_truncated_log_refuses_to_start(tmp_path):
     data = _filled(tmp_path)
     log_db = data / "log.db"
     os.truncate(log_db, log_db.stat().st_size - 4096)  # the last page is gone
-    out = _up_refuses(data)
+    out = up_refuses(data)
     _assert_names_file_and_remedy(out, data)
     assert "truncated" in out
 
@@ -73,7 +64,7 @@ def test_garbage_appended_refuses_then_recover_keeps_every_record(tmp_path):
     before = log_db.stat().st_size
     with open(log_db, "ab") as f:
         f.write(os.urandom(10_000))
-    out = _up_refuses(data)
+    out = up_refuses(data)
     _assert_names_file_and_remedy(out, data)
 
     rec = subprocess.run([MNEME, "log", "recover", "--data-dir", str(data)], env=ENV,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mneme.generations import Generations
-from tests.e2e.server import Server, free_port
+from tests.e2e.server import Server, up_refuses
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,7 @@ def data(tmp_path) -> Path:
 
 
 def _up_refuses(data: Path) -> str:
-    p = subprocess.run([MNEME, "up", "--data-dir", str(data), "--address",
-                        f"127.0.0.1:{free_port()}"], env=ENV, capture_output=True, text=True,
-                       timeout=180)
-    assert p.returncode != 0, p.stdout + p.stderr
-    out = " ".join((p.stdout + p.stderr).split())
+    out = up_refuses(data)
     assert "Traceback" not in out, out
     return out
 
