@@ -10,7 +10,8 @@ from __future__ import annotations
 from mneme.bus import codec
 from mneme.domain import Directive, EventMeta, MentalModel, MentalModelRevision
 from mneme.events.v1 import events_pb2 as ev
-from mneme.ports import Catalog
+from mneme.keys import fact_key_id
+from mneme.ports import Catalog, SealKeys
 
 
 def bank_ids(catalog: Catalog, page: int = 500) -> list[str]:
@@ -70,7 +71,8 @@ def on_mental_model_changed(m: ev.MentalModelChanged, meta: EventMeta, *,
         return []
     refresh = (MentalModelRevision(0, m.content, tuple(m.refresh.based_on),
                                    m.refresh.source or "refresh", mode=m.refresh.mode or "full",
-                                   documents=_documents(m.refresh))
+                                   documents=_documents(m.refresh),
+                                   evidence=tuple(m.refresh.evidence_memory_ids))
                if m.HasField("refresh") else None)
     catalog.upsert_mental_model(MentalModel(
         id=m.id, bank_id=m.bank_id, display_name=m.display_name, source_query=m.source_query,
@@ -89,17 +91,26 @@ def _documents(r: ev.MentalModelRefresh) -> tuple[str, ...]:
 
 
 def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
-                       meta: EventMeta, *, catalog: Catalog | None = None):
+                       meta: EventMeta, *, catalog: Catalog | None = None,
+                       keyring: SealKeys | None = None):
     """A deleted document or memory leaves the bank's mental models: the contents that
-    cite it are erased and a model falls back to its latest content that does not
+    cite it, directly or through an observation whose facts it deletes, are erased and a
+    model falls back to its latest content that does not
     (:meth:`mneme.ports.Catalog.erase_mental_model_sources`), as a replay would have it
-    (those contents are sealed under the deleted memories' keys). Idempotent; produces
-    nothing."""
-    if catalog is not None:
-        if isinstance(m, ev.DocumentDeleteRequested):
-            catalog.erase_mental_model_sources(m.bank_id, (), m.document_id)
-        else:
-            catalog.erase_mental_model_sources(m.bank_id, (m.memory_id,))
+    (those contents are sealed under the deleted facts' keys). An observation's facts
+    are known by id, not document: they count as deleted when ``keyring`` (the keys the
+    deletion destroyed before it was appended) no longer opens their key. Idempotent;
+    produces nothing."""
+    if catalog is None:
+        return []
+    gone = None
+    if keyring is not None and hasattr(keyring, "destroyed"):
+        def gone(fact_id: str) -> bool:
+            return keyring.destroyed(m.bank_id, fact_key_id(fact_id))
+    if isinstance(m, ev.DocumentDeleteRequested):
+        catalog.erase_mental_model_sources(m.bank_id, (), m.document_id, gone)
+    else:
+        catalog.erase_mental_model_sources(m.bank_id, (m.memory_id,), "", gone)
     return []
 
 

@@ -374,9 +374,10 @@ class Root:
         return bank.config if bank is not None else None
 
     def own_catalog(self) -> dict[str, Any]:
-        """``{"catalog": …}`` for a service that keeps its own bank catalog (distributed
-        topology); {} in the embedded one, where ingest's is shared."""
-        return {"catalog": self.catalog} if self.distributed else {}
+        """``{"catalog": …, "keyring": …}`` for a service that keeps its own bank catalog
+        (distributed topology; the keys tell its projection which deleted facts a mental
+        model's observations stood on); {} in the embedded one, where ingest's is shared."""
+        return {"catalog": self.catalog, "keyring": self.keyring} if self.distributed else {}
 
     def close(self) -> None:
         for close in reversed(self._closers):
@@ -509,7 +510,7 @@ def build_ingest(root: Root) -> ServiceParts:
                     stores=None if root.distributed else root.stores,  # for GetBankStats
                     documents=None if root.distributed else root.documents,  # and profiles
                     keys=root.keyring, wait_projections=not root.distributed)
-    parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog),
+    parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog, keyring=root.keyring),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
     if _own_copies(parts):  # replicas each keep a catalog: reads catch up first
         ingest.catch_up = _read_your_writes(root, parts)

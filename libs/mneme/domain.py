@@ -10,7 +10,7 @@ import re
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import AbstractSet, Iterable, Sequence
+from typing import AbstractSet, Callable, Iterable, Sequence
 
 #: Namespace of every derived id (uuid5), so replay and redelivery give the same ids.
 MNEME_NAMESPACE = uuid.UUID("6f1c3a52-8a0e-5d55-9a43-6d6e656d6500")
@@ -156,7 +156,8 @@ class MentalModel:
     changes make it stale), ``refresh_policy`` (:data:`REFRESH_POLICIES`) with
     ``refresh_every`` (new facts between refreshes for "every_n_facts"). ``revision``
     counts content changes; ``based_on`` are the memory ids of the latest refresh, and
-    ``based_on_documents`` their documents (parallel; "" for none);
+    ``based_on_documents`` their documents (parallel; "" for none), and
+    ``based_on_evidence`` the facts behind the observations among them;
     ``memory_offset`` is where its bank's partition of ``mneme.memory.v1`` ended at the
     latest refresh (or creation): changes after it make the model stale. Times are epoch
     seconds (``refreshed_at`` 0: never refreshed)."""
@@ -175,6 +176,7 @@ class MentalModel:
     memory_offset: int = 0
     created_at: float = 0.0
     based_on_documents: tuple[str, ...] = ()
+    based_on_evidence: tuple[str, ...] = ()
     updated_at: float = 0.0
     refreshed_at: float = 0.0
 
@@ -185,8 +187,9 @@ class MentalModelRevision:
     memory ids it was ``based_on`` (empty for content a user wrote), ``source``
     ("user", "refresh" or "refresh_offline"), when (epoch seconds), the refresh
     ``mode`` that made it ("full", "delta"; empty for content a user wrote), the
-    ``documents`` of its ``based_on`` (parallel; "" for none) and the model's
-    ``memory_offset`` with it (:class:`MentalModel`)."""
+    ``documents`` of its ``based_on`` (parallel; "" for none), the model's
+    ``memory_offset`` with it (:class:`MentalModel`) and the ``evidence`` of the
+    observations it cites (their facts' ids)."""
 
     revision: int
     content: str
@@ -196,6 +199,7 @@ class MentalModelRevision:
     mode: str = ""
     documents: tuple[str, ...] = ()
     memory_offset: int = 0
+    evidence: tuple[str, ...] = ()
 
 
 #: How a mental model is kept current: on request, after a consolidation that leaves it
@@ -224,11 +228,12 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
     if refresh is not None:
         new = replace(new, based_on=tuple(refresh.based_on),
                       based_on_documents=tuple(refresh.documents),
+                      based_on_evidence=tuple(refresh.evidence),
                       refreshed_at=m.updated_at, memory_offset=m.memory_offset)
     elif not mask:
         new = replace(new, memory_offset=m.memory_offset)
     if refresh is None and "content" in mask:  # a user's content (or a clear) cites nothing
-        new = replace(new, based_on=(), based_on_documents=())
+        new = replace(new, based_on=(), based_on_documents=(), based_on_evidence=())
     changed = "content" in mask or (not mask and bool(m.content))
     revision = None
     if changed:
@@ -239,15 +244,21 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
 
 
 def cites_deleted(based_on: Sequence[str], documents: Sequence[str], memory_ids: AbstractSet[str],
-                  document_id: str) -> bool:
+                  document_id: str, evidence: Sequence[str] = (),
+                  gone: Callable[[str], bool] | None = None) -> bool:
     """True when content ``based_on`` these memory ids (retained in ``documents``,
-    parallel) stands on a deleted memory (``memory_ids``) or a memory of the deleted
-    document ``document_id`` ("" for none)."""
-    return bool(memory_ids.intersection(based_on)) or bool(document_id and document_id in documents)
+    parallel), and on the facts ``evidence`` behind the observations it cites, stands on
+    a deleted memory (``memory_ids``), a memory of the deleted document ``document_id``
+    ("" for none), or an evidence fact ``gone`` says is deleted (its key destroyed: an
+    evidence fact's document is not known here)."""
+    return (bool(memory_ids.intersection(based_on)) or bool(memory_ids.intersection(evidence))
+            or bool(document_id and document_id in documents)
+            or (gone is not None and any(gone(i) for i in evidence)))
 
 
 def erase_mental_model_sources(old: MentalModel, revisions: Sequence[MentalModelRevision],
-                               memory_ids: AbstractSet[str], document_id: str = ""
+                               memory_ids: AbstractSet[str], document_id: str = "",
+                               gone: Callable[[str], bool] | None = None
                                ) -> tuple[MentalModel, list[MentalModelRevision]] | None:
     """The model ``old`` and its ``revisions`` (oldest first) without the contents that
     stand on deleted memories (:func:`cites_deleted`), or None when none does. The kept
@@ -256,18 +267,20 @@ def erase_mental_model_sources(old: MentalModel, revisions: Sequence[MentalModel
     a replay gives, where those contents are sealed under the deleted memories' keys and
     so are skipped (:mod:`mneme.bus.sealing`). Shared by every catalog adapter."""
     def hit(r: MentalModelRevision) -> bool:
-        return cites_deleted(r.based_on, r.documents, memory_ids, document_id)
-    if not any(hit(r) for r in revisions) and not cites_deleted(
-            old.based_on, old.based_on_documents, memory_ids, document_id):
+        return cites_deleted(r.based_on, r.documents, memory_ids, document_id, r.evidence, gone)
+    current = cites_deleted(old.based_on, old.based_on_documents, memory_ids, document_id,
+                            old.based_on_evidence, gone)
+    if not current and not any(hit(r) for r in revisions):
         return None
     kept = [replace(r, revision=n) for n, r in enumerate((r for r in revisions if not hit(r)), 1)]
     new = replace(old, revision=len(kept),
                   refreshed_at=max((r.at for r in kept if r.source != "user"), default=0.0))
-    if cites_deleted(old.based_on, old.based_on_documents, memory_ids, document_id):
+    if current:
         # the state the kept content was made in (no content left: stale, refreshed in full)
         last = kept[-1] if kept else MentalModelRevision(0, "")
         new = replace(new, content=last.content, based_on=last.based_on,
-                      based_on_documents=last.documents, memory_offset=last.memory_offset)
+                      based_on_documents=last.documents, based_on_evidence=last.evidence,
+                      memory_offset=last.memory_offset)
     return new, kept
 
 
@@ -507,7 +520,8 @@ class Memory:
     ``text``, ``kind`` (mental_model, observation, fact), when it happened (``when``),
     and its fact type when a fact; a fact also keeps when it was told (``mentioned_at``)
     and its ``entities`` (:class:`EntityRef`), which opinions formed from it are about, and
-    the ``document_id`` it was retained in ("" for none)."""
+    the ``document_id`` it was retained in ("" for none); an observation its ``sources``,
+    the ids of the facts it stands on (its evidence)."""
 
     id: str
     text: str
@@ -517,6 +531,7 @@ class Memory:
     mentioned_at: datetime | None = None
     entities: tuple = ()
     document_id: str = ""
+    sources: tuple[str, ...] = ()
 
 
 BUDGETS = ("low", "mid", "high")

@@ -321,10 +321,12 @@ class Catalog(Protocol):
         ``memory_offset``. Ignored for a bank that does not exist."""
 
     def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
-                                   document_id: str = "") -> int:
-        """Deleted memories (``memory_ids``, and every memory of ``document_id`` when
-        given) out of the bank's mental models: each revision whose ``based_on`` cites one
-        is removed, and a model whose current content does falls back to its latest
+                                   document_id: str = "",
+                                   gone: Callable[[str], bool] | None = None) -> int:
+        """Deleted memories (``memory_ids``, every memory of ``document_id`` when given,
+        and the facts behind a cited observation that ``gone(fact_id)`` says are deleted)
+        out of the bank's mental models: each revision whose ``based_on`` cites one is
+        removed, and a model whose current content does falls back to its latest
         remaining revision (:func:`mneme.domain.erase_mental_model_sources`). Returns how
         many models changed; idempotent."""
 

@@ -58,12 +58,12 @@ def on_operation_requested(m, meta: EventMeta, *, catalog: Catalog) -> list:
 
 
 def on_deletion_requested(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
-                          meta: EventMeta, *, catalog: Catalog) -> list:
+                          meta: EventMeta, *, catalog: Catalog, keyring=None) -> list:
     """A DeleteDocument or DeleteMemory: a pending operation, and the mental-model
-    contents that cite what it deletes erased (:func:`mneme.bank_catalog.on_sources_deleted`).
-    Idempotent; produces nothing."""
+    contents that cite what it deletes erased (:func:`mneme.bank_catalog.on_sources_deleted`;
+    ``keyring``: the data keys). Idempotent; produces nothing."""
     on_operation_requested(m, meta, catalog=catalog)
-    return bank_catalog.on_sources_deleted(m, meta, catalog=catalog)
+    return bank_catalog.on_sources_deleted(m, meta, catalog=catalog, keyring=keyring)
 
 
 def on_operation_cancel_requested(m: ev.OperationCancelRequested, meta: EventMeta, *,

@@ -507,7 +507,9 @@ class ReflectAgent:
                      len(dropped), dropped)
         kinds = {m.id: m.kind for m in ctx.by_ref.values() if m.id in based_on and m.kind != "fact"}
         evidence = [m for m in ctx.by_ref.values() if m.id in based_on and m.kind == "fact"]
+        sources = {m.id: m.sources for m in ctx.by_ref.values() if m.id in based_on and m.sources}
         yield Done(AgentReflection(text.strip(), based_on, False, kinds=kinds, evidence=evidence,
+                                   sources=sources,
                                    directives=[d.id for d in directives], structured=structured,
                                    usage=usage, tools_called=called, dropped_citations=dropped,
                                    iterations=it, memories_supplied=len(ctx.by_ref)))
@@ -553,6 +555,8 @@ class ReflectAgent:
         kinds = {m.id: m.kind for m in ctx.by_ref.values()
                  if m.id in cit.based_on and m.kind != "fact"}
         return AgentReflection(text.strip(), cit.based_on, False, kinds=kinds,
+                               sources={m.id: m.sources for m in ctx.by_ref.values()
+                                        if m.id in cit.based_on and m.sources},
                                directives=[d.id for d in directives], usage=usage,
                                dropped_citations=cit.dropped, iterations=1,
                                memories_supplied=len(new))

@@ -28,7 +28,8 @@ class Reflection:
     follow (none offline: an extractive answer follows no rule); ``evidence`` the facts
     it cites as the model was shown them (:class:`mneme.domain.Memory`: what opinion
     formation needs); ``documents`` the document of a cited fact, where known (id →
-    document id: deleting it erases a mental model's content based on the answer)."""
+    document id: deleting it erases a mental model's content based on the answer);
+    ``sources`` the facts behind a cited observation (id → their ids)."""
 
     text: str
     based_on: list[str] = field(default_factory=list)
@@ -37,6 +38,7 @@ class Reflection:
     directives: list[str] = field(default_factory=list)
     evidence: list = field(default_factory=list)
     documents: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, tuple] = field(default_factory=dict)
 
 
 def scope_filters(tags: Sequence[str]) -> Filters:

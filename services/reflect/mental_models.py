@@ -253,14 +253,21 @@ class MentalModels:
         docs.update({x.id: x.document_id for x in r.evidence if getattr(x, "document_id", "")})
         docs.update({i: d for i, d in r.documents.items() if d})
         documents = [docs.get(i, "") for i in r.based_on]
+        # the facts behind the observations it cites: deleting one erases this content
+        # (a delta keeps the whole earlier set: which kept line stood on which is not known)
+        evidence = list(dict.fromkeys(
+            [*(m.based_on_evidence if mode == "delta" else ()),
+             *(f for i in r.based_on for f in r.sources.get(i, ()))]))
         if dry_run:
             return replace(m, content=content, based_on=tuple(r.based_on),
-                           based_on_documents=tuple(documents)), r
+                           based_on_documents=tuple(documents),
+                           based_on_evidence=tuple(evidence)), r
         msg = ev.MentalModelChanged(bank_id=bank_id, id=model_id, content=content,
                                     update_mask=["content"], memory_offset=start,
                                     refresh=ev.MentalModelRefresh(based_on=r.based_on,
                                                                   source=source, mode=mode,
-                                                                  based_on_documents=documents))
+                                                                  based_on_documents=documents,
+                                                                  evidence_memory_ids=evidence))
         self.projected(self.append(msg, bank_id), bank_id)
         return self.get(bank_id, model_id), r
 
@@ -304,7 +311,8 @@ class MentalModels:
                     elif scoped(o.scope) and o.text.strip():
                         when = o.occurred_end if o.HasField("occurred_end") else None
                         new.pop(o.id, None)
-                        new[o.id] = Memory(o.id, o.text, "observation", _dt(when))
+                        new[o.id] = Memory(o.id, o.text, "observation", _dt(when), sources=tuple(
+                            dict.fromkeys(e.memory_id for e in o.evidence if e.memory_id)))
                         gone.discard(o.id)
         return list(new.values()), gone
 
@@ -343,7 +351,9 @@ class MentalModels:
             r = self.revise(m.bank_id, m.source_query, kept_text, kept,
                             [x for x, _ in ranked], now, m.tags)
             if r is not None:
-                return replace(r, documents={x.id: x.document_id for x, _ in ranked})
+                return replace(r, documents={x.id: x.document_id for x, _ in ranked},
+                               sources={**r.sources, **{x.id: x.sources for x, _ in ranked
+                                                        if x.sources}})
         limit = 4 * (m.max_tokens or DEFAULT_MAX_TOKENS)
         text = kept_text
         if not kept and text.strip().startswith(NO_MEMORIES[:40]):
@@ -362,7 +372,8 @@ class MentalModels:
                 based_on.append(x.id)
         if not text.strip():
             text = NO_MEMORIES
-        return Reflection(text, based_on, True, documents={x.id: x.document_id for x in new})
+        return Reflection(text, based_on, True, documents={x.id: x.document_id for x in new},
+                          sources={x.id: x.sources for x in new if x.sources})
 
     def _relevant(self, m: MentalModel, new: Sequence[Memory]) -> list[tuple[Memory, bool]]:
         """``new`` ranked by relevance to the model's name and query (shared content words,

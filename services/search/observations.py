@@ -89,6 +89,16 @@ def project_observations(m: ev.ObservationsChanged, vectors: VectorStore) -> Non
         vectors.upsert(live)
 
 
+def evidence_ids(f: Fact) -> tuple[str, ...]:
+    """The memory ids an observation unit's evidence cites, in order ((): none, or
+    metadata that does not parse)."""
+    try:
+        return tuple(dict.fromkeys(e.get("memory_id") for e in json.loads(
+            f.metadata.get("evidence", "[]")) if e.get("memory_id")))
+    except (ValueError, AttributeError):
+        return ()
+
+
 def retract_observations(vectors: VectorStore, bank_id: str, memory_ids) -> list[str]:
     """Delete the bank's observations whose evidence cites any of ``memory_ids`` (as
     consolidation's retraction does, which follows later; deleting them here too puts
@@ -101,11 +111,7 @@ def retract_observations(vectors: VectorStore, bank_id: str, memory_ids) -> list
     while True:
         page, after = vectors.scroll(bank_id, 256, after, Filters(types=(OBSERVATION,)))
         for f in page:
-            try:
-                cited = {e.get("memory_id") for e in json.loads(f.metadata.get("evidence", "[]"))}
-            except (ValueError, AttributeError):
-                cited = set()
-            if cited & wanted:
+            if wanted.intersection(evidence_ids(f)):
                 gone.append(f.id)
         if after is None:
             break
@@ -136,7 +142,8 @@ def observation_search(recall: Callable) -> Callable:
                                  time_zone=time_zone_name(now)))
         return [Memory(s.fact.id, s.fact.text + (" (stale: newer facts are not consolidated yet)"
                                                  if s.fact.metadata.get("stale") == "true" else ""),
-                       "observation", when=s.fact.occurred_end or s.fact.mentioned_at)
+                       "observation", when=s.fact.occurred_end or s.fact.mentioned_at,
+                       sources=evidence_ids(s.fact))
                 for s in out.results[:limit]]
     return search
 

@@ -211,6 +211,19 @@ class CatalogSuite:
         assert cat.erase_mental_model_sources("a", ("f4",)) == 1
         got = cat.get_mental_model("a", "m1")
         assert (got.content, got.memory_offset, got.refreshed_at) == ("Faro [1].", 5, T0 + 5)
+        # a content citing an observation stands on the observation's facts (evidence):
+        # deleting one by id, or one the deletion's keys say is gone, erases it
+        for n, (deleted, gone) in enumerate(((("f8",), None), ((), {"f9"}.__contains__))):
+            cat.upsert_mental_model(
+                MentalModel("m1", "a", "", "", content=f"Obs {n} [1].", memory_offset=7 + n,
+                            updated_at=T0 + 7 + n), mask=("content",),
+                refresh=MentalModelRevision(0, "", based_on=("o1",), source="refresh",
+                                            mode="delta", documents=("",),
+                                            evidence=("f8", "f9")))
+            assert cat.get_mental_model("a", "m1").based_on_evidence == ("f8", "f9")
+            assert cat.erase_mental_model_sources("a", (), "d-unrelated") == 0
+            assert cat.erase_mental_model_sources("a", deleted, "d-any", gone) == 1
+            assert cat.get_mental_model("a", "m1").content == "Faro [1]."
 
     def test_put_operation_is_insert_only(self, cat):
         cat.put_operation(op("o1", items_total=3))

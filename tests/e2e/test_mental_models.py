@@ -300,3 +300,36 @@ def test_scheduled_refreshes_follow_each_models_policy(server):
         assert got.revision >= 1 and got.content and got.based_on
         assert [r.source for r in m.mental_model_revisions("sched", every.id)][0] == "refresh_offline"
         assert revision(m, manual.id) == 0 and m.get_mental_model("sched", manual.id).is_stale
+
+
+def test_a_deleted_fact_behind_a_cited_observation_erases_the_content(server):
+    """A delta refresh cites an observation, not the fact under it: deleting that fact's
+    document still erases the revision (the refresh recorded the observation's facts)."""
+    bank = "obs-erase"
+    with server.client() as m:
+        m.upsert_bank(bank)
+        m.retain(bank, [{"content": "Zoe: I play the violin.", "document_id": "X"}])
+        m.retain(bank, [{"content": "Zoe: I play the cello too.", "document_id": "Y"}])
+        drained(m, bank)
+        made = m.create_mental_model(bank, "Zoe music", "What instruments does Zoe play?")
+        m.refresh_mental_model(bank, made.id)
+        m.update_mental_model(bank, made.id, content="Zoe is musical (note A).")
+        m.retain(bank, [{"content": "Zoe: I started learning the violin-piano duo repertoire.",
+                         "document_id": "Z"}])
+        drained(m, bank)
+        observations = {o.name.rsplit("/", 1)[-1] for o in m.list_observations(bank)}
+        delta = m.refresh_mental_model(bank, made.id, mode="delta")
+        cited = {i.rsplit("/", 1)[-1] for i in delta.based_on}
+        assert cited & observations and "play the violin" in delta.content, delta
+        m.update_mental_model(bank, made.id, content="Zoe is musical (note B).")
+        m.delete_document(bank, "X")
+        drained(m, bank)
+        history = [r.content for r in m.mental_model_revisions(bank, made.id)]
+        assert history == ["Zoe is musical (note A).", "Zoe is musical (note B)."], history
+        before = snapshot(m, bank)
+    server.replay()
+    with server.client() as m:
+        assert snapshot(m, bank) == before
+    for f in server.data_dir.rglob("*"):
+        if f.is_file():
+            assert b"play the violin" not in f.read_bytes(), f

@@ -932,19 +932,21 @@ class _EmptyLog:
 def fake_deps(service: str) -> dict:
     """The deps of ``service``'s routers in the distributed topology, as fakes (the names
     are checked against the composition root's below)."""
-    catalog = MemoryCatalog()
+    catalog, keyring = MemoryCatalog(), _memory_keyring()
     return {
-        "ingest": lambda: {"catalog": catalog},
+        "ingest": lambda: {"catalog": catalog, "keyring": keyring},
         "extraction": lambda: {"extractor": FakeExtractor(), "embedder": FakeEmbedder(),
                                "resolver": EntityResolver(MemoryEntityStore()),
-                               "catalog": catalog, "cancels": CancelWatch(_EmptyLog())},
-        "search": lambda: {"stores": fake_projections(), "catalog": catalog,
+                               "catalog": catalog, "keyring": keyring,
+                               "cancels": CancelWatch(_EmptyLog())},
+        "search": lambda: {"stores": fake_projections(), "catalog": catalog, "keyring": keyring,
                            "documents": MemoryDocumentStore()},
-        "reflect": lambda: {"catalog": catalog, "mental_models": _NoModelsDue(),
+        "reflect": lambda: {"catalog": catalog, "keyring": keyring,
+                            "mental_models": _NoModelsDue(),
                             "opinions": OpinionFormer(None, None, lambda bank_id: None)},
         "consolidation": lambda: {"consolidator": Consolidator(
             MemoryObservationStore(), lambda bank_id: None, embedder=FakeEmbedder()),
-            "decide": True, "catalog": catalog},
+            "decide": True, "catalog": catalog, "keyring": keyring},
     }[service]()
 
 

@@ -181,6 +181,17 @@ def test_a_mental_models_refresh_is_erased_with_a_fact_it_cites(keyring):
     assert not erased_record(sealer.open(_as_read(user)))  # a user's content: the bank's key
 
 
+def test_a_refresh_citing_an_observation_is_erased_with_a_fact_behind_it(keyring):
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "secret"), ("f2", "keep")))
+    msg = _refresh(f"The phone is {MARKER} [1].", "o1")  # an observation: no key of its own
+    msg.refresh.evidence_memory_ids.extend(["f1", "f2"])
+    out, opened = _seal_open(sealer, msg)
+    assert MARKER.encode() not in out.value and not erased_record(opened)
+    keyring.destroy_scope("b", "d:secret")
+    assert erased_record(sealer.open(_as_read(out)))
+
+
 def test_an_answer_citing_a_fact_deleted_while_it_was_made_is_erased_at_birth(keyring):
     """A refresh (or a reflection) that recalled a fact just before its document was
     deleted: its seal names the fact's destroyed key, so nobody can open it."""

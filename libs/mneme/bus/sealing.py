@@ -19,7 +19,8 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
                                                               unit's facts' own f:<id>)
     DirectiveChanged    title, text                     keys: the bank's
     MentalModelChanged  display_name, source_query,     keys: the bank's (+ a refresh's
-                        content                               cited facts' own f:<id>)
+                        content                               cited facts' own f:<id>, and
+                                                              its observations' facts')
     EntityMergeRequested, EntitiesMerged                keys: the bank's
                         display_name
     EntitySplitRequested, EntitySplit                   keys: the bank's
@@ -366,7 +367,8 @@ class Sealer(Opener):
             # document) erases it, as a reflection's. The bank's key keeps it per bank.
             kr.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
             m.seal.keys.append(BANK_KEY_ID)
-            _cited_keys(kr, bank, m.refresh.based_on, m.seal.keys)
+            _cited_keys(kr, bank, [*m.refresh.based_on, *m.refresh.evidence_memory_ids],
+                        m.seal.keys)
             n += self._seal(m, bank)
         elif isinstance(m, _BANK_SEALED):  # the bank's key
             n += self._seal(m, bank)
@@ -392,7 +394,8 @@ class Sealer(Opener):
 
 
 def _cited_keys(kr: Keyring, bank: str, ids: Iterable[str], keys) -> None:
-    """Append to ``keys`` the own key of every cited id that has one: live, or destroyed
+    """Append to ``keys`` the own key of every cited id that has one (``ids``: the facts
+    an answer cites, and the facts behind the observations it cites): live, or destroyed
     (a fact deleted while the answer citing it was made: sealed under its destroyed key,
     the answer is erased at birth). Ids with no key (observations) add none."""
     for i in ids:

@@ -11,7 +11,7 @@ import json
 import sqlite3
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 from dataclasses import asdict
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
@@ -68,6 +68,7 @@ _MIGRATIONS = (("banks", "incarnation", "TEXT NOT NULL DEFAULT ''"),
                ("mental_model_revisions", "mode", "TEXT NOT NULL DEFAULT ''"),
                ("mental_model_revisions", "documents", "TEXT NOT NULL DEFAULT '[]'"),
                ("mental_model_revisions", "memory_offset", "INTEGER NOT NULL DEFAULT 0"),
+               ("mental_model_revisions", "evidence", "TEXT NOT NULL DEFAULT '[]'"),
                ("operations", "cancel_requested", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "cancelled", "INTEGER NOT NULL DEFAULT 0"),
                ("operations", "retry_of", "TEXT NOT NULL DEFAULT ''"),
@@ -84,7 +85,8 @@ _DIRECTIVE_COLUMNS = ("bank_id, directive_id, title, text, priority, active, tag
 def mental_model_from_json(state: str) -> MentalModel:
     d = json.loads(state)
     return MentalModel(**{**d, "tags": tuple(d["tags"]), "based_on": tuple(d["based_on"]),
-                          "based_on_documents": tuple(d.get("based_on_documents", ()))})
+                          "based_on_documents": tuple(d.get("based_on_documents", ())),
+                          "based_on_evidence": tuple(d.get("based_on_evidence", ()))})
 
 
 def _directive(row) -> Directive:
@@ -309,29 +311,36 @@ class SqliteCatalog:
     def _insert_revision(self, bank_id: str, model_id: str, r: MentalModelRevision) -> None:
         self._db.execute(
             "INSERT OR IGNORE INTO mental_model_revisions (bank_id, model_id, revision, at, "
-            "content, based_on, source, mode, documents, memory_offset) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "content, based_on, source, mode, documents, memory_offset, evidence) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (bank_id, model_id, r.revision, r.at, r.content, json.dumps(list(r.based_on)),
-             r.source, r.mode, json.dumps(list(r.documents)), r.memory_offset))
+             r.source, r.mode, json.dumps(list(r.documents)), r.memory_offset,
+             json.dumps(list(r.evidence))))
 
     def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
-                                   document_id: str = "") -> int:
+                                   document_id: str = "",
+                                   gone: Callable[[str], bool] | None = None) -> int:
         """See :meth:`mneme.ports.Catalog.erase_mental_model_sources`; the models citing
         them are found by SQLite's ``json_each`` over the revisions."""
         ids = sorted(set(memory_ids))
         marks = ",".join("?" * len(ids))
-        cited = f"EXISTS (SELECT 1 FROM json_each(based_on) WHERE value IN ({marks}))" if ids else "0"
+        cited = (f"EXISTS (SELECT 1 FROM json_each(based_on) WHERE value IN ({marks})) OR "
+                 f"EXISTS (SELECT 1 FROM json_each(evidence) WHERE value IN ({marks}))"
+                 if ids else "0")
+        # revisions citing observations are candidates whenever ``gone`` may judge them
+        observed = "evidence != '[]'" if gone is not None else "0"
         with self._lock:
             # "\x00" matches no document: an empty document_id erases by memory id only
             models = [r[0] for r in self._db.execute(
                 "SELECT DISTINCT model_id FROM mental_model_revisions WHERE bank_id=? AND "
-                f"({cited} OR EXISTS (SELECT 1 FROM json_each(documents) WHERE value=?))",
-                (bank_id, *ids, document_id or "\x00"))]
+                f"({cited} OR {observed} OR "
+                "EXISTS (SELECT 1 FROM json_each(documents) WHERE value=?))",
+                (bank_id, *ids, *ids, document_id or "\x00"))]
             changed = 0
             for model_id in models:
                 old = self._mental_model(bank_id, model_id)
                 out = old and erase_mental_model_sources(
-                    old, self._revisions(bank_id, model_id), set(ids), document_id)
+                    old, self._revisions(bank_id, model_id), set(ids), document_id, gone)
                 if not out:
                     continue
                 new, kept = out
@@ -376,11 +385,12 @@ class SqliteCatalog:
 
     def _revisions(self, bank_id: str, model_id: str) -> list[MentalModelRevision]:
         rows = self._db.execute(
-            "SELECT revision, content, based_on, source, at, mode, documents, memory_offset "
-            "FROM mental_model_revisions WHERE bank_id=? AND model_id=? ORDER BY revision",
-            (bank_id, model_id)).fetchall()
+            "SELECT revision, content, based_on, source, at, mode, documents, memory_offset, "
+            "evidence FROM mental_model_revisions WHERE bank_id=? AND model_id=? "
+            "ORDER BY revision", (bank_id, model_id)).fetchall()
         return [MentalModelRevision(r[0], r[1], tuple(json.loads(r[2])), r[3], r[4], r[5],
-                                    tuple(json.loads(r[6])), r[7]) for r in rows]
+                                    tuple(json.loads(r[6])), r[7], tuple(json.loads(r[8])))
+                for r in rows]
 
     def _mental_model(self, bank_id: str, model_id: str) -> MentalModel | None:
         row = self._db.execute("SELECT state FROM mental_models WHERE bank_id=? AND model_id=?",

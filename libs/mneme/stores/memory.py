@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import asdict, replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
                           Operation, erase_mental_model_sources, from_epoch, merge_directive,
@@ -129,13 +129,14 @@ class MemoryCatalog:
             self._models[key] = replace(new, revision=len(revs))
 
     def erase_mental_model_sources(self, bank_id: str, memory_ids: Iterable[str],
-                                   document_id: str = "") -> int:
+                                   document_id: str = "",
+                                   gone: Callable[[str], bool] | None = None) -> int:
         """See :meth:`mneme.ports.Catalog.erase_mental_model_sources`."""
         ids, changed = set(memory_ids), 0
         with self._lock:
             for key in [k for k in self._models if k[0] == bank_id]:
                 out = erase_mental_model_sources(self._models[key], self._revisions.get(key, []),
-                                                 ids, document_id)
+                                                 ids, document_id, gone)
                 if out:
                     self._models[key], self._revisions[key] = out
                     changed += 1
