@@ -377,7 +377,10 @@ class Root:
         """``{"catalog": …, "keyring": …}`` for a service that keeps its own bank catalog
         (distributed topology; the keys tell its projection which deleted facts a mental
         model's observations stood on); {} in the embedded one, where ingest's is shared."""
-        return {"catalog": self.catalog, "keyring": self.keyring} if self.distributed else {}
+        if not self.distributed:
+            return {}
+        self.raw_log  # noqa: B018 - first: the bus settings are checked before the key settings
+        return {"catalog": self.catalog, "keyring": self.keyring}
 
     def close(self) -> None:
         for close in reversed(self._closers):
