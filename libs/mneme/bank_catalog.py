@@ -10,8 +10,8 @@ from __future__ import annotations
 from mneme.bus import codec
 from mneme.domain import Directive, EventMeta, MentalModel, MentalModelRevision
 from mneme.events.v1 import events_pb2 as ev
-from mneme.keys import fact_key_id
-from mneme.ports import Catalog, SealKeys
+from mneme.keys import Keyring, fact_key_id
+from mneme.ports import Catalog
 
 
 def bank_ids(catalog: Catalog, page: int = 500) -> list[str]:
@@ -92,7 +92,7 @@ def _documents(r: ev.MentalModelRefresh) -> tuple[str, ...]:
 
 def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
                        meta: EventMeta, *, catalog: Catalog | None = None,
-                       keyring: SealKeys | None = None):
+                       keyring: Keyring | None = None):
     """A deleted document or memory leaves the bank's mental models: the contents that
     cite it, directly or through an observation whose facts it deletes, are erased and a
     model falls back to its latest content that does not
@@ -104,7 +104,7 @@ def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
     if catalog is None:
         return []
     gone = None
-    if keyring is not None and hasattr(keyring, "destroyed"):
+    if keyring is not None:
         def gone(fact_id: str) -> bool:
             return keyring.destroyed(m.bank_id, fact_key_id(fact_id))
     if isinstance(m, ev.DocumentDeleteRequested):

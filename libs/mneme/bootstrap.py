@@ -41,6 +41,10 @@ def services() -> dict[str, Service]:
     return {n: importlib.import_module(f"services.{n}.routes").SERVICE for n in SERVICES}
 
 
+#: Why a missing projection file is refused (:class:`ProjectionUnreadable`).
+_LOST = "it is missing, although the log says it was projected"
+
+
 class ProjectionUnreadable(MnemeError):
     """A projection file of the data dir (the catalog, search's document projection or a
     store of the live generation) is damaged, or missing although the log says it was
@@ -169,15 +173,10 @@ class Root:
         from mneme.bus import INTAKE
         from mneme.bus.sqlite_log import is_damage
         from mneme.generations import remove_file, sqlite_files
-        if (path != ":memory:" and not os.path.exists(path) and not self.rebuilding
-                and not self.distributed):
-            # checked before opening, which would create it: a refused start must leave no
-            # empty file that the next start takes for the projection
-            events = self.raw_log
-            if any(events.committed(g, INTAKE, p) > 0 for g in groups
-                   for p in range(events.partitions(INTAKE))):
-                raise ProjectionUnreadable(path, what, "it is missing, although the log "
-                                           "says it was projected", self.data_dir)
+        # checked before opening, which would create it: a refused start must leave no
+        # empty file that the next start takes for the projection
+        if path != ":memory:" and not os.path.exists(path) and self._projected(groups, INTAKE):
+            raise ProjectionUnreadable(path, what, _LOST, self.data_dir)
         try:
             store = open_(path)
         except sqlite3.DatabaseError as e:
@@ -229,20 +228,26 @@ class Root:
         (it would be served empty, and never projected again)."""
         from mneme.bus import MEMORY
         from mneme.generations import local_path
-        if self.rebuilding or self.distributed:
+        if self.rebuilding or self.distributed:  # no local files of its own to check
             return
+
         def absent(p: Path) -> bool:
             # FalkorDB keeps its data in the append-only dir "<file>.aof" and writes
             # "<file>" only at a save point: a hard stop before the first leaves none
             return not p.exists() and not p.with_name(p.name + ".aof").exists()
         missing = [p for p in (local_path(u) for u in self.store_urls(generation).values())
                    if p is not None and absent(p)]
+        if missing and self._projected(("search",), MEMORY):
+            raise ProjectionUnreadable(str(missing[0]), "search's store", _LOST, self.data_dir)
+
+    def _projected(self, groups: tuple[str, ...], topic: str) -> bool:
+        """Embedded, outside a rebuild: True when one of ``groups`` has consumed some of
+        ``topic`` (so its projection must exist: the group would not project it again)."""
+        if self.rebuilding or self.distributed:
+            return False
         events = self.raw_log
-        if missing and any(events.committed("search", MEMORY, p) > 0
-                           for p in range(events.partitions(MEMORY))):
-            raise ProjectionUnreadable(str(missing[0]), "search's store",
-                                       "it is missing, although the log says it was "
-                                       "projected", self.data_dir)
+        return any(events.committed(g, topic, p) > 0 for g in groups
+                   for p in range(events.partitions(topic)))
 
     def open_stores(self, generation: int):
         """search's three stores of ``generation``, opened (the caller closes them)."""

@@ -250,7 +250,7 @@ class MentalModels:
         source = "refresh_offline" if r.extractive else "refresh"
         # where each cited memory was retained: deleting that document erases this content
         docs = dict(zip(m.based_on, m.based_on_documents))  # what a delta kept
-        docs.update({x.id: x.document_id for x in r.evidence if getattr(x, "document_id", "")})
+        docs.update({x.id: x.document_id for x in r.evidence if x.document_id})
         docs.update({i: d for i, d in r.documents.items() if d})
         documents = [docs.get(i, "") for i in r.based_on]
         # the facts behind the observations it cites: deleting one erases this content
