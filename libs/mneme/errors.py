@@ -36,6 +36,12 @@ class Unavailable(MnemeError):
     another service is unreachable); the client may retry."""
 
 
+class RecordTooLarge(MnemeError):
+    """A record is larger than the event log takes (on Kafka: the producer's
+    ``max.request.size``, 1 MiB, or the topic's ``max.message.bytes``). The same record
+    always is: retrying cannot help."""
+
+
 class ConfigurationError(MnemeError, ValueError):
     """The settings or the deployment cannot work (a value, a file, the topics); the
     message names what to fix. Processes stop with it at start (one line, exit 1)."""

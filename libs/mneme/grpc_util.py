@@ -20,7 +20,7 @@ from grpc_status import rpc_status
 
 from mneme.domain import clamp_time
 from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                          Unavailable)
+                          RecordTooLarge, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ def translate_errors(method):
     """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
     BadRequest listing the field violations; NotFound → NOT_FOUND; FailedPrecondition →
     FAILED_PRECONDITION; DeadlineExceeded →
-    DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; anything else →
+    DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; RecordTooLarge →
+    RESOURCE_EXHAUSTED (as a request over the size limit); anything else →
     UNKNOWN (logged by gRPC). The call's deadline is :func:`mneme.deadline.current` while
     the method runs."""
 
@@ -48,7 +49,7 @@ def translate_errors(method):
             with deadline.bind(call_deadline(context)):  # deadline.current() in the work
                 return method(self, request, context)
         except (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled,
-                Unavailable) as e:
+                Unavailable, RecordTooLarge) as e:
             abort_for(context, e)
 
     return wrapper
@@ -72,6 +73,9 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         _abort(context, code_pb2.CANCELLED, grpc.StatusCode.CANCELLED, str(e))
     elif isinstance(e, Unavailable):
         _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
+    elif isinstance(e, RecordTooLarge):
+        _abort(context, code_pb2.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               str(e))
     else:
         raise e
 

@@ -203,6 +203,27 @@ def test_distributed_entity_corrections(cluster):
         assert kinds["merge_entities"] == kinds["split_entity"] == 1
 
 
+def test_a_retain_larger_than_kafka_takes_is_refused_as_too_large(cluster):
+    """A retain within the API's limits (32 MiB requests, 200,000 characters an item) may
+    still not fit one Kafka record (1 MiB by default): RESOURCE_EXHAUSTED saying so, as a
+    request over a size limit -- not UNKNOWN with the producer's traceback -- and no
+    operation is left behind."""
+    import grpc
+
+    items = [{"content": f"Item {n}: " + "Alice likes sardines. " * 5_000, "document_id": f"d{n}"}
+             for n in range(12)]  # 1.3 MB
+    with MnemeClient(cluster.address["ingest"], timeout=60) as m:
+        m.upsert_bank("too-large")
+        for async_ in (True, False):
+            with pytest.raises(grpc.RpcError) as refused:
+                m.retain("too-large", items, async_=async_)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "RetainRequested of bank 'too-large' is " in refused.value.details()
+        assert list(m.list_operations("too-large")) == []
+        ok = m.retain("too-large", [{"content": "Alice likes sardines."}])  # works on
+        assert ok.operation.state == 3, ok.operation
+
+
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):
     items = [i for s in locomo.sessions(next(
         c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26"))

@@ -25,6 +25,20 @@ def _event(topic: str, bank: str, n: int, traceparent: str | None = None) -> Out
     return OutRecord(topic, rec.key, rec.value, rec.headers)
 
 
+def test_a_record_larger_than_kafka_takes_is_refused_as_such(kafka_log):
+    """Kafka takes records up to 1 MiB by default (far less than a retain the API
+    accepts): append raises RecordTooLarge naming the event, not the client's error."""
+    from mneme.errors import RecordTooLarge
+
+    t = _topic()
+    kafka_log.ensure_topic(t, 1)
+    big = _event(t, "bank-big", 0)
+    big = OutRecord(t, big.key, big.value + b"z" * 2_000_000, big.headers)
+    with pytest.raises(RecordTooLarge, match="MemoryDeleteRequested of bank 'bank-big' is "):
+        kafka_log.append([big])
+    assert [r.offset for r in kafka_log.append([_event(t, "bank-big", 1)])] == [0]
+
+
 def test_append_read_offsets_headers_and_groups(kafka_log):
     t = _topic()
     kafka_log.ensure_topic(t, 3)

@@ -38,6 +38,7 @@ class Toy:
         self.attempts: dict[str, int] = defaultdict(int)
         self.slow: dict[str, float] = {}             # bank → seconds per record
         self.stuck: set[str] = set()                 # memory ids that wait for a stop
+        self.huge: set[str] = set()                  # memory ids whose output is > 1 MiB
 
 
 def on_delete(m: ev.MemoryDeleteRequested, meta, *, toy: Toy, name: str):
@@ -52,8 +53,9 @@ def on_delete(m: ev.MemoryDeleteRequested, meta, *, toy: Toy, name: str):
         time.sleep(toy.slow[m.bank_id])
     with toy.lock:
         toy.seen.append((name, m.bank_id, m.memory_id))
+    pad = ["x" * 1_200_000] if m.memory_id in toy.huge else []  # more than Kafka takes
     return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
-                              memory_ids=[m.memory_id])]
+                              memory_ids=[m.memory_id, *pad])]
 
 
 def toy_service(group: str) -> Service:
@@ -159,6 +161,30 @@ def test_a_failing_record_is_retried_then_dead_lettered_and_fails_its_operation(
     assert failed.operation_id == "op-1" and f"{group} could not process" in failed.error
     # the counter agrees with this runner's own DLQ (other tests' poison included)
     assert r.groups[group].stats["dead_lettered"] == len(mine(kafka_log, dlq, None))
+
+
+def test_an_output_larger_than_kafka_takes_fails_its_operation_at_once(kafka_log):
+    """An output over Kafka's record size (a retain whose facts encode to more than
+    1 MiB) would be as large on every attempt: it is dead-lettered at once, not retried
+    (each retry re-ran the whole extraction), and its operation fails saying why."""
+    group, toy, dlq = f"toy-{_uid()}", Toy(), f"test.dlq.{_uid()}"
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    toy.huge = {f"{bank}:1"}
+    kafka_log.append([delete(bank, i, op=f"op-{i}") for i in range(3)])
+    r = runner(kafka_log, group, toy, dlq=dlq).start()
+    try:
+        assert r.wait_idle(timeout=60), r.lag(group)
+    finally:
+        assert r.stop(30)
+    assert toy.attempts[f"{bank}:1"] == 1
+    assert [s[2] for s in toy.seen if s[1] == bank] == [f"{bank}:{i}" for i in range(3)]
+    [dead] = mine(kafka_log, dlq, {bank})
+    assert dead.headers["dlq_attempts"] == "1"
+    assert dead.headers["dlq_error"].startswith("RecordTooLarge: FactsRetracted")
+    [failed] = [m for m in (codec.decode(p).message for p in mine(kafka_log, PROGRESS, {bank}))
+                if m.state == "failed"]
+    assert failed.operation_id == "op-1" and "more than the event log takes" in failed.error
 
 
 def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log, tansu):

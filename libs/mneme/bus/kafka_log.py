@@ -46,12 +46,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
-                             TopicAlreadyExistsError)
+                             MessageSizeTooLargeError, RecordListTooLargeError,
+                             RecordTooLargeError, TopicAlreadyExistsError)
 
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
                        partition_for)
 from mneme.bus.security import KafkaSecurity
-from mneme.errors import ConfigurationError
+from mneme.errors import ConfigurationError, RecordTooLarge
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,21 @@ def _headers_out(headers: dict[str, str]) -> list[tuple[str, bytes]]:
 
 def _headers_in(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
     return {k: (v or b"").decode("utf-8", "replace") for k, v in headers or ()}
+
+
+#: What the producer or the brokers raise for a record larger than they take.
+TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
+
+
+def too_large(record: OutRecord, exc: BaseException) -> RecordTooLarge:
+    """The :class:`mneme.errors.RecordTooLarge` of ``record``, refused with ``exc`` (one
+    of :data:`TOO_LARGE`): names its event type, topic and size."""
+    kind = record.headers.get("ce_type", "record").rsplit(".", 1)[-1]
+    return RecordTooLarge(
+        f"{kind} of bank {record.key!r} is {len(record.value):,} bytes, more than the "
+        f"event log takes for one record on {record.topic} (Kafka's max.request.size / "
+        f"max.message.bytes, 1 MiB by default); split the request into smaller ones "
+        f"({type(exc).__name__})")
 
 
 def record_of(msg) -> Record:
@@ -334,6 +350,7 @@ class KafkaEventLog:
         them with partition, offset and broker timestamp (epoch seconds). Missing topics
         are created with :func:`mneme.bus.default_partitions`. Not atomic across records
         (see the module docstring). Raises TypeError for a malformed record,
+        :class:`mneme.errors.RecordTooLarge` for one larger than Kafka takes,
         ``aiokafka.errors.KafkaError`` when the brokers refuse or time out."""
         records = list(records)
         for r in records:
@@ -348,12 +365,18 @@ class KafkaEventLog:
             n = await self._partitions(r.topic) or await self._ensure_topic(
                 r.topic, default_partitions(r.topic))
             p = partition_for(r.key, n)
-            futures.append(await self._producer.send(
-                r.topic, bytes(r.value), key=r.key.encode("utf-8"), partition=p,
-                headers=_headers_out(r.headers)))
+            try:
+                futures.append(await self._producer.send(
+                    r.topic, bytes(r.value), key=r.key.encode("utf-8"), partition=p,
+                    headers=_headers_out(r.headers)))
+            except TOO_LARGE as exc:  # a client's request, not the brokers failing
+                raise too_large(r, exc) from exc
         out = []
         for r, fut in zip(records, futures):
-            md = await fut
+            try:
+                md = await fut
+            except TOO_LARGE as exc:  # the brokers' limit may be lower than the producer's
+                raise too_large(r, exc) from exc
             ts = md.timestamp / 1000.0 if md.timestamp and md.timestamp > 0 else time.time()
             out.append(Record(r.topic, md.partition, md.offset, r.key, bytes(r.value),
                               dict(r.headers), ts))

@@ -23,7 +23,8 @@ publisher, and per group one to the DLQ. Without routers the broker is only desc
    by :meth:`KafkaRunner.stop`, then produces its outputs and waits for every send;
 3. the middleware retries a failing handler (tenacity, exponential backoff), then
    produces the dead letters (:func:`mneme.bus.dead_letter.records`: the DLQ copy and
-   the failed progress of its operation);
+   the failed progress of its operation). An output larger than Kafka takes
+   (:class:`mneme.errors.RecordTooLarge`) is not retried: it would be as large again;
 4. it makes the group's writes durable (:meth:`mneme.router.Router.flush`, in a worker
    thread) and commits the input offset. The outputs -- a sync retain's progress among
    them -- are on the brokers before the flush, so it is off the request's path. A
@@ -64,10 +65,10 @@ from google.protobuf.message import Message
 from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
-from mneme.bus.kafka_log import KafkaOptions, record_of
+from mneme.bus.kafka_log import TOO_LARGE, KafkaOptions, record_of, too_large
 from mneme.bus.sealing import erased_record
 from mneme.datadir import write_atomic
-from mneme.errors import Cancelled
+from mneme.errors import Cancelled, RecordTooLarge
 from mneme.ports import OutRecord, Record
 from mneme.router import Router, Service, meta_of
 
@@ -278,17 +279,24 @@ class GroupRun:
     async def produce(self, records: Sequence[OutRecord]) -> None:
         """Send ``records`` (keyed: aiokafka's partitioner puts a bank on Kafka's default
         partition), their user content sealed, and wait until the brokers acknowledge all
-        of them."""
+        of them. Raises :class:`mneme.errors.RecordTooLarge` for a record larger than
+        Kafka takes."""
         if records and self.sealer is not None:  # key lookups may block: off the loop
             records = await asyncio.to_thread(lambda: [self.sealer.seal(r) for r in records])
         pending = []
         for r in records:
             # every topic a router or a dead letter writes has its group's publisher
-            pending.append(await self.publishers[r.topic].publish(
-                bytes(r.value), key=r.key.encode("utf-8"), headers=dict(r.headers),
-                correlation_id=r.headers.get("ce_id") or None, no_confirm=True))
-        for fut in pending:
-            await fut
+            try:
+                pending.append((r, await self.publishers[r.topic].publish(
+                    bytes(r.value), key=r.key.encode("utf-8"), headers=dict(r.headers),
+                    correlation_id=r.headers.get("ce_id") or None, no_confirm=True)))
+            except TOO_LARGE as exc:
+                raise too_large(r, exc) from exc
+        for r, fut in pending:
+            try:
+                await fut
+            except TOO_LARGE as exc:
+                raise too_large(r, exc) from exc
 
     def dead_letters(self, rec: Record, exc: BaseException, attempts: int,
                      env: Envelope | None) -> list[OutRecord]:
@@ -479,6 +487,9 @@ class DeliveryMiddleware(BaseMiddleware):
             return isinstance(exc, _Abandoned) or (
                 isinstance(exc, Cancelled) and delivery.stopping.is_set())
 
+        def retryable(exc: BaseException) -> bool:  # an output too large stays too large
+            return not (abandoned(exc) or isinstance(exc, RecordTooLarge))
+
         def before_sleep(state: tenacity.RetryCallState) -> None:
             run.stats["retries"] += 1
             log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", run.group,
@@ -488,7 +499,7 @@ class DeliveryMiddleware(BaseMiddleware):
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(delivery.max_attempts),
             wait=retry.backoff(delivery.backoff, delivery.backoff_max),
-            retry=tenacity.retry_if_exception(lambda e: not abandoned(e)),
+            retry=tenacity.retry_if_exception(retryable),
             sleep=delivery.sleep, before_sleep=before_sleep, reraise=True)
         try:
             async for attempt in retrying:
