@@ -1878,6 +1878,7 @@ def dlq_replay(offset: List[int] = typer.Option([], "--offset", help="DLQ offset
     CloudEvents headers and payload unchanged). Every group on that topic sees them again;
     handlers are idempotent (deterministic ids), so that is safe. Fix the cause first."""
     from mneme.bootstrap import Root
+    from mneme.bus.dead_letter import VALUE_OMITTED
     from mneme.ports import OutRecord
     root = Root()
     try:
@@ -1889,7 +1890,16 @@ def dlq_replay(offset: List[int] = typer.Option([], "--offset", help="DLQ offset
             topic = dict(r.headers).get("dlq_topic")
             if not topic:
                 continue
-            out.append(OutRecord(topic=topic, key=r.key, value=bytes(r.value), headers=h))
+            value = bytes(r.value)
+            if VALUE_OMITTED in r.headers:  # too large to copy: the original's value
+                original = root.log.read(topic, int(r.headers["dlq_partition"]),
+                                         int(r.headers["dlq_offset"]), 1)
+                if not original or original[0].offset != int(r.headers["dlq_offset"]):
+                    print(f"dlq@{r.offset}: its original {topic}[{r.headers['dlq_partition']}]"
+                          f"@{r.headers['dlq_offset']} is gone; skipped")
+                    continue
+                value = bytes(original[0].value)
+            out.append(OutRecord(topic=topic, key=r.key, value=value, headers=h))
             print(f"dlq@{r.offset} → {topic} ({h.get('ce_type', '?')}, bank {r.key})")
         if out and not dry_run:
             root.log.append(out)

@@ -9,6 +9,7 @@ test uses its own consumer group, banks and DLQ topic, and looks only at its own
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -22,6 +23,16 @@ from mneme.events.v1 import events_pb2 as ev
 from mneme.router import Group, Router, Service
 from mneme.runtime.kafka import KafkaRunner
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, banks_over_partitions
+
+
+def _varint(n: int) -> bytes:
+    """``n`` as a protobuf varint."""
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
 
 
 def _uid() -> str:
@@ -185,6 +196,38 @@ def test_an_output_larger_than_kafka_takes_fails_its_operation_at_once(kafka_log
     [failed] = [m for m in (codec.decode(p).message for p in mine(kafka_log, PROGRESS, {bank}))
                 if m.state == "failed"]
     assert failed.operation_id == "op-1" and "more than the event log takes" in failed.error
+
+
+def test_a_dead_letter_too_large_for_the_dlq_goes_without_its_value(kafka_log):
+    """A failing record close to Kafka's record size does not fit the DLQ with its
+    ``dlq_*`` headers: its copy goes without the value (the original stays on its
+    topic, where the headers point), and the partition flows on -- it used to retry
+    producing the copy forever, stalling every bank on the partition."""
+    from mneme.bus.dead_letter import VALUE_OMITTED
+
+    group, toy, dlq = f"toy-{_uid()}", Toy(), f"test.dlq.{_uid()}"
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    toy.fail = {f"{bank}:1"}
+    # padded with an unknown field (kept by protobuf): fits Kafka alone, not with the
+    # dlq_* headers (a traceback) beside it
+    pad = 1_047_500
+    padding = bytes([15 << 3 | 2]) + _varint(pad) + b"y" * pad
+    rec = delete(bank, 1, op="op-big")
+    poison = dataclasses.replace(rec, value=rec.value + padding)
+    inputs = kafka_log.append([delete(bank, 0), poison, delete(bank, 2)])
+    r = runner(kafka_log, group, toy, dlq=dlq).start()
+    try:
+        assert r.wait_idle(timeout=60), r.lag(group)
+    finally:
+        assert r.stop(30)
+    assert [s[2] for s in toy.seen if s[1] == bank] == [f"{bank}:0", f"{bank}:2"]
+    [dead] = mine(kafka_log, dlq, {bank})
+    assert dead.value == b"" and dead.headers[VALUE_OMITTED] == str(len(poison.value))
+    assert dead.headers["dlq_offset"] == str(inputs[1].offset)
+    assert dead.headers["dlq_error"] == f"RuntimeError: boom {bank}:1"
+    [failed] = [codec.decode(p).message for p in mine(kafka_log, PROGRESS, {bank})]
+    assert failed.operation_id == "op-big" and failed.state == "failed"
 
 
 def test_two_runners_share_the_partitions_and_handle_each_record_once(kafka_log, tansu):

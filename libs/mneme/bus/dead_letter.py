@@ -15,6 +15,12 @@ A dead-lettered event that belongs to an operation (its message has ``bank_id`` 
 ``OperationProgress(state="failed", error=…)`` goes to ``mneme.progress.v1`` with the DLQ
 copy, so a sync retain returns FAILED at once instead of waiting for its deadline, and
 replay (which re-reads progress) shows the same state.
+
+A DLQ copy larger than the log takes (an input close to Kafka's record size limit, plus
+the ``dlq_*`` headers) goes without its value (:func:`without_value`): its header
+``dlq_value_omitted`` gives the value's size, and ``mneme dlq replay`` reads the value
+from the original record (``dlq_topic``, ``dlq_partition``, ``dlq_offset``; history
+topics never expire), so a poison record too large to copy never stalls its partition.
 """
 
 from __future__ import annotations
@@ -136,4 +142,24 @@ def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Env
     return out + ([failed] if failed is not None else [])
 
 
-__all__ = ["OPERATION_KINDS", "operation_failed", "records"]
+#: Header of a DLQ copy produced without its value: the value's size in bytes.
+VALUE_OMITTED = "dlq_value_omitted"
+
+
+def without_value(outs: list[OutRecord], dlq_topic: str = DLQ) -> list[OutRecord]:
+    """``outs`` (what :func:`records` returned) with the DLQ copy's value left out and
+    its size in the :data:`VALUE_OMITTED` header: for a copy larger than the log takes.
+    The original record stays where the ``dlq_*`` headers say."""
+    out = []
+    for o in outs:
+        if o.topic == dlq_topic and VALUE_OMITTED not in o.headers:
+            log.error("dead letter of %s[%s]@%s too large for the DLQ: copied without its "
+                      "value (%d bytes)", o.headers.get("dlq_topic"),
+                      o.headers.get("dlq_partition"), o.headers.get("dlq_offset"), len(o.value))
+            o = OutRecord(topic=o.topic, key=o.key, value=b"",
+                          headers={**o.headers, VALUE_OMITTED: str(len(o.value))})
+        out.append(o)
+    return out
+
+
+__all__ = ["OPERATION_KINDS", "VALUE_OMITTED", "operation_failed", "records", "without_value"]

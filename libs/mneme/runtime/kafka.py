@@ -24,7 +24,9 @@ publisher, and per group one to the DLQ. Without routers the broker is only desc
 3. the middleware retries a failing handler (tenacity, exponential backoff), then
    produces the dead letters (:func:`mneme.bus.dead_letter.records`: the DLQ copy and
    the failed progress of its operation). An output larger than Kafka takes
-   (:class:`mneme.errors.RecordTooLarge`) is not retried: it would be as large again;
+   (:class:`mneme.errors.RecordTooLarge`) is not retried: it would be as large again. A
+   DLQ copy too large with its ``dlq_*`` headers goes without its value
+   (:func:`mneme.bus.dead_letter.without_value`), so the partition never stalls on it;
 4. it makes the group's writes durable (:meth:`mneme.router.Router.flush`, in a worker
    thread) and commits the input offset. The outputs -- a sync retain's progress among
    them -- are on the brokers before the flush, so it is off the request's path. A
@@ -455,7 +457,11 @@ class DeliveryMiddleware(BaseMiddleware):
                 except Exception as exc:
                     outs = run.dead_letters(rec, exc, self.attempts, env)
             try:
-                await run.produce(outs)
+                try:
+                    await run.produce(outs)
+                except RecordTooLarge:  # the DLQ copy, with its dlq_* headers: would never fit
+                    outs = dead_letter.without_value(outs, delivery.dlq_topic)
+                    await run.produce(outs)
             except Exception:  # the brokers refuse: handle the record again
                 log.exception("consumer %s: cannot produce the dead letters of %s[%d]@%d",
                               run.group, rec.topic, rec.partition, rec.offset)
