@@ -475,3 +475,79 @@ def test_a_restore_longer_than_the_poll_interval_keeps_the_member_and_the_other_
         assert r.groups["slow"].restored == history
     finally:
         log.close()
+
+
+def _decide_retract(m: ev.MemoryDeleteRequested, meta, *, seen: list, name: str):
+    """An extraction-like handler: a decision per input, on a changelog it does not read."""
+    seen.append((name, "live", m.bank_id, m.memory_id))
+    return [ev.FactsRetracted(bank_id=m.bank_id, memory_ids=[m.memory_id])]
+
+
+def _restore_retract(m: ev.FactsRetracted, meta, *, seen: list, name: str):
+    seen.append((name, "restore", m.bank_id, m.memory_ids[0]))
+    return []
+
+
+def test_a_partition_lost_before_a_stop_is_restored_later_with_the_new_owners_decisions(
+        fresh_tansu, tmp_path):
+    """Replica A loses a partition to B in a rebalance, B decides on it (its decisions on
+    a changelog A does not read, as extraction's EntitiesResolved), then A stops: A's
+    checkpoint must not claim B's decisions. When A gets the partition back, it restores
+    them -- its stop marked the changelog's end for every partition it had ever handled,
+    so it skipped them and resolved on stale state."""
+    from mneme.bus.logs import open_event_log
+
+    svc = Service("resolver", groups=(Group(
+        "resolver", {INTAKE: {ev.MemoryDeleteRequested: _decide_retract}},
+        restore={MEMORY: {ev.FactsRetracted: _restore_retract}}),),
+        produces={MEMORY: (ev.FactsRetracted,)})
+    logs = [open_event_log(fresh_tansu.url, **KAFKA_TEST_OPTIONS) for _ in range(3)]
+    seen: list = []
+    lock = threading.Lock()
+
+    def start(log, name: str) -> KafkaRunner:
+        deps = {"seen": seen, "name": name}
+        return KafkaRunner(log, {"resolver": Router(svc, "resolver", deps)},
+                           restorers={"resolver": Router(svc, "resolver", deps, restore=True)},
+                           checkpoints=tmp_path / f"{name[0]}.json",
+                           dlq_topic=f"test.dlq.{_uid()}").start()
+    try:
+        for t in (INTAKE, MEMORY):
+            logs[0].ensure_topic(t, 2)
+        banks = banks_over_partitions(2, 2)
+        logs[0].append([delete(b, 0) for b in banks])
+        a = start(logs[0], "a")
+        assert a.wait_idle(timeout=60), a.lag("resolver")
+        b = start(logs[1], "b")
+        try:  # until each replica handles one of the banks
+            deadline_at, n, owner = time.monotonic() + 120, 1, {}
+            while time.monotonic() < deadline_at:
+                logs[0].append([delete(bk, n) for bk in banks])
+                assert a.wait_idle(timeout=60) and b.wait_idle(timeout=60)
+                with lock:
+                    owner = {bk: next(s[0] for s in reversed(seen) if s[1] == "live"
+                                      and s[2] == bk) for bk in banks}
+                n += 1
+                if set(owner.values()) == {"a", "b"}:
+                    break
+            assert set(owner.values()) == {"a", "b"}, owner
+            lost = next(bk for bk, who in owner.items() if who == "b")
+            logs[0].append([delete(lost, f"by-b-{k}") for k in range(3)])
+            assert b.wait_idle(timeout=60)
+            by_b = [s[3] for s in seen if s[:3] == ("b", "live", lost)]
+            assert {f"{lost}:by-b-{k}" for k in range(3)} <= set(by_b)
+            assert a.stop(30)
+        finally:
+            a.stop(30)
+            b.stop(30)
+        seen.clear()
+        again = start(logs[2], "a2")  # A's data dir, alone: both partitions back
+        try:
+            assert again.wait_idle(timeout=60), again.lag("resolver")
+        finally:
+            assert again.stop(30)
+        restored = [s[3] for s in seen if s[:3] == ("a2", "restore", lost)]
+        assert set(by_b) <= set(restored), (by_b, restored)
+    finally:
+        for log in logs:
+            log.close()

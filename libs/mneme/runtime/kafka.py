@@ -218,6 +218,9 @@ class GroupRun:
         self.handled_to: dict[tuple[str, int], int] = {}
         # partition → the assignment restoring it now (its records wait, paused)
         self.restoring: dict[int, object] = {}
+        # topic → the partitions of it this process holds now (``done`` keeps those it
+        # held before a rebalance too)
+        self.owned: dict[str, set[int]] = {}
         self.restore_tasks: set[asyncio.Future] = set()
         self._until_stopped = deadline.Deadline(None, lambda: not delivery.stopping.is_set())
 
@@ -550,8 +553,9 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
             log.warning("consumer %s: partitions of %s revoked with a record in hand",
                         self.run.group, self.topic)
         run = self.run
+        parts = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
+        run.owned[self.topic] = run.owned.get(self.topic, set()) - set(parts)
         if revoked and run.restorer is not None:
-            parts = sorted(tp.partition for tp in revoked if tp.topic == self.topic)
             try:
                 await asyncio.to_thread(run.leave, parts)  # not those still restoring
                 for p in parts:  # their restore stops at its next step
@@ -566,6 +570,7 @@ class _RevokeAfterCommit(ConsumerRebalanceListener):
         run = self.run
         tps = [tp for tp in assigned if tp.topic == self.topic]
         parts = sorted(tp.partition for tp in tps)
+        run.owned[self.topic] = set(parts)  # the whole assignment (eager rebalancing)
         if not parts or run.restorer is None:
             return
         consumer = self.subscriber.consumer
@@ -874,7 +879,10 @@ class KafkaRunner:
         await self._broker.stop()
         for run in self.groups.values():  # where a restart's restores may resume
             if run.restorer is not None:
-                parts = sorted({p for (t, p) in run.done if t in run.topics})
+                # only what it holds: a partition lost in a rebalance was marked then, and
+                # its changelog has grown since with its new owner's decisions
+                parts = sorted({p for (t, p) in run.done
+                                if t in run.topics and p in run.owned.get(t, ())})
                 try:
                     await asyncio.to_thread(run.leave, parts)
                 except Exception:
