@@ -13,6 +13,7 @@ import pytest
 from mneme.bus import codec, partition_for
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord
+from tests.integration.conftest import KAFKA_TEST_OPTIONS
 
 
 def _topic() -> str:
@@ -37,6 +38,24 @@ def test_a_record_larger_than_kafka_takes_is_refused_as_such(kafka_log):
     with pytest.raises(RecordTooLarge, match="MemoryDeleteRequested of bank 'bank-big' is "):
         kafka_log.append([big])
     assert [r.offset for r in kafka_log.append([_event(t, "bank-big", 1)])] == [0]
+
+
+def test_an_append_while_the_brokers_are_away_is_unavailable(fresh_tansu):
+    """With the brokers gone, append raises Unavailable (a client may retry: gRPC
+    UNAVAILABLE), not aiokafka's error (a write answered UNKNOWN with its traceback)."""
+    from mneme.bus.logs import open_event_log
+    from mneme.errors import Unavailable
+
+    log = open_event_log(fresh_tansu.url, **{**KAFKA_TEST_OPTIONS, "request_timeout_ms": 3000})
+    try:
+        t = _topic()
+        log.ensure_topic(t, 1)
+        assert [r.offset for r in log.append([_event(t, "bank-a", 0)])] == [0]
+        fresh_tansu.stop()
+        with pytest.raises(Unavailable, match="did not take the records"):
+            log.append([_event(t, "bank-a", 1)])
+    finally:
+        log.close()
 
 
 def test_append_read_offsets_headers_and_groups(kafka_log):

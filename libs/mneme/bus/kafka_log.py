@@ -52,7 +52,7 @@ from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
                        partition_for)
 from mneme.bus.security import KafkaSecurity
-from mneme.errors import ConfigurationError, RecordTooLarge
+from mneme.errors import ConfigurationError, RecordTooLarge, Unavailable
 from mneme.ports import OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -351,13 +351,19 @@ class KafkaEventLog:
         are created with :func:`mneme.bus.default_partitions`. Not atomic across records
         (see the module docstring). Raises TypeError for a malformed record,
         :class:`mneme.errors.RecordTooLarge` for one larger than Kafka takes,
-        ``aiokafka.errors.KafkaError`` when the brokers refuse or time out."""
+        :class:`mneme.errors.Unavailable` (from the ``aiokafka.errors.KafkaError``) when
+        the brokers refuse or time out: a gRPC write answers UNAVAILABLE, which a client
+        may retry, not UNKNOWN."""
         records = list(records)
         for r in records:
             _check(r)
         if not records:
             return []
-        return self._loop.run(self._append(records))
+        try:
+            return self._loop.run(self._append(records))
+        except KafkaError as exc:
+            raise Unavailable(f"the event log (Kafka at {self.bootstrap_servers}) did not "
+                              f"take the records: {type(exc).__name__}: {exc}") from exc
 
     async def _append(self, records: list[OutRecord]) -> list[Record]:
         futures = []

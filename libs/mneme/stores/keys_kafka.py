@@ -90,8 +90,8 @@ class KafkaKeyStore:
     of its own: the background reads go through its reader). Creates the topic (one
     partition) when missing and reads it whole before returning; raises
     ConfigurationError when the topic has more than one partition (the records' total
-    order is the state), and the log's errors (``KafkaError``, ConnectionError) when the
-    brokers do not answer. Thread-safe. ``poll_s`` ≤ 0: no background thread (tests).
+    order is the state), and the log's errors (``KafkaError``, ConnectionError;
+    :class:`mneme.errors.Unavailable` from an append) when the brokers do not answer. Thread-safe. ``poll_s`` ≤ 0: no background thread (tests).
     """
 
     def __init__(self, log: EventLog, topic: str = KEYS, *, poll_s: float = POLL_S,
