@@ -46,7 +46,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
-                             MessageSizeTooLargeError, RecordListTooLargeError,
+                             KafkaTimeoutError, MessageSizeTooLargeError, RecordListTooLargeError,
                              RecordTooLargeError, TopicAlreadyExistsError)
 
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
@@ -431,10 +431,21 @@ class KafkaEventLog:
         will get, as the last Fetch response reported it (0 for an unknown topic)."""
         return self.end_offsets([(topic, partition)])[(topic, partition)]
 
-    def end_offsets(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        """High watermarks of several partitions with one fetch round."""
+    def end_offsets(self, partitions: Iterable[tuple[str, int]],
+                    timeout: float | None = None) -> dict[tuple[str, int], int]:
+        """High watermarks of several partitions with one fetch round. ``timeout``:
+        seconds at most (None: the requests' own timeouts, 30 s and more with the
+        brokers away), then ``aiokafka.errors.KafkaTimeoutError`` -- for a read that
+        promises an answer within a bound."""
         tps = [TopicPartition(t, p) for t, p in partitions]
-        return self._loop.run(self._end_offsets(tps)) if tps else {}
+        if not tps:
+            return {}
+        if timeout is None:
+            return self._loop.run(self._end_offsets(tps))
+        try:
+            return self._loop.run(asyncio.wait_for(self._end_offsets(tps), timeout))
+        except TimeoutError as exc:  # cancelled on the loop: its reader lock is free
+            raise KafkaTimeoutError(f"no high watermarks within {timeout:.1f}s") from exc
 
     async def _end_offsets(self, tps: list[TopicPartition]) -> dict[tuple[str, int], int]:
         # The high watermark is read from a Fetch response rather than ListOffsets:

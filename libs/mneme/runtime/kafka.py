@@ -973,8 +973,9 @@ class KafkaRunner:
         wanted = {g: list(tps) for g, tps in partitions.items()}
         runs = {g: self.groups[g] for g in wanted}
         end = time.monotonic() + timeout
-        try:
-            target = self.log.end_offsets({tp for tps in wanted.values() for tp in tps})
+        try:  # bounded too: with the brokers away the fetch alone takes 40 s and more
+            target = self.log.end_offsets({tp for tps in wanted.values() for tp in tps},
+                                          timeout=timeout)
         except KafkaError:
             return False
         for g, tps in wanted.items():  # before a first record here: what the group committed
