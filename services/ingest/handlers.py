@@ -178,6 +178,49 @@ def _directive_event(d: Directive, mask: Sequence[str]) -> ev.DirectiveChanged:
 # ---- commands ----------------------------------------------------------------------------
 
 
+class BankGate:
+    """One bank's writes against its deletion: any number of writers hold it
+    :meth:`shared` from their check that the bank exists to their append, a deletion
+    holds it :meth:`exclusive` until the catalog has dropped the bank. So no write
+    checked against the bank lands on the log after its BankDeleted (it would be
+    extracted and stored into no bank, and show up in the bank made again under the
+    id). A waiting deletion goes before new writers."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writers = 0
+        self._deleting = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._deleting:
+                self._cond.wait()
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writers -= 1
+                if not self._writers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._deleting:
+                self._cond.wait()
+            self._deleting = True  # from here new writers wait
+            while self._writers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._deleting = False
+                self._cond.notify_all()
+
+
 #: How many retains with a ``request_id`` :class:`Ingest` remembers having appended
 #: (about 100 bytes each): a repeat of an older one finds it in the catalog by then.
 APPENDED_REQUESTS = 10_000
@@ -225,6 +268,32 @@ class Ingest:
     #: append holds up only an identical request, never another one.
     _append_locks: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
+    #: A :class:`BankGate` per bank being written or deleted (gone with its last holder).
+    _gates: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary, repr=False)
+    #: bank id → the record of its BankDeleted while the catalog may not have dropped
+    #: it yet (a deletion whose wait ran out): writes to it are refused until then.
+    _deleting: dict = field(default_factory=dict, repr=False)
+
+    def _gate(self, bank_id: str) -> BankGate:
+        with self._appended_lock:
+            gate = self._gates.get(bank_id)
+            if gate is None:
+                gate = self._gates[bank_id] = BankGate()
+            return gate
+
+    @contextlib.contextmanager
+    def _writing(self, bank_id: str):
+        """Held from a write's check that ``bank_id`` exists to its append: a DeleteBank
+        waits for it, and a write waits for a DeleteBank (:class:`BankGate`)."""
+        gate = self._gate(bank_id)
+        with gate.shared():
+            rec = self._deleting.get(bank_id)
+            if rec is not None:
+                if self.log.committed(self.group, rec.topic, rec.partition) <= rec.offset:
+                    raise NotFound(f"bank {bank_id!r} is being deleted")
+                self._deleting.pop(bank_id, None)
+            yield
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -311,6 +380,11 @@ class Ingest:
         transport names the populated fields: :func:`mneme.apiconv.bank_paths_populated`);
         returns the bank as projected. NotFound for an unknown bank; InvalidArgument for an
         unknown path or an invalid value of a masked field."""
+        with self._writing(bank_id):
+            return self._update_bank(bank_id, display_name, config, mask, timeout)
+
+    def _update_bank(self, bank_id: str, display_name: str, config: BankConfig,
+                     mask: Sequence[str], timeout: float | None) -> Bank:
         current = self.require_bank(bank_id)
         paths: list[str] = []
         for i, p in enumerate(mask):
@@ -350,10 +424,11 @@ class Ingest:
     def create_directive(self, d: Directive, timeout: float | None = None) -> Directive:
         """Create ``d`` under a new id in its bank; returns it as projected. NotFound for
         an unknown bank; InvalidArgument (``directive.<field>``) for an empty text or tag."""
-        self.require_bank(d.bank_id, fresh=False)
         _check_directive(d, DIRECTIVE_FIELDS)
         d = replace(d, id=str(uuid.uuid4()))
-        rec = self._append(_directive_event(d, ()), d.bank_id)
+        with self._writing(d.bank_id):
+            self.require_bank(d.bank_id, fresh=False)
+            rec = self._append(_directive_event(d, ()), d.bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
@@ -363,32 +438,39 @@ class Ingest:
         :data:`~mneme.domain.DIRECTIVE_FIELDS`: :func:`mneme.apiconv.update_paths`; none:
         no change); returns it as projected. NotFound for an unknown bank or directive;
         InvalidArgument naming ``directive.<field>`` for a bad value."""
-        current = self.require_directive(d.bank_id, d.id)
-        paths = [p for p in DIRECTIVE_FIELDS if p in paths]
-        if not paths:  # nothing to change (an event without a mask would replace it all)
-            return current
-        _check_directive(d, paths)
-        rec = self._append(_directive_event(d, paths), d.bank_id)
+        with self._writing(d.bank_id):
+            current = self.require_directive(d.bank_id, d.id)
+            paths = [p for p in DIRECTIVE_FIELDS if p in paths]
+            if not paths:  # nothing to change (an event without a mask would replace it all)
+                return current
+            _check_directive(d, paths)
+            rec = self._append(_directive_event(d, paths), d.bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
     def delete_directive(self, bank_id: str, directive_id: str,
                          timeout: float | None = None) -> None:
         """Delete the directive; NotFound for an unknown bank or directive."""
-        self.require_directive(bank_id, directive_id)
-        rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id, deleted=True),
-                           bank_id)
+        with self._writing(bank_id):
+            self.require_directive(bank_id, directive_id)
+            rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id,
+                                                   deleted=True), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
 
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> Operation:
         """Delete a bank; returns once search has purged its units from its stores (the
         operation, kind "delete_bank", terminal) or raises DeadlineExceeded."""
-        self.require_bank(bank_id)
-        if self.keys is not None:
-            self.keys.destroy_bank(bank_id)
         op_id = str(uuid.uuid4())
-        rec = self._append(ev.BankDeleted(bank_id=bank_id, operation_id=op_id), bank_id)
-        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        # exclusive: no write checked against this bank is appended after its deletion
+        with self._gate(bank_id).exclusive():
+            self.require_bank(bank_id)
+            if self.keys is not None:
+                self.keys.destroy_bank(bank_id)
+            rec = self._append(ev.BankDeleted(bank_id=bank_id, operation_id=op_id), bank_id)
+            # writes are refused until the catalog has dropped the bank, also when this
+            # wait runs out (:meth:`_writing`)
+            self._deleting[bank_id] = rec
+            self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self._finish(op_id, rec, bank_id, "delete_bank", 0, True, timeout)
 
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
@@ -407,6 +489,15 @@ class Ingest:
         A ``request_id`` makes the call idempotent within this incarnation of the bank:
         the operation id derives from (bank incarnation, request_id), a known operation is
         not appended again, and fact ids derive from the operation."""
+        with self._writing(bank_id):
+            op_id, rec, total = self._append_retain_once(bank_id, items, request_id,
+                                                         observation_scopes, rejected)
+        return self._finish(op_id, rec, bank_id, "retain", total, wait, timeout)
+
+    def _append_retain_once(self, bank_id: str, items: Sequence[RetainItem], request_id: str,
+                            observation_scopes, rejected) -> tuple[str, Record | None, int]:
+        """The checks and the append of :meth:`retain`: (operation id, its record or None
+        when a request with this ``request_id`` is known already, items total)."""
         # a request_id is looked up among the operations: those of every replica
         bank = self.require_bank(bank_id, fresh=bool(request_id))
         bad = _check_items(items, dict(rejected or {}))
@@ -417,8 +508,8 @@ class Ingest:
         scope = (bank_id,) if bank.incarnation in ("", "1") else (bank_id, bank.incarnation)
         op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
         if not request_id:
-            rec = self._append_retain(op_id, bank_id, items, bad, observation_scopes)
-            return self._finish(op_id, rec, bank_id, "retain", len(items), wait, timeout)
+            return op_id, self._append_retain(op_id, bank_id, items, bad,
+                                              observation_scopes), len(items)
         # Check and append as one step per operation id, so two identical calls at once
         # append it once in this process (two ingest replicas may still both append);
         # the wait for the operation is outside the lock.
@@ -436,7 +527,7 @@ class Ingest:
                     self._appended[op_id] = total
                     while len(self._appended) > APPENDED_REQUESTS:  # oldest first
                         del self._appended[next(iter(self._appended))]
-        return self._finish(op_id, rec, bank_id, "retain", total, wait, timeout)
+        return op_id, rec, total
 
     def _append_retain(self, op_id: str, bank_id: str, items: Sequence[RetainItem],
                        bad: dict, observation_scopes) -> Record:
@@ -452,24 +543,26 @@ class Ingest:
 
     def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
                         timeout: float | None = None) -> Operation:
-        self.require_bank(bank_id, fresh=False)
         if not document_id:
             raise InvalidArgument("document_id", "required")
         op_id = str(uuid.uuid4())
-        if self.keys is not None:
-            self.keys.destroy_scope(bank_id, document_scope(document_id))
-        rec = self._append(ev.DocumentDeleteRequested(
-            bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
+        with self._writing(bank_id):
+            self.require_bank(bank_id, fresh=False)
+            if self.keys is not None:
+                self.keys.destroy_scope(bank_id, document_scope(document_id))
+            rec = self._append(ev.DocumentDeleteRequested(
+                bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_document", 0, wait, timeout)
 
     def delete_memory(self, bank_id: str, memory_id: str, wait: bool = True,
                       timeout: float | None = None) -> Operation:
-        self.require_bank(bank_id, fresh=False)
         op_id = str(uuid.uuid4())
-        if self.keys is not None:
-            self.keys.destroy(bank_id, [fact_key_id(memory_id)])
-        rec = self._append(ev.MemoryDeleteRequested(
-            bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
+        with self._writing(bank_id):
+            self.require_bank(bank_id, fresh=False)
+            if self.keys is not None:
+                self.keys.destroy(bank_id, [fact_key_id(memory_id)])
+            rec = self._append(ev.MemoryDeleteRequested(
+                bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
 
     def data_keys(self, bank_id: str, key_ids: Sequence[str]
@@ -496,15 +589,16 @@ class Ingest:
         """Append a ConsolidationRequested (``action``: consolidate, reconsolidate, clear,
         clear_memory). With ``wait``, return once search has projected the resulting
         observations (operation kind "consolidate" succeeded) or raise DeadlineExceeded."""
-        self.require_bank(bank_id)
         if action not in ("consolidate", "reconsolidate", "clear", "clear_memory"):
             raise InvalidArgument("action", "unknown consolidation action")
         if action == "clear_memory" and not memory_id:
             raise InvalidArgument("memory_id", "required")
         op_id = str(uuid.uuid4())
-        rec = self._append(ev.ConsolidationRequested(
-            bank_id=bank_id, operation_id=op_id, action=action,
-            observation_scopes=observation_scopes, memory_id=memory_id), bank_id)
+        with self._writing(bank_id):
+            self.require_bank(bank_id)
+            rec = self._append(ev.ConsolidationRequested(
+                bank_id=bank_id, operation_id=op_id, action=action,
+                observation_scopes=observation_scopes, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "consolidate", 0, wait, timeout)
 
     def delete_opinion(self, bank_id: str, opinion_id: str, wait: bool = True,
@@ -513,23 +607,33 @@ class Ingest:
         action "delete_opinion": consolidation decides it in the bank's order, so no later
         revision brings it back). With ``wait``, return once it is out of every projection;
         the operation fails ("opinion not found") when the bank has no such opinion."""
-        self.require_bank(bank_id)
         op_id = str(uuid.uuid4())
-        rec = self._append(ev.ConsolidationRequested(
-            bank_id=bank_id, operation_id=op_id, action="delete_opinion",
-            memory_id=opinion_id), bank_id)
+        with self._writing(bank_id):
+            self.require_bank(bank_id)
+            rec = self._append(ev.ConsolidationRequested(
+                bank_id=bank_id, operation_id=op_id, action="delete_opinion",
+                memory_id=opinion_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_opinion", 0, wait, timeout)
 
     def _finish(self, op_id, rec, bank_id, kind, total, wait, timeout) -> Operation:
         timeout = timeout or self.retain_timeout_s
         if wait:
             started = time.monotonic()
-            self._wait(lambda: (o := self.catalog.get_operation(op_id)) is not None and o.done,
-                       timeout, f"operation {op_id}")
+
+            def ended() -> bool:
+                o = self.catalog.get_operation(op_id)
+                if o is None and kind != "delete_bank" and self._bank_gone(bank_id, rec):
+                    raise NotFound(f"bank {bank_id!r} was deleted while operation {op_id} "
+                                   "ran: its work went with the bank")
+                return o is not None and o.done
+            self._wait(ended, timeout, f"operation {op_id}")
             if kind.startswith("delete_") and self.wait_projections:
                 self._wait_every_projection(bank_id, timeout - (time.monotonic() - started),
                                             rec)
-            return self.catalog.get_operation(op_id)
+            op = self.catalog.get_operation(op_id)
+            if op is None:  # its bank was deleted since it ended
+                raise NotFound(f"operation {op_id!r} not found: bank {bank_id!r} was deleted")
+            return op
         # Async: acknowledged once durable on the log and in this catalog, so the
         # operation just named is found by GetOperation and CancelOperation at once. A
         # catalog that does not catch up soon (a stalled consumer) does not fail a write
@@ -540,6 +644,14 @@ class Ingest:
         now = (rec.timestamp if rec else 0) or time.time()
         return self.catalog.get_operation(op_id) or Operation(
             op_id, bank_id, kind, "pending", items_total=total, created_at=now, updated_at=now)
+
+    def _bank_gone(self, bank_id: str, rec: Record | None) -> bool:
+        """Whether the operation of request ``rec`` (None: appended by another call), not
+        in the catalog, went with its bank: the catalog has projected the request (so it
+        held the operation) or no longer holds the bank (a DeleteBank drops both)."""
+        if rec is not None:
+            return self.log.committed(self.group, rec.topic, rec.partition) > rec.offset
+        return self.catalog.get_bank(bank_id) is None
 
     def check_llm(self, bank_id: str) -> tuple[str, list]:
         """Probe the models this bank would use (one tiny call each, no retries). Returns
@@ -589,7 +701,11 @@ class Ingest:
         operation; FailedPrecondition when it has not ended, succeeded with every item,
         is not a retain, or nothing of it can be retried (items refused by the API were
         never logged; erased content is gone)."""
-        op = self.get_operation(operation_id)
+        with self._writing(self.get_operation(operation_id).bank_id):
+            return self._retry_operation(operation_id, timeout)
+
+    def _retry_operation(self, operation_id: str, timeout: float | None) -> Operation:
+        op = self.get_operation(operation_id)  # again: its bank may have been deleted since
         if op.kind != "retain":
             raise FailedPrecondition(
                 f"operation {operation_id} is a {op.kind}: only a retain can be retried "

@@ -1,0 +1,114 @@
+"""Many clients on one bank at once, against a real ``mneme up``: writes racing a
+DeleteBank, sync calls whose bank goes away, and a graceful stop with work in flight.
+Every call ends with a status that says what happened, every operation ends, and
+nothing of a deleted bank comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from tests.e2e.server import Server
+from tests.waits import drained
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("concurrency") / "data").start()
+    yield s
+    s.stop()
+    # no client's action may cost the server a traceback
+    assert "Traceback" not in s.log.read_text(errors="replace"), s.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def m(server):
+    with server.client(timeout=120) as c:
+        yield c
+
+
+def _hammer(server, bank: str, writers: int, stop: threading.Event, errors: list,
+            async_: bool) -> list[threading.Thread]:
+    """``writers`` threads retaining into ``bank`` until ``stop``, each on a client of its
+    own; every status other than OK and NOT_FOUND (the bank is gone) lands in ``errors``."""
+    def write(n: int) -> None:
+        with server.client(timeout=60) as c:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    c.retain(bank, [{"content": f"Writer {n} saw heron number {i} at the lake.",
+                                     "document_id": f"w{n}-{i}"}], async_=async_)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.NOT_FOUND:
+                        errors.append((e.code(), e.details()))
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("async_", [True, False], ids=["async", "sync"])
+def test_retains_racing_delete_bank_leave_nothing_in_the_bank_made_again(server, m, async_):
+    """Writers retain into a bank while it is deleted. A retain either lands before the
+    deletion (and goes with it) or is refused NOT_FOUND; none is stored after it, so the
+    bank created again under the same id starts empty, and a sync retain whose bank is
+    deleted under it ends at once (it does not wait out its deadline)."""
+    bank = f"race-{'a' if async_ else 's'}"
+    for round_ in range(3):
+        m.upsert_bank(bank)
+        stop, errors = threading.Event(), []
+        threads = _hammer(server, bank, 6, stop, errors, async_)
+        # deleted once writes are flowing: some retains are in flight at that moment
+        while not list(m.list_operations(bank, page_size=1)):
+            time.sleep(0.02)
+        m.delete_bank(bank)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a retain did not return"
+        assert not errors, errors[:3]
+        m.upsert_bank(bank)
+        drained(m, bank)
+        assert not list(m.list_memories(bank)), f"round {round_}: memories after deletion"
+        assert not list(m.list_documents(bank)), f"round {round_}: documents after deletion"
+        assert not m.recall(bank, "heron at the lake").results
+        m.delete_bank(bank)
+
+
+def test_updates_racing_delete_bank_never_bring_the_bank_back(server, m):
+    """UpdateBank calls while the bank is deleted: each lands before the deletion or is
+    NOT_FOUND. An update appended after the deletion would create the bank again (with
+    the masked fields only) after DeleteBank returned."""
+    for round_ in range(3):
+        bank = f"upd-{round_}"
+        m.upsert_bank(bank)
+        stop, errors, done = threading.Event(), [], []
+
+        def update(n: int) -> None:
+            with server.client(timeout=60) as c:
+                while not stop.is_set():
+                    try:
+                        c.update_bank(bank, retain_mission=f"mission {n}")
+                        done.append(n)
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.NOT_FOUND:
+                            errors.append((e.code(), e.details()))
+        threads = [threading.Thread(target=update, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        while not done:  # updates are flowing
+            time.sleep(0.01)
+        m.delete_bank(bank)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        with pytest.raises(grpc.RpcError) as e:
+            m.get_bank(bank)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, f"round {round_}: bank is back"
