@@ -510,24 +510,32 @@ class Ingest:
         if not request_id:
             return op_id, self._append_retain(op_id, bank_id, items, bad,
                                               observation_scopes), len(items)
-        # Check and append as one step per operation id, so two identical calls at once
-        # append it once in this process (two ingest replicas may still both append);
-        # the wait for the operation is outside the lock.
-        rec = None
+        # the wait for the operation is outside _append_once's lock
+        return (op_id, *self._append_once(op_id, len(items), lambda: self._append_retain(
+            op_id, bank_id, items, bad, observation_scopes)))
+
+    def _append_once(self, op_id: str, total: int, append: Callable[[], Record]
+                     ) -> tuple[Record | None, int]:
+        """Append operation ``op_id``'s request (``append()``, of ``total`` items) unless
+        the catalog or this process has it already: (its record, ``total``), or (None,
+        the known operation's items total). Check and append are one step per operation
+        id, so identical calls at once append it once in this process (two ingest
+        replicas may still both append; a second copy would be handled as a replacement
+        of its documents, their facts briefly gone)."""
         with self._appended_lock:
             lock = self._append_locks.setdefault(op_id, threading.Lock())
         with lock:
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:
-                total = known.items_total if known is not None else self._appended.get(op_id)
-            if total is None:
-                rec = self._append_retain(op_id, bank_id, items, bad, observation_scopes)
-                total = len(items)
-                with self._appended_lock:
-                    self._appended[op_id] = total
-                    while len(self._appended) > APPENDED_REQUESTS:  # oldest first
-                        del self._appended[next(iter(self._appended))]
-        return op_id, rec, total
+                was = known.items_total if known is not None else self._appended.get(op_id)
+            if was is not None:
+                return None, was
+            rec = append()
+            with self._appended_lock:
+                self._appended[op_id] = total
+                while len(self._appended) > APPENDED_REQUESTS:  # oldest first
+                    del self._appended[next(iter(self._appended))]
+            return rec, total
 
     def _append_retain(self, op_id: str, bank_id: str, items: Sequence[RetainItem],
                        bad: dict, observation_scopes) -> Record:
@@ -742,8 +750,14 @@ class Ingest:
             observation_scopes=(req.observation_scopes if req.HasField("observation_scopes")
                                 else None),
             retry_of=operation_id, retried_item_indexes=again)
-        rec = self._append(msg, op.bank_id)
-        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        # once, also when the same retry is asked for several times at once
+        rec, _ = self._append_once(retry_id, len(again), lambda: self._append(msg, op.bank_id))
+        if rec is not None:
+            self._wait_projected(rec, timeout or self.retain_timeout_s)
+        else:  # another call appended it: wait for it in the catalog the same way
+            with contextlib.suppress(DeadlineExceeded):
+                self._wait(lambda: self.catalog.get_operation(retry_id) is not None,
+                           timeout or self.retain_timeout_s, "catalog projection", poll=0.01)
         return self.catalog.get_operation(retry_id) or Operation(
             retry_id, op.bank_id, "retain", items_total=len(again), retry_of=operation_id)
 

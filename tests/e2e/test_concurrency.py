@@ -5,16 +5,20 @@ nothing of a deleted bank comes back."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
 import grpc
 import pytest
 
+from mneme.events.v1 import events_pb2 as ev
+from mneme.v1 import operations_pb2
 from tests.e2e.server import Server
 from tests.waits import drained
 
 pytestmark = pytest.mark.slow
+PENDING, RUNNING = operations_pb2.PENDING, operations_pb2.RUNNING
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +116,51 @@ def test_updates_racing_delete_bank_never_bring_the_bank_back(server, m):
         with pytest.raises(grpc.RpcError) as e:
             m.get_bank(bank)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND, f"round {round_}: bank is back"
+
+
+def _retains_on_the_log(server, operation_id: str) -> int:
+    """How many RetainRequested of ``operation_id`` the intake topic holds (ids are in
+    the clear; the log is read while the server runs, as any reader of its file may)."""
+    db = sqlite3.connect(f"file:{server.data_dir / 'log.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT value FROM records WHERE topic = 'mneme.intake.v1' AND "
+                          "headers LIKE '%RetainRequested%'").fetchall()
+    finally:
+        db.close()
+    return sum(ev.RetainRequested.FromString(v).operation_id == operation_id for v, in rows)
+
+
+def test_the_same_retry_asked_for_at_once_is_appended_once(server, m):
+    """RetryOperation called by several clients at the same moment (a client's retry of
+    the retry racing the first): one new operation, appended once. Each extra copy was
+    extracted again and replaced its documents' facts a second time."""
+    m.upsert_bank("retry-race")
+    for round_ in range(3):
+        # a slow retain ahead keeps the next one pending, so its cancel stops it whole
+        m.retain("retry-race", [{"content": "Boats rest in the harbour all winter. " * 60,
+                                 "document_id": f"filler-{round_}-{j}"} for j in range(3)],
+                 async_=True)
+        op = m.retain("retry-race", [{"content": f"Ola{round_} sails to Bergen, leg {j}.",
+                                      "document_id": f"trip-{round_}"} for j in range(5)],
+                      async_=True).operation
+        m.cancel_operation(op.name)
+        while m.get_operation(op.name).state in (PENDING, RUNNING):
+            time.sleep(0.05)
+        assert m.get_operation(op.name).state == operations_pb2.FAILED
+        barrier, names = threading.Barrier(4), []
+
+        def retry() -> None:
+            with server.client(timeout=60) as c:
+                barrier.wait()
+                names.append(c.retry_operation(op.name).name)
+        threads = [threading.Thread(target=retry) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(names) == 4 and len(set(names)) == 1, names
+        assert _retains_on_the_log(server, names[0].split("/", 1)[1]) == 1, f"round {round_}"
+        while m.get_operation(names[0]).state in (PENDING, RUNNING):
+            time.sleep(0.05)
+        assert m.get_operation(names[0]).state == operations_pb2.SUCCEEDED
+        assert len(list(m.list_memories("retry-race", document_id=f"trip-{round_}"))) == 5
