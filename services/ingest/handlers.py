@@ -471,6 +471,7 @@ class Ingest:
             # wait runs out (:meth:`_writing`)
             self._deleting[bank_id] = rec
             self._wait_projected(rec, timeout or self.retain_timeout_s)
+            self._deleting.pop(bank_id, None)  # the catalog has dropped it
         return self._finish(op_id, rec, bank_id, "delete_bank", 0, True, timeout)
 
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
