@@ -1152,3 +1152,33 @@ def test_a_retain_end_to_end_through_the_routers():
                     if f.fact_type == "observation"]
     assert sorted(o.text for o in observations) == sorted(f.text for f in decoded([facts])[0].facts)
     assert stores.text.count("b") == 2  # observations are not in the text store
+
+
+def test_no_write_is_appended_after_a_bank_deletion_whose_wait_ran_out():
+    """A DeleteBank whose catalog wait runs out (a stalled catalog consumer) still bars
+    writes to the bank until the catalog has dropped it: a retain appended after the
+    BankDeleted would be stored into no bank, and show up in the bank made again."""
+    from mneme.errors import DeadlineExceeded
+
+    class Stalled(_Log):
+        projected = 0  # how many records the catalog's consumer has committed
+
+        def committed(self, group, topic, partition):
+            return self.projected
+
+    log, catalog = Stalled(), MemoryCatalog()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01)
+    with pytest.raises(DeadlineExceeded):
+        cmd.delete_bank("b", timeout=0.05)
+    assert catalog.get_bank("b") is not None  # not projected yet
+    with pytest.raises(NotFound, match="being deleted"):
+        cmd.retain("b", [RetainItem(content="late", timestamp=T0)], wait=False)
+    with pytest.raises(NotFound, match="being deleted"):
+        cmd.update_bank("b", "", BankConfig(retain_mission="m"), ["config.retain_mission"])
+    assert [codec.decode(r).message.DESCRIPTOR.name for r in log.appended] == ["BankDeleted"]
+    log.projected = len(log.appended)  # the catalog catches up and drops the bank
+    catalog.delete_bank("b")
+    with pytest.raises(NotFound, match="not found"):
+        cmd.retain("b", [RetainItem(content="late", timestamp=T0)], wait=False)
+    assert len(log.appended) == 1
