@@ -66,7 +66,7 @@ def _hammer(server, bank: str, writers: int, stop: threading.Event, errors: list
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.NOT_FOUND:
                         errors.append((e.code(), e.details()))
-    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    threads = [threading.Thread(target=write, args=(n,), daemon=True) for n in range(writers)]
     for t in threads:
         t.start()
     return threads
@@ -83,11 +83,13 @@ def test_retains_racing_delete_bank_leave_nothing_in_the_bank_made_again(server,
         m.upsert_bank(bank)
         stop, errors = threading.Event(), []
         threads = _hammer(server, bank, 6, stop, errors, async_)
-        # deleted once writes are flowing: some retains are in flight at that moment
-        while not list(m.list_operations(bank, page_size=1)):
-            time.sleep(0.02)
-        _delete_bank(m, bank)
-        stop.set()
+        try:
+            # deleted once writes are flowing: some retains are in flight at that moment
+            while not list(m.list_operations(bank, page_size=1)):
+                time.sleep(0.02)
+            _delete_bank(m, bank)
+        finally:  # the writers stop also when the deletion failed
+            stop.set()
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a retain did not return"
@@ -118,13 +120,15 @@ def test_updates_racing_delete_bank_never_bring_the_bank_back(server, m):
                     except grpc.RpcError as e:
                         if e.code() != grpc.StatusCode.NOT_FOUND:
                             errors.append((e.code(), e.details()))
-        threads = [threading.Thread(target=update, args=(n,)) for n in range(6)]
+        threads = [threading.Thread(target=update, args=(n,), daemon=True) for n in range(6)]
         for t in threads:
             t.start()
-        while not done:  # updates are flowing
-            time.sleep(0.01)
-        _delete_bank(m, bank)
-        stop.set()
+        try:
+            while not done:  # updates are flowing
+                time.sleep(0.01)
+            _delete_bank(m, bank)
+        finally:
+            stop.set()
         for t in threads:
             t.join(120)
         assert not errors, errors[:3]
