@@ -123,8 +123,12 @@ def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[st
     and for the opinions formed from it), with the reflect's ``tags``."""
     from mneme.events.v1 import events_pb2 as ev
 
+    # The facts behind cited observations and mental models: the answer restates them,
+    # so it is sealed under their keys too (deleting one erases it).
+    behind = [f for i in r.based_on for f in r.sources.get(i, ()) if f not in r.based_on]
     msg = ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
                                 based_on=r.based_on, extractive=r.extractive,
+                                evidence_memory_ids=list(dict.fromkeys(behind)),
                                 tools_called=getattr(r, "tools_called", []),
                                 dropped_citations=len(getattr(r, "dropped_citations", [])),
                                 tags=list(tags))

@@ -520,7 +520,7 @@ class MentalModels:
             state = STALE_MARK if m.id in stale else "fresh"
             out.append(Memory(m.id, f"{m.display_name} ({state}; answers \"{m.source_query}\"): "
                               f"{m.content}", "mental_model",
-                              from_epoch(m.refreshed_at or m.updated_at)))
+                              from_epoch(m.refreshed_at or m.updated_at), sources=_facts(m)))
         return out
 
     def answer_offline(self, bank_id: str, query: str, tags: Sequence[str] = (),
@@ -543,7 +543,8 @@ class MentalModels:
             if m.id not in stale:
                 return Reflection(f"{m.content}\n(from the mental model \"{m.display_name}\", "
                                   "extractive answer, no language model configured)",
-                                  [m.id], True, kinds={m.id: "mental_model"})
+                                  [m.id], True, kinds={m.id: "mental_model"},
+                                  sources={m.id: _facts(m)})
         if not covering or recall_answer is None:
             return None
         m = covering[0]
@@ -552,7 +553,14 @@ class MentalModels:
             f"{r.text}\n\nContext: the mental model \"{m.display_name}\" answers this but "
             "is stale (facts in its scope changed since its content was made), so the "
             f"memories above answer; it said:\n{m.content}",
-            [*r.based_on, m.id], True, kinds={**r.kinds, m.id: "mental_model"})
+            [*r.based_on, m.id], True, kinds={**r.kinds, m.id: "mental_model"},
+            sources={**r.sources, m.id: _facts(m)})
+
+
+def _facts(m: MentalModel) -> tuple[str, ...]:
+    """The memories a model's content stands on: the ids it cites and the facts behind
+    its cited observations (what an answer quoting it is sealed under)."""
+    return tuple(dict.fromkeys((*m.based_on, *m.based_on_evidence)))
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
-from mneme.bus import ALL_TOPICS, INTAKE, MEMORY
+from mneme.bus import ALL_TOPICS, INTAKE, MEMORY, REFLECT
 from mneme.bus.sqlite_log import SqliteEventLog
 from mneme.cli import app
 from mneme.client import MnemeClient
@@ -70,7 +70,8 @@ def node(tmp_path_factory):
     data = tmp_path_factory.mktemp("history") / "data"
     keys = {name: _create_key(data, bank, scope) for name, bank, scope in (
         ("admin", "*", "write"), ("reader", "alice", "read"), ("writer", "alice", "write"),
-        ("history", "alice", "history"), ("bob_history", "bob", "history"))}
+        ("history", "alice", "history"), ("bob_history", "bob", "history"),
+        ("models_history", "models", "history"))}
     srv = Server(data, env={"MNEME_AUTH_MODE": "api_key"}).start()
     yield srv, keys
     srv.stop()
@@ -133,3 +134,27 @@ def test_history_is_sealed_opens_with_the_history_scope_and_stays_erased(node):
             assert sum(e.erased for e in events) >= 2  # the item and its facts
         # the server's own projections no longer hold the document either
         assert all(x.document_id != "phone" for x in m.list_memories("alice"))
+
+
+def test_an_answer_quoting_a_mental_model_is_erased_with_the_models_document(node):
+    """A reflect answered from a mental model cites the model, not its facts, yet quotes
+    them: after DeleteDocument of those facts' document, the ReflectionRecorded on the
+    history opens erased like the refresh it quoted."""
+    srv, keys = node
+    secret = "Zorblax-7731"
+    with MnemeClient(srv.address, timeout=300, api_key=keys["admin"]) as m:
+        m.upsert_bank("models")
+        m.retain("models", [{"content": f"Zoe adopted a cat named {secret} in May.",
+                             "document_id": "pets"}])
+        made = m.create_mental_model("models", "Zoe's pets", "Which pets does Zoe have?")
+        assert secret in m.refresh_mental_model("models", made.id).content
+        answer = m.reflect("models", "Which pets does Zoe have?")
+        assert secret in answer.text and list(answer.sources.mental_models) == [made.id]
+        assert m.delete_document("models", "pets").state == 3
+
+    recs = [r for r in _records(srv.data_dir) if r.topic == REFLECT and r.key == "models"]
+    with MnemeClient(srv.address, timeout=60, api_key=keys["models_history"]) as m:
+        events = m.history_opener().open_all(recs)
+    assert [e.ce_type.rsplit(".", 1)[1] for e in events] == ["ReflectionRecorded"] * 2
+    assert all(e.record_erased for e in events), [e.message for e in events]
+    assert not [e for e in events if secret.encode() in e.record.value]

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from mneme.domain import BankConfig, MentalModel, MentalModelRevision
 from mneme.events.v1 import events_pb2 as ev
 from mneme.stores.memory import MemoryCatalog
-from services.reflect.handlers import NO_MEMORIES, Reflection
+from services.reflect.handlers import NO_MEMORIES, Reflection, record_reflection
 from services.reflect.mental_models import MentalModels, _prune
 
 NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)
@@ -93,6 +93,23 @@ def test_the_offline_answer_takes_a_paraphrase_of_a_fresh_models_question():
     r = mm.answer_offline("b", "career", ())  # no shared word, same meaning
     assert r is not None and r.based_on == ["m-work"] and r.text.startswith("She counsels")
     assert mm.answer_offline("b", "holiday plans", ()) is None
+
+
+def test_an_answer_from_a_model_records_the_facts_the_model_stands_on():
+    """An answer quoting a mental model restates the model's facts (those it cites, and
+    the facts behind the observations it cites): its ReflectionRecorded names them, so it
+    is sealed under their keys and erased with any of them."""
+    mm, cat = models(ConceptEmbedder())
+    m = MentalModel("m-work", "b", "Work", "What job?", "She counsels teens [1][2].",
+                    updated_at=2.0)
+    cat.upsert_mental_model(m, refresh=MentalModelRevision(
+        0, m.content, ("f1", "o1"), "refresh_offline", mode="full", evidence=("f2", "f3")))
+    r = mm.answer_offline("b", "career", ())
+    assert r.based_on == ["m-work"]
+    msg = record_reflection("b", "career", r)
+    assert list(msg.based_on) == ["m-work"]
+    assert list(msg.evidence_memory_ids) == ["f1", "o1", "f2", "f3"]
+    assert mm.search("b", "her career", NOW, 5)[0].sources == ("f1", "o1", "f2", "f3")
 
 
 def test_prune_keeps_supported_statements_and_renumbers_citations():

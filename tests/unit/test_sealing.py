@@ -161,6 +161,20 @@ def test_a_reflection_is_wholly_erased_with_a_fact_it_is_based_on(keyring):
     assert erased_record(gone)
 
 
+def test_a_reflection_citing_a_mental_model_is_erased_with_a_fact_behind_it(keyring):
+    """An answer that cites an observation or a mental model (ids without keys of their
+    own) restates their facts: it is sealed under those facts' keys too."""
+    sealer = Sealer(keyring)
+    _seal_open(sealer, _facts(("f1", "secret"), ("f2", "keep")))
+    out, opened = _seal_open(sealer, ev.ReflectionRecorded(
+        bank_id="b", query="phone?", answer=MARKER, based_on=["m1"],
+        evidence_memory_ids=["f1", "f2"]), event_id="e3")
+    assert MARKER.encode() not in out.value and not erased_record(opened)
+    assert ev.ReflectionRecorded.FromString(opened.value).answer == MARKER
+    keyring.destroy_scope("b", "d:secret")
+    assert erased_record(sealer.open(_as_read(out)))
+
+
 def _refresh(content: str, *based_on: str) -> ev.MentalModelChanged:
     return ev.MentalModelChanged(bank_id="b", id="m1", content=content, update_mask=["content"],
                                  refresh=ev.MentalModelRefresh(based_on=list(based_on)))

@@ -13,6 +13,7 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
     Observation         text, evidence, history,        keys: every key of every fact it
                         embedding, entities                   has cited
     ReflectionRecorded  query, answer, evidence         keys: its own q:<id> + its facts'
+                                                              (based_on, evidence_memory_ids)
     Opinion             text, entities, history,        keys: those of its evidence facts
                         embedding
     UnitVector          vector                          keys: named by the producer (the
@@ -360,7 +361,7 @@ class Sealer(Opener):
                 own = f"q:{event_id or secrets.token_hex(8)}"
                 kr.ensure(bank, own, scope_of(own))
                 m.seal.keys.append(own)
-                _cited_keys(kr, bank, m.based_on, m.seal.keys)
+                _cited_keys(kr, bank, [*m.based_on, *m.evidence_memory_ids], m.seal.keys)
             n += self._seal(m, bank)
         elif isinstance(m, ev.MentalModelChanged) and m.refresh.based_on and not m.seal.keys:
             # A refresh's content is derived from the facts it cites: deleting one (or its
