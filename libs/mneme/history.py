@@ -68,11 +68,20 @@ class RemoteKeys:
         self._keys.move_to_end((bank_id, key_id))
         return True, hit[1]
 
-    def prefetch(self, bank_id: str, key_ids: Iterable[str]) -> None:
-        """Fetch the ids of ``key_ids`` not cached (one call per ``batch`` ids)."""
-        now = self.clock()
+    def _lookup(self, bank_id: str, key_ids: Iterable[str], keep: bool
+                ) -> dict[str, bytes | None]:
+        """Fetch the ids of ``key_ids`` not cached (one call per ``batch`` ids) and cache
+        them; with ``keep``, return every id's key (None: missing) as found or fetched
+        here -- not re-read from the cache, which a seal naming more keys than it holds,
+        or another thread's batch, may have evicted them from meanwhile."""
+        now, out, wanted = self.clock(), {}, []
         with self._lock:
-            wanted = [k for k in dict.fromkeys(key_ids) if not self._cached(bank_id, k, now)[0]]
+            for k in dict.fromkeys(key_ids):
+                hit, key = self._cached(bank_id, k, now)
+                if not hit:
+                    wanted.append(k)
+                elif keep:
+                    out[k] = key
         for i in range(0, len(wanted), self.batch):
             chunk = wanted[i:i + self.batch]
             found, _missing = self.fetch(bank_id, chunk)
@@ -88,19 +97,19 @@ class RemoteKeys:
                     self._keys.move_to_end((bank_id, k))
                 while len(self._keys) > self.cache:
                     self._keys.popitem(last=False)
+            if keep:
+                out.update((k, found.get(k)) for k in chunk)
+        return out
+
+    def prefetch(self, bank_id: str, key_ids: Iterable[str]) -> None:
+        """Fetch the ids of ``key_ids`` not cached (one call per ``batch`` ids)."""
+        self._lookup(bank_id, key_ids, keep=False)
 
     def keys(self, bank_id: str, key_ids: Sequence[str]) -> list[bytes] | None:
         """The data keys of ``key_ids`` in order, or None when any is destroyed/unknown."""
-        self.prefetch(bank_id, key_ids)
-        out = []
-        with self._lock:
-            for k in key_ids:
-                hit = self._keys.get((bank_id, k))
-                key = hit[1] if hit is not None else None
-                if key is None:
-                    return None
-                out.append(key)
-        return out
+        got = self._lookup(bank_id, key_ids, keep=True)
+        out = [got[k] for k in key_ids]
+        return None if any(k is None for k in out) else out
 
     def combined(self, bank_id: str, key_ids: Sequence[str]) -> bytes | None:
         """The seal key over ``key_ids`` (:func:`mneme.keys.combine`), or None when any

@@ -214,6 +214,21 @@ def test_remote_keys_batches_and_ages_out():
         RemoteKeys(lambda b, ids: ({"x": b"short"}, [])).combined("b", ["x"])
 
 
+def test_a_seal_naming_more_keys_than_the_cache_holds_still_opens():
+    """The keys a seal names are used as fetched, not re-read from the LRU: a cache
+    smaller than one seal's keys (or another thread's batch evicting them meanwhile)
+    must not make live content read as erased."""
+    fetch = lambda bank, ids: ({k: bytes(32) for k in ids if k != "gone"},  # noqa: E731
+                               [k for k in ids if k == "gone"])
+    keys = RemoteKeys(fetch, cache=2)
+    assert keys.combined("b", ["a", "c", "e"]) is not None
+    assert keys.combined("b", ["a", "gone", "e"]) is None
+    many = [f"f:{i}" for i in range(150)]
+    wide = RemoteKeys(fetch, cache=100, batch=1000)
+    assert wide.keys("b", many) == [bytes(32)] * 150 and wide.calls == 1
+    assert len(wide._keys) == 100  # the cache stays bounded
+
+
 def test_records_of_kafka_clients_are_opened(served):
     """aiokafka / kafka-python records (attributes, headers as [(name, bytes)]) and
     confluent-kafka messages (methods) open like the log's own records."""
