@@ -685,6 +685,38 @@ def test_an_intact_log_opens_after_a_kill_with_frames_in_the_wal(path):
         log.close()
 
 
+def test_opening_with_frames_in_the_wal_keeps_this_process_s_locks(path):
+    """A log opened with frames in its WAL (after a kill) is checked without dropping the
+    process's POSIX locks on the file: another process opening and closing the log (an
+    external reader of the history) must not then delete the WAL and shm the open log
+    still uses (its reads failed with "disk I/O error", its appends went to an unlinked
+    WAL)."""
+    import os
+    SqliteEventLog(path).close()
+    child = run_child(path, 5, "kill")  # leaves frames in the WAL
+    child.communicate(timeout=60)
+    assert os.path.getsize(path + "-wal") > 32
+    log = SqliteEventLog(path)
+    try:
+        SqliteEventLog(path).close()  # another instance of this process: same locks kept
+        reader = textwrap.dedent("""
+            import sys
+            from mneme.bus.sqlite_log import SqliteEventLog
+            SqliteEventLog(sys.argv[1]).close()
+        """)
+        subprocess.run([sys.executable, "-c", reader, path], check=True, timeout=60)
+        assert os.path.exists(path + "-wal") and os.path.exists(path + "-shm")
+        log.append([OutRecord("t", "k", b"after")])
+        assert b"after" in [r.value for r in all_records(log, "t")]
+    finally:
+        log.close()
+    again = SqliteEventLog(path)
+    try:
+        assert b"after" in [r.value for r in all_records(again, "t")]
+    finally:
+        again.close()
+
+
 def test_damage_while_open_fails_fast_and_consumers_back_off(path):
     import os
 

@@ -191,23 +191,47 @@ def _size_problem(size: int, page_size: int, min_size: int = 0) -> str | None:
     return None
 
 
+def _pages_problem(conn: sqlite3.Connection, path: str) -> str | None:
+    """:func:`header_problem`'s size checks with the header read through ``conn``
+    (``PRAGMA page_size``/``page_count``), for a file this process holds open: opening
+    and closing a descriptor of it would drop every POSIX lock the process holds on it,
+    SQLite's included, and another process closing the log would then delete the WAL and
+    shm that the open connections still use."""
+    size = os.path.getsize(path)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    problem = _size_problem(size, page_size)
+    if problem or _wal_frames(path):
+        return problem
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    expected = pages * page_size
+    if size < expected:
+        return (f"truncated: the file has {size} bytes, its header records {pages} pages "
+                f"of {page_size} bytes ({expected} bytes)")
+    if size > expected:
+        return (f"{size - expected} bytes after its last page (the header records {pages} "
+                f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
+    return None
+
+
 def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
-    """Full open-time check of the log file at ``path``: :func:`header_problem`, then
-    (on ``conn``, or a connection of its own) a checkpoint so the WAL's frames reach the
-    main file, the header check again, and ``PRAGMA quick_check`` (every page and record
-    of every table: O(file size)). Returns a description of the damage or None."""
-    problem = header_problem(path)
+    """Full open-time check of the log file at ``path``: :func:`header_problem` (only
+    without ``conn``: given one, the caller checked the header before connecting, and a
+    descriptor opened now would drop ``conn``'s locks), then (on ``conn``, or a
+    connection of its own) a checkpoint so the WAL's frames reach the main file, the size
+    check again, and ``PRAGMA quick_check`` (every page and record of every table:
+    O(file size)). Returns a description of the damage or None."""
+    own = conn is None
+    problem = header_problem(path) if own else None
     if problem or not os.path.exists(path):
         return problem
-    own = conn is None
     try:
         if own:
             conn = sqlite3.connect(path, isolation_level=None, timeout=30)
         if _wal_frames(path):
-            # busy (another process reading) leaves frames behind; the header check then
+            # busy (another process reading) leaves frames behind; the size check then
             # cannot judge the size, and quick_check still reads every page
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            problem = header_problem(path)
+            problem = _pages_problem(conn, path)
             if problem:
                 return problem
         rows = [r[0] for r in conn.execute("PRAGMA quick_check(20)").fetchall()]
@@ -251,6 +275,7 @@ class _Shared:
         self.cond = threading.Condition()
         self.seq = 0     # bumped after every committed append in this process
         self.wakes = 0   # bumped by wake(), so a stopping consumer returns at once
+        self.opened = 0  # instances open on the file in this process
 
 
 _SHARED: dict[str, _Shared] = {}
@@ -296,8 +321,12 @@ class SqliteEventLog:
         #: What is wrong with the file once damage was seen (None while whole).
         self.damage: str | None = None
         self._size = 0  # main file size after our last commit (it never shrinks)
-        if check:
-            problem = header_problem(self.path)  # before SQLite touches the file
+        with _SHARED_LOCK:
+            others = self._shared.opened
+        if check and not others:
+            # before SQLite touches the file; not while another instance of this process
+            # has it open (reading it by a descriptor of its own would drop their locks)
+            problem = header_problem(self.path)
             if problem:
                 raise LogDamaged(self.path, problem)
         try:
@@ -310,6 +339,8 @@ class SqliteEventLog:
             self._init_schema()
             self._size = os.path.getsize(self.path)
             self._page_size = self._writer.execute("PRAGMA page_size").fetchone()[0]
+            with _SHARED_LOCK:
+                self._shared.opened += 1
         except sqlite3.DatabaseError as e:
             if not is_damage(e):
                 raise
@@ -669,6 +700,8 @@ class SqliteEventLog:
         if self._closed:
             return
         self._closed = True
+        with _SHARED_LOCK:
+            self._shared.opened -= 1
         self.wake()
         with self._readers_lock:
             for _, conn in self._readers:
