@@ -227,3 +227,12 @@ def test_payload_schemas_accept_the_events_proto3_json(doc):
 def test_proto_comments_become_descriptions(doc):
     fact = doc["components"]["schemas"]["Fact"]["properties"]["fact_type"]
     assert '"world" or "experience"' in fact["description"]
+
+
+def test_the_description_names_every_sealed_message(doc):
+    """The sealing summary of the description follows mneme.bus.sealing.SEALED (it once
+    named six of its fourteen types), and says how to open a seal without the SDK."""
+    from mneme.bus.sealing import SEALED
+    text = doc["info"]["description"]
+    assert all(name in text for name in SEALED), [n for n in SEALED if n not in text]
+    assert "HKDF-SHA256" in text and "mneme/seal/v1" in text and "ce_subject" in text

@@ -166,3 +166,36 @@ def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu,
     assert _wait(lambda: CITY not in _texts(_opened(before, raw)), 10)
     for secret in (PHONE.encode(), CITY.encode()):
         assert not [m for m in raw if secret in (m.value or b"")]
+
+
+def test_the_readmes_history_snippet_runs_against_the_topics(cluster, tansu):
+    """README "Reading the history": its consumer, as written (only the addresses and its
+    bank put in), prints the facts of its bank from offset 0 and skips other banks."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Reading the history (external consumers)"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = (code.replace('"kafka:9092"', repr(tansu.bootstrap))
+            .replace('"mneme:50051"', repr(cluster.address["ingest"]))
+            .replace('BANKS = {"alice"}', 'BANKS = {"readme-a"}'))
+    with MnemeClient(cluster.address["ingest"], timeout=60) as m:
+        for bank, text in (("readme-a", "Dana: my locker code is 4411."),
+                           ("readme-b", "Dana: my bike is red.")):
+            m.upsert_bank(bank)
+            assert m.retain(bank, [{"content": text, "document_id": "d"}]).operation.state == 3
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**__import__("os").environ, "HISTORY_KEY": "open-mode"})
+    try:  # the consumer runs until stopped: its first line (bounded: never a hang)
+        import select
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else "(no output in 120 s)\n"
+    finally:
+        proc.kill()
+        rest = proc.communicate(timeout=30)[0]
+    assert line.strip() == "d Dana: my locker code is 4411.", line + rest
+    assert "bike" not in rest and "Traceback" not in rest, rest

@@ -249,3 +249,53 @@ def test_records_of_kafka_clients_are_opened(served):
             e = opener.open(r)
             assert (e.bank_id, e.record.partition, e.record.offset) == ("alice", 3, 7)
             assert [f.text for f in e.message.facts] == ["Alice likes figs"]
+
+
+def _open_as_the_readme_says(record: Record, fetch) -> ev.FactsExtracted:
+    """A consumer in another language, from README "Opening a seal without the SDK":
+    only HKDF-SHA256, AES-256-GCM and protobuf merge, no mneme code."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    bank = record.headers.get("ce_subject") or record.key
+    msg = getattr(ev, record.headers["ce_type"].rsplit(".", 1)[1]).FromString(record.value)
+    elements = {"RetainRequested": "items", "FactsExtracted": "facts",
+                "EntitiesResolved": "aliases"}
+    out = []
+    for el in getattr(msg, elements[msg.DESCRIPTOR.name]):
+        found, missing = fetch(bank, list(el.seal.keys))
+        if missing:
+            continue  # erased
+        key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                   info=b"mneme/seal/v1\0" + "\0".join(el.seal.keys).encode()).derive(
+            b"".join(found[k] for k in el.seal.keys))
+        name = el.DESCRIPTOR.name
+        el_id = {"RetainItem": "document_id", "EntityAlias": "entity_id"}.get(name, "id")
+        aad = f"{bank}\0{name}\0{getattr(el, el_id, '')}".encode()
+        part = type(el).FromString(AESGCM(key).decrypt(el.seal.nonce, el.seal.ciphertext, aad))
+        el.MergeFrom(part)
+        out.append(el)
+    return out
+
+
+def test_the_readmes_recipe_opens_a_seal_without_the_sdk(served):
+    keyring, address = served
+    sealer = Sealer(keyring)
+    retain = _sealed(sealer, ev.RetainRequested(bank_id="alice", operation_id="op1", items=[
+        ev.RetainItem(content="Call me at 415-555-0171", context="sms", document_id="d1")]))
+    facts = _sealed(sealer, ev.FactsExtracted(bank_id="alice", operation_id="op1", facts=[
+        ev.Fact(id="f1", text="Alice's phone is 415-555-0171", document_id="d1",
+                metadata={"k": "v"})]))
+    keyring.ensure("alice", "d:x", "d:x")  # an alias sealed under its item's key
+    aliases = _sealed(sealer, ev.EntitiesResolved(bank_id="alice", aliases=[
+        ev.EntityAlias(entity_id="e1", alias="Ali", seal=ev.Seal(keys=["d:x"]))]))
+    with MnemeClient(address, api_key="") as m:
+        item, = _open_as_the_readme_says(retain, m.batch_get_data_keys)
+        assert (item.content, item.context) == ("Call me at 415-555-0171", "sms")
+        fact, = _open_as_the_readme_says(facts, m.batch_get_data_keys)
+        assert (fact.text, dict(fact.metadata)) == ("Alice's phone is 415-555-0171", {"k": "v"})
+        alias, = _open_as_the_readme_says(aliases, m.batch_get_data_keys)
+        assert alias.alias == "Ali"
+        keyring.destroy_scope("alice", document_scope("d1"))
+        assert _open_as_the_readme_says(facts, m.batch_get_data_keys) == []

@@ -65,15 +65,21 @@ TOPIC_DESCRIPTIONS = {
 }
 
 _SEALING_DOC = (
-    "User content is sealed (crypto-shredding, `mneme.bus.sealing`): in RetainItem, Fact, "
-    "ResolvedEntity, EntityAlias, Observation and ReflectionRecorded the content fields are "
-    "empty on the topic and encrypted (AES-256-GCM) into the element's `seal` under the "
-    "data keys `seal.keys` names; ids, bank and document ids, tags, times, types, links "
-    "and counters stay in the clear. Consumers open sealed content with the SDK "
-    "(`MnemeClient.history_opener`), which fetches the keys from KeyService."
-    "BatchGetDataKeys (API key scope `history`). Deleting a document, memory or bank "
-    "destroys its keys: that content can never be opened again (erased). A bank with "
-    "`erasure: none` is written in plaintext.")
+    "User content is sealed (crypto-shredding, `mneme.bus.sealing`): in "
+    + ", ".join(SEALED) +
+    " the content fields are empty on the topic and encrypted (AES-256-GCM) into the "
+    "element's `seal` under the data keys `seal.keys` names; ids, bank and document ids, "
+    "tags, times, types, links and counters stay in the clear. Consumers open sealed "
+    "content with the SDK (`MnemeClient.history_opener`), which fetches the keys from "
+    "KeyService.BatchGetDataKeys (API key scope `history`) of the record's bank (the "
+    "`ce_subject` header). Without the SDK: the AES key is HKDF-SHA256 (no salt) of the "
+    "data keys concatenated in `seal.keys` order, info `mneme/seal/v1` NUL the key ids "
+    "joined by NUL; the associated data is `<bank id> NUL <element message name> NUL "
+    "<element id>` (its `id`; `document_id` of a RetainItem, `entity_id` of an "
+    "EntityAlias; empty without an `id` field); the plaintext is the element's message "
+    "holding its content fields, to merge into it (README, Reading the history). "
+    "Deleting a document, memory or bank destroys its keys: that content can never be "
+    "opened again (erased). A bank with `erasure: none` is written in plaintext.")
 
 
 def _sealed_doc(name: str) -> str:
