@@ -586,14 +586,16 @@ class MnemeClient:
             parent=f"banks/{bank_id}", key_ids=list(key_ids)), timeout=self.timeout)
         return {k.key_id: k.key for k in r.data_keys}, list(r.missing_key_ids)
 
-    def history_opener(self, cache: int = 100_000, max_age_s: float = 300.0):
+    def history_opener(self, cache: int = 100_000, max_age_s: float = 300.0,
+                       batch: int = 1000):
         """A :class:`mneme.history.HistoryOpener`: ``open(record)`` decodes a record of
         the topics (or the embedded log) with its sealed content opened, with keys from
-        :meth:`batch_get_data_keys` (cached: ``cache`` keys for ``max_age_s`` seconds).
+        :meth:`batch_get_data_keys` (cached: ``cache`` keys for ``max_age_s`` seconds;
+        at most ``batch`` ids a call: the server's MNEME_LIMIT_KEY_IDS).
         Content whose key was destroyed comes erased (README "Reading the history")."""
         from mneme.history import HistoryOpener, RemoteKeys
         return HistoryOpener(RemoteKeys(self.batch_get_data_keys, cache=cache,
-                                        max_age_s=max_age_s))
+                                        max_age_s=max_age_s, batch=batch))
 
     def get_operation(self, operation_id: str) -> operations_pb2.Operation:
         """The operation ``operation_id`` (a bare id or ``operations/{id}``)."""

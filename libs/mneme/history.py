@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from mneme.bus.codec import message_class
 from mneme.bus.sealing import ERASED_HEADER, Opener
@@ -170,11 +170,19 @@ def as_record(rec: Any) -> Record:
                   value=bytes(value or b""), headers={str(k): _text(v) for k, v in items})
 
 
+def _where(rec: Record) -> str:
+    """The record's coordinates for an error: topic[partition]@offset (type)."""
+    kind = rec.headers.get("ce_type") or "no ce_type"
+    return f"{rec.topic or '(no topic)'}[{rec.partition}]@{rec.offset} ({kind})"
+
+
 class HistoryOpener:
     """Opens records of mneme's history with keys from ``keys`` (a
     :class:`RemoteKeys`, or any :class:`mneme.ports.SealKeys`). Raises ValueError for a
     seal that does not authenticate (tampered or corrupt record) and
-    ``google.protobuf.message.DecodeError`` for a value that is not its event."""
+    ``google.protobuf.message.DecodeError`` for a value that is not its event, each
+    naming the record (topic, partition, offset, type; the record is the exception's
+    ``record``)."""
 
     def __init__(self, keys) -> None:
         self.keys = keys
@@ -182,7 +190,16 @@ class HistoryOpener:
 
     def open(self, record: Any) -> OpenedEvent:
         """The record (see :func:`as_record` for what is accepted) decoded and opened."""
-        return self._event(self._opener.open(as_record(record)))
+        rec = as_record(record)
+        return self._opened(rec, None)
+
+    def _opened(self, rec: Record, msg: Message | None) -> OpenedEvent:
+        try:
+            return self._event(self._opener.open(rec, msg))
+        except (DecodeError, ValueError) as e:
+            err = type(e)(f"{_where(rec)}: {e}")
+            err.record = rec
+            raise err from e
 
     @staticmethod
     def _event(rec: Record) -> OpenedEvent:
@@ -205,7 +222,7 @@ class HistoryOpener:
         per bank and 1000 ids, when :attr:`keys` can prefetch)."""
         recs = [as_record(r) for r in records]
         msgs = self._opener.prefetch(recs)
-        return [self._event(self._opener.open(r, m)) for r, m in zip(recs, msgs)]
+        return [self._opened(r, m) for r, m in zip(recs, msgs)]
 
 
 __all__ = ["BATCH", "HistoryOpener", "OpenedEvent", "RemoteKeys", "as_record"]

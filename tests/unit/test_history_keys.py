@@ -299,3 +299,26 @@ def test_the_readmes_recipe_opens_a_seal_without_the_sdk(served):
         assert alias.alias == "Ali"
         keyring.destroy_scope("alice", document_scope("d1"))
         assert _open_as_the_readme_says(facts, m.batch_get_data_keys) == []
+
+
+def test_a_record_that_cannot_be_opened_is_named_in_the_error(served):
+    """open_all of a batch with a tampered seal or a garbled value: the error says which
+    record (topic, partition, offset, type) and carries it."""
+    import dataclasses
+
+    from google.protobuf.message import DecodeError
+    keyring, address = served
+    good = _sealed(Sealer(keyring), ev.FactsExtracted(bank_id="alice", operation_id="op", facts=[
+        ev.Fact(id="f7", text="Alice likes plums", document_id="d7")]))
+    sealed = ev.FactsExtracted.FromString(good.value)
+    sealed.facts[0].seal.ciphertext = bytes(b ^ 1 for b in sealed.facts[0].seal.ciphertext)
+    tampered = dataclasses.replace(good, topic="mneme.memory.v1", partition=2, offset=41,
+                                   value=sealed.SerializeToString())
+    garbled = dataclasses.replace(tampered, offset=42, value=b"\xff\xff not protobuf")
+    with MnemeClient(address, api_key="") as m:
+        opener = m.history_opener()
+        with pytest.raises(ValueError, match=r"mneme\.memory\.v1\[2\]@41 .*authenticate") as e:
+            opener.open_all([good, tampered])
+        assert e.value.record.offset == 41
+        with pytest.raises(DecodeError, match=r"mneme\.memory\.v1\[2\]@42 \(mneme\.events"):
+            opener.open(garbled)
