@@ -371,3 +371,21 @@ def test_a_model_reads_and_answers_the_writers_clock(stub, gateway):
     assert (untimed.occurred_start.date().isoformat(), untimed.occurred_end.date().isoformat()) == (
         "2024-03-01", "2024-03-01")
     assert timed.mentioned_at == item.timestamp  # the instant itself stays as it was
+
+
+def test_an_items_failure_never_quotes_the_models_reply(stub):
+    """A reply that breaks the schema fails its item; the failure's error goes in the
+    clear on the log (FactsExtracted.failures, never sealed nor erased), so it names the
+    path and the rule broken, not the value (jsonschema's message quotes it: here the
+    item's own text). The model is still told the whole message when re-asked."""
+    secret = "Alice's phone is 415-555-0171"
+    gw = make_gateway(stub, llm_json_retries=1)
+    bad = {"facts": [{**fact("x"), "text": [secret]}]}
+    stub.on("chat", chat(bad), chat(bad))
+    m = ev.RetainRequested(bank_id="bank", operation_id="op-7", items=[
+        codec.retain_item_to_pb(RetainItem(f"Alice: my phone is 415-555-0171", TS,
+                                           document_id="doc"))])
+    out = handlers.extract(m, "op-7", extractor(gw), FakeEmbedder())
+    error, = [f.error for f in out.failures]
+    assert "415-555" not in error and "facts/0/text" in error and "type" in error, error
+    assert secret in stub.chat_requests()[1].messages[-1]["content"]

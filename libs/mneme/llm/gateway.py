@@ -361,13 +361,13 @@ class LlmGateway:
                 validate(value, schema if check_schema is None else check_schema)
                 return JsonResult(value, usage, attempt)
             except JsonOutputError as e:
-                reason, detail = e.reason, str(e)
+                reason, detail, hint = e.reason, str(e), e.hint
                 METRICS.add("mneme.llm.output_errors", operation=operation, reason=reason)
                 log.info("%s: unusable reply (%s: %s), attempt %d/%d", operation, reason, detail,
                          attempt, attempts)
                 convo = list(messages) + [
                     {"role": "assistant", "content": (c.text or "")[:4000]},
-                    {"role": "user", "content": f"Your reply was not usable: {detail}. Reply again "
+                    {"role": "user", "content": f"Your reply was not usable: {hint}. Reply again "
                                                 "with only the JSON object, matching the schema exactly."}]
         raise LlmOutputError(f"{operation}: {detail}", reason, usage)
 

@@ -16,11 +16,14 @@ _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
 
 class JsonOutputError(ValueError):
-    """The reply is not usable JSON; ``reason`` is ``malformed`` or ``schema``."""
+    """The reply is not usable JSON; ``reason`` is ``malformed`` or ``schema``. The
+    message never quotes the reply (it ends up in item failures, in the clear on the
+    log); ``hint`` may, for re-asking the model."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, hint: str | None = None):
         super().__init__(detail)
         self.reason = reason
+        self.hint = hint if hint is not None else detail
 
 
 def _close_brackets(s: str) -> str:
@@ -81,4 +84,7 @@ def validate(value: object, schema: dict | None) -> None:
     err = next(iter(sorted(validator.iter_errors(value), key=lambda e: list(e.path))), None)
     if err is not None:
         where = "/".join(str(p) for p in err.absolute_path) or "(root)"
-        raise JsonOutputError("schema", f"{where}: {err.message[:300]}")
+        # jsonschema's message quotes the failing value (user content, or facts derived
+        # from it): only the model is told it
+        raise JsonOutputError("schema", f"{where}: breaks the schema's {err.validator!r} "
+                                        f"rule", hint=f"{where}: {err.message[:300]}")
