@@ -227,7 +227,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     timestamp (hand-written or very old events) is dated ``at``, the event's time.
     ``stop()`` true (the operation was cancelled) before extraction starts fails every
     item with reason "cancelled"; the extractor asks it again between items (an LLM
-    extractor does; the offline one extracts a request as one batch)."""
+    extractor) or slices of items (the offline one). When extraction ran to its end,
+    embedding asks it between slices of texts, and an item whose facts were not all
+    embedded when it turned true is cancelled too: every item either has all its facts,
+    with their vectors, or fails."""
     rejected = {r.item_index: r for r in m.rejected_items}
     keep = [i for i in range(len(m.items)) if i not in rejected]
     items = [codec.retain_item_from_pb(m.items[i]) for i in keep]
@@ -248,19 +251,28 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
         f.item_index = keep[f.item_index]
     for f in failures:
         f.item_index = keep[f.item_index]
-    failures = sorted([*failures, *(ev.ItemFailure(item_index=i, error=r.error, field=r.field,
-                                                   reason=r.reason or "rejected")
-                                    for i, r in rejected.items())],
-                      key=lambda f: f.item_index)
     no_fact_items = [keep[i] for i in (report.no_fact_items if report is not None else [])
                      if i not in with_facts]
     if facts:
         # An extractor may embed a fact as other texts than its own (its sentences, the
         # turn it answers or follows); the vector travels in the event, so replay reuses it.
         # (A per-bank-mode extractor answers for the extractor this bank used.)
-        vectors = unit_vectors(facts, embedder, extractor, m.bank_id)
+        # a cancel seen during extraction already cut it short: what it extracted is
+        # embedded and kept; otherwise a cancel stops embedding between slices
+        cut_short = any(f.reason == CANCELLED for f in failures)
+        vectors = unit_vectors(facts, embedder, extractor, m.bank_id,
+                               stop=None if cut_short else stop)
         for f, v in zip(facts, vectors):
             f.embedding = list(v)
+        if len(vectors) < len(facts):  # cancelled while embedding: drop the items not done
+            undone = sorted({f.item_index for f in facts[len(vectors):]})
+            gone = set(undone)
+            facts = [f for f in facts[:len(vectors)] if f.item_index not in gone]
+            failures += [_cancelled(i) for i in undone]
+    failures = sorted([*failures, *(ev.ItemFailure(item_index=i, error=r.error, field=r.field,
+                                                   reason=r.reason or "rejected")
+                                    for i, r in rejected.items())],
+                      key=lambda f: f.item_index)
     docs = sorted({i.document_id for i in items if i.document_id})
     failed = {f.item_index for f in failures}
     no_facts = set(no_fact_items) - failed

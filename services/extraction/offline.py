@@ -55,6 +55,7 @@ from typing import Callable, Sequence
 from mneme import nlp as _nlp
 from mneme.domain import EXPERIENCE, WORLD, Fact, Link, RetainItem, derive_id, entity_key, utc
 from mneme.timeparse import day_window, parse_when, wall_clock
+from services.extraction.llm import CANCELLED, ExtractionIncomplete, ItemExtractionFailed
 from services.extraction.resolver import EntityResolver
 from services.extraction.vectors import EmbeddingParts
 
@@ -108,6 +109,9 @@ _WORDS_PER_FACT = 60
 _SENTENCES_PER_FACT = 3
 _SHORT_ITEM_WORDS = 80
 _SHORT_ITEM_SENTENCES = 4
+#: Items parsed per spaCy call when a request can be cancelled: ``stop`` is asked between
+#: slices, so a cancel stops a large request within one slice's work (about a second).
+SLICE_ITEMS = 64
 
 
 @dataclass
@@ -252,22 +256,35 @@ class OfflineExtractor:
     def extract_many(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
                      first_index: int = 0, stop: Callable[[], bool] | None = None) -> list[Fact]:
         """Facts of all ``items`` of one request, in item order; item k has index
-        ``first_index + k``. All texts go through spaCy in one ``nlp.pipe`` call and all
-        entities through one resolver transaction. Every item with non-blank content
-        yields at least one fact; blank items yield none. ``stop`` is not asked: the
-        request is one batch (the handler asks before it starts)."""
+        ``first_index + k``. Texts go through spaCy in ``nlp.pipe`` calls of
+        :data:`SLICE_ITEMS` items and all entities through one resolver transaction.
+        Every item with non-blank content yields at least one fact; blank items yield none.
+
+        ``stop()`` (the operation was cancelled) is asked between slices, not before the
+        first (the handler asks before it starts). Once it is true the items not parsed
+        yet are not extracted: raises :class:`ExtractionIncomplete` with the facts of the
+        items before them and a failure of reason ``cancelled`` for each of the others."""
         # spaCy's objects live only inside the zone (in _facts' frame): what these texts
         # added to the pipeline's strings is dropped at its end (a server parses for months)
         with _nlp.zone():
-            facts, mention_lists = self._facts(bank_id, items, source_id, first_index)
+            facts, mention_lists, done = self._facts(bank_id, items, source_id, first_index,
+                                                     stop)
         for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
             f.entities = refs
+        if done < len(items):
+            raise ExtractionIncomplete(facts, {
+                first_index + k: ItemExtractionFailed(
+                    first_index + k, CANCELLED,
+                    "the operation was cancelled before this item was extracted")
+                for k in range(done, len(items))})
         return facts
 
     def _facts(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
-               first_index: int) -> tuple[list[Fact], list[list[tuple[str, str]]]]:
-        """:meth:`extract_many`'s facts without entities, and each fact's entity mentions
-        as (name, label) pairs (plain strings: nothing of spaCy's is returned)."""
+               first_index: int, stop: Callable[[], bool] | None = None
+               ) -> tuple[list[Fact], list[list[tuple[str, str]]], int]:
+        """:meth:`extract_many`'s facts without entities, each fact's entity mentions
+        as (name, label) pairs (plain strings: nothing of spaCy's is returned), and how
+        many items were extracted (fewer than ``items`` when ``stop()`` turned true)."""
         segs_by_item = [_segments(k, it) for k, it in enumerate(items)]
         captions = [_caption(it) for it in items]
         all_segs = [s for segs in segs_by_item for s in segs]
@@ -275,17 +292,36 @@ class OfflineExtractor:
         names = {n.lower() for sp in speakers for n in sp.split()}
         speaker_keys = {entity_key(sp) for sp in speakers} | {
             entity_key(sp.split()[0]) for sp in speakers if len(sp.split()[0]) >= 3}
-        texts = [s.text for s in all_segs] + [c for c in captions if c]
-        docs = _nlp.parse_many(texts)
-        seg_docs = dict(zip(map(id, all_segs), docs[:len(all_segs)]))
-        cap_docs = iter(docs[len(all_segs):])
-        cap_doc = [next(cap_docs) if c else None for c in captions]
 
         # Speakers first, so the full name "Melanie" becomes canonical before a later
         # "Mel" in the text can claim it (the resolver then makes "Mel" an alias).
         if speakers:
             self.resolver.resolve(bank_id, [(s, "PERSON") for s in speakers])
 
+        facts: list[Fact] = []
+        mention_lists: list[list[tuple[str, str]]] = []
+        prev_last: tuple[RetainItem, str] | None = None
+        step = SLICE_ITEMS if stop is not None else max(1, len(items))
+        for a in range(0, len(items), step):
+            if a and stop is not None and stop():
+                return facts, mention_lists, a
+            b = min(len(items), a + step)
+            per_item = self._chunks(items[a:b], segs_by_item[a:b], captions[a:b], names)
+            prev_last = self._slice_facts(bank_id, items[a:b], per_item, source_id,
+                                          first_index + a, speaker_keys, prev_last,
+                                          facts, mention_lists)
+        return facts, mention_lists, len(items)
+
+    def _chunks(self, items: Sequence[RetainItem], segs_by_item: list, captions: list[str],
+                names: set[str]) -> list[list[_Chunk]]:
+        """Each item's chunks (sentence groups, its caption on the last), parsed in one
+        spaCy call."""
+        all_segs = [s for segs in segs_by_item for s in segs]
+        texts = [s.text for s in all_segs] + [c for c in captions if c]
+        docs = _nlp.parse_many(texts)
+        seg_docs = dict(zip(map(id, all_segs), docs[:len(all_segs)]))
+        cap_docs = iter(docs[len(all_segs):])
+        cap_doc = [next(cap_docs) if c else None for c in captions]
         per_item: list[list[_Chunk]] = []
         for k, (item, segs) in enumerate(zip(items, segs_by_item)):
             chunks: list[_Chunk] = []
@@ -307,10 +343,16 @@ class OfflineExtractor:
             if not chunks and fallback:
                 chunks = fallback  # never lose an item: keep its small talk
             per_item.append(chunks)
+        return per_item
 
-        facts: list[Fact] = []
-        mention_lists: list[list[tuple[str, str]]] = []
-        prev_last: tuple[RetainItem, str] | None = None
+    def _slice_facts(self, bank_id: str, items: Sequence[RetainItem],
+                     per_item: list[list[_Chunk]], source_id: str, first_index: int,
+                     speaker_keys: set[str], prev_last: tuple[RetainItem, str] | None,
+                     facts: list[Fact], mention_lists: list[list[tuple[str, str]]]
+                     ) -> tuple[RetainItem, str] | None:
+        """Append the facts of ``items`` (and their mentions) to ``facts`` and
+        ``mention_lists``; ``prev_last`` is the last item before them with its last fact
+        id (the link across slices), and the same for these items is returned."""
         for k, (item, chunks) in enumerate(zip(items, per_item)):
             idx = first_index + k
             ts = utc(item.timestamp)
@@ -359,7 +401,7 @@ class OfflineExtractor:
             # an item without facts (blank) breaks the chain: the next one does not
             # answer the item before it
             prev_last = (item, item_facts[-1].id) if item_facts else None
-        return facts, mention_lists
+        return prev_last
 
     @staticmethod
     def embedding_parts(facts: Sequence[Fact]) -> list[EmbeddingParts]:

@@ -480,6 +480,28 @@ def test_an_async_operation_is_found_the_moment_it_is_returned(m):
     assert {o.name for o in listed.operations} >= {r.operation.name, c.name}
 
 
+def test_a_cancel_stops_a_large_offline_retain_and_keeps_what_was_done(m):
+    """A thousand turns retained async and cancelled at once: the offline extraction and
+    embedding stop within a slice of their work, so most items are not processed; the
+    operation ends FAILED cancelled, and exactly the facts it counts are stored and
+    readable."""
+    m.upsert_bank("cancel-big")
+    items = [{"content": f"{'Ada' if k % 2 else 'Ben'}: On day {k} I walked {k} miles along "
+                         f"the river to the old mill, painted it and talked about books.",
+              "timestamp": T0 + timedelta(minutes=k), "document_id": "chat"}
+             for k in range(1000)]
+    r = m.retain("cancel-big", items, async_=True)
+    m.cancel_operation(r.operation.name)
+    drained(m, "cancel-big")
+    op = m.get_operation(r.operation.name)
+    assert op.state == operations_pb2.FAILED and op.cancelled, op
+    assert 0 <= op.items_done < op.items_total == 1000
+    cancelled = [e for e in op.item_errors if e.error.startswith("cancelled: ")]
+    assert len(cancelled) == 1000 - op.items_done
+    assert len(list(m.list_memories("cancel-big"))) == op.facts
+    still_readable(m, "cancel-big")
+
+
 def test_request_bytes_that_do_not_parse_are_invalid_argument(m):
     """Corrupt wire bytes, a string field that is not UTF-8, or a message nested past
     protobuf's recursion limit: INVALID_ARGUMENT naming ``request`` (grpcio alone answers

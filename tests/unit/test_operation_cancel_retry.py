@@ -6,11 +6,14 @@ re-appends exactly the failed items (with their documents' other items) of a fai
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
 import pytest
 
 from mneme.bus import INTAKE, codec
 from mneme.bus.sqlite_log import SqliteEventLog
-from mneme.domain import EventMeta, Operation, derive_id
+from mneme.domain import EventMeta, Operation, RetainItem, derive_id
 from mneme.errors import FailedPrecondition
 from mneme.events.v1 import events_pb2 as ev
 from mneme.router import meta_of
@@ -18,7 +21,10 @@ from mneme.stores.catalog_sqlite import SqliteCatalog
 from mneme.stores.memory import MemoryCatalog, MemoryEntityStore
 from services.extraction import handlers as extraction
 from services.extraction.handlers import CancelWatch
+from services.extraction.llm import CANCELLED, ExtractionIncomplete
+from services.extraction.offline import SLICE_ITEMS, OfflineExtractor
 from services.extraction.resolver import EntityResolver
+from services.extraction.vectors import SLICE_TEXTS, EmbeddingParts, embed_parts
 from services.ingest import handlers as ingest
 from services.ingest.handlers import Ingest
 from services.search import handlers as search
@@ -119,6 +125,104 @@ def test_an_uncancelled_retain_is_not_marked(log):
         m, position_meta(rec), extractor=FakeExtractor(), embedder=FakeEmbedder(),
         resolver=EntityResolver(MemoryEntityStore()), cancels=CancelWatch(log))[-1]
     assert not out.cancelled and len(out.facts) == 2 and not out.failures
+
+
+# ---- a large offline retain stops within a slice of its work ---------------------------
+
+
+def _turns(n: int) -> list[RetainItem]:
+    """``n`` chat turns of one conversation, two speakers in turn, a minute apart."""
+    t0 = datetime(2024, 5, 8, 13, 56, tzinfo=timezone.utc)
+    return [RetainItem(f"{'Ada' if k % 2 else 'Ben'}: On day {k} I walked {k} miles along "
+                       f"the river to the old mill and painted it.", t0 + timedelta(minutes=k),
+                       document_id="chat") for k in range(n)]
+
+
+def _asks(true_from: int):
+    """``stop()`` that is false for its first ``true_from - 1`` asks, then true."""
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) >= true_from
+    return stop
+
+
+def test_offline_extraction_stops_between_slices_of_items():
+    items = _turns(SLICE_ITEMS * 2 + 10)
+    with pytest.raises(ExtractionIncomplete) as e:
+        OfflineExtractor().extract_many("b", items, "op", stop=_asks(1))
+    done = {f.item_index for f in e.value.facts}
+    assert done == set(range(SLICE_ITEMS))  # the first slice, asked after it
+    assert sorted(e.value.failures) == list(range(SLICE_ITEMS, len(items)))
+    assert {f.reason for f in e.value.failures.values()} == {CANCELLED}
+    assert all(f.entities for f in e.value.facts)  # the slice's facts are whole
+
+
+def test_sliced_offline_extraction_equals_one_batch():
+    """Slices change nothing: ids, texts, times, links (the reply link across a slice's
+    edge too) and entities are those of one batch."""
+    items = _turns(SLICE_ITEMS * 2 + 10)
+    whole = OfflineExtractor().extract_many("b", items, "op")
+    sliced = OfflineExtractor().extract_many("b", items, "op", stop=lambda: False)
+
+    def view(facts):
+        return [(f.id, f.text, f.occurred_start, f.item_index, [(x.target_id, x.kind, x.weight)
+                 for x in f.links], [x.id for x in f.entities]) for f in facts]
+    assert view(sliced) == view(whole)
+    first_of_next = next(f for f in sliced if f.item_index == SLICE_ITEMS)
+    assert any(x.kind == "temporal" for x in first_of_next.links)
+
+
+def test_embedding_stops_between_slices_and_returns_whole_units():
+    parts = [EmbeddingParts(tuple(f"unit {k} sentence {j}" for j in range(1 + k % 3)),
+                            k - 1 if k else None) for k in range(200)]
+    whole = embed_parts(FakeEmbedder(), parts)
+    emb = FakeEmbedder()
+    got = embed_parts(emb, parts, stop=_asks(3))  # two calls, then stopped
+    assert len(emb.calls) == 2
+    covered = sum(len(c) for c in emb.calls)
+    assert 0 < len(got) < len(parts)
+    assert sum(len(p.texts) for p in parts[:len(got)]) == covered  # whole units only
+    assert np.allclose(got, whole[:len(got)])
+    assert all(len(c) <= SLICE_TEXTS for c in emb.calls)
+    assert embed_parts(FakeEmbedder(), parts, stop=_asks(1)) == []
+
+
+class _StopWhileEmbedding:
+    """A CancelWatch whose cancel arrives while the first slice of texts is embedded: an
+    embedder wrapper flips it on its first call."""
+
+    def __init__(self):
+        self.seen = False
+        self.embedder = FakeEmbedder()
+        inner = self.embedder.embed
+
+        def embed(texts):
+            self.seen = True
+            return inner(texts)
+        self.embedder.embed = embed
+
+    def watch(self, operation_id, meta):
+        return lambda: self.seen
+
+
+def test_a_cancel_while_embedding_fails_the_items_not_embedded():
+    items = [codec.retain_item_to_pb(it) for it in _turns(150)]
+    watch = _StopWhileEmbedding()
+    out = [o for o in extraction.on_retain_requested(
+        retain_msg(*items), meta(), extractor=OfflineExtractor(), embedder=watch.embedder,
+        resolver=EntityResolver(MemoryEntityStore()), cancels=watch)
+        if isinstance(o, ev.FactsExtracted)][0]
+    assert out.cancelled
+    kept = {f.item_index for f in out.facts}
+    cancelled = {f.item_index for f in out.failures if f.reason == "cancelled"}
+    assert kept and cancelled and not kept & cancelled
+    assert kept | cancelled == set(range(150))
+    assert max(kept) < min(cancelled)  # the first slice's items, whole
+    assert all(len(f.embedding) == 4 for f in out.facts)
+    (p,) = search.on_facts_extracted(out, meta(), stores=fake_projections())
+    assert p.state == "failed" and p.cancelled and p.items_done == len(kept)
 
 
 # ---- search: the progress of a cancelled retain ---------------------------------------
