@@ -273,7 +273,11 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
                                                    reason=r.reason or "rejected")
                                     for i, r in rejected.items())],
                       key=lambda f: f.item_index)
-    docs = sorted({i.document_id for i in items if i.document_id})
+    # a document replaces its old facts only when the retain reached it: one whose items
+    # were all cancelled keeps what it had
+    skipped = {f.item_index for f in failures if f.reason == CANCELLED}
+    docs = sorted({it.document_id for i, it in zip(keep, items)
+                   if it.document_id and i not in skipped})
     failed = {f.item_index for f in failures}
     no_facts = set(no_fact_items) - failed
     telemetry.count_retain_documents(len(m.items) - len(failed) - len(no_facts), len(no_facts),
