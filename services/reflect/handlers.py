@@ -118,14 +118,17 @@ def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
     return opinions.form(m, meta)
 
 
-def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[str] = ()):
+def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[str] = (),
+                      evidence: Sequence[str] = ()):
     """The ``ReflectionRecorded`` event of ``r`` (topic ``mneme.reflect.v1``: for audit,
-    and for the opinions formed from it), with the reflect's ``tags``."""
+    and for the opinions formed from it), with the reflect's ``tags``. ``evidence``: more
+    facts the answer restates (a revision's: those behind the content it revised)."""
     from mneme.events.v1 import events_pb2 as ev
 
     # The facts behind cited observations and mental models: the answer restates them,
     # so it is sealed under their keys too (deleting one erases it).
-    behind = [f for i in r.based_on for f in r.sources.get(i, ()) if f not in r.based_on]
+    behind = [f for f in (*(f for i in r.based_on for f in r.sources.get(i, ())), *evidence)
+              if f not in r.based_on]
     msg = ev.ReflectionRecorded(bank_id=bank_id, query=query, answer=r.text,
                                 based_on=r.based_on, extractive=r.extractive,
                                 evidence_memory_ids=list(dict.fromkeys(behind)),
@@ -200,12 +203,14 @@ class Reflector:
         return r
 
     def revise(self, bank_id: str, query: str, prior: str, cited: Sequence[str],
-               new: Sequence, now: datetime, tags: Sequence[str] = ()) -> Reflection | None:
+               new: Sequence, now: datetime, tags: Sequence[str] = (),
+               evidence: Sequence[str] = ()) -> Reflection | None:
         """The reflect model's revision of an answer to ``query`` (a delta refresh of a
         mental model): ``prior`` is the current answer citing ``[n]`` = ``cited[n-1]``,
         ``new`` the memories (:class:`mneme.domain.Memory`) that changed since. None
         without a reflect model, or when it fails and the agent falls back offline (the
-        caller merges extractively). Recorded like an answer."""
+        caller merges extractively). Recorded like an answer, with ``evidence`` (the facts
+        behind ``prior``'s cited observations) among the facts it restates."""
         if self.agent is None:
             return None
         from mneme.llm.types import LlmError
@@ -216,7 +221,8 @@ class Reflector:
             if not self.agent.fallback_offline:
                 raise
             return None
-        self.record(record_reflection(bank_id, query, r, tags))
+        # the revision restates ``prior``: sealed under the facts behind it too
+        self.record(record_reflection(bank_id, query, r, tags, evidence))
         return r
 
     def stream(self, bank_id, query, context, budget, now, response_schema=None,

@@ -348,8 +348,11 @@ class MentalModels:
         new = list(unique.values())
         ranked = self._relevant(m, new)[:DELTA_MAX_NEW]
         if ranked and self.revise is not None:
+            # the revision restates the kept content: which kept line stood on which
+            # facts is not known, so the whole earlier set (as the refresh event keeps)
             r = self.revise(m.bank_id, m.source_query, kept_text, kept,
-                            [x for x, _ in ranked], now, m.tags)
+                            [x for x, _ in ranked], now, m.tags,
+                            evidence=m.based_on_evidence)
             if r is not None:
                 return replace(r, documents={x.id: x.document_id for x, _ in ranked},
                                sources={**r.sources, **{x.id: x.sources for x, _ in ranked

@@ -148,7 +148,7 @@ def test_delta_merges_the_changes_in_scope_offline():
     # the reflect model, when there is one, gets the pruned content and the new memories
     seen = {}
 
-    def revise(bank_id, query, prior, cited, new, now, tags):
+    def revise(bank_id, query, prior, cited, new, now, tags, evidence=()):
         seen.update(prior=prior, cited=cited, new=[x.id for x in new])
         return Reflection("Revised [1].", ["f2"], False)
     mm.revise = revise
@@ -188,3 +188,38 @@ def test_delta_of_an_empty_content_or_too_many_changes_is_a_full_refresh():
     mm2, cat2 = models(None, [(0, ev.FactsRetracted(bank_id="b", memory_ids=["f1"]))], end=1)
     only = add(cat2, "m", "n", "q?", "- Gone [1]", based_on=["f1"])
     assert mm2.delta(only, NOW).text == NO_MEMORIES
+
+
+def test_a_delta_revision_records_the_facts_behind_the_content_it_keeps():
+    """A delta refresh by the reflect model rewrites the current content, which restates
+    the observations it cites: the revision's ReflectionRecorded names the facts behind
+    them (the model's whole earlier set, as its MentalModelChanged does), so deleting
+    one of those facts erases the revision from the log too."""
+    from services.reflect.handlers import Reflector
+
+    class Agent:
+        fallback_offline = False
+
+        def revise(self, bank_id, query, prior, cited, new, now, directives=()):
+            # keeps the observation's line and adds the new fact
+            return Reflection("Caroline loves animals [1] and adopted a dog [2].",
+                              [*cited, "f3"], False)
+
+    recorded = []
+    reflector = Reflector(Agent(), recall=None, record=recorded.append)
+    changes = [(5, ev.FactsExtracted(bank_id="b", facts=[fact("f3", "Caroline adopted a dog.")]))]
+    mm, cat = models(None, changes, end=6)
+    content = "Pets so far:\n- Caroline loves animals [1]"
+    cat.upsert_mental_model(
+        MentalModel("m", "b", "Caroline's pets", "Which pets does Caroline have?", content,
+                    memory_offset=5, updated_at=2.0),
+        refresh=MentalModelRevision(0, content, ("o1",), "refresh", mode="full",
+                                    evidence=("f1", "f2")))
+    m = cat.get_mental_model("b", "m")
+    assert m.based_on_evidence == ("f1", "f2")
+    mm.revise = reflector.revise
+    r = mm.delta(m, NOW)
+    assert r.based_on == ["o1", "f3"]
+    (msg,) = recorded
+    assert list(msg.based_on) == ["o1", "f3"]
+    assert list(msg.evidence_memory_ids) == ["f1", "f2"]
