@@ -96,13 +96,19 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
     item: the facts of the items extracted by then go out, the others are failures with
     reason "cancelled", and ``FactsExtracted.cancelled`` is set."""
     stop = cancels.watch(m.operation_id, meta) if cancels is not None else None
-    facts = extract(m, m.operation_id, extractor, embedder, at=meta.time, stop=stop)
+    unstored: list[tuple[str, int]] = []
+    facts = extract(m, m.operation_id, extractor, embedder, at=meta.time, stop=stop,
+                    unstored=unstored)
     if m.HasField("observation_scopes"):
         facts.observation_scopes.CopyFrom(m.observation_scopes)
-    # which document names which entity: deleting the document forgets the names only it gave
+
+    def scope(document_id: str) -> str:
+        return document_scope(document_id) if document_id else retain_scope(m.operation_id)
+    # which document names which entity: deleting the document forgets the names only it
+    # gave, also those a cancelled item gave before the cancel came (in no stored fact)
     resolver.note_mentions(m.bank_id, [
-        (e.id, document_scope(f.document_id) if f.document_id else retain_scope(m.operation_id))
-        for f in facts.facts for e in f.entities])
+        *((e.id, scope(f.document_id)) for f in facts.facts for e in f.entities),
+        *((i, scope(m.items[k].document_id)) for i, k in unstored)])
     entities, claims, aliases = resolver.drain(m.bank_id)
     if not (entities or claims or aliases):
         return [facts]
@@ -217,8 +223,8 @@ def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, resolver: EntityResol
 
 
 def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder,
-            at: datetime | None = None, stop: Callable[[], bool] | None = None
-            ) -> ev.FactsExtracted:
+            at: datetime | None = None, stop: Callable[[], bool] | None = None,
+            unstored: list[tuple[str, int]] | None = None) -> ev.FactsExtracted:
     """Extract and embed every item of a retain request. An item that fails is recorded
     in ``failures`` with its reason; the others still yield facts. Items ingest refused
     (``rejected_items``, empty placeholders) are not extracted and fail with ingest's
@@ -230,7 +236,10 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     extractor) or slices of items (the offline one). When extraction ran to its end,
     embedding asks it between slices of texts, and an item whose facts were not all
     embedded when it turned true is cancelled too: every item either has all its facts,
-    with their vectors, or fails."""
+    with their vectors, or fails. ``unstored`` (a list) gets (entity id, item index) for
+    the entities resolved for a cancelled item (its speakers, the facts cancelled while
+    embedding): names it gave that no stored fact carries."""
+    unstored = unstored if unstored is not None else []
     rejected = {r.item_index: r for r in m.rejected_items}
     keep = [i for i in range(len(m.items)) if i not in rejected]
     items = [codec.retain_item_from_pb(m.items[i]) for i in keep]
@@ -242,7 +251,8 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
     elif stop is not None and stop():
         facts, failures = [], [_cancelled(i) for i in range(len(items))]
     else:
-        facts, failures = _extract_items(m, items, source_id, extractor, stop)
+        facts, failures, resolved = _extract_items(m, items, source_id, extractor, stop)
+        unstored.extend((i, keep[k]) for k, ids in resolved.items() for i in ids)
     report = getattr(extractor, "report", lambda _: None)(source_id) if items else None
     # the model found nothing in an item, but facts kept beside the model's (offline
     # ones) may have: such an item is not a no-fact item
@@ -267,6 +277,8 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
         if len(vectors) < len(facts):  # cancelled while embedding: drop the items not done
             undone = sorted({f.item_index for f in facts[len(vectors):]})
             gone = set(undone)
+            unstored.extend((e.id, f.item_index) for f in facts if f.item_index in gone
+                            for e in f.entities)
             facts = [f for f in facts[:len(vectors)] if f.item_index not in gone]
             failures += [_cancelled(i) for i in undone]
     failures = sorted([*failures, *(ev.ItemFailure(item_index=i, error=r.error, field=r.field,
@@ -307,16 +319,18 @@ def _cancelled(i: int) -> ev.ItemFailure:
 
 def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
                    extractor, stop: Callable[[], bool] | None = None
-                   ) -> tuple[list, list[ev.ItemFailure]]:
-    """(facts, failures) of ``items``, indexes local to ``items``."""
+                   ) -> tuple[list, list[ev.ItemFailure], dict[int, list[str]]]:
+    """(facts, failures, entity ids resolved for failed items:
+    :attr:`ExtractionIncomplete.resolved`) of ``items``, indexes local to ``items``."""
     failures: list[ev.ItemFailure] = []
+    resolved: dict[int, list[str]] = {}
     more = {"stop": stop} if stop is not None else {}
     try:
         with telemetry.span("extraction.extract", mneme__bank_id=m.bank_id,
                             mneme__items=len(items), mneme__extractor=type(extractor).__name__):
             facts = extractor.extract_many(m.bank_id, items, source_id, **more)
     except ExtractionIncomplete as e:  # per-item outcomes are known: no second pass
-        facts = e.facts
+        facts, resolved = e.facts, e.resolved
         failures = [_cancelled(i) if f.reason == CANCELLED else
                     ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
                     for i, f in sorted(e.failures.items())]
@@ -335,4 +349,4 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
                 raise
             except Exception as e:
                 failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
-    return facts, failures
+    return facts, failures, resolved

@@ -159,10 +159,14 @@ class ExtractionIncomplete(Exception):
     ``handlers.extract`` treats it as any batch error and asks again item by item, which
     is served from the extractor's cache without new model calls."""
 
-    def __init__(self, facts: list[Fact], failures: dict[int, ItemExtractionFailed]):
+    def __init__(self, facts: list[Fact], failures: dict[int, ItemExtractionFailed],
+                 resolved: dict[int, list[str]] | None = None):
         super().__init__(f"{len(failures)} item(s) failed: " + "; ".join(
             f"item {i}: {f}" for i, f in sorted(failures.items())))
         self.facts, self.failures = facts, failures
+        #: failed item index → the entity ids resolved for it before it failed (the
+        #: offline extractor's speakers): names it gave that no fact carries
+        self.resolved = resolved or {}
 
 
 @dataclass

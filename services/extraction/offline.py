@@ -267,8 +267,8 @@ class OfflineExtractor:
         # spaCy's objects live only inside the zone (in _facts' frame): what these texts
         # added to the pipeline's strings is dropped at its end (a server parses for months)
         with _nlp.zone():
-            facts, mention_lists, done = self._facts(bank_id, items, source_id, first_index,
-                                                     stop)
+            facts, mention_lists, done, speakers = self._facts(bank_id, items, source_id,
+                                                               first_index, stop)
         for f, refs in zip(facts, self.resolver.resolve_many(bank_id, mention_lists)):
             f.entities = refs
         if done < len(items):
@@ -276,15 +276,17 @@ class OfflineExtractor:
                 first_index + k: ItemExtractionFailed(
                     first_index + k, CANCELLED,
                     "the operation was cancelled before this item was extracted")
-                for k in range(done, len(items))})
+                for k in range(done, len(items))},
+                {first_index + k: speakers[k] for k in range(done, len(items)) if speakers[k]})
         return facts
 
     def _facts(self, bank_id: str, items: Sequence[RetainItem], source_id: str,
                first_index: int, stop: Callable[[], bool] | None = None
-               ) -> tuple[list[Fact], list[list[tuple[str, str]]], int]:
+               ) -> tuple[list[Fact], list[list[tuple[str, str]]], int, list[list[str]]]:
         """:meth:`extract_many`'s facts without entities, each fact's entity mentions
-        as (name, label) pairs (plain strings: nothing of spaCy's is returned), and how
-        many items were extracted (fewer than ``items`` when ``stop()`` turned true)."""
+        as (name, label) pairs (plain strings: nothing of spaCy's is returned), how
+        many items were extracted (fewer than ``items`` when ``stop()`` turned true), and
+        the entity ids of each item's speakers (resolved for every item, up front)."""
         segs_by_item = [_segments(k, it) for k, it in enumerate(items)]
         captions = [_caption(it) for it in items]
         all_segs = [s for segs in segs_by_item for s in segs]
@@ -295,8 +297,12 @@ class OfflineExtractor:
 
         # Speakers first, so the full name "Melanie" becomes canonical before a later
         # "Mel" in the text can claim it (the resolver then makes "Mel" an alias).
-        if speakers:
-            self.resolver.resolve(bank_id, [(s, "PERSON") for s in speakers])
+        # (one list per speaker: the same decisions as one list, and each speaker's id)
+        ids = dict(zip(speakers, self.resolver.resolve_many(
+            bank_id, [[(s, "PERSON")] for s in speakers]))) if speakers else {}
+        item_speakers = [list(dict.fromkeys(r.id for s in segs if s.speaker
+                                            for r in ids.get(s.speaker, ())))
+                         for segs in segs_by_item]
 
         facts: list[Fact] = []
         mention_lists: list[list[tuple[str, str]]] = []
@@ -304,13 +310,13 @@ class OfflineExtractor:
         step = SLICE_ITEMS if stop is not None else max(1, len(items))
         for a in range(0, len(items), step):
             if a and stop is not None and stop():
-                return facts, mention_lists, a
+                return facts, mention_lists, a, item_speakers
             b = min(len(items), a + step)
             per_item = self._chunks(items[a:b], segs_by_item[a:b], captions[a:b], names)
             prev_last = self._slice_facts(bank_id, items[a:b], per_item, source_id,
                                           first_index + a, speaker_keys, prev_last,
                                           facts, mention_lists)
-        return facts, mention_lists, len(items)
+        return facts, mention_lists, len(items), item_speakers
 
     def _chunks(self, items: Sequence[RetainItem], segs_by_item: list, captions: list[str],
                 names: set[str]) -> list[list[_Chunk]]:

@@ -422,3 +422,47 @@ def test_progress_projected_before_its_request_keeps_what_only_the_request_knows
     op = catalog.get_operation(OP)
     assert (op.state, op.source, op.retry_of) == ("failed", f"{INTAKE}/0/3", OTHER)
     assert op.cancelled and op.cancel_requested
+
+
+class _Watch:
+    """A CancelWatch whose ``stop`` is the given function."""
+
+    def __init__(self, stop):
+        self.stop = stop
+
+    def watch(self, operation_id, meta):
+        return self.stop
+
+
+@pytest.mark.parametrize("when", ["between slices", "while embedding"])
+def test_names_only_a_cancelled_item_gave_go_with_its_document(when):
+    """A cancelled item may be resolved before the cancel came (the offline extractor
+    resolves every speaker first; an item cancelled while embedding was extracted whole):
+    the entities only it named are in no stored fact, yet deleting its document forgets
+    them like any other name it gave (they stayed in the entity store, user content)."""
+    from mneme.keys import document_scope
+    t = datetime(2024, 5, 9, tzinfo=timezone.utc)
+    late = RetainItem("Zelda Quistorp: Yesterday I flew to Reykjavik with Obadiah Fenwick.", t,
+                      document_id="late")
+    items = [*_turns(SLICE_ITEMS), late] if when == "between slices" else [*_turns(149), late]
+    store = MemoryEntityStore()
+    resolver = EntityResolver(store)
+    if when == "between slices":
+        embedder, watch = FakeEmbedder(), _Watch(_asks(2))  # false before, true after slice 1
+    else:
+        watch = _StopWhileEmbedding()
+        embedder = watch.embedder
+    outs = extraction.on_retain_requested(
+        retain_msg(*[codec.retain_item_to_pb(it) for it in items]), meta(),
+        extractor=OfflineExtractor(resolver), embedder=embedder, resolver=resolver,
+        cancels=watch)
+    out = [o for o in outs if isinstance(o, ev.FactsExtracted)][0]
+    assert len(items) - 1 in {f.item_index for f in out.failures if f.reason == CANCELLED}
+    named = {e.id for f in out.facts for e in f.entities}
+    made = {e.id: e.name for o in outs if isinstance(o, ev.EntitiesResolved)
+            for e in o.entities}
+    orphans = {i for i in made if i not in named}
+    assert "Zelda Quistorp" in {made[i] for i in orphans}  # resolved, on no stored fact
+    resolver.forget_scope(out.bank_id, document_scope("late"))
+    assert not orphans & set(store._entities.get(out.bank_id, {}))
+    assert named <= set(store._entities.get(out.bank_id, {}))  # the chat's names stay
