@@ -717,6 +717,54 @@ def test_opening_with_frames_in_the_wal_keeps_this_process_s_locks(path):
         again.close()
 
 
+def test_two_instances_opened_at_once_keep_the_process_s_locks(path, monkeypatch):
+    """Two instances of one file opened at once in a process (threads): the second must
+    not read the header by a descriptor of its own while the first, still being checked,
+    holds a connection: closing that descriptor drops the process's locks, and another
+    process closing the log then deletes the WAL and shm in use."""
+    import os
+
+    from mneme.bus import sqlite_log
+    SqliteEventLog(path).close()
+    real, first = sqlite_log.check_file, threading.Event()
+    connected, second_done = threading.Event(), threading.Event()
+
+    def check_file(p, conn=None):  # the first instance pauses here, connected
+        out = real(p, conn)
+        if not first.is_set():
+            first.set()
+            connected.set()
+            assert second_done.wait(60)
+        return out
+    monkeypatch.setattr(sqlite_log, "check_file", check_file)
+    opened = []
+    t = threading.Thread(target=lambda: opened.append(SqliteEventLog(path)))
+    t.start()
+    assert connected.wait(60)
+    threading.Timer(0.5, second_done.set).start()  # the second may wait for the first
+    second = SqliteEventLog(path)
+    second_done.set()
+    t.join(60)
+    (log,) = opened
+    try:
+        reader = textwrap.dedent("""
+            import sys
+            from mneme.bus.sqlite_log import SqliteEventLog
+            SqliteEventLog(sys.argv[1]).close()
+        """)
+        subprocess.run([sys.executable, "-c", reader, path], check=True, timeout=60)
+        assert os.path.exists(path + "-wal") and os.path.exists(path + "-shm")
+        log.append([OutRecord("t", "k", b"after")])
+    finally:
+        second.close()
+        log.close()
+    again = SqliteEventLog(path)
+    try:
+        assert b"after" in [r.value for r in all_records(again, "t")]
+    finally:
+        again.close()
+
+
 def test_damage_while_open_fails_fast_and_consumers_back_off(path):
     import os
 

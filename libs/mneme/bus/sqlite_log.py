@@ -321,15 +321,21 @@ class SqliteEventLog:
         #: What is wrong with the file once damage was seen (None while whole).
         self.damage: str | None = None
         self._size = 0  # main file size after our last commit (it never shrinks)
+        # Counted as open from before its first connection, and the header read (before
+        # SQLite touches the file) under the same lock, only while no other instance of
+        # this process is open or opening: reading it by a descriptor of its own would
+        # drop their connections' locks (two instances opened at once by two threads).
         with _SHARED_LOCK:
             others = self._shared.opened
-        if check and not others:
-            # before SQLite touches the file; not while another instance of this process
-            # has it open (reading it by a descriptor of its own would drop their locks)
-            problem = header_problem(self.path)
+            self._shared.opened += 1
+            try:
+                problem = header_problem(self.path) if check and not others else None
+            except BaseException:
+                self._shared.opened -= 1
+                raise
+        try:
             if problem:
                 raise LogDamaged(self.path, problem)
-        try:
             self._writer = self._connect()
             if check:
                 problem = check_file(self.path, self._writer)
@@ -339,12 +345,12 @@ class SqliteEventLog:
             self._init_schema()
             self._size = os.path.getsize(self.path)
             self._page_size = self._writer.execute("PRAGMA page_size").fetchone()[0]
+        except BaseException as e:
             with _SHARED_LOCK:
-                self._shared.opened += 1
-        except sqlite3.DatabaseError as e:
-            if not is_damage(e):
-                raise
-            raise LogDamaged(self.path, f"SQLite: {e}") from e
+                self._shared.opened -= 1
+            if isinstance(e, sqlite3.DatabaseError) and is_damage(e):
+                raise LogDamaged(self.path, f"SQLite: {e}") from e
+            raise
 
     # ---- connections -------------------------------------------------------------
 
@@ -700,19 +706,21 @@ class SqliteEventLog:
         if self._closed:
             return
         self._closed = True
-        with _SHARED_LOCK:
-            self._shared.opened -= 1
         self.wake()
-        with self._readers_lock:
-            for _, conn in self._readers:
-                conn.close()
-            self._readers.clear()
-        with self._shared.write_lock:
-            # SQLite checkpoints when the last connection closes, but not while another
-            # one (another instance on the file) is open: do it here, best effort
-            with suppress(sqlite3.Error):
-                self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            self._writer.close()
+        try:
+            with self._readers_lock:
+                for _, conn in self._readers:
+                    conn.close()
+                self._readers.clear()
+            with self._shared.write_lock:
+                # SQLite checkpoints when the last connection closes, but not while another
+                # one (another instance on the file) is open: do it here, best effort
+                with suppress(sqlite3.Error):
+                    self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                self._writer.close()
+        finally:
+            with _SHARED_LOCK:  # its connections are closed: the header may be read again
+                self._shared.opened -= 1
 
     def __enter__(self) -> "SqliteEventLog":
         return self
