@@ -699,22 +699,32 @@ def test_opening_with_frames_in_the_wal_keeps_this_process_s_locks(path):
     log = SqliteEventLog(path)
     try:
         SqliteEventLog(path).close()  # another instance of this process: same locks kept
-        reader = textwrap.dedent("""
-            import sys
-            from mneme.bus.sqlite_log import SqliteEventLog
-            SqliteEventLog(sys.argv[1]).close()
-        """)
-        subprocess.run([sys.executable, "-c", reader, path], check=True, timeout=60)
+        _open_and_close_in_another_process(path)
         assert os.path.exists(path + "-wal") and os.path.exists(path + "-shm")
         log.append([OutRecord("t", "k", b"after")])
         assert b"after" in [r.value for r in all_records(log, "t")]
     finally:
         log.close()
+    _reopened_holds(path, b"after")
+
+
+def _reopened_holds(path: str, value: bytes) -> None:
+    """The log at ``path``, opened again, holds a record ``value`` on topic "t"."""
     again = SqliteEventLog(path)
     try:
-        assert b"after" in [r.value for r in all_records(again, "t")]
+        assert value in [r.value for r in all_records(again, "t")]
     finally:
         again.close()
+
+
+def _open_and_close_in_another_process(path: str) -> None:
+    """What an external reader of the history does (README): open the log and close it."""
+    reader = textwrap.dedent("""
+        import sys
+        from mneme.bus.sqlite_log import SqliteEventLog
+        SqliteEventLog(sys.argv[1]).close()
+    """)
+    subprocess.run([sys.executable, "-c", reader, path], check=True, timeout=60)
 
 
 def test_two_instances_opened_at_once_keep_the_process_s_locks(path, monkeypatch):
@@ -747,22 +757,13 @@ def test_two_instances_opened_at_once_keep_the_process_s_locks(path, monkeypatch
     t.join(60)
     (log,) = opened
     try:
-        reader = textwrap.dedent("""
-            import sys
-            from mneme.bus.sqlite_log import SqliteEventLog
-            SqliteEventLog(sys.argv[1]).close()
-        """)
-        subprocess.run([sys.executable, "-c", reader, path], check=True, timeout=60)
+        _open_and_close_in_another_process(path)
         assert os.path.exists(path + "-wal") and os.path.exists(path + "-shm")
         log.append([OutRecord("t", "k", b"after")])
     finally:
         second.close()
         log.close()
-    again = SqliteEventLog(path)
-    try:
-        assert b"after" in [r.value for r in all_records(again, "t")]
-    finally:
-        again.close()
+    _reopened_holds(path, b"after")
 
 
 def test_damage_while_open_fails_fast_and_consumers_back_off(path):

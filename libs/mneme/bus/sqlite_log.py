@@ -170,14 +170,7 @@ def header_problem(path: str, min_size: int = 0) -> str | None:
         return problem
     if _wal_frames(path) or pages == 0 or valid_for != change_counter:
         return None
-    expected = pages * page_size
-    if size < expected:
-        return (f"truncated: the file has {size} bytes, its header records {pages} pages "
-                f"of {page_size} bytes ({expected} bytes)")
-    if size > expected:
-        return (f"{size - expected} bytes after its last page (the header records {pages} "
-                f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
-    return None
+    return _pages_problem_of(size, pages, page_size)
 
 
 def _size_problem(size: int, page_size: int, min_size: int = 0) -> str | None:
@@ -188,6 +181,19 @@ def _size_problem(size: int, page_size: int, min_size: int = 0) -> str | None:
     if size % page_size:
         return (f"{size} bytes is not a whole number of {page_size}-byte pages (truncated, "
                 "or bytes appended)")
+    return None
+
+
+def _pages_problem_of(size: int, pages: int, page_size: int) -> str | None:
+    """What a file of ``size`` bytes whose header records ``pages`` pages of
+    ``page_size`` bytes says is wrong (truncated, or bytes after its last page), or None."""
+    expected = pages * page_size
+    if size < expected:
+        return (f"truncated: the file has {size} bytes, its header records {pages} pages "
+                f"of {page_size} bytes ({expected} bytes)")
+    if size > expected:
+        return (f"{size - expected} bytes after its last page (the header records {pages} "
+                f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
     return None
 
 
@@ -203,14 +209,7 @@ def _pages_problem(conn: sqlite3.Connection, path: str) -> str | None:
     if problem or _wal_frames(path):
         return problem
     pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    expected = pages * page_size
-    if size < expected:
-        return (f"truncated: the file has {size} bytes, its header records {pages} pages "
-                f"of {page_size} bytes ({expected} bytes)")
-    if size > expected:
-        return (f"{size - expected} bytes after its last page (the header records {pages} "
-                f"pages of {page_size} bytes = {expected} bytes; garbage appended?)")
-    return None
+    return _pages_problem_of(size, pages, page_size)
 
 
 def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
