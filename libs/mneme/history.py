@@ -190,8 +190,7 @@ class HistoryOpener:
 
     def open(self, record: Any) -> OpenedEvent:
         """The record (see :func:`as_record` for what is accepted) decoded and opened."""
-        rec = as_record(record)
-        return self._opened(rec, None)
+        return self._opened(as_record(record), None)
 
     def _opened(self, rec: Record, msg: Message | None) -> OpenedEvent:
         try:

@@ -121,15 +121,20 @@ def _headers_in(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
 TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
 
 
-def too_large(record: OutRecord, exc: BaseException) -> RecordTooLarge:
-    """The :class:`mneme.errors.RecordTooLarge` of ``record``, refused with ``exc`` (one
-    of :data:`TOO_LARGE`): names its event type, topic and size."""
-    kind = record.headers.get("ce_type", "record").rsplit(".", 1)[-1]
-    return RecordTooLarge(
-        f"{kind} of bank {record.key!r} is {len(record.value):,} bytes, more than the "
-        f"event log takes for one record on {record.topic} (Kafka's max.request.size / "
-        f"max.message.bytes, 1 MiB by default); split the request into smaller ones "
-        f"({type(exc).__name__})")
+@contextlib.contextmanager
+def refused_as_too_large(record: OutRecord):
+    """Around sending ``record`` (or awaiting its acknowledgement): one of
+    :data:`TOO_LARGE` becomes :class:`mneme.errors.RecordTooLarge`, naming its event
+    type, topic and size."""
+    try:
+        yield
+    except TOO_LARGE as exc:
+        kind = record.headers.get("ce_type", "record").rsplit(".", 1)[-1]
+        raise RecordTooLarge(
+            f"{kind} of bank {record.key!r} is {len(record.value):,} bytes, more than the "
+            f"event log takes for one record on {record.topic} (Kafka's max.request.size / "
+            f"max.message.bytes, 1 MiB by default); split the request into smaller ones "
+            f"({type(exc).__name__})") from exc
 
 
 def record_of(msg) -> Record:
@@ -371,18 +376,14 @@ class KafkaEventLog:
             n = await self._partitions(r.topic) or await self._ensure_topic(
                 r.topic, default_partitions(r.topic))
             p = partition_for(r.key, n)
-            try:
+            with refused_as_too_large(r):  # a client's request, not the brokers failing
                 futures.append(await self._producer.send(
                     r.topic, bytes(r.value), key=r.key.encode("utf-8"), partition=p,
                     headers=_headers_out(r.headers)))
-            except TOO_LARGE as exc:  # a client's request, not the brokers failing
-                raise too_large(r, exc) from exc
         out = []
         for r, fut in zip(records, futures):
-            try:
+            with refused_as_too_large(r):  # the brokers' limit may be lower than the producer's
                 md = await fut
-            except TOO_LARGE as exc:  # the brokers' limit may be lower than the producer's
-                raise too_large(r, exc) from exc
             ts = md.timestamp / 1000.0 if md.timestamp and md.timestamp > 0 else time.time()
             out.append(Record(r.topic, md.partition, md.offset, r.key, bytes(r.value),
                               dict(r.headers), ts))

@@ -67,7 +67,7 @@ from google.protobuf.message import Message
 from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, PROGRESS, default_partitions, dead_letter
 from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
-from mneme.bus.kafka_log import TOO_LARGE, KafkaOptions, record_of, too_large
+from mneme.bus.kafka_log import KafkaOptions, record_of, refused_as_too_large
 from mneme.bus.sealing import erased_record
 from mneme.datadir import write_atomic
 from mneme.errors import Cancelled, RecordTooLarge
@@ -291,17 +291,13 @@ class GroupRun:
         pending = []
         for r in records:
             # every topic a router or a dead letter writes has its group's publisher
-            try:
+            with refused_as_too_large(r):
                 pending.append((r, await self.publishers[r.topic].publish(
                     bytes(r.value), key=r.key.encode("utf-8"), headers=dict(r.headers),
                     correlation_id=r.headers.get("ce_id") or None, no_confirm=True)))
-            except TOO_LARGE as exc:
-                raise too_large(r, exc) from exc
         for r, fut in pending:
-            try:
+            with refused_as_too_large(r):
                 await fut
-            except TOO_LARGE as exc:
-                raise too_large(r, exc) from exc
 
     def dead_letters(self, rec: Record, exc: BaseException, attempts: int,
                      env: Envelope | None) -> list[OutRecord]:
