@@ -288,12 +288,19 @@ class Ingest:
         waits for it, and a write waits for a DeleteBank (:class:`BankGate`)."""
         gate = self._gate(bank_id)
         with gate.shared():
-            rec = self._deleting.get(bank_id)
-            if rec is not None:
-                if self.log.committed(self.group, rec.topic, rec.partition) <= rec.offset:
-                    raise NotFound(f"bank {bank_id!r} is being deleted")
-                self._deleting.pop(bank_id, None)
+            self._refuse_while_deleting(bank_id)
             yield
+
+    def _refuse_while_deleting(self, bank_id: str) -> None:
+        """NotFound while a DeleteBank of ``bank_id`` this process appended is not yet
+        projected by its catalog (its wait ran out): the catalog still holds the bank, but
+        nothing may be written to it, nor may it be deleted again. No CreateBank after
+        that deletion can have been acknowledged yet (it waits for its own record)."""
+        rec = self._deleting.get(bank_id)
+        if rec is not None:
+            if self.log.committed(self.group, rec.topic, rec.partition) <= rec.offset:
+                raise NotFound(f"bank {bank_id!r} is being deleted")
+            self._deleting.pop(bank_id, None)
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
@@ -463,6 +470,7 @@ class Ingest:
         op_id = str(uuid.uuid4())
         # exclusive: no write checked against this bank is appended after its deletion
         with self._gate(bank_id).exclusive():
+            self._refuse_while_deleting(bank_id)
             self.require_bank(bank_id)
             if self.keys is not None:
                 self.keys.destroy_bank(bank_id)

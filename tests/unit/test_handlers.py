@@ -1182,3 +1182,39 @@ def test_no_write_is_appended_after_a_bank_deletion_whose_wait_ran_out():
     with pytest.raises(NotFound, match="not found"):
         cmd.retain("b", [RetainItem(content="late", timestamp=T0)], wait=False)
     assert len(log.appended) == 1
+
+
+def test_a_second_bank_deletion_before_the_catalog_drops_the_bank_appends_nothing():
+    """A DeleteBank repeated while the catalog still holds the bank (the first one's wait
+    ran out) is NOT_FOUND "being deleted", as every other write then is: it neither
+    destroys the bank's keys again nor appends a second BankDeleted (whose operation
+    would report a deletion of nothing as done)."""
+    from mneme.errors import DeadlineExceeded
+
+    class Stalled(_Log):
+        projected = 0
+
+        def committed(self, group, topic, partition):
+            return self.projected
+
+    class Keys:
+        destroyed: list = []
+
+        def destroy_bank(self, bank_id):
+            self.destroyed.append(bank_id)
+
+    log, catalog, keys = Stalled(), MemoryCatalog(), Keys()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01, keys=keys)
+    with pytest.raises(DeadlineExceeded):
+        cmd.delete_bank("b", timeout=0.05)
+    with pytest.raises(NotFound, match="being deleted"):
+        cmd.delete_bank("b", timeout=0.05)
+    assert [codec.decode(r).message.DESCRIPTOR.name for r in log.appended] == ["BankDeleted"]
+    assert keys.destroyed == ["b"]
+    # once the catalog has dropped it, the bank is simply not found
+    log.projected = len(log.appended)
+    catalog.delete_bank("b")
+    with pytest.raises(NotFound, match="not found"):
+        cmd.delete_bank("b", timeout=0.05)
+    assert len(log.appended) == 1 and keys.destroyed == ["b"]
