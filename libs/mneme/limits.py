@@ -45,28 +45,28 @@ class Limits(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MNEME_LIMIT_", extra="ignore")
 
-    query_chars: int = Field(8_000, description="Recall / Reflect query")
-    context_chars: int = Field(20_000, description="Retain item or Reflect context")
-    content_chars: int = Field(200_000, description="Retain item content")
-    items: int = Field(1_000, description="Items per Retain request")
-    tags: int = Field(64, description="Tags per item, per request or per scope")
-    tag_chars: int = Field(200, description="One tag")
-    metadata_entries: int = Field(64, description="Metadata entries per item")
-    metadata_key_chars: int = Field(128, description="A metadata key")
-    metadata_value_chars: int = Field(8_192, description="A metadata value")
-    id_chars: int = Field(256, description="Resource names, document / request / memory "
-                                           "ids")
-    mission_chars: int = Field(20_000, description="Bank retain / observations mission")
-    text_chars: int = Field(4_096, description="Any other string (display name, …)")
-    list_entries: int = Field(256, description="Any other repeated field (types, scopes, "
-                                               "update_mask paths)")
-    schema_bytes: int = Field(65_536, description="Reflect response_schema, encoded")
-    page_size: int = Field(1_000, description="Largest page of a List call (a larger "
-                                              "page_size is served as this, AIP-158)")
-    max_tokens: int = Field(1_000_000, description="Largest Recall max_tokens")
-    request_bytes: int = Field(32 << 20, description="A whole gRPC request, encoded "
-                                                     "(larger: RESOURCE_EXHAUSTED)")
-    key_ids: int = Field(1_000, description="Key ids per BatchGetDataKeys request")
+    query_chars: int = Field(8_000, ge=1, description="Recall / Reflect query")
+    context_chars: int = Field(20_000, ge=1, description="Retain item or Reflect context")
+    content_chars: int = Field(200_000, ge=1, description="Retain item content")
+    items: int = Field(1_000, ge=1, description="Items per Retain request")
+    tags: int = Field(64, ge=1, description="Tags per item, per request or per scope")
+    tag_chars: int = Field(200, ge=1, description="One tag")
+    metadata_entries: int = Field(64, ge=1, description="Metadata entries per item")
+    metadata_key_chars: int = Field(128, ge=1, description="A metadata key")
+    metadata_value_chars: int = Field(8_192, ge=1, description="A metadata value")
+    id_chars: int = Field(256, ge=1, description="Resource names, document / request / memory "
+                                                 "ids")
+    mission_chars: int = Field(20_000, ge=1, description="Bank retain / observations mission")
+    text_chars: int = Field(4_096, ge=1, description="Any other string (display name, …)")
+    list_entries: int = Field(256, ge=1, description="Any other repeated field (types, scopes, "
+                                                     "update_mask paths)")
+    schema_bytes: int = Field(65_536, ge=1, description="Reflect response_schema, encoded")
+    page_size: int = Field(1_000, ge=1, description="Largest page of a List call (a larger "
+                                                    "page_size is served as this, AIP-158)")
+    max_tokens: int = Field(1_000_000, ge=1, description="Largest Recall max_tokens")
+    request_bytes: int = Field(32 << 20, ge=1, description="A whole gRPC request, encoded "
+                                                           "(larger: RESOURCE_EXHAUSTED)")
+    key_ids: int = Field(1_000, ge=1, description="Key ids per BatchGetDataKeys request")
 
     @property
     def key_id_chars(self) -> int:

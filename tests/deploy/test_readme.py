@@ -75,3 +75,12 @@ def test_the_retain_flow_names_files_that_exist():
     for p in paths:
         if "<name>" not in p:
             assert (ROOT / p).exists(), p
+
+
+def test_every_variable_read_is_known_to_the_start_check():
+    """A server refuses MNEME_* variables it does not know (mneme.config.check_environment):
+    every one the code, the deploy files and the README name must be known to it."""
+    from mneme.config import unknown_variables
+    documented = {v for v in re.findall(r"`(MNEME_[A-Z0-9_]*[A-Z0-9])`", README)
+                  if not v.endswith(("_TLS", "_SSL", "_LIMIT", "_LLM"))}  # prefixes of a family
+    assert unknown_variables(dict.fromkeys(variables_read() | documented, "")) == []

@@ -11,6 +11,12 @@ from pathlib import Path
 from mneme.client import MnemeClient
 from tests.ports import free_port  # noqa: F401 - re-exported for the e2e tests
 
+
+def _inherited() -> dict[str, str]:
+    """This process's environment without the test harness's own MNEME_FUZZ_* knobs,
+    which a server would refuse as unknown settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MNEME_FUZZ_")}
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +44,7 @@ class Server:
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [str(mneme), "up", "--data-dir", str(self.data_dir), "--address", self.address],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", **self.env})
+            stdout=out, stderr=subprocess.STDOUT, env={**_inherited(), "HF_HUB_OFFLINE": "1", **self.env})
         with MnemeClient(self.address) as m:
             try:
                 m.wait_ready(timeout=timeout)
@@ -67,7 +73,7 @@ class Server:
         mneme = Path(sys.executable).with_name("mneme")
         out = subprocess.run([str(mneme), "replay", "--data-dir", str(self.data_dir)],
                              capture_output=True, text=True,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", **self.env})
+                             env={**_inherited(), "HF_HUB_OFFLINE": "1", **self.env})
         assert out.returncode == 0, out.stderr
         self.start()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 MNEME = str(Path(sys.executable).with_name("mneme"))
+ROOT = Path(__file__).resolve().parents[2]
 
 BAD = {
     "sasl-without-credentials": ({"MNEME_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
@@ -32,6 +33,8 @@ BAD = {
 
 def run(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("MNEME_")}
+    # this checkout's code, also from tmp_path (a relative PYTHONPATH would not reach it)
+    base["PYTHONPATH"] = os.pathsep.join([str(ROOT / "libs"), str(ROOT)])
     return subprocess.run([MNEME, *args], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={**base, "MNEME_DATA_DIR": str(tmp_path / "data"),
                                              "MNEME_BUS_URL": "kafka://127.0.0.1:9", **env})
@@ -65,3 +68,53 @@ def test_a_service_with_an_unknown_store_scheme_stops_at_once_in_one_line(tmp_pa
     assert "Traceback" not in out.stderr, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if "cannot start" in x]
     assert "MNEME_VECTOR_URL" in line and "qdarnt" in line
+
+
+#: A server start that would otherwise go on with a setting silently ignored, or fail
+#: with an error naming no setting: (environment, the variable the line must name, and
+#: a word of the remedy it must hold).
+SERVER_BAD = {
+    "misspelled-variable": ({"MNEME_AUTH_MOD": "api_key"}, "MNEME_AUTH_MOD", "MNEME_AUTH_MODE"),
+    "misspelled-limit": ({"MNEME_LIMIT_ITEM": "10"}, "MNEME_LIMIT_ITEM", "MNEME_LIMIT_ITEMS"),
+    "limit-wrong-type": ({"MNEME_LIMIT_ITEMS": "many"}, "MNEME_LIMIT_ITEMS", "integer"),
+    "limit-zero": ({"MNEME_LIMIT_ITEMS": "0"}, "MNEME_LIMIT_ITEMS", "1"),
+    "no-workers": ({"MNEME_GRPC_WORKERS": "0"}, "MNEME_GRPC_WORKERS", "1"),
+    "negative-timeout": ({"MNEME_RETAIN_TIMEOUT_S": "-5"}, "MNEME_RETAIN_TIMEOUT_S", "0"),
+    "metrics-port-range": ({"MNEME_METRICS_PORT": "99999"}, "MNEME_METRICS_PORT", "65535"),
+    "embed-threads": ({"MNEME_EMBED_THREADS": "four"}, "MNEME_EMBED_THREADS", "integer"),
+    "log-level": ({"MNEME_LOG_LEVEL": "LOUD"}, "MNEME_LOG_LEVEL", "DEBUG"),
+    "missing-tls-file": ({"MNEME_TLS_CERT": "/nonexistent/server.pem",
+                          "MNEME_TLS_KEY": "/nonexistent/server.key"},
+                         "MNEME_TLS_CERT", "/nonexistent/server.pem"),
+}
+
+
+@pytest.mark.parametrize("command", [["up"], ["serve", "ingest"]])
+@pytest.mark.parametrize("case", sorted(SERVER_BAD))
+def test_a_server_refuses_a_setting_it_would_ignore_or_not_name(case, command, tmp_path):
+    env, variable, remedy = SERVER_BAD[case]
+    out = run([*command, "--address", "127.0.0.1:0"],
+              {"MNEME_BUS_URL": f"sqlite:///{tmp_path}/data/log.db", "MNEME_METRICS_PORT": "0",
+               **env}, tmp_path)
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [x for x in out.stderr.splitlines() if variable in x]
+    assert len(lines) == 1 and remedy in lines[0], out.stderr
+    assert "mneme is up" not in out.stderr
+
+
+def test_kubernetes_service_links_are_not_taken_for_misspelled_settings(tmp_path):
+    """Kubernetes gives every pod <SERVICE>_SERVICE_HOST/_PORT… variables of the
+    namespace's Services; a release named mneme makes MNEME_INGEST_SERVICE_HOST and the
+    like. They are not settings, and must not stop a start."""
+    from mneme.config import unknown_variables
+    links = {"MNEME_INGEST_SERVICE_HOST": "10.0.0.1", "MNEME_INGEST_SERVICE_PORT": "50051",
+             "MNEME_INGEST_SERVICE_PORT_GRPC": "50051", "MNEME_INGEST_PORT": "tcp://10.0.0.1:50051",
+             "MNEME_INGEST_PORT_50051_TCP": "tcp://10.0.0.1:50051",
+             "MNEME_INGEST_PORT_50051_TCP_PROTO": "tcp",
+             "MNEME_INGEST_PORT_50051_TCP_PORT": "50051",
+             "MNEME_INGEST_PORT_50051_TCP_ADDR": "10.0.0.1",
+             "MNEME_SERVICE_HOST": "10.0.0.2", "MNEME_PORT": "tcp://10.0.0.2:9092"}
+    assert unknown_variables({**links, "MNEME_DATA_DIR": "/d", "PATH": "/bin"}) == []
+    assert unknown_variables({"MNEME_GRPC_ADRESS": "x"}) == [
+        ("MNEME_GRPC_ADRESS", "MNEME_GRPC_ADDRESS")]

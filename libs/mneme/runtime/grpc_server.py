@@ -67,20 +67,38 @@ def bind(server: grpc.Server, address: str, settings: Settings) -> int:
     (any auth mode), requiring a client certificate signed by ``MNEME_TLS_CLIENT_CA`` for
     ``mtls``; plaintext otherwise. The files are re-read when they change (every new
     connection's handshake sees the current ones; see :func:`reloading_credentials`).
-    Returns the port (0 when it cannot bind). Raises ValueError for mtls without the
-    three files, or a key without a certificate; OSError when a file cannot be read."""
+    Returns the port (0 when it cannot bind). Raises ConfigurationError naming the
+    variable for mtls without the three files, a key without a certificate, a file that
+    cannot be read, or a certificate and key that are not a matching PEM pair."""
+    from mneme.errors import ConfigurationError
     mtls = settings.auth_mode == "mtls"
     if mtls and not (settings.tls_cert and settings.tls_key and settings.tls_client_ca):
-        raise ValueError("MNEME_AUTH_MODE=mtls needs MNEME_TLS_CERT, MNEME_TLS_KEY and "
-                         "MNEME_TLS_CLIENT_CA")
+        raise ConfigurationError("MNEME_AUTH_MODE=mtls needs MNEME_TLS_CERT, MNEME_TLS_KEY "
+                                 "and MNEME_TLS_CLIENT_CA")
     if bool(settings.tls_cert) != bool(settings.tls_key):
-        raise ValueError("TLS needs both MNEME_TLS_CERT and MNEME_TLS_KEY")
+        raise ConfigurationError("TLS needs both MNEME_TLS_CERT and MNEME_TLS_KEY")
+    files = {"MNEME_TLS_CERT": settings.tls_cert, "MNEME_TLS_KEY": settings.tls_key,
+             "MNEME_TLS_CLIENT_CA": settings.tls_client_ca if mtls else ""}
+    for variable, path in files.items():
+        if path:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ConfigurationError(f"{variable}: cannot read {path}: "
+                                         f"{e.strerror or e}") from None
     try:
         if not settings.tls_cert:
             return server.add_insecure_port(address)
-        creds = reloading_credentials(settings.tls_cert, settings.tls_key,
-                                      settings.tls_client_ca if mtls else "",
-                                      require_client=mtls)
+        try:
+            creds = reloading_credentials(settings.tls_cert, settings.tls_key,
+                                          settings.tls_client_ca if mtls else "",
+                                          require_client=mtls)
+        except (OSError, grpc.RpcError, ValueError) as e:  # ssl.SSLError is an OSError
+            raise ConfigurationError(
+                f"MNEME_TLS_CERT ({settings.tls_cert}) and MNEME_TLS_KEY "
+                f"({settings.tls_key}) are not a PEM certificate and its private key: "
+                f"{e}") from None
         return server.add_secure_port(address, creds)
     except RuntimeError:  # grpcio's "Failed to bind": taken, or not an address of ours
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import grpc
@@ -233,7 +234,11 @@ def run_service(name: str, settings: Settings | None = None) -> None:
     allocator.trim_every(proc.settings.malloc_trim_interval_s)
     grpc_server.setup_telemetry(f"mneme-{name}", proc.settings)
     stop = signals.stop_on_signals()
-    proc.bind()
+    try:
+        proc.bind()
+    except ConfigurationError as exc:  # the TLS files, the auth mode: the operator's to fix
+        log.error("%s: cannot start: %s", name, " ".join(str(exc).split()))
+        raise SystemExit(1)
     failed: list[BaseException] = []
 
     def start() -> None:
@@ -262,9 +267,16 @@ def main_service(name: str) -> None:
     """Entry point of ``python -m services.<name>`` (same as ``mneme serve <name>``):
     logging, settings from MNEME_*."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from mneme.config import check_environment, configuration_message
+    try:
+        check_environment()
+        settings = Settings()
+    except ValueError as e:  # ConfigurationError, pydantic's ValidationError
+        print(f"{name}: configuration error: {configuration_message(e)}", file=sys.stderr)
+        raise SystemExit(1)
     logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
-    run_service(name)
+    run_service(name, settings)
 
 
 def _runner(root: Root, parts: ServiceParts):
