@@ -56,8 +56,8 @@ from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
 from mneme.timeparse import time_zone_name
-from services.reflect.handlers import (Reflection, is_stale_memory, reflect_offline,
-                                      scope_filters)
+from services.reflect.handlers import (MODEL_FAILED, Reflection, is_stale_memory,
+                                      reflect_offline, scope_filters)
 
 __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflection",
            "ToolEvent", "TextDelta", "Done", "TOOLS", "system_prompt"]
@@ -479,7 +479,8 @@ class ReflectAgent:
             if not self.fallback_offline or streamed:
                 raise
             log.warning("reflect: model failed (%s); answering extractively", e)
-            r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags)
+            r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags,
+                                why=MODEL_FAILED)
             yield Done(AgentReflection(r.text, r.based_on, True, usage=usage, tools_called=called,
                                        iterations=it, memories_supplied=len(ctx.by_ref)))
             return

@@ -47,27 +47,36 @@ def scope_filters(tags: Sequence[str]) -> Filters:
     return Filters(tags=tuple(tags), tags_match="any") if tags else Filters()
 
 
+#: Why an answer is extractive: no reflect model, or the model failed (after its retries).
+NO_MODEL = "no language model configured"
+MODEL_FAILED = "the reflect model failed"
+NO_MEMORIES = f"I have no memories that answer this (extractive answer, {NO_MODEL})."
+
+
 def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: datetime,
                     recall: Callable[[RecallQuery], RecallOutcome], max_quotes: int = 5,
-                    tags: Sequence[str] = ()) -> Reflection:
+                    tags: Sequence[str] = (), why: str = NO_MODEL) -> Reflection:
     """Extractive reflect: recall (``budget``, within ``tags``), rerank the head by how
     many of the question's content words each memory covers, and quote the best
-    ``max_quotes``. Raises InvalidArgument for an empty query."""
+    ``max_quotes``; ``why`` says in the answer why it is extractive (:data:`NO_MODEL`, or
+    :data:`MODEL_FAILED` for a model's fallback). Raises InvalidArgument for an empty
+    query."""
     if not query or not query.strip():
         raise InvalidArgument("query", "must not be empty")
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
                                  filters=scope_filters(tags), budget=budget, max_tokens=2048,
                                  time_zone=time_zone_name(now)))
     if not outcome.results:
-        return Reflection(NO_MEMORIES, [], True)
+        return Reflection(NO_MEMORIES if why == NO_MODEL else
+                          f"I have no memories that answer this (extractive answer, {why}).",
+                          [], True)
     terms = content_terms(query + " " + context)
     ranked = sorted(enumerate(outcome.results),
                     key=lambda p: (-_coverage(p[1].fact.text, terms), p[0]))[:max_quotes]
     ranked.sort(key=lambda p: p[0])  # keep recall order among the chosen ones
     lines = [quote_line(s.fact.text, s.fact.occurred_start or s.fact.mentioned_at)
              for _, s in ranked]
-    text = ("Extractive answer (no language model configured); the most relevant memories:\n"
-            + "\n".join(lines))
+    text = (f"Extractive answer ({why}); the most relevant memories:\n" + "\n".join(lines))
     return Reflection(text, [s.fact.id for _, s in ranked], True,
                       documents={s.fact.id: s.fact.document_id for _, s in ranked})
 
@@ -83,8 +92,6 @@ def is_stale_memory(memory) -> bool:
 
 
 #: The extractive answer when recall finds nothing.
-NO_MEMORIES = ("I have no memories that answer this (extractive answer, no language model "
-               "configured).")
 
 
 def quote_line(text: str, when: datetime | None) -> str:

@@ -184,3 +184,13 @@ def test_model_unreachable_falls_back_to_the_extractive_answer(stub):
     stub.on("chat", status(503), status(503))
     r = agent(gw)("bank", "Where does Caroline live?", "", "mid", NOW)
     assert r.extractive is True and "f-berlin" in r.based_on and r.usage.failed_calls == 2
+    # a model is configured: the answer says it failed, not that there is none
+    assert "reflect model failed" in r.text and "no language model configured" not in r.text
+
+
+def test_model_unreachable_and_no_memories_says_the_model_failed(stub):
+    gw = make_gateway(stub, llm_max_retries=0)
+    stub.on("chat", status(503))
+    r = agent(gw, FakeRecall(facts=()))("bank", "Where does Caroline live?", "", "mid", NOW)
+    assert r.extractive is True and r.based_on == []
+    assert "reflect model failed" in r.text and "no language model configured" not in r.text
