@@ -691,8 +691,10 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
                                          "one after the other")):
     """Rebuild search's stores (vectors, text, graph) from the event log into a new
     generation, check it against the live one (units per bank, sampled recalls) and
-    switch to it; the old generation stays until `mneme generations drop`. Calls no
-    model: derived events carry facts and vectors. A failed replay changes nothing.
+    switch to it. The retired generation's files are deleted MNEME_RETIRE_GRACE_S (30 s)
+    after the switch, at once with the server stopped; on store servers the search
+    replicas share it stays until `mneme generations drop`. Calls no model: derived
+    events carry facts and vectors. A failed replay changes nothing.
 
     With --address, a running server (`mneme up`, or a search replica with local store
     files) replays while it serves. Without, the data dir's server must be stopped; the
@@ -887,8 +889,9 @@ def generations_list(address: Optional[str] = typer.Option(
 def generations_drop(generation: int,
                      address: Optional[str] = typer.Option(None, "--address", "-a"),
                      data_dir: Path = typer.Option(None, "--data-dir", "-d")):
-    """Delete a RETIRED or FAILED generation's stores, on a running server (--address) or
-    in a stopped server's data dir."""
+    """Delete a generation that is not live (RETIRED, FAILED or READY; a BUILDING one's
+    replay is cancelled first), on a running server (--address) or in a stopped server's
+    data dir."""
     if address:
         with _client(address) as m:
             try:
