@@ -414,7 +414,7 @@ class LiveReplay:
                      g, done, prev)
         except BaseException as exc:
             log.warning("replay of generation %d failed, generation %d still serves: %s",
-                        g, self.generations.live(), exc)
+                        g, self.generations.live(), str(exc) or type(exc).__name__)
             try:
                 for w in behind:  # no write of g in flight while it is deleted
                     with contextlib.suppress(Exception):
