@@ -1797,7 +1797,8 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
     """Rebuild a damaged embedded event log (MNEME_BUS_URL=sqlite:///…, default
     DATA_DIR/log.db) from every record SQLite can still read, keeping topics, partitions,
     offsets and consumer-group offsets; the damaged file is kept beside it
-    (log.db.damaged-<time>). Stop the server first. Then `mneme replay` rebuilds the
+    (log.db.damaged-<time>). A log found whole is left as it is; an interrupted recovery
+    leaves the log as it was. Stop the server first. Then `mneme replay` rebuilds the
     projections from what was kept."""
     from mneme.bootstrap import Root
     from mneme.datadir import DataDirLocked
@@ -1822,7 +1823,10 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
         r = recover(path)
     finally:
         root.close()
-    print(f"checked {path}: {r.problem or 'no damage found'}")
+    if r.problem is None:
+        print(f"checked {path}: no damage found; the log is left as it is")
+        return
+    print(f"checked {path}: {r.problem}")
     print(f"kept {r.kept_total} records, {r.groups} consumer-group offsets"
           + (" (group offsets unreadable: groups start from 0)" if r.groups_lost else ""))
     for topic, n in sorted(r.kept.items()):

@@ -914,3 +914,53 @@ def test_a_call_waiting_on_a_stopped_kafka_loop_ends_instead_of_hanging():
     assert not t.is_alive() and outcome == ["cancelled"]
     with pytest.raises(RuntimeError, match="closed"):
         loop.run(asyncio.sleep(0))
+
+
+def _filled_log(path: str, n: int = 50) -> None:
+    log = SqliteEventLog(path)
+    log.append([rec(INTAKE, f"b{i % 3}", f"v{i}") for i in range(n)])
+    log.close()
+
+
+def test_recover_leaves_a_whole_log_as_it_is(path):
+    """`mneme log recover` on a log its check finds whole changes nothing: no rewrite,
+    no copy of the file set aside as "damaged" (each run used to add one)."""
+    from mneme.bus.sqlite_log import recover
+    import os
+
+    _filled_log(path)
+    before = open(path, "rb").read()
+    report = recover(path)
+    assert report.problem is None and report.damaged == ""
+    assert open(path, "rb").read() == before
+    assert sorted(os.listdir(os.path.dirname(path))) == ["events.db"]
+
+
+def test_an_interrupted_recovery_leaves_the_damaged_log_in_place(path, monkeypatch):
+    """A recovery stopped halfway (Ctrl-C while it copies) leaves the log as it was, not
+    a log holding only the records copied so far that the server would then start on."""
+    from mneme.bus import sqlite_log
+    import os
+
+    _filled_log(path)
+    with open(path, "ab") as f:
+        f.write(b"\x00garbage" * 500)  # damage: bytes after the log's end
+    damaged = open(path, "rb").read()
+    real_copy = sqlite_log._copy
+
+    def interrupted(src, new, report, chunk):
+        real_copy(src, new, report, chunk)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sqlite_log, "_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sqlite_log.recover(path)
+    assert open(path, "rb").read() == damaged
+    monkeypatch.setattr(sqlite_log, "_copy", real_copy)
+    report = sqlite_log.recover(path)  # run again: it completes
+    assert report.problem and report.kept_total == 50 and os.path.exists(report.damaged)
+    log = SqliteEventLog(path)
+    try:
+        assert len(all_records(log, INTAKE)) == 50
+    finally:
+        log.close()

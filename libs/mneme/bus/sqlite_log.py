@@ -817,15 +817,19 @@ def _max_rowid(conn: sqlite3.Connection) -> int:
 
 def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
     """Rebuild the log at ``path`` from whatever of it SQLite can still read: the file
-    (with its ``-wal``/``-shm``) is renamed to ``<path>.damaged-<UTC time>``, a new log
-    is created at ``path``, and every readable record is copied with its topic,
+    (with its ``-wal``/``-shm``) is copied to ``<path>.damaged-<UTC time>``, a new log is
+    built beside it from that copy, and every readable record is copied with its topic,
     partition, offset, key, value, headers and timestamp (offsets keep their numbers, so
     a lost record leaves a gap that readers skip), then the topics and the consumer-group
     offsets that are readable (each clamped to the new end of its partition, so records
-    appended after recovery are not skipped). Reads rows ``chunk`` rowids at a time,
-    falling back to one by one around damage. Works on a whole file too (a copy).
-    Stop every process using the log first. Raises FileNotFoundError when ``path`` does
-    not exist."""
+    appended after recovery are not skipped). Only then does the new log replace the old
+    one, in one rename: a recovery interrupted before (Ctrl-C) leaves the log as it was.
+    A log that :func:`check_file` finds whole is left as it is (the report's ``damaged``
+    is then ""). Reads rows ``chunk`` rowids at a time, falling back to one by one
+    around damage. Stop every process using the log first. Raises FileNotFoundError
+    when ``path`` does not exist."""
+    import shutil
+
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(path)
@@ -833,11 +837,13 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
         problem = check_file(path)
     except sqlite3.DatabaseError as e:
         problem = f"SQLite: {e}"
+    if problem is None:
+        return RecoveryReport(path=path, damaged="", problem=None)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    damaged = f"{path}.damaged-{stamp}"
+    damaged, fresh = f"{path}.damaged-{stamp}", f"{path}.recovering-{stamp}"
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(path + suffix):
-            os.replace(path + suffix, damaged + suffix)
+            shutil.copy2(path + suffix, damaged + suffix)
     report = RecoveryReport(path=path, damaged=damaged, problem=problem)
     src = sqlite3.connect(damaged, isolation_level=None)
     try:
@@ -847,13 +853,26 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
                 src.execute(f"PRAGMA {pragma}")
             except sqlite3.DatabaseError:
                 pass
-        new = SqliteEventLog(path, check=False)
+        new = SqliteEventLog(fresh, check=False)
         try:
             _copy(src, new, report, chunk)
         finally:
-            new.close()
+            new.close()  # checkpointed: the new log is one whole file
+    except BaseException:
+        for suffix in ("", "-wal", "-shm"):
+            with suppress(OSError):
+                os.remove(fresh + suffix)
+        raise
     finally:
         src.close()
+    # The old WAL must not meet the new file (SQLite would apply its frames to it); the
+    # copy at ``damaged`` keeps them.
+    for suffix in ("-wal", "-shm"):
+        with suppress(FileNotFoundError):
+            os.remove(path + suffix)
+        with suppress(FileNotFoundError):
+            os.remove(fresh + suffix)
+    os.replace(fresh, path)
     return report
 
 
