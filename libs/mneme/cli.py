@@ -127,7 +127,7 @@ AddressOpt = typer.Option(ADDRESS, "--address", "-a", help="gRPC address of a ru
 
 
 @app.callback()
-def _options(api_key: Optional[str] = typer.Option(
+def _options(ctx: typer.Context, api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="MNEME_API_KEY",
         help="API key sent to the server (MNEME_AUTH_MODE=api_key)"),
         tls_ca: Optional[str] = typer.Option(
@@ -148,6 +148,11 @@ def _options(api_key: Optional[str] = typer.Option(
                        ("MNEME_CLIENT_TLS_SERVER_NAME", tls_server_name)):
         if value:
             os.environ[var] = value
+    if ctx.invoked_subcommand not in ("up", "serve"):  # the servers refuse them outright
+        from mneme.config import unknown_variables
+        for name, hint in unknown_variables(os.environ):
+            console.print(f"warning: {name} is not a mneme setting, ignored"
+                          + (f" (did you mean {hint}?)" if hint else ""), style="yellow")
 
 
 def _client(address: str):

@@ -118,3 +118,13 @@ def test_kubernetes_service_links_are_not_taken_for_misspelled_settings(tmp_path
     assert unknown_variables({**links, "MNEME_DATA_DIR": "/d", "PATH": "/bin"}) == []
     assert unknown_variables({"MNEME_GRPC_ADRESS": "x"}) == [
         ("MNEME_GRPC_ADRESS", "MNEME_GRPC_ADDRESS")]
+
+
+def test_a_client_command_warns_of_a_misspelled_variable(tmp_path):
+    """A client command goes on (the variable may be meant for something else), but says
+    in one line that the misspelled name is ignored, naming the one meant: a mistyped
+    MNEME_ADRESS would otherwise send it to the default address without a word."""
+    out = run(["keys", "list"], {"MNEME_ADRESS": "127.0.0.1:1"}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "MNEME_ADRESS" in x]
+    assert "MNEME_ADDRESS" in line and "ignored" in line
