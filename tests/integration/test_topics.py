@@ -101,6 +101,20 @@ def test_topics_create_then_check_passes_on_a_new_broker(broker, tmp_path):
     assert out.returncode == 0 and "topics ok" in out.stdout + out.stderr, out.stderr
 
 
+def test_check_on_a_broker_without_the_topics_says_to_create_them(broker, tmp_path):
+    """Before `mneme topics create`, `mneme topics check` names each missing topic and the
+    command that creates it, rather than a retention setting to alter on a topic that
+    does not exist."""
+    out = subprocess.run([mneme_bin(), "topics", "check"], env=_env(broker, tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said
+    for t in MANAGED_TOPICS:
+        (line,) = [x for x in said.splitlines() if x.startswith(f"error {t}")]
+        assert "does not exist" in line and "mneme topics create" in line, line
+    assert "retention.ms" not in said and "cleanup.policy" not in said, said
+
+
 def test_intake_and_memory_with_different_partition_counts_are_refused(broker, tmp_path):
     # A replica restores a bank's state from intake and memory by partition number:
     # topics created by hand with other counts would restore the wrong banks.

@@ -46,7 +46,8 @@ def ensure(log, partitions: int | None = None, keys: bool = True) -> None:
 
 def check(log) -> Report:
     """Compare the topics' configs on ``log`` with mneme's (a log without
-    ``topic_configs``, the embedded one, passes)."""
+    ``topic_configs``, the embedded one, passes); a missing topic is an error naming
+    ``mneme topics create``."""
     report = Report()
     counts = {t: log.partitions(t) for t in CO_PARTITIONED}
     if len(set(counts.values()) - {0}) > 1:
@@ -60,6 +61,10 @@ def check(log) -> Report:
         return report
     have = describe(list(MANAGED_TOPICS))
     for t in MANAGED_TOPICS:
+        if not log.partitions(t):  # its configs would read as "not set"
+            report.errors.append(f"{t} does not exist: create the topics with "
+                                 "`mneme topics create`")
+            continue
         got, wanted = have.get(t, {}), log.configs_for(t)
         if t == KEYS:
             report.errors += _key_topic_errors(got, log.partitions(t))
