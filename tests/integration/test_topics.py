@@ -160,3 +160,18 @@ def test_a_key_topic_that_would_expire_keys_is_refused(broker):
         assert set(log.topic_configs(list(MANAGED_TOPICS))) == set(MANAGED_TOPICS)
     finally:
         log.close()
+
+
+def test_a_broker_refusing_the_idempotent_producer_names_the_setting(broker, tmp_path):
+    """tansu answers InitProducerId with an error, as a broker without the idempotent
+    producer does: the command stops in one line naming MNEME_KAFKA_ENABLE_IDEMPOTENCE
+    (it said "UnknownError: [Error -1] UnknownError"), without aiokafka's noise about an
+    unclosed producer."""
+    env = {**_env(broker, tmp_path), "MNEME_KAFKA_ENABLE_IDEMPOTENCE": "true"}
+    out = subprocess.run([mneme_bin(), "topics", "check"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    said = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in said, said
+    (line,) = [x for x in said.splitlines() if "configuration error" in x]
+    assert "MNEME_KAFKA_ENABLE_IDEMPOTENCE=false" in line, said
+    assert "Unclosed" not in said, said

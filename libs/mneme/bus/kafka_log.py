@@ -45,9 +45,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.client import AIOKafkaClient
-from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaError,
-                             KafkaTimeoutError, MessageSizeTooLargeError, RecordListTooLargeError,
-                             RecordTooLargeError, TopicAlreadyExistsError)
+from aiokafka.errors import (CommitFailedError, IllegalStateError, KafkaConnectionError,
+                             KafkaError, KafkaTimeoutError, MessageSizeTooLargeError,
+                             RecordListTooLargeError, RecordTooLargeError,
+                             TopicAlreadyExistsError)
 
 from mneme.bus import (ALL_TOPICS, TOPIC_CONFIGS, StaleCommitError, default_partitions,
                        partition_for)
@@ -259,7 +260,20 @@ class KafkaEventLog:
         self._producer = AIOKafkaProducer(
             **self._common(), acks="all", enable_idempotence=self.options.enable_idempotence,
             linger_ms=0)
-        await self._producer.start()
+        try:
+            await self._producer.start()
+        except KafkaError as exc:
+            await self._producer.stop()
+            await self._admin.close()
+            await self._meta.close()
+            if not self.options.enable_idempotence or isinstance(
+                    exc, (KafkaConnectionError, KafkaTimeoutError)):
+                raise
+            # the broker answered, but not the idempotent producer's InitProducerId
+            raise ConfigurationError(
+                f"the Kafka broker at {self.bootstrap_servers} refused an idempotent "
+                f"producer ({type(exc).__name__}: {exc}): a broker without it needs "
+                "MNEME_KAFKA_ENABLE_IDEMPOTENCE=false") from exc
         # No group: used for read() and end_offset() with manual assignment.
         self._reader = AIOKafkaConsumer(**self._common(), enable_auto_commit=False,
                                         auto_offset_reset="earliest", fetch_max_wait_ms=10)
