@@ -56,7 +56,7 @@ import grpc
 from mneme import telemetry
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import wrap_handler
-from mneme.names import bank_id_of, memory_of
+from mneme.names import BANK_ID_RE, bank_id_of, memory_of
 
 log = logging.getLogger(__name__)
 
@@ -251,10 +251,15 @@ class KeyStore:
 
     def add(self, banks: list[str], scope: str, subject: str = "") -> tuple[str, str]:
         """Store a new key's hash; returns (key id, key): the key is not kept. ``scope``:
-        see :func:`parse_scope` (ValueError for an unknown one, or no bank)."""
+        see :func:`parse_scope` (ValueError for an unknown one, no bank, or a bank id that
+        is not a bank slug)."""
         scope = parse_scope(scope)
         if not banks:
             raise ValueError("name at least one bank (or '*')")
+        for bank in banks:
+            if bank != "*" and not BANK_ID_RE.fullmatch(bank):
+                raise ValueError(f"bank {bank!r}: bank id must match {BANK_ID_RE.pattern} "
+                                 "(or '*' for every bank)")
         key_id, key = new_key()
         entry = {"id": key_id, "hash": hash_key(key), "banks": sorted(set(banks)),
                  "scope": scope, "created": datetime.now(timezone.utc).isoformat()}

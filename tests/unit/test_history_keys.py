@@ -322,3 +322,13 @@ def test_a_record_that_cannot_be_opened_is_named_in_the_error(served):
         assert e.value.record.offset == 41
         with pytest.raises(DecodeError, match=r"mneme\.memory\.v1\[2\]@42 \(mneme\.events"):
             opener.open(garbled)
+
+
+def test_a_key_for_a_bank_id_that_cannot_exist_is_refused(tmp_path):
+    """`mneme keys create --bank 'Bad Bank!'` stored a key for a bank no request can
+    name (a typo, or a display name given for the id): refused, naming the bank."""
+    store = auth.KeyStore(tmp_path / "api_keys.json")
+    with pytest.raises(ValueError, match="'Bad Bank!'.*bank id must match"):
+        store.add(["alice", "Bad Bank!"], "read")
+    assert store.entries() == []
+    store.add(["alice", "*"], "read")  # '*' covers every bank
