@@ -1749,15 +1749,17 @@ def topics_create():
     configs (history never expires, the key topic is compacted), then check them (as
     `mneme topics check`). Existing
     topics are left alone. Used by the Helm chart's topics Job."""
-    from mneme.bus import MANAGED_TOPICS
+    from mneme.bus import ALL_TOPICS, MANAGED_TOPICS
     from mneme.bus.logs import open_event_log
     from mneme.bus.topics import ensure
     from mneme.config import Settings
     st = Settings()
     event_log = open_event_log(st.url("bus"), **st.kafka_options())
     try:
-        ensure(event_log, st.topic_partitions())
-        for t in MANAGED_TOPICS:
+        # the key topic only on Kafka: the embedded topology keeps its keys in keys.db
+        kafka = st.url("bus").lower().startswith("kafka:")
+        ensure(event_log, st.topic_partitions(), keys=kafka)
+        for t in MANAGED_TOPICS if kafka else ALL_TOPICS:
             print(f"{t}\t{event_log.partitions(t)} partitions")
         _report_topics(event_log)
     finally:

@@ -128,3 +128,21 @@ def test_a_client_command_warns_of_a_misspelled_variable(tmp_path):
     assert out.returncode == 0, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if "MNEME_ADRESS" in x]
     assert "MNEME_ADDRESS" in line and "ignored" in line
+
+
+def test_topics_create_on_the_embedded_log_makes_no_key_topic(tmp_path):
+    """The embedded topology keeps its keys in keys.db: `mneme topics create` on its log
+    (as on a server's, while it runs) adds mneme's topics but not mneme.keys.v1, which
+    nothing there reads."""
+    from mneme.bus import KEYS
+    from mneme.bus.sqlite_log import SqliteEventLog
+
+    bus = tmp_path / "data" / "log.db"
+    out = run(["topics", "create"], {"MNEME_BUS_URL": f"sqlite:///{bus}"}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert KEYS not in out.stdout and "mneme.intake.v1" in out.stdout
+    log = SqliteEventLog(str(bus))
+    try:
+        assert log.partitions(KEYS) == 0
+    finally:
+        log.close()
