@@ -26,7 +26,7 @@ from mneme.bus import codec, partition_for, topics
 from mneme.bus.logs import open_event_log
 from mneme.config import Settings
 from mneme.datadir import DataDirLocked, lock, replica_id, unlock
-from mneme.errors import MnemeError
+from mneme.errors import ConfigurationError, MnemeError
 from mneme.generations import generation_group
 from mneme.router import Group, Router, Service, group_ids
 
@@ -74,8 +74,12 @@ class Root:
         #: damaged or missing one is not an error (a damaged one is deleted and made anew)
         self.rebuilding = rebuilding
         self.data_dir = self.settings.data_dir.resolve()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = lock(self.data_dir)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: int | None = lock(self.data_dir)
+        except OSError as e:  # a file, no permission, a read-only file system
+            raise ConfigurationError(f"MNEME_DATA_DIR (--data-dir) {self.data_dir} cannot be "
+                                     f"the data directory: {e.strerror or e}") from None
         self._closers: list[Callable[[], None]] = []
 
     def _opened(self, obj, close: Callable[[], None] | None = None):

@@ -146,3 +146,18 @@ def test_topics_create_on_the_embedded_log_makes_no_key_topic(tmp_path):
         assert log.partitions(KEYS) == 0
     finally:
         log.close()
+
+
+@pytest.mark.parametrize("command", [["up"], ["serve", "ingest"]])
+def test_a_data_dir_that_cannot_be_one_is_named(command, tmp_path):
+    """A data dir path that is a file (or cannot be created or locked) stops the start in
+    one line naming MNEME_DATA_DIR and the path (it was "FileExistsError: [Errno 17]")."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    out = run([*command, "--address", "127.0.0.1:0"],
+              {"MNEME_DATA_DIR": str(afile), "MNEME_BUS_URL": f"sqlite:///{afile}/log.db",
+               "MNEME_METRICS_PORT": "0"}, tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "MNEME_DATA_DIR" in x]
+    assert str(afile) in line, line
