@@ -25,6 +25,7 @@ parameters (collection/index/graph names, API keys); see each adapter's ``parse_
 
 from __future__ import annotations
 
+import errno
 from typing import Callable
 from urllib.parse import unquote, urlsplit
 
@@ -105,6 +106,11 @@ def is_local(url: str) -> bool:
     return urlsplit(url).scheme.lower() in LOCAL_SCHEMES
 
 
+#: What opening a local store at a path that cannot hold it raises.
+_BAD_PATH = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+             PermissionError)
+
+
 def _opener(table: dict, url: str, kind: str) -> Callable:
     scheme = urlsplit(url).scheme.lower()
     try:
@@ -119,9 +125,9 @@ def _opener(table: dict, url: str, kind: str) -> Callable:
     def open_local(*args):
         try:
             return open_(*args)
-        except ConnectionError:
-            raise
         except OSError as e:  # a path that cannot be made or written does not heal itself
+            if not isinstance(e, _BAD_PATH) and e.errno != errno.EROFS:
+                raise
             raise ConfigurationError(f"MNEME_{kind.upper()}_URL {url}: cannot open the "
                                      f"{kind} store there: {e}") from None
     return open_local
