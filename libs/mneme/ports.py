@@ -16,6 +16,8 @@ from mneme.domain import (Bank, BankConfig, Directive, DocumentRevision, EntityI
                           RetainItem, StoredDocument, TimeWindow)
 
 if TYPE_CHECKING:  # for annotations only: ports import no protobuf or LLM code at run time
+    from contextlib import AbstractContextManager
+
     from mneme.events.v1 import events_pb2 as ev
     from mneme.llm.types import Completion, Connectivity, JsonResult, Usage
     from mneme.llm.settings import Endpoint, LlmSettings
@@ -416,6 +418,21 @@ class ObservationStore(Protocol):
         and is never repeated by another store instance: a caller that keeps observations
         in memory compares it to know they are still what the store holds. Not durable
         (a store opened again starts a new series)."""
+
+    def transaction(self) -> "AbstractContextManager[None]":
+        """A block whose writes are one atomic unit: all of them, or (when it raises, or
+        the process dies before it ends) none. Blocks nest (the outermost one commits).
+        consolidation handles each event in one, with :meth:`record_decision`."""
+
+    def decision(self, cause: str) -> "list | None":
+        """The outputs :meth:`record_decision` kept for the event id ``cause`` (messages,
+        in order), or None: not decided here, or too long ago to be kept."""
+
+    def record_decision(self, bank_id: str, cause: str, outputs: Sequence) -> None:
+        """Keep the outputs (``mneme.events.v1`` messages) that the event ``cause`` of
+        ``bank_id`` decided, with its writes (inside its :meth:`transaction`), until its
+        outputs are surely on the log: the latest 10,000 events are kept; a bank's are
+        forgotten when it forgets facts (they may quote them)."""
 
     def apply(self, m: "ev.ObservationsChanged") -> None:
         """Apply one ObservationsChanged atomically: store each observation state whose

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # recently are dropped first; a larger scope is read per event, as before.
 SCOPE_CACHE_ROWS = 20_000
 
+# The events consolidation decides on (the others it applies): their outputs are recorded
+# with their writes (ObservationStore.record_decision).
+_DECIDING = (ev.FactsExtracted, ev.FactsRetracted, ev.ConsolidationScheduled, ev.EntitiesMerged)
+
 
 @dataclass
 class _Scope:
@@ -140,8 +144,22 @@ class Consolidator:
         """One memory event → the ObservationsChanged and OpinionsChanged it causes (none
         when ``decide`` is False: replay applies recorded decisions only)."""
         self._memo, self._working = {}, {}
+        decides = decide and isinstance(m, _DECIDING)
         try:
-            return self._handle(m, meta, decide)
+            # One store transaction with the decisions it made: the log commits the outputs
+            # after the store has, so after a crash in between the event comes again and
+            # gets the decisions it made (deciding again from a store that holds them
+            # would decide nothing, and the log, which replay rebuilds from, miss them).
+            with self.store.transaction():
+                if decides and (done := self.store.decision(meta.id)) is not None:
+                    return done
+                out = self._handle(m, meta, decide)
+                if decides:
+                    self.store.record_decision(m.bank_id, meta.id, out)
+                return out
+        except BaseException:
+            self._scopes.clear()  # they may hold states the rollback undid
+            raise
         finally:
             self._working = {}  # taken and not kept by _apply: read again when needed
 

@@ -273,3 +273,41 @@ class ObservationStoreSuite:
         assert store.dump_opinions("a") == [] and list(store.opinions("b")) == ["p1"]
         store.reset()
         assert store.dump_opinions("b") == []
+
+    def test_a_transaction_is_all_or_nothing_with_its_decision(self, store):
+        """consolidation handles an event in one transaction with the outputs it decided:
+        a block that raises leaves nothing of it (nor its decision); one that ends keeps
+        both, and the decision is what was recorded."""
+        store.add_facts("a", [(fact("f0"), [[]])])
+        out = [changed(observations=[obs("o1", 1)], consolidated=["f0"])]
+        with pytest.raises(RuntimeError):
+            with store.transaction():
+                store.add_facts("a", [(fact("f1"), [[]])])
+                with store.transaction():  # nested: the outer block decides
+                    store.apply(out[0])
+                store.record_decision("a", "e1", out)
+                raise RuntimeError("the process stops mid-event")
+        assert self.ids(store.facts("a", pending=True)) == ["f0"]
+        assert store.observations("a") == {} and store.decision("e1") is None
+        with store.transaction():
+            store.add_facts("a", [(fact("f1"), [[]])])
+            store.apply(out[0])
+            store.record_decision("a", "e1", out)
+        assert self.ids(store.facts("a", pending=True)) == ["f1"]
+        assert [m.SerializeToString(deterministic=True) for m in store.decision("e1")] == \
+            [m.SerializeToString(deterministic=True) for m in out]
+        store.record_decision("b", "e2", [])
+        assert store.decision("e2") == []
+
+    def test_forgetting_facts_forgets_the_banks_decisions(self, store):
+        """Recorded decisions may quote facts: a bank that forgets facts, or is deleted,
+        keeps none of its decisions (another bank's stay)."""
+        store.add_facts("a", [(fact("f1"), [[]])])
+        store.record_decision("a", "e1", [changed(observations=[obs("o1", 1)])])
+        store.record_decision("b", "e2", [changed(bank="b")])
+        store.delete_facts("a", ["unknown"])
+        assert store.decision("e1") is not None
+        store.delete_facts("a", ["f1"])
+        assert store.decision("e1") is None and store.decision("e2") is not None
+        store.delete_bank("b")
+        assert store.decision("e2") is None

@@ -123,6 +123,8 @@ class TestSqliteObservationStore(ObservationStoreSuite):
         s = self.make_observations(tmp_path)
         s.add_facts("a", [(fact("f1", text=marker), [[]]), (fact("f2"), [[]])])
         s.apply(changed(observations=[obs("o1", 1, text=marker)], consolidated=["f1"]))
+        # consolidation's record of that decision quotes it too
+        s.record_decision("a", "e1", [changed(observations=[obs("o1", 1, text=marker)])])
         s.delete_facts("a", ["f1"])
         s.apply(changed(observations=[obs("o1", 2, text=marker, deleted=True)]))
 

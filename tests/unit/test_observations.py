@@ -610,3 +610,50 @@ def test_a_kept_scope_mostly_deleted_is_indexed_anew(embedder):
     (kept,) = h.c._scopes.values()
     assert len(kept.current) == 1 and kept.index.rows == 1
     assert kept.index.nearest(list(obs[0].embedding))[0] == obs[0].id
+
+
+def _redelivery(embedder, tmp_path, config: BankConfig, before, msg):
+    """Handle ``before`` then ``msg`` on a store file, as the live consolidation does; the
+    process then dies before the log commits ``msg``'s outputs (SIGKILL between the
+    store's commit and the log's), so the restarted process gets ``msg`` again. Returns
+    (the outputs of the first handling, those of the redelivery)."""
+    path = str(tmp_path / "observations.db")
+    h = Harness(embedder, config)
+    h.store = SqliteObservationStore(path)
+    h.c = Consolidator(h.store, lambda b: config, embedder=embedder)
+    for m in before(h):
+        h.send(m)
+    meta = EventMeta(derive_id("test", "crashed"), T0 + timedelta(days=1))
+    first = h.c.handle(msg(h), meta)
+    h.store.close()  # the outputs never reached the log
+    store = SqliteObservationStore(path)
+    again = Consolidator(store, lambda b: config, embedder=embedder).handle(msg(h), meta)
+    store.close()
+    return first, again
+
+
+@pytest.mark.parametrize("case", ["facts", "retraction", "consolidate"])
+def test_a_redelivered_event_gives_the_decisions_it_gave_before_a_crash(embedder, tmp_path,
+                                                                        case):
+    """The log is the truth replay rebuilds from: the decisions an event made must reach
+    it even when the process died after the store applied them (the redelivery then
+    found its facts consolidated, decided nothing, and replay lost the observations)."""
+    config = BankConfig(auto_consolidate=case != "consolidate")
+    before = {
+        "facts": lambda h: [h.facts("Alice loves hiking in the mountains.", doc="d1")],
+        "retraction": lambda h: [h.facts("Alice loves hiking in the mountains.", doc="d1"),
+                                 h.facts("Alice really enjoys mountain hiking.", doc="d2")],
+        "consolidate": lambda h: [h.facts("Alice loves hiking in the mountains.",
+                                          "Bob repaired his old bicycle on Sunday.")],
+    }[case]
+    msg = {
+        "facts": lambda h: h.facts("Alice really enjoys mountain hiking.", doc="d2"),
+        "retraction": lambda h: ev.FactsRetracted(bank_id="b", operation_id="del",
+                                                  document_id="d1"),
+        "consolidate": lambda h: ev.ConsolidationScheduled(bank_id="b", operation_id="c1"),
+    }[case]
+    first, again = _redelivery(embedder, tmp_path, config, before, msg)
+    assert first and any(isinstance(m, ev.ObservationsChanged) and m.observations
+                         for m in first), first
+    assert [m.SerializeToString(deterministic=True) for m in again] == \
+        [m.SerializeToString(deterministic=True) for m in first]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from mneme.domain import (TERMINAL, Bank, BankConfig, Directive, MentalModel, MentalModelRevision,
                           Operation, erase_mental_model_sources, from_epoch, merge_directive,
@@ -247,12 +248,59 @@ class MemoryObservationStore:
         self._obs: dict[str, dict[str, tuple]] = {}
         # bank → opinion id → (version, deleted, entity ids, bytes)
         self._opinions: dict[str, dict[str, tuple]] = {}
+        # cause → (bank, [(message class, bytes)]), oldest first
+        self._decisions: dict[str, tuple[str, list]] = {}
         self._changes = Revisions()  # of each bank's observations
+        self._depth = 0
 
     def revision(self, bank_id: str) -> tuple[int, int, int]:
         """See :meth:`mneme.ports.ObservationStore.revision`."""
         with self._lock:
             return self._changes.of(bank_id)
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """See :meth:`mneme.ports.ObservationStore.transaction` (a rollback restores a
+        copy taken when the outermost block began)."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            kept = copy.deepcopy((self._seq, self._facts, self._obs, self._opinions,
+                                  self._decisions))
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                (self._seq, self._facts, self._obs, self._opinions, self._decisions) = kept
+                self._changes.reset()
+                raise
+            finally:
+                self._depth = 0
+
+    def decision(self, cause: str) -> list | None:
+        """See :meth:`mneme.ports.ObservationStore.decision`."""
+        with self._lock:
+            got = self._decisions.get(cause)
+        return None if got is None else [cls.FromString(b) for cls, b in got[1]]
+
+    def record_decision(self, bank_id: str, cause: str, outputs: Sequence) -> None:
+        """See :meth:`mneme.ports.ObservationStore.record_decision`."""
+        from mneme.stores.observations_sqlite import DECISIONS_KEPT
+        with self._lock:
+            self._decisions.pop(cause, None)
+            self._decisions[cause] = (bank_id, [(type(m), m.SerializeToString(deterministic=True))
+                                                for m in outputs])
+            while len(self._decisions) > DECISIONS_KEPT:
+                del self._decisions[next(iter(self._decisions))]
+
+    def _forget_decisions(self, bank_id: str) -> None:
+        for k in [k for k, v in self._decisions.items() if v[0] == bank_id]:
+            del self._decisions[k]
 
     def flush(self) -> None:
         """Nothing to make durable (memory)."""
@@ -265,6 +313,7 @@ class MemoryObservationStore:
             self._facts.clear()
             self._obs.clear()
             self._opinions.clear()
+            self._decisions.clear()
             self._changes.reset()
 
     # ---- facts ----
@@ -299,14 +348,15 @@ class MemoryObservationStore:
     def delete_facts(self, bank_id: str, ids: Iterable[str]) -> None:
         with self._lock:
             bank = self._facts.get(bank_id, {})
-            for i in ids:
-                bank.pop(i, None)
+            if [bank.pop(i) for i in ids if i in bank]:
+                self._forget_decisions(bank_id)  # they may quote the facts
 
     def delete_bank(self, bank_id: str) -> None:
         with self._lock:
             self._facts.pop(bank_id, None)
             self._obs.pop(bank_id, None)
             self._opinions.pop(bank_id, None)
+            self._forget_decisions(bank_id)
             self._changes.bump(bank_id)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:

@@ -11,6 +11,12 @@ evidence or history), so nothing of the facts it was built from outlives them.
 
 Deleted rows leave no bytes in the file (:mod:`mneme.stores.sqlite_erase`: secure_delete,
 and the WAL truncated after every call that deleted something).
+
+:meth:`transaction` makes one event's writes one commit, together with the decisions
+(outputs) the event made (:meth:`record_decision`): the log commits those outputs only
+after the store has, so a process killed in between gets the event again and must send
+the same decisions (:meth:`decision`) instead of deciding anew from a state that already
+holds them.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
+
+from google.protobuf.message import Message
 
 from mneme.bus.codec import opinion_tombstone, tombstone
 from mneme.events.v1 import events_pb2 as ev
@@ -48,7 +57,17 @@ CREATE TABLE IF NOT EXISTS opinion_entities (
   bank_id TEXT NOT NULL, entity_id TEXT NOT NULL, opinion_id TEXT NOT NULL,
   PRIMARY KEY (bank_id, entity_id, opinion_id));
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- the outputs of the latest events decided (see record_decision), by causing event id
+CREATE TABLE IF NOT EXISTS decisions (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, bank_id TEXT NOT NULL, cause TEXT NOT NULL UNIQUE,
+  types TEXT NOT NULL, data BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS decisions_bank ON decisions (bank_id);
 """
+
+# Decisions kept (the latest, in all banks). Only those of events whose outputs the log has
+# not committed yet are needed: the embedded runner commits at most a batch (100 records)
+# of a partition at a time, a Kafka consumer its fetched records.
+DECISIONS_KEPT = 10_000
 
 
 def _scope_key(tags: Iterable[str]) -> str:
@@ -74,6 +93,65 @@ class SqliteObservationStore:
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
         self._changes = Revisions()  # of each bank's observations
+        self._depth = 0  # open transaction() blocks
+        self._erase = False  # a committed deletion is to truncate the WAL
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Every write inside is one SQLite transaction, committed when the outermost
+        block ends and rolled back (all of it) when it raises; blocks nest. Holds the
+        store's lock throughout (other threads wait)."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._db.execute("BEGIN")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth, self._erase = 0, False
+                self._db.execute("ROLLBACK")
+                self._changes.reset()  # what callers kept may hold rolled-back states
+                raise
+            self._depth = 0
+            self._db.execute("COMMIT")
+            if self._erase:
+                self._erase = False
+                sqlite_erase.truncate_wal(self._db)
+
+    def decision(self, cause: str) -> list[Message] | None:
+        """The outputs recorded for the event ``cause`` (:meth:`record_decision`), or None
+        when it was not decided here (or long ago)."""
+        with self._lock:
+            row = self._db.execute("SELECT types, data FROM decisions WHERE cause=?",
+                                   (cause,)).fetchone()
+        if row is None:
+            return None
+        out, data, at = [], row[1], 0
+        for name in json.loads(row[0]):  # each message: 4-byte length, then its bytes
+            n = int.from_bytes(data[at:at + 4], "big")
+            out.append(getattr(ev, name).FromString(data[at + 4:at + 4 + n]))
+            at += 4 + n
+        return out
+
+    def record_decision(self, bank_id: str, cause: str, outputs: Sequence[Message]) -> None:
+        """Keep the outputs (``mneme.events.v1`` messages) the event ``cause`` of
+        ``bank_id`` decided, in the transaction that holds its writes; the oldest beyond
+        :data:`DECISIONS_KEPT` are dropped, and a bank's are dropped when it forgets facts
+        (they may quote them)."""
+        blobs = [m.SerializeToString(deterministic=True) for m in outputs]
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT OR REPLACE INTO decisions (bank_id, cause, types, data) VALUES (?,?,?,?)",
+                (bank_id, cause, json.dumps([type(m).DESCRIPTOR.name for m in outputs]),
+                 b"".join(len(b).to_bytes(4, "big") + b for b in blobs)))
+            self._db.execute("DELETE FROM decisions WHERE seq <= ?",
+                             (cur.lastrowid - DECISIONS_KEPT,))
 
     def revision(self, bank_id: str) -> tuple[int, int, int]:
         """See :meth:`mneme.ports.ObservationStore.revision`."""
@@ -98,7 +176,8 @@ class SqliteObservationStore:
         """Forget everything (replay rebuilds it)."""
         with self._lock:
             self._db.executescript("DELETE FROM facts; DELETE FROM observations; DELETE FROM counters; "
-                                 "DELETE FROM opinions; DELETE FROM opinion_entities;")
+                                   "DELETE FROM opinions; DELETE FROM opinion_entities; "
+                                   "DELETE FROM decisions;")
             self._changes.reset()
             sqlite_erase.truncate_wal(self._db)
 
@@ -107,19 +186,13 @@ class SqliteObservationStore:
     def add_facts(self, bank_id: str, facts: Iterable[tuple[ev.Fact, list[list[str]]]]) -> None:
         """Record facts (pending) with their scopes; a known fact keeps its state. One
         transaction (one commit, not one per fact: each is a WAL sync)."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM facts").fetchone()[0]
-                self._db.executemany(
-                    "INSERT OR IGNORE INTO facts VALUES (?,?,?,?,?,0,?)",
-                    [(bank_id, f.id, seq + n, f.document_id, json.dumps(scopes),
-                      f.SerializeToString(deterministic=True))
-                     for n, (f, scopes) in enumerate(facts, 1)])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self.transaction():
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM facts").fetchone()[0]
+            self._db.executemany(
+                "INSERT OR IGNORE INTO facts VALUES (?,?,?,?,?,0,?)",
+                [(bank_id, f.id, seq + n, f.document_id, json.dumps(scopes),
+                  f.SerializeToString(deterministic=True))
+                 for n, (f, scopes) in enumerate(facts, 1)])
 
     def facts(self, bank_id: str, ids: Iterable[str] | None = None, pending: bool = False
               ) -> list[tuple[ev.Fact, list[list[str]]]]:
@@ -163,25 +236,20 @@ class SqliteObservationStore:
         """Forget these facts (one transaction; the WAL truncated when any was held)."""
         with self._lock:
             before = self._db.total_changes
-            self._db.execute("BEGIN")
-            try:
+            with self.transaction():
                 self._db.executemany("DELETE FROM facts WHERE bank_id=? AND id=?",
                                      [(bank_id, i) for i in ids])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            if self._db.total_changes != before:
-                sqlite_erase.truncate_wal(self._db)
+                if self._db.total_changes != before:
+                    self._db.execute("DELETE FROM decisions WHERE bank_id=?", (bank_id,))
+                    self._erase = True
 
     def delete_bank(self, bank_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM facts WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM observations WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM opinions WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM opinion_entities WHERE bank_id=?", (bank_id,))
+        with self.transaction():
+            for table in ("facts", "observations", "opinions", "opinion_entities",
+                          "decisions"):
+                self._db.execute(f"DELETE FROM {table} WHERE bank_id=?", (bank_id,))
             self._changes.bump(bank_id)
-            sqlite_erase.truncate_wal(self._db)
+            self._erase = True
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: int) -> None:
         self._db.executemany("UPDATE facts SET consolidated=? WHERE bank_id=? AND id=?",
@@ -195,33 +263,27 @@ class SqliteObservationStore:
         if not vectors:
             return
         ids = sorted(vectors)
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                for table, cls in (("facts", ev.Fact), ("observations", ev.Observation),
-                                   ("opinions", ev.Opinion)):
-                    for i in range(0, len(ids), 500):  # SQLite's bound on host parameters
-                        part = ids[i:i + 500]
-                        rows = self._db.execute(
-                            f"SELECT id, data FROM {table} WHERE bank_id=? AND id IN "
-                            f"({','.join('?' * len(part))})", (bank_id, *part)).fetchall()
-                        updates = []
-                        for uid, data in rows:
-                            msg = cls.FromString(data)
-                            if getattr(msg, "deleted", False):
-                                continue  # a tombstone keeps no vector
-                            msg.embedding[:] = vectors[uid]
-                            if table != "facts":
-                                msg.embedding_model = model
-                            updates.append((msg.SerializeToString(deterministic=True),
-                                            bank_id, uid))
-                        self._db.executemany(
-                            f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?", updates)
-                self._db.execute("COMMIT")
-                self._changes.bump(bank_id)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self.transaction():
+            for table, cls in (("facts", ev.Fact), ("observations", ev.Observation),
+                               ("opinions", ev.Opinion)):
+                for i in range(0, len(ids), 500):  # SQLite's bound on host parameters
+                    part = ids[i:i + 500]
+                    rows = self._db.execute(
+                        f"SELECT id, data FROM {table} WHERE bank_id=? AND id IN "
+                        f"({','.join('?' * len(part))})", (bank_id, *part)).fetchall()
+                    updates = []
+                    for uid, data in rows:
+                        msg = cls.FromString(data)
+                        if getattr(msg, "deleted", False):
+                            continue  # a tombstone keeps no vector
+                        msg.embedding[:] = vectors[uid]
+                        if table != "facts":
+                            msg.embedding_model = model
+                        updates.append((msg.SerializeToString(deterministic=True),
+                                        bank_id, uid))
+                    self._db.executemany(
+                        f"UPDATE {table} SET data=? WHERE bank_id=? AND id=?", updates)
+            self._changes.bump(bank_id)
 
     # ---- observations -------------------------------------------------------------------
 
@@ -243,31 +305,23 @@ class SqliteObservationStore:
         """Apply one ObservationsChanged: upsert each state whose version is newer than
         the stored one (a deleted one as its :func:`tombstone`, after which the WAL is
         truncated); mark consolidated and reset facts. Idempotent."""
-        erased = written = False
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                for o in m.observations:
-                    row = self._db.execute("SELECT version FROM observations WHERE bank_id=? AND id=?",
-                                           (m.bank_id, o.id)).fetchone()
-                    if row is not None and row[0] >= o.version:
-                        continue
-                    written = True
-                    erased |= o.deleted and row is not None
-                    o = tombstone(o)
-                    self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
-                                     (m.bank_id, o.id, _scope_key(o.scope), o.version,
-                                      int(o.deleted), o.SerializeToString(deterministic=True)))
-                self._mark(m.bank_id, m.reset_memory_ids, 0)
-                self._mark(m.bank_id, m.consolidated_memory_ids, 1)
-                self._db.execute("COMMIT")
-                if written:
-                    self._changes.bump(m.bank_id)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            if erased:
-                sqlite_erase.truncate_wal(self._db)
+        with self.transaction():
+            written = False
+            for o in m.observations:
+                row = self._db.execute("SELECT version FROM observations WHERE bank_id=? AND id=?",
+                                       (m.bank_id, o.id)).fetchone()
+                if row is not None and row[0] >= o.version:
+                    continue
+                written = True
+                self._erase |= o.deleted and row is not None
+                o = tombstone(o)
+                self._db.execute("INSERT OR REPLACE INTO observations VALUES (?,?,?,?,?,?)",
+                                 (m.bank_id, o.id, _scope_key(o.scope), o.version,
+                                  int(o.deleted), o.SerializeToString(deterministic=True)))
+            self._mark(m.bank_id, m.reset_memory_ids, 0)
+            self._mark(m.bank_id, m.consolidated_memory_ids, 1)
+            if written:
+                self._changes.bump(m.bank_id)
 
     def counts(self, bank_id: str) -> tuple[int, int, int]:
         """(facts, consolidated facts, observation states incl. deleted) of the bank."""
@@ -291,30 +345,21 @@ class SqliteObservationStore:
     def apply_opinions(self, m: ev.OpinionsChanged) -> None:
         """Upsert each opinion state newer than the stored one (a deleted one as its
         :func:`opinion_tombstone`, about no entity any more). Idempotent."""
-        erased = False
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                for o in m.opinions:
-                    row = self._db.execute("SELECT version FROM opinions WHERE bank_id=? AND id=?",
-                                           (m.bank_id, o.id)).fetchone()
-                    if row is not None and row[0] >= o.version:
-                        continue
-                    erased |= o.deleted and row is not None
-                    o = opinion_tombstone(o)
-                    self._db.execute("INSERT OR REPLACE INTO opinions VALUES (?,?,?,?,?)",
-                                     (m.bank_id, o.id, o.version, int(o.deleted),
-                                      o.SerializeToString(deterministic=True)))
-                    self._db.execute("DELETE FROM opinion_entities WHERE bank_id=? AND opinion_id=?",
-                                     (m.bank_id, o.id))
-                    self._db.executemany("INSERT OR IGNORE INTO opinion_entities VALUES (?,?,?)",
-                                         [(m.bank_id, e.id, o.id) for e in o.entities if e.id])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            if erased:
-                sqlite_erase.truncate_wal(self._db)
+        with self.transaction():
+            for o in m.opinions:
+                row = self._db.execute("SELECT version FROM opinions WHERE bank_id=? AND id=?",
+                                       (m.bank_id, o.id)).fetchone()
+                if row is not None and row[0] >= o.version:
+                    continue
+                self._erase |= o.deleted and row is not None
+                o = opinion_tombstone(o)
+                self._db.execute("INSERT OR REPLACE INTO opinions VALUES (?,?,?,?,?)",
+                                 (m.bank_id, o.id, o.version, int(o.deleted),
+                                  o.SerializeToString(deterministic=True)))
+                self._db.execute("DELETE FROM opinion_entities WHERE bank_id=? AND opinion_id=?",
+                                 (m.bank_id, o.id))
+                self._db.executemany("INSERT OR IGNORE INTO opinion_entities VALUES (?,?,?)",
+                                     [(m.bank_id, e.id, o.id) for e in o.entities if e.id])
 
     def opinions(self, bank_id: str, ids: Iterable[str] | None = None,
                  entity_ids: Iterable[str] | None = None, limit: int = 1000
