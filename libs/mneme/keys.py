@@ -17,7 +17,9 @@ Key ids (strings, in the clear on the log) and their *scope* -- what a deletion 
   it); scope = its item key's scope, so deleting the document destroys it too, and
   DeleteMemory destroys it alone.
 * ``q:<event_id>``: one reflection's own key; scope ``q``.
-* ``bank``: content with no finer owner; scope ``bank``.
+* ``bank#<gen>``: content with no finer owner; scope ``bank``. A bank deleted and created
+  again gets a new generation, so what the earlier one sealed stays erased. (Logs written
+  before generations name it ``bank``.)
 
 Destroying a key keeps a tombstone (the id, no key bytes) so a redelivered record can never
 create it again; DeleteBank drops every row of the bank and its bank key. Unwrapped keys
@@ -76,9 +78,9 @@ def fact_key_id(fact_id: str) -> str:
 
 def scope_of(key_id: str) -> str:
     """The scope a new key of ``key_id`` belongs to, for ids whose scope is in the id
-    (``d:``/``r:`` generations, ``q:`` reflections, ``bank``); ``f:`` keys take their
+    (``d:``/``r:``/``bank`` generations, ``q:`` reflections); ``f:`` keys take their
     item key's scope (:meth:`Keyring.ensure`)."""
-    if key_id.startswith(("d:", "r:")):
+    if key_id.startswith(("d:", "r:", "bank#")):
         return key_id.rsplit("#", 1)[0]
     if key_id.startswith("q:"):
         return "q"
@@ -190,6 +192,7 @@ class Keyring:
         self.store, self.kms, self.cache = store, kms, cache
         self._keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._banks: dict[str, bytes] = {}
+        self._bank_content: dict[str, str] = {}  # bank → its bank_content_key id
         # seal keys by (bank, digest of the key ids): ~1 KB an entry with the ids
         # themselves (a seal names ~10 keys), ~0.3 KB with a digest (measured at 32k entries)
         self._combined: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
@@ -329,6 +332,18 @@ class Keyring:
             self._add(bank_id, key_id, scope)
             return key_id
 
+    def bank_content_key(self, bank_id: str) -> str:
+        """The id of the key of the bank's content that has no finer owner
+        (``bank#<gen>``, scope ``bank``), made at its first use after the bank was
+        created (again). A fixed id made the key of a bank created again a new key under
+        the old id, so the records of the deleted bank failed to authenticate (a replay
+        dead-lettered them) instead of reading as erased."""
+        with self._lock:
+            key_id = self._bank_content.get(bank_id)
+            if key_id is None:
+                key_id = self._bank_content[bank_id] = self.current(bank_id, "bank")
+            return key_id
+
     def ensure(self, bank_id: str, key_id: str, scope: str) -> bytes | None:
         """The key ``key_id``, created in ``scope`` when it does not exist yet; None when
         it was destroyed (a destroyed id is never made again)."""
@@ -381,12 +396,15 @@ class Keyring:
         with self._lock:
             if key_ids is None:
                 self._banks.pop(bank_id, None)
+                self._bank_content.pop(bank_id, None)
                 for k in [k for k in self._keys if k[0] == bank_id]:
                     del self._keys[k]
                 for k in [k for k in self._combined if k[0] == bank_id]:
                     del self._combined[k]
                 return
             gone = set(key_ids)
+            if self._bank_content.get(bank_id) in gone:
+                del self._bank_content[bank_id]
             for k in gone:
                 self._keys.pop((bank_id, k), None)
             if gone:  # which seals named them is not kept: drop every seal key of the bank

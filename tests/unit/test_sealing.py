@@ -426,10 +426,43 @@ def test_entity_corrections_are_sealed_under_the_bank_key(keyring, msg):
     out, opened = _seal_open(sealer, msg)
     assert MARKER.encode() not in out.value
     sealed = type(msg).FromString(out.value)
-    assert sealed.seal.keys == ["bank"] and sealed.operation_id == "op"  # ids in the clear
+    [key] = sealed.seal.keys
+    assert key.startswith("bank#") and sealed.operation_id == "op"  # ids in the clear
     back = type(msg).FromString(opened.value)
     back.ClearField("seal")
     assert back == msg
+    keyring.destroy_bank("b")
+    assert erased_record(sealer.open(_as_read(out)))
+
+
+@pytest.mark.parametrize("msg", [
+    ev.EntitySplit(bank_id="b", operation_id="op", entity_id="e1", new_entity_id="e3",
+                   aliases=[f"ally {MARKER}"], memory_ids=["m1"], display_name="Ally"),
+    ev.DirectiveChanged(bank_id="b", id="d1", text=f"Call {MARKER}"),
+], ids=lambda m: m.DESCRIPTOR.name)
+def test_content_of_a_deleted_bank_stays_erased_when_the_id_is_used_again(keyring, msg):
+    """A bank deleted and created again seals its new content under a bank key of its
+    own: the old incarnation's records read as erased (they were a seal error once the
+    new one had sealed anything under the bank key, so ``mneme replay`` dead-lettered
+    them and refused to switch)."""
+    sealer = Sealer(keyring)
+    old = sealer.seal(codec.encode(msg, bank_id="b", source="t"))
+    keyring.destroy_bank("b")
+    new, opened = _seal_open(sealer, msg)  # the same bank id, created again
+    read = sealer.open(_as_read(old))
+    assert SEAL_ERROR_HEADER not in read.headers and erased_record(read), read.headers
+    assert not erased_record(sealer.open(_as_read(new, offset=1)))
+
+
+def test_records_sealed_under_the_first_bank_key_id_still_open(keyring):
+    """Logs written before the bank key had generations name it ``bank``: they open."""
+    msg = ev.DirectiveChanged(bank_id="b", id="d1", text=f"Call {MARKER}")
+    msg.seal.keys.append("bank")
+    keyring.ensure("b", "bank", "bank")
+    sealer = Sealer(keyring)
+    out, opened = _seal_open(sealer, msg)
+    assert ev.DirectiveChanged.FromString(out.value).seal.keys == ["bank"]
+    assert ev.DirectiveChanged.FromString(opened.value).text == msg.text
     keyring.destroy_bank("b")
     assert erased_record(sealer.open(_as_read(out)))
 

@@ -106,7 +106,8 @@ ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
 #: dead-letters it, like any corrupt payload).
 SEAL_ERROR_HEADER = "mneme-seal-error"
-#: The key of content with no finer owner (destroyed with the bank).
+#: The scope of the keys of content with no finer owner (destroyed with the bank; its keys
+#: are ``bank#<gen>``, :meth:`mneme.keys.Keyring.bank_content_key`, or ``bank`` on older logs).
 BANK_KEY_ID = "bank"
 _NONCE = 12
 _ERASED_ITEM = "erased: the key of this item was destroyed (its document or memory was deleted)"
@@ -366,8 +367,7 @@ class Sealer(Opener):
         elif isinstance(m, ev.MentalModelChanged) and m.refresh.based_on and not m.seal.keys:
             # A refresh's content is derived from the facts it cites: deleting one (or its
             # document) erases it, as a reflection's. The bank's key keeps it per bank.
-            kr.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
-            m.seal.keys.append(BANK_KEY_ID)
+            m.seal.keys.append(kr.bank_content_key(bank))
             _cited_keys(kr, bank, [*m.refresh.based_on, *m.refresh.evidence_memory_ids],
                         m.seal.keys)
             n += self._seal(m, bank)
@@ -382,8 +382,7 @@ class Sealer(Opener):
         if msg.seal.ciphertext or not _has_content(msg, fields):
             return 0
         if not msg.seal.keys:
-            self.keyring.ensure(bank, BANK_KEY_ID, BANK_KEY_ID)
-            msg.seal.keys.append(BANK_KEY_ID)
+            msg.seal.keys.append(self.keyring.bank_content_key(bank))
         key = self.keyring.combined(bank, msg.seal.keys)
         plain = _split(msg, fields)
         # A destroyed key: sealed under a key nobody keeps (erased at birth).
