@@ -131,9 +131,43 @@ class Root:
                                                client_id="mneme-keys"))
             return Keyring(self._opened(KafkaKeyStore(conn)), kms)
         from mneme.stores.keys_sqlite import SqliteKeyStore
+        self._check_key_files()
         kms = local_kms(self.data_dir, env)
         store = SqliteKeyStore(str(self.data_dir / "keys.db"))
         return Keyring(self._opened(store), kms)
+
+    def _check_key_files(self) -> None:
+        """Embedded: ConfigurationError naming the file when ``master.key`` is missing
+        (and ``MNEME_MASTER_KEY`` unset) although ``keys.db`` holds bank keys it wrapped,
+        or ``keys.db`` is missing although ``master.key`` exists and the log holds
+        records. They are no projections: opening them anew made a key that unwraps
+        nothing, or an empty key store, and every record on the log unreadable (a replay
+        erased it all). Checked before opening, which would create them."""
+        import sqlite3
+
+        from mneme.errors import ConfigurationError
+        keys, master = self.data_dir / "keys.db", self.data_dir / "master.key"
+        remedy = ("restore it from a backup; mneme does not start without it, as the "
+                  "content on the event log is sealed under its keys")
+        if not self.settings.master_key and not master.exists() and keys.exists():
+            try:
+                db = sqlite3.connect(f"file:{keys}?mode=ro", uri=True)
+                try:
+                    wrapped = db.execute("SELECT 1 FROM bank_keys LIMIT 1").fetchone()
+                finally:
+                    db.close()
+            except sqlite3.DatabaseError:
+                wrapped = None  # the key store reports its own damage when it opens
+            if wrapped:
+                raise ConfigurationError(f"{master} is missing, although {keys} holds "
+                                         f"bank keys it wrapped (or set MNEME_MASTER_KEY to "
+                                         f"it): {remedy}")
+        if master.exists() and not keys.exists():
+            events = self.raw_log
+            if any(events.end_offset(t, p) > 0 for t in events.topics()
+                   for p in range(events.partitions(t))):
+                raise ConfigurationError(f"{keys} is missing, although the event log holds "
+                                         f"records: {remedy}")
 
     @cached_property
     def sealer(self):

@@ -129,3 +129,22 @@ def test_a_graph_store_kept_in_its_append_only_files_alone_starts(data):
     assert (data / "graph.db.aof").is_dir()
     (data / "graph.db").unlink()
     _serves_everything(data)
+
+
+def test_a_lost_key_file_refuses_to_start_naming_it(data):
+    """keys.db and master.key are no projections: the log's content is sealed under their
+    keys. Either lost made the server start as if nothing were wrong: a new master key
+    was made that unwraps no bank key, or an empty key store that opens no record, so
+    every write on the log was unreadable (a replay would erase it all). The start is
+    refused, naming the file; back in place, everything serves."""
+    for lost in ("master.key", "keys.db"):
+        saved = data.parent / f"saved-{lost}"
+        shutil.copytree(data, saved)  # the files as they were (with the -wal and -shm)
+        _remove(data / lost)
+        out = _up_refuses(data)
+        assert f"{data.resolve()}/{lost} is missing" in out, out
+        assert "restore it from a backup" in out, out
+        assert not (data / lost).exists()  # a refused start makes no new key file
+        shutil.rmtree(data)
+        saved.rename(data)
+    _serves_everything(data)
