@@ -4,6 +4,7 @@ for read-your-writes) and the catalog projection of intake and progress events."
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
 import uuid
@@ -516,47 +517,64 @@ class Ingest:
         # The first incarnation keeps the key of banks made before incarnations existed.
         scope = (bank_id,) if bank.incarnation in ("", "1") else (bank_id, bank.incarnation)
         op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
+        msg = _retain_requested(op_id, bank_id, items, bad, observation_scopes)
         if not request_id:
-            return op_id, self._append_retain(op_id, bank_id, items, bad,
-                                              observation_scopes), len(items)
+            return op_id, self._append(msg, bank_id), len(items)
         # the wait for the operation is outside _append_once's lock
-        return (op_id, *self._append_once(op_id, len(items), lambda: self._append_retain(
-            op_id, bank_id, items, bad, observation_scopes)))
+        return (op_id, *self._append_once(op_id, len(items), lambda: self._append(msg, bank_id),
+                                          request=msg))
 
-    def _append_once(self, op_id: str, total: int, append: Callable[[], Record]
-                     ) -> tuple[Record | None, int]:
+    def _append_once(self, op_id: str, total: int, append: Callable[[], Record],
+                     request: ev.RetainRequested | None = None) -> tuple[Record | None, int]:
         """Append operation ``op_id``'s request (``append()``, of ``total`` items) unless
         the catalog or this process has it already: (its record, ``total``), or (None,
         the known operation's items total). Check and append are one step per operation
         id, so identical calls at once append it once in this process (two ingest
         replicas may still both append; a second copy would be handled as a replacement
-        of its documents, their facts briefly gone)."""
+        of its documents, their facts briefly gone). With ``request`` (a retain's, whose
+        id the client chose by its ``request_id``), a known operation must have been
+        asked for by the same request: InvalidArgument naming ``request_id`` otherwise,
+        instead of answering for other items than the caller sent."""
+        digest = _request_digest(request) if request is not None else b""
         with self._appended_lock:
             lock = self._append_locks.setdefault(op_id, threading.Lock())
         with lock:
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:
-                was = known.items_total if known is not None else self._appended.get(op_id)
-            if was is not None:
-                return None, was
+                mine = self._appended.get(op_id)
+            if known is not None or mine is not None:
+                if request is not None:
+                    self._check_same_request(op_id, known, mine, digest)
+                return None, (known.items_total if known is not None else mine[0])
             rec = append()
             with self._appended_lock:
-                self._appended[op_id] = total
+                self._appended[op_id] = (total, digest)
                 while len(self._appended) > APPENDED_REQUESTS:  # oldest first
                     del self._appended[next(iter(self._appended))]
             return rec, total
 
-    def _append_retain(self, op_id: str, bank_id: str, items: Sequence[RetainItem],
-                       bad: dict, observation_scopes) -> Record:
-        """Append the RetainRequested of operation ``op_id`` (``bad``: index → violations
-        of the items that travel as empty placeholders); returns its record."""
-        return self._append(ev.RetainRequested(
-            bank_id=bank_id, operation_id=op_id,
-            items=[ev.RetainItem() if i in bad else codec.retain_item_to_pb(it)
-                   for i, it in enumerate(items)],
-            observation_scopes=observation_scopes,
-            rejected_items=[ev.ItemFailure(item_index=i, field=f, error=d, reason="rejected")
-                            for i in sorted(bad) for f, d in bad[i][:1]]), bank_id)
+    def _check_same_request(self, op_id: str, known: Operation | None,
+                            mine: tuple[int, bytes] | None, digest: bytes) -> None:
+        """InvalidArgument naming ``request_id`` when operation ``op_id`` (``known`` in
+        the catalog, or ``mine``: (items, digest) appended by this process) was asked for
+        by another request than the one of ``digest``. The request of a catalogued
+        operation is read back from the log (opened); one whose content was erased since
+        (its document or bank deleted) cannot be compared and is taken as the same."""
+        if mine is not None:
+            theirs = mine[1]
+        else:
+            try:
+                logged = self._request_of(known)
+            except FailedPrecondition:
+                return
+            if any(r.reason == "erased" for r in logged.rejected_items):
+                return
+            theirs = _request_digest(logged)
+        if theirs != digest:
+            raise InvalidArgument(
+                "request_id", f"already used in this bank by operations/{op_id} for another "
+                "request (other items, tags or scopes): a retry must resend the same "
+                "request; a new request needs a new request_id")
 
     def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
                         timeout: float | None = None) -> Operation:
@@ -793,6 +811,34 @@ class Ingest:
         if op is None:
             raise NotFound(f"operation {operation_id!r} not found")
         return op
+
+
+def _retain_requested(op_id: str, bank_id: str, items: Sequence[RetainItem], bad: dict,
+                      observation_scopes) -> ev.RetainRequested:
+    """The RetainRequested of operation ``op_id`` (``bad``: index → violations of the
+    items that travel as empty placeholders)."""
+    return ev.RetainRequested(
+        bank_id=bank_id, operation_id=op_id,
+        items=[ev.RetainItem() if i in bad else codec.retain_item_to_pb(it)
+               for i, it in enumerate(items)],
+        observation_scopes=observation_scopes,
+        rejected_items=[ev.ItemFailure(item_index=i, field=f, error=d, reason="rejected")
+                        for i in sorted(bad) for f, d in bad[i][:1]])
+
+
+def _request_digest(msg: ev.RetainRequested) -> bytes:
+    """SHA-256 of what a retain asked for (items, scopes, refusals; not its operation
+    id), kept in memory only: equal for a request and its exact repeat. The items'
+    timestamps are left out: ingest stamps an item sent without one with the time it
+    arrived, so a repeat of it carries another; so are the seals an opened request
+    read back from the log keeps (:mod:`mneme.bus.sealing`)."""
+    body = ev.RetainRequested()
+    body.CopyFrom(msg)
+    body.ClearField("operation_id")
+    for item in body.items:
+        item.ClearField("timestamp")
+        item.ClearField("seal")
+    return hashlib.sha256(body.SerializeToString(deterministic=True)).digest()
 
 
 def _check_config(c: BankConfig) -> None:

@@ -183,6 +183,33 @@ def test_request_id_after_delete_and_recreate_stores_the_new_items(m):
     assert [o.name for o in m.list_operations("reborn")] == [second.operation.name]
 
 
+def test_a_request_id_sent_again_with_other_items_is_refused_naming_it(m):
+    """A request_id reused for a different retain (a client bug: a counter reset, a key
+    reused) was answered with the first request's operation, SUCCEEDED, and the new items
+    were dropped without a word. It is INVALID_ARGUMENT naming ``request_id``, whether the
+    first request is in the catalog already or only just appended (async), and nothing of
+    the second is stored; the identical request stays idempotent."""
+    m.upsert_bank("reuse")
+    first = m.retain("reuse", [{"content": "Ivy plays the cello.", "timestamp": T0}],
+                     request_id="r-1")
+    for other in ([{"content": "Jon plays the drums.", "timestamp": T0}],
+                  [{"content": "Ivy plays the cello.", "timestamp": T0, "tags": ["music"]}],
+                  [{"content": "Ivy plays the cello.", "timestamp": T0},
+                   {"content": "Jon plays the drums.", "timestamp": T0}]):
+        refused(lambda: m.retain("reuse", other, request_id="r-1"), "request_id")
+    async_items = [{"content": "Kim paints murals.", "timestamp": T0}]
+    m.retain("reuse", async_items, async_=True, request_id="r-2")
+    refused(lambda: m.retain("reuse", [{"content": "Kim sings.", "timestamp": T0}],
+                             async_=True, request_id="r-2"), "request_id")
+    again = m.retain("reuse", [{"content": "Ivy plays the cello.", "timestamp": T0}],
+                     request_id="r-1")
+    assert again.operation.name == first.operation.name
+    drained(m, "reuse")
+    texts = [x.text for x in m.list_memories("reuse")]
+    assert not any("Jon" in t or "sings" in t for t in texts), texts
+    assert len(list(m.list_operations("reuse"))) == 2
+
+
 def test_delete_memory_of_a_memory_the_bank_does_not_hold_fails_and_deletes_nothing(m):
     """DeleteMemory's operation fails with "memory not found" for an id never retained,
     one deleted already, or one of another bank (AIP-135: a missing resource is an

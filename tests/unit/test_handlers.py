@@ -1218,3 +1218,41 @@ def test_a_second_bank_deletion_before_the_catalog_drops_the_bank_appends_nothin
     with pytest.raises(NotFound, match="not found"):
         cmd.delete_bank("b", timeout=0.05)
     assert len(log.appended) == 1 and keys.destroyed == ["b"]
+
+
+def test_a_request_id_reused_for_other_items_is_refused_also_from_the_log():
+    """A retain's request_id sent again with other items (a second process, or after a
+    restart: only the catalog and the log know the first request) is InvalidArgument
+    naming request_id; the exact repeat, also of items ingest stamped with their arrival
+    time, answers the first operation; nothing more is appended."""
+    from mneme.errors import InvalidArgument
+
+    class Readable(_Log):
+        def read(self, topic, partition, offset, limit):  # as opened: seal.keys kept
+            out = []
+            for i, r in enumerate(self.appended[offset:offset + limit], offset):
+                msg = codec.decode(r).message
+                for it in msg.items:
+                    it.seal.keys.append("d:r-1#1")
+                out.append(Record(r.topic, 0, i, r.key, msg.SerializeToString(), r.headers, 0.0))
+            return out
+
+    log, catalog = Readable(), MemoryCatalog()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    first = [RetainItem(content="Ivy plays the cello.", timestamp=T0, tags=("music",)),
+             RetainItem(content="Ivy lives in Graz.", timestamp=datetime.now(timezone.utc))]
+    op = ingest.Ingest(log, catalog, source="mneme/ingest").retain(
+        "b", first, wait=False, request_id="r-1")
+    (rec,) = log.appended
+    ingest.on_operation_requested(codec.decode(rec).message,
+                                  replace(meta(1), position=(rec.topic, 0, 0)), catalog=catalog)
+    later = ingest.Ingest(log, catalog, source="mneme/ingest")  # another process
+    stamped_again = [first[0], replace(first[1], timestamp=datetime.now(timezone.utc))]
+    assert later.retain("b", stamped_again, wait=False, request_id="r-1").operation_id == \
+        op.operation_id
+    for other in ([first[0]], [replace(first[0], content="Jon plays the drums."), first[1]],
+                  [replace(first[0], tags=()), first[1]]):
+        with pytest.raises(InvalidArgument) as e:
+            later.retain("b", other, wait=False, request_id="r-1")
+        assert [f for f, _ in e.value.violations] == ["request_id"]
+    assert len(log.appended) == 1
