@@ -715,6 +715,15 @@ def build_reflect(root: Root, recall: Callable | None = None,
 PROJECTED_S = 30.0
 
 
+def _caller_waits(msg) -> None:
+    """Before an API write's append (mental models, entity corrections):
+    DeadlineExceeded / Cancelled once the caller's deadline has passed or the caller went
+    away (:func:`mneme.deadline.current`), so a call already answered with that status
+    appends nothing its retry would append again (ingest's writes: ``Ingest._caller_waits``)."""
+    from mneme.deadline import current
+    current().check(f"{msg.DESCRIPTOR.name} not appended")
+
+
 def _entity_corrections(root: Root, parts: ServiceParts):
     """search's :class:`services.search.corrections.EntityCorrections`: a correction is
     appended to the intake topic; the call waits until extraction's group has handled it
@@ -729,6 +738,7 @@ def _entity_corrections(root: Root, parts: ServiceParts):
     extraction = root.group_id(services()["extraction"].group("extraction"))
 
     def append(msg, bank_id: str):
+        _caller_waits(msg)
         return root.log.append([codec.encode(msg, bank_id=bank_id, source=source)])[0]
 
     def projected(rec, bank_id: str, timeout: float) -> None:
@@ -761,6 +771,7 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
     from services.reflect.mental_models import MentalModels
 
     def append(msg, bank_id: str):
+        _caller_waits(msg)
         return root.log.append([codec.encode(msg, bank_id=bank_id, source=source)])[0]
 
     ingest_group = root.group_id(services()["ingest"].group("ingest"))

@@ -197,19 +197,27 @@ class DecodeInterceptor(grpc.ServerInterceptor):
 
 
 class ValidationInterceptor(grpc.ServerInterceptor):
-    """Checks every request of a ``mneme.v1`` method against :mod:`mneme.limits` before
-    the servicer runs: violations → INVALID_ARGUMENT with a ``BadRequest`` naming each
-    field. Requests in :data:`mneme.limits.PER_ITEM` pass unchecked: their method runs
-    the same check once and fails bad items alone. Other services (health, reflection)
-    pass unchecked."""
+    """Checks every call of a ``mneme.v1`` method before the servicer runs. A call whose
+    deadline has passed, or whose caller has gone, by the time a worker takes it up ends
+    with DEADLINE_EXCEEDED / CANCELLED and does nothing (the client has its answer
+    already; a write done anyway would be done again by its retry). Its request is
+    checked against :mod:`mneme.limits`: violations → INVALID_ARGUMENT with a
+    ``BadRequest`` naming each field. Requests in :data:`mneme.limits.PER_ITEM` pass
+    the limits unchecked: their method runs the same check once and fails bad items
+    alone. Other services (health, reflection) pass unchecked."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith("/mneme.v1."):
             return handler
         from mneme import limits
+        method = handler_call_details.method.rsplit("/", 1)[-1]
 
         def refuse_invalid(request, context) -> None:
+            try:
+                call_deadline(context).check(method)
+            except (DeadlineExceeded, Cancelled) as e:
+                abort_for(context, e)
             if request.DESCRIPTOR.full_name not in limits.PER_ITEM:
                 found = limits.check(request)
                 if found:

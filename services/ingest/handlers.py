@@ -283,12 +283,22 @@ class Ingest:
                 gate = self._gates[bank_id] = BankGate()
             return gate
 
+    @staticmethod
+    def _caller_waits(what: str) -> None:
+        """Before a write changes anything (its append; a deletion's keys before it):
+        DeadlineExceeded / Cancelled when the caller's deadline has passed or the caller
+        went away (:func:`mneme.deadline.current`), so a call already answered with that
+        status writes nothing its retry would write again."""
+        current_deadline().check(what)
+
     @contextlib.contextmanager
     def _writing(self, bank_id: str):
         """Held from a write's check that ``bank_id`` exists to its append: a DeleteBank
-        waits for it, and a write waits for a DeleteBank (:class:`BankGate`)."""
+        waits for it, and a write waits for a DeleteBank (:class:`BankGate`). Entered
+        only while the caller still waits (:meth:`_caller_waits`)."""
         gate = self._gate(bank_id)
         with gate.shared():
+            self._caller_waits(f"write to bank {bank_id!r}")
             self._refuse_while_deleting(bank_id)
             yield
 
@@ -376,6 +386,7 @@ class Ingest:
         """Create or update a bank; returns it as projected."""
         check_bank_id(bank_id, "bank.name")
         _check_config(config)
+        self._caller_waits(f"upsert bank {bank_id!r}")
         rec = self._append(ev.BankUpserted(bank_id=bank_id, display_name=display_name,
                                            config=codec.bank_config_to_pb(config)), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
@@ -471,6 +482,7 @@ class Ingest:
         op_id = str(uuid.uuid4())
         # exclusive: no write checked against this bank is appended after its deletion
         with self._gate(bank_id).exclusive():
+            self._caller_waits(f"delete bank {bank_id!r}")
             self._refuse_while_deleting(bank_id)
             self.require_bank(bank_id)
             if self.keys is not None:

@@ -1256,3 +1256,42 @@ def test_a_request_id_reused_for_other_items_is_refused_also_from_the_log():
             later.retain("b", other, wait=False, request_id="r-1")
         assert [f for f, _ in e.value.violations] == ["request_id"]
     assert len(log.appended) == 1
+
+
+def test_a_write_whose_caller_stopped_waiting_appends_nothing_and_destroys_no_key():
+    """A write that reaches ingest after its caller's deadline passed (or the caller
+    cancelled) was carried out although the caller had been told DEADLINE_EXCEEDED: a
+    retry then created a second directive, or retained the items twice. Ingest checks
+    the call before writing anything (the append, and a deletion's keys before it)."""
+    import time as _time
+
+    from mneme import deadline
+    from mneme.domain import Directive
+    from mneme.errors import DeadlineExceeded
+
+    class Keys:
+        destroyed: list = []
+
+        def destroy_bank(self, bank_id):
+            self.destroyed.append(bank_id)
+
+        destroy_scope = destroy = lambda self, *a: self.destroyed.append(a)
+
+    log, catalog, keys = _Log(), MemoryCatalog(), Keys()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", keys=keys)
+    writes = [lambda: cmd.retain("b", [RetainItem(content="a", timestamp=T0)], wait=False),
+              lambda: cmd.create_directive(Directive(id="", bank_id="b", text="Be brief.")),
+              lambda: cmd.upsert_bank("c", "", BankConfig()),
+              lambda: cmd.update_bank("b", "B", BankConfig(), ["display_name"]),
+              lambda: cmd.delete_document("b", "d", wait=False),
+              lambda: cmd.delete_memory("b", "m", wait=False),
+              lambda: cmd.delete_bank("b"),
+              lambda: cmd.consolidate("b", wait=False)]
+    for expired in (deadline.Deadline(_time.monotonic() - 1),
+                    deadline.Deadline(None, lambda: False)):  # the caller went away
+        with deadline.bind(expired):
+            for write in writes:
+                with pytest.raises((DeadlineExceeded, Cancelled)):
+                    write()
+    assert log.appended == [] and Keys.destroyed == []

@@ -1,0 +1,115 @@
+"""A call whose caller stopped waiting (deadline passed, cancelled) does nothing: the
+check every ``mneme.v1`` call passes before its servicer runs
+(:class:`mneme.grpc_util.ValidationInterceptor`, called with a stand-in context), and the
+one before reflect's and search's API writes are appended (:mod:`mneme.bootstrap`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from mneme.grpc_util import ValidationInterceptor
+from mneme.v1 import directives_pb2, reflect_pb2
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """A servicer context whose deadline and liveness the test sets."""
+
+    def __init__(self, left: float | None, active: bool = True) -> None:
+        self.left, self.active, self.status = left, active, None
+
+    def time_remaining(self):
+        return self.left
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def abort_with_status(self, status):
+        self.status = status
+        raise _Aborted
+
+
+def _intercepted(method: str, behaviour, streaming: bool = False):
+    make = (grpc.unary_stream_rpc_method_handler if streaming
+            else grpc.unary_unary_rpc_method_handler)
+    handler = ValidationInterceptor().intercept_service(
+        lambda details: make(behaviour), SimpleNamespace(method=method))
+    return handler.unary_stream if streaming else handler.unary_unary
+
+
+@pytest.mark.parametrize("left, active, code", [(0.0, True, grpc.StatusCode.DEADLINE_EXCEEDED),
+                                                (5.0, False, grpc.StatusCode.CANCELLED)])
+def test_a_call_whose_deadline_passed_or_caller_left_before_it_started_does_nothing(
+        left, active, code):
+    """A write whose deadline had passed by the time a worker took it up (a 1 ms
+    deadline, a queue of calls) was carried out all the same: the client was told
+    DEADLINE_EXCEEDED while the directive, mental model, bank or retain was created, so a
+    retry created it twice. Such a call, or one its caller cancelled meanwhile, ends with
+    that status before the servicer runs."""
+    ran = []
+    request = directives_pb2.CreateDirectiveRequest(
+        parent="banks/b", directive=directives_pb2.Directive(text="Be brief."))
+    call = _intercepted("/mneme.v1.DirectiveService/CreateDirective",
+                        lambda req, ctx: ran.append(req))
+    ctx = _Context(left, active)
+    with pytest.raises(_Aborted):
+        call(request, ctx)
+    assert ran == [] and ctx.status.code == code
+    stream = _intercepted("/mneme.v1.ReflectService/StreamReflect",
+                          lambda req, ctx: iter(ran.append(req) or ()), streaming=True)
+    ctx = _Context(left, active)
+    with pytest.raises(_Aborted):
+        list(stream(reflect_pb2.ReflectRequest(parent="banks/b", query="q"), ctx))
+    assert ran == [] and ctx.status.code == code
+
+
+def test_a_call_with_time_left_or_no_deadline_runs():
+    ran = []
+    call = _intercepted("/mneme.v1.DirectiveService/CreateDirective",
+                        lambda req, ctx: ran.append(req) or "done")
+    request = directives_pb2.CreateDirectiveRequest(
+        parent="banks/b", directive=directives_pb2.Directive(text="Be brief."))
+    assert call(request, _Context(0.5)) == "done"
+    assert call(request, _Context(None)) == "done"
+    assert len(ran) == 2
+
+
+def test_mental_model_and_entity_correction_writes_are_not_appended_once_the_caller_left():
+    """reflect's and search's API writes (mental models, entity merges and splits) are
+    appended only while the caller still waits, like ingest's."""
+    import time
+
+    from mneme import bootstrap, deadline
+    from mneme.errors import Cancelled, DeadlineExceeded
+    from mneme.events.v1 import events_pb2 as ev
+
+    class Log:
+        appended: list = []
+
+        def append(self, records):
+            self.appended += records
+            return [SimpleNamespace(topic="t", partition=0, offset=0)]
+
+    root = SimpleNamespace(log=Log(), raw_log=Log(), catalog=None, embedder=None,
+                           distributed=True, group_id=lambda g: g)
+    parts = SimpleNamespace(routers={"search": SimpleNamespace(group_id="search")})
+    models = bootstrap._mental_models(root, SimpleNamespace(reflect=None, revise=None),
+                                      lambda bank: True, "mneme/reflect")
+    corrections = bootstrap._entity_corrections(root, parts)
+    writes = [lambda: models.append(ev.MentalModelChanged(bank_id="b", id="m"), "b"),
+              lambda: corrections.append(ev.EntityMergeRequested(bank_id="b"), "b")]
+    for gone in (deadline.Deadline(time.monotonic() - 1), deadline.Deadline(None, lambda: False)):
+        with deadline.bind(gone):
+            for write in writes:
+                with pytest.raises((DeadlineExceeded, Cancelled)):
+                    write()
+    assert Log.appended == []
+    for write in writes:  # no deadline: appended
+        write()
+    assert len(Log.appended) == 2
