@@ -46,11 +46,39 @@ SCOPE_MODES = {"exact": resources_pb2.ObservationScopes.EXACT,
                "explicit": resources_pb2.ObservationScopes.EXPLICIT}
 
 
+def _pick(field: str, value: str, table: Mapping[str, int]) -> int:
+    """The enum number of ``value`` in ``table`` (by name); ValueError naming ``field``
+    and the allowed names otherwise."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{field}: {value!r} is not one of {', '.join(table)}") from None
+
+
+def _strings(field: str, values: Iterable[str] | None) -> list[str]:
+    """``values`` as a list; TypeError naming ``field`` for a single string (which
+    would be sent as one entry per character)."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{field}: a list of strings, not the single string {values!r}")
+    return list(values or ())
+
+
+def _when(field: str, value) -> "datetime | None":
+    """``value`` when it is a datetime or None; TypeError naming ``field`` otherwise (a
+    string or a number would be dropped, and the server's clock used instead)."""
+    if value is not None and not isinstance(value, datetime):
+        raise TypeError(f"{field}: a datetime (aware, or naive = UTC / its time_zone), "
+                        f"not {type(value).__name__} {value!r}")
+    return value
+
+
 def observation_scopes(mode: str, scopes: Iterable[Iterable[str]] = ()) -> resources_pb2.ObservationScopes:
     """``mode`` in exact, per_tag, combined, shared, explicit (with ``scopes``: tag lists)."""
     return resources_pb2.ObservationScopes(
-        mode=SCOPE_MODES[mode],
-        scopes=[resources_pb2.ObservationScopes.Scope(tags=list(t)) for t in scopes])
+        mode=_pick("observation_scopes.mode", mode, SCOPE_MODES),
+        scopes=[resources_pb2.ObservationScopes.Scope(
+            tags=_strings(f"observation_scopes.scopes[{i}].tags", t))
+            for i, t in enumerate(scopes)])
 
 
 #: Mental-model refresh policies by name (the CLI's choices).
@@ -62,7 +90,7 @@ def _mental_model(**fields) -> "mental_models_pb2.MentalModel":
     policy = fields.pop("refresh_policy", None)
     m = mental_models_pb2.MentalModel(**fields)
     if policy is not None:
-        m.refresh_policy = REFRESH_POLICIES[policy]
+        m.refresh_policy = _pick("refresh_policy", policy, REFRESH_POLICIES)
     return m
 
 
@@ -96,17 +124,36 @@ def _zone(ts: datetime | None, time_zone: str | None) -> str:
     return time_zone_name(ts) if isinstance(ts, datetime) else ""
 
 
-def _item(i: Mapping | memory_pb2.RetainItem) -> memory_pb2.RetainItem:
+#: The keys of a retain item given as a mapping.
+ITEM_KEYS = ("content", "context", "timestamp", "time_zone", "document_id", "tags", "metadata")
+
+
+def _item(i: Mapping | memory_pb2.RetainItem, index: int = 0) -> memory_pb2.RetainItem:
     """A retain item from a mapping (content, context, timestamp, time_zone, document_id,
-    tags, metadata); an aware timestamp's zone is the item's time_zone unless one is given."""
+    tags, metadata); an aware timestamp's zone is the item's time_zone unless one is given.
+    ValueError / TypeError naming ``items[index]`` and the key for a mapping that would
+    be sent as something else: an unknown (misspelt) key, no content, a timestamp that is
+    not a datetime, tags given as one string, metadata that is not a mapping."""
     if isinstance(i, memory_pb2.RetainItem):
         return i
-    ts = _local(i.get("timestamp"), i.get("time_zone"))
+    at = f"items[{index}]"
+    if not isinstance(i, Mapping):
+        raise TypeError(f"{at}: a mapping with {', '.join(ITEM_KEYS)} or a RetainItem, "
+                        f"not {type(i).__name__}")
+    unknown = [k for k in i if k not in ITEM_KEYS]
+    if unknown:
+        raise ValueError(f"{at}: unknown key {unknown[0]!r}; one of {', '.join(ITEM_KEYS)}")
+    if "content" not in i:
+        raise ValueError(f"{at}.content: required")
+    metadata = i.get("metadata") or {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"{at}.metadata: a mapping of strings, not {type(metadata).__name__}")
+    ts = _local(_when(f"{at}.timestamp", i.get("timestamp")), i.get("time_zone"))
     return memory_pb2.RetainItem(
         content=i["content"], context=i.get("context", ""),
         timestamp=dt_to_ts(ts) if isinstance(ts, datetime) else None,
-        document_id=i.get("document_id", ""), tags=list(i.get("tags", ())),
-        metadata={k: str(v) for k, v in (i.get("metadata") or {}).items()},
+        document_id=i.get("document_id", ""), tags=_strings(f"{at}.tags", i.get("tags")),
+        metadata={k: str(v) for k, v in metadata.items()},
         time_zone=_zone(ts, i.get("time_zone")))
 
 
@@ -310,7 +357,7 @@ class MnemeClient:
         naive one is read on the clock of the time_zone given, else as UTC).
         ``request_id`` makes retries idempotent; ``observation_scopes`` (see
         :func:`observation_scopes`) picks the scopes the facts consolidate into."""
-        req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(i) for i in items],
+        req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(it, n) for n, it in enumerate(items)],
                                        request_id=request_id, observation_scopes=observation_scopes)
         setattr(req, "async", async_)
         return self.memory.Retain(req, timeout=timeout or self.timeout)
@@ -338,7 +385,8 @@ class MnemeClient:
         """Create a directive (a rule reflect follows) in the bank; returns it with its id."""
         return self.directives.CreateDirective(directives_pb2.CreateDirectiveRequest(
             parent=f"banks/{bank_id}", directive=directives_pb2.Directive(
-                text=text, title=title, priority=priority, active=active, tags=list(tags))),
+                text=text, title=title, priority=priority, active=active,
+                tags=_strings("tags", tags))),
             timeout=self.timeout)
 
     def get_directive(self, bank_id: str, directive_id: str) -> directives_pb2.Directive:
@@ -375,7 +423,8 @@ class MnemeClient:
         return self.mental_models.CreateMentalModel(mental_models_pb2.CreateMentalModelRequest(
             parent=f"banks/{bank_id}", mental_model=_mental_model(
                 display_name=display_name, source_query=source_query, content=content,
-                tags=list(tags), max_tokens=max_tokens, refresh_policy=refresh_policy,
+                tags=_strings("tags", tags), max_tokens=max_tokens,
+                refresh_policy=refresh_policy,
                 refresh_every=refresh_every)), timeout=self.timeout)
 
     def get_mental_model(self, bank_id: str, model_id: str) -> mental_models_pb2.MentalModel:
@@ -388,8 +437,9 @@ class MnemeClient:
         them in ``tags_match`` mode, as recall's)."""
         yield from self._pages(
             self.mental_models.ListMentalModels, mental_models_pb2.ListMentalModelsRequest(
-                parent=f"banks/{bank_id}", page_size=page_size, tags=list(tags),
-                tags_match=TAGS_MATCH[tags_match]), "mental_models")
+                parent=f"banks/{bank_id}", page_size=page_size,
+                tags=_strings("tags", tags),
+                tags_match=_pick("tags_match", tags_match, TAGS_MATCH)), "mental_models")
 
     def update_mental_model(self, bank_id: str, model_id: str, **fields
                             ) -> mental_models_pb2.MentalModel:
@@ -424,8 +474,9 @@ class MnemeClient:
         """Answer its source query again and store it (``dry_run``: only return it);
         ``mode`` "delta" revises the content with what changed in its scope since."""
         return self.mental_models.RefreshMentalModel(mental_models_pb2.RefreshMentalModelRequest(
-            name=f"banks/{bank_id}/mental-models/{model_id}", budget=BUDGETS[budget],
-            dry_run=dry_run, mode=REFRESH_MODES[mode]), timeout=self.timeout)
+            name=f"banks/{bank_id}/mental-models/{model_id}",
+            budget=_pick("budget", budget, BUDGETS), dry_run=dry_run,
+            mode=_pick("mode", mode, REFRESH_MODES)), timeout=self.timeout)
 
     # entities, documents, tags
     def list_entities(self, bank_id: str, page_size: int = 500):
@@ -444,7 +495,8 @@ class MnemeClient:
         renames it. Returns the survivor once the graph holds the merge."""
         return self.entities.MergeEntities(entities_pb2.MergeEntitiesRequest(
             parent=f"banks/{bank_id}",
-            entities=[f"banks/{bank_id}/entities/{e}" for e in entity_ids],
+            entities=[f"banks/{bank_id}/entities/{e}"
+                      for e in _strings("entity_ids", entity_ids)],
             display_name=display_name), timeout=self.timeout)
 
     def split_entity(self, bank_id: str, entity_id: str, display_name: str,
@@ -454,8 +506,10 @@ class MnemeClient:
         (with the memories naming them) and ``memory_ids``. Returns both entities once
         the graph holds the split."""
         return self.entities.SplitEntity(entities_pb2.SplitEntityRequest(
-            name=f"banks/{bank_id}/entities/{entity_id}", aliases=list(aliases),
-            memories=[f"banks/{bank_id}/memories/{m}" for m in memory_ids],
+            name=f"banks/{bank_id}/entities/{entity_id}",
+            aliases=_strings("aliases", aliases),
+            memories=[f"banks/{bank_id}/memories/{m}"
+                      for m in _strings("memory_ids", memory_ids)],
             display_name=display_name), timeout=self.timeout)
 
     def list_documents(self, bank_id: str, page_size: int = 500):
@@ -487,9 +541,12 @@ class MnemeClient:
         of an aware ``query_timestamp``, else UTC; a naive ``query_timestamp`` is read on
         the clock of ``time_zone``)."""
         return self.recall_stub.Recall(recall_pb2.RecallRequest(
-            parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens, budget=BUDGETS[budget],
-            types=[TYPES[t] for t in types], tags=list(tags), tags_match=TAGS_MATCH[tags_match],
-            query_timestamp=dt_to_ts(_local(query_timestamp, time_zone)), document_id=document_id,
+            parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens,
+            budget=_pick("budget", budget, BUDGETS),
+            types=[_pick(f"types[{n}]", t, TYPES) for n, t in enumerate(_strings("types", types))],
+            tags=_strings("tags", tags), tags_match=_pick("tags_match", tags_match, TAGS_MATCH),
+            query_timestamp=dt_to_ts(_local(_when("query_timestamp", query_timestamp),
+                                            time_zone)), document_id=document_id,
             time_zone=_zone(query_timestamp, time_zone)), timeout=self.timeout)
 
     # observations
@@ -510,7 +567,8 @@ class MnemeClient:
         yield from self._pages(self.observations.ListObservations,
                                observations_pb2.ListObservationsRequest(
                                    parent=f"banks/{bank_id}", page_size=page_size,
-                                   scope=list(scope or ()), has_scope=scope is not None),
+                                   scope=_strings("scope", scope),
+                                   has_scope=scope is not None),
                                "observations")
 
     def list_observation_scopes(self, bank_id: str, page_size: int = 100) -> list:
@@ -543,9 +601,13 @@ class MnemeClient:
     def _reflect_request(self, bank_id, query, context, budget, response_schema,
                          query_timestamp=None, tags: Iterable[str] = (), time_zone=None):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
-                                         context=context, budget=BUDGETS[budget],
-                                         query_timestamp=dt_to_ts(_local(query_timestamp, time_zone)),
-                                         tags=list(tags), time_zone=_zone(query_timestamp, time_zone))
+                                         context=context,
+                                         budget=_pick("budget", budget, BUDGETS),
+                                         query_timestamp=dt_to_ts(_local(
+                                             _when("query_timestamp", query_timestamp),
+                                             time_zone)),
+                                         tags=_strings("tags", tags),
+                                         time_zone=_zone(query_timestamp, time_zone))
         if response_schema is not None:
             from google.protobuf import json_format
             json_format.ParseDict(response_schema, req.response_schema)
@@ -583,7 +645,8 @@ class MnemeClient:
         unknown. Needs a key with the ``history`` scope for the bank (else
         PERMISSION_DENIED)."""
         r = self.key_service.BatchGetDataKeys(keys_pb2.BatchGetDataKeysRequest(
-            parent=f"banks/{bank_id}", key_ids=list(key_ids)), timeout=self.timeout)
+            parent=f"banks/{bank_id}", key_ids=_strings("key_ids", key_ids)),
+            timeout=self.timeout)
         return {k.key_id: k.key for k in r.data_keys}, list(r.missing_key_ids)
 
     def history_opener(self, cache: int = 100_000, max_age_s: float = 300.0,
