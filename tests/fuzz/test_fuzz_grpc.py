@@ -1,7 +1,8 @@
 """Bounded fuzzing of the gRPC API on a real ``mneme up`` (offline extractor, issue 9).
 
 Random Retain / Recall / Reflect / List* / Get* / UpsertBank / UpdateBank /
-DeleteDocument / DeleteMemory requests built from the generated protobuf classes:
+DeleteDocument / DeleteMemory requests, and of every other RPC but CreateGeneration
+(test_every_rpc_is_fuzzed), built from the generated protobuf classes:
 control and non-BMP characters, huge and empty values, many tags and metadata entries,
 edge and out-of-range Timestamps (raw seconds/nanos), bad page tokens, unknown enum
 numbers, negative sizes, malformed resource names, short and long deadlines.
@@ -34,10 +35,10 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
 from mneme import apiconv
-from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, memory_pb2,
-                      mental_models_pb2, observations_pb2, operations_pb2, opinions_pb2, recall_pb2,
-                      reflect_pb2, resources_pb2)
-from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, Case, Ref
+from mneme.v1 import (banks_pb2, directives_pb2, documents_pb2, entities_pb2, generations_pb2,
+                      keys_pb2, memory_pb2, mental_models_pb2, observations_pb2, operations_pb2,
+                      opinions_pb2, recall_pb2, reflect_pb2, resources_pb2)
+from tests.fuzz.conftest import DOC_IDS, FIXED_BANKS, RPCS, UNFUZZED, Case, Ref
 
 MIN_S, MAX_S = -62135596800, 253402300799  # 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
 
@@ -717,6 +718,66 @@ def delete_case(draw):
                 bank, write=True, must_refuse=why, refs=(ref,) if ref else ())
 
 
+GENERATION_NAMES = [("generations/1", ""), ("generations/2", ""), ("generations/99", ""),
+                    ("generations/0", "generation: 0"), ("generations/-1", "generation: negative"),
+                    ("generations/1.5", "generation: not an integer"),
+                    ("generations/" + "9" * 30, "generation: too large"),
+                    ("generations/1/x", "generation: extra segment"),
+                    ("generation/1", "generation: collection"), ("", "generation: empty")]
+
+
+@st.composite
+def other_case(draw):
+    """The RPCs no other strategy sends: CheckLlm, Consolidate, ClearObservations,
+    Get/List/DeleteGeneration and BatchGetDataKeys (bad names, scopes, key ids)."""
+    rpc = draw(st.sampled_from(["CheckLlm", "Consolidate", "Consolidate", "ClearObservations",
+                                "GetGeneration", "ListGenerations", "DeleteGeneration",
+                                "BatchGetDataKeys", "BatchGetDataKeys"]))
+    if rpc in ("GetGeneration", "DeleteGeneration"):
+        name, why = draw(st.sampled_from(GENERATION_NAMES))
+        cls = (generations_pb2.GetGenerationRequest if rpc == "GetGeneration"
+               else generations_pb2.DeleteGenerationRequest)
+        return Case(rpc, cls(name=name), draw(deadline()), must_refuse=why)
+    if rpc == "ListGenerations":
+        token, _, why = draw(page_token())
+        return Case(rpc, generations_pb2.ListGenerationsRequest(
+            page_size=draw(page_size()), page_token=token), draw(deadline()), must_refuse=why)
+    name, bank, why = draw(bank_name())
+    whys = [why]
+    if rpc == "CheckLlm":
+        return Case(rpc, banks_pb2.CheckLlmRequest(name=name), draw(deadline()), bank,
+                    must_refuse=why)
+    if rpc == "BatchGetDataKeys":
+        ids = draw(rarely(st.sampled_from([1001, 5000]).map(lambda n: [f"d:x#{i}" for i in range(n)]),
+                          st.lists(st.sampled_from(["d:doc-1#1", "d:#", "f:x", "q:x", "b", "d:a/b#1",
+                                                    "d:doc-1#1"]) | noise(10), max_size=5)))
+        whys.append("key_ids: more than 1000" if len(ids) > 1000 else "")
+        return Case(rpc, keys_pb2.BatchGetDataKeysRequest(parent=name, key_ids=ids),
+                    draw(deadline()), bank, must_refuse="; ".join(w for w in whys if w))
+    if rpc == "ClearObservations":
+        req = memory_pb2.ClearObservationsRequest(parent=name)
+        refs = ()
+        if draw(st.booleans()):
+            mname, ref, _, mwhy = draw(child_name("memories", "memory"))
+            req.memory_id = mname
+            refs = (Ref("memory_id", ref.kind, ref.index, ref.template),) if ref else ()
+            whys.append(mwhy.replace("memory id", "memory_id") if mwhy else "")
+        setattr(req, "async", draw(st.booleans()))
+        return Case(rpc, req, draw(deadline()), bank, write=True,
+                    must_refuse="; ".join(w for w in whys if w), refs=refs)
+    req = memory_pb2.ConsolidateRequest(parent=name, reconsolidate=draw(st.booleans()))
+    setattr(req, "async", draw(st.booleans()))
+    if draw(st.booleans()):
+        mode = draw(enum(5))
+        req.observation_scopes.mode = mode
+        for t in draw(st.lists(st.lists(st.sampled_from(["a", "b", "mixed"]) | noise(8),
+                                        max_size=3), max_size=3)):
+            req.observation_scopes.scopes.add(tags=t)
+        whys.append("observation_scopes.mode: unknown" if not 0 <= mode <= 5 else "")
+    return Case(rpc, req, draw(deadline()), bank, write=True,
+                must_refuse="; ".join(w for w in whys if w))
+
+
 # ---- fixed cases for the failures issue 9 reports (always sent, before the random ones) ---
 
 def _ts(seconds: int, nanos: int = 0) -> timestamp_pb2.Timestamp:
@@ -843,6 +904,22 @@ def test_deletes(fuzz):
     # returns after the stores rebuilt what held it (~0.5-1 s on this bank; ~30 of the
     # 60 cases do), ~50 s here in all: 1.6x that.
     _run(fuzz, "deletes", delete_case(), 60, 80)
+
+
+def test_other_rpcs(fuzz):
+    _run(fuzz, "other rpcs", other_case(), 60, 40)
+
+
+def test_every_rpc_is_fuzzed():
+    """Every RPC the protos of mneme.v1 declare is sent by some strategy above (RPCS),
+    or named in UNFUZZED with the reason: a new RPC is fuzzed the day it is added."""
+    declared = {m.name for mod in (banks_pb2, directives_pb2, documents_pb2, entities_pb2,
+                                   generations_pb2, keys_pb2, memory_pb2, mental_models_pb2,
+                                   observations_pb2, operations_pb2, opinions_pb2, recall_pb2,
+                                   reflect_pb2)
+                for service in mod.DESCRIPTOR.services_by_name.values()
+                for m in service.methods}
+    assert declared - set(UNFUZZED) - set(RPCS) == set()
 
 
 def test_restart_keeps_every_bank(fuzz):
