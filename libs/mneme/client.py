@@ -357,7 +357,8 @@ class MnemeClient:
         naive one is read on the clock of the time_zone given, else as UTC).
         ``request_id`` makes retries idempotent; ``observation_scopes`` (see
         :func:`observation_scopes`) picks the scopes the facts consolidate into."""
-        req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}", items=[_item(it, n) for n, it in enumerate(items)],
+        req = memory_pb2.RetainRequest(parent=f"banks/{bank_id}",
+                                       items=[_item(it, n) for n, it in enumerate(items)],
                                        request_id=request_id, observation_scopes=observation_scopes)
         setattr(req, "async", async_)
         return self.memory.Retain(req, timeout=timeout or self.timeout)
