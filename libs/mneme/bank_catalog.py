@@ -109,9 +109,25 @@ def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
             return keyring.destroyed(m.bank_id, fact_key_id(fact_id))
     if isinstance(m, ev.DocumentDeleteRequested):
         catalog.erase_mental_model_sources(m.bank_id, (), m.document_id, gone)
-    else:
+    elif _names_a_fact(m, catalog, keyring):
         catalog.erase_mental_model_sources(m.bank_id, (m.memory_id,), "", gone)
     return []
+
+
+def _names_a_fact(m: ev.MemoryDeleteRequested, catalog: Catalog,
+                  keyring: Keyring | None) -> bool:
+    """False when the deleted id is known not to be a fact: in a sealed bank, a fact has
+    a key of its own (live, or destroyed by this deletion) and an observation or an
+    opinion has none. Search refuses such a deletion, so it must erase nothing here. In
+    an ``erasure: none`` bank (no keys) every id counts as a fact's; so does, in a sealed
+    bank, a fact retained while the bank was ``none`` (a caveat: its deletion erases no
+    mental-model content)."""
+    if keyring is None:
+        return True
+    bank = catalog.get_bank(m.bank_id)
+    if bank is not None and bank.config.erasure == "none":
+        return True
+    return keyring.known(m.bank_id, fact_key_id(m.memory_id))
 
 
 #: The bank projection's routes, for a group reading ``mneme.intake.v1``.

@@ -314,6 +314,13 @@ class Keyring:
         row = self.store.get(bank_id, key_id)
         return row is not None and row.wrapped is None
 
+    def known(self, bank_id: str, key_id: str) -> bool:
+        """True when ``key_id`` exists, live or destroyed (a shared store catches up
+        before it answers no). A fact's own key (:func:`fact_key_id`) is made before the
+        fact is on the log, so an id a client read as a fact's has one; an observation's
+        or an opinion's id has none."""
+        return self.store.get(bank_id, key_id) is not None
+
     def scope(self, bank_id: str, key_id: str) -> str | None:
         """The scope of a live key, or None."""
         row = self.store.get(bank_id, key_id)

@@ -606,8 +606,12 @@ class Ingest:
         op_id = str(uuid.uuid4())
         with self._writing(bank_id):
             self.require_bank(bank_id, fresh=False)
-            if self.keys is not None:
-                self.keys.destroy(bank_id, [fact_key_id(memory_id)])
+            own = fact_key_id(memory_id)
+            # Only a fact has a key of its own. A tombstone for an observation's or an
+            # opinion's id (a DeleteMemory search then refuses) would mark everything
+            # sealed later that cites it as citing a deleted fact: erased at birth.
+            if self.keys is not None and self.keys.known(bank_id, own):
+                self.keys.destroy(bank_id, [own])
             rec = self._append(ev.MemoryDeleteRequested(
                 bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)

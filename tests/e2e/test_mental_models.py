@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from mneme import locomo
 from mneme.cli import app
 from mneme.client import field_violations
+from mneme.keys import fact_key_id
+from mneme.stores.keys_sqlite import SqliteKeyStore
 from mneme.v1 import mental_models_pb2
 from tests.e2e.server import Server, conversation_file
 from tests.waits import drained
@@ -333,3 +335,48 @@ def test_a_deleted_fact_behind_a_cited_observation_erases_the_content(server):
     for f in server.data_dir.rglob("*"):
         if f.is_file():
             assert b"play the violin" not in f.read_bytes(), f
+
+
+def test_a_refused_delete_memory_of_an_observation_changes_nothing(server):
+    """DeleteMemory of an observation's id fails (consolidation derives observations) and
+    erases nothing: the mental-model revisions citing that observation stay, and a later
+    refresh citing it is not sealed as if it cited a deleted fact (it survives a
+    replay)."""
+    bank = "obs-refused"
+    with server.client() as m:
+        m.upsert_bank(bank)
+        m.retain(bank, [{"content": "Zoe: I play the violin.", "document_id": "X"}])
+        m.retain(bank, [{"content": "Zoe: I play the cello too.", "document_id": "Y"}])
+        drained(m, bank)
+        made = m.create_mental_model(bank, "Zoe music", "What instruments does Zoe play?")
+        m.refresh_mental_model(bank, made.id)
+        m.update_mental_model(bank, made.id, content="Zoe is musical (note A).")
+        m.retain(bank, [{"content": "Zoe: I started learning the violin-piano duo repertoire.",
+                         "document_id": "Z"}])
+        drained(m, bank)
+        observations = {o.name.rsplit("/", 1)[-1] for o in m.list_observations(bank)}
+        delta = m.refresh_mental_model(bank, made.id, mode="delta")
+        cited = {i.rsplit("/", 1)[-1] for i in delta.based_on} & observations
+        assert cited, delta
+        before = snapshot(m, bank)
+        for obs in sorted(cited):
+            op = m.delete_memory(bank, obs)
+            assert op.state == 4 and "ClearObservations" in op.error, op  # FAILED
+        drained(m, bank)
+        # no revision erased (the retraction on the memory topic still marks it stale)
+        now = snapshot(m, bank)
+        now[0][0].pop("isStale", None)
+        assert now == before
+        after = snapshot(m, bank)
+    server.stop()
+    # no tombstone for the observation's id: a refresh or reflection citing it later
+    # would be sealed under it, as if it cited a deleted fact (erased at birth)
+    keys = SqliteKeyStore(str(server.data_dir / "keys.db"))
+    try:
+        assert all(keys.get(bank, fact_key_id(i)) is None for i in cited)
+    finally:
+        keys.close()
+    server.start()
+    server.replay()
+    with server.client() as m:
+        assert snapshot(m, bank) == after
