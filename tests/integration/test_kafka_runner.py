@@ -551,3 +551,36 @@ def test_a_partition_lost_before_a_stop_is_restored_later_with_the_new_owners_de
     finally:
         for log in logs:
             log.close()
+
+
+def test_a_catch_up_is_bounded_when_the_broker_stops_answering_offset_fetches(kafka_log,
+                                                                              monkeypatch):
+    """A read's catch-up promises an answer within its timeout: a broker that answers the
+    high-watermark fetch but then not the committed-offset fetch (it went away between
+    the two) makes it return False, not wait for the OffsetFetch (40 s and more)."""
+    import asyncio
+
+    group, toy = f"toy-{_uid()}", Toy()
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    toy.stuck.add(f"{bank}:0")  # a record in hand, none handled: nothing done on it yet
+    (rec,) = kafka_log.append([delete(bank, 0)])
+    r = runner(kafka_log, group, toy).start()
+    done: list[bool] = []
+    try:
+        while not toy.attempts.get(f"{bank}:0"):
+            time.sleep(0.01)
+
+        async def unanswered(*_):
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(kafka_log, "_committed", unanswered)
+        t = threading.Thread(target=lambda: done.append(
+            r.catch_up({group: [(INTAKE, rec.partition)]}, timeout=1.0)), daemon=True)
+        t.start()
+        t.join(30)
+        assert done == [False]
+    finally:
+        monkeypatch.undo()
+        toy.stuck.clear()
+        assert r.stop(30)

@@ -499,10 +499,18 @@ class KafkaEventLog:
             self._groups[group] = c
         return c
 
-    def committed(self, group: str, topic: str, partition: int) -> int:
+    def committed(self, group: str, topic: str, partition: int,
+                  timeout: float | None = None) -> int:
         """``group``'s committed next offset on (``topic``, ``partition``) (OffsetFetch);
-        0 when it never committed there."""
-        return self._loop.run(self._committed(group, TopicPartition(topic, partition)))
+        0 when it never committed there. ``timeout``: seconds at most, then
+        ``aiokafka.errors.KafkaTimeoutError`` (as :meth:`end_offsets`)."""
+        fetch = self._committed(group, TopicPartition(topic, partition))
+        if timeout is None:
+            return self._loop.run(fetch)
+        try:
+            return self._loop.run(asyncio.wait_for(fetch, max(0.0, timeout)))
+        except TimeoutError as exc:
+            raise KafkaTimeoutError(f"no committed offset within {timeout:.1f}s") from exc
 
     async def _committed(self, group: str, tp: TopicPartition) -> int:
         c = await self._group_client(group)

@@ -978,7 +978,11 @@ class KafkaRunner:
             run, gid = runs[g], self.routers[g].group_id
             for tp in tps:
                 if tp not in run.done and target[tp] > 0:
-                    run.done.setdefault(tp, self.log.committed(gid, *tp))
+                    try:
+                        at = self.log.committed(gid, *tp, timeout=end - time.monotonic())
+                    except KafkaError:
+                        return False
+                    run.done.setdefault(tp, at)
         def reached(run: GroupRun, tp: tuple[str, int]) -> int:  # handled is visible
             return max(run.done.get(tp, 0), run.handled_to.get(tp, 0))
         while any(reached(runs[g], tp) < target[tp] for g, tps in wanted.items()
