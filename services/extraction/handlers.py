@@ -85,8 +85,9 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
                         embedder: Embedder, resolver: EntityResolver,
                         cancels: CancelWatch | None = None
                         ) -> list[ev.EntitiesResolved | ev.FactsExtracted]:
-    """The request's items → one FactsExtracted, preceded by the EntitiesResolved of the
-    entity-resolution decisions it took (none when it took none): the resolver's
+    """The request's items → one FactsExtracted (or its parts: :func:`split_facts`),
+    preceded by the EntitiesResolved of the entity-resolution decisions it took (none
+    when it took none): the resolver's
     changelog, which another replica restores (:func:`on_entities_resolved`). Fact ids
     derive from the operation, so a retried request (same request_id, hence same
     operation) or a redelivered event yields the same ids, and a redelivered event
@@ -110,8 +111,9 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
         *((e.id, scope(f.document_id)) for f in facts.facts for e in f.entities),
         *((i, scope(m.items[k].document_id)) for i, k in unstored)])
     entities, claims, aliases = resolver.drain(m.bank_id)
+    parts = split_facts(facts)
     if not (entities or claims or aliases):
-        return [facts]
+        return parts
     # An entity's name is sealed with the keys of the items that mention it: deleting
     # every document that named it makes the name unreadable on the log.
     keys_of: dict[str, list[str]] = {}
@@ -128,7 +130,67 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
         bank_id=m.bank_id, operation_id=m.operation_id,
         entities=[resolved(e) for e in entities], claims=[resolved(e) for e in claims],
         aliases=[ev.EntityAlias(alias=a, entity_id=i, seal=ev.Seal(keys=keys_of.get(i) or every))
-                 for a, i in aliases]), facts]
+                 for a, i in aliases]), *parts]
+
+
+#: Encoded bytes of facts (before sealing) one FactsExtracted record carries at most:
+#: half of Kafka's default record limit (1 MiB: the producer's ``max.request.size``,
+#: the broker's ``message.max.bytes``), leaving room for what sealing adds (a nonce, a
+#: tag and the key ids per fact, ~100 bytes) and the record's headers.
+PART_BYTES = 512 * 1024
+
+
+def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.FactsExtracted]:
+    """``m`` as one record, or, when its facts encode to more than ``budget`` bytes, as
+    parts 1..n of n (``part``/``parts``) of consecutive facts of at most ``budget``
+    bytes each (one fact larger than that goes alone). Every part keeps the retain's
+    ids, model, ``items_total`` and observation scopes ("combined" sent as "explicit"
+    with the union of the facts' tags, since a part sees only its own); the first keeps
+    ``replaced_document_ids``; the last keeps the outcome and names the earlier parts'
+    facts (``earlier_fact_ids``): what search needs to end the operation with every
+    fact id. Part boundaries depend only on the facts, so a redelivery splits alike.
+    ``budget``: bytes, default :data:`PART_BYTES`."""
+    budget = PART_BYTES if budget is None else budget
+    if m.ByteSize() <= budget:
+        return [m]
+    # room kept in every part for the last part's earlier_fact_ids (what is last is
+    # known only at the end), at most half of it
+    room = budget - min(budget // 2, sum(len(f.id) + 2 for f in m.facts))
+    groups: list[list[ev.Fact]] = [[]]
+    size = 0
+    for f in m.facts:
+        n = f.ByteSize() + 8  # the field's tag and length
+        if groups[-1] and size + n > room:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += n
+    if len(groups) == 1:
+        return [m]
+    scopes = None
+    if m.HasField("observation_scopes"):
+        scopes = ev.ObservationScopes()
+        scopes.CopyFrom(m.observation_scopes)
+        if scopes.mode == "combined":
+            union = sorted({t for f in m.facts for t in f.tags})
+            scopes = ev.ObservationScopes(mode="explicit", scopes=[ev.ScopeTags(tags=union)])
+    out, earlier = [], []
+    for k, group in enumerate(groups, 1):
+        part = ev.FactsExtracted(bank_id=m.bank_id, operation_id=m.operation_id, facts=group,
+                                 embedding_model=m.embedding_model, items_total=m.items_total,
+                                 observation_scopes=scopes, part=k, parts=len(groups))
+        if k == 1:
+            part.replaced_document_ids.extend(m.replaced_document_ids)
+        if k == len(groups):
+            part.failures.extend(m.failures)
+            part.no_fact_items.extend(m.no_fact_items)
+            if m.HasField("llm_usage"):
+                part.llm_usage.CopyFrom(m.llm_usage)
+            part.cancelled = m.cancelled
+            part.earlier_fact_ids.extend(earlier)
+        earlier.extend(f.id for f in group)
+        out.append(part)
+    return out
 
 
 def on_entities_resolved(m: ev.EntitiesResolved, meta: EventMeta, *,

@@ -149,7 +149,8 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
                        stores: Projections) -> list[ev.OperationProgress]:
     """The facts into every store (a replaced document's old units out first, all or
     nothing: :meth:`Projections.upsert`); the retain's progress (failed only when every
-    item failed)."""
+    item failed), on its last part when it came in several (``parts``), with the fact
+    ids of every part."""
     for doc in m.replaced_document_ids:
         for s in stores.each("delete", m.bank_id):
             s.delete_where(m.bank_id, doc)
@@ -158,6 +159,9 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
     facts = [codec.fact_from_pb(f, m.bank_id) for f in m.facts]
     if facts:
         stores.upsert(m.bank_id, facts)
+    if m.part < m.parts:
+        return []  # the operation ends with its last part
+    ids = [*m.earlier_fact_ids, *(f.id for f in facts)]
     failed = {f.item_index for f in m.failures}
     # a cancelled retain fails (what was extracted before the cancel is stored)
     state = "failed" if m.cancelled or failed and len(failed) == m.items_total else "succeeded"
@@ -169,9 +173,9 @@ def on_facts_extracted(m: ev.FactsExtracted, meta: EventMeta, *,
                  "(CancelOperation)" + (f"; {error}" if error else ""))
     return [ev.OperationProgress(
         bank_id=m.bank_id, operation_id=m.operation_id, kind="retain", state=state,
-        items_total=m.items_total, items_done=m.items_total - skipped, facts=len(facts),
+        items_total=m.items_total, items_done=m.items_total - skipped, facts=len(ids),
         error=error, cancelled=m.cancelled,
-        memory_ids=[f.id for f in facts], items_no_facts=len(m.no_fact_items),
+        memory_ids=ids, items_no_facts=len(m.no_fact_items),
         failures=list(m.failures))]
 
 

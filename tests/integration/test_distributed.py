@@ -224,6 +224,25 @@ def test_a_retain_larger_than_kafka_takes_is_refused_as_too_large(cluster):
         assert ok.operation.state == 3, ok.operation
 
 
+def test_a_document_whose_facts_exceed_a_kafka_record_is_retained_whole(cluster):
+    """A 120,000-character document fits one RetainRequested, but its facts with their
+    embeddings encode to more than Kafka's 1 MiB: they go out as several FactsExtracted,
+    and the retain succeeds with every fact stored and recallable (it used to end FAILED
+    with RecordTooLarge)."""
+    text = " ".join(f"On day {i} Alice bought {i % 13 + 2} sardines at stall {i % 17} of the "
+                    "Porto market." for i in range(1_600))
+    assert 100_000 < len(text) <= 200_000
+    with MnemeClient(cluster.address["ingest"], timeout=300) as m, \
+            MnemeClient(cluster.address["search"], timeout=60) as s:
+        m.upsert_bank("big-doc")
+        r = m.retain("big-doc", [{"content": text, "document_id": "ledger"}])
+        assert r.operation.state == 3, r.operation  # SUCCEEDED
+        stored = [x.id for x in s.list_memories("big-doc", document_id="ledger")]
+        assert sorted(stored) == sorted(r.memory_ids) and len(stored) > 400
+        hits = s.recall("big-doc", "On day 1598 Alice bought sardines at stall 0").results
+        assert any("day 1598 " in h.memory.text for h in hits[:5])
+
+
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):
     items = [i for s in locomo.sessions(next(
         c for c in locomo.load(conversation_file()) if c["sample_id"] == "conv-26"))

@@ -1,0 +1,123 @@
+"""A retain whose facts do not fit one Kafka record goes out as several FactsExtracted
+(:func:`services.extraction.handlers.split_facts`): each part fits, search ends the
+operation on the last part with every fact id, and search and consolidation hold the
+same state after the parts as after the whole."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+from mneme.events.v1 import events_pb2 as ev
+from services.extraction import handlers as extraction
+from services.extraction.handlers import split_facts
+from services.extraction.resolver import EntityResolver
+from services.search import handlers as search
+from tests.fakes import FakeEmbedder, FakeExtractor, fake_projections
+from tests.unit.test_handlers import T0, Consolidation, meta, pb_fact, retain, item
+
+BUDGET = 4 * 1024
+
+
+def whole(n: int = 120, seed: int = 7, scopes: str = "combined") -> ev.FactsExtracted:
+    rnd = random.Random(seed)
+    facts = []
+    for i in range(n):
+        e = [rnd.uniform(-1, 1) for _ in range(32)]
+        norm = sum(x * x for x in e) ** 0.5
+        facts.append(pb_fact(f"f{i:03}", f"Fact {i}: Alice bought {rnd.randint(1, 99)} sardines "
+                             f"at stall {i % 9} of the Porto market.", doc=f"d{i % 3}",
+                             tags=[f"t{i % 4}"], emb=[x / norm for x in e],
+                             entities=["Alice"] if i % 2 else ()))
+    return ev.FactsExtracted(
+        bank_id="b", operation_id="op-big", facts=facts, embedding_model="fake",
+        replaced_document_ids=["d0", "d1"], items_total=n + 2, no_fact_items=[n],
+        failures=[ev.ItemFailure(item_index=n + 1, error="boom", reason="x")],
+        llm_usage=ev.LlmUsage(model="m", calls=3), observation_scopes=ev.ObservationScopes(
+            mode=scopes))
+
+
+def test_a_record_that_fits_stays_one_record():
+    m = whole(5)
+    assert split_facts(m, BUDGET) == [m] and m.part == m.parts == 0
+
+
+def test_parts_fit_keep_every_fact_in_order_and_share_the_retains_fields():
+    m = whole()
+    parts = split_facts(m, BUDGET)
+    n = len(parts)
+    assert n > 3 and [(p.part, p.parts) for p in parts] == [(k, n) for k in range(1, n + 1)]
+    assert all(p.ByteSize() <= BUDGET + 200 for p in parts)  # + the retain's own fields
+    assert [f for p in parts for f in p.facts] == list(m.facts)
+    for p in parts:
+        assert (p.bank_id, p.operation_id, p.embedding_model, p.items_total) == (
+            "b", "op-big", "fake", m.items_total)
+        # "combined" needs the tags of every fact: sent as the one explicit scope
+        assert p.observation_scopes == ev.ObservationScopes(
+            mode="explicit", scopes=[ev.ScopeTags(tags=["t0", "t1", "t2", "t3"])])
+    first, last = parts[0], parts[-1]
+    assert list(first.replaced_document_ids) == ["d0", "d1"]
+    assert not any(p.replaced_document_ids for p in parts[1:])
+    assert (list(last.failures), list(last.no_fact_items), last.llm_usage) == (
+        list(m.failures), list(m.no_fact_items), m.llm_usage)
+    assert list(last.earlier_fact_ids) == [f.id for p in parts[:-1] for f in p.facts]
+    for p in parts[:-1]:
+        assert not (p.failures or p.no_fact_items or p.HasField("llm_usage")
+                    or p.earlier_fact_ids or p.cancelled)
+    assert split_facts(m, BUDGET) == parts  # a redelivery splits alike
+
+
+def test_a_fact_larger_than_the_budget_goes_alone():
+    m = whole(4)
+    m.facts[1].text = "x" * (2 * BUDGET)
+    parts = split_facts(m, BUDGET)
+    assert [[f.id for f in p.facts] for p in parts] == [["f000"], ["f001"], ["f002", "f003"]]
+
+
+def test_search_holds_the_same_and_ends_the_operation_on_the_last_part():
+    m = whole()
+    one, many = fake_projections(), fake_projections()
+    expected = search.on_facts_extracted(m, meta(), stores=one)
+    parts = split_facts(m, BUDGET)
+    got = [search.on_facts_extracted(p, meta(k), stores=many) for k, p in enumerate(parts, 1)]
+    assert got[:-1] == [[]] * (len(parts) - 1)
+    assert got[-1] == expected
+    assert len(expected[0].memory_ids) == len(m.facts) == expected[0].facts
+    for a, b in zip(one.all(), many.all()):
+        assert a.ids("b") == b.ids("b")
+
+
+def test_a_cancelled_retain_in_parts_fails_on_its_last_part():
+    m = whole()
+    m.cancelled = True
+    m.failures.append(ev.ItemFailure(item_index=m.items_total - 1, reason="cancelled"))
+    parts = split_facts(m, BUDGET)
+    stores = fake_projections()
+    *early, last = [search.on_facts_extracted(p, meta(), stores=stores) for p in parts]
+    assert early == [[]] * len(early)
+    (p,) = last
+    assert p.state == "failed" and p.cancelled and p.facts == len(m.facts)
+
+
+def test_consolidation_over_the_parts_derives_what_the_whole_does():
+    for mode in ("combined", "exact", "per_tag"):
+        m = whole(60, seed=3, scopes=mode)
+        a, b = Consolidation(), Consolidation()
+        a.send(m)
+        for p in split_facts(m, BUDGET):
+            b.send(p)
+        key = lambda o: (o.text, tuple(o.scope), tuple(sorted(e.memory_id for e in o.evidence)))
+        assert sorted(map(key, a.live())) == sorted(map(key, b.live())), mode
+        assert len(a.live()) > 1
+
+
+def test_extraction_sends_a_large_retain_in_parts(monkeypatch):
+    monkeypatch.setattr(extraction, "PART_BYTES", 2048)
+    m = retain(*(item(f"Alice bought {i} sardines at the Porto market.", doc="big")
+                 for i in range(40)), op="op-x")
+    out = extraction.on_retain_requested(m, meta(), extractor=FakeExtractor(),
+                                         embedder=FakeEmbedder(), resolver=EntityResolver())
+    parts = [o for o in out if isinstance(o, ev.FactsExtracted)]
+    assert len(parts) > 1 and {p.parts for p in parts} == {len(parts)}
+    assert sum(len(p.facts) for p in parts) == 40
+    assert all(f.seal.keys == m.items[f.item_index].seal.keys for p in parts for f in p.facts)
