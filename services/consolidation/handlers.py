@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Hashable
 
-from mneme.bus import codec
+from mneme.bus import PART_BYTES, codec
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
@@ -152,16 +152,18 @@ class Consolidator:
             # would decide nothing, and the log, which replay rebuilds from, miss them).
             with self.store.transaction():
                 if decides and (done := self.store.decision(meta.id)) is not None:
-                    return done
-                out = self._handle(m, meta, decide)
-                if decides:
-                    self.store.record_decision(m.bank_id, meta.id, out)
-                return out
+                    out = done
+                else:
+                    out = self._handle(m, meta, decide)
+                    if decides:
+                        self.store.record_decision(m.bank_id, meta.id, out)
         except BaseException:
             self._scopes.clear()  # they may hold states the rollback undid
             raise
         finally:
             self._working = {}  # taken and not kept by _apply: read again when needed
+        return [p for o in out for p in (split_change(o) if isinstance(
+            o, ev.ObservationsChanged) else (o,))]
 
     def _handle(self, m, meta: EventMeta, decide: bool) -> list:
         if isinstance(m, ev.ObservationsChanged):
@@ -424,6 +426,48 @@ class Consolidator:
             if m.HasField("observation_scopes") and m.observation_scopes.scopes:
                 only = {engine.scope_key(s.tags) for s in m.observation_scopes.scopes}
             self._consolidate(bank, self.store.facts(bank, pending=True), change, at, cause, only)
+
+
+def split_change(m: ev.ObservationsChanged, budget: int | None = None
+                 ) -> list[ev.ObservationsChanged]:
+    """``m`` as one record, or, when it encodes to more than ``budget`` bytes (default
+    :data:`mneme.bus.PART_BYTES`), as parts 1..n of n (``part``/``parts``): its reset
+    ids, then its observations, then its consolidated ids, in that order, packed into
+    consecutive parts of at most ``budget`` bytes (one observation larger than that goes
+    alone). A fact both reset and consolidated is listed as consolidated only: what one
+    record leaves (:meth:`mneme.ports.ObservationStore.apply` marks reset ids, then
+    consolidated ones), without the fact reading as pending between the parts. Only the
+    last part carries ``llm_usage``. Deterministic, so a redelivery splits alike."""
+    budget = PART_BYTES if budget is None else budget
+    if m.ByteSize() <= budget:
+        return [m]
+    done = set(m.consolidated_memory_ids)
+    # (field, element, its encoded size with the field's tag and length)
+    entries = [*(("reset_memory_ids", i, len(i) + 3) for i in m.reset_memory_ids
+                 if i not in done),
+               *(("observations", o, o.ByteSize() + 8) for o in m.observations),
+               *(("consolidated_memory_ids", i, len(i) + 3) for i in m.consolidated_memory_ids)]
+    groups: list[list] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e[2] > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e[2]
+    if len(groups) == 1:
+        return [m]
+    out = []
+    for k, group in enumerate(groups, 1):
+        part = ev.ObservationsChanged(bank_id=m.bank_id, operation_id=m.operation_id,
+                                      trigger=m.trigger, decided_by=m.decided_by, part=k,
+                                      parts=len(groups))
+        for field, element, _ in group:
+            getattr(part, field).append(element)
+        if k == len(groups) and m.HasField("llm_usage"):
+            part.llm_usage.CopyFrom(m.llm_usage)
+        out.append(part)
+    return out
 
 
 def on_memory_event(m, meta: EventMeta, *, consolidator: Consolidator,

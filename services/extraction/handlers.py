@@ -17,7 +17,7 @@ from mneme import telemetry
 from typing import TYPE_CHECKING
 
 from mneme import bank_catalog
-from mneme.bus import codec
+from mneme.bus import PART_BYTES, codec
 from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
@@ -133,13 +133,6 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
                  for a, i in aliases]), *parts]
 
 
-#: Encoded bytes of facts (before sealing) one FactsExtracted record carries at most:
-#: half of Kafka's default record limit (1 MiB: the producer's ``max.request.size``,
-#: the broker's ``message.max.bytes``), leaving room for what sealing adds (a nonce, a
-#: tag and the key ids per fact, ~100 bytes) and the record's headers.
-PART_BYTES = 512 * 1024
-
-
 def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.FactsExtracted]:
     """``m`` as one record, or, when its facts encode to more than ``budget`` bytes, as
     parts 1..n of n (``part``/``parts``) of consecutive facts of at most ``budget``
@@ -149,7 +142,7 @@ def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.Fact
     ``replaced_document_ids``; the last keeps the outcome and names the earlier parts'
     facts (``earlier_fact_ids``): what search needs to end the operation with every
     fact id. Part boundaries depend only on the facts, so a redelivery splits alike.
-    ``budget``: bytes, default :data:`PART_BYTES`."""
+    ``budget``: bytes, default :data:`mneme.bus.PART_BYTES`."""
     budget = PART_BYTES if budget is None else budget
     if m.ByteSize() <= budget:
         return [m]

@@ -236,12 +236,13 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
 def on_observations_changed(m: ev.ObservationsChanged, meta: EventMeta, *,
                             stores: Projections) -> list[ev.OperationProgress]:
     """Observations into the vector store (units of fact_type "observation"); progress
-    only when the change completes a Consolidate / ClearObservations request."""
+    only when the change completes a Consolidate / ClearObservations request (on its
+    last part, when it came in several: ``parts``)."""
     for o in m.observations:
         if not o.deleted:
             stores.check_model(m.bank_id, o.embedding_model, "observations")
     project_observations(m, stores.vectors)
-    if not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
+    if m.part < m.parts or not (m.operation_id and m.trigger in CONSOLIDATION_REQUEST_TRIGGERS):
         return []
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                  kind="consolidate", state="succeeded")]

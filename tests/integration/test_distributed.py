@@ -10,6 +10,7 @@ log the previous ones left)."""
 from __future__ import annotations
 
 import collections
+import re
 import subprocess
 import threading
 import time
@@ -28,6 +29,7 @@ from tests.e2e.server import Server, conversation_file
 from tests.integration.cluster import Cluster
 from tests.integration.conftest import KAFKA_TEST_OPTIONS, mneme_bin
 from tests.llm.stub import OPINION_FORMATION, StubLLM, chat
+from tests.waits import drained
 
 pytestmark = pytest.mark.slow
 
@@ -225,22 +227,33 @@ def test_a_retain_larger_than_kafka_takes_is_refused_as_too_large(cluster):
 
 
 def test_a_document_whose_facts_exceed_a_kafka_record_is_retained_whole(cluster):
-    """A 120,000-character document fits one RetainRequested, but its facts with their
-    embeddings encode to more than Kafka's 1 MiB: they go out as several FactsExtracted,
-    and the retain succeeds with every fact stored and recallable (it used to end FAILED
-    with RecordTooLarge)."""
-    text = " ".join(f"On day {i} Alice bought {i % 13 + 2} sardines at stall {i % 17} of the "
-                    "Porto market." for i in range(1_600))
-    assert 100_000 < len(text) <= 200_000
-    with MnemeClient(cluster.address["ingest"], timeout=300) as m, \
+    """A 150,000-character document (LoCoMo turns) fits one RetainRequested, but its facts
+    with their embeddings encode to more than Kafka's 1 MiB, and so does reconsolidating
+    the bank's observations: both go out in parts, and the retain and the reconsolidation
+    succeed with everything stored (both used to end FAILED with RecordTooLarge)."""
+    turns = [i["content"] for c in locomo.load(conversation_file())
+             for s in locomo.sessions(c) for i in s.items]
+    text = " ".join(turns)[:150_000].rsplit(" ", 1)[0]
+    probe = next(t for t in reversed(turns[:len(turns) // 2]) if len(t) > 80 and t in text)
+    with MnemeClient(cluster.address["ingest"], timeout=600) as m, \
             MnemeClient(cluster.address["search"], timeout=60) as s:
         m.upsert_bank("big-doc")
-        r = m.retain("big-doc", [{"content": text, "document_id": "ledger"}])
+        r = m.retain("big-doc", [{"content": text, "document_id": "talk"}])
         assert r.operation.state == 3, r.operation  # SUCCEEDED
-        stored = [x.id for x in s.list_memories("big-doc", document_id="ledger")]
-        assert sorted(stored) == sorted(r.memory_ids) and len(stored) > 400
-        hits = s.recall("big-doc", "On day 1598 Alice bought sardines at stall 0").results
-        assert any("day 1598 " in h.memory.text for h in hits[:5])
+        stored = {x.id: x.text for x in s.list_memories("big-doc", document_id="talk")}
+        assert sorted(stored) == sorted(r.memory_ids) and len(stored) > 500
+        drained(m, "big-doc")
+        before = len(list(s.list_observations("big-doc")))
+        assert before > 400
+        op = m.consolidate("big-doc", reconsolidate=True)
+        assert op.state == 3, op
+        drained(m, "big-doc")
+        assert len(list(s.list_observations("big-doc"))) > 400
+        sentence = max(re.split(r"(?<=[.!?]) ", probe), key=len)
+        holders = {i for i, t in stored.items() if sentence in t}
+        assert holders, sentence
+        hits = s.recall("big-doc", sentence).results
+        assert holders & {h.memory.id for h in hits[:5]}, (sentence, hits[:5])
 
 
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):

@@ -35,6 +35,14 @@ AUDIT = "mneme.audit.v1"
 #: consumers.
 KEYS = "mneme.keys.v1"
 
+#: Encoded bytes (before sealing) of the elements one record of an event that may grow
+#: with its request carries at most (FactsExtracted's facts, ObservationsChanged's
+#: observations and ids): a larger one goes out in parts. Half of Kafka's default record
+#: limit (1 MiB: the producer's ``max.request.size``, the broker's
+#: ``message.max.bytes``), leaving room for what sealing adds (a nonce, a tag and the
+#: key ids per element, ~100 bytes) and the record's headers.
+PART_BYTES = 512 * 1024
+
 #: The event topics.
 ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
 

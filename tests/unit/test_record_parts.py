@@ -1,20 +1,21 @@
-"""A retain whose facts do not fit one Kafka record goes out as several FactsExtracted
-(:func:`services.extraction.handlers.split_facts`): each part fits, search ends the
-operation on the last part with every fact id, and search and consolidation hold the
-same state after the parts as after the whole."""
+"""Events that grow with their request go out in parts when they do not fit one Kafka
+record: a retain's FactsExtracted (:func:`services.extraction.handlers.split_facts`) and
+consolidation's ObservationsChanged (:func:`services.consolidation.handlers.split_change`).
+Each part fits, search ends the operation on the last part (with every fact id), and
+every consumer holds the same state after the parts as after the whole."""
 
 from __future__ import annotations
 
 import random
-from datetime import timedelta
-
 from mneme.events.v1 import events_pb2 as ev
+from services.consolidation import handlers as consolidation
+from services.consolidation.handlers import on_memory_restore, split_change
 from services.extraction import handlers as extraction
 from services.extraction.handlers import split_facts
 from services.extraction.resolver import EntityResolver
 from services.search import handlers as search
 from tests.fakes import FakeEmbedder, FakeExtractor, fake_projections
-from tests.unit.test_handlers import T0, Consolidation, meta, pb_fact, retain, item
+from tests.unit.test_handlers import Consolidation, item, meta, pb_fact, retain
 
 BUDGET = 4 * 1024
 
@@ -121,3 +122,67 @@ def test_extraction_sends_a_large_retain_in_parts(monkeypatch):
     assert len(parts) > 1 and {p.parts for p in parts} == {len(parts)}
     assert sum(len(p.facts) for p in parts) == 40
     assert all(f.seal.keys == m.items[f.item_index].seal.keys for p in parts for f in p.facts)
+
+
+def consolidated(n: int = 80) -> Consolidation:
+    """A bank of ``n`` distinct facts, consolidated one retain at a time."""
+    h = Consolidation()
+    for k, f in enumerate(whole(n, seed=11, scopes="exact").facts):
+        h.send(ev.FactsExtracted(bank_id="b", operation_id=f"op-{k}", facts=[f],
+                                 items_total=1, embedding_model="fake"))
+    return h
+
+
+def marks(h: Consolidation) -> tuple:
+    return (sorted(f.id for f, _ in h.store.facts("b")),
+            sorted(f.id for f, _ in h.store.facts("b", pending=True)))
+
+
+def live(h: Consolidation) -> list:
+    return sorted((o.id, o.version, o.text, o.deleted) for o in
+                  h.store.observations("b", include_deleted=True).values())
+
+
+def test_a_reconsolidation_too_large_for_a_record_goes_out_in_parts(monkeypatch):
+    """A reconsolidation rewrites every observation of the bank in one change; in parts,
+    each fits, search reports the request done on the last part only, and a replica
+    restored from the parts holds what one restored from the whole record holds."""
+    request = ev.ConsolidationScheduled(bank_id="b", operation_id="op-re",
+                                        action="reconsolidate")
+    one = consolidated()
+    (whole_change,) = [o for o in one.send(request) if isinstance(o, ev.ObservationsChanged)]
+    assert whole_change.part == whole_change.parts == 0
+    monkeypatch.setattr(consolidation, "PART_BYTES", 4 * 1024)
+    many = consolidated()
+    parts = [o for o in many.send(request) if isinstance(o, ev.ObservationsChanged)]
+    n = len(parts)
+    assert n > 3 and [(p.part, p.parts) for p in parts] == [(k, n) for k in range(1, n + 1)]
+    assert all(p.ByteSize() <= 4 * 1024 + 100 for p in parts)
+    assert all((p.operation_id, p.trigger) == ("op-re", "reconsolidate") for p in parts)
+    assert live(one) == live(many) and marks(one) == marks(many)
+    # a fact reset and consolidated again is listed once, as consolidated
+    assert not {i for p in parts for i in p.reset_memory_ids} & {
+        i for p in parts for i in p.consolidated_memory_ids}
+    # replicas restored from the log: the whole record, or its parts in order
+    a, b = Consolidation(), Consolidation()
+    for h in (a, b):
+        for k, f in enumerate(whole(80, seed=11, scopes="exact").facts):
+            on_memory_restore(ev.FactsExtracted(bank_id="b", operation_id=f"op-{k}", facts=[f],
+                                                items_total=1, embedding_model="fake"),
+                              meta(k), consolidator=h.c)
+    on_memory_restore(whole_change, meta(100), consolidator=a.c)
+    for k, p in enumerate(parts):
+        on_memory_restore(p, meta(100 + k), consolidator=b.c)
+    assert live(a) == live(b) and marks(a) == marks(b)
+    # search: the same units, and the request's progress once, on the last part
+    s1, s2 = fake_projections(), fake_projections()
+    expected = search.on_observations_changed(whole_change, meta(), stores=s1)
+    got = [search.on_observations_changed(p, meta(), stores=s2) for p in parts]
+    assert expected and got == [[]] * (n - 1) + [expected]
+    assert s1.vectors.ids("b") == s2.vectors.ids("b")
+
+
+def test_a_change_that_fits_stays_one_record():
+    m = ev.ObservationsChanged(bank_id="b", operation_id="o", trigger="auto",
+                               reset_memory_ids=["f1"], consolidated_memory_ids=["f1", "f2"])
+    assert split_change(m) == [m]
