@@ -382,12 +382,15 @@ class MnemeClient:
 
     # directives
     def create_directive(self, bank_id: str, text: str, *, title: str = "", priority: int = 0,
-                         active: bool = True, tags: Iterable[str] = ()) -> directives_pb2.Directive:
-        """Create a directive (a rule reflect follows) in the bank; returns it with its id."""
+                         active: bool = True, tags: Iterable[str] = (),
+                         directive_id: str = "") -> directives_pb2.Directive:
+        """Create a directive (a rule reflect follows) in the bank; returns it with its id.
+        ``directive_id``: a UUID of your choosing (AIP-133), so that retrying a call whose
+        answer was lost gets ALREADY_EXISTS instead of making a second directive."""
         return self.directives.CreateDirective(directives_pb2.CreateDirectiveRequest(
             parent=f"banks/{bank_id}", directive=directives_pb2.Directive(
                 text=text, title=title, priority=priority, active=active,
-                tags=_strings("tags", tags))),
+                tags=_strings("tags", tags)), directive_id=directive_id),
             timeout=self.timeout)
 
     def get_directive(self, bank_id: str, directive_id: str) -> directives_pb2.Directive:
@@ -418,15 +421,18 @@ class MnemeClient:
     # mental models
     def create_mental_model(self, bank_id: str, display_name: str, source_query: str, *,
                             content: str = "", tags: Iterable[str] = (), max_tokens: int = 0,
-                            refresh_policy: str = "manual", refresh_every: int = 0
-                            ) -> mental_models_pb2.MentalModel:
-        """Create a mental model (a standing answer to ``source_query``) in the bank."""
+                            refresh_policy: str = "manual", refresh_every: int = 0,
+                            mental_model_id: str = "") -> mental_models_pb2.MentalModel:
+        """Create a mental model (a standing answer to ``source_query``) in the bank.
+        ``mental_model_id``: a UUID of your choosing (AIP-133), so that retrying a call
+        whose answer was lost gets ALREADY_EXISTS instead of making a second model."""
         return self.mental_models.CreateMentalModel(mental_models_pb2.CreateMentalModelRequest(
             parent=f"banks/{bank_id}", mental_model=_mental_model(
                 display_name=display_name, source_query=source_query, content=content,
                 tags=_strings("tags", tags), max_tokens=max_tokens,
                 refresh_policy=refresh_policy,
-                refresh_every=refresh_every)), timeout=self.timeout)
+                refresh_every=refresh_every), mental_model_id=mental_model_id),
+            timeout=self.timeout)
 
     def get_mental_model(self, bank_id: str, model_id: str) -> mental_models_pb2.MentalModel:
         return self.mental_models.GetMentalModel(mental_models_pb2.GetMentalModelRequest(

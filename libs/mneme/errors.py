@@ -1,5 +1,6 @@
 """Errors handlers raise; transports map them to their status codes
-(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED)."""
+(gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, ALREADY_EXISTS,
+FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED)."""
 
 
 class MnemeError(Exception):
@@ -16,6 +17,11 @@ class InvalidArgument(MnemeError, ValueError):
 
 class NotFound(MnemeError):
     """The named resource (bank, memory, operation) does not exist."""
+
+
+class AlreadyExists(MnemeError):
+    """The resource to create exists already (a create with a client-chosen id, AIP-133:
+    the retry of a call whose answer was lost finds its own first try)."""
 
 
 class DeadlineExceeded(MnemeError):

@@ -19,8 +19,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mneme.domain import clamp_time
-from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                          RecordTooLarge, Unavailable)
+from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
+                          InvalidArgument, NotFound, RecordTooLarge, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
 
 def translate_errors(method):
     """Decorator for servicer methods: InvalidArgument → INVALID_ARGUMENT with a
-    BadRequest listing the field violations; NotFound → NOT_FOUND; FailedPrecondition →
+    BadRequest listing the field violations; NotFound → NOT_FOUND; AlreadyExists →
+    ALREADY_EXISTS; FailedPrecondition →
     FAILED_PRECONDITION; DeadlineExceeded →
     DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; RecordTooLarge →
     RESOURCE_EXHAUSTED (as a request over the size limit); anything else →
@@ -48,8 +49,8 @@ def translate_errors(method):
         try:
             with deadline.bind(call_deadline(context)):  # deadline.current() in the work
                 return method(self, request, context)
-        except (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled,
-                Unavailable, RecordTooLarge) as e:
+        except (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, DeadlineExceeded,
+                Cancelled, Unavailable, RecordTooLarge) as e:
             abort_for(context, e)
 
     return wrapper
@@ -65,6 +66,8 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         _abort(context, code_pb2.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, str(e), br)
     elif isinstance(e, NotFound):
         _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
+    elif isinstance(e, AlreadyExists):
+        _abort(context, code_pb2.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS, str(e))
     elif isinstance(e, DeadlineExceeded):
         _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
     elif isinstance(e, FailedPrecondition):

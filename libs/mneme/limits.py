@@ -110,6 +110,8 @@ _STRING_RULES: dict[str, tuple[str, str]] = {
     "document_id": ("id_chars", "id"),
     "request_id": ("id_chars", "id"),
     "memory_id": ("id_chars", "id"),
+    "directive_id": ("id_chars", "id"),
+    "mental_model_id": ("id_chars", "id"),
     "page_token": ("page_token_chars", "id"),
     "extraction_mode": ("id_chars", "id"),
     "erasure": ("id_chars", "id"),

@@ -282,7 +282,8 @@ class DirectiveServicer(directives_pb2_grpc.DirectiveServiceServicer):
         if not request.HasField("directive"):
             raise InvalidArgument("directive", "required")
         d = self.ingest.create_directive(_directive_from_api(request.directive, bank_id),
-                                         timeout=remaining(context, 30.0))
+                                         timeout=remaining(context, 30.0),
+                                         directive_id=request.directive_id)
         return directive_to_api(d)
 
     @translate_errors

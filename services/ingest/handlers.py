@@ -17,11 +17,11 @@ from mneme.bus import INTAKE, MEMORY, codec, partition_for
 from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, Directive,
                           EventMeta, Operation, RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
-from mneme.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
-                          NotFound, Unavailable)
+from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
+                          InvalidArgument, NotFound, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
-from mneme.names import check_bank_id
+from mneme.names import check_bank_id, check_uuid
 from mneme.ports import Catalog, EventLog, Llm, Record
 
 #: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
@@ -265,8 +265,9 @@ class Ingest:
     #: replacement of its document, its facts briefly gone).
     _appended: dict = field(default_factory=dict, repr=False)
     _appended_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: One lock per operation id being appended (gone with its last holder), so a slow
-    #: append holds up only an identical request, never another one.
+    #: One lock per operation id being appended, or per id being created
+    #: (:meth:`_key_lock`; gone with its last holder), so a slow append holds up only an
+    #: identical request, never another one.
     _append_locks: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
     #: A :class:`BankGate` per bank being written or deleted (gone with its last holder).
@@ -290,6 +291,15 @@ class Ingest:
         went away (:func:`mneme.deadline.current`), so a call already answered with that
         status writes nothing its retry would write again."""
         current_deadline().check(what)
+
+    @contextlib.contextmanager
+    def _key_lock(self, key: str):
+        """Held by one caller at a time per ``key`` in this process (gone with its last
+        holder), so a check-then-append on one id is one step."""
+        with self._appended_lock:
+            lock = self._append_locks.setdefault(key, threading.Lock())
+        with lock:
+            yield
 
     @contextlib.contextmanager
     def _writing(self, bank_id: str):
@@ -440,15 +450,25 @@ class Ingest:
             raise NotFound(f"directive {directive_id!r} not found in bank {bank_id!r}")
         return d
 
-    def create_directive(self, d: Directive, timeout: float | None = None) -> Directive:
-        """Create ``d`` under a new id in its bank; returns it as projected. NotFound for
-        an unknown bank; InvalidArgument (``directive.<field>``) for an empty text or tag."""
+    def create_directive(self, d: Directive, timeout: float | None = None,
+                         directive_id: str = "") -> Directive:
+        """Create ``d`` in its bank under ``directive_id`` (a UUID the client chose,
+        AIP-133) or a new id; returns it as projected. NotFound for an unknown bank;
+        InvalidArgument (``directive.<field>``, ``directive_id``) for an empty text or
+        tag or an id that is not a UUID; AlreadyExists when the bank has a directive of
+        that id (a retry of a create whose answer was lost)."""
         _check_directive(d, DIRECTIVE_FIELDS)
-        d = replace(d, id=str(uuid.uuid4()))
-        with self._writing(d.bank_id):
-            self.require_bank(d.bank_id, fresh=False)
-            rec = self._append(_directive_event(d, ()), d.bank_id)
-        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        if directive_id:
+            check_uuid(directive_id, "directive_id", "directive id")
+        d = replace(d, id=directive_id or str(uuid.uuid4()))
+        # one create of an id at a time here, until it is projected (two replicas may race)
+        with self._key_lock(f"directive:{d.bank_id}/{d.id}"):
+            with self._writing(d.bank_id):
+                self.require_bank(d.bank_id, fresh=False)
+                if directive_id and self.catalog.get_directive(d.bank_id, d.id) is not None:
+                    raise AlreadyExists(f"directive {d.id!r} exists in bank {d.bank_id!r}")
+                rec = self._append(_directive_event(d, ()), d.bank_id)
+            self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
     def update_directive(self, d: Directive, paths: Sequence[str],
@@ -548,9 +568,7 @@ class Ingest:
         asked for by the same request: InvalidArgument naming ``request_id`` otherwise,
         instead of answering for other items than the caller sent."""
         digest = _request_digest(request) if request is not None else b""
-        with self._appended_lock:
-            lock = self._append_locks.setdefault(op_id, threading.Lock())
-        with lock:
+        with self._key_lock(op_id):
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:
                 mine = self._appended.get(op_id)

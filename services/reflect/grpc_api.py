@@ -148,7 +148,8 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
             raise InvalidArgument("mental_model", "required")
         with deadline.bind(call_deadline(context)):
             return self._api(self.models.create(_model_from_api(request.mental_model, bank_id),
-                                                remaining(context, 30.0)))
+                                                remaining(context, 30.0),
+                                                model_id=request.mental_model_id))
 
     @translate_errors
     def GetMentalModel(self, request, context):

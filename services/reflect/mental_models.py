@@ -41,6 +41,7 @@ import math
 import re
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -49,7 +50,8 @@ from typing import Callable, Iterable, Sequence
 from mneme.domain import (MENTAL_MODEL_FIELDS, REFRESH_POLICIES, MentalModel, MentalModelRevision,
                           Memory, from_epoch)
 from mneme.domain import tags_match as match_tags
-from mneme.errors import InvalidArgument, NotFound
+from mneme.errors import AlreadyExists, InvalidArgument, NotFound
+from mneme.names import check_uuid
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog, Embedder, Record
 from mneme.retrieval import RRF_K
@@ -117,6 +119,11 @@ class MentalModels:
     embedder: Embedder | None = None
     _vectors: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _vectors_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: (bank id, model id) → the lock of a create with a client-chosen id (gone with its
+    #: last holder): check and append are one step in this process.
+    _creating: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary, repr=False)
+    _creating_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # ---- reads ----
 
@@ -184,17 +191,28 @@ class MentalModels:
 
     # ---- writes ----
 
-    def create(self, m: MentalModel, timeout: float) -> MentalModel:
-        """A new model (the server picks its id). InvalidArgument naming
-        ``mental_model.<field>`` for an empty name or query, a bad policy, a negative
-        number or refresh_every 0 with policy every_n_facts."""
+    def create(self, m: MentalModel, timeout: float, model_id: str = "") -> MentalModel:
+        """A new model, under ``model_id`` (a UUID the client chose, AIP-133) or an id the
+        server picks. InvalidArgument naming ``mental_model.<field>`` for an empty name
+        or query, a bad policy, a negative number or refresh_every 0 with policy
+        every_n_facts, ``mental_model_id`` for an id that is not a UUID; AlreadyExists
+        when the bank has a model of that id (a retry of a create whose answer was
+        lost)."""
         self.require_bank(m.bank_id)
         _check(m, MENTAL_MODEL_FIELDS)
         _check_refresh(m)
-        m = replace(m, id=str(uuid.uuid4()))
-        msg = _event(m, ())
-        msg.memory_offset = self.memory_end(m.bank_id)
-        self.projected(self.append(msg, m.bank_id), m.bank_id)
+        if model_id:
+            check_uuid(model_id, "mental_model_id", "mental model id")
+        m = replace(m, id=model_id or str(uuid.uuid4()))
+        # one create of an id at a time here, until it is projected (two replicas may race)
+        with self._creating_lock:
+            lock = self._creating.setdefault((m.bank_id, m.id), threading.Lock())
+        with lock:
+            if model_id and self.catalog.get_mental_model(m.bank_id, m.id) is not None:
+                raise AlreadyExists(f"mental model {m.id!r} exists in bank {m.bank_id!r}")
+            msg = _event(m, ())
+            msg.memory_offset = self.memory_end(m.bank_id)
+            self.projected(self.append(msg, m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)
 
     def update(self, m: MentalModel, paths: Sequence[str], timeout: float) -> MentalModel:

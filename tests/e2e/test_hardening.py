@@ -698,3 +698,32 @@ def test_a_combined_scope_is_bounded_like_an_items_tags(m):
     assert not list(m.list_memories("combined"))
     r = m.retain("combined", items[:2], observation_scopes=observation_scopes("combined"))
     assert r.operation.state == operations_pb2.SUCCEEDED  # 60 tags: one scope of them
+
+
+def test_a_create_with_a_client_chosen_id_is_safe_to_retry(m):
+    """CreateDirective and CreateMentalModel take an id of the client's choosing
+    (AIP-133): a retry of a call whose answer was lost (several at once, too) gets
+    ALREADY_EXISTS and leaves one resource; an id that is not a UUID is refused."""
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    m.upsert_bank("chosen")
+    creates = {
+        "directive_id": (lambda i: m.create_directive("chosen", "Be brief.", directive_id=i),
+                         lambda: list(m.list_directives("chosen"))),
+        "mental_model_id": (lambda i: m.create_mental_model("chosen", "Diet", "What does Ann eat?",
+                                                            mental_model_id=i),
+                            lambda: list(m.list_mental_models("chosen")))}
+    for field, (create, listed) in creates.items():
+        chosen = str(uuid.uuid4())
+        made = create(chosen)
+        assert made.name.endswith("/" + chosen)
+        with ThreadPoolExecutor(4) as pool:  # a client's retries racing each other
+            tries = [pool.submit(create, chosen) for _ in range(4)]
+        for t in tries:
+            assert isinstance(t.exception(), grpc.RpcError), field
+            assert t.exception().code() == grpc.StatusCode.ALREADY_EXISTS, field
+        assert [x.name for x in listed()] == [made.name]
+        refused(lambda: create("not-a-uuid"), field)
+        other = create("")  # no id: the server picks a new one each time
+        assert other.name != made.name and len(listed()) == 2
