@@ -304,25 +304,33 @@ def test_scheduled_refreshes_follow_each_models_policy(server):
         assert revision(m, manual.id) == 0 and m.get_mental_model("sched", manual.id).is_stale
 
 
+def _delta_citing_an_observation(m, bank: str):
+    """A model of Zoe's instruments in a new ``bank`` with the user's note A, then a delta
+    refresh after a third retain: (model, the refresh, the observation ids it cites)."""
+    m.upsert_bank(bank)
+    m.retain(bank, [{"content": "Zoe: I play the violin.", "document_id": "X"}])
+    m.retain(bank, [{"content": "Zoe: I play the cello too.", "document_id": "Y"}])
+    drained(m, bank)
+    made = m.create_mental_model(bank, "Zoe music", "What instruments does Zoe play?")
+    m.refresh_mental_model(bank, made.id)
+    m.update_mental_model(bank, made.id, content="Zoe is musical (note A).")
+    m.retain(bank, [{"content": "Zoe: I started learning the violin-piano duo repertoire.",
+                     "document_id": "Z"}])
+    drained(m, bank)
+    observations = {o.name.rsplit("/", 1)[-1] for o in m.list_observations(bank)}
+    delta = m.refresh_mental_model(bank, made.id, mode="delta")
+    cited = {i.rsplit("/", 1)[-1] for i in delta.based_on} & observations
+    assert cited, delta
+    return made, delta, cited
+
+
 def test_a_deleted_fact_behind_a_cited_observation_erases_the_content(server):
     """A delta refresh cites an observation, not the fact under it: deleting that fact's
     document still erases the revision (the refresh recorded the observation's facts)."""
     bank = "obs-erase"
     with server.client() as m:
-        m.upsert_bank(bank)
-        m.retain(bank, [{"content": "Zoe: I play the violin.", "document_id": "X"}])
-        m.retain(bank, [{"content": "Zoe: I play the cello too.", "document_id": "Y"}])
-        drained(m, bank)
-        made = m.create_mental_model(bank, "Zoe music", "What instruments does Zoe play?")
-        m.refresh_mental_model(bank, made.id)
-        m.update_mental_model(bank, made.id, content="Zoe is musical (note A).")
-        m.retain(bank, [{"content": "Zoe: I started learning the violin-piano duo repertoire.",
-                         "document_id": "Z"}])
-        drained(m, bank)
-        observations = {o.name.rsplit("/", 1)[-1] for o in m.list_observations(bank)}
-        delta = m.refresh_mental_model(bank, made.id, mode="delta")
-        cited = {i.rsplit("/", 1)[-1] for i in delta.based_on}
-        assert cited & observations and "play the violin" in delta.content, delta
+        made, delta, cited = _delta_citing_an_observation(m, bank)
+        assert "play the violin" in delta.content, delta
         m.update_mental_model(bank, made.id, content="Zoe is musical (note B).")
         m.delete_document(bank, "X")
         drained(m, bank)
@@ -344,20 +352,7 @@ def test_a_refused_delete_memory_of_an_observation_changes_nothing(server):
     replay)."""
     bank = "obs-refused"
     with server.client() as m:
-        m.upsert_bank(bank)
-        m.retain(bank, [{"content": "Zoe: I play the violin.", "document_id": "X"}])
-        m.retain(bank, [{"content": "Zoe: I play the cello too.", "document_id": "Y"}])
-        drained(m, bank)
-        made = m.create_mental_model(bank, "Zoe music", "What instruments does Zoe play?")
-        m.refresh_mental_model(bank, made.id)
-        m.update_mental_model(bank, made.id, content="Zoe is musical (note A).")
-        m.retain(bank, [{"content": "Zoe: I started learning the violin-piano duo repertoire.",
-                         "document_id": "Z"}])
-        drained(m, bank)
-        observations = {o.name.rsplit("/", 1)[-1] for o in m.list_observations(bank)}
-        delta = m.refresh_mental_model(bank, made.id, mode="delta")
-        cited = {i.rsplit("/", 1)[-1] for i in delta.based_on} & observations
-        assert cited, delta
+        made, delta, cited = _delta_citing_an_observation(m, bank)
         before = snapshot(m, bank)
         for obs in sorted(cited):
             op = m.delete_memory(bank, obs)
