@@ -564,7 +564,8 @@ def build_ingest(root: Root) -> ServiceParts:
                     groups=lambda: root.group_ids([r.group_id for r in parts.routers.values()]),
                     stores=None if root.distributed else root.stores,  # for GetBankStats
                     documents=None if root.distributed else root.documents,  # and profiles
-                    keys=root.keyring, wait_projections=not root.distributed)
+                    keys=root.keyring, wait_projections=not root.distributed,
+                    sync_calls=root.settings.sync_calls or max(1, root.settings.grpc_workers - 4))
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog, keyring=root.keyring),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
     if _own_copies(parts):  # replicas each keep a catalog: reads catch up first

@@ -31,6 +31,11 @@ class Settings(BaseSettings):
     catalog_url: str = Field(default="", description="Banks and operations: sqlite:///path.db")
     grpc_address: str = Field(default="127.0.0.1:50051", description="gRPC listen address")
     grpc_workers: int = Field(default=16, ge=1, description="gRPC worker threads")
+    sync_calls: int = Field(
+        default=0, ge=0, description="Sync writes (Retain, deletions, Consolidate) that may "
+        "wait for their operation at once, each on a gRPC worker thread; more are refused "
+        "(RESOURCE_EXHAUSTED) before they write anything, so other calls keep threads "
+        "(0: MNEME_GRPC_WORKERS - 4, at least 1)")
     retain_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of a sync retain")
     partitions: int | None = Field(
         default=None, ge=1, description="Partitions per topic (new topics; default 4 embedded, "

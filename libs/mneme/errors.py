@@ -42,6 +42,11 @@ class Unavailable(MnemeError):
     another service is unreachable); the client may retry."""
 
 
+class ResourceExhausted(MnemeError):
+    """A bound of the server's is reached for now (e.g. as many sync calls wait as it
+    lets wait); the client may retry later, or call asynchronously."""
+
+
 class RecordTooLarge(MnemeError):
     """A record is larger than the event log takes (on Kafka: the producer's
     ``max.request.size``, 1 MiB, or the topic's ``max.message.bytes``). The same record

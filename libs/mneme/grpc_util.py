@@ -20,7 +20,8 @@ from grpc_status import rpc_status
 
 from mneme.domain import clamp_time
 from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
-                          InvalidArgument, NotFound, RecordTooLarge, Unavailable)
+                          InvalidArgument, NotFound, RecordTooLarge, ResourceExhausted,
+                          Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ def translate_errors(method):
     BadRequest listing the field violations; NotFound → NOT_FOUND; AlreadyExists →
     ALREADY_EXISTS; FailedPrecondition →
     FAILED_PRECONDITION; DeadlineExceeded →
-    DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; RecordTooLarge →
-    RESOURCE_EXHAUSTED (as a request over the size limit); anything else →
+    DEADLINE_EXCEEDED; Cancelled → CANCELLED; Unavailable → UNAVAILABLE; RecordTooLarge
+    (as a request over the size limit) and ResourceExhausted → RESOURCE_EXHAUSTED;
+    anything else →
     UNKNOWN (logged by gRPC). The call's deadline is :func:`mneme.deadline.current` while
     the method runs."""
 
@@ -50,7 +52,7 @@ def translate_errors(method):
             with deadline.bind(call_deadline(context)):  # deadline.current() in the work
                 return method(self, request, context)
         except (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, DeadlineExceeded,
-                Cancelled, Unavailable, RecordTooLarge) as e:
+                Cancelled, Unavailable, RecordTooLarge, ResourceExhausted) as e:
             abort_for(context, e)
 
     return wrapper
@@ -76,7 +78,7 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         _abort(context, code_pb2.CANCELLED, grpc.StatusCode.CANCELLED, str(e))
     elif isinstance(e, Unavailable):
         _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
-    elif isinstance(e, RecordTooLarge):
+    elif isinstance(e, (RecordTooLarge, ResourceExhausted)):
         _abort(context, code_pb2.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                str(e))
     else:

@@ -4,6 +4,8 @@ for read-your-writes) and the catalog projection of intake and progress events."
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import hashlib
 import threading
 import time
@@ -18,7 +20,7 @@ from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, 
                           EventMeta, Operation, RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
 from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
-                          InvalidArgument, NotFound, Unavailable)
+                          InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.names import check_bank_id, check_uuid
@@ -227,6 +229,19 @@ class BankGate:
 APPENDED_REQUESTS = 10_000
 
 
+def _sync_bounded(method):
+    """A write that may wait for its operation (its ``wait`` argument, True by default)
+    holds one of :attr:`Ingest.sync_calls` while it runs (:meth:`Ingest._sync_slot`)."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def bounded(self, *args, **kwargs):
+        wait = signature.bind(self, *args, **kwargs).arguments.get("wait", True)
+        with self._sync_slot(wait):
+            return method(self, *args, **kwargs)
+    return bounded
+
+
 @dataclass
 class Ingest:
     """The write side. ``log`` is the event log, ``catalog`` the ingest projection
@@ -270,6 +285,13 @@ class Ingest:
     #: identical request, never another one.
     _append_locks: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
+    #: How many sync writes (Retain, DeleteDocument, DeleteMemory, Consolidate,
+    #: DeleteOpinion, DeleteBank) may wait for their operation at once (0: no bound). Each
+    #: holds a gRPC worker thread while it waits; beyond the bound a sync write is refused
+    #: (ResourceExhausted) before it changes anything, so reads and async writes keep
+    #: threads to run on.
+    sync_calls: int = 0
+    _sync_waiting: int = field(default=0, repr=False)
     #: A :class:`BankGate` per bank being written or deleted (gone with its last holder).
     _gates: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
@@ -291,6 +313,27 @@ class Ingest:
         went away (:func:`mneme.deadline.current`), so a call already answered with that
         status writes nothing its retry would write again."""
         current_deadline().check(what)
+
+    @contextlib.contextmanager
+    def _sync_slot(self, wait: bool):
+        """Held by a sync write (``wait``) from its start to the end of its wait: one of
+        :attr:`sync_calls`. ResourceExhausted, before anything is written, when they are
+        all taken."""
+        if not (wait and self.sync_calls):
+            yield
+            return
+        with self._appended_lock:
+            if self._sync_waiting >= self.sync_calls:
+                raise ResourceExhausted(
+                    f"{self.sync_calls} sync calls are waiting for their operations already "
+                    "(MNEME_SYNC_CALLS): retry later, or send the call async and poll "
+                    "GetOperation")
+            self._sync_waiting += 1
+        try:
+            yield
+        finally:
+            with self._appended_lock:
+                self._sync_waiting -= 1
 
     @contextlib.contextmanager
     def _key_lock(self, key: str):
@@ -496,6 +539,7 @@ class Ingest:
                                                    deleted=True), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
 
+    @_sync_bounded
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> Operation:
         """Delete a bank; returns once search has purged its units from its stores (the
         operation, kind "delete_bank", terminal) or raises DeadlineExceeded."""
@@ -515,6 +559,7 @@ class Ingest:
             self._deleting.pop(bank_id, None)  # the catalog has dropped it
         return self._finish(op_id, rec, bank_id, "delete_bank", 0, True, timeout)
 
+    @_sync_bounded
     def retain(self, bank_id: str, items: Sequence[RetainItem], wait: bool = True,
                timeout: float | None = None, request_id: str = "",
                observation_scopes: ev.ObservationScopes | None = None,
@@ -606,6 +651,7 @@ class Ingest:
                 "request (other items, tags or scopes): a retry must resend the same "
                 "request; a new request needs a new request_id")
 
+    @_sync_bounded
     def delete_document(self, bank_id: str, document_id: str, wait: bool = True,
                         timeout: float | None = None) -> Operation:
         if not document_id:
@@ -619,6 +665,7 @@ class Ingest:
                 bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
         return self._finish(op_id, rec, bank_id, "delete_document", 0, wait, timeout)
 
+    @_sync_bounded
     def delete_memory(self, bank_id: str, memory_id: str, wait: bool = True,
                       timeout: float | None = None) -> Operation:
         op_id = str(uuid.uuid4())
@@ -652,6 +699,7 @@ class Ingest:
                 found.append((k, key))
         return found, missing
 
+    @_sync_bounded
     def consolidate(self, bank_id: str, action: str = "consolidate",
                     observation_scopes: ev.ObservationScopes | None = None, memory_id: str = "",
                     wait: bool = True, timeout: float | None = None) -> Operation:
@@ -670,6 +718,7 @@ class Ingest:
                 observation_scopes=observation_scopes, memory_id=memory_id), bank_id)
         return self._finish(op_id, rec, bank_id, "consolidate", 0, wait, timeout)
 
+    @_sync_bounded
     def delete_opinion(self, bank_id: str, opinion_id: str, wait: bool = True,
                        timeout: float | None = None) -> Operation:
         """Append the deletion of opinion ``opinion_id`` (a ConsolidationRequested with

@@ -19,7 +19,7 @@ import pytest
 from mneme import bank_catalog, bootstrap
 from mneme.bus import codec
 from mneme.domain import BankConfig, EventMeta, RetainItem, derive_id
-from mneme.errors import Cancelled, NotFound
+from mneme.errors import Cancelled, DeadlineExceeded, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.llm.fake import FakeLlm
 from mneme.llm.gateway import Usage
@@ -1295,3 +1295,43 @@ def test_a_write_whose_caller_stopped_waiting_appends_nothing_and_destroys_no_ke
                 with pytest.raises((DeadlineExceeded, Cancelled)):
                     write()
     assert log.appended == [] and Keys.destroyed == []
+
+
+def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
+    """Each sync write holds a gRPC worker thread while it waits for its operation: at
+    most ``sync_calls`` wait at once, the next one is RESOURCE_EXHAUSTED before it
+    appends (so reads keep threads); async writes and slots freed by ended waits go on."""
+    import threading
+
+    from mneme.errors import ResourceExhausted
+    class Unprojected(_Log):  # the catalog's consumer never gets there: waits go on
+        def committed(self, group, topic, partition):
+            return 0
+
+    catalog = ingest.CatalogChanges(MemoryCatalog())
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    log = Unprojected()
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", sync_calls=2, poll_s=0.01)
+    waiting = [threading.Thread(target=lambda: pytest.raises(
+        DeadlineExceeded, cmd.retain, "b", [RetainItem(content="w", timestamp=T0)],
+        timeout=1.5), daemon=True) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    while len(log.appended) < 2:  # both appended, now waiting (nothing ends them)
+        time.sleep(0.01)
+    for call in (lambda: cmd.retain("b", [RetainItem(content="x", timestamp=T0)]),
+                 lambda: cmd.delete_document("b", "d"),
+                 lambda: cmd.delete_memory("b", "m"),
+                 lambda: cmd.consolidate("b"),
+                 lambda: cmd.delete_bank("b")):
+        with pytest.raises(ResourceExhausted, match="MNEME_SYNC_CALLS"):
+            call()
+    assert len(log.appended) == 2  # the refused ones wrote nothing
+    cmd.retain("b", [RetainItem(content="async", timestamp=T0)], wait=False)
+    assert len(log.appended) == 3
+    for t in waiting:
+        t.join(10)
+    assert cmd._sync_waiting == 0  # the ended waits gave their slots back
+    with pytest.raises(DeadlineExceeded):  # a slot again: it appends, then waits
+        cmd.retain("b", [RetainItem(content="y", timestamp=T0)], timeout=0.2)
+    assert len(log.appended) == 4
