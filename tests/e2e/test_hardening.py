@@ -727,3 +727,31 @@ def test_a_create_with_a_client_chosen_id_is_safe_to_retry(m):
         refused(lambda: create("not-a-uuid"), field)
         other = create("")  # no id: the server picks a new one each time
         assert other.name != made.name and len(listed()) == 2
+
+
+def test_sync_writes_beyond_the_bound_are_refused_and_reads_go_on(tmp_path):
+    """With MNEME_SYNC_CALLS=1, a second sync retain while one waits is
+    RESOURCE_EXHAUSTED and stores nothing; reads and async retains are served meanwhile."""
+    s = Server(tmp_path / "data", env={"MNEME_SYNC_CALLS": "1"}).start()
+    try:
+        with s.client(timeout=300) as m:
+            m.upsert_bank("busy")
+            long = [{"content": f"Gil counted {n} gulls on pier {n % 9} at dawn.",
+                     "document_id": "long"} for n in range(400)]
+            first = threading.Thread(target=m.retain, args=("busy", long), daemon=True)
+            first.start()
+            while not list(m.list_operations("busy")):  # appended: it waits now
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as e:
+                m.retain("busy", [{"content": "Ida rows.", "document_id": "other"}])
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "MNEME_SYNC_CALLS" in e.value.details()
+            assert [b.name for b in m.list_banks()] == ["banks/busy"]
+            op = m.retain("busy", [{"content": "Ida rows.", "document_id": "async"}],
+                          async_=True).operation
+            first.join(300)
+            assert len(list(m.list_operations("busy"))) == 2  # the refused one: none
+            assert m.retain("busy", [{"content": "Jo swims."}]).operation.state == 3
+            assert op.name
+    finally:
+        s.stop()
