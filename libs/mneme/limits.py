@@ -67,6 +67,10 @@ class Limits(BaseSettings):
     request_bytes: int = Field(32 << 20, ge=1, description="A whole gRPC request, encoded "
                                                            "(larger: RESOURCE_EXHAUSTED)")
     key_ids: int = Field(1_000, ge=1, description="Key ids per BatchGetDataKeys request")
+    scope_assignments: int = Field(
+        16_384, ge=1, description="Retain: the items times the observation scopes each goes "
+        "into (EXPLICIT: every listed scope; PER_TAG: each of the item's tags): "
+        "consolidation works each fact into each of its scopes (~1.5 ms each)")
 
     @property
     def key_id_chars(self) -> int:

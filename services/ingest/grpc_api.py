@@ -130,6 +130,18 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
                 raise InvalidArgument("observation_scopes.mode", f"COMBINED makes one scope "
                                       f"of the items' {len(union)} distinct tags; a scope "
                                       f"holds at most {bound}")
+        if scopes is not None and scopes.mode in ("explicit", "per_tag"):
+            # one request must not buy minutes of consolidation: each fact is worked into
+            # each of its scopes
+            kept = [i for n, i in enumerate(items) if n not in rejected]
+            n = (len(kept) * len({tuple(sorted(set(s.tags))) for s in scopes.scopes})
+                 if scopes.mode == "explicit" else sum(len(set(i.tags)) for i in kept))
+            bound = limits.limits().scope_assignments
+            if n > bound:
+                raise InvalidArgument("observation_scopes", f"{scopes.mode.upper()} puts the "
+                                      f"items into {n} scopes in all (items x scopes); at "
+                                      f"most {bound} (MNEME_LIMIT_SCOPE_ASSIGNMENTS): send "
+                                      "fewer items or scopes per request")
         op = self.ingest.retain(bank_id, items, wait=not getattr(request, "async"),
                                 rejected=rejected,
                                 timeout=remaining(context, self.ingest.retain_timeout_s),

@@ -700,6 +700,24 @@ def test_a_combined_scope_is_bounded_like_an_items_tags(m):
     assert r.operation.state == operations_pb2.SUCCEEDED  # 60 tags: one scope of them
 
 
+def test_items_times_scopes_is_bounded(m):
+    """EXPLICIT and PER_TAG put each fact into several scopes, each worked by
+    consolidation: a retain whose items × scopes pass MNEME_LIMIT_SCOPE_ASSIGNMENTS
+    (16,384) is refused naming observation_scopes, and stores nothing."""
+    from mneme.client import observation_scopes
+    m.upsert_bank("scoped")
+    many = observation_scopes("explicit", [[f"s{n}"] for n in range(256)])
+    items = [{"content": f"Note {n} about the pond.", "tags": [f"t{n % 7}-{k}" for k in range(64)]}
+             for n in range(300)]
+    refused(lambda: m.retain("scoped", items[:65], observation_scopes=many), "observation_scopes")
+    refused(lambda: m.retain("scoped", items, observation_scopes=observation_scopes("per_tag")),
+            "observation_scopes")
+    assert not list(m.list_memories("scoped"))
+    few = observation_scopes("explicit", [["a"], ["b"], ["a", "b"]])
+    r = m.retain("scoped", [{"content": "Kim feeds the carp."}], observation_scopes=few)
+    assert r.operation.state == operations_pb2.SUCCEEDED
+
+
 def test_a_create_with_a_client_chosen_id_is_safe_to_retry(m):
     """CreateDirective and CreateMentalModel take an id of the client's choosing
     (AIP-133): a retry of a call whose answer was lost (several at once, too) gets
