@@ -532,12 +532,14 @@ class Ingest:
 
     def delete_directive(self, bank_id: str, directive_id: str,
                          timeout: float | None = None) -> None:
-        """Delete the directive; NotFound for an unknown bank or directive."""
-        with self._writing(bank_id):
-            self.require_directive(bank_id, directive_id)
-            rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id,
-                                                   deleted=True), bank_id)
-        self._wait_projected(rec, timeout or self.retain_timeout_s)
+        """Delete the directive; NotFound for an unknown bank or directive (also for all
+        but one of several deletions of it at once in this process)."""
+        with self._key_lock(f"directive:{bank_id}/{directive_id}"):
+            with self._writing(bank_id):
+                self.require_directive(bank_id, directive_id)
+                rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id,
+                                                       deleted=True), bank_id)
+            self._wait_projected(rec, timeout or self.retain_timeout_s)
 
     @_sync_bounded
     def delete_bank(self, bank_id: str, timeout: float | None = None) -> Operation:

@@ -745,6 +745,12 @@ def test_a_create_with_a_client_chosen_id_is_safe_to_retry(m):
         refused(lambda: create("not-a-uuid"), field)
         other = create("")  # no id: the server picks a new one each time
         assert other.name != made.name and len(listed()) == 2
+    # several deletions of one directive at once: one deletes it, the others find none
+    victim = next(iter(m.list_directives("chosen"))).name.rsplit("/", 1)[-1]
+    with ThreadPoolExecutor(4) as pool:
+        tries = [pool.submit(m.delete_directive, "chosen", victim) for _ in range(4)]
+    codes = sorted(str(t.exception().code()) if t.exception() else "OK" for t in tries)
+    assert codes == ["OK"] + ["StatusCode.NOT_FOUND"] * 3, codes
 
 
 def test_sync_writes_beyond_the_bound_are_refused_and_reads_go_on(tmp_path):
