@@ -113,8 +113,13 @@ def _coverage(text: str, terms: set[str]) -> int:
 def on_memory_changed(m, meta: EventMeta, *, mental_models) -> list:
     """A FactsExtracted or ObservationsChanged of a bank: refresh its mental models whose
     policy is due (:meth:`services.reflect.mental_models.MentalModels.refresh_due`).
-    Produces nothing: a refresh appends its own MentalModelChanged."""
+    Produces nothing: a refresh appends its own MentalModelChanged. Of an event sent in
+    parts (``part``/``parts``) only the last counts: an earlier one is half a change (a
+    reconsolidation's first part deletes every observation), and a check per part would
+    refresh once per part."""
     from mneme.events.v1 import events_pb2 as ev
+    if m.part < m.parts:
+        return []
     mental_models.refresh_due(m.bank_id, isinstance(m, ev.ObservationsChanged), meta.time)
     return []
 

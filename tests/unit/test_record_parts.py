@@ -186,3 +186,35 @@ def test_a_change_that_fits_stays_one_record():
     m = ev.ObservationsChanged(bank_id="b", operation_id="o", trigger="auto",
                                reset_memory_ids=["f1"], consolidated_memory_ids=["f1", "f2"])
     assert split_change(m) == [m]
+
+
+class _Refreshes:
+    """reflect's mental models, recording each scheduled-refresh check."""
+
+    def __init__(self):
+        self.calls = []
+
+    def refresh_due(self, bank_id, consolidated, now):
+        self.calls.append((bank_id, consolidated))
+        return []
+
+
+def test_mental_models_refresh_once_after_the_last_part():
+    """A refresh on an earlier part would answer from half a change (a reconsolidation's
+    first part deletes every observation) and refresh again on each later part: one
+    model call per part. Parts before the last leave the policies alone."""
+    from services.reflect import handlers as reflect
+    models = _Refreshes()
+    change = ev.ObservationsChanged(bank_id="b", operation_id="op", trigger="reconsolidate",
+                                    observations=[ev.Observation(id=f"o{i}", text="x" * 400)
+                                                  for i in range(40)])
+    for parts in (split_change(change, BUDGET), split_facts(whole(), BUDGET)):
+        assert len(parts) > 1
+        models.calls.clear()
+        for k, p in enumerate(parts):
+            reflect.on_memory_changed(p, meta(f"e{k}"), mental_models=models)
+        assert models.calls == [("b", isinstance(parts[0], ev.ObservationsChanged))]
+    # a record in one part (part/parts unset) is checked as before
+    models.calls.clear()
+    reflect.on_memory_changed(whole(3), meta("e"), mental_models=models)
+    assert models.calls == [("b", False)]
