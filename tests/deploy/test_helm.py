@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.server import inherited
 from tests.integration.conftest import KAFKA_TEST_ENV, fresh_tansu, mneme_bin  # noqa: F401
 from tests.integration.test_kafka_tls import tls_kafka  # noqa: F401
 
@@ -354,7 +355,7 @@ def _run_topics_job(default, broker, tmp_path) -> subprocess.CompletedProcess:
     variables (the broker's URL for the chart's Kafka address)."""
     job = default[("Job", "mneme-topics")]
     c, = job["spec"]["template"]["spec"]["containers"]
-    env = {**os.environ, **default[("ConfigMap", "mneme")]["data"], **KAFKA_TEST_ENV,
+    env = {**inherited(), **default[("ConfigMap", "mneme")]["data"], **KAFKA_TEST_ENV,
            "MNEME_BUS_URL": broker.url, "MNEME_DATA_DIR": str(tmp_path / "d"),
            "MNEME_METRICS_PORT": "0"}
     return subprocess.run([mneme_bin(), *c["args"]], env=env, capture_output=True, text=True,
@@ -537,7 +538,7 @@ def test_the_replay_jobs_command_switches_a_running_servers_generation(tmp_path)
     try:
         args = [f"127.0.0.1:{server.port}" if a == "mneme-search-headless:50051" else a
                 for a in c["args"]]
-        env = {**os.environ, **objs[("ConfigMap", "mneme")]["data"], "HF_HUB_OFFLINE": "1",
+        env = {**inherited(), **objs[("ConfigMap", "mneme")]["data"], "HF_HUB_OFFLINE": "1",
                "MNEME_DATA_DIR": str(tmp_path / "job"), "MNEME_METRICS_PORT": "0"}
         env.pop("MNEME_API_KEY", None)
         run = lambda e: subprocess.run([mneme_bin(), *args], env=e, capture_output=True,  # noqa: E731
@@ -782,7 +783,7 @@ def test_the_topics_job_creates_the_topics_over_kafka_tls_with_the_mounted_files
     (certs / "tls.key").write_bytes(key.read_bytes())
     cm = {k: v.replace(mount, str(certs)) for k, v in objs[("ConfigMap", "mneme")]["data"].items()}
     assert cm["MNEME_KAFKA_SECURITY_PROTOCOL"] == "SSL"
-    env = {**os.environ, **cm, **KAFKA_TEST_ENV, "MNEME_BUS_URL": f"kafka://{bootstrap}",
+    env = {**inherited(), **cm, **KAFKA_TEST_ENV, "MNEME_BUS_URL": f"kafka://{bootstrap}",
            "MNEME_DATA_DIR": str(tmp_path / "d"), "MNEME_METRICS_PORT": "0"}
     before = proxy.handshakes
     out = subprocess.run([mneme_bin(), *c["args"]], env=env, capture_output=True, text=True, timeout=180)

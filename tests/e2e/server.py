@@ -12,10 +12,15 @@ from mneme.client import MnemeClient
 from tests.ports import free_port  # noqa: F401 - re-exported for the e2e tests
 
 
-def _inherited() -> dict[str, str]:
-    """This process's environment without the test harness's own MNEME_FUZZ_* knobs,
-    which a server would refuse as unknown settings."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MNEME_FUZZ_")}
+#: Prefixes of the test harness's own MNEME_* knobs (MNEME_FUZZ_SEED, MNEME_TORTURE_SEED,
+#: ...): not mneme settings, so a mneme process started with them refuses to start.
+HARNESS_KNOBS = ("MNEME_FUZZ_", "MNEME_TORTURE_")
+
+
+def inherited() -> dict[str, str]:
+    """This process's environment without the test harness's own knobs
+    (:data:`HARNESS_KNOBS`): the base environment of every mneme process a test starts."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(HARNESS_KNOBS)}
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +49,7 @@ class Server:
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(
             [str(mneme), "up", "--data-dir", str(self.data_dir), "--address", self.address],
-            stdout=out, stderr=subprocess.STDOUT, env={**_inherited(), "HF_HUB_OFFLINE": "1", **self.env})
+            stdout=out, stderr=subprocess.STDOUT, env={**inherited(), "HF_HUB_OFFLINE": "1", **self.env})
         with MnemeClient(self.address) as m:
             try:
                 m.wait_ready(timeout=timeout)
@@ -73,7 +78,7 @@ class Server:
         mneme = Path(sys.executable).with_name("mneme")
         out = subprocess.run([str(mneme), "replay", "--data-dir", str(self.data_dir)],
                              capture_output=True, text=True,
-                             env={**_inherited(), "HF_HUB_OFFLINE": "1", **self.env})
+                             env={**inherited(), "HF_HUB_OFFLINE": "1", **self.env})
         assert out.returncode == 0, out.stderr
         self.start()
 
@@ -90,7 +95,7 @@ def up_refuses(data_dir: Path) -> str:
     refuses to serve); returns its output, whitespace folded (rich wraps long lines)."""
     p = subprocess.run([str(Path(sys.executable).with_name("mneme")), "up", "--data-dir",
                         str(data_dir), "--address", f"127.0.0.1:{free_port()}"],
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"},
+                       env={**inherited(), "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"},
                        capture_output=True, text=True, timeout=180)
     assert p.returncode != 0, p.stdout + p.stderr
     return " ".join((p.stdout + p.stderr).split())

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from mneme.v1 import operations_pb2
-from tests.e2e.server import Server
+from tests.e2e.server import Server, inherited
 
 pytestmark = pytest.mark.slow
 
@@ -180,7 +180,7 @@ def _start_and_kill(server: Server, after: float) -> None:
         p = subprocess.Popen([str(mneme), "up", "--data-dir", str(server.data_dir),
                               "--address", server.address], stdout=out,
                              stderr=subprocess.STDOUT,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", **server.env})
+                             env={**inherited(), "HF_HUB_OFFLINE": "1", **server.env})
     time.sleep(after)
     p.kill()
     p.wait()

@@ -16,12 +16,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.server import Server, up_refuses
+from tests.e2e.server import Server, inherited, up_refuses
 
 pytestmark = pytest.mark.slow
 
 MNEME = str(Path(sys.executable).with_name("mneme"))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
+ENV = {**inherited(), "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
 FACTS = ["Alice moved to Lisbon in 2019 to work as a marine biologist.",
          "Bob adopted a grey cat called Pixel last spring.",
          "Carol ran the Berlin marathon in three hours and ten minutes."]

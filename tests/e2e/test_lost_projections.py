@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from mneme.generations import Generations
-from tests.e2e.server import Server, up_refuses
+from tests.e2e.server import Server, inherited, up_refuses
 
 pytestmark = pytest.mark.slow
 
 MNEME = str(Path(sys.executable).with_name("mneme"))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
+ENV = {**inherited(), "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
 MARKER = "QUOKKAZEBRA7731"
 FACTS = [f"Maria said the vault code is {MARKER} and asked me to keep it.",
          "Bob adopted a grey cat called Pixel last spring."]

@@ -20,12 +20,12 @@ from mneme.bus.codec import encode
 from mneme.bus.sqlite_log import SqliteEventLog
 from mneme.events.v1 import events_pb2 as ev
 from mneme.v1 import operations_pb2
-from tests.e2e.server import Server
+from tests.e2e.server import Server, inherited
 
 pytestmark = pytest.mark.slow
 
 MNEME = str(Path(sys.executable).with_name("mneme"))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
+ENV = {**inherited(), "HF_HUB_OFFLINE": "1", "MNEME_METRICS_PORT": "0"}
 FAILED, SUCCEEDED = operations_pb2.FAILED, operations_pb2.SUCCEEDED
 
 

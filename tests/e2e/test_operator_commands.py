@@ -105,11 +105,12 @@ def test_retain_takes_a_json_lines_file_of_items_as_one_request(server, tmp_path
 def test_a_service_launcher_enters_the_composition_root(tmp_path):
     """`python -m services.<name>` runs `mneme serve <name>`: a configuration error (reflect
     without the search service's address) is fatal at once, exit status 1."""
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "MNEME_BUS_URL": "kafka://127.0.0.1:1", "MNEME_DATA_DIR": str(tmp_path),
+    from tests.e2e.server import inherited
+
+    env = {**inherited(), "MNEME_BUS_URL": "kafka://127.0.0.1:1", "MNEME_DATA_DIR": str(tmp_path),
            "MNEME_GRPC_ADDRESS": "127.0.0.1:0", "MNEME_METRICS_PORT": "0"}
     env.pop("MNEME_SEARCH_ADDRESS", None)
     p = subprocess.run([sys.executable, "-m", "services.reflect"], env=env, timeout=120,

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mneme.bootstrap import SERVICES
+from tests.e2e.server import inherited
 from tests.integration.conftest import KAFKA_TEST_ENV, free_port, mneme_bin
 
 
@@ -44,7 +45,7 @@ class Cluster:
         return [n for n in self.procs if self.service_of[n] == service]
 
     def env(self, name: str) -> dict[str, str]:
-        return {**os.environ, **KAFKA_TEST_ENV, "HF_HUB_OFFLINE": "1",
+        return {**inherited(), **KAFKA_TEST_ENV, "HF_HUB_OFFLINE": "1",
                 "MNEME_BUS_URL": self.bus_url, "MNEME_DATA_DIR": str(self.root / name),
                 "MNEME_GRPC_ADDRESS": self.address[name], "MNEME_REPLICA_ID": name,
                 "MNEME_SEARCH_ADDRESS": self.address["search"],

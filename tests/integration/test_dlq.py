@@ -4,7 +4,6 @@ topic they came from, without their ``dlq_*`` headers; one copied without its va
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 from mneme.bus import DLQ, INTAKE, codec
@@ -13,6 +12,7 @@ from mneme.bus.logs import open_event_log
 from mneme.bus.topics import ensure
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord
+from tests.e2e.server import inherited
 from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, mneme_bin
 
 
@@ -30,7 +30,7 @@ def test_dlq_replay_republishes_a_dead_letter_copied_without_its_value(fresh_tan
                        "dlq_attempts": "1", "dlq_error": "RecordTooLarge: ..."}
         [dead] = log.append([OutRecord(DLQ, bank, b"", {**rec.headers, **dlq_headers,
                                                          VALUE_OMITTED: str(len(rec.value))})])
-        env = {**os.environ, **KAFKA_TEST_ENV, "MNEME_BUS_URL": fresh_tansu.url,
+        env = {**inherited(), **KAFKA_TEST_ENV, "MNEME_BUS_URL": fresh_tansu.url,
                "MNEME_DATA_DIR": str(tmp_path / "d"), "MNEME_METRICS_PORT": "0"}
         out = subprocess.run([mneme_bin(), "dlq", "replay", "--offset", str(dead.offset)],
                              env=env, capture_output=True, text=True, timeout=120)

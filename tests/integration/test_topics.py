@@ -13,6 +13,7 @@ from aiokafka.admin import NewTopic
 from mneme.bus import ALL_TOPICS, INTAKE, KEYS, MANAGED_TOPICS, MEMORY, PROGRESS
 from mneme.bus.logs import open_event_log
 from mneme.bus.topics import TopicConfigError, check, ensure, require_history
+from tests.e2e.server import inherited
 from tests.integration.conftest import KAFKA_TEST_ENV, KAFKA_TEST_OPTIONS, mneme_bin
 
 
@@ -23,7 +24,7 @@ def broker(fresh_tansu):
 
 def _env(broker, tmp_path) -> dict:
     import os
-    return {**os.environ, **KAFKA_TEST_ENV, "MNEME_BUS_URL": broker.url,
+    return {**inherited(), **KAFKA_TEST_ENV, "MNEME_BUS_URL": broker.url,
             "MNEME_DATA_DIR": str(tmp_path / "d"), "MNEME_METRICS_PORT": "0"}
 
 
