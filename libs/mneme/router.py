@@ -272,13 +272,20 @@ class Router:
         return frozenset(codec.TYPE_PREFIX + name.rsplit(".", 1)[-1]
                          for name in self._handlers)
 
-    def output_ids(self, causes: Iterable[str], topic: str, per_type: int = 8) -> set[str]:
+    def output_ids(self, causes: Iterable[str], topic: str, per_type: int = 8
+                   ) -> dict[str, tuple[str, str, int]]:
         """The ids :meth:`encode` gives the outputs on ``topic`` of the events ``causes``
         (their :class:`EventMeta` ids): up to ``per_type`` outputs of each type the
-        service publishes there."""
+        service publishes there, each → (cause, type name, n). An event can have more
+        (an output sent in parts): :meth:`output_id` gives the next ones."""
         names = [t.DESCRIPTOR.name for t in self.service.produces.get(topic, ())]
-        return {derive_id(c, self.group.name, name, str(n))
+        return {self.output_id(c, name, n): (c, name, n)
                 for c in causes for name in names for n in range(per_type)}
+
+    def output_id(self, cause: str, name: str, n: int) -> str:
+        """The id :meth:`encode` gives the ``n``-th output (from 0) of type ``name`` of the
+        event ``cause``."""
+        return derive_id(cause, self.group.name, name, str(n))
 
     def handles(self, message: Message) -> bool:
         """True when this group has a handler for ``message``'s type."""
@@ -326,7 +333,7 @@ class Router:
             n = seen[name] = seen.get(name, -1) + 1
             records.append(codec.encode(
                 out, bank_id=out.bank_id, source=self.service.source,
-                event_id=derive_id(cause, self.group.name, name, str(n)),
+                event_id=self.output_id(cause, name, n),
                 traceparent=traceparent))
         return records
 

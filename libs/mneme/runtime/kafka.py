@@ -85,6 +85,11 @@ LAG_REFRESH_S = 1.0
 #: to be handled (it holds the group's lock meanwhile).
 RESTORE_STEP_S = 0.05
 
+#: Outputs of each type per event a restore first looks for after the committed offset
+#: (its previous owner's decisions); each one it finds makes it look for one more, so an
+#: output sent in many parts is restored whole.
+OUTPUTS_LISTED = 8
+
 
 class _Abandoned(Exception):
     """The runner stops: leave the record in hand uncommitted (redelivered later)."""
@@ -342,7 +347,7 @@ class GroupRun:
                 causes: list[str] = []
                 n, reached = yield from self._apply(t, p, start, target, step, causes=causes)
                 applied += n
-                ids = self.router.output_ids(causes, t) if causes else set()
+                ids = self.router.output_ids(causes, t, OUTPUTS_LISTED) if causes else {}
                 if ids:
                     applied += (yield from self._apply(t, p, target, end, step, only=ids))[0]
                 marks[(t, p)] = max(start, reached)
@@ -352,11 +357,14 @@ class GroupRun:
         return applied
 
     def _apply(self, topic: str, partition: int, start: int, stop: int, step: float, *,
-               causes: list[str] | None = None, only: set[str] | None = None):
+               causes: list[str] | None = None,
+               only: dict[str, tuple[str, str, int]] | None = None):
         """Apply the restore handlers to ``topic[partition]`` records in [start, stop)
-        (only those whose ``ce_id`` is in ``only``, when given), yielding about every
-        ``step`` seconds; collect the applied records' event ids in ``causes``. Returns
-        (records applied, next offset)."""
+        (only those whose ``ce_id`` is in ``only``, when given: ids from
+        :meth:`Router.output_ids` listing :data:`OUTPUTS_LISTED` of each type, extended
+        past each one applied), yielding about every ``step`` seconds;
+        collect the applied records' event ids in ``causes``. Returns (records applied,
+        next offset)."""
         applied, reached, wanted = 0, start, self.restorer.types
         pause_at = time.monotonic() + step
         for rec in self._records(topic, partition, start, stop):
@@ -366,8 +374,15 @@ class GroupRun:
             reached = rec.offset + 1
             if rec.headers.get("ce_type") not in wanted:
                 continue  # not part of this state: no decode
-            if only is not None and rec.headers.get("ce_id") not in only:
-                continue
+            if only is not None:
+                listed = only.get(rec.headers.get("ce_id"))
+                if listed is None:
+                    continue
+                # an event's outputs of a type may be more than listed (an output sent
+                # in parts): each one found lists the one OUTPUTS_LISTED further on
+                cause, name, n = listed
+                more = n + OUTPUTS_LISTED
+                only.setdefault(self.router.output_id(cause, name, more), (cause, name, more))
             try:
                 env = decode(rec)
             except Exception:  # a poison record: its live handler dead-letters it
