@@ -146,9 +146,23 @@ def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.Fact
     budget = PART_BYTES if budget is None else budget
     if m.ByteSize() <= budget:
         return [m]
-    # room kept in every part for the last part's earlier_fact_ids (what is last is
-    # known only at the end), at most half of it
-    room = budget - min(budget // 2, sum(len(f.id) + 2 for f in m.facts))
+    scopes = None
+    if m.HasField("observation_scopes"):
+        scopes = ev.ObservationScopes()
+        scopes.CopyFrom(m.observation_scopes)
+        if scopes.mode == "combined":
+            union = sorted({t for f in m.facts for t in f.tags})
+            scopes = ev.ObservationScopes(mode="explicit", scopes=[ev.ScopeTags(tags=union)])
+    # room in every part for what a part may carry besides its facts (the scopes, the
+    # outcome, the replaced documents) and for the last part's earlier_fact_ids (what is
+    # last is known only at the end), these at most half of it
+    shell = ev.FactsExtracted()
+    shell.CopyFrom(m)
+    shell.ClearField("facts")
+    if scopes is not None:
+        shell.observation_scopes.CopyFrom(scopes)
+    room = max(budget // 8, budget - shell.ByteSize() - 16
+               - min(budget // 2, sum(len(f.id) + 2 for f in m.facts)))
     groups: list[list[ev.Fact]] = [[]]
     size = 0
     for f in m.facts:
@@ -160,13 +174,6 @@ def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.Fact
         size += n
     if len(groups) == 1:
         return [m]
-    scopes = None
-    if m.HasField("observation_scopes"):
-        scopes = ev.ObservationScopes()
-        scopes.CopyFrom(m.observation_scopes)
-        if scopes.mode == "combined":
-            union = sorted({t for f in m.facts for t in f.tags})
-            scopes = ev.ObservationScopes(mode="explicit", scopes=[ev.ScopeTags(tags=union)])
     out, earlier = [], []
     for k, group in enumerate(groups, 1):
         part = ev.FactsExtracted(bank_id=m.bank_id, operation_id=m.operation_id, facts=group,

@@ -68,6 +68,18 @@ def test_parts_fit_keep_every_fact_in_order_and_share_the_retains_fields():
     assert split_facts(m, BUDGET) == parts  # a redelivery splits alike
 
 
+def test_parts_keep_room_for_the_scopes_every_part_carries():
+    """The observation scopes go with every part: a part's facts leave room for them."""
+    m = whole(scopes="explicit")
+    m.observation_scopes.scopes.extend(
+        ev.ScopeTags(tags=[f"scope-{n}-tag-{k}" for k in range(8)]) for n in range(12))
+    assert m.observation_scopes.ByteSize() > BUDGET // 4
+    parts = split_facts(m, BUDGET)
+    assert len(parts) > 1 and all(p.ByteSize() <= BUDGET for p in parts), [
+        p.ByteSize() for p in parts]
+    assert all(p.observation_scopes == m.observation_scopes for p in parts)
+
+
 def test_a_fact_larger_than_the_budget_goes_alone():
     m = whole(4)
     m.facts[1].text = "x" * (2 * BUDGET)
