@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Hashable
 
-from mneme.bus import PART_BYTES, codec
+from mneme.bus import PART_BYTES, codec, pack
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, BankConfig, EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
@@ -447,14 +447,7 @@ def split_change(m: ev.ObservationsChanged, budget: int | None = None
                  if i not in done),
                *(("observations", o, o.ByteSize() + 8) for o in m.observations),
                *(("consolidated_memory_ids", i, len(i) + 3) for i in m.consolidated_memory_ids)]
-    groups: list[list] = [[]]
-    size = 0
-    for e in entries:
-        if groups[-1] and size + e[2] > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += e[2]
+    groups = pack(entries, lambda e: e[2], budget)
     if len(groups) == 1:
         return [m]
     out = []

@@ -17,7 +17,7 @@ from mneme import telemetry
 from typing import TYPE_CHECKING
 
 from mneme import bank_catalog
-from mneme.bus import PART_BYTES, codec
+from mneme.bus import PART_BYTES, codec, pack
 from mneme.domain import EventMeta
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
@@ -163,15 +163,8 @@ def split_facts(m: ev.FactsExtracted, budget: int | None = None) -> list[ev.Fact
         shell.observation_scopes.CopyFrom(scopes)
     room = max(budget // 8, budget - shell.ByteSize() - 16
                - min(budget // 2, sum(len(f.id) + 2 for f in m.facts)))
-    groups: list[list[ev.Fact]] = [[]]
-    size = 0
-    for f in m.facts:
-        n = f.ByteSize() + 8  # the field's tag and length
-        if groups[-1] and size + n > room:
-            groups.append([])
-            size = 0
-        groups[-1].append(f)
-        size += n
+    # a fact's size with its field's tag and length
+    groups = pack(m.facts, lambda f: f.ByteSize() + 8, room)
     if len(groups) == 1:
         return [m]
     out, earlier = [], []

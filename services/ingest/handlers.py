@@ -23,6 +23,7 @@ from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrec
                           InvalidArgument, NotFound, ResourceExhausted, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
+from mneme.locks import KeyedLocks
 from mneme.names import check_bank_id, check_uuid
 from mneme.ports import Catalog, EventLog, Llm, Record
 
@@ -280,11 +281,9 @@ class Ingest:
     #: replacement of its document, its facts briefly gone).
     _appended: dict = field(default_factory=dict, repr=False)
     _appended_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: One lock per operation id being appended, or per id being created
-    #: (:meth:`_key_lock`; gone with its last holder), so a slow append holds up only an
-    #: identical request, never another one.
-    _append_locks: weakref.WeakValueDictionary = field(
-        default_factory=weakref.WeakValueDictionary, repr=False)
+    #: One lock per operation id being appended, or per id being created or deleted,
+    #: so a slow append holds up only an identical request, never another one.
+    _id_locks: KeyedLocks = field(default_factory=KeyedLocks, repr=False)
     #: How many sync writes (Retain, DeleteDocument, DeleteMemory, Consolidate,
     #: DeleteOpinion, DeleteBank) may wait for their operation at once (0: no bound). Each
     #: holds a gRPC worker thread while it waits; beyond the bound a sync write is refused
@@ -334,15 +333,6 @@ class Ingest:
         finally:
             with self._appended_lock:
                 self._sync_waiting -= 1
-
-    @contextlib.contextmanager
-    def _key_lock(self, key: str):
-        """Held by one caller at a time per ``key`` in this process (gone with its last
-        holder), so a check-then-append on one id is one step."""
-        with self._appended_lock:
-            lock = self._append_locks.setdefault(key, threading.Lock())
-        with lock:
-            yield
 
     @contextlib.contextmanager
     def _writing(self, bank_id: str):
@@ -505,7 +495,7 @@ class Ingest:
             check_uuid(directive_id, "directive_id", "directive id")
         d = replace(d, id=directive_id or str(uuid.uuid4()))
         # one create of an id at a time here, until it is projected (two replicas may race)
-        with self._key_lock(f"directive:{d.bank_id}/{d.id}"):
+        with self._id_locks.hold(f"directive:{d.bank_id}/{d.id}"):
             with self._writing(d.bank_id):
                 self.require_bank(d.bank_id, fresh=False)
                 if directive_id and self.catalog.get_directive(d.bank_id, d.id) is not None:
@@ -534,7 +524,7 @@ class Ingest:
                          timeout: float | None = None) -> None:
         """Delete the directive; NotFound for an unknown bank or directive (also for all
         but one of several deletions of it at once in this process)."""
-        with self._key_lock(f"directive:{bank_id}/{directive_id}"):
+        with self._id_locks.hold(f"directive:{bank_id}/{directive_id}"):
             with self._writing(bank_id):
                 self.require_directive(bank_id, directive_id)
                 rec = self._append(ev.DirectiveChanged(bank_id=bank_id, id=directive_id,
@@ -615,7 +605,7 @@ class Ingest:
         asked for by the same request: InvalidArgument naming ``request_id`` otherwise,
         instead of answering for other items than the caller sent."""
         digest = _request_digest(request) if request is not None else b""
-        with self._key_lock(op_id):
+        with self._id_locks.hold(op_id):
             known = self.catalog.get_operation(op_id)
             with self._appended_lock:
                 mine = self._appended.get(op_id)

@@ -41,7 +41,6 @@ import math
 import re
 import threading
 import uuid
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -51,6 +50,7 @@ from mneme.domain import (MENTAL_MODEL_FIELDS, REFRESH_POLICIES, MentalModel, Me
                           Memory, from_epoch)
 from mneme.domain import tags_match as match_tags
 from mneme.errors import AlreadyExists, InvalidArgument, NotFound
+from mneme.locks import KeyedLocks
 from mneme.names import check_uuid
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import Catalog, Embedder, Record
@@ -119,11 +119,9 @@ class MentalModels:
     embedder: Embedder | None = None
     _vectors: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _vectors_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: (bank id, model id) → the lock of a create with a client-chosen id (gone with its
-    #: last holder): check and append are one step in this process.
-    _creating: weakref.WeakValueDictionary = field(
-        default_factory=weakref.WeakValueDictionary, repr=False)
-    _creating_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: A lock per (bank id, model id) created with a client-chosen id: check and append
+    #: are one step in this process.
+    _creating: KeyedLocks = field(default_factory=KeyedLocks, repr=False)
 
     # ---- reads ----
 
@@ -205,9 +203,7 @@ class MentalModels:
             check_uuid(model_id, "mental_model_id", "mental model id")
         m = replace(m, id=model_id or str(uuid.uuid4()))
         # one create of an id at a time here, until it is projected (two replicas may race)
-        with self._creating_lock:
-            lock = self._creating.setdefault((m.bank_id, m.id), threading.Lock())
-        with lock:
+        with self._creating.hold((m.bank_id, m.id)):
             if model_id and self.catalog.get_mental_model(m.bank_id, m.id) is not None:
                 raise AlreadyExists(f"mental model {m.id!r} exists in bank {m.bank_id!r}")
             msg = _event(m, ())

@@ -21,6 +21,9 @@ root's; this package itself imports no adapter); the embedded one is
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable, Sequence, TypeVar
+
+_T = TypeVar("_T")
 
 INTAKE = "mneme.intake.v1"
 MEMORY = "mneme.memory.v1"
@@ -42,6 +45,22 @@ KEYS = "mneme.keys.v1"
 #: ``message.max.bytes``), leaving room for what sealing adds (a nonce, a tag and the
 #: key ids per element, ~100 bytes) and the record's headers.
 PART_BYTES = 512 * 1024
+
+
+def pack(elements: Sequence[_T], size: Callable[[_T], int], room: int) -> list[list[_T]]:
+    """``elements`` in order, cut into consecutive groups whose ``size`` (bytes) adds up
+    to at most ``room`` each (an element larger than that alone): the parts of an event
+    sent in parts (:data:`PART_BYTES`). Deterministic; [[]] for no elements."""
+    groups: list[list[_T]] = [[]]
+    used = 0
+    for e in elements:
+        n = size(e)
+        if groups[-1] and used + n > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(e)
+        used += n
+    return groups
 
 #: The event topics.
 ALL_TOPICS: tuple[str, ...] = (INTAKE, MEMORY, PROGRESS, REFLECT, DLQ, AUDIT)
