@@ -91,6 +91,14 @@ class Root:
         """True when the event log is Kafka (one service per process)."""
         return self.settings.url("bus").lower().startswith("kafka:")
 
+    @property
+    def part_bytes(self) -> int:
+        """Bytes of facts or observations one event record carries at most before the
+        event goes out in parts (:func:`mneme.bus.part_bytes` of
+        ``MNEME_KAFKA_MAX_REQUEST_SIZE``; on the embedded log too, so both log the same)."""
+        from mneme.bus import part_bytes
+        return part_bytes(self.settings.kafka_max_request_size)
+
     @cached_property
     def raw_log(self):
         """The event log adapter itself, with mneme's topics created; raises
@@ -587,7 +595,8 @@ def build_extraction(root: Root) -> ServiceParts:
                                   bank_config=root.bank_config)
     from services.extraction.handlers import CancelWatch
     deps = dict(extractor=extractor, embedder=root.embedder, resolver=root.resolver,
-                cancels=CancelWatch(root.raw_log), **root.own_catalog())
+                cancels=CancelWatch(root.raw_log), part_bytes=root.part_bytes,
+                **root.own_catalog())
     return ServiceParts("extraction", _routers(root, "extraction", **deps),
                         api={"extractor": extractor},  # a re-embed embeds facts as it did
                         restorers=_restorers(root, "extraction", **deps))
@@ -884,7 +893,8 @@ def build_consolidation(root: Root, decide: bool = True) -> ServiceParts:
     # applied); a name only: no model is loaded for it
     model = root.embedder.model_name
     consolidator = Consolidator(store, bank_config, embedder=root.embedder if decide else None,
-                                llm=root.llm if decide else None, embedding_model=model)
+                                llm=root.llm if decide else None, embedding_model=model,
+                                part_bytes=root.part_bytes)
     deps = dict(consolidator=consolidator, decide=decide, **root.own_catalog())
     parts.routers = _routers(root, "consolidation", **deps)
     parts.restorers = _restorers(root, "consolidation", **deps)

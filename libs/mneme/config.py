@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     kafka_request_timeout_ms: int = Field(default=30_000, ge=1, description="Kafka request timeout")
     kafka_enable_idempotence: bool = Field(
         default=True, description="Idempotent producer (needs broker support)")
+    kafka_max_request_size: int = Field(
+        default=1_048_576, ge=65_536, le=1_073_741_824,
+        description="Largest record the producer sends, in bytes (Kafka's "
+                    "max.request.size; the topics' max.message.bytes and the brokers' "
+                    "message.max.bytes must take it). An event whose facts or "
+                    "observations encode to more than half of it goes out in parts")
     kafka_connect_timeout_s: float = Field(
         default=60.0, ge=0, description="How long to retry an unreachable broker at startup")
     kafka_fetch_max_wait_ms: int = Field(
@@ -188,6 +194,7 @@ class Settings(BaseSettings):
                 "max_poll_interval_ms": self.kafka_max_poll_interval_ms,
                 "request_timeout_ms": self.kafka_request_timeout_ms,
                 "enable_idempotence": self.kafka_enable_idempotence,
+                "max_request_size": self.kafka_max_request_size,
                 "connect_timeout_s": self.kafka_connect_timeout_s,
                 "fetch_max_wait_ms": self.kafka_fetch_max_wait_ms,
                 "topic_fetch_max_wait_ms": tuple(sorted(

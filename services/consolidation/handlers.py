@@ -56,11 +56,14 @@ class Consolidator:
     """Decisions for one process. ``bank_config(bank_id)`` → BankConfig or None
     (defaults); ``embedder`` embeds model-written texts; ``llm`` is the gateway or None
     (offline); ``embedding_model``: the model of the vectors the store holds (default the
-    embedder's; "" takes any), whose re-embeds (VectorsReplaced) it applies."""
+    embedder's; "" takes any), whose re-embeds (VectorsReplaced) it applies.
+    ``part_bytes``: an ObservationsChanged larger goes out in parts (:func:`split_change`)."""
 
     def __init__(self, store: ObservationStore, bank_config: Callable[[str], BankConfig | None],
-                 embedder=None, llm=None, embedding_model: str | None = None):
+                 embedder=None, llm=None, embedding_model: str | None = None,
+                 part_bytes: int = PART_BYTES):
         self.store, self.bank_config = store, bank_config
+        self.part_bytes = part_bytes  # an ObservationsChanged larger goes out in parts
         self.embedder, self.llm = embedder, llm
         self.embedding_model = (embedding_model if embedding_model is not None
                                 else getattr(embedder, "model_name", ""))
@@ -162,7 +165,7 @@ class Consolidator:
             raise
         finally:
             self._working = {}  # taken and not kept by _apply: read again when needed
-        return [p for o in out for p in (split_change(o) if isinstance(
+        return [p for o in out for p in (split_change(o, self.part_bytes) if isinstance(
             o, ev.ObservationsChanged) else (o,))]
 
     def _handle(self, m, meta: EventMeta, decide: bool) -> list:

@@ -83,7 +83,7 @@ class CancelWatch:
 
 def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
                         embedder: Embedder, resolver: EntityResolver,
-                        cancels: CancelWatch | None = None
+                        cancels: CancelWatch | None = None, part_bytes: int = PART_BYTES
                         ) -> list[ev.EntitiesResolved | ev.FactsExtracted]:
     """The request's items → one FactsExtracted (or its parts: :func:`split_facts`),
     preceded by the EntitiesResolved of the entity-resolution decisions it took (none
@@ -95,7 +95,8 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
 
     With ``cancels``, a cancelled operation (:class:`CancelWatch`) stops before its next
     item: the facts of the items extracted by then go out, the others are failures with
-    reason "cancelled", and ``FactsExtracted.cancelled`` is set."""
+    reason "cancelled", and ``FactsExtracted.cancelled`` is set. ``part_bytes``: the
+    largest facts' encoding one FactsExtracted carries (:func:`mneme.bus.part_bytes`)."""
     stop = cancels.watch(m.operation_id, meta) if cancels is not None else None
     unstored: list[tuple[str, int]] = []
     facts = extract(m, m.operation_id, extractor, embedder, at=meta.time, stop=stop,
@@ -111,7 +112,7 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
         *((e.id, scope(f.document_id)) for f in facts.facts for e in f.entities),
         *((i, scope(m.items[k].document_id)) for i, k in unstored)])
     entities, claims, aliases = resolver.drain(m.bank_id)
-    parts = split_facts(facts)
+    parts = split_facts(facts, part_bytes)
     if not (entities or claims or aliases):
         return parts
     # An entity's name is sealed with the keys of the items that mention it: deleting

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 BANK = "conv-26"
 SESSIONS = 3
 NOW = datetime(2024, 1, 1, tzinfo=timezone.utc)  # recency boosts depend on "now"
+RECORD_LIMIT = 256 * 1024  # the cluster's MNEME_KAFKA_MAX_REQUEST_SIZE
 QUERIES = ["When did Caroline go to the LGBTQ support group?", "What did Melanie paint?",
            "What is Caroline's identity?", "When did Melanie run a charity race?",
            "What does Caroline want to research?"]
@@ -104,6 +105,9 @@ def cluster(tansu, tmp_path_factory, stub):
         "MNEME_REFLECT_LLM_MODEL": "openai/stub-model", "MNEME_REFLECT_LLM_BASE_URL": stub.base_url,
         "MNEME_REFLECT_LLM_API_KEY": "sk-test", "MNEME_LLM_MAX_RETRIES": "1",
         "MNEME_LLM_BACKOFF_S": "0.05",
+        # a record limit of 256 KiB (Kafka's default is 1 MiB), so that a document of a
+        # few pages already goes out in parts
+        "MNEME_KAFKA_MAX_REQUEST_SIZE": str(RECORD_LIMIT),
         # a retired generation stays until dropped by command (the consolidation replay
         # test compares it, then drops it)
         "MNEME_RETIRE_GRACE_S": "3600"}).start()
@@ -207,7 +211,7 @@ def test_distributed_entity_corrections(cluster):
 
 def test_a_retain_larger_than_kafka_takes_is_refused_as_too_large(cluster):
     """A retain within the API's limits (32 MiB requests, 200,000 characters an item) may
-    still not fit one Kafka record (1 MiB by default): RESOURCE_EXHAUSTED saying so, as a
+    still not fit one Kafka record (1 MiB by default, 256 KiB here): RESOURCE_EXHAUSTED saying so, as a
     request over a size limit -- not UNKNOWN with the producer's traceback -- and no
     operation is left behind."""
     import grpc
@@ -227,23 +231,24 @@ def test_a_retain_larger_than_kafka_takes_is_refused_as_too_large(cluster):
 
 
 def test_a_document_whose_facts_exceed_a_kafka_record_is_retained_whole(cluster, bus):
-    """A 124,000-character document (conv-26's turns, twice) fits one
-    RetainRequested, but its facts with their embeddings encode to several MiB, and
-    reconsolidating the bank rewrites every observation in one change: both go out in
-    parts on mneme.memory.v1, and the retain and the reconsolidation succeed with
-    everything stored (both ended FAILED with RecordTooLarge before the parts)."""
+    """A 36,000-character document (conv-26's first turns) fits one RetainRequested
+    under the cluster's 256 KiB record limit, but its facts with their embeddings encode
+    to several times that, and reconsolidating the bank rewrites every observation in one
+    change: both go out in parts of at most half the limit on mneme.memory.v1, and the
+    retain and the reconsolidation succeed with everything stored (both ended FAILED
+    with RecordTooLarge before the parts, at Kafka's default 1 MiB limit with a
+    124,000-character document)."""
     conv = locomo.load(ROOT / "examples" / "locomo" / "conv-26.json")[0]
     turns = [i["content"] for s in locomo.sessions(conv) for i in s.items]
-    text = " ".join(f"(round {r}) {t}" for r in range(2) for t in turns)[:190_000]
-    text = text.rsplit(" ", 1)[0]
-    probe = next(t for t in reversed(turns) if len(t) > 80)
+    text = " ".join(turns)[:36_000].rsplit(" ", 1)[0]
+    probe = next(t for t in reversed(turns) if len(t) > 80 and t in text)
     with MnemeClient(cluster.address["ingest"], timeout=600) as m, \
             MnemeClient(cluster.address["search"], timeout=60) as s:
         m.upsert_bank("big-doc")
         r = m.retain("big-doc", [{"content": text, "document_id": "talk"}])
         assert r.operation.state == 3, r.operation  # SUCCEEDED
         stored = {x.id: x.text for x in s.list_memories("big-doc", document_id="talk")}
-        assert sorted(stored) == sorted(r.memory_ids) and len(stored) > 800
+        assert sorted(stored) == sorted(r.memory_ids) and len(stored) > 200
         drained(m, "big-doc")
         assert list(s.list_observations("big-doc"))
         op = m.consolidate("big-doc", reconsolidate=True)
@@ -255,7 +260,7 @@ def test_a_document_whose_facts_exceed_a_kafka_record_is_retained_whole(cluster,
         assert holders, sentence
         hits = s.recall("big-doc", sentence).results
         assert holders & {h.memory.id for h in hits[:10]}, (sentence, hits[:5])
-    # what went over the log: several parts of each, together past Kafka's 1 MiB
+    # what went over the log: several parts of each, none over the limit, together past it
     sizes: dict[str, list[int]] = collections.defaultdict(list)
     for p in range(bus.partitions(MEMORY)):
         off = 0
@@ -265,8 +270,9 @@ def test_a_document_whose_facts_exceed_a_kafka_record_is_retained_whole(cluster,
                 if rec.key == "big-doc" and getattr(env.message, "parts", 0):
                     sizes[env.message.DESCRIPTOR.name].append(len(rec.value))
             off = got[-1].offset + 1
-    assert len(sizes["FactsExtracted"]) > 2 and sum(sizes["FactsExtracted"]) > 1 << 20, sizes
+    assert len(sizes["FactsExtracted"]) > 2 and sum(sizes["FactsExtracted"]) > RECORD_LIMIT, sizes
     assert len(sizes["ObservationsChanged"]) > 1, sizes
+    assert max(n for v in sizes.values() for n in v) < RECORD_LIMIT, sizes
 
 
 def test_sigkill_extraction_and_search_mid_stream(cluster, bus):

@@ -176,3 +176,36 @@ def test_a_broker_refusing_the_idempotent_producer_names_the_setting(broker, tmp
     (line,) = [x for x in said.splitlines() if "configuration error" in x]
     assert "MNEME_KAFKA_ENABLE_IDEMPOTENCE=false" in line, said
     assert "Unclosed" not in said, said
+
+
+def test_a_record_limit_above_kafkas_default_is_given_to_the_topics_and_checked(broker):
+    """MNEME_KAFKA_MAX_REQUEST_SIZE above Kafka's default record size (1 MiB): `topics
+    create` gives the topics a max.message.bytes that takes it, and `topics check`
+    refuses a topic whose max.message.bytes would refuse records the producer sends."""
+    import asyncio
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    async def create_small() -> None:  # an operator's topic from before, at 1 MB
+        admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(MEMORY, 4, 1, topic_configs={
+                "retention.ms": "-1", "retention.bytes": "-1", "cleanup.policy": "delete",
+                "max.message.bytes": "1000000"})])
+        finally:
+            await admin.close()
+    asyncio.run(create_small())
+    big = 4 * 1024 * 1024
+    log = open_event_log(broker.url, **{**KAFKA_TEST_OPTIONS, "max_request_size": big})
+    try:
+        ensure(log)
+        got = log.topic_configs([INTAKE, MEMORY])
+        assert got[INTAKE]["max.message.bytes"] == str(big)
+        errors = check(log).errors
+        assert [e for e in errors if "max.message.bytes" in e] == [
+            f"{MEMORY}: max.message.bytes=1000000 refuses records the producer may send "
+            f"(MNEME_KAFKA_MAX_REQUEST_SIZE={big}): set max.message.bytes={big} or lower "
+            "the setting"], errors
+    finally:
+        log.close()

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from mneme import bank_catalog, bootstrap
-from mneme.bus import codec
+from mneme.bus import PART_BYTES, codec
 from mneme.domain import BankConfig, EventMeta, RetainItem, derive_id
 from mneme.errors import Cancelled, DeadlineExceeded, NotFound
 from mneme.events.v1 import events_pb2 as ev
@@ -938,7 +938,7 @@ def fake_deps(service: str) -> dict:
         "extraction": lambda: {"extractor": FakeExtractor(), "embedder": FakeEmbedder(),
                                "resolver": EntityResolver(MemoryEntityStore()),
                                "catalog": catalog, "keyring": keyring,
-                               "cancels": CancelWatch(_EmptyLog())},
+                               "cancels": CancelWatch(_EmptyLog()), "part_bytes": PART_BYTES},
         "search": lambda: {"stores": fake_projections(), "catalog": catalog, "keyring": keyring,
                            "documents": MemoryDocumentStore()},
         "reflect": lambda: {"catalog": catalog, "keyring": keyring,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 from mneme.events.v1 import events_pb2 as ev
-from services.consolidation import handlers as consolidation
 from services.consolidation.handlers import on_memory_restore, split_change
 from services.extraction import handlers as extraction
 from services.extraction.handlers import split_facts
@@ -124,21 +123,24 @@ def test_consolidation_over_the_parts_derives_what_the_whole_does():
         assert len(a.live()) > 1
 
 
-def test_extraction_sends_a_large_retain_in_parts(monkeypatch):
-    monkeypatch.setattr(extraction, "PART_BYTES", 2048)
+def test_extraction_sends_a_large_retain_in_parts():
     m = retain(*(item(f"Alice bought {i} sardines at the Porto market.", doc="big")
                  for i in range(40)), op="op-x")
     out = extraction.on_retain_requested(m, meta(), extractor=FakeExtractor(),
-                                         embedder=FakeEmbedder(), resolver=EntityResolver())
+                                         embedder=FakeEmbedder(), resolver=EntityResolver(),
+                                         part_bytes=2048)
     parts = [o for o in out if isinstance(o, ev.FactsExtracted)]
     assert len(parts) > 1 and {p.parts for p in parts} == {len(parts)}
     assert sum(len(p.facts) for p in parts) == 40
     assert all(f.seal.keys == m.items[f.item_index].seal.keys for p in parts for f in p.facts)
 
 
-def consolidated(n: int = 80) -> Consolidation:
-    """A bank of ``n`` distinct facts, consolidated one retain at a time."""
+def consolidated(n: int = 80, part_bytes: int | None = None) -> Consolidation:
+    """A bank of ``n`` distinct facts, consolidated one retain at a time (changes over
+    ``part_bytes`` in parts)."""
     h = Consolidation()
+    if part_bytes is not None:
+        h.c.part_bytes = part_bytes
     for k, f in enumerate(whole(n, seed=11, scopes="exact").facts):
         h.send(ev.FactsExtracted(bank_id="b", operation_id=f"op-{k}", facts=[f],
                                  items_total=1, embedding_model="fake"))
@@ -155,7 +157,7 @@ def live(h: Consolidation) -> list:
                   h.store.observations("b", include_deleted=True).values())
 
 
-def test_a_reconsolidation_too_large_for_a_record_goes_out_in_parts(monkeypatch):
+def test_a_reconsolidation_too_large_for_a_record_goes_out_in_parts():
     """A reconsolidation rewrites every observation of the bank in one change; in parts,
     each fits, search reports the request done on the last part only, and a replica
     restored from the parts holds what one restored from the whole record holds."""
@@ -164,8 +166,7 @@ def test_a_reconsolidation_too_large_for_a_record_goes_out_in_parts(monkeypatch)
     one = consolidated()
     (whole_change,) = [o for o in one.send(request) if isinstance(o, ev.ObservationsChanged)]
     assert whole_change.part == whole_change.parts == 0
-    monkeypatch.setattr(consolidation, "PART_BYTES", 4 * 1024)
-    many = consolidated()
+    many = consolidated(part_bytes=4 * 1024)
     parts = [o for o in many.send(request) if isinstance(o, ev.ObservationsChanged)]
     n = len(parts)
     assert n > 3 and [(p.part, p.parts) for p in parts] == [(k, n) for k in range(1, n + 1)]

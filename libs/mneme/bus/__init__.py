@@ -43,8 +43,16 @@ KEYS = "mneme.keys.v1"
 #: observations and ids): a larger one goes out in parts. Half of Kafka's default record
 #: limit (1 MiB: the producer's ``max.request.size``, the broker's
 #: ``message.max.bytes``), leaving room for what sealing adds (a nonce, a tag and the
-#: key ids per element, ~100 bytes) and the record's headers.
+#: key ids per element, ~100 bytes) and the record's headers. The services use
+#: :func:`part_bytes` of the configured limit (``MNEME_KAFKA_MAX_REQUEST_SIZE``).
 PART_BYTES = 512 * 1024
+
+
+def part_bytes(max_request_size: int) -> int:
+    """The part budget (bytes of elements per record, see :data:`PART_BYTES`) for a
+    producer whose records may be ``max_request_size`` bytes: half of it, as the
+    default's is of Kafka's 1 MiB."""
+    return max_request_size // 2
 
 
 def pack(elements: Sequence[_T], size: Callable[[_T], int], room: int) -> list[list[_T]]:

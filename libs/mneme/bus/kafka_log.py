@@ -83,6 +83,7 @@ class KafkaOptions:
     max_poll_interval_ms: int = 300_000
     request_timeout_ms: int = 30_000
     enable_idempotence: bool = True
+    max_request_size: int = 1_048_576
     connect_timeout_s: float = 60.0
     fetch_max_wait_ms: int = 100
     topic_fetch_max_wait_ms: tuple[tuple[str, int], ...] = ()
@@ -119,6 +120,9 @@ def _headers_in(headers: Iterable[tuple[str, bytes]] | None) -> dict[str, str]:
 
 
 #: What the producer or the brokers raise for a record larger than they take.
+#: Apache Kafka's default ``message.max.bytes`` (brokers) / ``max.message.bytes`` (topics).
+KAFKA_DEFAULT_MESSAGE_BYTES = 1_048_588
+
 TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
 
 
@@ -259,7 +263,7 @@ class KafkaEventLog:
         await self._admin.start()
         self._producer = AIOKafkaProducer(
             **self._common(), acks="all", enable_idempotence=self.options.enable_idempotence,
-            linger_ms=0)
+            linger_ms=0, max_request_size=self.options.max_request_size)
         try:
             await self._producer.start()
         except KafkaError as exc:
@@ -306,9 +310,13 @@ class KafkaEventLog:
 
     def configs_for(self, topic: str) -> dict[str, str]:
         """The Kafka configs mneme wants ``topic`` to have: :data:`mneme.bus.TOPIC_CONFIGS`
-        plus ``min.insync.replicas`` (replication factor − 1, at least 1)."""
+        plus ``min.insync.replicas`` (replication factor − 1, at least 1) and, for a
+        producer limit above Kafka's default record size (1,048,588 bytes), a
+        ``max.message.bytes`` that takes it."""
         wanted = dict(TOPIC_CONFIGS.get(topic, {}))
         wanted["min.insync.replicas"] = str(max(1, self.options.replication_factor - 1))
+        if self.options.max_request_size > KAFKA_DEFAULT_MESSAGE_BYTES:
+            wanted["max.message.bytes"] = str(self.options.max_request_size)
         return wanted
 
     def topic_configs(self, topics: Sequence[str]) -> dict[str, dict[str, str]]:

@@ -66,6 +66,13 @@ def check(log) -> Report:
                                  "`mneme topics create`")
             continue
         got, wanted = have.get(t, {}), log.configs_for(t)
+        limit, sends = got.get("max.message.bytes"), getattr(
+            getattr(log, "options", None), "max_request_size", 0)
+        if limit is not None and limit.isdigit() and int(limit) < sends:
+            report.errors.append(
+                f"{t}: max.message.bytes={limit} refuses records the producer may send "
+                f"(MNEME_KAFKA_MAX_REQUEST_SIZE={sends}): set max.message.bytes={sends} "
+                "or lower the setting")
         if t == KEYS:
             report.errors += _key_topic_errors(got, log.partitions(t))
             continue

@@ -686,6 +686,7 @@ def build_broker(services: Iterable[Service], routers: Mapping[str, Router] | No
     broker = KafkaBroker(
         bootstrap_servers, client_id=o.client_id, request_timeout_ms=o.request_timeout_ms,
         acks="all", enable_idempotence=o.enable_idempotence, linger_ms=0,
+        max_request_size=o.max_request_size,
         security=o.security.faststream(),  # TLS/SASL: the log's own (mneme.bus.security)
         graceful_timeout=30.0, codec=_ProtobufCodec(), log_level=logging.DEBUG,
         description="Apache Kafka (`MNEME_BUS_URL=kafka://HOST:PORT`; kafka:9092 in "
