@@ -279,15 +279,34 @@ class Keyring:
             for key_id, row in self.store.get_many(bank_id, wanted).items():
                 self._unwrap(bank_id, key_id, row)
 
+    def lookup(self, bank_id: str, key_ids: Iterable[str]) -> dict[str, bytes | None]:
+        """Every id of ``key_ids`` → its data key (32 bytes), or None when it is destroyed
+        or unknown. The ids not cached are read with one
+        :meth:`~mneme.ports.KeyStore.get_many`: a shared store catches up once for all
+        its misses (a deleted bank's ids, another deployment's), not once per id."""
+        with self._lock:
+            out: dict[str, bytes | None] = {}
+            wanted = []
+            for k in dict.fromkeys(key_ids):
+                hit = self._keys.get((bank_id, k))
+                if hit is not None:
+                    self._keys.move_to_end((bank_id, k))
+                    out[k] = hit
+                else:
+                    wanted.append(k)
+            if wanted:
+                rows = self.store.get_many(bank_id, wanted)
+                for k in wanted:
+                    out[k] = self._unwrap(bank_id, k, rows.get(k))
+            return out
+
     def keys(self, bank_id: str, key_ids: Iterable[str]) -> list[bytes] | None:
-        """The data keys of ``key_ids`` in order, or None when any one is gone."""
-        out = []
-        for k in key_ids:
-            key = self.key(bank_id, k)
-            if key is None:
-                return None
-            out.append(key)
-        return out
+        """The data keys of ``key_ids`` in order, or None when any one is gone (one
+        store read for those not cached, :meth:`lookup`)."""
+        ids = list(key_ids)
+        found = self.lookup(bank_id, ids)
+        out = [found[k] for k in ids]
+        return None if any(k is None for k in out) else out
 
     def combined(self, bank_id: str, key_ids: Sequence[str]) -> bytes | None:
         """The seal key over ``key_ids`` (:func:`combine`), or None when any is gone.

@@ -683,8 +683,9 @@ class Ingest:
                 "this server keeps no data keys: its event log is not sealed, so records "
                 "need no key")
         found, missing = [], []
+        keys = self.keys.lookup(bank_id, key_ids)  # one store read (catch-up) for the misses
         for k in key_ids:
-            key = self.keys.key(bank_id, k)
+            key = keys[k]
             if key is None:
                 missing.append(k)
             else:

@@ -332,3 +332,34 @@ def test_a_key_for_a_bank_id_that_cannot_exist_is_refused(tmp_path):
         store.add(["alice", "Bad Bank!"], "read")
     assert store.entries() == []
     store.add(["alice", "*"], "read")  # '*' covers every bank
+
+
+def test_missing_keys_cost_one_catch_up_of_a_shared_key_store(tmp_path):
+    """A consumer of a deleted bank's history (or of another deployment's log) asks for
+    keys the store no longer knows: the KafkaKeyStore (here over an embedded log) reads
+    its topic to the end before it answers a miss. BatchGetDataKeys of 1000 such ids made
+    one catch-up per id (twice for a deleted bank: its bank key too), ~0.25 s each on the
+    test broker, so the call ran minutes past any deadline; it now makes one for all."""
+    from mneme.bus.sqlite_log import SqliteEventLog
+    from mneme.stores.keys_kafka import KafkaKeyStore
+    log = SqliteEventLog(tmp_path / "log.db")
+    store = KafkaKeyStore(log, poll_s=0)
+    try:
+        keyring = Keyring(store, LocalKms(b"\x01" * 32))
+        gone = [keyring.current("gone", document_scope(f"d{i}")) for i in range(40)]
+        live = keyring.current("alice", document_scope("d1"))
+        keyring.destroy_bank("gone")
+        catch_ups = []
+        inner = store.catch_up
+        store.catch_up = lambda until=None: (catch_ups.append(until), inner(until))[1]
+        ingest = Ingest(log=None, catalog=None, keys=keyring)
+        assert ingest.data_keys("gone", gone) == ([], gone)
+        assert len(catch_ups) == 1
+        catch_ups.clear()
+        unknown = [f"d:nope{i}#00" for i in range(40)]
+        found, missing = ingest.data_keys("alice", [live, *unknown])
+        assert found == [(live, keyring.key("alice", live))] and missing == unknown
+        assert len(catch_ups) == 1
+    finally:
+        store.close()
+        log.close()
