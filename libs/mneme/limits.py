@@ -228,6 +228,16 @@ def check(msg: Message, lim: Limits | None = None) -> list[tuple[str, str]]:
 
 
 _ITEM = re.compile(r"^items\[(\d+)\]")
+#: A map entry's key in a field path (``metadata['k']``) and whatever follows it.
+_MAP_KEY = re.compile(r"\[['\"].*$", re.S)
+
+
+def field_on_log(path: str) -> str:
+    """``path`` (a violation's field, from :func:`check`) without the map key it names:
+    ``items[1].metadata['k']`` → ``items[1].metadata``. A refused item's field goes on
+    the log in the clear (``ItemFailure.field``), where a metadata key, which events
+    carry only sealed, would outlive the deletion of its document."""
+    return _MAP_KEY.sub("", path)
 
 
 def split_items(violations: list[tuple[str, str]]) -> tuple[list[tuple[str, str]],

@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from mneme import bank_catalog
+from mneme import bank_catalog, limits
 from mneme.bus import INTAKE, MEMORY, codec, partition_for
 from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, Directive,
                           EventMeta, Operation, RetainItem, derive_id)
@@ -898,7 +898,8 @@ def _retain_requested(op_id: str, bank_id: str, items: Sequence[RetainItem], bad
         items=[ev.RetainItem() if i in bad else codec.retain_item_to_pb(it)
                for i, it in enumerate(items)],
         observation_scopes=observation_scopes,
-        rejected_items=[ev.ItemFailure(item_index=i, field=f, error=d, reason="rejected")
+        rejected_items=[ev.ItemFailure(item_index=i, field=limits.field_on_log(f), error=d,
+                                       reason="rejected")
                         for i in sorted(bad) for f, d in bad[i][:1]])
 
 

@@ -228,3 +228,24 @@ def test_dt_to_ts_equals_protobufs_own_conversion():
         assert (got.seconds, got.nanos) == (want.seconds, want.nanos), c
     assert dt_to_ts(None) is None
     assert clamp_time(cases[-2002]) == MIN_TIME and clamp_time(cases[-2001]) == MAX_TIME
+
+
+def test_a_refused_items_field_on_the_log_does_not_quote_its_metadata_key():
+    """An item refused for a metadata value over the limit travels as a placeholder whose
+    ItemFailure.field named the entry, ``items[1].metadata['<key>']``: the key, sealed
+    content everywhere else, stood in the clear on the intake, memory and progress topics
+    and stayed there after DeleteDocument (found reading the topics from offset 0)."""
+    from services.ingest.handlers import _retain_requested
+    from mneme import apiconv
+    secret = "diagnosis-of-Quillonia"
+    req = memory_pb2.RetainRequest(parent="banks/b", items=[
+        memory_pb2.RetainItem(content="fine", document_id="d"),
+        memory_pb2.RetainItem(content="refused", document_id="d",
+                              metadata={secret: "x" * 9000, "ok": "y"})])
+    invalid, rejected = split_items(check(req))
+    assert not invalid and secret in rejected[1][0][0]  # the caller's own error names it
+    items = apiconv.retain_items_from_api(req.items, datetime.now(timezone.utc))
+    logged = _retain_requested("op", "b", items, rejected, None)
+    assert [(f.item_index, f.field, f.reason) for f in logged.rejected_items] == [
+        (1, "items[1].metadata", "rejected")]
+    assert secret.encode() not in logged.SerializeToString()
