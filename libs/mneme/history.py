@@ -189,8 +189,10 @@ class HistoryOpener:
         self._opener = Opener(keys)
 
     def open(self, record: Any) -> OpenedEvent:
-        """The record (see :func:`as_record` for what is accepted) decoded and opened."""
-        return self._opened(as_record(record), None)
+        """The record (see :func:`as_record` for what is accepted) decoded and opened,
+        the keys of all its seals fetched first (one BatchGetDataKeys per 1000 ids not
+        cached, not one per sealed element)."""
+        return self.open_all([record])[0]
 
     def _opened(self, rec: Record, msg: Message | None) -> OpenedEvent:
         try:

@@ -363,3 +363,18 @@ def test_missing_keys_cost_one_catch_up_of_a_shared_key_store(tmp_path):
     finally:
         store.close()
         log.close()
+
+
+def test_opening_one_record_fetches_its_keys_in_one_call(served):
+    """README's consumer opens records one by one (``opener.open(rec)``): a
+    FactsExtracted of 25 facts, each under its own key, made 25 BatchGetDataKeys calls
+    (one per fact, each an audit record), ~700 calls for a retain of 57 facts read on
+    Kafka; one record's keys now come in one call."""
+    keyring, address = served
+    facts = _sealed(Sealer(keyring), ev.FactsExtracted(bank_id="alice", operation_id="op1",
+        facts=[ev.Fact(id=f"f{i}", text=f"fact {i}", document_id="d1") for i in range(25)]))
+    with MnemeClient(address, api_key="") as m:
+        keys = RemoteKeys(m.batch_get_data_keys)
+        opened = HistoryOpener(keys).open(facts)
+        assert [f.text for f in opened.message.facts] == [f"fact {i}" for i in range(25)]
+        assert keys.calls == 1
