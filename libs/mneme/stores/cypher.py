@@ -73,18 +73,40 @@ SET n.document_id = u.document_id, n.fact_type = u.fact_type,
     n.stub = false
 """
 
-#: Entities the units $ids mention now (candidates for orphan cleanup).
-UNIT_ENTITIES = """
+#: Before the units $ids lose their edges (a delete, or an upsert that rewrites them):
+#: delete the entities they mention that no other unit mentions and $keep (the entities
+#: an upsert's new versions mention) does not name; returns how many. Each query is
+#: atomic, and this one decides from the edges as they are, before the units' own are
+#: cleared: a write cut short after any of its queries and done again (redelivery after
+#: a kill) still finds every entity it leaves without a mention -- deciding afterwards
+#: from the entities the units *had* lost them once the edges were gone.
+DELETE_ENTITIES_ONLY_THEY_MENTION = """
 UNWIND $ids AS uid
-MATCH (n:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
-RETURN DISTINCT e.id AS entity_id
+MATCH (:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
+WHERE NOT e.id IN $keep
+WITH DISTINCT e
+OPTIONAL MATCH (e)<-[m:MENTIONS]-(o:Unit)
+WHERE NOT o.id IN $ids
+WITH e, count(m) AS others
+WHERE others = 0
+DETACH DELETE e
+RETURN count(*) AS deleted
 """
 
-#: Units the units $ids link to now (stub candidates for orphan cleanup).
-UNIT_LINK_TARGETS = """
+#: As :data:`DELETE_ENTITIES_ONLY_THEY_MENTION`, for the link stubs the units $ids link
+#: to: those nothing else links to and $keep (an upsert's new targets) does not name.
+#: (A stub among $ids is one of the units themselves: an upsert fills it in, a delete
+#: deals with it as with the others, :data:`DELETE_UNLINKED_UNITS`.)
+DELETE_STUBS_ONLY_THEY_LINK = """
 UNWIND $ids AS uid
-MATCH (n:Unit {bank_id: $bank_id, id: uid})-[:LINK]->(m:Unit)
-RETURN DISTINCT m.id AS unit_id
+MATCH (:Unit {bank_id: $bank_id, id: uid})-[:LINK]->(s:Unit)
+WHERE s.stub = true AND NOT s.id IN $keep AND NOT s.id IN $ids
+WITH DISTINCT s
+OPTIONAL MATCH (s)<-[l:LINK]-(o:Unit)
+WHERE NOT o.id IN $ids
+WITH s, count(l) AS links
+WHERE links = 0
+DETACH DELETE s
 """
 
 #: Drop the outgoing MENTIONS and LINK edges of $ids (an upsert then re-creates them).
@@ -129,34 +151,24 @@ MERGE (n)-[l:LINK {kind: r.kind}]->(m)
 SET l.weight = r.weight
 """
 
+#: Delete the units $ids (their own edges cleared already) that no unit links to; the
+#: others become stubs (:data:`MARK_STUBS`), after this, so a delete cut short between
+#: the two still finds them live and does both again.
+DELETE_UNLINKED_UNITS = """
+UNWIND $ids AS uid
+MATCH (n:Unit {bank_id: $bank_id, id: uid})
+OPTIONAL MATCH (n)<-[l:LINK]-(:Unit)
+WITH n, count(l) AS links
+WHERE links = 0
+DETACH DELETE n
+"""
+
 #: Turn deleted units into stubs (their incoming links stay for a later re-upsert).
 MARK_STUBS = """
 UNWIND $ids AS uid
 MATCH (n:Unit {bank_id: $bank_id, id: uid})
 SET n.stub = true, n.document_id = null, n.fact_type = null,
     n.occurred_start = null, n.occurred_end = null
-"""
-
-#: Delete stubs among $ids that no unit links to any more.
-DELETE_ORPHAN_STUBS = """
-UNWIND $ids AS uid
-MATCH (s:Unit {bank_id: $bank_id, id: uid})
-WHERE s.stub = true
-OPTIONAL MATCH (s)<-[l:LINK]-(:Unit)
-WITH s, count(l) AS links
-WHERE links = 0
-DETACH DELETE s
-"""
-
-#: Delete entities among $entity_ids that no unit mentions any more; returns how many.
-DELETE_ORPHAN_ENTITIES = """
-UNWIND $entity_ids AS eid
-MATCH (e:Entity {bank_id: $bank_id, id: eid})
-OPTIONAL MATCH (e)<-[m:MENTIONS]-(:Unit)
-WITH e, count(m) AS mentions
-WHERE mentions = 0
-DETACH DELETE e
-RETURN count(*) AS deleted
 """
 
 #: How many of the entities $ids exist (before a write that may create them).

@@ -950,15 +950,10 @@ def _touch(run: Run, bank_id: str, result: T = None) -> T:
 def _upsert_units(run: Run, bank_id: str, facts: list[Fact], tally: bool = False
                   ) -> int | None:
     """One unit of work: ``facts`` in; with ``tally``, returns how many entities it
-    added (created minus deleted), else None."""
+    added (created minus deleted), else None. What the units' old versions alone
+    mentioned or linked to goes first (:func:`_drop_what_only_they_use`), so the work
+    done again after it was cut short between its queries ends the same."""
     ids = [f.id for f in facts]
-    old_entities = _column(run, cypher.UNIT_ENTITIES, bank_id=bank_id, ids=ids)
-    old_targets = _column(run, cypher.UNIT_LINK_TARGETS, bank_id=bank_id, ids=ids)
-    run(cypher.CLEAR_UNIT_EDGES, {"bank_id": bank_id, "ids": ids})
-    run(cypher.UPSERT_UNITS, {"bank_id": bank_id, "units": [{
-        "id": f.id, "document_id": f.document_id, "fact_type": f.fact_type,
-        "occurred_start": to_epoch(f.occurred_start),
-        "occurred_end": to_epoch(f.occurred_end)} for f in facts]})
     mentions, entities = [], {}
     for f in facts:
         for e in {e.id: e for e in f.entities}.values():
@@ -968,6 +963,16 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact], tally: bool = False
             row.update(name=e.name, key=key, label=e.label)
             if key not in row["keys"]:
                 row["keys"].append(key)
+    links = [{"source_id": f.id, "target_id": lk.target_id, "kind": lk.kind,
+              "weight": float(lk.weight)}
+             for f in facts for lk in f.links if lk.target_id != f.id]
+    gone = _drop_what_only_they_use(run, bank_id, ids, list(entities),
+                                    list(dict.fromkeys(r["target_id"] for r in links)))
+    run(cypher.CLEAR_UNIT_EDGES, {"bank_id": bank_id, "ids": ids})
+    run(cypher.UPSERT_UNITS, {"bank_id": bank_id, "units": [{
+        "id": f.id, "document_id": f.document_id, "fact_type": f.fact_type,
+        "occurred_start": to_epoch(f.occurred_start),
+        "occurred_end": to_epoch(f.occurred_end)} for f in facts]})
     created = 0
     if mentions:
         if tally:
@@ -976,26 +981,34 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact], tally: bool = False
             created = len(entities) - int(existing[0] if existing else 0)
         run(cypher.MERGE_ENTITIES, {"bank_id": bank_id, "entities": list(entities.values())})
         run(cypher.MERGE_MENTIONS, {"bank_id": bank_id, "rows": mentions})
-    links = [{"source_id": f.id, "target_id": lk.target_id, "kind": lk.kind,
-              "weight": float(lk.weight)}
-             for f in facts for lk in f.links if lk.target_id != f.id]
     if links:
         run(cypher.MERGE_LINKS, {"bank_id": bank_id, "rows": links})
-    gone = _cleanup(run, bank_id, old_targets, old_entities)
     _touch(run, bank_id)
     return created - gone if tally else None
 
 
 def _delete_units(run: Run, bank_id: str, ids: list[str]) -> int:
     """One unit of work: ``ids`` out; returns how many entities it added (minus those
-    left without mentions and deleted)."""
-    old_entities = _column(run, cypher.UNIT_ENTITIES, bank_id=bank_id, ids=ids)
-    old_targets = _column(run, cypher.UNIT_LINK_TARGETS, bank_id=bank_id, ids=ids)
+    left without mentions and deleted). Each step decides from the graph as it is, so
+    the work done again after it was cut short between its queries ends the same."""
+    gone = _drop_what_only_they_use(run, bank_id, ids, [], [])
     run(cypher.CLEAR_UNIT_EDGES, {"bank_id": bank_id, "ids": ids})
+    run(cypher.DELETE_UNLINKED_UNITS, {"bank_id": bank_id, "ids": ids})
     run(cypher.MARK_STUBS, {"bank_id": bank_id, "ids": ids})
-    gone = _cleanup(run, bank_id, ids + old_targets, old_entities)
     _touch(run, bank_id)
     return -gone
+
+
+def _drop_what_only_they_use(run: Run, bank_id: str, ids: list[str], keep_entities: list[str],
+                             keep_targets: list[str]) -> int:
+    """Before the units ``ids`` lose their edges: delete the entities and link stubs
+    nothing but them uses, except those named to keep (what their new versions use);
+    returns the entities deleted. (Deciding after the edges were cleared, from the ones
+    read before, left an entity without mentions for good when a kill came between:
+    the redelivered write read no edges.)"""
+    params = {"bank_id": bank_id, "ids": ids}
+    run(cypher.DELETE_STUBS_ONLY_THEY_LINK, {**params, "keep": keep_targets})
+    return deleted(run(cypher.DELETE_ENTITIES_ONLY_THEY_MENTION, {**params, "keep": keep_entities}))
 
 
 def _entities_by_id(run: Run, bank_id: str, ids: list[str]) -> dict[str, list[Any]]:
@@ -1070,16 +1083,3 @@ def _split_entity(run: Run, bank_id: str, entity_id: str, new_id: str, aliases: 
         _move_mentions(run, bank_id, entity_id, new_id, unit_ids)
     _touch(run, bank_id)
     return int(new is None)
-
-
-def _cleanup(run: Run, bank_id: str, stub_ids: list[str], entity_ids: list[str]) -> int:
-    """Delete the orphaned stubs and entities among these; returns the entities deleted."""
-    # distinct ids: one row per node, so no backend is asked to delete a node twice
-    stub_ids = list(dict.fromkeys(stub_ids))
-    entity_ids = list(dict.fromkeys(entity_ids))
-    if stub_ids:
-        run(cypher.DELETE_ORPHAN_STUBS, {"bank_id": bank_id, "ids": stub_ids})
-    if entity_ids:
-        return deleted(run(cypher.DELETE_ORPHAN_ENTITIES, {"bank_id": bank_id,
-                                                          "entity_ids": entity_ids}))
-    return 0
