@@ -220,6 +220,72 @@ class GraphStoreSuite:
         store.split_entity("a", "nobody", "e-x", ["x"], "X", ["u1"])
         assert store.entity("a", "e-x") is None
 
+    # -- the live graph after deletions is the graph a replay builds --
+    # A replay of the log never sees deleted content (its keys were destroyed: the facts
+    # are erased), so the graph it builds is the one these writes build with the facts
+    # deleted by the end left out. The live graph must end the same: no entity kept
+    # only by what was deleted (its names are user content, listed by ListEntities).
+
+    def _live_and_replayed(self, tmp_path, steps) -> tuple[list, list]:
+        """Run ``steps`` [(method, args)] on a store, and on another with the facts that
+        some delete (by id or document) removes left out: both stores' entities."""
+        gone = {i for m, a in steps if m == "delete" for i in a[1]}
+        docs = {a[1] for m, a in steps if m == "delete_where"}
+        gone |= {f.id for m, a in steps if m == "upsert" for f in a[0] if f.document_id in docs}
+        out = []
+        for name, erased in (("live", set()), ("replay", gone)):
+            s = self.make_store(tmp_path / name)
+            try:
+                for method, args in steps:
+                    if method == "upsert":
+                        args = ([f for f in args[0] if f.id not in erased],)
+                    getattr(s, method)(*args)
+                out.append([(e.id, e.name, e.label, e.aliases, e.mentions)
+                            for e in s.entities("a", 100)])
+            finally:
+                s.close()
+        return out[0], out[1]
+
+    def test_an_entity_split_off_by_name_goes_with_the_entity_it_was_split_off(self, tmp_path):
+        liz = dataclasses.replace(ALICE, name="Liz")
+        live, replayed = self._live_and_replayed(tmp_path, [
+            ("upsert", ([unit("u1", entities=[ALICE, LYON], document_id="d1"),
+                         unit("u2", entities=[liz], document_id="d1"),
+                         unit("u3", entities=[LYON], document_id="d2")],)),
+            ("split_entity", ("a", ALICE.id, "e-lizzy", ["liz"], "Lizzy", [])),
+            ("delete_where", ("a", "d1"))])
+        assert live == replayed, (live, replayed)
+        assert live == [(LYON.id, "Lyon", "GPE", ("lyon",), 1)]
+
+    def test_a_split_entity_whose_memories_were_deleted_stays_while_its_origin_does(
+            self, tmp_path):
+        live, replayed = self._live_and_replayed(tmp_path, [
+            ("upsert", ([unit("u1", entities=[ALICE]), unit("u2", entities=[ALICE, LYON])],)),
+            ("split_entity", ("a", ALICE.id, "e-al", [], "Al", ["u2"])),
+            ("delete", ("a", ["u2"]))])
+        assert live == replayed, (live, replayed)
+        assert live == [("e-al", "Al", "PERSON", ("al",), 0),
+                        (ALICE.id, "Alice", "PERSON", ("alice",), 1)]
+        live, replayed = self._live_and_replayed(tmp_path / "2", [
+            ("upsert", ([unit("u1", entities=[ALICE]), unit("u2", entities=[ALICE, LYON])],)),
+            ("split_entity", ("a", ALICE.id, "e-al", [], "Al", ["u2"])),
+            ("split_entity", ("a", "e-al", "e-al2", [], "Al Two", [])),
+            ("delete", ("a", ["u1", "u2"]))])
+        assert live == replayed, (live, replayed)
+        assert live == []  # the origin went, and with it what was split off
+
+    def test_an_entity_split_off_one_merged_away_goes_with_the_survivor(self, tmp_path):
+        liz = EntityRef("e-liz", "Liz", "PERSON")
+        live, replayed = self._live_and_replayed(tmp_path, [
+            ("upsert", ([unit("u1", entities=[ALICE], document_id="d1"),
+                         unit("u2", entities=[liz], document_id="d1"),
+                         unit("u3", entities=[LYON])],)),
+            ("split_entity", ("a", liz.id, "e-lizzy", [], "Lizzy", [])),
+            ("merge_entities", ("a", ALICE.id, [liz.id])),
+            ("delete_where", ("a", "d1"))])
+        assert live == replayed, (live, replayed)
+        assert live == [(LYON.id, "Lyon", "GPE", ("lyon",), 1)]
+
     def test_delete_where_rejects_empty_document_id(self, store):
         store.upsert(chain())
         with pytest.raises(ValueError):

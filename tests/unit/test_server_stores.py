@@ -171,7 +171,7 @@ def test_neo4j_upsert_is_one_write_transaction_with_plain_parameters():
     store.upsert([f, Fact(id="solo", bank_id="a", text="no entities")])
     assert {c.mode for c in driver.calls} == {"write"}
     assert [c.query for c in driver.calls] == [
-        cypher.DELETE_STUBS_ONLY_THEY_LINK, cypher.DELETE_ENTITIES_ONLY_THEY_MENTION,
+        cypher.DELETE_STUBS_ONLY_THEY_LINK, cypher.ENTITIES_ONLY_THEY_MENTION,
         cypher.CLEAR_UNIT_EDGES,
         cypher.UPSERT_UNITS, cypher.MERGE_ENTITIES, cypher.MERGE_MENTIONS, cypher.MERGE_LINKS,
         cypher.TOUCH_BANK]

@@ -12,7 +12,7 @@ replaced by ``CALL (e) {``; the Neo4j adapter rewrites it (:func:`scope_clause`)
 Model::
 
     (:Unit {id, bank_id, document_id, fact_type, occurred_start, occurred_end, stub})
-    (:Entity {id, bank_id, name, key, label, aliases})
+    (:Entity {id, bank_id, name, key, label, aliases, split_from})
     (:Unit)-[:MENTIONS]->(:Entity)
     (:Unit)-[:LINK {kind, weight}]->(:Unit)
     (:Bank {bank_id, version})
@@ -46,6 +46,7 @@ FALKOR_INDEXES = (
     "CREATE INDEX FOR (e:Entity) ON (e.id)",
     "CREATE INDEX FOR (e:Entity) ON (e.bank_id)",
     "CREATE INDEX FOR (e:Entity) ON (e.key)",
+    "CREATE INDEX FOR (e:Entity) ON (e.split_from)",
     "CREATE INDEX FOR (b:Bank) ON (b.bank_id)",
 )
 
@@ -60,6 +61,8 @@ NEO4J_INDEXES = (
     "CREATE CONSTRAINT bank_id IF NOT EXISTS FOR (b:Bank) REQUIRE b.bank_id IS UNIQUE",
     "CREATE INDEX unit_bank_doc IF NOT EXISTS FOR (n:Unit) ON (n.bank_id, n.document_id)",
     "CREATE INDEX entity_bank_key IF NOT EXISTS FOR (e:Entity) ON (e.bank_id, e.key)",
+    "CREATE INDEX entity_bank_split_from IF NOT EXISTS FOR (e:Entity) "
+    "ON (e.bank_id, e.split_from)",
 )
 
 # ---- writes (all scoped by $bank_id) -----------------------------------------------------
@@ -74,13 +77,14 @@ SET n.document_id = u.document_id, n.fact_type = u.fact_type,
 """
 
 #: Before the units $ids lose their edges (a delete, or an upsert that rewrites them):
-#: delete the entities they mention that no other unit mentions and $keep (the entities
-#: an upsert's new versions mention) does not name; returns how many. Each query is
-#: atomic, and this one decides from the edges as they are, before the units' own are
-#: cleared: a write cut short after any of its queries and done again (redelivery after
-#: a kill) still finds every entity it leaves without a mention -- deciding afterwards
-#: from the entities the units *had* lost them once the edges were gone.
-DELETE_ENTITIES_ONLY_THEY_MENTION = """
+#: the entities they mention that no other unit mentions and $keep (the entities an
+#: upsert's new versions mention) does not name, each with the entity it was split off
+#: (``split_from``, null for most) and whether that one exists (1/0). They are deleted
+#: before the edges are cleared, decided from the edges as they are: a write cut short
+#: after any of its queries and done again (redelivery after a kill) still finds every
+#: one (deciding afterwards, from the entities read before the edges were cleared, lost
+#: them once the edges were gone). A split's new entity whose origin exists is kept.
+ENTITIES_ONLY_THEY_MENTION = """
 UNWIND $ids AS uid
 MATCH (:Unit {bank_id: $bank_id, id: uid})-[:MENTIONS]->(e:Entity)
 WHERE NOT e.id IN $keep
@@ -89,11 +93,24 @@ OPTIONAL MATCH (e)<-[m:MENTIONS]-(o:Unit)
 WHERE NOT o.id IN $ids
 WITH e, count(m) AS others
 WHERE others = 0
-DETACH DELETE e
-RETURN count(*) AS deleted
+OPTIONAL MATCH (origin:Entity {bank_id: $bank_id, id: e.split_from})
+RETURN e.id AS id, e.split_from AS split_from, count(origin) AS origin
 """
 
-#: As :data:`DELETE_ENTITIES_ONLY_THEY_MENTION`, for the link stubs the units $ids link
+#: The entities split off the entities $origins (``split_from``) that no unit but the
+#: units $ids mentions and $keep does not name: they go with their origin.
+SPLITS_WITHOUT_MENTIONS = """
+UNWIND $origins AS oid
+MATCH (n:Entity {bank_id: $bank_id, split_from: oid})
+WHERE NOT n.id IN $keep
+OPTIONAL MATCH (n)<-[m:MENTIONS]-(o:Unit)
+WHERE NOT o.id IN $ids
+WITH n, count(m) AS mentions
+WHERE mentions = 0
+RETURN n.id AS id
+"""
+
+#: As :data:`ENTITIES_ONLY_THEY_MENTION` (deleting them), for the link stubs the units $ids link
 #: to: those nothing else links to and $keep (an upsert's new targets) does not name.
 #: (A stub among $ids is one of the units themselves: an upsert fills it in, a delete
 #: deals with it as with the others, :data:`DELETE_UNLINKED_UNITS`.)
@@ -227,6 +244,24 @@ RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key, e.aliases AS 
 SET_ENTITY = """
 MERGE (e:Entity {bank_id: $bank_id, id: $id})
 SET e.name = $name, e.key = $key, e.label = $label, e.aliases = $aliases
+"""
+
+#: A split's new entity $id remembers the entity $from_id it was split off: without
+#: mentions it stays while that one exists (a name the user gave, waiting for its
+#: mentions) and goes with it, as a replay that never saw the origin's deleted content
+#: would not have made it.
+SET_SPLIT_FROM = """
+MATCH (n:Entity {bank_id: $bank_id, id: $id})
+WHERE n.split_from IS NULL
+SET n.split_from = $from_id
+"""
+
+#: A merge: the entities split off the merged $ids were split off the survivor from now
+#: on (the survivor itself, split off one of them, no longer is). Before the merged go.
+REPOINT_SPLITS = """
+UNWIND $ids AS mid
+MATCH (n:Entity {bank_id: $bank_id, split_from: mid})
+SET n.split_from = CASE WHEN n.id = $survivor_id THEN null ELSE $survivor_id END
 """
 
 #: Every unit mentioning $from_id (all of them, or those among $unit_ids) mentions $to_id

@@ -1001,14 +1001,27 @@ def _delete_units(run: Run, bank_id: str, ids: list[str]) -> int:
 
 def _drop_what_only_they_use(run: Run, bank_id: str, ids: list[str], keep_entities: list[str],
                              keep_targets: list[str]) -> int:
-    """Before the units ``ids`` lose their edges: delete the entities and link stubs
+    """Before the units ``ids`` lose their edges: delete the link stubs and entities
     nothing but them uses, except those named to keep (what their new versions use);
-    returns the entities deleted. (Deciding after the edges were cleared, from the ones
-    read before, left an entity without mentions for good when a kill came between:
-    the redelivered write read no edges.)"""
+    returns the entities deleted. An entity split off another (``split_from``) is kept
+    without mentions while that one exists, and goes with it: entities split off one
+    deleted here and mentioned by nothing else go first, the deepest first, so a write
+    cut short between these deletes finds the rest again when done again."""
     params = {"bank_id": bank_id, "ids": ids}
     run(cypher.DELETE_STUBS_ONLY_THEY_LINK, {**params, "keep": keep_targets})
-    return deleted(run(cypher.DELETE_ENTITIES_ONLY_THEY_MENTION, {**params, "keep": keep_entities}))
+    found = {r[0]: (r[1], int(r[2])) for r in run(cypher.ENTITIES_ONLY_THEY_MENTION,
+                                                  {**params, "keep": keep_entities})}
+    doomed = {i for i, (_, origin) in found.items() if not origin}
+    while more := {i for i, (of, _) in found.items() if of in doomed and i not in doomed}:
+        doomed |= more  # split off one that goes
+    levels, seen = [sorted(doomed)], set(doomed)
+    while levels[-1]:
+        splits = [i for i in _column(run, cypher.SPLITS_WITHOUT_MENTIONS, origins=levels[-1],
+                                     keep=keep_entities, **params) if i not in seen]
+        seen.update(splits)
+        levels.append(splits)
+    return sum(deleted(run(cypher.DELETE_ENTITIES, {**params, "ids": level}))
+               for level in reversed(levels) if level)
 
 
 def _entities_by_id(run: Run, bank_id: str, ids: list[str]) -> dict[str, list[Any]]:
@@ -1051,6 +1064,7 @@ def _merge_entities(run: Run, bank_id: str, survivor_id: str, merged: list[str],
         _move_mentions(run, bank_id, m, survivor_id, None)
     deleted_n = 0
     if gone:
+        run(cypher.REPOINT_SPLITS, {"bank_id": bank_id, "ids": gone, "survivor_id": survivor_id})
         deleted_n = deleted(run(cypher.DELETE_ENTITIES, {"bank_id": bank_id, "ids": gone}))
     _touch(run, bank_id)
     return (survivor_id not in found) - deleted_n
@@ -1076,6 +1090,7 @@ def _split_entity(run: Run, bank_id: str, entity_id: str, new_id: str, aliases: 
     new_keys += [a for a in moved if a not in new_keys]
     run(cypher.SET_ENTITY, {"bank_id": bank_id, "id": new_id, "name": name, "key": new_key,
                             "label": e[2] or "", "aliases": new_keys})
+    run(cypher.SET_SPLIT_FROM, {"bank_id": bank_id, "id": new_id, "from_id": entity_id})
     run(cypher.SET_ENTITY, {"bank_id": bank_id, "id": entity_id, "name": e[1] or "",
                             "key": e[3] if e[3] in kept else kept[0], "label": e[2] or "",
                             "aliases": kept})
