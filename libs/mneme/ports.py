@@ -581,15 +581,21 @@ class EntityStore(Protocol):
         and ``aliases`` [(alias, entity id)] written in order (the complete aliases of
         those entities); the ``removed`` entities are deleted with their mentions."""
 
-    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
-        """Record (entity id, scope) pairs: the entity is mentioned by content of that
-        scope (a document ``d:<id>``, or the items of a retain without one ``r:<op>``)."""
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, ...]]) -> None:
+        """Record mentions (entity id, scope[, fact id]): the entity is mentioned by
+        content of that scope (a document ``d:<id>``, or the items of a retain without
+        one ``r:<op>``), by the fact (memory) ``fact id`` when given (none: by content of
+        the scope that is in no fact, e.g. a cancelled item)."""
 
     def drop_scope(self, bank_id: str, scope: str) -> list[str]:
         """Forget the mentions of ``scope`` (its document was deleted) and delete the
         entities, with their aliases, that it mentioned and nothing else does now
         (overwritten in the storage): their ids. Entities with no recorded mention are
         kept."""
+
+    def drop_facts(self, bank_id: str, fact_ids: Sequence[str]) -> list[str]:
+        """As :meth:`drop_scope`, for the mentions by the facts ``fact_ids`` (the memories
+        were deleted): the entities only they mentioned are deleted; their ids."""
 
     def forget(self, bank_id: str) -> None:
         """Drop the bank's entities and aliases (the bank was deleted)."""

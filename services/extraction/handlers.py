@@ -108,8 +108,9 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
         return document_scope(document_id) if document_id else retain_scope(m.operation_id)
     # which document names which entity: deleting the document forgets the names only it
     # gave, also those a cancelled item gave before the cancel came (in no stored fact)
+    # (per fact too: deleting the memory forgets the names only it gave)
     resolver.note_mentions(m.bank_id, [
-        *((e.id, scope(f.document_id)) for f in facts.facts for e in f.entities),
+        *((e.id, scope(f.document_id), f.id) for f in facts.facts for e in f.entities),
         *((i, scope(m.items[k].document_id)) for i, k in unstored)])
     entities, claims, aliases = resolver.drain(m.bank_id)
     parts = split_facts(facts, part_bytes)
@@ -261,9 +262,11 @@ def on_document_delete_requested(m: ev.DocumentDeleteRequested, meta: EventMeta,
                               document_id=m.document_id)]
 
 
-def on_memory_delete_requested(m: ev.MemoryDeleteRequested,
-                               meta: EventMeta) -> list[ev.FactsRetracted]:
-    """The memory is retracted."""
+def on_memory_delete_requested(m: ev.MemoryDeleteRequested, meta: EventMeta, *,
+                               resolver: EntityResolver) -> list[ev.FactsRetracted]:
+    """The memory is retracted, and the entities only it mentioned are forgotten by
+    entity resolution (as for a document: their names are user content)."""
+    resolver.forget_facts(m.bank_id, [m.memory_id])
     return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
                               memory_ids=[m.memory_id])]
 

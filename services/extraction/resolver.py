@@ -433,11 +433,12 @@ class EntityResolver:
             self._rewrite(bank_id, b, [e, new], (), [(new_id, entity_id)])
             return True
 
-    def note_mentions(self, bank_id: str, mentions: Iterable[tuple[str, str]]) -> None:
-        """Record that entities are mentioned by content of scopes ([(entity id, scope)],
-        :meth:`EntityStore.add_mentions`), so :meth:`forget_scope` can drop the ones only
-        a deleted document named. Without a store nothing is recorded."""
-        pairs = list(dict.fromkeys(mentions))
+    def note_mentions(self, bank_id: str, mentions: Iterable[tuple[str, ...]]) -> None:
+        """Record that entities are mentioned by content of scopes ([(entity id, scope[,
+        fact id])], :meth:`EntityStore.add_mentions`), so :meth:`forget_scope` and
+        :meth:`forget_facts` can drop the ones only a deleted document or memory named.
+        Without a store nothing is recorded."""
+        pairs = list(dict.fromkeys(tuple(m) for m in mentions))
         if self._store is not None and pairs:
             with self._lock:
                 self._store.add_mentions(bank_id, pairs)
@@ -449,17 +450,29 @@ class EntityResolver:
         if self._store is None:
             return []
         with self._lock:
-            gone = self._store.drop_scope(bank_id, scope)
-            b = self._banks.get(bank_id)
-            if b is not None:
-                for i in gone:
-                    e = b.entities.pop(i, None)
-                    if e is None:
-                        continue
-                    self._unindex(b, i, (e.key, *b.alias_keys.pop(i, [])))
-                    if i in b.persons:
-                        b.persons.remove(i)
-            return gone
+            return self._forgotten(bank_id, self._store.drop_scope(bank_id, scope))
+
+    def forget_facts(self, bank_id: str, fact_ids: Sequence[str]) -> list[str]:
+        """As :meth:`forget_scope`, for deleted memories (facts): the entities only they
+        mentioned are forgotten, so a later mention of one of their names neither
+        resolves to nor is named after what was deleted. Returns their ids."""
+        if self._store is None or not fact_ids:
+            return []
+        with self._lock:
+            return self._forgotten(bank_id, self._store.drop_facts(bank_id, list(fact_ids)))
+
+    def _forgotten(self, bank_id: str, gone: list[str]) -> list[str]:
+        """Take the entities ``gone`` (deleted from the store) out of memory too."""
+        b = self._banks.get(bank_id)
+        if b is not None:
+            for i in gone:
+                e = b.entities.pop(i, None)
+                if e is None:
+                    continue
+                self._unindex(b, i, (e.key, *b.alias_keys.pop(i, [])))
+                if i in b.persons:
+                    b.persons.remove(i)
+        return gone
 
     def forget(self, bank_id: str) -> None:
         """Drop everything known about the bank (when the bank is deleted)."""

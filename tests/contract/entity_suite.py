@@ -105,6 +105,18 @@ class EntityStoreSuite:
         store.forget("b")
         assert store.drop_scope("b", "d:x") == []
 
+    def test_dropping_facts_deletes_the_entities_only_they_mentioned(self, store):
+        store.persist("a", entities=[MEL, ROOM, PAINT], aliases=[("mel", MEL.id)])
+        store.add_mentions("a", [(MEL.id, "r:op", "f1"), (ROOM.id, "r:op", "f1"),
+                                 (ROOM.id, "r:op", "f2"), (PAINT.id, "r:op")])
+        assert store.drop_facts("a", ["f1", "unknown"]) == [MEL.id]
+        assert store.load("a") == ([ROOM, PAINT], [])
+        assert store.drop_facts("a", ["f1"]) == []
+        assert store.drop_facts("a", ["f2"]) == [ROOM.id]
+        # a mention in no fact (a cancelled item's) goes with its scope only
+        assert store.drop_facts("a", [""]) == [] and store.load("a") == ([PAINT], [])
+        assert store.drop_scope("a", "r:op") == [PAINT.id]
+
     def test_rewrite_merges_entities(self, store):
         liz = StoredEntity("e-liz", "liz", "Liz", "PERSON", "person")
         store.persist("a", entities=[MEL, ROOM, liz], aliases=[("mel", MEL.id), ("lizzy", liz.id)])

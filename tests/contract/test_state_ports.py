@@ -19,7 +19,7 @@ from .document_suite import DocumentStoreSuite, rev
 from .entity_suite import ENTITIES_V1_SCHEMA, EntityStoreSuite, PersistentEntityStoreSuite
 from .observation_suite import ObservationStoreSuite, changed, fact, obs
 from mneme.domain import BankConfig, derive_id
-from mneme.ports import Catalog, DocumentStore, EntityStore, ObservationStore
+from mneme.ports import Catalog, DocumentStore, EntityStore, ObservationStore, StoredEntity
 from mneme.stores.catalog_sqlite import SqliteCatalog
 from mneme.stores.documents_sqlite import SqliteDocumentStore
 from mneme.stores.entities_sqlite import SqliteEntityStore
@@ -183,7 +183,24 @@ class TestSqliteEntityStore(PersistentEntityStoreSuite):
                 (mel, "melanie", "PERSON", "person"), (paint, "painting", "CONCEPT", "")]
             assert aliases == [("mel", mel)]
             tables = {r[0] for r in s._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            assert tables == {"entities_v2", "aliases_v2", "mentions"}
+            assert tables == {"entities_v2", "aliases_v2", "mentions_v2"}
+        finally:
+            s.close()
+
+    def test_mentions_of_before_facts_were_recorded_are_migrated_per_scope(self, tmp_path):
+        path = str(tmp_path / "entities.db")
+        s = SqliteEntityStore(path)
+        s.persist("b", entities=[StoredEntity("e1", "mel", "Mel", "PERSON", "person")])
+        s.close()
+        old = sqlite3.connect(path)  # the table as it was: mentions per entity and scope
+        old.executescript("DROP TABLE mentions_v2; CREATE TABLE mentions (bank_id TEXT NOT "
+                          "NULL, id TEXT NOT NULL, scope TEXT NOT NULL, PRIMARY KEY "
+                          "(bank_id, id, scope)); INSERT INTO mentions VALUES ('b','e1','d:x');")
+        old.close()
+        s = SqliteEntityStore(path)
+        try:
+            assert s.drop_facts("b", ["f1"]) == []  # no fact known: a memory's deletion keeps it
+            assert s.drop_scope("b", "d:x") == ["e1"] and s.load("b") == ([], [])
         finally:
             s.close()
 

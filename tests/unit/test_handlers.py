@@ -25,6 +25,7 @@ from mneme.llm.fake import FakeLlm
 from mneme.llm.gateway import Usage
 from mneme.ports import Record
 from mneme.router import Group, Router, Service
+from mneme.stores.entities_sqlite import SqliteEntityStore
 from mneme.stores.memory import (MemoryCatalog, MemoryDocumentStore, MemoryEntityStore,
                                  MemoryObservationStore)
 from services.consolidation.handlers import Consolidator, on_memory_event, on_memory_restore
@@ -384,7 +385,8 @@ def test_deletions_become_retractions():
         resolver=EntityResolver(MemoryEntityStore()))
     assert d == ev.FactsRetracted(bank_id="b", operation_id="op-d", document_id="doc")
     (m,) = extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
-        bank_id="b", operation_id="op-m", memory_id="m1"), meta())
+        bank_id="b", operation_id="op-m", memory_id="m1"), meta(),
+        resolver=EntityResolver(MemoryEntityStore()))
     assert m == ev.FactsRetracted(bank_id="b", operation_id="op-m", memory_ids=["m1"])
 
 
@@ -448,6 +450,36 @@ def test_a_deleted_document_takes_the_entities_only_it_named_with_it():
     # named again later: made again, with the id it had
     (resolved, _) = retain("op3", "d3", "Zorblat returns.")
     assert [e.name for e in resolved.entities] == ["Zorblat"]
+
+
+@pytest.mark.parametrize("store", [MemoryEntityStore, lambda: SqliteEntityStore(":memory:")])
+def test_a_deleted_memory_takes_the_entities_only_it_named_with_it(store):
+    # "Melanie Smith" is named by one memory only: deleted, a later "Melanie" is not
+    # resolved to (nor named after) her, as a replay, which never sees it, would not
+    store = store()
+    resolver = EntityResolver(store)
+    extractor = _ResolvingExtractor(resolver)
+
+    def retain(op, *contents):
+        return extraction.on_retain_requested(_retain_named(op, *contents), meta(),
+                                              extractor=extractor, embedder=FakeEmbedder(),
+                                              resolver=resolver)[-1]
+    facts = retain("op1", "Melanie Smith paints.", "Caroline swims.")
+    retain("op2", "Caroline paints.")
+    [melanie] = [f for f in facts.facts if "Melanie" in f.text]
+    extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
+        bank_id="b", operation_id="op-m", memory_id=melanie.id), meta(), resolver=resolver)
+    names = {e.name for e in resolver.entities("b")}
+    assert "Melanie Smith" not in names and "Caroline" in names
+    assert "Melanie Smith" not in {e.name for e in store.load("b")[0]}
+    assert resolver.lookup("b", ["Melanie Smith", "Melanie"]) == []
+    later = retain("op3", "Melanie dances.")
+    assert [e.name for f in later.facts for e in f.entities] == ["Melanie"]
+    # Caroline: the memory of op1 naming her is deleted, op2's still names her
+    [caroline] = [f for f in facts.facts if "Caroline" in f.text]
+    extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
+        bank_id="b", operation_id="op-m2", memory_id=caroline.id), meta(), resolver=resolver)
+    assert "Caroline" in {e.name for e in resolver.entities("b")}
 
 
 def test_a_replica_restored_from_the_changelog_resolves_like_the_one_that_decided():

@@ -22,10 +22,18 @@ CREATE TABLE IF NOT EXISTS entities_v2 (
 CREATE TABLE IF NOT EXISTS aliases_v2 (
   bank_id TEXT NOT NULL, alias TEXT NOT NULL, id TEXT NOT NULL,
   PRIMARY KEY (bank_id, alias, id));
-CREATE TABLE IF NOT EXISTS mentions (
-  bank_id TEXT NOT NULL, id TEXT NOT NULL, scope TEXT NOT NULL,
-  PRIMARY KEY (bank_id, id, scope));
-CREATE INDEX IF NOT EXISTS mentions_scope ON mentions(bank_id, scope);
+CREATE TABLE IF NOT EXISTS mentions_v2 (
+  bank_id TEXT NOT NULL, id TEXT NOT NULL, scope TEXT NOT NULL, fact TEXT NOT NULL,
+  PRIMARY KEY (bank_id, id, scope, fact));
+CREATE INDEX IF NOT EXISTS mentions_v2_scope ON mentions_v2(bank_id, scope);
+CREATE INDEX IF NOT EXISTS mentions_v2_fact ON mentions_v2(bank_id, fact);
+"""
+# mentions (one row per entity and scope) → mentions_v2 (and per fact: "" for the rows
+# of before, which a memory's deletion then never drops: kept, as they were)
+_MIGRATE_MENTIONS = """
+INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact)
+  SELECT bank_id, id, scope, '' FROM mentions;
+DROP TABLE mentions;
 """
 # v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
 _MIGRATE_V1 = """
@@ -65,6 +73,8 @@ class SqliteEntityStore:
     def _migrate(self) -> None:
         tables = {r[0] for r in self._db.execute(
             "SELECT name FROM sqlite_master WHERE type='table'")}
+        if "mentions" in tables:
+            self._db.executescript("BEGIN;" + _MIGRATE_MENTIONS + "COMMIT;")
         if "entities" not in tables:
             return
         self._db.executescript("BEGIN;" + _MIGRATE_V1 + "COMMIT;")
@@ -130,8 +140,8 @@ class SqliteEntityStore:
                         (bank_id, e.id, e.key, e.name, e.label, e.kind, self._seq))
             for i, src in mentions_of:
                 self._db.execute(
-                    "INSERT OR IGNORE INTO mentions(bank_id, id, scope) "
-                    "SELECT bank_id, ?, scope FROM mentions WHERE bank_id=? AND id=?",
+                    "INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact) "
+                    "SELECT bank_id, ?, scope, fact FROM mentions_v2 WHERE bank_id=? AND id=?",
                     (i, bank_id, src))
             self._db.executemany("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
                                  [(bank_id, i) for i in touched])
@@ -140,27 +150,42 @@ class SqliteEntityStore:
             for i in removed:
                 self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
                                  (bank_id, i))
-                self._db.execute("DELETE FROM mentions WHERE bank_id=? AND id=?", (bank_id, i))
+                self._db.execute("DELETE FROM mentions_v2 WHERE bank_id=? AND id=?",
+                                 (bank_id, i))
 
-    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, ...]]) -> None:
         if not mentions:
             return
+        rows = [(bank_id, i, s, fact[0] if fact else "") for i, s, *fact in mentions]
         with self._lock, self._db:
-            self._db.executemany("INSERT OR IGNORE INTO mentions(bank_id, id, scope) "
-                                 "VALUES (?,?,?)", [(bank_id, i, s) for i, s in mentions])
+            self._db.executemany("INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact) "
+                                 "VALUES (?,?,?,?)", rows)
 
     def drop_scope(self, bank_id: str, scope: str) -> list[str]:
+        return self._drop(bank_id, "scope=?", [scope])
+
+    def drop_facts(self, bank_id: str, fact_ids: Sequence[str]) -> list[str]:
+        facts = [f for f in dict.fromkeys(fact_ids) if f]
+        gone: list[str] = []
+        for k in range(0, len(facts), 500):  # (SQLite's bound on parameters)
+            chunk = facts[k:k + 500]
+            gone += self._drop(bank_id, f"fact IN ({','.join('?' * len(chunk))})", chunk)
+        return gone
+
+    def _drop(self, bank_id: str, where: str, params: list[str]) -> list[str]:
+        """Delete the mention rows ``where`` selects, then the entities (and aliases)
+        left without one: their ids."""
         with self._lock:
-            ids = [r[0] for r in self._db.execute(
-                "SELECT id FROM mentions WHERE bank_id=? AND scope=?", (bank_id, scope))]
+            ids = list(dict.fromkeys(r[0] for r in self._db.execute(
+                f"SELECT id FROM mentions_v2 WHERE bank_id=? AND {where}", [bank_id, *params])))
             if not ids:
                 return []
             with self._db:
                 self._db.execute("BEGIN")
-                self._db.execute("DELETE FROM mentions WHERE bank_id=? AND scope=?",
-                                 (bank_id, scope))
+                self._db.execute(f"DELETE FROM mentions_v2 WHERE bank_id=? AND {where}",
+                                 [bank_id, *params])
                 gone = [i for i in ids if self._db.execute(
-                    "SELECT 1 FROM mentions WHERE bank_id=? AND id=? LIMIT 1",
+                    "SELECT 1 FROM mentions_v2 WHERE bank_id=? AND id=? LIMIT 1",
                     (bank_id, i)).fetchone() is None]
                 for i in gone:
                     self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
@@ -179,7 +204,7 @@ class SqliteEntityStore:
                 self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
                 self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
-                self._db.execute("DELETE FROM mentions WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM mentions_v2 WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def close(self) -> None:

@@ -463,7 +463,8 @@ class MemoryEntityStore:
         self._lock = threading.Lock()
         self._entities: dict[str, dict[str, StoredEntity]] = {}  # bank → id → entity (in order)
         self._aliases: dict[str, dict[tuple[str, str], None]] = {}  # bank → ordered pair set
-        self._mentions: dict[str, dict[str, set[str]]] = {}  # bank → entity id → scopes
+        # bank → entity id → {(scope, fact id or "")}
+        self._mentions: dict[str, dict[str, set[tuple[str, str]]]] = {}
 
     def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
         with self._lock:
@@ -505,20 +506,28 @@ class MemoryEntityStore:
                 known.pop(i, None)
                 scopes.pop(i, None)
 
-    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, str]]) -> None:
+    def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, ...]]) -> None:
         with self._lock:
             known = self._mentions.setdefault(bank_id, {})
-            for i, s in mentions:
-                known.setdefault(i, set()).add(s)
+            for i, s, *fact in mentions:
+                known.setdefault(i, set()).add((s, fact[0] if fact else ""))
 
     def drop_scope(self, bank_id: str, scope: str) -> list[str]:
+        return self._drop(bank_id, lambda m: m[0] == scope)
+
+    def drop_facts(self, bank_id: str, fact_ids: Sequence[str]) -> list[str]:
+        facts = set(fact_ids) - {""}
+        return self._drop(bank_id, lambda m: m[1] in facts)
+
+    def _drop(self, bank_id: str, dropped) -> list[str]:
         with self._lock:
             known = self._mentions.get(bank_id, {})
             gone = []
-            for i, scopes in list(known.items()):
-                if scope in scopes:
-                    scopes.discard(scope)
-                    if not scopes:
+            for i, mentions in list(known.items()):
+                left = {m for m in mentions if not dropped(m)}
+                if len(left) < len(mentions):
+                    known[i] = left
+                    if not left:
                         del known[i]
                         gone.append(i)
             for i in gone:
