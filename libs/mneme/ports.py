@@ -182,7 +182,8 @@ class GraphStore(Protocol):
     def upsert(self, facts: Sequence[Fact]) -> None: ...
 
     def delete(self, bank_id: str, ids: Sequence[str]) -> None:
-        """Delete units (and entities no unit mentions any more)."""
+        """Delete units (and entities no unit mentions any more, but a split's new entity
+        while the entity it was split off exists; see :meth:`split_entity`)."""
 
     def delete_where(self, bank_id: str, document_id: str | None = None) -> None: ...
 
@@ -206,8 +207,9 @@ class GraphStore(Protocol):
     def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
                      display_name: str, unit_ids: Sequence[str]) -> None:
         """A user's split: a new entity ``new_id`` named ``display_name`` takes the alias
-        keys ``aliases`` of ``entity_id`` and the mentions of the units ``unit_ids``.
-        Idempotent."""
+        keys ``aliases`` of ``entity_id`` and the mentions of the units ``unit_ids``. The
+        new entity exists without mentions while ``entity_id`` (or the survivor of a merge
+        of it) exists, and is deleted with it. Idempotent."""
 
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """Entities of the bank whose canonical key (``mneme.nlp.entity_key``) is in ``keys``."""
