@@ -120,7 +120,7 @@ class _Commands(typer.core.TyperGroup):
             raise typer.Exit(1)
 
 
-app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="mneme: long-term memory for AI agents.")
 ADDRESS = os.environ.get("MNEME_ADDRESS", "127.0.0.1:50051")
 AddressOpt = typer.Option(ADDRESS, "--address", "-a", help="gRPC address of a running server")
@@ -853,7 +853,7 @@ def _report_generation(g) -> bool:
     return True
 
 
-generations_app = typer.Typer(help="Generations of search's stores (see `mneme replay`).",
+generations_app = typer.Typer(rich_markup_mode="markdown", help="Generations of search's stores (see `mneme replay`).",
                               no_args_is_help=True)
 app.add_typer(generations_app, name="generations")
 
@@ -973,7 +973,7 @@ def _listed(pages, limit: int) -> list:
     return out
 
 
-directives_app = typer.Typer(help="Directives: hard rules reflect follows in a bank.",
+directives_app = typer.Typer(rich_markup_mode="markdown", help="Directives: hard rules reflect follows in a bank.",
                               no_args_is_help=True)
 app.add_typer(directives_app, name="directives")
 
@@ -1065,7 +1065,7 @@ def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
     results.print(f"deleted directive {directive_id}")
 
 
-memories_app = typer.Typer(help="A bank's memories (facts): list, show, delete.",
+memories_app = typer.Typer(rich_markup_mode="markdown", help="A bank's memories (facts): list, show, delete.",
                            no_args_is_help=True)
 app.add_typer(memories_app, name="memories")
 
@@ -1125,7 +1125,7 @@ def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
     _ended(op, f"deleted memory {memory_id}")
 
 
-observations_app = typer.Typer(help="A bank's observations: list, show, scopes, consolidate, "
+observations_app = typer.Typer(rich_markup_mode="markdown", help="A bank's observations: list, show, scopes, consolidate, "
                                "clear.", no_args_is_help=True)
 app.add_typer(observations_app, name="observations")
 
@@ -1206,7 +1206,7 @@ def observations_clear(bank: str, memory_id: str = typer.Option("", help="only t
     _ended(op, f"cleared observations of {bank}")
 
 
-opinions_app = typer.Typer(help="Opinions: beliefs the bank formed when it reflected (list, "
+opinions_app = typer.Typer(rich_markup_mode="markdown", help="Opinions: beliefs the bank formed when it reflected (list, "
                            "show with history, delete).", no_args_is_help=True)
 app.add_typer(opinions_app, name="opinions")
 
@@ -1258,7 +1258,7 @@ def opinions_delete(bank: str, opinion_id: str, address: str = AddressOpt):
     _ended(op, f"deleted opinion {opinion_id}")
 
 
-models_app = typer.Typer(help="Mental models: named standing answers reflect searches first.",
+models_app = typer.Typer(rich_markup_mode="markdown", help="Mental models: named standing answers reflect searches first.",
                          no_args_is_help=True)
 app.add_typer(models_app, name="mental-models")
 _POLICIES = ("manual", "after_consolidation", "every_n_facts")
@@ -1431,7 +1431,7 @@ def models_delete(bank: str, model_id: str, address: str = AddressOpt):
     results.print(f"deleted mental model {model_id}")
 
 
-entities_app = typer.Typer(help="The entities a bank's memories mention.", no_args_is_help=True)
+entities_app = typer.Typer(rich_markup_mode="markdown", help="The entities a bank's memories mention.", no_args_is_help=True)
 app.add_typer(entities_app, name="entities")
 
 
@@ -1519,7 +1519,7 @@ def entities_split(bank: str, entity_id: str,
     _print_entity(out, r.new_entity)
 
 
-documents_app = typer.Typer(help="The documents of a bank's memories.", no_args_is_help=True)
+documents_app = typer.Typer(rich_markup_mode="markdown", help="The documents of a bank's memories.", no_args_is_help=True)
 app.add_typer(documents_app, name="documents")
 
 
@@ -1590,7 +1590,7 @@ def documents_delete(bank: str, document_id: str, address: str = AddressOpt):
     _ended(op, f"deleted document {document_id}")
 
 
-tags_app = typer.Typer(help="The tags on a bank's memories.", no_args_is_help=True)
+tags_app = typer.Typer(rich_markup_mode="markdown", help="The tags on a bank's memories.", no_args_is_help=True)
 app.add_typer(tags_app, name="tags")
 
 
@@ -1608,7 +1608,7 @@ def tags_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this 
     _out().print(t)
 
 
-operations_app = typer.Typer(help="Long-running work (retains, deletions, consolidations).")
+operations_app = typer.Typer(rich_markup_mode="markdown", help="Long-running work (retains, deletions, consolidations).")
 app.add_typer(operations_app, name="operations")
 
 
@@ -1738,7 +1738,7 @@ def _bank_stats(bank_id: str, address: str) -> None:
         print(f"    {lag.group:<15} {lag.topic}[{lag.partition}]  {lag.lag}")
 
 
-topics_app = typer.Typer(help="The event log's topics.", no_args_is_help=True)
+topics_app = typer.Typer(rich_markup_mode="markdown", help="The event log's topics.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
 
 
@@ -1793,7 +1793,7 @@ def _report_topics(event_log) -> None:
     console.print("topics ok")
 
 
-log_app = typer.Typer(help="The embedded event log (log.db): check and recover.",
+log_app = typer.Typer(rich_markup_mode="markdown", help="The embedded event log (log.db): check and recover.",
                       no_args_is_help=True)
 app.add_typer(log_app, name="log")
 
@@ -1846,7 +1846,7 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
     print("next: `mneme replay` rebuilds the projections from the recovered log")
 
 
-dlq_app = typer.Typer(help="The dead-letter topic (mneme.dlq.v1): inspect and re-publish.",
+dlq_app = typer.Typer(rich_markup_mode="markdown", help="The dead-letter topic (mneme.dlq.v1): inspect and re-publish.",
                       no_args_is_help=True)
 app.add_typer(dlq_app, name="dlq")
 
