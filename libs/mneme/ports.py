@@ -566,11 +566,23 @@ class EntityStore(Protocol):
 
     def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 claims: Sequence[StoredEntity] = (),
-                aliases: Sequence[tuple[str, str]] = ()) -> None:
+                aliases: Sequence[tuple[str, str]] = (), cause: str = "") -> None:
         """Store new decisions in one transaction: ``entities`` are appended in order
         (an id the bank already has keeps its first record); ``claims`` set the ``label``
         and ``kind`` of known entities (unknown ids ignored); ``aliases`` are appended in
-        order (a known (alias, id) pair is kept once)."""
+        order (a known (alias, id) pair is kept once). With a ``cause`` (the event that
+        took them), the decisions are also recorded under it, as given, after those
+        recorded before (:meth:`decisions`), in the same transaction: a process killed
+        before the event's outputs were on the log gets it again and must publish them
+        again. The latest 10,000 causes (of all banks) are kept."""
+
+    def decisions(self, bank_id: str, cause: str) -> tuple[list[StoredEntity],
+                                                          list[StoredEntity],
+                                                          list[tuple[str, str]]]:
+        """The decisions :meth:`persist` recorded under ``cause`` in ``bank_id``:
+        (entities, claims, (alias, entity id) pairs), each in order; all empty when none
+        were (or long ago). The records of entities deleted since (:meth:`drop_scope`,
+        :meth:`drop_facts`, :meth:`forget`) are gone with them."""
 
     def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),
@@ -592,15 +604,16 @@ class EntityStore(Protocol):
     def drop_scope(self, bank_id: str, scope: str) -> list[str]:
         """Forget the mentions of ``scope`` (its document was deleted) and delete the
         entities, with their aliases, that it mentioned and nothing else does now
-        (overwritten in the storage): their ids. Entities with no recorded mention are
-        kept."""
+        (overwritten in the storage), and what :meth:`decisions` recorded of them:
+        their ids. Entities with no recorded mention are kept."""
 
     def drop_facts(self, bank_id: str, fact_ids: Sequence[str]) -> list[str]:
         """As :meth:`drop_scope`, for the mentions by the facts ``fact_ids`` (the memories
         were deleted): the entities only they mentioned are deleted; their ids."""
 
     def forget(self, bank_id: str) -> None:
-        """Drop the bank's entities and aliases (the bank was deleted)."""
+        """Drop the bank's entities, aliases, mentions and recorded decisions (the bank
+        was deleted)."""
 
     def close(self) -> None:
         """Release the storage; later calls may raise."""

@@ -91,13 +91,18 @@ def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, extractor,
     changelog, which another replica restores (:func:`on_entities_resolved`). Fact ids
     derive from the operation, so a retried request (same request_id, hence same
     operation) or a redelivered event yields the same ids, and a redelivered event
-    resolves its mentions as they were resolved the first time.
+    resolves its mentions as they were resolved the first time and publishes the
+    decisions its first delivery took again (:meth:`EntityResolver.begin`).
 
     With ``cancels``, a cancelled operation (:class:`CancelWatch`) stops before its next
     item: the facts of the items extracted by then go out, the others are failures with
     reason "cancelled", and ``FactsExtracted.cancelled`` is set. ``part_bytes``: the
     largest facts' encoding one FactsExtracted carries (:func:`mneme.bus.part_bytes`)."""
     stop = cancels.watch(m.operation_id, meta) if cancels is not None else None
+    # the decisions are recorded under this event, so a redelivery publishes them again
+    # (the first delivery may have been killed before its outputs were on the log); the
+    # operation is part of it, so an event reusing another's id never publishes its
+    resolver.begin(m.bank_id, f"{meta.id}/{m.operation_id}")
     unstored: list[tuple[str, int]] = []
     facts = extract(m, m.operation_id, extractor, embedder, at=meta.time, stop=stop,
                     unstored=unstored)

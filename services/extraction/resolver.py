@@ -28,7 +28,9 @@ the same mention resolves the same way forever after -- redelivered events get t
 ids -- and the outcome is deterministic given the same sequence of calls. State is kept in
 memory and, with a ``store`` (:class:`mneme.ports.EntityStore`, e.g.
 ``mneme.stores.entities_sqlite.SqliteEntityStore``), persisted there, so a restarted
-process resolves the same way.
+process resolves the same way. The decisions an event takes are recorded under it
+(:meth:`EntityResolver.begin`) in the same transaction, so the event, redelivered after a
+kill, publishes them again (:meth:`EntityResolver.drain`) although it takes none.
 
 One bank's events are consumed by one worker at a time (events are keyed by bank), which
 is what keeps two processes sharing a file from deciding differently.
@@ -48,6 +50,9 @@ __all__ = ["EntityResolver", "kind_of", "number_tokens"]
 
 PERSON = "PERSON"
 _MIN_PREFIX = 3
+# Causes whose decisions a resolver without a store keeps (:meth:`EntityResolver.begin`),
+# as many as a store keeps (mneme.stores.entities_sqlite.DECISIONS_KEPT).
+_RECORDS_KEPT = 10_000
 
 #: spaCy label → kind; a label not listed here (CONCEPT, "", anything else) has no kind.
 _KINDS = {"PERSON": "person", "ORG": "org", "GPE": "place", "LOC": "place", "FAC": "place",
@@ -131,8 +136,12 @@ class EntityResolver:
         self._lock = threading.RLock()
         self._banks: dict[str, _Bank] = {}
         self._store = store
-        # bank → decisions since the last drain (the changelog extraction publishes)
+        # bank → decisions since the last drain taken for no cause (:meth:`begin`)
         self._journal: dict[str, tuple[list, list, list]] = {}
+        # bank → the event whose decisions it is taking now (:meth:`begin`)
+        self._cause: dict[str, str] = {}
+        # without a store: (bank, cause) → its decisions, the latest _RECORDS_KEPT causes
+        self._records: dict[tuple[str, str], tuple[list, list, list]] = {}
 
     # ---- state --------------------------------------------------------------------------
 
@@ -221,9 +230,10 @@ class EntityResolver:
         return ent.ref
 
     def _persist(self, bank_id: str, pending: list[tuple]) -> None:
-        """Write one call's decisions to the store in one transaction, and to the bank's
-        journal (:meth:`drain`). Entities are taken as they are now (an entity created
-        and claimed in the same call is stored claimed)."""
+        """Write one call's decisions to the store in one transaction, recorded under
+        the bank's current cause (:meth:`begin`) in that transaction, or else to the
+        bank's journal (:meth:`drain`). Entities are taken as they are now (an entity
+        created and claimed in the same call is stored claimed)."""
         if not pending:
             return
         def stored(e: _Entity) -> StoredEntity:
@@ -232,11 +242,21 @@ class EntityResolver:
         entities = [stored(p[2]) for p in pending if p[0] == "entity"]
         claims = [stored(p[2]) for p in pending if p[0] == "claim"]
         aliases = [(p[2], p[3]) for p in pending if p[0] == "alias"]
-        journal = self._journal.setdefault(bank_id, ([], [], []))
-        for kept, new in zip(journal, (entities, claims, aliases)):
-            kept.extend(new)
+        cause = self._cause.get(bank_id, "")
         if self._store is not None:
-            self._store.persist(bank_id, entities=entities, claims=claims, aliases=aliases)
+            self._store.persist(bank_id, entities=entities, claims=claims, aliases=aliases,
+                                cause=cause)
+        if cause and self._store is not None:
+            return  # recorded by the store
+        if cause:
+            into = self._records.pop((bank_id, cause), ([], [], []))
+            self._records[(bank_id, cause)] = into  # the latest cause last
+            while len(self._records) > _RECORDS_KEPT:
+                del self._records[next(iter(self._records))]
+        else:
+            into = self._journal.setdefault(bank_id, ([], [], []))
+        for kept, new in zip(into, (entities, claims, aliases)):
+            kept.extend(new)
 
     # ---- API ----------------------------------------------------------------------------
 
@@ -290,13 +310,32 @@ class EntityResolver:
             b = self._bank(bank_id)
             return {a: b.entities[ids[0]].key for a, ids in b.aliases.items()}
 
+    def begin(self, bank_id: str, cause: str) -> None:
+        """The decisions taken in ``bank_id`` from now until :meth:`drain` are the event
+        ``cause``'s (e.g. its CloudEvents id): recorded under it, with the store in the
+        transaction that persists them (:meth:`EntityStore.persist`). A redelivered event
+        (the process was killed before its outputs were on the log) finds its decisions
+        taken and takes none: :meth:`drain` still returns them."""
+        with self._lock:
+            self._cause[bank_id] = cause
+
     def drain(self, bank_id: str) -> tuple[list[StoredEntity], list[StoredEntity],
                                              list[tuple[str, str]]]:
-        """The decisions made in ``bank_id`` since the last drain, and forgets them:
-        (entities created, claims, (alias, entity id) pairs), each in order. Extraction
-        publishes them (``EntitiesResolved``) so another replica can :meth:`learn` them."""
+        """The decisions of ``bank_id`` to publish, and forgets them: those taken for no
+        cause since the last drain, then every one recorded for the current cause
+        (:meth:`begin`, which ends here) -- also by an earlier delivery of the same event
+        -- as (entities created, claims, (alias, entity id) pairs), each in order.
+        Extraction publishes them (``EntitiesResolved``) so another replica can
+        :meth:`learn` them."""
         with self._lock:
-            entities, claims, aliases = self._journal.pop(bank_id, ([], [], []))
+            out = self._journal.pop(bank_id, ([], [], []))
+            cause = self._cause.pop(bank_id, "")
+            if cause:
+                recorded = (self._store.decisions(bank_id, cause) if self._store is not None
+                            else self._records.get((bank_id, cause), ([], [], [])))
+                for kept, more in zip(out, recorded):
+                    kept.extend(more)
+            entities, claims, aliases = out
             return entities, claims, aliases
 
     def learn(self, bank_id: str, entities: Sequence[StoredEntity] = (),
@@ -479,6 +518,9 @@ class EntityResolver:
         with self._lock:
             self._banks.pop(bank_id, None)
             self._journal.pop(bank_id, None)
+            self._cause.pop(bank_id, None)
+            for k in [k for k in self._records if k[0] == bank_id]:
+                del self._records[k]
             if self._store is not None:
                 self._store.forget(bank_id)
 

@@ -70,6 +70,32 @@ class EntityStoreSuite:
         store.persist("a", entities=[ROOM])  # the bank starts afresh
         assert store.load("a") == ([ROOM], [])
 
+    def test_decisions_are_recorded_per_cause_in_order(self, store):
+        store.persist("a", entities=[MEL, PAINT], aliases=[("mel", MEL.id)], cause="ev1")
+        claimed = StoredEntity(PAINT.id, PAINT.key, PAINT.name, "PRODUCT", "thing")
+        store.persist("a", entities=[ROOM], claims=[claimed], cause="ev2")
+        store.persist("a", aliases=[("room", ROOM.id)], cause="ev1")  # the same event again
+        store.persist("a", entities=[MEL], aliases=[("melly", MEL.id)])  # for no cause
+        assert store.decisions("a", "ev1") == ([MEL, PAINT], [],
+                                               [("mel", MEL.id), ("room", ROOM.id)])
+        assert store.decisions("a", "ev2") == ([ROOM], [claimed], [])
+        assert store.decisions("b", "ev1") == store.decisions("a", "ev9") == ([], [], [])
+        # what it recorded of an entity goes with it (names are user content), the rest stays
+        store.add_mentions("a", [(MEL.id, "d:x"), (ROOM.id, "d:y")])
+        assert store.drop_scope("a", "d:x") == [MEL.id]
+        assert store.decisions("a", "ev1") == ([PAINT], [], [("room", ROOM.id)])
+        store.forget("a")
+        assert store.decisions("a", "ev2") == ([], [], [])
+
+    def test_recorded_decisions_are_bounded(self, store, monkeypatch):
+        from mneme.stores import entities_sqlite
+        monkeypatch.setattr(entities_sqlite, "DECISIONS_KEPT", 2)
+        for n in range(4):
+            store.persist("a", entities=[StoredEntity(f"e{n}", f"k{n}", f"K{n}", "", "")],
+                          cause=f"ev{n}")
+        assert [store.decisions("a", f"ev{n}")[0] != [] for n in range(4)] == [
+            False, False, True, True]
+
     def test_resolver_over_the_store_resolves_the_same_after_a_restart(self, tmp_path):
         """The resolver's decisions go through the port: a new resolver on the store's
         data (reopened, or the same object) resolves as the first one did."""

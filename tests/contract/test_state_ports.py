@@ -183,7 +183,8 @@ class TestSqliteEntityStore(PersistentEntityStoreSuite):
                 (mel, "melanie", "PERSON", "person"), (paint, "painting", "CONCEPT", "")]
             assert aliases == [("mel", mel)]
             tables = {r[0] for r in s._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            assert tables == {"entities_v2", "aliases_v2", "mentions_v2"}
+            assert tables == {"entities_v2", "aliases_v2", "mentions_v2", "decided",
+                              "decisions", "sqlite_sequence"}  # the v1 tables are gone
         finally:
             s.close()
 

@@ -1367,3 +1367,76 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     with pytest.raises(DeadlineExceeded):  # a slot again: it appends, then waits
         cmd.retain("b", [RetainItem(content="y", timestamp=T0)], timeout=0.2)
     assert len(log.appended) == 4
+
+
+@pytest.mark.parametrize("store", [None, MemoryEntityStore, lambda: SqliteEntityStore(":memory:")])
+def test_a_redelivered_retain_publishes_the_resolution_decisions_it_took_again(store):
+    # Killed after the resolver saved a retain's decisions and before its outputs were
+    # on the log: the redelivered retain finds them made. It must still publish them
+    # (the changelog a replica restores from), as its first delivery would have.
+    resolver = EntityResolver(store() if store else None)
+    extractor = _ResolvingExtractor(resolver)
+    m = _retain_named("op1", "Melanie paints.", "Mel swims.")
+    first = extraction.on_retain_requested(m, meta(), extractor=extractor,
+                                           embedder=FakeEmbedder(), resolver=resolver)
+    again = extraction.on_retain_requested(m, meta(), extractor=extractor,
+                                           embedder=FakeEmbedder(), resolver=resolver)
+    assert [type(o).__name__ for o in again] == ["EntitiesResolved", "FactsExtracted"]
+    assert again == first
+    # another retain that decides nothing new still publishes nothing
+    (only,) = extraction.on_retain_requested(_retain_named("op2", "Melanie again."), meta(2),
+                                             extractor=extractor, embedder=FakeEmbedder(),
+                                             resolver=resolver)
+    assert isinstance(only, ev.FactsExtracted)
+
+
+def test_a_replica_restored_after_a_killed_retain_resolves_like_the_one_that_decided(
+        tmp_path):
+    # Replica A decides a retain ("Mel" an alias of Melanie) and is killed before its
+    # outputs reach the log; restarted on its entities.db, it gets the retain again. B
+    # restores from what A's redelivery put on the log, takes the bank over, and must
+    # resolve the next "Mel" to Melanie as A does.
+    path = str(tmp_path / "entities.db")
+    m = _retain_named("op1", "Melanie paints.", "Mel swims.")
+    killed = EntityResolver(SqliteEntityStore(path))
+    extraction.on_retain_requested(m, meta(), extractor=_ResolvingExtractor(killed),
+                                   embedder=FakeEmbedder(), resolver=killed)  # outputs lost
+    killed.close()
+    a = EntityResolver(SqliteEntityStore(path))
+    log = extraction.on_retain_requested(m, meta(), extractor=_ResolvingExtractor(a),
+                                         embedder=FakeEmbedder(), resolver=a)
+    b = EntityResolver(MemoryEntityStore())
+    for out in log:
+        if isinstance(out, ev.EntitiesResolved):
+            extraction.on_entities_resolved(out, meta(), resolver=b)
+    assert b.entities("b") == a.entities("b") and b.aliases("b") == a.aliases("b")
+    nxt = _retain_named("op2", "Mel runs.")
+    (fa,), (fb,) = (extraction.on_retain_requested(
+        nxt, meta(2), extractor=_ResolvingExtractor(r), embedder=FakeEmbedder(), resolver=r)
+        for r in (a, b))
+    assert [e.id for f in fb.facts for e in f.entities] == [
+        e.id for f in fa.facts for e in f.entities]
+    a.close()
+
+
+def test_a_retain_killed_between_its_resolutions_publishes_all_of_them_when_redelivered():
+    # The first delivery resolved its first item (one store transaction) and stopped
+    # (the process is stopping): the redelivery publishes the first item's decisions
+    # with the second's.
+    resolver = EntityResolver(MemoryEntityStore())
+
+    class Stopping(_ResolvingExtractor):
+        def _fact(self, bank_id, item, i, source_id):
+            if i == 1:
+                raise Cancelled("stopping")
+            return super()._fact(bank_id, item, i, source_id)
+
+    m = _retain_named("op1", "Melanie paints.", "Caroline swims.")
+    with pytest.raises(Cancelled):
+        extraction.on_retain_requested(m, meta(), extractor=Stopping(resolver),
+                                       embedder=FakeEmbedder(), resolver=resolver)
+    restarted = EntityResolver(resolver._store)
+    resolved, _ = extraction.on_retain_requested(
+        m, meta(), extractor=_ResolvingExtractor(restarted), embedder=FakeEmbedder(),
+        resolver=restarted)
+    assert [e.name for e in resolved.entities] == ["Melanie", "Caroline"]

@@ -27,7 +27,23 @@ CREATE TABLE IF NOT EXISTS mentions_v2 (
   PRIMARY KEY (bank_id, id, scope, fact));
 CREATE INDEX IF NOT EXISTS mentions_v2_scope ON mentions_v2(bank_id, scope);
 CREATE INDEX IF NOT EXISTS mentions_v2_fact ON mentions_v2(bank_id, fact);
+-- the decisions persisted with a cause (the event that took them), kept for the latest
+-- DECISIONS_KEPT causes: what a redelivered event publishes again. what: "entity",
+-- "claim" or "alias" (key: the alias; name, label, kind: "")
+CREATE TABLE IF NOT EXISTS decided (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, bank_id TEXT NOT NULL, cause TEXT NOT NULL,
+  UNIQUE (bank_id, cause));
+CREATE TABLE IF NOT EXISTS decisions (
+  cause INTEGER NOT NULL, n INTEGER NOT NULL, what TEXT NOT NULL, id TEXT NOT NULL,
+  key TEXT NOT NULL, name TEXT NOT NULL, label TEXT NOT NULL, kind TEXT NOT NULL,
+  PRIMARY KEY (cause, n));
+CREATE INDEX IF NOT EXISTS decisions_id ON decisions(id);
 """
+
+# Causes whose decisions are kept (the latest, in all banks). Only those of events whose
+# outputs the log has not committed yet are needed: the embedded runner commits at most a
+# batch (100 records) of a partition at a time, a Kafka consumer its fetched records.
+DECISIONS_KEPT = 10_000
 # mentions (one row per entity and scope) → mentions_v2 (and per fact: "" for the rows
 # of before, which a memory's deletion then never drops: kept, as they were)
 _MIGRATE_MENTIONS = """
@@ -99,13 +115,16 @@ class SqliteEntityStore:
 
     def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 claims: Sequence[StoredEntity] = (),
-                aliases: Sequence[tuple[str, str]] = ()) -> None:
+                aliases: Sequence[tuple[str, str]] = (), cause: str = "") -> None:
         """One transaction: new entities (next ``seq`` each, a known id ignored), claims
-        (label and kind), aliases (a known pair ignored)."""
+        (label and kind), aliases (a known pair ignored), and with a ``cause`` all of
+        them recorded under it (:meth:`decisions`)."""
         if not (entities or claims or aliases):
             return
         with self._lock, self._db:
             self._db.execute("BEGIN")
+            if cause:
+                self._record(bank_id, cause, entities, claims, aliases)
             for e in entities:
                 self._seq += 1  # monotonic across banks and forgets, as before the port
                 self._db.execute(
@@ -117,6 +136,44 @@ class SqliteEntityStore:
                                  (e.label, e.kind, bank_id, e.id))
             self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
                                  "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
+
+    def _record(self, bank_id: str, cause: str, entities: Sequence[StoredEntity],
+                claims: Sequence[StoredEntity], aliases: Sequence[tuple[str, str]]) -> None:
+        """Append the decisions to those of ``cause`` (inside persist's transaction) and
+        drop the causes beyond the latest :data:`DECISIONS_KEPT`."""
+        self._db.execute("INSERT OR IGNORE INTO decided(bank_id, cause) VALUES (?,?)",
+                         (bank_id, cause))
+        (seq,) = self._db.execute("SELECT seq FROM decided WHERE bank_id=? AND cause=?",
+                                  (bank_id, cause)).fetchone()
+        (n,) = self._db.execute("SELECT COALESCE(MAX(n), 0) FROM decisions WHERE cause=?",
+                                (seq,)).fetchone()
+        rows = [*(("entity", e.id, e.key, e.name, e.label, e.kind) for e in entities),
+                *(("claim", e.id, e.key, e.name, e.label, e.kind) for e in claims),
+                *(("alias", i, a, "", "", "") for a, i in aliases)]
+        self._db.executemany(
+            "INSERT INTO decisions(cause, n, what, id, key, name, label, kind) "
+            "VALUES (?,?,?,?,?,?,?,?)", [(seq, n + k, *r) for k, r in enumerate(rows, 1)])
+        (last,) = self._db.execute("SELECT MAX(seq) FROM decided").fetchone()
+        if last > DECISIONS_KEPT:
+            self._db.execute("DELETE FROM decisions WHERE cause <= ?", (last - DECISIONS_KEPT,))
+            self._db.execute("DELETE FROM decided WHERE seq <= ?", (last - DECISIONS_KEPT,))
+
+    def decisions(self, bank_id: str, cause: str) -> tuple[list[StoredEntity],
+                                                          list[StoredEntity],
+                                                          list[tuple[str, str]]]:
+        """See :meth:`mneme.ports.EntityStore.decisions`."""
+        out: tuple[list, list, list] = ([], [], [])
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT d.what, d.id, d.key, d.name, d.label, d.kind FROM decisions d "
+                "JOIN decided c ON c.seq = d.cause WHERE c.bank_id=? AND c.cause=? "
+                "ORDER BY d.n", (bank_id, cause)).fetchall()
+        for what, i, k, n, lb, kd in rows:
+            if what == "alias":
+                out[2].append((k, i))
+            else:
+                out[0 if what == "entity" else 1].append(StoredEntity(i, k, n, lb, kd))
+        return out
 
     def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),
@@ -192,19 +249,25 @@ class SqliteEntityStore:
                                      (bank_id, i))
                     self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
                                      (bank_id, i))
+                    self._db.execute(
+                        "DELETE FROM decisions WHERE id=? AND cause IN "
+                        "(SELECT seq FROM decided WHERE bank_id=?)", (i, bank_id))
             if gone:
                 sqlite_erase.truncate_wal(self._db)
             return gone
 
     def forget(self, bank_id: str) -> None:
-        """Drop the bank's entities and aliases, overwritten in the file and out of the
-        WAL (:mod:`~mneme.stores.sqlite_erase`)."""
+        """Drop the bank's entities, aliases, mentions and recorded decisions, overwritten
+        in the file and out of the WAL (:mod:`~mneme.stores.sqlite_erase`)."""
         with self._lock:
             with self._db:
                 self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM entities_v2 WHERE bank_id=?", (bank_id,))
                 self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=?", (bank_id,))
                 self._db.execute("DELETE FROM mentions_v2 WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM decisions WHERE cause IN "
+                                 "(SELECT seq FROM decided WHERE bank_id=?)", (bank_id,))
+                self._db.execute("DELETE FROM decided WHERE bank_id=?", (bank_id,))
             sqlite_erase.truncate_wal(self._db)
 
     def close(self) -> None:

@@ -465,6 +465,8 @@ class MemoryEntityStore:
         self._aliases: dict[str, dict[tuple[str, str], None]] = {}  # bank → ordered pair set
         # bank → entity id → {(scope, fact id or "")}
         self._mentions: dict[str, dict[str, set[tuple[str, str]]]] = {}
+        # (bank, cause) → (entities, claims, aliases) recorded, oldest cause first
+        self._decisions: dict[tuple[str, str], tuple[list, list, list]] = {}
 
     def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
         with self._lock:
@@ -473,8 +475,15 @@ class MemoryEntityStore:
 
     def persist(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 claims: Sequence[StoredEntity] = (),
-                aliases: Sequence[tuple[str, str]] = ()) -> None:
+                aliases: Sequence[tuple[str, str]] = (), cause: str = "") -> None:
+        from mneme.stores.entities_sqlite import DECISIONS_KEPT
         with self._lock:
+            if cause and (entities or claims or aliases):
+                kept = self._decisions.setdefault((bank_id, cause), ([], [], []))
+                for into, new in zip(kept, (entities, claims, aliases)):
+                    into.extend(new)
+                while len(self._decisions) > DECISIONS_KEPT:
+                    del self._decisions[next(iter(self._decisions))]
             known = self._entities.setdefault(bank_id, {})
             for e in entities:
                 known.setdefault(e.id, e)
@@ -506,6 +515,13 @@ class MemoryEntityStore:
                 known.pop(i, None)
                 scopes.pop(i, None)
 
+    def decisions(self, bank_id: str, cause: str) -> tuple[list[StoredEntity],
+                                                          list[StoredEntity],
+                                                          list[tuple[str, str]]]:
+        with self._lock:
+            got = self._decisions.get((bank_id, cause), ([], [], []))
+            return list(got[0]), list(got[1]), list(got[2])
+
     def add_mentions(self, bank_id: str, mentions: Sequence[tuple[str, ...]]) -> None:
         with self._lock:
             known = self._mentions.setdefault(bank_id, {})
@@ -535,6 +551,12 @@ class MemoryEntityStore:
                 pairs = self._aliases.get(bank_id, {})
                 for pair in [p for p in pairs if p[1] == i]:
                     del pairs[pair]
+            erased = set(gone)
+            for (b, _), (es, cs, als) in self._decisions.items():
+                if b == bank_id and erased:
+                    es[:] = [e for e in es if e.id not in erased]
+                    cs[:] = [e for e in cs if e.id not in erased]
+                    als[:] = [a for a in als if a[1] not in erased]
             return gone
 
     def forget(self, bank_id: str) -> None:
@@ -542,6 +564,8 @@ class MemoryEntityStore:
             self._entities.pop(bank_id, None)
             self._aliases.pop(bank_id, None)
             self._mentions.pop(bank_id, None)
+            for k in [k for k in self._decisions if k[0] == bank_id]:
+                del self._decisions[k]
 
     def close(self) -> None:
         pass
