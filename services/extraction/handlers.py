@@ -239,12 +239,31 @@ def on_entity_split(m: ev.EntitySplit, meta: EventMeta, *, resolver: EntityResol
     return []
 
 
-def on_bank_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
+def on_facts_restored(m: ev.FactsExtracted, meta: EventMeta, *,
                       resolver: EntityResolver) -> list:
-    """Restore: a deleted bank's entities are forgotten (in changelog order, so a bank
-    created again under the same id starts afresh). Other retractions change nothing."""
+    """Restore: which content names which entity, as :func:`on_retain_requested` noted
+    it (per fact, in its document's or retain's scope), so the retractions after it
+    forget what they forgot on the replica that extracted them. Facts erased on the log
+    (deleted since) are not in ``m``. Produces nothing."""
+    resolver.note_mentions(m.bank_id, [
+        (e.id, document_scope(f.document_id) if f.document_id
+         else retain_scope(m.operation_id), f.id) for f in m.facts for e in f.entities])
+    return []
+
+
+def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
+                       resolver: EntityResolver) -> list:
+    """Restore: a retraction forgets here what it forgot where it was decided
+    (:func:`on_document_delete_requested`, :func:`on_memory_delete_requested`,
+    :func:`on_bank_deleted`), in changelog order: a deleted bank's entities (so a bank
+    created again under the same id starts afresh), or the entities only the deleted
+    document or memories named. Produces nothing."""
     if m.bank_deleted:
         resolver.forget(m.bank_id)
+    elif m.document_id:
+        resolver.forget_scope(m.bank_id, document_scope(m.document_id))
+    elif m.memory_ids:
+        resolver.forget_facts(m.bank_id, list(m.memory_ids))
     return []
 
 

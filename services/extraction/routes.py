@@ -25,10 +25,13 @@ SERVICE = Service(
         # A replica taking over a partition: the banks' configs, and the resolver's
         # decisions as the partition's previous owners published them.
         INTAKE: bank_catalog.ROUTES,
+        # (the facts: which content names which entity, so the retractions after them
+        # forget the entities that only deleted content named, as on the previous owner)
         MEMORY: {ev.EntitiesResolved: handlers.on_entities_resolved,
+                 ev.FactsExtracted: handlers.on_facts_restored,
                  ev.EntitiesMerged: handlers.on_entities_merged,
                  ev.EntitySplit: handlers.on_entity_split,
-                 ev.FactsRetracted: handlers.on_bank_retracted},
+                 ev.FactsRetracted: handlers.on_facts_retracted},
     }),),
     # VectorsReplaced: `mneme reembed` runs extraction's re-embedding policy
     # (services/extraction/reembed.py) offline, under extraction's source

@@ -503,10 +503,10 @@ def test_a_replica_restored_from_the_changelog_resolves_like_the_one_that_decide
     assert [e.id for f in fb.facts for e in f.entities] == [
         e.id for f in fa.facts for e in f.entities]
     # a deleted bank's retraction on the log makes the restored replica forget it
-    assert extraction.on_bank_retracted(ev.FactsRetracted(bank_id="b", memory_ids=["x"]),
+    assert extraction.on_facts_retracted(ev.FactsRetracted(bank_id="b", memory_ids=["x"]),
                                         meta(), resolver=b) == []
     assert b.entities("b")
-    extraction.on_bank_retracted(ev.FactsRetracted(bank_id="b", bank_deleted=True), meta(),
+    extraction.on_facts_retracted(ev.FactsRetracted(bank_id="b", bank_deleted=True), meta(),
                                  resolver=b)
     assert b.entities("b") == []
 
@@ -1440,3 +1440,56 @@ def test_a_retain_killed_between_its_resolutions_publishes_all_of_them_when_rede
         m, meta(), extractor=_ResolvingExtractor(restarted), embedder=FakeEmbedder(),
         resolver=restarted)
     assert [e.name for e in resolved.entities] == ["Melanie", "Caroline"]
+
+
+@pytest.mark.parametrize("deletion", ["memory", "document"])
+def test_a_replica_restored_after_a_deletion_resolves_like_the_one_that_deleted(deletion):
+    # A forgets the entities only a deleted memory (document) named; B, restored from the
+    # memory topic through extraction's restore routes, must forget them too, or the next
+    # "Mel" is Melanie's alias on B and a new entity on A.
+    from mneme.bus import MEMORY
+    from services.extraction.routes import SERVICE
+    restore = SERVICE.groups[0].restore[MEMORY]
+    a, b = EntityResolver(MemoryEntityStore()), EntityResolver(MemoryEntityStore())
+    log = extraction.on_retain_requested(ev.RetainRequested(bank_id="b", operation_id="op1", items=[
+        ev.RetainItem(content="Melanie paints.", document_id="d1"),
+        ev.RetainItem(content="Caroline swims.", document_id="d2")]), meta(1),
+        extractor=_ResolvingExtractor(a), embedder=FakeEmbedder(), resolver=a)
+    [melanie] = [f for f in log[-1].facts if "Melanie" in f.text]
+    if deletion == "memory":
+        log += extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
+            bank_id="b", operation_id="op-m", memory_id=melanie.id), meta(2), resolver=a)
+    else:
+        log += extraction.on_document_delete_requested(ev.DocumentDeleteRequested(
+            bank_id="b", operation_id="op-d", document_id="d1"), meta(2), resolver=a)
+    for m in log:
+        if type(m) in restore:
+            assert restore[type(m)](m, meta(), resolver=b) == []
+    assert b.entities("b") == a.entities("b")
+    nxt = _retain_named("op9", "Mel runs.")
+    fa, fb = (extraction.on_retain_requested(
+        nxt, meta(9), extractor=_ResolvingExtractor(r), embedder=FakeEmbedder(),
+        resolver=r)[-1] for r in (a, b))
+    assert [e.id for f in fb.facts for e in f.entities] == [
+        e.id for f in fa.facts for e in f.entities]
+
+
+def test_a_replica_that_took_a_bank_over_forgets_what_a_deletion_takes():
+    # B restores A's log, then takes the bank over and handles a document deletion: the
+    # entities only that document named go, as they would have on A.
+    from mneme.bus import MEMORY
+    from services.extraction.routes import SERVICE
+    restore = SERVICE.groups[0].restore[MEMORY]
+    a, b = EntityResolver(MemoryEntityStore()), EntityResolver(MemoryEntityStore())
+    log = extraction.on_retain_requested(ev.RetainRequested(bank_id="b", operation_id="op1", items=[
+        ev.RetainItem(content="Melanie paints.", document_id="d1"),
+        ev.RetainItem(content="Caroline swims.", document_id="d2")]), meta(1),
+        extractor=_ResolvingExtractor(a), embedder=FakeEmbedder(), resolver=a)
+    for m in log:
+        if type(m) in restore:
+            restore[type(m)](m, meta(), resolver=b)
+    for r in (a, b):
+        extraction.on_document_delete_requested(ev.DocumentDeleteRequested(
+            bank_id="b", operation_id="op-d", document_id="d1"), meta(2), resolver=r)
+    assert [e.name for e in b.entities("b")] == [e.name for e in a.entities("b")] == [
+        "Caroline"]
