@@ -582,7 +582,8 @@ class EntityStore(Protocol):
         """The decisions :meth:`persist` recorded under ``cause`` in ``bank_id``:
         (entities, claims, (alias, entity id) pairs), each in order; all empty when none
         were (or long ago). The records of entities deleted since (:meth:`drop_scope`,
-        :meth:`drop_facts`, :meth:`forget`) are gone with them."""
+        :meth:`drop_facts`, :meth:`forget`) are gone with them; those of an entity merged
+        into another (:meth:`rewrite`) go when that one does."""
 
     def rewrite(self, bank_id: str, entities: Sequence[StoredEntity] = (),
                 aliases: Sequence[tuple[str, str]] = (), removed: Sequence[str] = (),

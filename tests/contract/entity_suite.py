@@ -87,6 +87,20 @@ class EntityStoreSuite:
         store.forget("a")
         assert store.decisions("a", "ev2") == ([], [], [])
 
+    def test_a_merged_entitys_recorded_decisions_go_when_its_survivor_does(self, store):
+        liz = StoredEntity("e-liz", "liz", "Liz", "PERSON", "person")
+        store.persist("a", entities=[liz], aliases=[("lizzy", liz.id)], cause="ev1")
+        store.persist("a", entities=[MEL, ROOM], cause="ev2")
+        store.add_mentions("a", [(liz.id, "d:y"), (MEL.id, "d:x"), (ROOM.id, "d:x")])
+        store.rewrite("a", entities=[MEL], removed=[liz.id], mentions_of=[(MEL.id, liz.id)],
+                      aliases=[("liz", MEL.id), ("lizzy", MEL.id)])
+        # still published again on a redelivery (a restore then merges it in order)
+        assert store.decisions("a", "ev1") == ([liz], [], [("lizzy", liz.id)])
+        assert store.drop_scope("a", "d:y") == []
+        assert store.decisions("a", "ev1") == ([liz], [], [("lizzy", liz.id)])
+        assert store.drop_scope("a", "d:x") == [MEL.id, ROOM.id]
+        assert store.decisions("a", "ev1") == store.decisions("a", "ev2") == ([], [], [])
+
     def test_recorded_decisions_are_bounded(self, store, monkeypatch):
         from mneme.stores import entities_sqlite
         monkeypatch.setattr(entities_sqlite, "DECISIONS_KEPT", 2)

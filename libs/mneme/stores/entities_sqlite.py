@@ -29,15 +29,16 @@ CREATE INDEX IF NOT EXISTS mentions_v2_scope ON mentions_v2(bank_id, scope);
 CREATE INDEX IF NOT EXISTS mentions_v2_fact ON mentions_v2(bank_id, fact);
 -- the decisions persisted with a cause (the event that took them), kept for the latest
 -- DECISIONS_KEPT causes: what a redelivered event publishes again. what: "entity",
--- "claim" or "alias" (key: the alias; name, label, kind: "")
+-- "claim" or "alias" (key: the alias; name, label, kind: ""); holder: the entity whose
+-- deletion erases the row (its own, or the survivor it was merged into)
 CREATE TABLE IF NOT EXISTS decided (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, bank_id TEXT NOT NULL, cause TEXT NOT NULL,
   UNIQUE (bank_id, cause));
 CREATE TABLE IF NOT EXISTS decisions (
   cause INTEGER NOT NULL, n INTEGER NOT NULL, what TEXT NOT NULL, id TEXT NOT NULL,
   key TEXT NOT NULL, name TEXT NOT NULL, label TEXT NOT NULL, kind TEXT NOT NULL,
-  PRIMARY KEY (cause, n));
-CREATE INDEX IF NOT EXISTS decisions_id ON decisions(id);
+  holder TEXT NOT NULL, PRIMARY KEY (cause, n));
+CREATE INDEX IF NOT EXISTS decisions_holder ON decisions(holder);
 """
 
 # Causes whose decisions are kept (the latest, in all banks). Only those of events whose
@@ -151,8 +152,8 @@ class SqliteEntityStore:
                 *(("claim", e.id, e.key, e.name, e.label, e.kind) for e in claims),
                 *(("alias", i, a, "", "", "") for a, i in aliases)]
         self._db.executemany(
-            "INSERT INTO decisions(cause, n, what, id, key, name, label, kind) "
-            "VALUES (?,?,?,?,?,?,?,?)", [(seq, n + k, *r) for k, r in enumerate(rows, 1)])
+            "INSERT INTO decisions(cause, n, what, id, key, name, label, kind, holder) "
+            "VALUES (?,?,?,?,?,?,?,?,?)", [(seq, n + k, *r, r[1]) for k, r in enumerate(rows, 1)])
         (last,) = self._db.execute("SELECT MAX(seq) FROM decided").fetchone()
         if last > DECISIONS_KEPT:
             self._db.execute("DELETE FROM decisions WHERE cause <= ?", (last - DECISIONS_KEPT,))
@@ -204,6 +205,11 @@ class SqliteEntityStore:
                                  [(bank_id, i) for i in touched])
             self._db.executemany("INSERT OR IGNORE INTO aliases_v2(bank_id, alias, id) "
                                  "VALUES (?,?,?)", [(bank_id, a, i) for a, i in aliases])
+            for i, src in mentions_of:  # a merged entity's records go with the survivor
+                if src in removed:
+                    self._db.execute(
+                        "UPDATE decisions SET holder=? WHERE holder=? AND cause IN "
+                        "(SELECT seq FROM decided WHERE bank_id=?)", (i, src, bank_id))
             for i in removed:
                 self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
                                  (bank_id, i))
@@ -250,7 +256,7 @@ class SqliteEntityStore:
                     self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
                                      (bank_id, i))
                     self._db.execute(
-                        "DELETE FROM decisions WHERE id=? AND cause IN "
+                        "DELETE FROM decisions WHERE holder=? AND cause IN "
                         "(SELECT seq FROM decided WHERE bank_id=?)", (i, bank_id))
             if gone:
                 sqlite_erase.truncate_wal(self._db)

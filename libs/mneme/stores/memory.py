@@ -467,6 +467,8 @@ class MemoryEntityStore:
         self._mentions: dict[str, dict[str, set[tuple[str, str]]]] = {}
         # (bank, cause) → (entities, claims, aliases) recorded, oldest cause first
         self._decisions: dict[tuple[str, str], tuple[list, list, list]] = {}
+        # bank → merged entity id → the survivor whose deletion erases its records
+        self._holders: dict[str, dict[str, str]] = {}
 
     def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
         with self._lock:
@@ -511,6 +513,13 @@ class MemoryEntityStore:
                 del pairs[pair]
             for a, i in aliases:
                 pairs.setdefault((a, i), None)
+            holders = self._holders.setdefault(bank_id, {})
+            for i, src in mentions_of:
+                if src in removed:
+                    holders[src] = i
+                    for k, v in list(holders.items()):
+                        if v == src:
+                            holders[k] = i
             for i in removed:
                 known.pop(i, None)
                 scopes.pop(i, None)
@@ -551,7 +560,8 @@ class MemoryEntityStore:
                 pairs = self._aliases.get(bank_id, {})
                 for pair in [p for p in pairs if p[1] == i]:
                     del pairs[pair]
-            erased = set(gone)
+            held = self._holders.get(bank_id, {})
+            erased = set(gone) | {k for k, v in held.items() if v in gone}
             for (b, _), (es, cs, als) in self._decisions.items():
                 if b == bank_id and erased:
                     es[:] = [e for e in es if e.id not in erased]
@@ -566,6 +576,7 @@ class MemoryEntityStore:
             self._mentions.pop(bank_id, None)
             for k in [k for k in self._decisions if k[0] == bank_id]:
                 del self._decisions[k]
+            self._holders.pop(bank_id, None)
 
     def close(self) -> None:
         pass
