@@ -84,7 +84,12 @@ def on_operation_cancel_requested(m: ev.OperationCancelRequested, meta: EventMet
 
 def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog) -> list:
     """The bank leaves the catalog (its operations with it); its deletion becomes a
-    pending operation of its own when it has one. Idempotent; produces nothing."""
+    pending operation of its own when it has one. Idempotent; produces nothing. A repeat
+    of a deletion already projected (its operation known: ingest appends a kept
+    deletion again when it cannot tell that the first append landed) changes nothing:
+    dropping the bank's operations again would drop the deletion's own."""
+    if m.operation_id and catalog.get_operation(m.operation_id) is not None:
+        return []
     bank_catalog.on_bank_deleted(m, meta, catalog=catalog)
     if m.operation_id:
         on_operation_requested(m, meta, catalog=catalog)

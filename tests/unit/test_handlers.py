@@ -170,6 +170,22 @@ def test_bank_delete_drops_the_bank_and_its_operations():
     bank_catalog.on_bank_deleted(ev.BankDeleted(bank_id="b"), meta(3), catalog=catalog)  # again
 
 
+def test_a_repeated_bank_deletion_keeps_its_operation():
+    """The same BankDeleted appended again (ingest completing a deletion it kept, whose
+    first append had in fact landed) dropped the deletion's own operation with the bank's
+    operations: GetOperation no longer found it. A repeat changes nothing."""
+    catalog = MemoryCatalog()
+    _upsert(catalog, 1, display_name="Bank")
+    deleted = ev.BankDeleted(bank_id="b", operation_id="op-del")
+    ingest.on_bank_deleted(deleted, meta(2), catalog=catalog)
+    ingest.on_operation_progress(ev.OperationProgress(
+        bank_id="b", operation_id="op-del", kind="delete_bank", state="succeeded"),
+        meta(3), catalog=catalog)
+    ingest.on_bank_deleted(deleted, meta(4), catalog=catalog)  # the repeat
+    assert catalog.get_operation("op-del").state == "succeeded"
+    assert catalog.get_bank("b") is None
+
+
 def test_bank_events_without_a_catalog_do_nothing():
     assert bank_catalog.on_bank_upserted(ev.BankUpserted(bank_id="b"), meta()) == []
     assert bank_catalog.on_bank_deleted(ev.BankDeleted(bank_id="b"), meta()) == []
