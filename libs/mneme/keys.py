@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.keywrap import InvalidUnwrap, aes_key_unwrap, aes_key_wrap
 
 from mneme.errors import ConfigurationError
-from mneme.ports import KeyStore, Kms, StoredKey
+from mneme.ports import KeyStore, Kms, PendingDeletion, StoredKey
 
 #: Bytes of every key (AES-256).
 KEY_BYTES = 32
@@ -437,27 +437,42 @@ class Keyring:
                 for k in [k for k in self._combined if k[0] == bank_id]:
                     del self._combined[k]
 
-    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
-        """Destroy every key of ``scope`` (a document's, a retain's): the ids destroyed."""
+    def destroy_scope(self, bank_id: str, scope: str,
+                      pending: PendingDeletion | None = None) -> list[str]:
+        """Destroy every key of ``scope`` (a document's, a retain's): the ids destroyed.
+        ``pending``: the deletion's request, kept with the destruction until
+        :meth:`clear_pending` (:meth:`mneme.ports.KeyStore.destroy_scope`)."""
         with self._lock:
-            gone = self.store.destroy_scope(bank_id, scope)
+            gone = self.store.destroy_scope(bank_id, scope, pending)
             self.forget(bank_id, gone)
             return gone
 
-    def destroy(self, bank_id: str, key_ids: Iterable[str]) -> list[str]:
-        """Destroy these keys (tombstones also for ids not created yet): the ids."""
+    def destroy(self, bank_id: str, key_ids: Iterable[str],
+                pending: PendingDeletion | None = None) -> list[str]:
+        """Destroy these keys (tombstones also for ids not created yet): the ids.
+        ``pending`` as in :meth:`destroy_scope`."""
         with self._lock:
-            gone = self.store.destroy(bank_id, list(key_ids))
+            gone = self.store.destroy(bank_id, list(key_ids), pending)
             self.forget(bank_id, gone)
             return gone
 
-    def destroy_bank(self, bank_id: str) -> None:
-        """Destroy the bank key and every data key of the bank."""
+    def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
+        """Destroy the bank key and every data key of the bank. ``pending`` as in
+        :meth:`destroy_scope` (it replaces the bank's other pending deletions)."""
         with self._lock:
-            self.store.destroy_bank(bank_id)
+            self.store.destroy_bank(bank_id, pending)
             self.forget(bank_id)
+
+    def pending_deletions(self, bank_id: str | None = None) -> list[PendingDeletion]:
+        """The deletions whose keys are destroyed and whose request is not known to be on
+        the event log (of ``bank_id``, or of every bank), oldest first."""
+        return self.store.pending_deletions(bank_id)
+
+    def clear_pending(self, bank_id: str, operation_id: str) -> None:
+        """The request of deletion ``operation_id`` is on the event log."""
+        self.store.clear_pending(bank_id, operation_id)
 
 
 __all__ = ["CACHE_KEYS", "KEY_BYTES", "Keyring", "LocalKms", "MASTER_KEY_ENV",
-           "REPLAY_CACHE_KEYS", "StoredKey", "combine", "document_scope", "fact_key_id",
+           "PendingDeletion", "REPLAY_CACHE_KEYS", "StoredKey", "combine", "document_scope", "fact_key_id",
            "local_kms", "retain_scope", "scope_of"]

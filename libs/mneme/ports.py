@@ -631,6 +631,19 @@ class StoredKey:
     wrapped: bytes | None
 
 
+@dataclass(frozen=True)
+class PendingDeletion:
+    """A deletion whose keys a :class:`KeyStore` destroyed and whose request may not be
+    on the event log yet: operation ``operation_id`` of bank ``bank_id``, and
+    ``request``, the record to append (opaque bytes: the caller's encoding). Written
+    with the destruction, so a crash or a failed append between the two leaves it for
+    the writer to append again (ingest's ``Ingest.complete_deletions``)."""
+
+    bank_id: str
+    operation_id: str
+    request: bytes
+
+
 class KeyStore(Protocol):
     """The wrapped keys of crypto-shredding (:mod:`mneme.keys`): per bank, its bank key
     (wrapped by the :class:`Kms`) and its data keys by id. First writer wins: adding a
@@ -663,14 +676,30 @@ class KeyStore(Protocol):
         """The id of the newest live generation key of ``scope`` (``<scope>#<gen>``;
         not the other keys in the scope, such as a fact's own), or None."""
 
-    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
-        """Tombstone every live key of ``scope``: the ids destroyed."""
+    def destroy_scope(self, bank_id: str, scope: str,
+                      pending: PendingDeletion | None = None) -> list[str]:
+        """Tombstone every live key of ``scope``: the ids destroyed. With ``pending``,
+        the deletion's request is kept (:meth:`pending_deletions`) in the same write:
+        no crash leaves the keys destroyed without it (also when nothing was live)."""
 
-    def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
-        """Tombstone these ids (unknown ones too, so they are never created): the ids."""
+    def destroy(self, bank_id: str, key_ids: Sequence[str],
+                pending: PendingDeletion | None = None) -> list[str]:
+        """Tombstone these ids (unknown ones too, so they are never created): the ids.
+        ``pending`` as in :meth:`destroy_scope`."""
 
-    def destroy_bank(self, bank_id: str) -> None:
-        """Drop the bank key and every row of the bank."""
+    def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
+        """Drop the bank key and every row of the bank. ``pending`` as in
+        :meth:`destroy_scope`; it replaces the bank's other pending deletions (its request
+        deletes all they do)."""
+
+    def pending_deletions(self, bank_id: str | None = None) -> list[PendingDeletion]:
+        """The deletions kept by a destroy and not cleared yet (of ``bank_id``, or of
+        every bank), oldest first; their keys are destroyed when this returns. A shared
+        store answers from what it has read (it reads everything at open)."""
+
+    def clear_pending(self, bank_id: str, operation_id: str) -> None:
+        """Forget the pending deletion of ``operation_id`` (its request is on the log);
+        no-op when unknown."""
 
     def listen(self, callback: Callable[[str, "list[str] | None"], None]) -> None:
         """Call ``callback(bank_id, key_ids)`` after keys are destroyed (``key_ids``

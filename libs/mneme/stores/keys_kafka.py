@@ -13,6 +13,10 @@ JSON (UTF-8)::
     <bank>/<key id>                {"bank", "key", "destroyed": true}            tombstone
     (a candidate's own key)        {"bank", "key", "destroyed": true}            its bytes gone
     <bank>//deleted/<nonce>        {"bank", "key": null, "bank_deleted": true}   DeleteBank
+    <bank>//pending/<operation>    {"bank", "key": null, "pending": <operation>,  a deletion's
+                                    "request": base64, "keys": [ids] | null}     request
+    <bank>//pending/<operation>    {"bank", "key": null, "pending": <operation>,  ... on the
+                                    "cleared": true}                              event log
 
 Reading the topic in partition order gives the state: for a key id, the first live
 candidate wins, and any ``destroyed`` record for the id makes it a tombstone for good
@@ -21,6 +25,15 @@ not a null, so compaction drops the wrapped bytes but keeps the knowledge that t
 destroyed); the bank key is the first live bank candidate; ``bank_deleted`` drops
 everything of the bank before it (its record key is unique, so compaction keeps it and
 the bank's older records stay dropped in a replay).
+
+A destroy with a :class:`~mneme.ports.PendingDeletion` produces its ``pending`` record
+*first*, with the ids it destroys (``keys``; null: the whole bank), then the markers: a
+multi-record append is not atomic, but the partition keeps their order, so a crash leaves
+the request with all, some or none of its markers, never markers without it;
+:meth:`KafkaKeyStore.pending_deletions` produces the missing markers before it returns
+one. A bank's pending deletion replaces its earlier ones; its ``bank_deleted`` marker
+marks it done and drops the pending deletions of the bank's documents and memories written
+before it (the bank's deletion deletes them).
 
 Every process reads the topic from offset 0 at open and catches up to the partition's
 high watermark (the reader's highwater from a Fetch sent after the call began, via
@@ -54,7 +67,7 @@ from typing import Callable, Sequence
 
 from mneme.bus import KEYS
 from mneme.errors import ConfigurationError
-from mneme.ports import EventLog, OutRecord, StoredKey
+from mneme.ports import EventLog, OutRecord, PendingDeletion, StoredKey
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +85,13 @@ class _Key:
     scope: str
     wrapped: bytes | None               # None: a tombstone
     candidates: list[str] = field(default_factory=list)   # record keys seen for the id
+
+
+@dataclass
+class _Pending:
+    request: bytes
+    keys: list[str] | None              # the ids it destroys; None: the whole bank
+    done: bool = False                  # a bank's: its bank_deleted marker was read
 
 
 @dataclass
@@ -105,6 +125,8 @@ class KafkaKeyStore:
                                      "exactly 1 (its records' order is the key state): "
                                      "recreate it with `mneme topics create`")
         self._banks: dict[str, _Bank] = {}
+        #: (bank, operation) -> its pending deletion, in partition order
+        self._pending: dict[tuple[str, str], _Pending] = {}
         self._next = 0                      # the next offset of the topic to apply
         self._caught_up_from = -1.0         # start (monotonic) of the last full catch-up
         self._view = threading.Lock()       # guards _banks and _next
@@ -186,7 +208,21 @@ class KafkaKeyStore:
         except (ValueError, KeyError, TypeError):
             log.warning("%s: record %r is not a key record; skipped", self.topic, record_key)
             return
+        if "pending" in v:
+            try:
+                self._apply_pending(bank_id, v)
+            except (ValueError, KeyError, TypeError):
+                log.warning("%s: record %r is not a pending deletion; skipped", self.topic,
+                            record_key)
+            return
         if v.get("bank_deleted"):
+            for (b, op), p in list(self._pending.items()):
+                if b != bank_id:
+                    continue
+                if p.keys is None:
+                    p.done = True
+                else:  # deleted with the bank
+                    del self._pending[(b, op)]
             if self._banks.pop(bank_id, None) is not None:
                 destroyed.append((bank_id, None))
             return
@@ -220,6 +256,24 @@ class KafkaKeyStore:
             bank.scopes.setdefault(scope, {})[key_id] = None
         elif record_key not in row.candidates:  # a later writer lost (or came too late)
             row.candidates.append(record_key)
+
+    def _apply_pending(self, bank_id: str, v: dict) -> None:
+        op = str(v["pending"])
+        if v.get("cleared"):
+            self._pending.pop((bank_id, op), None)
+            return
+        keys = v.get("keys")
+        if keys is None:  # a bank's deletion: its request deletes what the others would
+            for k in [k for k in self._pending if k[0] == bank_id]:
+                del self._pending[k]
+        self._pending[(bank_id, op)] = _Pending(base64.b64decode(v["request"]),
+                                                None if keys is None else list(keys))
+
+    @staticmethod
+    def _pending_record(pending: PendingDeletion, keys: list[str] | None) -> tuple[str, dict]:
+        return (f"{pending.bank_id}//pending/{pending.operation_id}", {
+            "bank": pending.bank_id, "key": None, "pending": pending.operation_id,
+            "request": base64.b64encode(pending.request).decode(), "keys": keys})
 
     # ---- writing ----------------------------------------------------------------------
 
@@ -343,18 +397,22 @@ class KafkaKeyStore:
                     return key_id
         return None
 
-    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
+    def destroy_scope(self, bank_id: str, scope: str,
+                      pending: PendingDeletion | None = None) -> list[str]:
         self.catch_up()
         with self._view:
             bank = self._banks.get(bank_id)
             ids = list(bank.scopes.get(scope, {})) if bank is not None else []
-        return self.destroy(bank_id, ids) if ids else []
+        return self.destroy(bank_id, ids, pending) if ids or pending else []
 
-    def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
-        if not key_ids:
+    def destroy(self, bank_id: str, key_ids: Sequence[str],
+                pending: PendingDeletion | None = None) -> list[str]:
+        if not key_ids and pending is None:
             return []
         self.catch_up()
-        values: list[tuple[str, dict]] = []
+        # the request first: a crash between the records leaves it, never markers alone
+        values: list[tuple[str, dict]] = (
+            [self._pending_record(pending, list(key_ids))] if pending is not None else [])
         with self._view:
             bank = self._banks.get(bank_id)
             for k in key_ids:
@@ -369,9 +427,10 @@ class KafkaKeyStore:
         self.catch_up(self._produce(values))
         return list(key_ids)
 
-    def destroy_bank(self, bank_id: str) -> None:
+    def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
         self.catch_up()
-        values: list[tuple[str, dict]] = []
+        values: list[tuple[str, dict]] = (
+            [self._pending_record(pending, None)] if pending is not None else [])
         with self._view:
             bank = self._banks.get(bank_id)
             if bank is not None:
@@ -383,6 +442,32 @@ class KafkaKeyStore:
         values.append((f"{bank_id}//deleted/{secrets.token_hex(8)}",
                        {"bank": bank_id, "key": None, "bank_deleted": True}))
         self.catch_up(self._produce(values))
+
+    def pending_deletions(self, bank_id: str | None = None) -> list[PendingDeletion]:
+        """As this process has read the topic (at open, then every ``poll_s``); a
+        deletion whose markers a crash cut short gets them first."""
+        with self._view:
+            found = [(b, op, p) for (b, op), p in self._pending.items()
+                     if bank_id is None or b == bank_id]
+        out = []
+        for b, op, p in found:
+            if p.keys is None:
+                if not p.done:
+                    self.destroy_bank(b)
+            else:
+                with self._view:
+                    missing = [k for k in p.keys
+                               if (row := self._row(b, k)) is None or row.wrapped is not None]
+                self.destroy(b, missing)
+            out.append(PendingDeletion(b, op, p.request))
+        return out
+
+    def clear_pending(self, bank_id: str, operation_id: str) -> None:
+        with self._view:
+            known = (bank_id, operation_id) in self._pending
+        if known:
+            self.catch_up(self._produce([(f"{bank_id}//pending/{operation_id}", {
+                "bank": bank_id, "key": None, "pending": operation_id, "cleared": True})]))
 
     def close(self) -> None:
         """Stop the background catch-up (the log is the caller's to close)."""

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from mneme.ports import StoredKey
+from mneme.ports import PendingDeletion, StoredKey
 from mneme.stores import sqlite_erase
 
 #: Ids per ``IN (...)`` of :meth:`SqliteKeyStore.get_many` (under SQLite's default limit
@@ -24,6 +24,10 @@ CREATE TABLE IF NOT EXISTS data_keys (
   bank_id TEXT NOT NULL, key_id TEXT NOT NULL, scope TEXT NOT NULL, wrapped BLOB,
   created REAL NOT NULL, PRIMARY KEY (bank_id, key_id));
 CREATE INDEX IF NOT EXISTS data_keys_scope ON data_keys(bank_id, scope, created);
+CREATE TABLE IF NOT EXISTS pending_deletions (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, bank_id TEXT NOT NULL,
+  operation_id TEXT NOT NULL UNIQUE, request BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS pending_deletions_bank ON pending_deletions(bank_id, seq);
 """
 
 
@@ -124,44 +128,88 @@ class SqliteKeyStore:
                                    (bank_id, scope, len(scope) + 1, scope + "#")).fetchone()
         return row[0] if row else None
 
-    def destroy_scope(self, bank_id: str, scope: str) -> list[str]:
+    def _keep(self, pending: PendingDeletion | None) -> None:
+        """Record ``pending`` (lock held, inside the destroy's transaction)."""
+        if pending is not None:
+            self._db.execute("INSERT OR IGNORE INTO pending_deletions(bank_id, operation_id, "
+                             "request) VALUES (?, ?, ?)",
+                             (pending.bank_id, pending.operation_id, pending.request))
+
+    def destroy_scope(self, bank_id: str, scope: str,
+                      pending: PendingDeletion | None = None) -> list[str]:
         with self._lock:
-            ids = [r[0] for r in self._db.execute(
-                "SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? AND wrapped IS NOT "
-                "NULL", (bank_id, scope))]
+            self._db.execute("BEGIN")
+            try:
+                ids = [r[0] for r in self._db.execute(
+                    "SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? AND wrapped IS "
+                    "NOT NULL", (bank_id, scope))]
+                if ids:
+                    self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
+                                     "scope=?", (bank_id, scope))
+                self._keep(pending)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             if ids:
-                self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND scope=?",
-                                 (bank_id, scope))
                 sqlite_erase.truncate_wal(self._db)
         if ids:
             self._notify(bank_id, ids)
         return ids
 
-    def destroy(self, bank_id: str, key_ids: Sequence[str]) -> list[str]:
-        if not key_ids:
+    def destroy(self, bank_id: str, key_ids: Sequence[str],
+                pending: PendingDeletion | None = None) -> list[str]:
+        if not key_ids and pending is None:
             return []
         now = time.time()
         with self._lock:
             self._db.execute("BEGIN")
-            for k in key_ids:
-                self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
-                                 "wrapped, created) VALUES (?, ?, '', NULL, ?)",
-                                 (bank_id, k, now))
-                self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
-                                 "key_id=?", (bank_id, k))
-            self._db.execute("COMMIT")
+            try:
+                for k in key_ids:
+                    self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
+                                     "wrapped, created) VALUES (?, ?, '', NULL, ?)",
+                                     (bank_id, k, now))
+                    self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
+                                     "key_id=?", (bank_id, k))
+                self._keep(pending)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             sqlite_erase.truncate_wal(self._db)
-        self._notify(bank_id, list(key_ids))
+        if key_ids:
+            self._notify(bank_id, list(key_ids))
         return list(key_ids)
 
-    def destroy_bank(self, bank_id: str) -> None:
+    def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM data_keys WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM bank_keys WHERE bank_id=?", (bank_id,))
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("DELETE FROM data_keys WHERE bank_id=?", (bank_id,))
+                self._db.execute("DELETE FROM bank_keys WHERE bank_id=?", (bank_id,))
+                if pending is not None:  # its BankDeleted deletes what the others would
+                    self._db.execute("DELETE FROM pending_deletions WHERE bank_id=?",
+                                     (bank_id,))
+                self._keep(pending)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             sqlite_erase.truncate_wal(self._db)
         self._notify(bank_id, None)
+
+    def pending_deletions(self, bank_id: str | None = None) -> list[PendingDeletion]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT bank_id, operation_id, request FROM pending_deletions "
+                + ("WHERE bank_id=? " if bank_id is not None else "") + "ORDER BY seq",
+                (bank_id,) if bank_id is not None else ()).fetchall()
+        return [PendingDeletion(b, op, bytes(r)) for b, op, r in rows]
+
+    def clear_pending(self, bank_id: str, operation_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM pending_deletions WHERE bank_id=? AND "
+                             "operation_id=?", (bank_id, operation_id))
 
     def close(self) -> None:
         with self._lock:
