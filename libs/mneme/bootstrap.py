@@ -574,6 +574,8 @@ def build_ingest(root: Root) -> ServiceParts:
                     documents=None if root.distributed else root.documents,  # and profiles
                     keys=root.keyring, wait_projections=not root.distributed,
                     sync_calls=root.settings.sync_calls or max(1, root.settings.grpc_workers - 4))
+    if not root.rebuilding:  # a deletion a kill or a failed append cut short completes
+        ingest.complete_deletions()
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog, keyring=root.keyring),
                          lambda server: grpc_api.register(server, ingest), {"ingest": ingest})
     if _own_copies(parts):  # replicas each keep a catalog: reads catch up first

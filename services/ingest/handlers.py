@@ -3,10 +3,13 @@ for read-your-writes) and the catalog projection of intake and progress events."
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import inspect
 import hashlib
+import json
+import logging
 import threading
 import time
 import uuid
@@ -25,7 +28,9 @@ from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.locks import KeyedLocks
 from mneme.names import check_bank_id, check_uuid
-from mneme.ports import Catalog, EventLog, Llm, Record
+from mneme.ports import Catalog, EventLog, Llm, OutRecord, PendingDeletion, Record
+
+log = logging.getLogger(__name__)
 
 #: Bank fields UpdateBank's ``update_mask`` may name (AIP-134), relative to the bank.
 CONFIG_FIELDS = tuple(BankConfig.__dataclass_fields__)
@@ -273,8 +278,11 @@ class Ingest:
     #: The data keys of crypto-shredding (:class:`mneme.keys.Keyring`), or None. A
     #: deletion destroys its keys *before* its request is appended: once the call
     #: returns, nothing deleted can be read back from the log, and a retain that follows
-    #: gets new keys. (A failed append leaves the content unreadable on the log but in
-    #: the stores until the deletion is retried.)
+    #: gets new keys. The key store keeps the request with the destruction (one write)
+    #: until it is on the log, so a deletion cut between the two (a kill, a failed
+    #: append) is appended by :meth:`complete_deletions`: at ingest's start, and before
+    #: the next write to its bank, with its operation id (the stores would otherwise
+    #: serve content the log can no longer open, and a replay would disagree).
     keys: Keyring | None = None
     #: A sync deletion also waits for every other projection (embedded: they run in this
     #: process). Off on Kafka for now: there the wait did not end in the integration tests.
@@ -302,6 +310,9 @@ class Ingest:
     #: bank id → the record of its BankDeleted while the catalog may not have dropped
     #: it yet (a deletion whose wait ran out): writes to it are refused until then.
     _deleting: dict = field(default_factory=dict, repr=False)
+    #: Operation ids of the deletions this process is destroying and appending now (not
+    #: for :meth:`complete_deletions` to append a second time).
+    _deletions_running: set = field(default_factory=set, repr=False)
 
     def _gate(self, bank_id: str) -> BankGate:
         with self._appended_lock:
@@ -347,6 +358,7 @@ class Ingest:
         gate = self._gate(bank_id)
         with gate.shared():
             self._caller_waits(f"write to bank {bank_id!r}")
+            self.complete_deletions(bank_id)  # a deletion cut short goes before the write
             self._refuse_while_deleting(bank_id)
             yield
 
@@ -363,6 +375,68 @@ class Ingest:
 
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
+
+    def _destroy_and_append(self, msg, bank_id: str, destroy: Callable | None) -> Record:
+        """A deletion: ``destroy(pending)`` destroys its keys (a Keyring call) with the
+        request kept in the key store, then the request is appended and the kept copy
+        cleared. ``destroy`` None (no keys to destroy): only the append."""
+        out = codec.encode(msg, bank_id=bank_id, source=self.source)
+        if self.keys is None or destroy is None:
+            return self.log.append([out])[0]
+        op_id = msg.operation_id
+        with self._appended_lock:
+            self._deletions_running.add(op_id)
+        try:
+            destroy(PendingDeletion(bank_id, op_id, _pack(out)))
+            rec = self.log.append([out])[0]
+            self._cleared(bank_id, op_id)
+        finally:  # appended and cleared, or left for complete_deletions
+            with self._appended_lock:
+                self._deletions_running.discard(op_id)
+        return rec
+
+    def _cleared(self, bank_id: str, op_id: str) -> None:
+        """Clear a kept deletion whose request is on the log. A failure is only logged:
+        the deletion is done, and the request appended again at the next start or write
+        to the bank is a harmless repeat (same operation and event id)."""
+        try:
+            self.keys.clear_pending(bank_id, op_id)
+        except Exception:  # noqa: BLE001 - see above
+            log.warning("bank %s: the kept request of deletion %s was not cleared; it is "
+                        "appended again later (a repeat)", bank_id, op_id, exc_info=True)
+
+    def complete_deletions(self, bank_id: str | None = None) -> int:
+        """Append the deletions the key store kept (of ``bank_id``, or of every bank; not
+        those this process is appending now), oldest first, each as the record first
+        written for it (same operation and event id), then clear them: a deletion whose
+        keys were destroyed but whose request did not reach the log (the process was
+        killed in between, or the append failed) completes, and its operation ends. A
+        BankDeleted completed this way refuses writes to the bank until the catalog has
+        dropped it, as :meth:`delete_bank` does. Returns how many were appended; raises
+        the log's errors (Unavailable), leaving the rest kept."""
+        if self.keys is None:
+            return 0
+        pending = self.keys.pending_deletions(bank_id)
+        if not pending:  # the usual case: one look-up, no lock
+            return 0
+        done = 0
+        for p in pending:
+            with self._id_locks.hold(f"deletion:{p.operation_id}"):
+                with self._appended_lock:
+                    if p.operation_id in self._deletions_running:
+                        continue
+                if not any(q.operation_id == p.operation_id
+                           for q in self.keys.pending_deletions(p.bank_id)):
+                    continue  # completed meanwhile by another call
+                out = _unpack(p.request)
+                rec = self.log.append([out])[0]
+                if codec.decode(out).type == codec.event_type(ev.BankDeleted):
+                    self._deleting[p.bank_id] = rec
+                log.info("bank %s: deletion %s completed (its keys were destroyed, its "
+                         "request had not reached the event log)", p.bank_id, p.operation_id)
+                self._cleared(p.bank_id, p.operation_id)
+                done += 1
+        return done
 
     def _wait(self, done: Callable[[], bool], timeout: float, what: str,
               poll: float | None = None) -> None:
@@ -435,6 +509,7 @@ class Ingest:
         check_bank_id(bank_id, "bank.name")
         _check_config(config)
         self._caller_waits(f"upsert bank {bank_id!r}")
+        self.complete_deletions(bank_id)  # a deletion cut short goes before the new bank
         rec = self._append(ev.BankUpserted(bank_id=bank_id, display_name=display_name,
                                            config=codec.bank_config_to_pb(config)), bank_id)
         self._wait_projected(rec, timeout or self.retain_timeout_s)
@@ -544,11 +619,12 @@ class Ingest:
         # exclusive: no write checked against this bank is appended after its deletion
         with self._gate(bank_id).exclusive():
             self._caller_waits(f"delete bank {bank_id!r}")
+            self.complete_deletions(bank_id)
             self._refuse_while_deleting(bank_id)
             self.require_bank(bank_id)
-            if self.keys is not None:
-                self.keys.destroy_bank(bank_id)
-            rec = self._append(ev.BankDeleted(bank_id=bank_id, operation_id=op_id), bank_id)
+            rec = self._destroy_and_append(
+                ev.BankDeleted(bank_id=bank_id, operation_id=op_id), bank_id,
+                self.keys and functools.partial(self.keys.destroy_bank, bank_id))
             # writes are refused until the catalog has dropped the bank, also when this
             # wait runs out (:meth:`_writing`)
             self._deleting[bank_id] = rec
@@ -656,10 +732,11 @@ class Ingest:
         op_id = str(uuid.uuid4())
         with self._writing(bank_id):
             self.require_bank(bank_id, fresh=False)
-            if self.keys is not None:
-                self.keys.destroy_scope(bank_id, document_scope(document_id))
-            rec = self._append(ev.DocumentDeleteRequested(
-                bank_id=bank_id, operation_id=op_id, document_id=document_id), bank_id)
+            rec = self._destroy_and_append(
+                ev.DocumentDeleteRequested(bank_id=bank_id, operation_id=op_id,
+                                           document_id=document_id), bank_id,
+                self.keys and functools.partial(self.keys.destroy_scope, bank_id,
+                                                document_scope(document_id)))
         return self._finish(op_id, rec, bank_id, "delete_document", 0, wait, timeout)
 
     @_sync_bounded
@@ -672,10 +749,10 @@ class Ingest:
             # Only a fact has a key of its own. A tombstone for an observation's or an
             # opinion's id (a DeleteMemory search then refuses) would mark everything
             # sealed later that cites it as citing a deleted fact: erased at birth.
-            if self.keys is not None and self.keys.known(bank_id, own):
-                self.keys.destroy(bank_id, [own])
-            rec = self._append(ev.MemoryDeleteRequested(
-                bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id)
+            destroy = (functools.partial(self.keys.destroy, bank_id, [own])
+                       if self.keys is not None and self.keys.known(bank_id, own) else None)
+            rec = self._destroy_and_append(ev.MemoryDeleteRequested(
+                bank_id=bank_id, operation_id=op_id, memory_id=memory_id), bank_id, destroy)
         return self._finish(op_id, rec, bank_id, "delete_memory", 0, wait, timeout)
 
     def data_keys(self, bank_id: str, key_ids: Sequence[str]
@@ -892,6 +969,18 @@ class Ingest:
         if op is None:
             raise NotFound(f"operation {operation_id!r} not found")
         return op
+
+
+def _pack(out: OutRecord) -> bytes:
+    """A record to append, as a key store keeps a deletion's request (JSON)."""
+    return json.dumps({"topic": out.topic, "key": out.key, "headers": out.headers,
+                       "value": base64.b64encode(out.value).decode()}).encode()
+
+
+def _unpack(request: bytes) -> OutRecord:
+    """The record :func:`_pack` packed."""
+    d = json.loads(request)
+    return OutRecord(d["topic"], d["key"], base64.b64decode(d["value"]), dict(d["headers"]))
 
 
 def _retain_requested(op_id: str, bank_id: str, items: Sequence[RetainItem], bad: dict,

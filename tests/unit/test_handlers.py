@@ -1248,8 +1248,14 @@ def test_a_second_bank_deletion_before_the_catalog_drops_the_bank_appends_nothin
     class Keys:
         destroyed: list = []
 
-        def destroy_bank(self, bank_id):
+        def destroy_bank(self, bank_id, pending=None):
             self.destroyed.append(bank_id)
+
+        def pending_deletions(self, bank_id=None):
+            return []
+
+        def clear_pending(self, bank_id, operation_id):
+            pass
 
     log, catalog, keys = Stalled(), MemoryCatalog(), Keys()
     catalog.upsert_bank("b", "", BankConfig(), 0.0)
@@ -1320,10 +1326,13 @@ def test_a_write_whose_caller_stopped_waiting_appends_nothing_and_destroys_no_ke
     class Keys:
         destroyed: list = []
 
-        def destroy_bank(self, bank_id):
+        def destroy_bank(self, bank_id, pending=None):
             self.destroyed.append(bank_id)
 
         destroy_scope = destroy = lambda self, *a: self.destroyed.append(a)
+
+        def pending_deletions(self, bank_id=None):
+            return []
 
     log, catalog, keys = _Log(), MemoryCatalog(), Keys()
     catalog.upsert_bank("b", "", BankConfig(), 0.0)
