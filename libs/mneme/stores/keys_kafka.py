@@ -14,9 +14,13 @@ JSON (UTF-8)::
     (a candidate's own key)        {"bank", "key", "destroyed": true}            its bytes gone
     <bank>//deleted/<nonce>        {"bank", "key": null, "bank_deleted": true}   DeleteBank
     <bank>//pending/<operation>    {"bank", "key": null, "pending": <operation>,  a deletion's
-                                    "request": base64, "keys": [ids] | null}     request
+                                    "request": base64, "keys": [ids] | null,     request
+                                    "destroyed": true}
     <bank>//pending/<operation>    {"bank", "key": null, "pending": <operation>,  ... on the
-                                    "cleared": true}                              event log
+                                    "cleared": true, "destroyed": true}           event log
+
+(``destroyed`` on the pending records only makes a process of an earlier version, which
+knows no ``pending``, skip them as the marker of a bank key candidate it never saw.)
 
 Reading the topic in partition order gives the state: for a key id, the first live
 candidate wins, and any ``destroyed`` record for the id makes it a tombstone for good
@@ -273,7 +277,8 @@ class KafkaKeyStore:
     def _pending_record(pending: PendingDeletion, keys: list[str] | None) -> tuple[str, dict]:
         return (f"{pending.bank_id}//pending/{pending.operation_id}", {
             "bank": pending.bank_id, "key": None, "pending": pending.operation_id,
-            "request": base64.b64encode(pending.request).decode(), "keys": keys})
+            "request": base64.b64encode(pending.request).decode(), "keys": keys,
+            "destroyed": True})  # skipped by earlier versions (module docstring)
 
     # ---- writing ----------------------------------------------------------------------
 
@@ -467,7 +472,8 @@ class KafkaKeyStore:
             known = (bank_id, operation_id) in self._pending
         if known:
             self.catch_up(self._produce([(f"{bank_id}//pending/{operation_id}", {
-                "bank": bank_id, "key": None, "pending": operation_id, "cleared": True})]))
+                "bank": bank_id, "key": None, "pending": operation_id, "cleared": True,
+                "destroyed": True})]))
 
     def close(self) -> None:
         """Stop the background catch-up (the log is the caller's to close)."""
