@@ -1518,3 +1518,47 @@ def test_a_replica_that_took_a_bank_over_forgets_what_a_deletion_takes():
             bank_id="b", operation_id="op-d", document_id="d1"), meta(2), resolver=r)
     assert [e.name for e in b.entities("b")] == [e.name for e in a.entities("b")] == [
         "Caroline"]
+
+
+def test_a_kept_deletion_is_appended_once_before_the_next_write_and_not_while_running():
+    """A deletion whose append failed after its keys were destroyed is kept by the key
+    store and appended (the same record) before the next write to its bank; a write
+    while a deletion is being appended by this process does not append it a second
+    time."""
+    from mneme.errors import Unavailable
+
+    class Faulty(_Log):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refuse, self.during = True, None
+
+        def append(self, records):
+            if codec.decode(records[0]).message.DESCRIPTOR.name == "DocumentDeleteRequested":
+                if self.refuse:
+                    raise Unavailable("injected")
+                if self.during is not None:  # a write to the bank meanwhile
+                    self.during, during = None, self.during
+                    during()
+            return super().append(records)
+
+    def names(log):
+        return [codec.decode(r).message.DESCRIPTOR.name for r in log.appended]
+
+    log, catalog, keys = Faulty(), MemoryCatalog(), _memory_keyring()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", keys=keys, poll_s=0.01)
+    key = keys.current("b", "d:d1")
+    with pytest.raises(Unavailable):
+        cmd.delete_document("b", "d1", wait=False)
+    assert keys.key("b", key) is None and names(log) == []
+    (kept,) = keys.pending_deletions()
+    log.refuse = False
+    cmd.retain("b", [RetainItem(content="again", document_id="d1", timestamp=T0)], wait=False)
+    assert names(log) == ["DocumentDeleteRequested", "RetainRequested"]
+    assert codec.decode(log.appended[0]).message.operation_id == kept.operation_id
+    assert keys.pending_deletions() == []
+    # a write while this process appends its own deletion leaves that deletion to it
+    log.during = lambda: cmd.retain("b", [RetainItem(content="x", timestamp=T0)], wait=False)
+    cmd.delete_document("b", "d2", wait=False)
+    assert names(log)[2:] == ["RetainRequested", "DocumentDeleteRequested"]
+    assert keys.pending_deletions() == []
