@@ -612,6 +612,11 @@ class EntityStore(Protocol):
         """As :meth:`drop_scope`, for the mentions by the facts ``fact_ids`` (the memories
         were deleted): the entities only they mentioned are deleted; their ids."""
 
+    def drop_entities(self, bank_id: str, entity_ids: Sequence[str]) -> list[str]:
+        """Delete the entities ``entity_ids`` with their aliases, mentions and what
+        :meth:`decisions` recorded of them, whatever mentions them (another replica's
+        resolver forgot them): the ids that were known."""
+
     def forget(self, bank_id: str) -> None:
         """Drop the bank's entities, aliases, mentions and recorded decisions (the bank
         was deleted)."""

@@ -264,6 +264,9 @@ def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
         resolver.forget_scope(m.bank_id, document_scope(m.document_id))
     elif m.memory_ids:
         resolver.forget_facts(m.bank_id, list(m.memory_ids))
+    # what the deciding replica forgot, by id: this replica may not know the mentions
+    # that tell (a deleted memory's facts are erased on the log; older events lack it)
+    resolver.forget_entities(m.bank_id, list(m.forgotten_entity_ids))
     return []
 
 
@@ -281,18 +284,18 @@ def on_document_delete_requested(m: ev.DocumentDeleteRequested, meta: EventMeta,
                                  resolver: EntityResolver) -> list[ev.FactsRetracted]:
     """The document's facts are retracted (every projection drops them), and the entities
     only it mentioned are forgotten by entity resolution."""
-    resolver.forget_scope(m.bank_id, document_scope(m.document_id))
+    gone = resolver.forget_scope(m.bank_id, document_scope(m.document_id))
     return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
-                              document_id=m.document_id)]
+                              document_id=m.document_id, forgotten_entity_ids=gone)]
 
 
 def on_memory_delete_requested(m: ev.MemoryDeleteRequested, meta: EventMeta, *,
                                resolver: EntityResolver) -> list[ev.FactsRetracted]:
     """The memory is retracted, and the entities only it mentioned are forgotten by
     entity resolution (as for a document: their names are user content)."""
-    resolver.forget_facts(m.bank_id, [m.memory_id])
+    gone = resolver.forget_facts(m.bank_id, [m.memory_id])
     return [ev.FactsRetracted(bank_id=m.bank_id, operation_id=m.operation_id,
-                              memory_ids=[m.memory_id])]
+                              memory_ids=[m.memory_id], forgotten_entity_ids=gone)]
 
 
 def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, resolver: EntityResolver,

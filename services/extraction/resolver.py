@@ -500,6 +500,20 @@ class EntityResolver:
         with self._lock:
             return self._forgotten(bank_id, self._store.drop_facts(bank_id, list(fact_ids)))
 
+    def forget_entities(self, bank_id: str, entity_ids: Sequence[str]) -> list[str]:
+        """Forget these entities by id, with their aliases, mentions and recorded
+        decisions (a restore applying what the deciding replica forgot:
+        ``FactsRetracted.forgotten_entity_ids``). Returns the ids that were known."""
+        if not entity_ids:
+            return []
+        with self._lock:
+            if self._store is not None:
+                return self._forgotten(bank_id, self._store.drop_entities(
+                    bank_id, list(entity_ids)))
+            b = self._banks.get(bank_id)
+            return self._forgotten(bank_id, [i for i in dict.fromkeys(entity_ids)
+                                             if b is not None and i in b.entities])
+
     def _forgotten(self, bank_id: str, gone: list[str]) -> list[str]:
         """Take the entities ``gone`` (deleted from the store) out of memory too."""
         b = self._banks.get(bank_id)

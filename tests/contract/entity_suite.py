@@ -157,6 +157,16 @@ class EntityStoreSuite:
         assert store.drop_facts("a", [""]) == [] and store.load("a") == ([PAINT], [])
         assert store.drop_scope("a", "r:op") == [PAINT.id]
 
+    def test_dropping_entities_by_id_deletes_them_whatever_mentions_them(self, store):
+        store.persist("a", entities=[MEL, ROOM, PAINT], aliases=[("mel", MEL.id)])
+        store.add_mentions("a", [(MEL.id, "d:x", "f1"), (ROOM.id, "d:x", "f1")])
+        assert store.drop_entities("a", [MEL.id, PAINT.id, "unknown", MEL.id]) == [
+            MEL.id, PAINT.id]
+        assert store.load("a") == ([ROOM], [])
+        assert store.drop_entities("a", [MEL.id]) == []
+        # its mentions went with it: the fact's deletion now takes only ROOM
+        assert store.drop_facts("a", ["f1"]) == [ROOM.id]
+
     def test_rewrite_merges_entities(self, store):
         liz = StoredEntity("e-liz", "liz", "Liz", "PERSON", "person")
         store.persist("a", entities=[MEL, ROOM, liz], aliases=[("mel", MEL.id), ("lizzy", liz.id)])

@@ -1499,6 +1499,41 @@ def test_a_replica_restored_after_a_deletion_resolves_like_the_one_that_deleted(
         e.id for f in fa.facts for e in f.entities]
 
 
+@pytest.mark.parametrize("store", [MemoryEntityStore, lambda: SqliteEntityStore(":memory:")])
+def test_a_replica_restored_from_a_sealed_log_forgets_what_a_memory_deletion_forgot(store):
+    # On a sealed log a DeleteMemory destroys the fact's own key only: the restoring
+    # replica still opens the EntitiesResolved (sealed with the item's key) and learns
+    # Melanie, but cannot read the erased fact that named her, so it cannot tell that
+    # the deletion took her. The retraction names what the deciding replica forgot.
+    from mneme.bus import MEMORY
+    from mneme.bus.sealing import Sealer
+    from mneme.keys import Keyring, LocalKms, fact_key_id, retain_scope
+    from mneme.stores.keys_sqlite import SqliteKeyStore
+    from services.extraction.routes import SERVICE
+    restore = SERVICE.groups[0].restore[MEMORY]
+    keyring = Keyring(SqliteKeyStore(":memory:"), LocalKms(b"\x01" * 32))
+    sealer = Sealer(keyring)
+    m = _retain_named("op1", "Melanie paints.", "Caroline swims.")
+    for it in m.items:
+        it.seal.keys.append(keyring.current("b", retain_scope("op1")))
+    a, b = EntityResolver(store()), EntityResolver(store())
+    out = extraction.on_retain_requested(m, meta(1), extractor=_ResolvingExtractor(a),
+                                         embedder=FakeEmbedder(), resolver=a)
+    [melanie] = [f for f in out[-1].facts if "Melanie" in f.text]
+    keyring.destroy("b", [fact_key_id(melanie.id)])  # what DeleteMemory destroys first
+    out += extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
+        bank_id="b", operation_id="op-m", memory_id=melanie.id), meta(2), resolver=a)
+    assert [e.name for e in a.entities("b")] == ["Caroline"]
+    for msg in out:
+        sealed = sealer.seal(codec.encode(msg, bank_id="b", source="t"))
+        opened = codec.decode(sealer.open(Record(
+            topic=sealed.topic, partition=0, offset=0, key=sealed.key, value=sealed.value,
+            headers=dict(sealed.headers)))).message
+        if type(opened) in restore:
+            restore[type(opened)](opened, meta(), resolver=b)
+    assert b.entities("b") == a.entities("b")
+
+
 def test_a_replica_that_took_a_bank_over_forgets_what_a_deletion_takes():
     # B restores A's log, then takes the bank over and handles a document deletion: the
     # entities only that document named go, as they would have on A.

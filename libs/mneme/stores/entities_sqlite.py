@@ -251,16 +251,32 @@ class SqliteEntityStore:
                     "SELECT 1 FROM mentions_v2 WHERE bank_id=? AND id=? LIMIT 1",
                     (bank_id, i)).fetchone() is None]
                 for i in gone:
-                    self._db.execute("DELETE FROM entities_v2 WHERE bank_id=? AND id=?",
-                                     (bank_id, i))
-                    self._db.execute("DELETE FROM aliases_v2 WHERE bank_id=? AND id=?",
-                                     (bank_id, i))
-                    self._db.execute(
-                        "DELETE FROM decisions WHERE holder=? AND cause IN "
-                        "(SELECT seq FROM decided WHERE bank_id=?)", (i, bank_id))
+                    self._delete_entity(bank_id, i)
             if gone:
                 sqlite_erase.truncate_wal(self._db)
             return gone
+
+    def drop_entities(self, bank_id: str, entity_ids: Sequence[str]) -> list[str]:
+        with self._lock:
+            gone = [i for i in dict.fromkeys(entity_ids) if self._db.execute(
+                "SELECT 1 FROM entities_v2 WHERE bank_id=? AND id=?", (bank_id, i)).fetchone()]
+            if not gone:
+                return []
+            with self._db:
+                self._db.execute("BEGIN")
+                for i in gone:
+                    self._delete_entity(bank_id, i)
+            sqlite_erase.truncate_wal(self._db)
+            return gone
+
+    def _delete_entity(self, bank_id: str, entity_id: str) -> None:
+        """The entity, its aliases, mentions and recorded decisions (in the caller's
+        transaction)."""
+        for table in ("entities_v2", "aliases_v2", "mentions_v2"):
+            self._db.execute(f"DELETE FROM {table} WHERE bank_id=? AND id=?",
+                             (bank_id, entity_id))
+        self._db.execute("DELETE FROM decisions WHERE holder=? AND cause IN "
+                         "(SELECT seq FROM decided WHERE bank_id=?)", (entity_id, bank_id))
 
     def forget(self, bank_id: str) -> None:
         """Drop the bank's entities, aliases, mentions and recorded decisions, overwritten

@@ -555,19 +555,33 @@ class MemoryEntityStore:
                     if not left:
                         del known[i]
                         gone.append(i)
-            for i in gone:
-                self._entities.get(bank_id, {}).pop(i, None)
-                pairs = self._aliases.get(bank_id, {})
-                for pair in [p for p in pairs if p[1] == i]:
-                    del pairs[pair]
-            held = self._holders.get(bank_id, {})
-            erased = set(gone) | {k for k, v in held.items() if v in gone}
-            for (b, _), (es, cs, als) in self._decisions.items():
-                if b == bank_id and erased:
-                    es[:] = [e for e in es if e.id not in erased]
-                    cs[:] = [e for e in cs if e.id not in erased]
-                    als[:] = [a for a in als if a[1] not in erased]
+            self._delete_entities(bank_id, gone)
             return gone
+
+    def drop_entities(self, bank_id: str, entity_ids: Sequence[str]) -> list[str]:
+        with self._lock:
+            known = self._entities.get(bank_id, {})
+            gone = [i for i in dict.fromkeys(entity_ids) if i in known]
+            for i in gone:
+                self._mentions.get(bank_id, {}).pop(i, None)
+            self._delete_entities(bank_id, gone)
+            return gone
+
+    def _delete_entities(self, bank_id: str, gone: list[str]) -> None:
+        """The entities ``gone`` (mentions already dropped), their aliases and recorded
+        decisions (under the caller's lock)."""
+        for i in gone:
+            self._entities.get(bank_id, {}).pop(i, None)
+            pairs = self._aliases.get(bank_id, {})
+            for pair in [p for p in pairs if p[1] == i]:
+                del pairs[pair]
+        held = self._holders.get(bank_id, {})
+        erased = set(gone) | {k for k, v in held.items() if v in gone}
+        for (b, _), (es, cs, als) in self._decisions.items():
+            if b == bank_id and erased:
+                es[:] = [e for e in es if e.id not in erased]
+                cs[:] = [e for e in cs if e.id not in erased]
+                als[:] = [a for a in als if a[1] not in erased]
 
     def forget(self, bank_id: str) -> None:
         with self._lock:
