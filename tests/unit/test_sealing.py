@@ -521,3 +521,74 @@ def test_a_batch_read_fetches_its_keys_in_one_store_read(keyring, tmp_path):
         assert all(MARKER in f.text for m in opened for f in m.facts)
     finally:
         inner.close()
+
+
+def _bank(**kw) -> ev.BankUpserted:
+    config = dict(retain_mission=f"retain for {MARKER}", observations_mission="obs Wexmoor",
+                  reflect_mission="reflect Wexmoor", skepticism=4, extraction_mode="offline",
+                  erasure="crypto_shred", store_documents=False)
+    config.update(kw.pop("config", {}))
+    return ev.BankUpserted(bank_id="b", display_name=f"Bob's {MARKER}",
+                           config=ev.BankConfig(**config), **kw)
+
+
+@pytest.mark.parametrize("mask", [(), ("config.retain_mission",), ("display_name",)])
+def test_a_banks_name_and_missions_are_sealed_under_the_bank_key(keyring, mask):
+    """BankUpserted's user text (name, missions) was in the clear on the log, readable
+    for ever, also after DeleteBank: it is sealed under the bank's key; the settings the
+    projections route and decide on stay readable."""
+    sealer = Sealer(keyring)
+    msg = _bank(update_mask=list(mask))
+    out, opened = _seal_open(sealer, msg)
+    assert MARKER.encode() not in out.value and b"Wexmoor" not in out.value
+    sealed = ev.BankUpserted.FromString(out.value)
+    [key] = sealed.seal.keys
+    assert key.startswith("bank#") and key == keyring.bank_content_key("b")
+    assert (sealed.bank_id, list(sealed.update_mask), sealed.config.erasure,
+            sealed.config.skepticism, sealed.config.extraction_mode,
+            sealed.config.HasField("store_documents")) == (
+        "b", list(mask), "crypto_shred", 4, "offline", True)
+    assert not (sealed.display_name or sealed.config.retain_mission
+                or sealed.config.observations_mission or sealed.config.reflect_mission)
+    back = ev.BankUpserted.FromString(opened.value)
+    assert not back.seal.ciphertext and ERASED_HEADER not in opened.headers
+    back.ClearField("seal")
+    assert back == msg
+
+
+def test_a_deleted_banks_upsert_reads_with_its_settings_and_no_text(keyring):
+    """After DeleteBank (a replay), the bank's upserts are erased but not skipped: their
+    settings apply, the name and missions read empty (the deletion follows on the log)."""
+    sealer = Sealer(keyring)
+    out, _ = _seal_open(sealer, _bank())
+    keyring.destroy_bank("b")
+    read = sealer.open(_as_read(out))
+    assert read.headers[ERASED_HEADER] == "1" and not erased_record(read)
+    m = ev.BankUpserted.FromString(read.value)
+    assert (m.display_name, m.config.retain_mission, m.config.reflect_mission) == ("", "", "")
+    assert (m.config.skepticism, m.config.erasure) == (4, "crypto_shred")
+    # created again: a new generation of the bank key, which the old upsert does not open
+    again, opened = _seal_open(sealer, _bank())
+    assert ev.BankUpserted.FromString(again.value).seal.keys != \
+        ev.BankUpserted.FromString(out.value).seal.keys
+    assert ev.BankUpserted.FromString(opened.value).display_name == f"Bob's {MARKER}"
+    assert sealer.open(_as_read(out)).headers[ERASED_HEADER] == "1"
+
+
+def test_an_upsert_goes_by_the_erasure_it_carries(keyring):
+    """A new bank is in no catalog when its first upsert is sealed: the setting the event
+    carries decides (an "erasure: none" bank stays in plaintext, a bank switched to
+    crypto_shred is sealed from that upsert on)."""
+    sealer = Sealer(keyring, erasure=lambda bank: True)
+    out, opened = _seal_open(sealer, _bank(config={"erasure": "none"}))
+    assert MARKER.encode() in out.value and opened.value == out.value
+    sealer = Sealer(keyring, erasure=lambda bank: False)  # the catalog still says none
+    out, _ = _seal_open(sealer, _bank(update_mask=["config.erasure"]))
+    assert MARKER.encode() not in out.value
+
+
+def test_an_unsealed_upsert_of_an_older_log_still_reads(keyring):
+    sealer = Sealer(keyring)
+    msg = _bank()
+    read = sealer.open(_as_read(codec.encode(msg, bank_id="b", source="t")))
+    assert ev.BankUpserted.FromString(read.value) == msg and ERASED_HEADER not in read.headers

@@ -26,9 +26,14 @@ What is sealed (:data:`SEALED`), per submessage, into its ``seal`` field
                         display_name
     EntitySplitRequested, EntitySplit                   keys: the bank's
                         aliases, display_name
+    BankUpserted        display_name, config.           keys: the bank's
+                        retain_mission,
+                        observations_mission,
+                        reflect_mission
 
 Ids, bank ids, document ids, tags, times, types, links and counters stay in the clear:
-routing, ordering, replay and the projections' bookkeeping work on them. A sealed
+routing, ordering, replay and the projections' bookkeeping work on them (so do a bank's
+settings other than its name and missions: ``erasure``, traits, modes, ``update_mask``). A sealed
 submessage's content fields are empty on the log. The ciphertext is bound to the bank,
 the message type and the element's id (AES-GCM associated data), so it cannot be moved.
 
@@ -44,17 +49,21 @@ each sealed element is opened and its content restored; ``seal.keys`` stays (so 
 content can name its sources' keys), ``nonce`` and ``ciphertext`` are cleared. An element
 whose key is gone is *erased*: a fact, observation, entity or alias is dropped from its
 list, a retained item stays as an empty placeholder listed in ``rejected_items`` (reason
-``erased``), and a reflection makes the whole record erased. Such records carry the
+``erased``), a BankUpserted keeps its settings with its name and missions empty (its
+projections still apply it: the bank's deletion follows it on the log), and a reflection
+makes the whole record erased. Such records carry the
 header ``mneme-erased`` (the count, or ``record``); consumers skip wholly erased records
 and count them (``mneme.erased.contents``) -- never an error, never a dead letter.
 
 Per bank, ``BankConfig.erasure`` "none" leaves the bank's content in plaintext (cheaper;
-no erasure on the log).
+no erasure on the log); a BankUpserted goes by the ``erasure`` it carries (the bank's
+setting once it is applied: the first upsert of a bank precedes any catalog's view).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 from typing import Callable, Iterable, Sequence
 
@@ -84,7 +93,28 @@ SEALED: dict[str, tuple[str, ...]] = {
     "EntitiesMerged": ("display_name",),
     "EntitySplitRequested": ("aliases", "display_name"),
     "EntitySplit": ("aliases", "display_name"),
+    # a field of a submessage by its path (the rest of the config stays in the clear)
+    "BankUpserted": ("display_name", "config.retain_mission", "config.observations_mission",
+                     "config.reflect_mission"),
 }
+
+
+def _sealed_fields() -> dict[str, frozenset[str]]:
+    """Message full name → the names of its fields that are sealed (a submessage's
+    included: ``mneme.events.v1.BankConfig`` → its missions)."""
+    out: dict[str, set[str]] = {}
+    for name, paths in SEALED.items():
+        for path in paths:
+            d = getattr(ev, name).DESCRIPTOR
+            *parents, leaf = path.split(".")
+            for p in parents:
+                d = d.fields_by_name[p].message_type
+            out.setdefault(d.full_name, set()).add(leaf)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+#: Message full name → its sealed fields' names (of :data:`SEALED`'s paths).
+SEALED_FIELDS = _sealed_fields()
 #: Events sealed whole under the bank's key (user corrections and curated content).
 _BANK_SEALED = (ev.DirectiveChanged, ev.MentalModelChanged, ev.EntityMergeRequested,
                 ev.EntitiesMerged, ev.EntitySplitRequested, ev.EntitySplit)
@@ -100,7 +130,8 @@ SEALING_TYPES = frozenset(f"mneme.events.v1.{n}" for n in (
     "RetainRequested", "FactsExtracted", "EntitiesResolved", "ObservationsChanged",
     "ReflectionRecorded", "DirectiveChanged", "MentalModelChanged", "OpinionsChanged",
     "EntityMergeRequested", "EntitiesMerged", "EntitySplitRequested", "EntitySplit",
-    "VectorsReplaced"))
+    "VectorsReplaced", "BankUpserted"))
+_BANK_UPSERTED = "mneme.events.v1.BankUpserted"
 #: The header a read record carries when contents of it were erased.
 ERASED_HEADER = "mneme-erased"
 #: The header of a record read whose seal does not authenticate (its consumer
@@ -139,19 +170,51 @@ def _aad(bank_id: str, msg: Message) -> bytes:
     return f"{bank_id}\0{msg.DESCRIPTOR.name}\0{_element_id(msg)}".encode()
 
 
-def _has_content(msg: Message, fields: Sequence[str]) -> bool:
-    return any(fd.name in fields for fd, _ in msg.ListFields())
+@functools.lru_cache(maxsize=None)
+def _tree(fields: tuple[str, ...]) -> dict:
+    """Field paths ("a", "a.b") as a tree: name → subtree, None for a whole field (cached:
+    every sealed element asks; the trees are not modified)."""
+    tree: dict = {}
+    for path in fields:
+        *parents, leaf = path.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = None
+    return tree
 
 
-def _split(msg: Message, fields: Sequence[str]) -> bytes:
-    """The content fields of ``msg`` serialised (as a message of its type) and cleared."""
+def _has_content(msg: Message, fields: tuple[str, ...] | dict) -> bool:
+    tree = fields if isinstance(fields, dict) else _tree(fields)
+    return any(fd.name in tree and (tree[fd.name] is None or _has_content(v, tree[fd.name]))
+               for fd, v in msg.ListFields())
+
+
+def _keep_only(msg: Message, tree: dict) -> None:
+    for fd, v in msg.ListFields():
+        if fd.name not in tree:
+            msg.ClearField(fd.name)
+        elif tree[fd.name] is not None:
+            _keep_only(v, tree[fd.name])
+
+
+def _clear(msg: Message, tree: dict) -> None:
+    for name, sub in tree.items():
+        if sub is None:
+            msg.ClearField(name)
+        elif msg.HasField(name):  # a submessage's fields: the submessage stays
+            _clear(getattr(msg, name), sub)
+
+
+def _split(msg: Message, fields: tuple[str, ...]) -> bytes:
+    """The content fields of ``msg`` (paths: "name", or "sub.name" for a field of a
+    submessage) serialised (as a message of its type) and cleared in ``msg``; merging
+    the bytes back into it restores them."""
+    tree = _tree(fields)
     part = type(msg)()
     part.CopyFrom(msg)
-    for fd, _ in part.ListFields():
-        if fd.name not in fields:
-            part.ClearField(fd.name)
-    for f in fields:
-        msg.ClearField(f)
+    _keep_only(part, tree)
+    _clear(msg, tree)
     return part.SerializeToString(deterministic=True)
 
 
@@ -257,6 +320,13 @@ class Opener:
             if ok is False:
                 return opened, 1, True
             opened += bool(ok)
+        elif isinstance(m, ev.BankUpserted):
+            # erased (a deleted bank's, on a replay): the settings stay and apply, with
+            # the name and missions empty; the bank's deletion follows on the log
+            ok = self._open(m, bank)
+            if ok is False:
+                return opened, 1, False
+            opened += bool(ok)
         return opened, erased, False
 
     def _open(self, msg: Message, bank: str) -> bool | None:
@@ -299,13 +369,19 @@ class Sealer(Opener):
         if ce_type not in SEALING_TYPES:
             return record
         bank = record.headers.get("ce_subject") or record.key
-        if not self.erasure(bank):
+        upsert = ce_type == _BANK_UPSERTED
+        if not upsert and not self.erasure(bank):
             return record
         cls = message_class(ce_type)
         try:
             msg = cls.FromString(record.value)
         except Exception:  # noqa: BLE001 - not an event (a poison record's dead letter):
             return record  # it goes as it was read, there is no content to seal in it
+        if upsert and not (msg.config.erasure != "none" if msg.HasField("config")
+                           else self.erasure(bank)):
+            # the setting it carries decides (ingest writes the bank's whole config, an
+            # update's merged): a new bank is not in any catalog yet
+            return record
         if not self._seal_event(msg, bank, record.headers.get("ce_id", "")):
             return record
         return dataclasses.replace(record, value=msg.SerializeToString())
@@ -371,7 +447,7 @@ class Sealer(Opener):
             _cited_keys(kr, bank, [*m.refresh.based_on, *m.refresh.evidence_memory_ids],
                         m.seal.keys)
             n += self._seal(m, bank)
-        elif isinstance(m, _BANK_SEALED):  # the bank's key
+        elif isinstance(m, (*_BANK_SEALED, ev.BankUpserted)):  # the bank's key
             n += self._seal(m, bank)
         return n
 
@@ -443,5 +519,6 @@ class SealedLog:
         return f"SealedLog({self.inner!r})"
 
 
-__all__ = ["BANK_KEY_ID", "ERASED_HEADER", "SEALED", "SEALING_TYPES", "SEAL_ERROR_HEADER",
+__all__ = ["BANK_KEY_ID", "ERASED_HEADER", "SEALED", "SEALED_FIELDS", "SEALING_TYPES",
+           "SEAL_ERROR_HEADER",
            "Opener", "SealedLog", "Sealer", "check_opened", "erased_record", "sealed_key_ids"]

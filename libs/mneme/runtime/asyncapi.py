@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, INTAKE, MEMORY, PROGRESS, REFLECT, TOPIC_PARTITIONS,
                        dead_letter)
 from mneme.bus.codec import CONTENT_TYPE, SPECVERSION, TOPIC_OF_TYPE, TYPE_PREFIX
-from mneme.bus.sealing import SEALED, SEALING_TYPES
+from mneme.bus.sealing import SEALED, SEALED_FIELDS, SEALING_TYPES
 from mneme.events.v1 import events_pb2
 from mneme.router import Service
 
@@ -221,7 +221,7 @@ class _Builder:
         doc = f"Field {f.number}, {kind}."
         if f.full_name in self.comments:
             doc += " " + self.comments[f.full_name]
-        if f.name in SEALED.get(f.containing_type.name, ()):
+        if f.name in SEALED_FIELDS.get(f.containing_type.full_name, ()):
             doc += " Sealed: empty on the topic, encrypted into `seal`."
 
         def schema_extra(s: dict[str, Any]) -> None:
