@@ -283,3 +283,64 @@ def test_a_generation_retired_by_a_replay_keeps_nothing_a_later_deletion_removes
         assert not (data / "vectors.g2").exists() and not any(data.glob("observations.g2.db*"))
     finally:
         server.stop()
+
+
+MISSION = "MISSION-BOB-MARKER"
+
+
+def test_a_deleted_banks_name_and_missions_leave_no_trace_and_replay(tmp_path):
+    """A bank's display name and missions (user text on BankUpserted) were in the clear
+    on the log for ever, also after DeleteBank: they are sealed under the bank's key, so
+    after the deletion no record or file holds them; UpdateBank's upserts too; a replay
+    after the deletion goes LIVE and the projections (every bank catalog, search's
+    documents) still get the other banks' names and missions, and the bank created again
+    reads its new ones."""
+    from mneme.v1 import generations_pb2
+    data = tmp_path / "data"
+    server = Server(data).start()
+    try:
+        with server.client() as m:
+            m.upsert_bank("bob", f"Bob {MISSION} Wexmoor",
+                          retain_mission=f"{MISSION} about Wexmoor",
+                          observations_mission=f"Track {MISSION} Wexmoor trips",
+                          reflect_mission=f"Answer as {MISSION} of Wexmoor", skepticism=4)
+            m.update_bank("bob", reflect_mission=f"Answer again as {MISSION} of Wexmoor")
+            m.update_bank("bob", display_name=f"Bobby {MISSION}")
+            m.retain("bob", [{"content": KEEP[0], "document_id": "d1"}])
+            bob = m.get_bank("bob")
+            assert (bob.display_name, bob.config.reflect_mission, bob.config.skepticism) == (
+                f"Bobby {MISSION}", f"Answer again as {MISSION} of Wexmoor", 4)
+            m.upsert_bank("kept", "Kept bank", retain_mission="Keep the Lisbon trips",
+                          store_documents=False)
+            m.delete_bank("bob")
+        raw = [r for r in _records(data) if r.key == "bob"]
+        upserts = [r for r in raw if r.headers["ce_type"].endswith(".BankUpserted")]
+        assert len(upserts) == 3
+        for r in raw:
+            assert MISSION.encode() not in r.value and b"Wexmoor" not in r.value, r.headers
+        for path, content in _files(data).items():
+            assert MISSION.encode() not in content and b"Wexmoor" not in content, path
+
+        ext = Everything(data)  # every key there is opens the kept bank, not bob's
+        try:
+            opened = [(r, msg) for r, msg in ext.opened() if isinstance(msg, ev.BankUpserted)]
+        finally:
+            ext.close()
+        assert [msg.display_name for r, msg in opened if r.key == "kept"] == ["Kept bank"]
+        bobs = [(r, msg) for r, msg in opened if r.key == "bob"]
+        assert [r.headers.get("mneme-erased") for r, _ in bobs] == ["1"] * 3
+        assert all(m.config.skepticism == 4 and not m.display_name for _, m in bobs)
+
+        server.replay()
+        with server.client() as m:
+            G = generations_pb2.Generation
+            assert G.LIVE in _generations(m).values()
+            assert [b.name for b in m.list_banks()] == ["banks/kept"]
+            kept = m.get_bank("kept")
+            assert (kept.display_name, kept.config.retain_mission,
+                    kept.config.store_documents) == ("Kept bank", "Keep the Lisbon trips", False)
+            m.upsert_bank("bob", "Bob again", retain_mission="New Wexmoor-free mission")
+            assert m.get_bank("bob").config.retain_mission == "New Wexmoor-free mission"
+        assert [r for r in _records(data) if r.topic == DLQ] == []
+    finally:
+        server.stop()

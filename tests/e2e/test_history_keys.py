@@ -158,3 +158,31 @@ def test_an_answer_quoting_a_mental_model_is_erased_with_the_models_document(nod
     assert [e.ce_type.rsplit(".", 1)[1] for e in events] == ["ReflectionRecorded"] * 2
     assert all(e.record_erased for e in events), [e.message for e in events]
     assert not [e for e in events if secret.encode() in e.record.value]
+
+
+def test_a_banks_name_and_missions_open_with_the_history_scope_and_stay_erased(node):
+    """BankUpserted's display name and missions are sealed under the bank's key
+    (``bank#<gen>``): the log holds none of them, the recipe's opener restores them with
+    the bank's history key, and after DeleteBank they stay erased (the settings readable)."""
+    srv, keys = node
+    mission = "MISSION-BOB-MARKER about Wexmoor"
+    with MnemeClient(srv.address, timeout=300, api_key=keys["admin"]) as admin:
+        admin.upsert_bank("bob", "Bob of Wexmoor", retain_mission=mission, skepticism=5)
+        admin.update_bank("bob", reflect_mission=f"Reflect: {mission}")
+    stored = [r for r in _records(srv.data_dir) if r.key == "bob" and r.topic == INTAKE
+              and r.headers["ce_type"].endswith(".BankUpserted")]
+    assert len(stored) == 2 and not [r for r in stored if b"Wexmoor" in _raw(r)]
+    assert all(ev.BankUpserted.FromString(r.value).seal.keys[0].startswith("bank#")
+               for r in stored)
+    with MnemeClient(srv.address, timeout=60, api_key=keys["bob_history"]) as m:
+        opened = m.history_opener().open_all(stored)
+        assert [(e.message.display_name, e.message.config.retain_mission,
+                 e.message.config.reflect_mission, e.message.config.skepticism, e.erased)
+                for e in opened] == [("Bob of Wexmoor", mission, "", 5, 0),
+                                     ("", mission, f"Reflect: {mission}", 5, 0)]  # masked
+        with MnemeClient(srv.address, timeout=300, api_key=keys["admin"]) as admin:
+            admin.delete_bank("bob")
+        again = m.history_opener().open_all(stored)
+        assert [(e.message.display_name, e.message.config.retain_mission,
+                 e.message.config.skepticism, e.erased, e.record_erased) for e in again] == \
+            [("", "", 5, 1, False)] * 2

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mneme.bus import KEYS, MANAGED_TOPICS, codec
+from mneme.bus import DLQ, KEYS, MANAGED_TOPICS, codec
 from mneme.bus.sealing import ERASED_HEADER, SEALING_TYPES, Sealer
 from mneme.client import MnemeClient
 from mneme.keys import Keyring, LocalKms
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 BANK = "erasure-a"
 PHONE = "415-555-0142"           # in document d1 only
 CITY = "Walla Walla"             # in document d2 only
+MISSION = "Wexmoor"              # in the bank's name and missions only
 D1 = [{"content": f"Dana: my new phone number is {PHONE}, call me after six.",
        "document_id": "d1"}]
 D2 = [{"content": f"Dana: I moved to {CITY} in March and I love the vineyards there.",
@@ -119,7 +120,9 @@ def _wait(predicate, timeout: float = 60.0):
 
 def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu, logs):
     with MnemeClient(cluster.address["ingest"], timeout=60) as m:
-        m.upsert_bank(BANK)
+        m.upsert_bank(BANK, f"Dana of {MISSION}", retain_mission=f"Note {MISSION} trips",
+                      reflect_mission=f"Answer as the {MISSION} guide")
+        m.update_bank(BANK, observations_mission=f"Track {MISSION} visits")
         for n, items in enumerate((D1, D2)):
             r = m.retain(BANK, items, request_id=f"erasure-{n}")
             assert r.operation.state == 3, r.operation  # SUCCEEDED: searchable
@@ -128,10 +131,17 @@ def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu,
         assert PHONE in found
         assert any(CITY in x.text for x in s.list_memories(BANK, document_id="d2"))
 
+    # ingest's bank catalog opened the sealed name and missions (every service's catalog
+    # reads the same records: one that could not open them would dead-letter them)
+    with MnemeClient(cluster.address["ingest"]) as m:
+        bank = m.get_bank(BANK)
+        assert (bank.display_name, bank.config.observations_mission) == (
+            f"Dana of {MISSION}", f"Track {MISSION} visits")
+
     # nowhere on the log in the clear: not on any topic, not in keys or headers
     raw = _raw_records(tansu.bootstrap, MANAGED_TOPICS)
     assert {m.topic for m in raw} >= {"mneme.intake.v1", "mneme.memory.v1", KEYS}
-    for secret in (PHONE.encode(), CITY.encode()):
+    for secret in (PHONE.encode(), CITY.encode(), MISSION.encode()):
         leaks = [(m.topic, m.offset) for m in raw
                  if secret in (m.value or b"") or secret in (m.key or b"")
                  or any(secret in (v or b"") for _, v in m.headers or ())]
@@ -141,6 +151,7 @@ def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu,
     before = _fresh_sealer(logs)
     opened = _opened(before, raw)
     assert opened and PHONE in _texts(opened) and CITY in _texts(opened)
+    assert f"Note {MISSION} trips" in _texts(opened)
 
     with MnemeClient(cluster.address["ingest"], timeout=60) as m:
         m.delete_document(BANK, "d1")
@@ -163,9 +174,11 @@ def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu,
     raw = _raw_records(tansu.bootstrap, MANAGED_TOPICS)
     gone = _opened(_fresh_sealer(logs), raw)
     assert gone and CITY not in _texts(gone) and PHONE not in _texts(gone)
+    assert MISSION not in _texts(gone)
     assert _wait(lambda: CITY not in _texts(_opened(before, raw)), 10)
-    for secret in (PHONE.encode(), CITY.encode()):
+    for secret in (PHONE.encode(), CITY.encode(), MISSION.encode()):
         assert not [m for m in raw if secret in (m.value or b"")]
+    assert not [m for m in raw if m.topic == DLQ and m.key == BANK.encode()]
 
 
 def test_the_readmes_history_snippet_runs_against_the_topics(cluster, tansu):
