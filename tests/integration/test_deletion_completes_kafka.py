@@ -48,7 +48,8 @@ def _deletions(log, bank_id: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_a_deletion_whose_append_failed_is_appended_by_the_next_ingest(tansu):
+def test_a_deletion_whose_append_failed_is_appended_by_the_next_ingest(fresh_tansu):
+    tansu = fresh_tansu  # its own broker: the shared one's topics belong to the cluster tests
     from mneme.bus.logs import open_event_log
     from mneme.stores.keys_kafka import KafkaKeyStore
     topic, bank = f"keys-{uuid.uuid4().hex[:8]}", f"bank-{uuid.uuid4().hex[:8]}"
