@@ -6,6 +6,7 @@ erasure does not wait for a vacuum.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -104,8 +105,7 @@ class SqliteKeyStore:
         now = time.time()
         out: dict[str, StoredKey] = {}
         with self._lock:
-            self._db.execute("BEGIN")
-            try:
+            with self._transaction():
                 for key_id, scope, wrapped in rows:
                     self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
                                      "wrapped, created) VALUES (?, ?, ?, ?, ?)",
@@ -113,10 +113,6 @@ class SqliteKeyStore:
                     row = self._db.execute("SELECT scope, wrapped FROM data_keys WHERE "
                                            "bank_id=? AND key_id=?", (bank_id, key_id)).fetchone()
                     out[key_id] = StoredKey(row[0], bytes(row[1]) if row[1] is not None else None)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
         return out
 
     def current(self, bank_id: str, scope: str) -> str | None:
@@ -128,6 +124,18 @@ class SqliteKeyStore:
                                    (bank_id, scope, len(scope) + 1, scope + "#")).fetchone()
         return row[0] if row else None
 
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One explicit transaction (lock held by the caller): committed when the block
+        ends, rolled back when it raises."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
     def _keep(self, pending: PendingDeletion | None) -> None:
         """Record ``pending`` (lock held, inside the destroy's transaction)."""
         if pending is not None:
@@ -138,8 +146,7 @@ class SqliteKeyStore:
     def destroy_scope(self, bank_id: str, scope: str,
                       pending: PendingDeletion | None = None) -> list[str]:
         with self._lock:
-            self._db.execute("BEGIN")
-            try:
+            with self._transaction():
                 ids = [r[0] for r in self._db.execute(
                     "SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? AND wrapped IS "
                     "NOT NULL", (bank_id, scope))]
@@ -147,10 +154,6 @@ class SqliteKeyStore:
                     self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
                                      "scope=?", (bank_id, scope))
                 self._keep(pending)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             if ids:
                 sqlite_erase.truncate_wal(self._db)
         if ids:
@@ -163,8 +166,7 @@ class SqliteKeyStore:
             return []
         now = time.time()
         with self._lock:
-            self._db.execute("BEGIN")
-            try:
+            with self._transaction():
                 for k in key_ids:
                     self._db.execute("INSERT OR IGNORE INTO data_keys(bank_id, key_id, scope, "
                                      "wrapped, created) VALUES (?, ?, '', NULL, ?)",
@@ -172,10 +174,6 @@ class SqliteKeyStore:
                     self._db.execute("UPDATE data_keys SET wrapped=NULL WHERE bank_id=? AND "
                                      "key_id=?", (bank_id, k))
                 self._keep(pending)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             sqlite_erase.truncate_wal(self._db)
         if key_ids:
             self._notify(bank_id, list(key_ids))
@@ -183,18 +181,13 @@ class SqliteKeyStore:
 
     def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
         with self._lock:
-            self._db.execute("BEGIN")
-            try:
+            with self._transaction():
                 self._db.execute("DELETE FROM data_keys WHERE bank_id=?", (bank_id,))
                 self._db.execute("DELETE FROM bank_keys WHERE bank_id=?", (bank_id,))
                 if pending is not None:  # its BankDeleted deletes what the others would
                     self._db.execute("DELETE FROM pending_deletions WHERE bank_id=?",
                                      (bank_id,))
                 self._keep(pending)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             sqlite_erase.truncate_wal(self._db)
         self._notify(bank_id, None)
 
