@@ -1467,19 +1467,26 @@ def test_a_retain_killed_between_its_resolutions_publishes_all_of_them_when_rede
     assert [e.name for e in resolved.entities] == ["Melanie", "Caroline"]
 
 
-@pytest.mark.parametrize("deletion", ["memory", "document"])
-def test_a_replica_restored_after_a_deletion_resolves_like_the_one_that_deleted(deletion):
-    # A forgets the entities only a deleted memory (document) named; B, restored from the
-    # memory topic through extraction's restore routes, must forget them too, or the next
-    # "Mel" is Melanie's alias on B and a new entity on A.
+def _two_documents_on_replica_a():
+    """(extraction's restore routes of the memory topic, resolver A, resolver B, A's
+    outputs) after A extracted one retain of d1 ("Melanie paints.") and d2 ("Caroline
+    swims."); B has restored nothing yet."""
     from mneme.bus import MEMORY
     from services.extraction.routes import SERVICE
-    restore = SERVICE.groups[0].restore[MEMORY]
     a, b = EntityResolver(MemoryEntityStore()), EntityResolver(MemoryEntityStore())
     log = extraction.on_retain_requested(ev.RetainRequested(bank_id="b", operation_id="op1", items=[
         ev.RetainItem(content="Melanie paints.", document_id="d1"),
         ev.RetainItem(content="Caroline swims.", document_id="d2")]), meta(1),
         extractor=_ResolvingExtractor(a), embedder=FakeEmbedder(), resolver=a)
+    return SERVICE.groups[0].restore[MEMORY], a, b, log
+
+
+@pytest.mark.parametrize("deletion", ["memory", "document"])
+def test_a_replica_restored_after_a_deletion_resolves_like_the_one_that_deleted(deletion):
+    # A forgets the entities only a deleted memory (document) named; B, restored from the
+    # memory topic through extraction's restore routes, must forget them too, or the next
+    # "Mel" is Melanie's alias on B and a new entity on A.
+    restore, a, b, log = _two_documents_on_replica_a()
     [melanie] = [f for f in log[-1].facts if "Melanie" in f.text]
     if deletion == "memory":
         log += extraction.on_memory_delete_requested(ev.MemoryDeleteRequested(
@@ -1537,14 +1544,7 @@ def test_a_replica_restored_from_a_sealed_log_forgets_what_a_memory_deletion_for
 def test_a_replica_that_took_a_bank_over_forgets_what_a_deletion_takes():
     # B restores A's log, then takes the bank over and handles a document deletion: the
     # entities only that document named go, as they would have on A.
-    from mneme.bus import MEMORY
-    from services.extraction.routes import SERVICE
-    restore = SERVICE.groups[0].restore[MEMORY]
-    a, b = EntityResolver(MemoryEntityStore()), EntityResolver(MemoryEntityStore())
-    log = extraction.on_retain_requested(ev.RetainRequested(bank_id="b", operation_id="op1", items=[
-        ev.RetainItem(content="Melanie paints.", document_id="d1"),
-        ev.RetainItem(content="Caroline swims.", document_id="d2")]), meta(1),
-        extractor=_ResolvingExtractor(a), embedder=FakeEmbedder(), resolver=a)
+    restore, a, b, log = _two_documents_on_replica_a()
     for m in log:
         if type(m) in restore:
             restore[type(m)](m, meta(), resolver=b)
