@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import replace
 from typing import Sequence
 
-from mneme.domain import Fact, RetainItem, derive_id
+from mneme.domain import EntityInfo, Fact, RetainItem, derive_id
 from services.search.handlers import Projections
 
 
@@ -160,6 +160,18 @@ class FakeStore:
 
     def count_entities(self, bank_id: str) -> int:
         return len({e.id for f in self.units.get(bank_id, {}).values() for e in f.entities})
+
+    def entity(self, bank_id: str, entity_id: str, units: int = 100,
+               neighbours: int = 20) -> EntityInfo | None:
+        """The entity as its units name it (no aliases, no neighbours), or None when no
+        unit of the bank mentions it."""
+        ids = [f.id for f in self.units.get(bank_id, {}).values()
+               if any(e.id == entity_id for e in f.entities)]
+        if not ids:
+            return None
+        name = next(e.name for f in self.units[bank_id].values() for e in f.entities
+                    if e.id == entity_id)
+        return EntityInfo(entity_id, name, mentions=len(ids), units=tuple(ids[:units]))
 
     def merge_entities(self, bank_id: str, survivor_id: str, merged_ids, display_name="") -> None:
         """Recorded in ``calls``: the graph's part of an entity merge."""

@@ -202,7 +202,9 @@ class GraphStore(Protocol):
                        display_name: str = "") -> None:
         """A user's merge: the units mentioning any of ``merged_ids`` mention
         ``survivor_id`` instead, its aliases are the union of theirs (and the key of a
-        ``display_name`` that renames it), the merged entities are deleted. Idempotent."""
+        ``display_name`` that renames it), the merged entities are deleted. Idempotent;
+        nothing happens when the survivor does not exist (merged away or deleted since the
+        merge was checked), as in entity resolution."""
 
     def split_entity(self, bank_id: str, entity_id: str, new_id: str, aliases: Sequence[str],
                      display_name: str, unit_ids: Sequence[str]) -> None:

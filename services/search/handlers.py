@@ -295,16 +295,40 @@ def on_entities_merged(m: ev.EntitiesMerged, meta: EventMeta, *,
                        stores: Projections) -> list[ev.OperationProgress]:
     """A user's merge into the graph (:meth:`mneme.ports.GraphStore.merge_entities`), in
     order with the facts: those extracted before it are rewritten, those after it name the
-    survivor already. Idempotent. The merge's progress."""
+    survivor already. Idempotent. The merge's progress: failed when the survivor is gone
+    (:func:`_gone`)."""
+    gone = _gone(stores, m.bank_id, m.survivor_id, "merge_entities", m.operation_id)
+    if gone:
+        return gone
     stores.graph.merge_entities(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,
                                  kind="merge_entities", state="succeeded")]
 
 
+def _gone(stores: Projections, bank_id: str, entity_id: str, kind: str,
+          operation_id: str) -> list[ev.OperationProgress]:
+    """A correction is checked against the graph when it is requested, but corrections
+    and deletions requested at once reach the log in either order: when the entity it
+    keeps (a merge's survivor, the entity a split takes from) was merged away or deleted
+    before it applies, it changes nothing and its operation fails, as it would have been
+    refused had it been requested a moment later (entity resolution ignores it too). A
+    correction never deletes that entity itself, so one applied again still finds it.
+    [] when the entity exists."""
+    if stores.graph.entity(bank_id, entity_id, units=0, neighbours=0) is not None:
+        return []
+    return [ev.OperationProgress(
+        bank_id=bank_id, operation_id=operation_id, kind=kind, state="failed",
+        error=f"entity {entity_id!r} was merged into another or deleted after this "
+              "correction was requested; nothing was changed")]
+
+
 def on_entity_split(m: ev.EntitySplit, meta: EventMeta, *,
                     stores: Projections) -> list[ev.OperationProgress]:
     """A user's split into the graph (:meth:`mneme.ports.GraphStore.split_entity`).
-    Idempotent. The split's progress."""
+    Idempotent. The split's progress: failed when the entity is gone (:func:`_gone`)."""
+    gone = _gone(stores, m.bank_id, m.entity_id, "split_entity", m.operation_id)
+    if gone:
+        return gone
     stores.graph.split_entity(m.bank_id, m.entity_id, m.new_entity_id, list(m.aliases),
                               m.display_name, list(m.memory_ids))
     return [ev.OperationProgress(bank_id=m.bank_id, operation_id=m.operation_id,

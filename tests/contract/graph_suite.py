@@ -178,6 +178,20 @@ class GraphStoreSuite:
         store.merge_entities("a", "nobody", ["nothing"])  # nothing exists: no change
         assert store.count_entities("a") == 3
 
+    def test_a_merge_into_a_survivor_gone_meanwhile_changes_nothing(self, store):
+        """Two merges checked at once: Lyon into Alice applies first, then Bob into Lyon
+        (checked while Lyon still existed). The second must not bring Lyon back and take
+        Bob with it: entity resolution, which sees the same merges in the same order,
+        ignores a merge whose survivor it no longer knows."""
+        store.upsert(chain())
+        store.merge_entities("a", ALICE.id, [LYON.id])
+        before = sorted((e.id, tuple(sorted(e.aliases))) for e in store.entities("a", 100))
+        store.merge_entities("a", LYON.id, [BOB.id], display_name="Lyon City")
+        assert store.entity("a", LYON.id) is None
+        assert store.entity("a", BOB.id).aliases == ("bob",)
+        assert sorted((e.id, tuple(sorted(e.aliases)))
+                      for e in store.entities("a", 100)) == before
+
     def test_merge_applies_again_after_a_redelivered_older_fact(self, store):
         liz = EntityRef("e-liz", "Liz", "PERSON")
         store.upsert([unit("u1", entities=[ALICE]), unit("u2", entities=[liz])])

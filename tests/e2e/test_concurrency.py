@@ -5,6 +5,7 @@ nothing of a deleted bank comes back."""
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -183,3 +184,65 @@ def test_the_same_retry_asked_for_at_once_is_appended_once(server, m):
             time.sleep(0.05)
         assert m.get_operation(names[0]).state == operations_pb2.SUCCEEDED
         assert len(list(m.list_memories("retry-race", document_id=f"trip-{round_}"))) == 5
+
+
+def _after(order, entities: dict[str, frozenset], merges) -> dict[str, frozenset]:
+    """The entities (id → aliases) after ``merges`` [(survivor, merged ids)] applied one
+    after another in ``order``: a merge whose survivor is gone changes nothing (it would
+    have been refused had it come a moment later), merged ids already gone are skipped."""
+    ents = dict(entities)
+    for i in order:
+        survivor, merged = merges[i]
+        if survivor not in ents:
+            continue
+        for e in merged:
+            if e in ents and e != survivor:
+                ents[survivor] = ents[survivor] | ents.pop(e)
+    return ents
+
+
+def test_merges_of_the_same_entities_at_once_end_as_some_serial_order(server, m):
+    """Three clients merge overlapping entities at the same moment (Liz into Elizabeth,
+    Elizabeth into Liz, Liz into Beth). Each merge is checked against the graph as it
+    was, so all three can reach the log. The entities must then be what the merges give
+    applied one after another in some order, and every merge operation must end. Before,
+    a merge whose survivor had been merged away meanwhile built it anew from the entity
+    it named, and Liz came back holding Elizabeth's alias while Beth held Liz's."""
+    for round_ in range(8):
+        bank = f"merge-race-{round_}"
+        m.upsert_bank(bank)
+        m.retain(bank, [{"content": "Liz adopted a puppy in March."},
+                        {"content": "Elizabeth started a pottery class."},
+                        {"content": "Beth went to Paris with Tom."}])
+        by_name = {e.display_name: e.name.rsplit("/", 1)[1] for e in m.list_entities(bank)}
+        liz, eliz, beth = by_name["Liz"], by_name["Elizabeth"], by_name["Beth"]
+        before = {e.name.rsplit("/", 1)[1]: frozenset(e.aliases)
+                  for e in m.list_entities(bank) if e.display_name in ("Liz", "Elizabeth", "Beth")}
+        merges = [(eliz, [liz]), (liz, [eliz]), (beth, [liz])]
+        barrier, answers = threading.Barrier(len(merges)), []
+
+        def merge(survivor: str, merged: list[str]) -> None:
+            with server.client(timeout=60) as c:
+                barrier.wait()
+                try:
+                    c.merge_entities(bank, [survivor, *merged])
+                    answers.append("OK")
+                except grpc.RpcError as e:
+                    answers.append(e.code().name)
+        threads = [threading.Thread(target=merge, args=mg) for mg in merges]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert set(answers) <= {"OK", "NOT_FOUND"}, answers
+        ops = [o for o in m.list_operations(bank) if o.kind == "merge_entities"]
+        assert ops and all(o.state in (operations_pb2.SUCCEEDED, operations_pb2.FAILED)
+                           for o in ops), ops
+        after = {e.name.rsplit("/", 1)[1]: frozenset(e.aliases) for e in m.list_entities(bank)
+                 if e.name.rsplit("/", 1)[1] in before}
+        serial = [_after(order, before, merges)
+                  for order in itertools.permutations(range(len(merges)))]
+        assert after in serial, (round_, answers, after, serial)
+        # the mentions stay where the entities are: three memories, each on one of them
+        assert sum(e.mention_count for e in m.list_entities(bank)
+                   if e.name.rsplit("/", 1)[1] in after) == 3

@@ -586,6 +586,34 @@ def test_facts_go_into_every_store_and_the_retain_succeeds():
     assert [s.count("b") for s in stores.all()] == [2, 2, 2]
 
 
+def test_a_correction_whose_entity_went_meanwhile_fails_and_changes_nothing():
+    """Merges of the same entities requested at once are each checked against the graph
+    as it was, then reach the log in some order: one whose survivor (or a split whose
+    entity) was merged away before it applies must end FAILED and leave the graph alone,
+    as entity resolution does, not bring the entity back."""
+    stores = fake_projections()
+    search.on_facts_extracted(_facts_extracted(
+        pb_fact("f1", "Liz adopted a puppy.", entities=["Liz"]),
+        pb_fact("f2", "Beth went to Paris.", entities=["Beth"])), meta(), stores=stores)
+    (ok,) = search.on_entities_merged(ev.EntitiesMerged(
+        bank_id="b", operation_id="op-1", survivor_id="e-Liz", merged_ids=["e-Beth"]),
+        meta(2), stores=stores)
+    assert ok.state == "succeeded"
+    calls = list(stores.graph.calls)
+    stores.graph.units["b"]["f2"] = replace(  # the merge as the graph applies it
+        stores.graph.units["b"]["f2"], entities=stores.graph.units["b"]["f1"].entities)
+    (late,) = search.on_entities_merged(ev.EntitiesMerged(
+        bank_id="b", operation_id="op-2", survivor_id="e-Beth", merged_ids=["e-Liz"]),
+        meta(3), stores=stores)
+    (split,) = search.on_entity_split(ev.EntitySplit(
+        bank_id="b", operation_id="op-3", entity_id="e-Beth", new_entity_id="e-B",
+        aliases=["beth"], display_name="B"), meta(4), stores=stores)
+    for p, kind in ((late, "merge_entities"), (split, "split_entity")):
+        assert (p.operation_id, p.kind, p.state) == (p.operation_id, kind, "failed")
+        assert "'e-Beth' was merged into another or deleted" in p.error
+    assert stores.graph.calls == calls  # neither touched the graph
+
+
 def test_a_retain_fails_only_when_every_item_failed():
     stores = fake_projections()
     m = _facts_extracted(total=2, failures=[ev.ItemFailure(item_index=0, error="a"),

@@ -703,7 +703,8 @@ class CypherGraphStore:
         """A user's merge: every unit mentioning one of ``merged_ids`` mentions
         ``survivor_id`` instead, the survivor's aliases are the union of all of theirs
         (plus the key of ``display_name``, which renames it), and the merged entities are
-        deleted. Idempotent; nothing happens when none of them exists."""
+        deleted. Idempotent; nothing happens when the survivor does not exist (merged away
+        or deleted after the merge was checked)."""
         merged = [m for m in dict.fromkeys(merged_ids) if m != survivor_id]
         with self._lock:
             self._write_counted(bank_id, lambda run, _: _merge_entities(
@@ -1047,10 +1048,13 @@ def _merge_entities(run: Run, bank_id: str, survivor_id: str, merged: list[str],
     entities it added."""
     found = _entities_by_id(run, bank_id, [survivor_id, *merged])
     gone = [m for m in merged if m in found]
-    s = found.get(survivor_id) or (found[gone[0]] if gone else None)
+    s = found.get(survivor_id)
+    # A survivor merged away or deleted after the request was checked: nothing (entity
+    # resolution, which sees the merges in the same order, ignores it too; building the
+    # survivor anew from a merged entity would bring back an entity that is gone).
     if s is None:
         return 0
-    keys = _keys_of(s) if survivor_id in found else []
+    keys = _keys_of(s)
     for m in gone:
         keys += [k for k in _keys_of(found[m]) if k not in keys]
     name, key = s[1] or "", s[3] or ""
@@ -1067,7 +1071,7 @@ def _merge_entities(run: Run, bank_id: str, survivor_id: str, merged: list[str],
         run(cypher.REPOINT_SPLITS, {"bank_id": bank_id, "ids": gone, "survivor_id": survivor_id})
         deleted_n = deleted(run(cypher.DELETE_ENTITIES, {"bank_id": bank_id, "ids": gone}))
     _touch(run, bank_id)
-    return (survivor_id not in found) - deleted_n
+    return -deleted_n
 
 
 def _split_entity(run: Run, bank_id: str, entity_id: str, new_id: str, aliases: list[str],
