@@ -29,7 +29,8 @@ or an unknown key → UNAUTHENTICATED; a key without the bank, or without the sc
 needs → PERMISSION_DENIED; either way the servicer is not called, so nothing is written
 and no key is served. Listing every bank (ListBanks, ListOperations without
 a parent) needs a ``*`` key. GetOperation, CancelOperation and RetryOperation check the
-operation's bank in the servicer (:func:`require`).
+operation's bank in the servicer (:func:`require`); to a key that does not cover every bank,
+another bank's operation and an unknown one are refused alike (no bank named).
 
 Audit: :class:`AuthInterceptor` calls ``audit(AuditRecorded)`` (appended to
 ``mneme.audit.v1``) for every DeleteBank (in every mode), and when authentication is on,

@@ -198,23 +198,40 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
 
     @translate_errors
     def GetOperation(self, request, context):
-        op = self.ingest.get_operation(operation_of(request.name))
-        auth.require(op.bank_id, auth.READ)  # the key must cover the operation's bank
-        return apiconv.operation_to_api(op)
+        return apiconv.operation_to_api(self._operation(request.name, auth.READ))
 
     @translate_errors
     def CancelOperation(self, request, context):
-        op_id = operation_of(request.name)
-        auth.require(self.ingest.get_operation(op_id).bank_id, auth.WRITE)
+        op = self._operation(request.name, auth.WRITE)
         return apiconv.operation_to_api(
-            self.ingest.cancel_operation(op_id, timeout=remaining(context, 30.0)))
+            self.ingest.cancel_operation(op.operation_id, timeout=remaining(context, 30.0)))
 
     @translate_errors
     def RetryOperation(self, request, context):
-        op_id = operation_of(request.name)
-        auth.require(self.ingest.get_operation(op_id).bank_id, auth.WRITE)
+        op = self._operation(request.name, auth.WRITE)
         return apiconv.operation_to_api(
-            self.ingest.retry_operation(op_id, timeout=remaining(context, 30.0)))
+            self.ingest.retry_operation(op.operation_id, timeout=remaining(context, 30.0)))
+
+    def _operation(self, name: str, access: str):
+        """The operation ``name`` names, for a caller who may ``access`` its bank. An
+        operation's name does not hold its bank, so a caller whose key does not cover
+        every bank is refused alike for another bank's operation and for an unknown one
+        (PERMISSION_DENIED naming no bank; AIP-211: permission before existence): the
+        answer tells neither that the operation exists nor whose it is. (A retain's id
+        derives from its bank and request_id, so anyone who guesses both can compute
+        it.) NotFound for an unknown operation only to a key of every bank."""
+        op_id = operation_of(name)
+        caller = auth.current()
+        try:
+            op = self.ingest.get_operation(op_id)
+        except NotFound:
+            if caller.allows(auth.ALL_BANKS, auth.READ):
+                raise
+            op = None
+        if op is None or not caller.allows(op.bank_id, auth.READ):
+            raise auth.PermissionDenied(auth.refusal(auth.READ, f"operation {op_id!r}"))
+        auth.require(op.bank_id, access)  # a read key cancelling: its bank is no secret
+        return op
 
     @translate_errors
     def ListOperations(self, request, context):

@@ -16,6 +16,8 @@ from mneme.bus import AUDIT, codec
 from mneme.bus.sqlite_log import SqliteEventLog
 from mneme.cli import app
 from mneme.client import MnemeClient
+from mneme.domain import derive_id
+from mneme.v1 import operations_pb2
 from tests.e2e.server import Server, free_port
 
 ITEM = [{"content": "Alice moved to Lisbon in May 2023."}]
@@ -115,6 +117,33 @@ def test_allowed_writes_and_the_audit_trail(node):
     assert ("Retain", "alice", f"key:{keys['alice_w'][0]}", "allowed") in seen
     assert ("DeleteBank", "bob", f"key:{keys['bob_w'][0]}", "allowed") in seen
     assert all(a.peer for a in audits)
+
+
+def test_another_banks_operation_looks_like_an_unknown_one(node):
+    """A retain's operation id derives from its bank and request_id, so a tenant who
+    guesses another's bank and request_id can compute it. Asked for with a key of
+    another bank, GetOperation, CancelOperation and RetryOperation must answer exactly as
+    for an operation that does not exist, naming no bank: before, the other bank's
+    operation was PERMISSION_DENIED "may not read bank 'alice'" and an unknown one
+    NOT_FOUND, which told that the request had been made, and by which bank."""
+    srv, keys, _ = node
+    with MnemeClient(srv.address, timeout=120, api_key=keys["alice_w"][1]) as alice:
+        op = alice.retain("alice", ITEM, request_id="payroll-2026-12").operation
+    assert op.name == f"operations/{derive_id('retain', 'alice', 'payroll-2026-12')}"
+    unknown = f"operations/{derive_id('retain', 'alice', 'payroll-2027-01')}"
+    with MnemeClient(srv.address, timeout=60, api_key=keys["bob_w"][1]) as bob:
+        for call in (bob.get_operation, bob.cancel_operation, bob.retry_operation):
+            answers = []
+            for name in (op.name, unknown):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(name)
+                answers.append((e.value.code(), e.value.details().replace(name[11:], "ID")))
+            assert answers[0] == answers[1], (call.__name__, answers)
+            assert answers[0][0] == grpc.StatusCode.PERMISSION_DENIED
+            assert "alice" not in answers[0][1]
+    with MnemeClient(srv.address, timeout=60, api_key=keys["admin"][1]) as admin:
+        assert _code(lambda: admin.get_operation(unknown)) == grpc.StatusCode.NOT_FOUND
+        assert admin.get_operation(op.name).state == operations_pb2.SUCCEEDED
 
 
 def test_prometheus_endpoint(node):
