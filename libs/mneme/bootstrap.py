@@ -100,6 +100,16 @@ class Root:
         return part_bytes(self.settings.kafka_max_request_size)
 
     @cached_property
+    def wait_slots(self):
+        """The process's one bound on calls waiting for the consumers
+        (:class:`mneme.slots.WaitSlots`): ``MNEME_SYNC_CALLS``, else the gRPC workers less
+        four. Shared by every service the process runs (embedded: all five, one pool of
+        workers)."""
+        from mneme.slots import WaitSlots
+        st = self.settings
+        return WaitSlots(st.sync_calls or max(1, st.grpc_workers - 4))
+
+    @cached_property
     def raw_log(self):
         """The event log adapter itself, with mneme's topics created; raises
         :class:`mneme.bus.topics.TopicConfigError` (a configuration error) when a history
@@ -573,7 +583,7 @@ def build_ingest(root: Root) -> ServiceParts:
                     stores=None if root.distributed else root.stores,  # for GetBankStats
                     documents=None if root.distributed else root.documents,  # and profiles
                     keys=root.keyring, wait_projections=not root.distributed,
-                    sync_calls=root.settings.sync_calls or max(1, root.settings.grpc_workers - 4))
+                    slots=root.wait_slots)
     if not root.rebuilding:  # a deletion a kill or a failed append cut short completes
         ingest.complete_deletions()
     parts = ServiceParts("ingest", _routers(root, "ingest", catalog=catalog, keyring=root.keyring),
@@ -744,7 +754,8 @@ def _entity_corrections(root: Root, parts: ServiceParts):
     import time
 
     from mneme.bus import MEMORY
-    from mneme.errors import DeadlineExceeded
+    from mneme.deadline import current as current_deadline
+    from mneme.errors import Cancelled, DeadlineExceeded
     from services.search.corrections import EntityCorrections
     source = services()["search"].source
     extraction = root.group_id(services()["extraction"].group("extraction"))
@@ -755,12 +766,16 @@ def _entity_corrections(root: Root, parts: ServiceParts):
 
     def projected(rec, bank_id: str, timeout: float) -> None:
         end_at = time.monotonic() + timeout
+        call = current_deadline()
 
         def until(done: Callable[[], bool], what: str) -> None:
             while not done():
                 if time.monotonic() > end_at:
                     raise DeadlineExceeded(f"{what} did not apply the correction within "
                                            f"{timeout:.1f}s; it is on the log and will apply")
+                if call.cancelled():  # the caller went away: its thread is free again
+                    raise Cancelled(f"{what}: the call was cancelled; the correction is on "
+                                    "the log and will apply")
                 time.sleep(0.01)
         until(lambda: root.log.committed(extraction, rec.topic, rec.partition) > rec.offset,
               "entity resolution")
@@ -769,7 +784,7 @@ def _entity_corrections(root: Root, parts: ServiceParts):
         group = parts.routers["search"].group_id
         until(lambda: root.log.committed(group, MEMORY, p) >= end, "the graph projection")
 
-    return EntityCorrections(append, projected)
+    return EntityCorrections(append, projected, root.wait_slots.hold)
 
 
 def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source: str):

@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     grpc_address: str = Field(default="127.0.0.1:50051", description="gRPC listen address")
     grpc_workers: int = Field(default=16, ge=1, description="gRPC worker threads")
     sync_calls: int = Field(
-        default=0, ge=0, description="Sync writes (Retain, deletions, Consolidate) that may "
-        "wait for their operation at once, each on a gRPC worker thread; more are refused "
+        default=0, ge=0, description="Calls that may wait for the consumers at once in one "
+        "process (sync Retain, deletions, Consolidate; entity merges and splits), each on a "
+        "gRPC worker thread; more are refused "
         "(RESOURCE_EXHAUSTED) before they write anything, so other calls keep threads "
         "(0: MNEME_GRPC_WORKERS - 4, at least 1)")
     retain_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of a sync retain")

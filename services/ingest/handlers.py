@@ -23,11 +23,12 @@ from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, 
                           EventMeta, Operation, RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
 from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
-                          InvalidArgument, NotFound, ResourceExhausted, Unavailable)
+                          InvalidArgument, NotFound, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.locks import KeyedLocks
 from mneme.names import check_bank_id, check_uuid
+from mneme.slots import WaitSlots
 from mneme.ports import Catalog, EventLog, Llm, OutRecord, PendingDeletion, Record
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,9 @@ class Ingest:
     #: (ResourceExhausted) before it changes anything, so reads and async writes keep
     #: threads to run on.
     sync_calls: int = 0
-    _sync_waiting: int = field(default=0, repr=False)
+    #: The slots those waits hold (:class:`mneme.slots.WaitSlots`): the process's own,
+    #: shared with every other service's waiting calls; None: ``sync_calls`` of its own.
+    slots: WaitSlots | None = None
     #: A :class:`BankGate` per bank being written or deleted (gone with its last holder).
     _gates: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, repr=False)
@@ -313,6 +316,10 @@ class Ingest:
     #: Operation ids of the deletions this process is destroying and appending now (not
     #: for :meth:`complete_deletions` to append a second time).
     _deletions_running: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = WaitSlots(self.sync_calls)
 
     def _gate(self, bank_id: str) -> BankGate:
         with self._appended_lock:
@@ -332,23 +339,13 @@ class Ingest:
     @contextlib.contextmanager
     def _sync_slot(self, wait: bool):
         """Held by a sync write (``wait``) from its start to the end of its wait: one of
-        :attr:`sync_calls`. ResourceExhausted, before anything is written, when they are
-        all taken."""
-        if not (wait and self.sync_calls):
+        :attr:`slots`. ResourceExhausted, before anything is written, when they are all
+        taken."""
+        if not wait:
             yield
             return
-        with self._appended_lock:
-            if self._sync_waiting >= self.sync_calls:
-                raise ResourceExhausted(
-                    f"{self.sync_calls} sync calls are waiting for their operations already "
-                    "(MNEME_SYNC_CALLS): retry later, or send the call async and poll "
-                    "GetOperation")
-            self._sync_waiting += 1
-        try:
+        with self.slots.hold():
             yield
-        finally:
-            with self._appended_lock:
-                self._sync_waiting -= 1
 
     @contextlib.contextmanager
     def _writing(self, bank_id: str):

@@ -16,9 +16,10 @@ same id.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 from mneme.domain import EntityInfo, derive_id, entity_key
 from mneme.errors import InvalidArgument, NotFound
@@ -73,6 +74,14 @@ class EntityCorrections:
 
     append: Callable[[object, str], Record]
     projected: Callable[[Record, str, float], None]
+    #: ``slot()``: a context manager held from the append to the end of the wait, one
+    #: of the process's waiting calls (:meth:`mneme.slots.WaitSlots.hold`: raises
+    #: ResourceExhausted, before anything is appended, when all are taken).
+    slot: Callable[[], ContextManager] = contextlib.nullcontext
+
+    def _append_and_wait(self, msg, bank_id: str, timeout: float) -> None:
+        with self.slot():
+            self.projected(self.append(msg, bank_id), bank_id, timeout)
 
     def merge(self, graph: GraphStore, bank_id: str, entity_ids: Sequence[str],
               display_name: str, timeout: float) -> EntityInfo:
@@ -97,7 +106,7 @@ class EntityCorrections:
         msg = ev.EntityMergeRequested(bank_id=bank_id, operation_id=str(uuid.uuid4()),
                                       survivor_id=entity_ids[0], merged_ids=entity_ids[1:],
                                       display_name=name)
-        self.projected(self.append(msg, bank_id), bank_id, timeout)
+        self._append_and_wait(msg, bank_id, timeout)
         return _require(graph, bank_id, entity_ids[0], units=100)
 
     def split(self, graph: GraphStore, vectors: VectorStore, bank_id: str, entity_id: str,
@@ -148,6 +157,6 @@ class EntityCorrections:
         msg = ev.EntitySplitRequested(bank_id=bank_id, operation_id=op, entity_id=entity_id,
                                       new_entity_id=new_id, aliases=moved, memory_ids=chosen,
                                       display_name=name)
-        self.projected(self.append(msg, bank_id), bank_id, timeout)
+        self._append_and_wait(msg, bank_id, timeout)
         return (_require(graph, bank_id, entity_id, units=100),
                 _require(graph, bank_id, new_id, units=100))

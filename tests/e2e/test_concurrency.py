@@ -12,9 +12,10 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mneme.events.v1 import events_pb2 as ev
-from mneme.v1 import operations_pb2
+from mneme.v1 import entities_pb2, operations_pb2
 from tests.e2e.server import Server
 from tests.waits import drained
 
@@ -246,3 +247,68 @@ def test_merges_of_the_same_entities_at_once_end_as_some_serial_order(server, m)
         # the mentions stay where the entities are: three memories, each on one of them
         assert sum(e.mention_count for e in m.list_entities(bank)
                    if e.name.rsplit("/", 1)[1] in after) == 3
+
+
+def test_corrections_waiting_behind_a_large_retain_leave_threads_for_other_calls(tmp_path):
+    """Entity merges wait until extraction and the graph have applied them, minutes behind
+    a large retain. With 6 gRPC workers (so 2 waiting calls) and 6 merges sent at once,
+    2 wait and the others are RESOURCE_EXHAUSTED at once without writing anything, and a
+    health check, a GetBank and the CancelOperation that frees extraction are served
+    while the 2 still wait; when their callers cancel, their slots are free at once.
+    Before, the merges took every worker: the health check and every other call queued
+    until a merge gave up after 60 s, cancelled or not."""
+    s = Server(tmp_path / "data", env={"MNEME_GRPC_WORKERS": "6"}).start()
+    try:
+        with s.client(timeout=120) as m:
+            m.upsert_bank("busy")
+            names = ["Alice", "Bruno", "Carla", "Dmitri", "Elena", "Farid", "Greta", "Hiro",
+                     "Ines", "Jonas", "Kofi", "Lena", "Mateo", "Nadia", "Oskar", "Priya"]
+            m.retain("busy", [{"content": f"{n} visited the museum on Friday."} for n in names])
+            ids = {e.display_name: e.name.rsplit("/", 1)[1] for e in m.list_entities("busy")}
+            people = [n for n in names if n in ids][:12]  # those the offline extractor found
+            pairs = [(ids[a], ids[b]) for a, b in zip(people[::2], people[1::2])]
+            assert len(pairs) >= 6, ids
+            big = m.retain("busy", [{"content": f"The committee reviewed budget line {j} and "
+                                                "approved the transfer to the harbour fund. " * 25}
+                                    for j in range(1000)], async_=True).operation
+
+            def merge(pair):
+                return m.entities.MergeEntities.future(entities_pb2.MergeEntitiesRequest(
+                    parent="banks/busy", entities=[f"banks/busy/entities/{e}" for e in pair]),
+                    timeout=300)
+
+            def code(call) -> str:
+                return call.code().name if call.exception() else "OK"
+            first = [merge(p) for p in pairs[:6]]
+            while sum(c.done() for c in first) < 4:
+                time.sleep(0.05)
+            done = [c for c in first if c.done()]
+            assert [code(c) for c in done] == ["RESOURCE_EXHAUSTED"] * 4
+            health = health_pb2_grpc.HealthStub(m.channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=120).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert m.get_bank("busy").name == "banks/busy"
+            waiting = [c for c in first if c not in done]
+            assert len(waiting) == 2 and not any(c.done() for c in waiting)
+            # the callers of the two waiting merges go away: their threads and slots are
+            # free again (the merges are on the log and still apply), long before the
+            # 60 s a merge waits at most
+            for c in waiting:
+                c.cancel()
+            end = time.monotonic() + 30
+            while True:
+                again = merge(pairs[-1])
+                try:
+                    again.exception(timeout=2)  # a refusal answers at once
+                except grpc.FutureTimeoutError:
+                    break  # it waits: it got a slot
+                assert again.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, again.exception()
+                assert time.monotonic() < end, "cancelled merges still hold their slots"
+                time.sleep(0.05)
+            m.cancel_operation(big.name)  # extraction is free: the merges apply
+            again.result(timeout=300)
+            merges = [o for o in m.list_operations("busy") if o.kind == "merge_entities"]
+            assert len(merges) == 3, merges  # the two cancelled calls' merges, the last one
+            assert all(o.state == operations_pb2.SUCCEEDED for o in merges), merges
+    finally:
+        s.stop()

@@ -1416,7 +1416,7 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     assert len(log.appended) == 3
     for t in waiting:
         t.join(10)
-    assert cmd._sync_waiting == 0  # the ended waits gave their slots back
+    assert cmd.slots.waiting == 0  # the ended waits gave their slots back
     with pytest.raises(DeadlineExceeded):  # a slot again: it appends, then waits
         cmd.retain("b", [RetainItem(content="y", timestamp=T0)], timeout=0.2)
     assert len(log.appended) == 4
