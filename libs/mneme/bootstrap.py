@@ -10,6 +10,7 @@ up``), one service per process over Kafka (``mneme serve <service>``), and repla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -726,7 +727,11 @@ def build_reflect(root: Root, recall: Callable | None = None,
                              **root.own_catalog())
     if agent is not None:
         agent.mental_models = models.search
-    servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream)
+    # A reflection with a model waits on it (seconds a turn): one of the process's
+    # waiting calls. Offline it is a few recalls, as quick as any read.
+    slot = root.wait_slots.hold if agent is not None else contextlib.nullcontext
+    servicer = grpc_api.ReflectServicer(reflector.reflect, exists, stream=reflector.stream,
+                                        slot=slot)
     parts.register = lambda server: grpc_api.register(server, servicer, models)
     parts.api = {"reflect": reflector.reflect, "reflect_stream": reflector.stream,
                  "mental_models": models}

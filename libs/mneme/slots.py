@@ -2,8 +2,9 @@
 
 A call that waits for a projection (a sync Retain or deletion for its operation, an entity
 merge or split for the graph, a mental-model write for the catalog) holds a gRPC worker
-thread for as long as the consumers take, which is minutes behind a large retain. Every
-such wait in a process holds one :class:`WaitSlots` slot (``MNEME_SYNC_CALLS``; by default
+thread for as long as the consumers take, which is minutes behind a large retain; a
+reflection with a model waits on the model as long. Every such wait in a process holds one
+:class:`WaitSlots` slot (``MNEME_SYNC_CALLS``; by default
 the workers less four), whichever service it belongs to, so a burst of them is refused
 with RESOURCE_EXHAUSTED before it writes anything, and reads and health checks keep threads
 to run on.

@@ -3,8 +3,9 @@ MentalModelService."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timezone
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 from google.protobuf import empty_pb2, json_format, struct_pb2
 
@@ -40,11 +41,16 @@ def response_to_api(r: Reflection) -> reflect_pb2.ReflectResponse:
 
 class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
     """``reflect(bank_id, query, context, budget, now, response_schema, tags) -> Reflection``;
-    ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events."""
+    ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events. ``slot()`` is
+    held by each reflection (a context manager: :meth:`mneme.slots.WaitSlots.hold`, which
+    raises ResourceExhausted when the process's waiting calls are all taken), so that
+    reflections waiting on a slow model cannot take every gRPC worker."""
 
     def __init__(self, reflect: Callable[..., Reflection], bank_exists: Callable[[str], bool],
-                 stream: Callable[..., Iterator] | None = None):
+                 stream: Callable[..., Iterator] | None = None,
+                 slot: Callable[[], ContextManager] = contextlib.nullcontext):
         self.reflect, self.bank_exists, self.stream = reflect, bank_exists, stream
+        self.slot = slot
 
     def _args(self, request) -> tuple:
         bank_id = bank_id_of(request.parent)
@@ -75,13 +81,16 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
     @translate_errors
     def Reflect(self, request, context):
         with deadline.bind(call_deadline(context)):
-            return response_to_api(self.reflect(*self._args(request)))
+            args = self._args(request)
+            with self.slot():
+                return response_to_api(self.reflect(*args))
 
     def StreamReflect(self, request, context):
         from services.reflect.agent import Done, TextDelta, ToolEvent
         try:
-            with deadline.bind(call_deadline(context)):
+            with deadline.bind(call_deadline(context)), contextlib.ExitStack() as held:
                 args = self._args(request)
+                held.enter_context(self.slot())
                 events = (self.stream or (lambda *a: iter([Done(self.reflect(*a))])))(*args)
                 for e in events:
                     if not context.is_active():
@@ -133,10 +142,11 @@ def _model_from_api(m: mental_models_pb2.MentalModel, bank_id: str, model_id: st
 
 
 class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
-    """MentalModelService over :class:`services.reflect.mental_models.MentalModels`."""
+    """MentalModelService over :class:`services.reflect.mental_models.MentalModels`; a
+    refresh (a reflection, then its write) holds ``slot()`` as Reflect does."""
 
-    def __init__(self, models):
-        self.models = models
+    def __init__(self, models, slot: Callable[[], ContextManager] = contextlib.nullcontext):
+        self.models, self.slot = models, slot
 
     def _api(self, m: MentalModel) -> mental_models_pb2.MentalModel:
         return mental_model_to_api(m, self.models.is_stale(m))
@@ -217,7 +227,7 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
             raise InvalidArgument("budget", "must be LOW, MID or HIGH")
         if request.mode not in _MODE:
             raise InvalidArgument("mode", "must be FULL or DELTA")
-        with deadline.bind(call_deadline(context)):
+        with deadline.bind(call_deadline(context)), self.slot():
             m, _ = self.models.refresh(bank_id, model_id, datetime.now(timezone.utc),
                                        apiconv.BUDGET[request.budget], dry_run=request.dry_run,
                                        mode=_MODE[request.mode])
@@ -230,6 +240,6 @@ def register(server, servicer: ReflectServicer, models=None) -> list[str]:
     names = [reflect_pb2.DESCRIPTOR.services_by_name["ReflectService"].full_name]
     if models is not None:
         mental_models_pb2_grpc.add_MentalModelServiceServicer_to_server(
-            MentalModelServicer(models), server)
+            MentalModelServicer(models, servicer.slot), server)
         names.append(mental_models_pb2.DESCRIPTOR.services_by_name["MentalModelService"].full_name)
     return names
