@@ -208,10 +208,21 @@ def on_entity_merge_requested(m: ev.EntityMergeRequested, meta: EventMeta, *,
                               resolver: EntityResolver) -> list[ev.EntitiesMerged]:
     """A user's merge: the resolver resolves every name of the merged entities to the
     survivor from now on (:meth:`EntityResolver.merge`), and the merge goes on to
-    mneme.memory.v1 (same fields) for the projections, after the facts before it."""
-    resolver.merge(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
+    mneme.memory.v1 (same fields) for the projections, after the facts before it.
+
+    A merge whose survivor is gone by now (merged away or deleted after the request was
+    checked: corrections sent at once reach the log in either order) applies nowhere: it
+    goes on naming no merged entity, so that no projection (the graph, consolidation's
+    opinions) moves anything to an entity that no longer exists, and search ends its
+    operation FAILED. A survivor never goes by its own merge, so a redelivery decides
+    alike."""
     out = ev.EntitiesMerged()
     out.ParseFromString(m.SerializeToString())  # the same fields, seal keys included
+    if not resolver.knows(m.bank_id, m.survivor_id):
+        del out.merged_ids[:]
+        out.display_name = ""
+        return [out]
+    resolver.merge(m.bank_id, m.survivor_id, list(m.merged_ids), m.display_name)
     return [out]
 
 

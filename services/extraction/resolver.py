@@ -299,6 +299,12 @@ class EntityResolver:
                         out.append(b.entities[i].ref)
             return out
 
+    def knows(self, bank_id: str, entity_id: str) -> bool:
+        """True when the bank has the entity ``entity_id`` (not merged away, forgotten or
+        never made)."""
+        with self._lock:
+            return entity_id in self._bank(bank_id).entities
+
     def entities(self, bank_id: str) -> list[EntityRef]:
         """All entities of the bank, in creation order."""
         with self._lock:

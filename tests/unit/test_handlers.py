@@ -406,6 +406,29 @@ def test_deletions_become_retractions():
     assert m == ev.FactsRetracted(bank_id="b", operation_id="op-m", memory_ids=["m1"])
 
 
+def test_a_merge_into_a_survivor_merged_away_meanwhile_goes_on_merging_nothing():
+    """Two merges checked at once reach the log as Beth-into-Liz, then Liz-into-Beth.
+    The second's survivor is gone when it applies: entity resolution leaves it, and it
+    goes on to the projections naming no merged entity, so that none of them (the graph,
+    consolidation's opinions about Liz) moves anything to Beth, who no longer exists."""
+    from services.consolidation.opinions import merge_entities
+    r = EntityResolver(MemoryEntityStore())
+    liz, beth = (ref for [ref] in r.resolve_many("b", [[("Liz", "PERSON")],
+                                                     [("Beth", "PERSON")]]))
+    (first,) = extraction.on_entity_merge_requested(ev.EntityMergeRequested(
+        bank_id="b", operation_id="op-1", survivor_id=liz.id, merged_ids=[beth.id]),
+        meta(), resolver=r)
+    assert list(first.merged_ids) == [beth.id]
+    (late,) = extraction.on_entity_merge_requested(ev.EntityMergeRequested(
+        bank_id="b", operation_id="op-2", survivor_id=beth.id, merged_ids=[liz.id],
+        display_name="Beth B."), meta(2), resolver=r)
+    assert (late.survivor_id, list(late.merged_ids), late.display_name) == (beth.id, [], "")
+    assert [e.id for e in r.entities("b")] == [liz.id]
+    assert r.resolve("b", [("Beth", "PERSON")])[0].id == liz.id
+    assert merge_entities(None, "b", late.survivor_id, late.merged_ids, late.display_name,
+                          T0) is None  # no opinion is looked up, none moves
+
+
 class _ResolvingExtractor(FakeExtractor):
     """A FakeExtractor whose facts name the capitalised words of their item, resolved
     through ``resolver`` (as the offline and LLM extractors resolve mentions)."""
