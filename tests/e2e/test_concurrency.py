@@ -236,9 +236,16 @@ def test_merges_of_the_same_entities_at_once_end_as_some_serial_order(server, m)
         for t in threads:
             t.join(120)
         assert set(answers) <= {"OK", "NOT_FOUND"}, answers
-        ops = [o for o in m.list_operations(bank) if o.kind == "merge_entities"]
-        assert ops and all(o.state in (operations_pb2.SUCCEEDED, operations_pb2.FAILED)
-                           for o in ops), ops
+        # every merge that reached the log ends (its progress reaches the catalog just
+        # after the call returns)
+        end = time.monotonic() + 60
+        while True:
+            ops = [o for o in m.list_operations(bank) if o.kind == "merge_entities"]
+            if ops and all(o.state in (operations_pb2.SUCCEEDED, operations_pb2.FAILED)
+                           for o in ops):
+                break
+            assert time.monotonic() < end, ops
+            time.sleep(0.05)
         after = {e.name.rsplit("/", 1)[1]: frozenset(e.aliases) for e in m.list_entities(bank)
                  if e.name.rsplit("/", 1)[1] in before}
         serial = [_after(order, before, merges)
@@ -307,8 +314,13 @@ def test_corrections_waiting_behind_a_large_retain_leave_threads_for_other_calls
                 time.sleep(0.05)
             m.cancel_operation(big.name)  # extraction is free: the merges apply
             again.result(timeout=300)
-            merges = [o for o in m.list_operations("busy") if o.kind == "merge_entities"]
+            end = time.monotonic() + 60  # their progress reaches the catalog just after
+            while True:
+                merges = [o for o in m.list_operations("busy") if o.kind == "merge_entities"]
+                if all(o.state == operations_pb2.SUCCEEDED for o in merges):
+                    break
+                assert time.monotonic() < end, merges
+                time.sleep(0.05)
             assert len(merges) == 3, merges  # the two cancelled calls' merges, the last one
-            assert all(o.state == operations_pb2.SUCCEEDED for o in merges), merges
     finally:
         s.stop()
