@@ -30,8 +30,8 @@ What it measures, per system, on the same machine in the same run:
   a data dir that holds the banks, also the first call the new server answers.
 * **RSS**: at the end, the summed RSS (psutil) of the server's process tree: mneme's
   ``mneme up``, its children and its embedded graph server (redis-server with FalkorDB,
-  daemonised, found through its watchdog: :func:`graph_servers`; before 2026-12-04 it was
-  left out), and the same processes' PSS as a note (RSS counts a file mapped twice, as
+  a child of its supervisor since 2026-12-06, daemonised before: :func:`graph_servers`;
+  before 2026-12-04 it was left out), and the same processes' PSS as a note (RSS counts a file mapped twice, as
   Qdrant Edge maps its vectors, twice); for the peer the process tree
   listening on ``--peer-url``'s port. The peer's PostgreSQL (``--peer-db-port``) is shown
   apart, as summed PSS (its backends share ``shared_buffers``), and is not in ``rss_mb``.
@@ -324,23 +324,18 @@ def listeners(port: int) -> list[int]:
 
 
 def graph_servers(pid: int) -> list[int]:
-    """Pids of the embedded graph servers (redis-server) of the mneme process ``pid``.
-    falkordblite daemonises them (their parent is init, so they are no descendants);
-    each is named in the argv of its watchdog, a child of mneme
-    (``mneme.stores.graph_falkor._WATCHDOG``: python -I -S -c SCRIPT PID DIR)."""
-    out = []
+    """Pids of the embedded graph servers (redis-server) of the mneme process ``pid``:
+    its descendants of that name (each runs under its supervisor,
+    ``mneme.stores.graph_falkor._SUPERVISOR``, a child of mneme)."""
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
-        return out
+        return []
+    out = []
     for c in children:
-        try:
-            argv = c.cmdline()
-        except psutil.Error:
-            continue
-        if argv[1:4] == ["-I", "-S", "-c"] and len(argv) == 7 and "redis" in argv[4]:
-            with contextlib.suppress(ValueError):
-                out.append(int(argv[5]))
+        with contextlib.suppress(psutil.Error):
+            if c.name().startswith("redis-server"):
+                out.append(c.pid)
     return out
 
 

