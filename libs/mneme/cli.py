@@ -1843,7 +1843,8 @@ def log_recover(data_dir: Path = typer.Option(None, "--data-dir", "-d",
           f" ({r.unreadable_rows} unreadable rows); records after the last readable one "
           "cannot be counted")
     print(f"the damaged file is kept at {r.damaged}")
-    print("next: `mneme replay` rebuilds the projections from the recovered log")
+    print("next: `mneme replay` rebuilds the projections from the recovered log (with "
+          "--force when records were lost: the live stores then hold more than the log)")
 
 
 dlq_app = typer.Typer(rich_markup_mode="markdown", help="The dead-letter topic (mneme.dlq.v1): inspect and re-publish.",

@@ -119,3 +119,39 @@ def test_damage_while_running_turns_health_not_serving_and_writes_fail_fast(tmp_
     finally:
         server.stop()
     assert server.log.read_text().count("pass failed") < 40  # backed off, not spinning
+
+
+def test_a_wal_cut_at_rest_refuses_then_recover_and_replay_serve_what_the_log_kept(tmp_path):
+    """mneme killed (its log's WAL holds the last commits), then the WAL cut while it is
+    stopped: the start silently served a log without its tail, under projections that
+    still held what the lost records made. Now it refuses, naming the WAL; `mneme log
+    recover` and `mneme replay --force` rebuild every projection from what the log kept,
+    and the server serves and takes writes again."""
+    data = tmp_path / "data"
+    server = Server(data).start()
+    with server.client(timeout=60) as m:
+        m.upsert_bank("ops")
+        for text in FACTS:
+            assert m.retain("ops", [{"content": text}]).operation.state == 3
+    server.kill()
+    wal, frame = data / "log.db-wal", 24 + 4096
+    assert wal.stat().st_size > 32 + 4 * frame
+    os.truncate(wal, wal.stat().st_size - 2 * frame)
+    out = up_refuses(data)
+    _assert_names_file_and_remedy(out, data)
+    assert f"{data.resolve()}/log.db-wal was cut or damaged" in out, out
+
+    rec = subprocess.run([MNEME, "log", "recover", "--data-dir", str(data)], env=ENV,
+                         capture_output=True, text=True, timeout=180)
+    assert rec.returncode == 0 and "was cut or damaged" in rec.stdout, rec.stdout + rec.stderr
+    rp = subprocess.run([MNEME, "replay", "--force", "--data-dir", str(data)], env=ENV,
+                        capture_output=True, text=True, timeout=300)
+    assert rp.returncode == 0, rp.stdout + rp.stderr
+    server.start()
+    try:
+        with server.client(timeout=60) as m:
+            kept = {mem.id for mem in m.list_memories("ops")}
+            assert m.retain("ops", [{"content": "Dan sold his bicycle."}]).operation.state == 3
+            assert kept < {mem.id for mem in m.list_memories("ops")}
+    finally:
+        server.stop()

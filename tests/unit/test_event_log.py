@@ -685,6 +685,152 @@ def test_an_intact_log_opens_after_a_kill_with_frames_in_the_wal(path):
         log.close()
 
 
+# ---- a write-ahead log cut at rest ---------------------------------------------------------
+
+_KILLED_WRITER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from mneme.bus.sqlite_log import SqliteEventLog
+from mneme.ports import OutRecord
+log = SqliteEventLog(sys.argv[1])
+log._writer.execute("PRAGMA wal_autocheckpoint = 0")  # every frame stays in the WAL
+for n in map(int, sys.argv[3:]):
+    if n == 0:  # a full checkpoint: every frame so far is copied into the main file
+        assert log._writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0
+        continue
+    for i in range(n):
+        log.append([OutRecord("t", "k", b"x" * 3000, {})])
+        log.commit("g", {("t", 0): log.end_offset("t", 0)})
+os.kill(os.getpid(), 9)
+"""
+
+
+def _killed_writer(path: str, *appends: int) -> int:
+    """A writer that appends (and commits group g to the end after each) ``appends``
+    records in turn, a 0 making a full checkpoint, and is SIGKILLed with the rest in its
+    WAL; returns the WAL's frame count."""
+    import os
+    SqliteEventLog(path).close()
+    subprocess.run([sys.executable, "-c", _KILLED_WRITER, path,
+                    str(bus.__file__.rsplit("/mneme/", 1)[0]), *map(str, appends)], check=False)
+    return (os.path.getsize(path + "-wal") - 32) // (24 + 4096)
+
+
+@pytest.mark.parametrize("damage", ["cut_frames", "cut_in_a_frame", "garbled_frame",
+                                    "wal_removed", "wal_header"])
+def test_a_wal_cut_at_rest_refuses_to_open_naming_it_and_the_lost_frames(path, damage):
+    """A WAL cut or damaged while the log was closed (after a kill) lost the tail of the
+    history without a word: SQLite reads frames up to the first bad one. Records and the
+    consumers' offsets went back, while the projections kept what the lost records
+    made. Opening now refuses, naming the WAL and the frames lost."""
+    import os
+
+    from mneme.bus.sqlite_log import LogDamaged
+    frames = _killed_writer(path, 40)
+    wal, frame = path + "-wal", 24 + 4096
+    size = os.path.getsize(wal)
+    if damage == "cut_frames":
+        os.truncate(wal, size - 3 * frame)
+    elif damage == "cut_in_a_frame":
+        os.truncate(wal, size - frame // 2)
+    elif damage == "wal_removed":
+        os.remove(wal)
+    else:
+        with open(wal, "r+b") as f:
+            f.seek(8 if damage == "wal_header" else 32 + (frames // 2) * frame + 100)
+            f.write(b"garbage!")
+    with pytest.raises(LogDamaged) as e:
+        SqliteEventLog(path)
+    msg = str(e.value)
+    assert wal in msg and "mneme log recover" in msg, msg
+    assert f"committed {frames} frames" in msg, msg
+
+
+def test_a_wal_reused_after_a_checkpoint_opens_with_every_record(path):
+    """After a full checkpoint SQLite writes the WAL from its start again, leaving older
+    frames (of another salt) after the new ones: not damage."""
+    import os
+    _killed_writer(path, 60, 0, 5)
+    assert os.path.getsize(path + "-wal") > 40 * (24 + 4096)  # the older frames behind
+    log = SqliteEventLog(path)
+    try:
+        assert assert_dense(log, "t") == 65 and log.committed("g", "t", 0) == 65
+    finally:
+        log.close()
+
+
+def test_a_wal_removed_after_its_checkpoint_loses_nothing(path):
+    """Every frame already copied into the main file: without the WAL the log is whole."""
+    import os
+    _killed_writer(path, 30, 0)
+    os.remove(path + "-wal")
+    log = SqliteEventLog(path)
+    try:
+        assert assert_dense(log, "t") == 30 and log.committed("g", "t", 0) == 30
+    finally:
+        log.close()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_recover_keeps_what_a_cut_wal_still_holds(path, checkpointed):
+    """`mneme log recover` of a log whose WAL was cut keeps the records SQLite can read;
+    when pages were already copied into the main file (``checkpointed``) the frames
+    left in the WAL are older than them, so the main file alone is read (reading both
+    rolled those pages back) and every checkpointed record is kept."""
+    import os
+
+    from mneme.bus.sqlite_log import recover
+    _killed_writer(path, *((30, 0) if checkpointed else (30,)))
+    wal = path + "-wal"
+    os.truncate(wal, 32 + 5 * (24 + 4096))
+    report = recover(path)
+    assert report.problem and "was cut or damaged" in report.problem
+    if checkpointed:  # not read, so kept as it was beside the damaged copy
+        assert os.path.getsize(report.damaged + "-wal") == 32 + 5 * (24 + 4096)
+    log = SqliteEventLog(path)
+    try:
+        kept = assert_dense(log, "t")
+        assert kept == 30 if checkpointed else 0 < kept < 30, kept
+        assert log.committed("g", "t", 0) <= kept
+    finally:
+        log.close()
+
+
+def test_a_log_that_lost_records_its_consumers_handled_refuses_to_open(path):
+    """Without the -shm wal-index the cut cannot be measured, but its effect can: a cut
+    WAL whose older frames SQLite read over newer pages of the main file left 1 of 30
+    records while consumer group g had handled 30 (the projections held all 30, and
+    the group would have skipped the next 29 appended). Opening refuses, and leaves
+    the WAL as it was for `mneme log recover` (closing used to checkpoint it in)."""
+    import os
+
+    from mneme.bus.sqlite_log import LogDamaged
+    _killed_writer(path, 30, 0)
+    os.truncate(path + "-wal", 32 + 5 * (24 + 4096))
+    os.remove(path + "-shm")
+    for _ in range(2):
+        with pytest.raises(LogDamaged, match="consumer group 'g' has handled t.0. up to "
+                                             "offset 30, but the log ends at"):
+            SqliteEventLog(path)
+        assert os.path.getsize(path + "-wal") > 32
+
+
+def test_a_consumer_group_past_the_end_of_its_partition_refuses_to_open(path):
+    import sqlite3
+
+    from mneme.bus.sqlite_log import LogDamaged
+    log = SqliteEventLog(path)
+    log.append([rec("t", "k", f"v{i}") for i in range(5)])
+    log.commit("g", {("t", 0): 5})
+    log.close()
+    conn = sqlite3.connect(path)  # the tail lost some other way (a file put back)
+    conn.execute('DELETE FROM records WHERE "offset" >= 3')
+    conn.commit()
+    conn.close()
+    with pytest.raises(LogDamaged, match=r"up to offset 5, but the log ends at 3: 2 records"):
+        SqliteEventLog(path)
+
+
 def test_opening_with_frames_in_the_wal_keeps_this_process_s_locks(path):
     """A log opened with frames in its WAL (after a kill) is checked without dropping the
     process's POSIX locks on the file: another process opening and closing the log (an

@@ -32,6 +32,12 @@ Integrity: opening checks the file (:func:`check_file`: the SQLite header, the f
 against the page count the header records, then ``PRAGMA quick_check``; about 40 ms per
 50 MB with a warm page cache; ``integrity_check`` would also cross-check the index and costs
 twice that) and raises :class:`LogDamaged` rather than serve a truncated or garbled log.
+Before SQLite touches a log left with frames in its WAL (a kill), :func:`wal_state`
+compares the frames the last writer committed (its ``-shm`` wal-index) with those SQLite
+will accept: SQLite silently drops every frame from the first bad one, so a WAL cut or
+garbled at rest would lose committed writes (and roll back pages already copied into the
+file). And a consumer group whose committed offset is past the end of its partition
+(:func:`_offsets_problem`) means the log lost records its projections already hold.
 A log that becomes damaged while open (SQLite reports SQLITE_CORRUPT / SQLITE_NOTADB, or
 :meth:`SqliteEventLog.check` finds the file changed under it) stays damaged: every later
 call raises :class:`LogDamaged` at once (gRPC UNAVAILABLE), so writers fail fast instead of
@@ -51,11 +57,13 @@ import json
 import logging
 import os
 import sqlite3
+import struct
+import sys
 import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 from mneme.bus import StaleCommitError, default_partitions, partition_for
 from mneme.errors import Unavailable
@@ -165,7 +173,7 @@ def header_problem(path: str, min_size: int = 0) -> str | None:
     change_counter = int.from_bytes(head[24:28], "big")
     pages = int.from_bytes(head[28:32], "big")
     valid_for = int.from_bytes(head[92:96], "big")
-    problem = _size_problem(size, page_size, min_size)
+    problem = _size_problem(size, page_size, min_size) or wal_problem(path)
     if problem:
         return problem
     if _wal_frames(path) or pages == 0 or valid_for != change_counter:
@@ -216,9 +224,11 @@ def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
     """Full open-time check of the log file at ``path``: :func:`header_problem` (only
     without ``conn``: given one, the caller checked the header before connecting, and a
     descriptor opened now would drop ``conn``'s locks), then (on ``conn``, or a
-    connection of its own) a checkpoint so the WAL's frames reach the main file, the size
-    check again, and ``PRAGMA quick_check`` (every page and record of every table:
-    O(file size)). Returns a description of the damage or None."""
+    connection of its own) :func:`_offsets_problem` (a consumer group past the end of its
+    partition), a checkpoint so the WAL's frames reach the main file, the size check
+    again, and ``PRAGMA quick_check`` (every page and record of every table: O(file
+    size)). Returns a description of the damage or None; a damaged file's WAL is left
+    as it was (for ``mneme log recover``)."""
     own = conn is None
     problem = header_problem(path) if own else None
     if problem or not os.path.exists(path):
@@ -226,6 +236,11 @@ def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
     try:
         if own:
             conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        # before the checkpoint below writes the WAL's frames into the file for good
+        problem = _offsets_problem(conn)
+        if problem:
+            _keep_wal_on_close(conn)
+            return problem
         if _wal_frames(path):
             # busy (another process reading) leaves frames behind; the size check then
             # cannot judge the size, and quick_check still reads every page
@@ -245,6 +260,175 @@ def check_file(path: str, conn: sqlite3.Connection | None = None) -> str | None:
             conn.close()
     return None
 
+
+# ---- the write-ahead log at rest --------------------------------------------------------
+# SQLite reads a WAL's frames up to the first one whose checksum or salt does not match
+# and silently drops the rest (https://www.sqlite.org/fileformat2.html#walformat), so a
+# WAL cut or garbled while the log was closed loses committed writes without an error.
+# After a crash the -shm file still holds the wal-index header of the last writer: how
+# many frames were committed (mxFrame) and how many were already copied into the main
+# file (nBackfill). Comparing it with the frames SQLite will accept finds the loss.
+
+_WAL_MAGIC = (0x377F0682, 0x377F0683)  # the low bit: checksums over big-endian words
+_WAL_VERSION = 3007000
+_WAL_HEADER, _FRAME_HEADER = 32, 24
+
+
+@dataclass(frozen=True)
+class WalState:
+    """What the write-ahead log of a closed log holds. ``committed``: frames of committed
+    transactions the last writer recorded in the ``-shm`` wal-index (mxFrame);
+    ``backfilled``: those of them already copied into the main file (nBackfill);
+    ``readable``: the frames SQLite will accept, up to the last commit (0 for a missing,
+    empty or unreadable WAL)."""
+
+    committed: int
+    backfilled: int
+    readable: int
+
+    @property
+    def damaged(self) -> bool:
+        """True when SQLite would read another state than the last writer committed:
+        frames of committed writes dropped, unless every frame is dropped and all of them
+        were already copied into the main file (a WAL emptied after its checkpoint)."""
+        return self.readable < self.committed and not (
+            self.readable == 0 and self.backfilled >= self.committed)
+
+    @property
+    def unsaved(self) -> int:
+        """Dropped frames whose writes are nowhere else (not yet in the main file)."""
+        return max(0, self.committed - max(self.readable, self.backfilled))
+
+    @property
+    def main_file_is_newer(self) -> bool:
+        """True when the main file alone holds a later state than SQLite would read from
+        both (the frames it keeps are older than pages already copied into the file)."""
+        return self.damaged and self.readable <= self.backfilled
+
+
+def _checksum(data: bytes, big: bool, s0: int, s1: int) -> tuple[int, int]:
+    """SQLite's WAL checksum of ``data`` (a multiple of 8 bytes) going on from (s0, s1)."""
+    words = struct.unpack(f"{'>' if big else '<'}{len(data) // 4}I", data)
+    for i in range(0, len(words), 2):
+        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
+        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
+    return s0, s1
+
+
+def _wal_index(path: str) -> tuple[int, int, bytes] | None:
+    """(mxFrame, nBackfill, the WAL salts) from ``path``'s ``-shm`` wal-index header
+    (native byte order; two equal copies, initialised, checksum right), or None."""
+    try:
+        with open(path + "-shm", "rb") as f:
+            head = f.read(136)
+    except OSError:
+        return None
+    if len(head) < 136 or head[:48] != head[48:96]:
+        return None
+    version, _, _, init, _, _, mx_frame = struct.unpack_from("=IIIBBHI", head, 0)
+    if version != _WAL_VERSION or not init:
+        return None
+    big = sys.byteorder == "big"
+    if struct.pack("=II", *_checksum(head[:40], big, 0, 0)) != head[40:48]:
+        return None
+    (backfilled,) = struct.unpack_from("=I", head, 96)
+    return mx_frame, backfilled, head[32:40]
+
+
+def _readable_frames(wal: BinaryIO, salts: bytes, limit: int) -> int | None:
+    """The frames of the WAL file ``wal`` SQLite accepts (salts, checksums), up to its
+    last commit frame, reading at most ``limit`` frames; None when its header is not
+    the one of ``salts`` (another WAL than the wal-index describes)."""
+    head = wal.read(_WAL_HEADER)
+    if len(head) < _WAL_HEADER:
+        return 0
+    magic, version, page_size = struct.unpack_from(">III", head, 0)
+    if magic not in _WAL_MAGIC or version != _WAL_VERSION:
+        return 0  # SQLite ignores the whole file
+    if head[16:24] != salts:
+        return None
+    big = bool(magic & 1)
+    sums = _checksum(head[:24], big, 0, 0)
+    if struct.pack(">II", *sums) != head[24:32]:
+        return 0
+    readable = 0
+    for n in range(1, limit + 1):
+        frame = wal.read(_FRAME_HEADER + page_size)
+        if len(frame) < _FRAME_HEADER + page_size or frame[8:16] != salts:
+            break
+        pgno, commit = struct.unpack_from(">II", frame, 0)
+        sums = _checksum(frame[_FRAME_HEADER:], big, *_checksum(frame[:8], big, *sums))
+        if pgno == 0 or struct.pack(">II", *sums) != frame[16:24]:
+            break
+        if commit:
+            readable = n
+    return readable
+
+
+def wal_state(path: str) -> WalState | None:
+    """The :class:`WalState` of the closed log at ``path``, or None when there is nothing
+    to judge (no wal-index from a last writer, or it describes another WAL than the
+    file, or the WAL changed while read: a process has the log open). Reads the -shm
+    header and up to ``committed`` frames (checksums in Python: ~0.3 s per 1,000
+    frames); opens no SQLite connection, so call it before any is open."""
+    index = _wal_index(path)
+    if index is None or index[0] == 0:
+        return None
+    committed, backfilled, salts = index
+    try:
+        with open(path + "-wal", "rb") as wal:
+            readable = _readable_frames(wal, salts, committed)
+            wal.seek(0)
+            again = wal.read(_WAL_HEADER)
+    except FileNotFoundError:
+        readable, again = 0, b""
+    if readable is None or _wal_index(path) != index or (again and again[16:24] != salts):
+        return None
+    return WalState(committed, backfilled, readable)
+
+
+def wal_problem(path: str) -> str | None:
+    """What :func:`wal_state` says is wrong with the closed log at ``path``'s write-ahead
+    log, or None."""
+    state = wal_state(path)
+    if state is None or not state.damaged:
+        return None
+    older = (f"; {path} already holds later versions of pages in the frames it keeps"
+             if 0 < state.readable < state.backfilled else "")
+    return (f"its write-ahead log {path}-wal was cut or damaged while the log was closed: "
+            f"the last writer committed {state.committed} frames ({state.backfilled} of "
+            f"them copied into {path} since), SQLite can read {state.readable}, so the "
+            f"writes of {state.unsaved} committed frames would be lost{older}")
+
+
+def _keep_wal_on_close(conn: sqlite3.Connection) -> None:
+    """Close ``conn`` later without SQLite's checkpoint of the last connection, which
+    would write a damaged log's WAL into its main file for good."""
+    with suppress(AttributeError, sqlite3.Error):  # (Python 3.12+, SQLite 3.16+)
+        conn.setconfig(sqlite3.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, True)
+
+def _offsets_problem(conn: sqlite3.Connection) -> str | None:
+    """A consumer group whose committed offset is past the end of its partition, or
+    None: the log lost records the group had already handled (a cut WAL, a file put
+    back from an older copy without the others), so the projections hold what the log
+    no longer has, and the group would skip the records appended next under the lost
+    offsets. One index lookup per (group, partition)."""
+    try:
+        rows = conn.execute(
+            'SELECT g."group", g.topic, g."partition", g.next_offset, '
+            '(SELECT MAX(r."offset") FROM records r WHERE r.topic = g.topic '
+            'AND r."partition" = g."partition") FROM group_offsets g').fetchall()
+    except sqlite3.OperationalError:
+        return None  # a new log: no tables yet
+    ahead = [(g, t, p, n, -1 if end is None else end) for g, t, p, n, end in rows
+             if n > (-1 if end is None else end) + 1]
+    if not ahead:
+        return None
+    g, t, p, n, end = ahead[0]
+    return (f"consumer group {g!r} has handled {t}[{p}] up to offset {n}, but the log "
+            f"ends at {end + 1}: {n - end - 1} records it handled are gone (and "
+            f"{len(ahead) - 1} more partitions of groups likewise), so the projections hold "
+            "what the log no longer has")
 
 def _guarded(method):
     """Fail fast once the log is known to be damaged; mark it damaged (and raise
@@ -339,6 +523,7 @@ class SqliteEventLog:
             if check:
                 problem = check_file(self.path, self._writer)
                 if problem:
+                    _keep_wal_on_close(self._writer)
                     self._writer.close()
                     raise LogDamaged(self.path, problem)
             self._init_schema()
@@ -825,7 +1010,8 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
     appended after recovery are not skipped). Only then does the new log replace the old
     one, in one rename: a recovery interrupted before (Ctrl-C) leaves the log as it was.
     A log that :func:`check_file` finds whole is left as it is (the report's ``damaged``
-    is then ""). Reads rows ``chunk`` rowids at a time, falling back to one by one
+    is then ""). A write-ahead log cut at rest (:func:`wal_state`) is read as far as
+    SQLite accepts it, or not at all when the main file alone holds a later state. Reads rows ``chunk`` rowids at a time, falling back to one by one
     around damage. Stop every process using the log first. Raises FileNotFoundError
     when ``path`` does not exist."""
     import shutil
@@ -833,6 +1019,7 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
         raise FileNotFoundError(path)
+    wal = wal_state(path)  # before any connection: SQLite's recovery rewrites the -shm
     try:
         problem = check_file(path)
     except sqlite3.DatabaseError as e:
@@ -841,7 +1028,11 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
         return RecoveryReport(path=path, damaged="", problem=None)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     damaged, fresh = f"{path}.damaged-{stamp}", f"{path}.recovering-{stamp}"
-    for suffix in ("", "-wal", "-shm"):
+    # A cut WAL whose readable frames are older than pages already in the main file
+    # would roll those pages back: then the main file alone is read (its WAL is kept
+    # beside it once the reading is done).
+    main_only = wal is not None and wal.main_file_is_newer
+    for suffix in ("",) if main_only else ("", "-wal", "-shm"):
         if os.path.exists(path + suffix):
             shutil.copy2(path + suffix, damaged + suffix)
     report = RecoveryReport(path=path, damaged=damaged, problem=problem)
@@ -865,6 +1056,10 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
         raise
     finally:
         src.close()
+        if main_only:
+            for suffix in ("-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    shutil.copy2(path + suffix, damaged + suffix)
     # The old WAL must not meet the new file (SQLite would apply its frames to it); the
     # copy at ``damaged`` keeps them.
     for suffix in ("-wal", "-shm"):
