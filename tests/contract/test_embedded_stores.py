@@ -3,9 +3,11 @@ contracts, plus what is specific to them: URL dispatch, durability, concurrency.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from .corpus import DIM, corpus, fid, filter_cases, full_fact
 from .graph_suite import GraphStoreSuite, unit
@@ -645,6 +648,49 @@ class TestFalkorGraphStore(GraphStoreSuite):
             assert os.environ.get("GLIBC_TUNABLES") == callers
             s.upsert([unit("u1")])  # and it serves
             assert s.spread("a", {"u1": 1.0}, [], k=5, hops=0)
+        finally:
+            s.close()
+
+    def test_sigterm_stops_the_server_when_its_snapshot_cannot_be_written(self, tmp_path):
+        """A server whose directory was deleted (a test's temp dir, an operator's rm)
+        could not write its final snapshot and so ignored SIGTERM ("can't exit") and
+        ran on for good; every write is in its append-only file already, so it now
+        exits."""
+        import shutil
+
+        from mneme.stores.graph_falkor import _is_redis
+        where = tmp_path / "graph"
+        s = FalkorGraphStore(str(where / "g.db"))
+        try:
+            s.upsert([unit("u1")])
+            s._db.client.save()  # save points on: the shutdown wants a snapshot
+            with open(s._db.client.pidfile) as f:
+                pid = int(f.read().strip())
+            shutil.rmtree(where)
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while _is_redis(pid):
+                assert time.monotonic() < deadline, "redis-server ignored SIGTERM"
+                time.sleep(0.05)
+        finally:
+            with contextlib.suppress(redis.RedisError):  # its server is gone
+                s.close()
+
+    def test_a_store_whose_server_died_closes_and_the_file_opens_again(self, tmp_path):
+        """The server killed under an open store: close() raises (the append-only file
+        could not be rewritten) but still releases the file's lock and the supervisor,
+        so the file opens again, with every acknowledged write."""
+        path = str(tmp_path / "g.db")
+        s = FalkorGraphStore(path)
+        s.upsert([unit("u1"), unit("u2")])
+        with open(s._db.client.pidfile) as f:
+            os.kill(int(f.read().strip()), signal.SIGKILL)
+        with pytest.raises(redis.RedisError):
+            s.close()
+        assert s._supervisor.poll() is not None
+        s = FalkorGraphStore(path)
+        try:
+            assert s.count("a") == 2
         finally:
             s.close()
 

