@@ -20,9 +20,12 @@ from tests.e2e.server import Server, inherited
 pytestmark = pytest.mark.slow
 
 
+def _redis_pid_file(data) -> str:
+    return json.loads((data / "graph.db.settings").read_text())["pidfile"]
+
+
 def _redis_pid(data) -> int:
-    settings = json.loads((data / "graph.db.settings").read_text())
-    return int(open(settings["pidfile"]).read().strip())
+    return int(open(_redis_pid_file(data)).read().strip())
 
 
 def _alive(pid: int) -> bool:
@@ -159,11 +162,14 @@ def test_sigkill_of_mneme_and_its_supervisor_leaves_no_server(tmp_path):
         (redis,) = _servers(data)
         supervisor = psutil.Process(redis).parent()
         assert supervisor.ppid() == server.proc.pid
+        temp = Path(_redis_pid_file(data)).parent  # the server's config, socket, log
         supervisor.kill()
         server.kill()
         _gone(data)
+        assert temp.exists()  # nobody was left to remove it
         server.start()
         _holds_the_graph(server)
+        assert not temp.exists()  # the next start did
     finally:
         server.stop()
     _gone(data)

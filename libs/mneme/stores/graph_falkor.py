@@ -199,6 +199,10 @@ finally:
 """
 
 
+#: The embedded server's temp dir (config, pid file, socket, log): ``<tmp>/<prefix>XXXX``.
+_TEMP_PREFIX = "mneme-graph-"
+
+
 class GraphFileInUse(DataDirLocked):
     """Another live process holds the embedded graph store's file (a data dir's lock
     of its own: ``mneme up`` and ``mneme serve`` refuse to start, naming it)."""
@@ -226,7 +230,7 @@ def _start(path: str, timeout: float) -> tuple[FalkorDB, subprocess.Popen]:
     never write the same files. RuntimeError past ``timeout``, or when the server died;
     a server that did not become ready is stopped, not left running in the background."""
     _end_stale_servers(path)
-    redis_dir = tempfile.mkdtemp(prefix="mneme-graph-")
+    redis_dir = tempfile.mkdtemp(prefix=_TEMP_PREFIX)
     socket_file = os.path.join(redis_dir, "redis.socket")
     pidfile = os.path.join(redis_dir, "redis.pid")
     config = configuration.config(**(
@@ -309,6 +313,14 @@ def _end_stale_servers(path: str) -> None:
         log.warning("stopping redis-server %d, a graph server of %s left by an earlier "
                     "process", pid, path)
         _stop(pid)
+    # the temp dir of the last server (config, log, socket), left when its supervisor
+    # was killed too: its registry names it
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(path + ".settings") as f:
+            old = os.path.dirname(json.load(f)["pidfile"])
+        if (os.path.basename(old).startswith(_TEMP_PREFIX)
+                and os.path.exists(os.path.join(old, "redis.config"))):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _servers_of(path: str) -> list[int]:
