@@ -9,6 +9,7 @@ except ``replay``, which rebuilds the projections of a stopped server's data dir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -158,6 +159,17 @@ def _options(ctx: typer.Context, api_key: Optional[str] = typer.Option(
 def _client(address: str):
     from mneme.client import MnemeClient
     return MnemeClient(address)
+
+
+@contextlib.contextmanager
+def _session(address: str):
+    """The SDK client of ``address`` for one command; an RPC error raised in the block
+    ends the command (exit 2, its status and field violations printed: :func:`_fail`)."""
+    with _client(address) as m:
+        try:
+            yield m
+        except grpc.RpcError as e:
+            _fail(e)
 
 
 def _fail(e: grpc.RpcError) -> None:
@@ -319,49 +331,46 @@ def banks(action: str = typer.Argument("list", help="list | create | get | updat
         return _bank_stats(bank_id, address)
     if action == "profile" and bank_id:
         return _bank_profile(bank_id, as_json, address)
-    with _client(address) as m:
-        try:
-            if action == "list":
-                t = Table("bank", "display name", "created")
-                for b in m.list_banks():
-                    t.add_row(b.name.split("/", 1)[1], b.display_name,
-                              b.create_time.ToDatetime().isoformat(timespec="seconds"))
-                _out().print(t)
-            elif action == "check-llm" and bank_id:
-                r = m.check_llm(bank_id)
-                print(f"extraction: {r.extraction}")
-                for c in r.checks:
-                    state = "ok" if c.ok else f"FAILED: {c.error}"
-                    print(f"  {c.operation:<13} {c.model:<40} {state} ({c.latency_s:.2f}s)")
-                if not r.checks:
-                    print("  no language model configured: offline extraction, extractive reflect")
-                if any(not c.ok for c in r.checks):
-                    raise typer.Exit(1)
-            elif action == "update" and bank_id:
-                if name is None and not set_ and not flags:
-                    console.print("nothing to change: give --name, a config flag "
-                                  "(--reflect-mission, --skepticism, ...) or --set FIELD=VALUE",
-                                  style="red")
-                    raise typer.Exit(2)
-                b = m.update_bank(bank_id, display_name=name, **{**_config_fields(set_), **flags})
-                _print_json(b) if as_json else _print_fields(b)
-            elif action == "create" and bank_id:  # create or replace: config as given
-                b = m.upsert_bank(bank_id, display_name=name or "",
-                                  **{**_config_fields(set_), **flags})
-                _print_json(b) if as_json else _print_fields(b)
-            elif action in ("get", "delete") and bank_id:
-                b = {"get": m.get_bank}.get(action, m.delete_bank)(bank_id)
-                if b is None:
-                    print(f"deleted {bank_id}")
-                else:
-                    _print_json(b) if as_json else _print_fields(b)
-            else:
-                console.print("usage: mneme banks [list | create ID | get ID | update ID [--name N]"
-                              " [--reflect-mission M] [--skepticism 1..5] ... [--set FIELD=VALUE]"
-                              " | delete ID | check-llm ID | stats ID]")
+    with _session(address) as m:
+        if action == "list":
+            t = Table("bank", "display name", "created")
+            for b in m.list_banks():
+                t.add_row(b.name.split("/", 1)[1], b.display_name,
+                          b.create_time.ToDatetime().isoformat(timespec="seconds"))
+            _out().print(t)
+        elif action == "check-llm" and bank_id:
+            r = m.check_llm(bank_id)
+            print(f"extraction: {r.extraction}")
+            for c in r.checks:
+                state = "ok" if c.ok else f"FAILED: {c.error}"
+                print(f"  {c.operation:<13} {c.model:<40} {state} ({c.latency_s:.2f}s)")
+            if not r.checks:
+                print("  no language model configured: offline extraction, extractive reflect")
+            if any(not c.ok for c in r.checks):
+                raise typer.Exit(1)
+        elif action == "update" and bank_id:
+            if name is None and not set_ and not flags:
+                console.print("nothing to change: give --name, a config flag "
+                              "(--reflect-mission, --skepticism, ...) or --set FIELD=VALUE",
+                              style="red")
                 raise typer.Exit(2)
-        except grpc.RpcError as e:
-            _fail(e)
+            b = m.update_bank(bank_id, display_name=name, **{**_config_fields(set_), **flags})
+            _print_json(b) if as_json else _print_fields(b)
+        elif action == "create" and bank_id:  # create or replace: config as given
+            b = m.upsert_bank(bank_id, display_name=name or "",
+                              **{**_config_fields(set_), **flags})
+            _print_json(b) if as_json else _print_fields(b)
+        elif action in ("get", "delete") and bank_id:
+            b = {"get": m.get_bank}.get(action, m.delete_bank)(bank_id)
+            if b is None:
+                print(f"deleted {bank_id}")
+            else:
+                _print_json(b) if as_json else _print_fields(b)
+        else:
+            console.print("usage: mneme banks [list | create ID | get ID | update ID [--name N]"
+                          " [--reflect-mission M] [--skepticism 1..5] ... [--set FIELD=VALUE]"
+                          " | delete ID | check-llm ID | stats ID]")
+            raise typer.Exit(2)
 
 
 @app.command()
@@ -393,12 +402,9 @@ def retain(bank: str,
         text = sys.stdin.read() if content == "-" else content
         batch = [{"content": text, "context": context, "document_id": document_id,
                   "tags": tag, "timestamp": _aware(timestamp, time_zone), "time_zone": time_zone}]
-    with _client(address) as m:
-        try:
-            m.upsert_bank(bank) if not _exists(m, bank) else None
-            r = m.retain(bank, batch, async_=async_)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        m.upsert_bank(bank) if not _exists(m, bank) else None
+        r = m.retain(bank, batch, async_=async_)
     op = r.operation
     print(f"{op.name}: {op.kind} {_state(op.state)}, {op.facts} facts"
           + (f", {len(op.item_errors)} items failed" if op.item_errors else ""))
@@ -537,13 +543,10 @@ def recall(bank: str, query: str,
     _choice("--tags-match", tags_match, TAGS_MATCH)
     for t in type_:
         _choice("--type", t, TYPES)
-    with _client(address) as m:
-        try:
-            r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
-                         tags_match=tags_match, types=type_,
-                         query_timestamp=_aware(at, time_zone), time_zone=time_zone)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
+                     tags_match=tags_match, types=type_,
+                     query_timestamp=_aware(at, time_zone), time_zone=time_zone)
     if as_json:
         from google.protobuf.json_format import MessageToDict
         print(json.dumps(MessageToDict(r, preserving_proto_field_name=True), indent=1))
@@ -574,12 +577,9 @@ def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
     """Answer QUERY by reasoning over BANK (extractive without a language model)."""
     from mneme.client import BUDGETS
     _choice("--budget", budget, BUDGETS)
-    with _client(address) as m:
-        try:
-            r = m.reflect(bank, query, context=context, budget=budget,
-                          query_timestamp=_aware(at, time_zone), tags=tag, time_zone=time_zone)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        r = m.reflect(bank, query, context=context, budget=budget,
+                      query_timestamp=_aware(at, time_zone), tags=tag, time_zone=time_zone)
     if as_json:
         return _print_json(r)
     print(r.text)
@@ -599,19 +599,16 @@ def import_locomo(file: Path, conversation: List[str] = typer.Option([], "--conv
     if not convs:
         console.print(f"no conversation {conversation} in {file}")
         raise typer.Exit(2)
-    with _client(address) as m, _progress() as prog:
+    with _session(address) as m, _progress() as prog:
         for c in convs:
             bank_id = bank or c["sample_id"]
             sessions = locomo.sessions(c)
             task = prog.add_task(f"{c['sample_id']} → banks/{bank_id}",
                                  total=sum(len(s.items) for s in sessions))
-            try:
-                m.upsert_bank(bank_id, display_name=f"LoCoMo {c['sample_id']}")
-                for s in sessions:
-                    m.retain(bank_id, s.items)
-                    prog.advance(task, len(s.items))
-            except grpc.RpcError as e:
-                _fail(e)
+            m.upsert_bank(bank_id, display_name=f"LoCoMo {c['sample_id']}")
+            for s in sessions:
+                m.retain(bank_id, s.items)
+                prog.advance(task, len(s.items))
 
 
 @app.command()
@@ -662,12 +659,9 @@ def keys(action: str = typer.Argument("list", help="create | list | revoke"),
 def reconsolidate(bank: str, address: str = AddressOpt):
     """Re-derive BANK's observations from its facts with the current configuration (a
     running server; new ObservationsChanged events supersede the old ones)."""
-    try:
-        with _client(address) as m:
-            op = m.consolidate(bank, reconsolidate=True)
-            n = sum(1 for _ in m.list_observations(bank))
-    except grpc.RpcError as e:
-        _fail(e)
+    with _session(address) as m:
+        op = m.consolidate(bank, reconsolidate=True)
+        n = sum(1 for _ in m.list_observations(bank))
     _ended(op, f"reconsolidated {bank} ({n} observations)")
 
 
@@ -873,14 +867,11 @@ def generations_list(address: Optional[str] = typer.Option(
     t = Table("generation", "state", "records", "units checked", "updated", "error")
     if address and data_dir is None:
         from mneme.v1 import generations_pb2
-        with _client(address) as m:
-            try:
-                for g in m.list_generations():
-                    t.add_row(str(g.generation), generations_pb2.Generation.State.Name(g.state),
-                              str(g.records_done), str(g.check.units),
-                              when(g.update_time.seconds), g.error)
-            except grpc.RpcError as e:
-                _fail(e)
+        with _session(address) as m:
+            for g in m.list_generations():
+                t.add_row(str(g.generation), generations_pb2.Generation.State.Name(g.state),
+                          str(g.records_done), str(g.check.units),
+                          when(g.update_time.seconds), g.error)
     else:
         from mneme.generations import Generations, configured
         st = _settings_of(data_dir)
@@ -898,11 +889,8 @@ def generations_drop(generation: int,
     replay is cancelled first), on a running server (--address) or in a stopped server's
     data dir."""
     if address:
-        with _client(address) as m:
-            try:
-                m.delete_generation(generation)
-            except grpc.RpcError as e:
-                _fail(e)
+        with _session(address) as m:
+            m.delete_generation(generation)
     else:
         from mneme.datadir import DataDirLocked
         from mneme.runtime.replay import drop_generation
@@ -993,12 +981,9 @@ def directives_create(bank: str, text: str = typer.Argument(..., help="the rule,
                       tag: List[str] = typer.Option([], "--tag", help="scope: applies to reflects with one of these tags"),
                       as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Create a directive in BANK."""
-    with _client(address) as m:
-        try:
-            d = m.create_directive(bank, text, title=title, priority=priority,
-                                   active=not inactive, tags=tag)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        d = m.create_directive(bank, text, title=title, priority=priority,
+                               active=not inactive, tags=tag)
     _print_json(d) if as_json else _print_directive(d)
 
 
@@ -1020,11 +1005,8 @@ def directives_list(bank: str, as_json: bool = typer.Option(False, "--json"),
 def directives_get(bank: str, directive_id: str, as_json: bool = typer.Option(False, "--json"),
                    address: str = AddressOpt):
     """Show one directive."""
-    with _client(address) as m:
-        try:
-            d = m.get_directive(bank, directive_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        d = m.get_directive(bank, directive_id)
     _print_json(d) if as_json else _print_directive(d)
 
 
@@ -1046,22 +1028,16 @@ def directives_update(bank: str, directive_id: str,
         console.print("nothing to change: give --text, --title, --priority, "
                       "--active/--inactive, --tag or --clear-tags", style="red")
         raise typer.Exit(2)
-    with _client(address) as m:
-        try:
-            d = m.update_directive(bank, directive_id, **fields)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        d = m.update_directive(bank, directive_id, **fields)
     _print_json(d) if as_json else _print_directive(d)
 
 
 @directives_app.command("delete")
 def directives_delete(bank: str, directive_id: str, address: str = AddressOpt):
     """Delete a directive."""
-    with _client(address) as m:
-        try:
-            m.delete_directive(bank, directive_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        m.delete_directive(bank, directive_id)
     results.print(f"deleted directive {directive_id}")
 
 
@@ -1095,11 +1071,8 @@ def memories_list(bank: str, document_id: str = typer.Option("", help="only this
 def memories_get(bank: str, memory_id: str, as_json: bool = typer.Option(False, "--json"),
                  address: str = AddressOpt):
     """Show one memory with its times, entities and metadata."""
-    with _client(address) as m:
-        try:
-            x = m.get_memory(bank, memory_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        x = m.get_memory(bank, memory_id)
     if as_json:
         return _print_json(x)
     print(f"{x.id}  {x.text}")
@@ -1117,11 +1090,8 @@ def memories_get(bank: str, memory_id: str, as_json: bool = typer.Option(False, 
 def memories_delete(bank: str, memory_id: str, address: str = AddressOpt):
     """Delete one memory (and the observations it alone supported); exit 1 when the
     bank holds no such memory ("memory not found")."""
-    with _client(address) as m:
-        try:
-            op = m.delete_memory(bank, memory_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = m.delete_memory(bank, memory_id)
     _ended(op, f"deleted memory {memory_id}")
 
 
@@ -1152,11 +1122,8 @@ def observations_list(bank: str, scope: Optional[List[str]] = typer.Option(
 def observations_get(bank: str, observation_id: str,
                      as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Show one observation with its evidence and history."""
-    with _client(address) as m:
-        try:
-            o = m.get_observation(bank, observation_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        o = m.get_observation(bank, observation_id)
     if as_json:
         return _print_json(o)
     print(f"{o.id}  (proof {o.proof_count}, scope {', '.join(o.scope) or 'global'})\n  {o.text}")
@@ -1170,11 +1137,8 @@ def observations_get(bank: str, observation_id: str,
 def observations_scopes(bank: str, as_json: bool = typer.Option(False, "--json"),
                         address: str = AddressOpt):
     """List the scopes of BANK's observations with their counts."""
-    with _client(address) as m:
-        try:
-            scopes = m.list_observation_scopes(bank)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        scopes = m.list_observation_scopes(bank)
     if as_json:
         return _print_json(scopes)
     t = _table("scope", "observations")
@@ -1186,11 +1150,8 @@ def observations_scopes(bank: str, as_json: bool = typer.Option(False, "--json")
 @observations_app.command("consolidate")
 def observations_consolidate(bank: str, address: str = AddressOpt):
     """Consolidate BANK's pending facts now (waits for the operation)."""
-    with _client(address) as m:
-        try:
-            op = m.consolidate(bank)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = m.consolidate(bank)
     _ended(op, f"consolidated {bank}")
 
 
@@ -1198,11 +1159,8 @@ def observations_consolidate(bank: str, address: str = AddressOpt):
 def observations_clear(bank: str, memory_id: str = typer.Option("", help="only those of this memory"),
                        address: str = AddressOpt):
     """Delete BANK's observations (or those one memory supports)."""
-    with _client(address) as m:
-        try:
-            op = m.clear_observations(bank, memory_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = m.clear_observations(bank, memory_id)
     _ended(op, f"cleared observations of {bank}")
 
 
@@ -1230,11 +1188,8 @@ def opinions_list(bank: str, entity: str = typer.Option("", help="only those abo
 def opinions_get(bank: str, opinion_id: str, as_json: bool = typer.Option(False, "--json"),
                  address: str = AddressOpt):
     """Show one opinion with its evidence and every change of its confidence."""
-    with _client(address) as m:
-        try:
-            o = m.get_opinion(bank, opinion_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        o = m.get_opinion(bank, opinion_id)
     if as_json:
         return _print_json(o)
     print(f"{o.id}  (confidence {o.confidence:.2f})\n  {o.text}")
@@ -1250,11 +1205,8 @@ def opinions_get(bank: str, opinion_id: str, as_json: bool = typer.Option(False,
 @opinions_app.command("delete")
 def opinions_delete(bank: str, opinion_id: str, address: str = AddressOpt):
     """Delete one opinion (waits for the operation)."""
-    with _client(address) as m:
-        try:
-            op = m.delete_opinion(bank, opinion_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = m.delete_opinion(bank, opinion_id)
     _ended(op, f"deleted opinion {opinion_id}")
 
 
@@ -1289,13 +1241,10 @@ def models_create(bank: str, display_name: str = typer.Argument(..., help="its n
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Create a mental model in BANK."""
     _choice("--refresh-policy", refresh_policy, _POLICIES)
-    with _client(address) as m:
-        try:
-            mm = m.create_mental_model(bank, display_name, source_query, content=content, tags=tag,
-                                       max_tokens=max_tokens, refresh_policy=refresh_policy,
-                                       refresh_every=refresh_every)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        mm = m.create_mental_model(bank, display_name, source_query, content=content, tags=tag,
+                                   max_tokens=max_tokens, refresh_policy=refresh_policy,
+                                   refresh_every=refresh_every)
     _print_json(mm) if as_json else _print_model(mm)
 
 
@@ -1322,11 +1271,8 @@ def models_list(bank: str, tag: List[str] = typer.Option([], "--tag", help="only
 def models_get(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
                address: str = AddressOpt):
     """Show one mental model with its content."""
-    with _client(address) as m:
-        try:
-            mm = m.get_mental_model(bank, model_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        mm = m.get_mental_model(bank, model_id)
     _print_json(mm) if as_json else _print_model(mm)
 
 
@@ -1355,11 +1301,8 @@ def models_update(bank: str, model_id: str,
                       "--clear-tags, --max-tokens, --refresh-policy or --refresh-every",
                       style="red")
         raise typer.Exit(2)
-    with _client(address) as m:
-        try:
-            mm = m.update_mental_model(bank, model_id, **fields)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        mm = m.update_mental_model(bank, model_id, **fields)
     _print_json(mm) if as_json else _print_model(mm)
 
 
@@ -1375,12 +1318,9 @@ def models_refresh(bank: str, model_id: str,
     from mneme.client import BUDGETS, REFRESH_MODES
     _choice("--budget", budget, BUDGETS)
     _choice("--mode", mode, REFRESH_MODES)
-    with _client(address) as m:
-        try:
-            mm = m.refresh_mental_model(bank, model_id, budget=budget, dry_run=dry_run,
-                                        mode=mode)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        mm = m.refresh_mental_model(bank, model_id, budget=budget, dry_run=dry_run,
+                                    mode=mode)
     _print_json(mm) if as_json else _print_model(mm)
 
 
@@ -1388,11 +1328,8 @@ def models_refresh(bank: str, model_id: str,
 def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
                    address: str = AddressOpt):
     """Every revision of a mental model's content, oldest first."""
-    with _client(address) as m:
-        try:
-            revs = m.mental_model_revisions(bank, model_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        revs = m.mental_model_revisions(bank, model_id)
     if as_json:
         return _print_json(revs)
     from mneme.v1 import mental_models_pb2
@@ -1410,11 +1347,8 @@ def models_history(bank: str, model_id: str, as_json: bool = typer.Option(False,
 def models_clear(bank: str, model_id: str, as_json: bool = typer.Option(False, "--json"),
                  address: str = AddressOpt):
     """Empty a mental model's content until its next refresh (its history stays)."""
-    with _client(address) as m:
-        try:
-            mm = m.clear_mental_model(bank, model_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        mm = m.clear_mental_model(bank, model_id)
     if as_json:
         return _print_json(mm)
     results.print(f"cleared mental model {model_id}: revision {mm.revision}")
@@ -1423,11 +1357,8 @@ def models_clear(bank: str, model_id: str, as_json: bool = typer.Option(False, "
 @models_app.command("delete")
 def models_delete(bank: str, model_id: str, address: str = AddressOpt):
     """Delete a mental model and its history."""
-    with _client(address) as m:
-        try:
-            m.delete_mental_model(bank, model_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        m.delete_mental_model(bank, model_id)
     results.print(f"deleted mental model {model_id}")
 
 
@@ -1453,11 +1384,8 @@ def entities_list(bank: str, limit: int = typer.Option(0, min=0, help="at most t
 def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, "--json"),
                  address: str = AddressOpt):
     """Show one entity: aliases, the memories mentioning it, its neighbours."""
-    with _client(address) as m:
-        try:
-            e = m.get_entity(bank, entity_id)
-        except grpc.RpcError as err:
-            _fail(err)
+    with _session(address) as m:
+        e = m.get_entity(bank, entity_id)
     if as_json:
         return _print_json(e)
     out = _out()
@@ -1485,11 +1413,8 @@ def entities_merge(bank: str,
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Merge entities of BANK that are one: the first takes the others' aliases and
     memories; later mentions of any of their names resolve to it."""
-    with _client(address) as m:
-        try:
-            e = m.merge_entities(bank, entity_ids, name)
-        except grpc.RpcError as err:
-            _fail(err)
+    with _session(address) as m:
+        e = m.merge_entities(bank, entity_ids, name)
     if as_json:
         return _print_json(e)
     _print_entity(_out(), e)
@@ -1507,11 +1432,8 @@ def entities_split(bank: str, entity_id: str,
                    as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Split a new entity off ENTITY_ID of BANK: it takes the given aliases (and the
     memories naming them) and memories; later mentions of a moved alias resolve to it."""
-    with _client(address) as m:
-        try:
-            r = m.split_entity(bank, entity_id, name, alias, memory)
-        except grpc.RpcError as err:
-            _fail(err)
+    with _session(address) as m:
+        r = m.split_entity(bank, entity_id, name, alias, memory)
     if as_json:
         return _print_json(r)
     out = _out()
@@ -1547,11 +1469,8 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
                   address: str = AddressOpt):
     """Show one document: its original text (when the bank stores documents), its
     history of retains and its memories in item order."""
-    with _client(address) as m:
-        try:
-            d = m.get_document(bank, document_id)
-        except grpc.RpcError as err:
-            _fail(err)
+    with _session(address) as m:
+        d = m.get_document(bank, document_id)
     if as_json:
         return _print_json(d)
 
@@ -1582,11 +1501,8 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
 @documents_app.command("delete")
 def documents_delete(bank: str, document_id: str, address: str = AddressOpt):
     """Delete one document: its memories, its text and history (erased, also on the log)."""
-    with _client(address) as m:
-        try:
-            op = m.delete_document(bank, document_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = m.delete_document(bank, document_id)
     _ended(op, f"deleted document {document_id}")
 
 
@@ -1622,11 +1538,8 @@ def operations(ctx: typer.Context,
     commands below get, cancel and retry one."""
     if ctx.invoked_subcommand is not None:
         return
-    with _client(address) as m:
-        try:
-            ops = _listed(m.list_operations(bank or ""), limit)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        ops = _listed(m.list_operations(bank or ""), limit)
     if as_json:
         return _print_json(ops)
     t = _table("operation", "bank", "kind", "state", "items", "facts", "updated", "error",
@@ -1663,11 +1576,8 @@ def _print_operation(op, as_json: bool) -> None:
 
 
 def _operation_call(name: str, call: str, as_json: bool, address: str) -> None:
-    with _client(address) as m:
-        try:
-            op = getattr(m, call)(name)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        op = getattr(m, call)(name)
     _print_operation(op, as_json)
 
 
@@ -1700,11 +1610,8 @@ def operations_retry(name: str = typer.Argument(..., help="operations/{id} or th
 
 
 def _bank_profile(bank_id: str, as_json: bool, address: str) -> None:
-    with _client(address) as m:
-        try:
-            p = m.bank_profile(bank_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        p = m.bank_profile(bank_id)
     if as_json:
         return _print_json(p)
     c, s = p.bank.config, p.stats
@@ -1722,11 +1629,8 @@ def _bank_profile(bank_id: str, as_json: bool, address: str) -> None:
 
 
 def _bank_stats(bank_id: str, address: str) -> None:
-    with _client(address) as m:
-        try:
-            s = m.bank_stats(bank_id)
-        except grpc.RpcError as e:
-            _fail(e)
+    with _session(address) as m:
+        s = m.bank_stats(bank_id)
     known = lambda n: str(n) if n >= 0 else "n/a (not on this server)"  # noqa: E731
     print(f"bank {bank_id}")
     print(f"  facts         {known(s.facts)}")
