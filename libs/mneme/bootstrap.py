@@ -799,7 +799,8 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
     import time
 
     from mneme.bus import MEMORY
-    from mneme.errors import DeadlineExceeded
+    from mneme.deadline import current as current_deadline
+    from mneme.errors import Cancelled, DeadlineExceeded
     from services.reflect.mental_models import MentalModels
 
     def append(msg, bank_id: str):
@@ -814,11 +815,16 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
                 raise DeadlineExceeded(f"bank {bank_id!r}: this reflect replica's catalog "
                                        "did not catch up in time; the change is on the log")
             return
-        end = time.monotonic() + PROJECTED_S
+        call = current_deadline()  # the caller's deadline and cancellation bound it too
+        left = call.remaining()
+        end = time.monotonic() + (PROJECTED_S if left is None else min(PROJECTED_S, left))
         while root.log.committed(ingest_group, rec.topic, rec.partition) <= rec.offset:
             if time.monotonic() > end:
                 raise DeadlineExceeded("the catalog did not project the change in time; it "
                                        "is on the log and will apply")
+            if call.cancelled():  # the caller went away: its thread and slot are free again
+                raise Cancelled("the call was cancelled; the change is on the log and "
+                                "will apply")
             time.sleep(0.005)
 
     def memory_partition(bank_id: str) -> int:
@@ -849,7 +855,7 @@ def _mental_models(root: Root, reflector, catch_up: Callable[[str], Any], source
 
     return MentalModels(root.catalog, append, projected, catch_up, reflector.reflect,
                         memory_end, memory_read, revise=reflector.revise,
-                        embedder=root.embedder)
+                        embedder=root.embedder, slot=root.wait_slots.hold)
 
 
 def observations_file(data_dir: Path, generation: int) -> Path:

@@ -33,8 +33,9 @@ class Settings(BaseSettings):
     grpc_workers: int = Field(default=16, ge=1, description="gRPC worker threads")
     sync_calls: int = Field(
         default=0, ge=0, description="Calls that may wait for the consumers at once in one "
-        "process (sync Retain, deletions, Consolidate; entity merges and splits; reflections "
-        "with a model), each on a "
+        "process (sync Retain, deletions, Consolidate; entity merges and splits; bank, "
+        "directive and mental-model writes waiting for the catalog; reflections with a "
+        "model), each on a "
         "gRPC worker thread; more are refused "
         "(RESOURCE_EXHAUSTED) before they write anything, so other calls keep threads "
         "(0: MNEME_GRPC_WORKERS - 4, at least 1)")

@@ -299,7 +299,9 @@ class Ingest:
     #: so a slow append holds up only an identical request, never another one.
     _id_locks: KeyedLocks = field(default_factory=KeyedLocks, repr=False)
     #: How many sync writes (Retain, DeleteDocument, DeleteMemory, Consolidate,
-    #: DeleteOpinion, DeleteBank) may wait for their operation at once (0: no bound). Each
+    #: DeleteOpinion, DeleteBank; and the writes that wait for the catalog: UpsertBank,
+    #: UpdateBank, directive writes, RetryOperation) may wait for their
+    #: operation or projection at once (0: no bound). Each
     #: holds a gRPC worker thread while it waits; beyond the bound a sync write is refused
     #: (ResourceExhausted) before it changes anything, so reads and async writes keep
     #: threads to run on.
@@ -440,8 +442,10 @@ class Ingest:
         """Until ``done()``: woken by every catalog write (:class:`CatalogChanges`),
         else every ``poll`` seconds (default ``poll_s``; deadline, damage and
         cancellation are checked then too)."""
-        deadline = time.monotonic() + timeout
         call = current_deadline()
+        left = call.remaining()  # the caller's own deadline bounds the wait too
+        timeout = timeout if left is None else min(timeout, left)
+        deadline = time.monotonic() + timeout
         changed = getattr(self.catalog, "changed", None) or threading.Condition()
         with changed:  # held while checking, so a write in between is not missed
             while not done():
@@ -500,6 +504,7 @@ class Ingest:
             raise NotFound(f"bank {bank_id!r} not found")
         return bank
 
+    @_sync_bounded
     def upsert_bank(self, bank_id: str, display_name: str, config: BankConfig,
                     timeout: float | None = None) -> Bank:
         """Create or update a bank; returns it as projected."""
@@ -512,6 +517,7 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_bank(bank_id)
 
+    @_sync_bounded
     def update_bank(self, bank_id: str, display_name: str, config: BankConfig,
                     mask: Sequence[str], timeout: float | None = None) -> Bank:
         """Change the fields of an existing bank named in ``mask`` (paths relative to the
@@ -560,6 +566,7 @@ class Ingest:
             raise NotFound(f"directive {directive_id!r} not found in bank {bank_id!r}")
         return d
 
+    @_sync_bounded
     def create_directive(self, d: Directive, timeout: float | None = None,
                          directive_id: str = "") -> Directive:
         """Create ``d`` in its bank under ``directive_id`` (a UUID the client chose,
@@ -581,6 +588,7 @@ class Ingest:
             self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
+    @_sync_bounded
     def update_directive(self, d: Directive, paths: Sequence[str],
                          timeout: float | None = None) -> Directive:
         """Change the fields ``paths`` of directive ``d.id`` (some of
@@ -597,6 +605,7 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.require_directive(d.bank_id, d.id)
 
+    @_sync_bounded
     def delete_directive(self, bank_id: str, directive_id: str,
                          timeout: float | None = None) -> None:
         """Delete the directive; NotFound for an unknown bank or directive (also for all
@@ -856,6 +865,8 @@ class Ingest:
                     if gw.configured(op) and (op != "retain" or extraction == "llm"))
         return extraction, gw.check(ops) if ops else []
 
+    # Not bounded by the slots: it is how a caller frees the consumers that the waiting
+    # calls holding them wait for (its own wait still stops at its deadline or cancel).
     def cancel_operation(self, operation_id: str, timeout: float | None = None) -> Operation:
         """CancelOperation: append an OperationCancelRequested for a pending or running
         retain and return the operation once this catalog shows ``cancel_requested``.
@@ -879,6 +890,7 @@ class Ingest:
         self._wait_projected(rec, timeout or self.retain_timeout_s)
         return self.catalog.get_operation(operation_id) or op
 
+    @_sync_bounded
     def retry_operation(self, operation_id: str, timeout: float | None = None) -> Operation:
         """RetryOperation: a new retain (id derived from ``operation_id``, ``retry_of``
         naming it) of an ended retain's failed or unprocessed items (its item_errors: a

@@ -96,8 +96,9 @@ def test_mental_model_and_entity_correction_writes_are_not_appended_once_the_cal
             self.appended += records
             return [SimpleNamespace(topic="t", partition=0, offset=0)]
 
+    from mneme.slots import WaitSlots
     root = SimpleNamespace(log=Log(), raw_log=Log(), catalog=None, embedder=None,
-                           distributed=True, group_id=lambda g: g)
+                           distributed=True, group_id=lambda g: g, wait_slots=WaitSlots())
     parts = SimpleNamespace(routers={"search": SimpleNamespace(group_id="search")})
     models = bootstrap._mental_models(root, SimpleNamespace(reflect=None, revise=None),
                                       lambda bank: True, "mneme/reflect")
