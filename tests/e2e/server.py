@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mneme.client import MnemeClient
@@ -32,6 +34,15 @@ def conversation_file() -> Path:
     return shared if shared.exists() else ROOT / "examples" / "locomo" / "conv-26.json"
 
 
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
 class Server:
     """A ``mneme up`` subprocess on ``data_dir``; ``address`` is host:port."""
 
@@ -50,12 +61,21 @@ class Server:
         self.proc = subprocess.Popen(
             [str(mneme), "up", "--data-dir", str(self.data_dir), "--address", self.address],
             stdout=out, stderr=subprocess.STDOUT, env={**inherited(), "HF_HUB_OFFLINE": "1", **self.env})
-        with MnemeClient(self.address) as m:
-            try:
-                m.wait_ready(timeout=timeout)
-            except Exception:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{self.log.read_text()[-3000:]}")
+        deadline = time.monotonic() + timeout
+        try:
+            # Poll the port ourselves: a gRPC channel that found it closed backs off
+            # (1 s, 1.6 s, 2.6 s, ...) and saw a server up in 1.5 s only after ~3 s.
+            while not _listening(self.port):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"exited with {self.proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not listening within {timeout} s")
+                time.sleep(0.05)
+            with MnemeClient(self.address) as m:
+                m.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception as e:
+            self.stop()
+            raise RuntimeError(f"server did not start ({e}):\n{self.log.read_text()[-3000:]}")
         return self
 
     def client(self, timeout: float = 600) -> MnemeClient:
