@@ -277,7 +277,10 @@ class StubLLM:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="stub-llm", daemon=True).start()
+        # shutdown() waits for the loop's next poll: at the default 0.5 s that was most
+        # of the teardown of every test with a stub
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                         name="stub-llm", daemon=True).start()
         return self
 
     @property
