@@ -27,10 +27,11 @@ FACTS = [f"Maria said the vault code is {MARKER} and asked me to keep it.",
          "Bob adopted a grey cat called Pixel last spring."]
 
 
-@pytest.fixture
-def data(tmp_path) -> Path:
-    """A data dir with one bank holding FACTS (one document each), the server stopped."""
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def stopped_data(tmp_path_factory) -> Path:
+    """A data dir with one bank holding FACTS (one document each), the server stopped:
+    made once, never changed (each test damages a copy of it)."""
+    data = tmp_path_factory.mktemp("lost-projections") / "data"
     server = Server(data).start()
     try:
         with server.client(timeout=60) as m:
@@ -41,6 +42,13 @@ def data(tmp_path) -> Path:
     finally:
         server.stop()
     return data
+
+
+@pytest.fixture
+def data(stopped_data, tmp_path) -> Path:
+    """This test's own copy of :func:`stopped_data` (byte for byte: a stopped data dir
+    holds no absolute path), which it may damage."""
+    return Path(shutil.copytree(stopped_data, tmp_path / "data", symlinks=True))
 
 
 def _up_refuses(data: Path) -> str:
