@@ -12,6 +12,7 @@ import pytest
 
 from mneme import locomo
 from tests.e2e.server import Server, conversation_file
+from tests.waits import drained
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +56,8 @@ def test_sigkill_during_bulk_retain_loses_nothing_acknowledged(tmp_path):
             n = len(acked)
             m.retain("crash", batches[n], request_id=f"batch-{n}")
             acked.append(batches[n])
-            # wait for quiet (nothing else should still be in flight)
-            deadline = time.time() + 120
-            last = -1
-            while time.time() < deadline:
-                n = sum(1 for _ in m.list_memories("crash"))
-                if n == last:
-                    break
-                last = n
-                time.sleep(2)
+            # nothing else should still be in flight: every consumer group caught up
+            drained(m, "crash")
             mems = list(m.list_memories("crash"))
     finally:
         server.stop()
