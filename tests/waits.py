@@ -38,5 +38,5 @@ def drained(m, bank: str, timeout: float = 120.0) -> None:
     test after ``timeout`` seconds."""
     end = time.monotonic() + timeout
     while m.bank_stats(bank).pending_records and time.monotonic() < end:
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert not m.bank_stats(bank).pending_records, f"bank {bank!r} not drained in {timeout}s"
