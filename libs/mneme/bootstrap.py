@@ -391,9 +391,50 @@ class Root:
 
     @cached_property
     def resolver(self):
+        """extraction's entity resolver over ``<data_dir>/entities.db``; mentions of an
+        entities.db from before they named their memories are refined from the log
+        first (:meth:`_refine_mentions`)."""
         from mneme.stores.entities_sqlite import SqliteEntityStore
         from services.extraction.resolver import EntityResolver
-        return EntityResolver(SqliteEntityStore(str(self.data_dir / "entities.db")))
+        store = SqliteEntityStore(str(self.data_dir / "entities.db"))
+        if store.unrefined_mentions():
+            self._refine_mentions(store)
+        return EntityResolver(store)
+
+    def _refine_mentions(self, store) -> None:
+        """An entities.db written before mentions named their memories: which memory
+        names which entity is read from the facts on ``mneme.memory.v1`` (opened with
+        the bank keys; erased facts are gone, as their memories are), so that deleting a
+        memory retained before the upgrade forgets the names only it gave. Once; a read
+        that stops short of the log's end leaves it for the next start."""
+        from mneme.bus import MEMORY
+        from mneme.bus.codec import decode
+        from mneme.bus.sealing import check_opened, erased_record
+        from services.extraction.handlers import FactMentions
+        seen, events = FactMentions(), self.log
+        for p in range(events.partitions(MEMORY)):
+            offset, end = 0, events.end_offset(MEMORY, p)
+            while offset < end:
+                records = events.read(MEMORY, p, offset, 1000)
+                if not records:
+                    log.warning("entities.db: mentions from before they named their "
+                                "memories not refined (%s[%d] read up to %d of %d); "
+                                "retried at the next start", MEMORY, p, offset, end)
+                    return
+                for rec in records:
+                    if erased_record(rec):
+                        continue
+                    try:
+                        check_opened(rec)
+                        m = decode(rec).message
+                    except Exception:  # noqa: BLE001 - dead-lettered by its consumers
+                        continue
+                    if m is not None:
+                        seen.add(m)
+                offset = records[-1].offset + 1
+        dropped = store.refine_mentions(seen.rows())
+        log.info("entities.db: %d mention(s) from before they named their memories "
+                 "refined from the log", dropped)
 
     @cached_property
     def llm(self):

@@ -262,6 +262,48 @@ def on_facts_restored(m: ev.FactsExtracted, meta: EventMeta, *,
     return []
 
 
+class FactMentions:
+    """Which memory names which entity in which scope, as :func:`on_facts_restored`
+    notes it, for the memories still there at the end of a bank's events on
+    ``mneme.memory.v1``: :meth:`add` each event in log order, then :meth:`rows`. What
+    entities.db records of mentions from before they named their memories is refined
+    from it (:meth:`mneme.stores.entities_sqlite.SqliteEntityStore.refine_mentions`)."""
+
+    def __init__(self) -> None:
+        # bank → fact id → (scope, entity ids)
+        self._facts: dict[str, dict[str, tuple[str, list[str]]]] = {}
+
+    def add(self, m) -> None:
+        """One event of the log (others are ignored): FactsExtracted records its facts'
+        entities (a replaced document's earlier facts dropped); FactsRetracted drops
+        the retracted memories, document or bank."""
+        if isinstance(m, ev.FactsExtracted):
+            facts = self._facts.setdefault(m.bank_id, {})
+            for d in m.replaced_document_ids:
+                self._drop_scope(m.bank_id, document_scope(d))
+            for f in m.facts:
+                scope = (document_scope(f.document_id) if f.document_id
+                         else retain_scope(m.operation_id))
+                facts[f.id] = (scope, [e.id for e in f.entities])
+        elif isinstance(m, ev.FactsRetracted):
+            if m.bank_deleted:
+                self._facts.pop(m.bank_id, None)
+            elif m.document_id:
+                self._drop_scope(m.bank_id, document_scope(m.document_id))
+            for f in m.memory_ids:
+                self._facts.get(m.bank_id, {}).pop(f, None)
+
+    def _drop_scope(self, bank_id: str, scope: str) -> None:
+        facts = self._facts.get(bank_id, {})
+        for f in [f for f, (sc, _) in facts.items() if sc == scope]:
+            del facts[f]
+
+    def rows(self) -> dict[str, list[tuple[str, str, str]]]:
+        """bank id → [(entity id, scope, fact id)] of the memories still there."""
+        return {b: [(e, sc, f) for f, (sc, es) in facts.items() for e in es]
+                for b, facts in self._facts.items() if facts}
+
+
 def on_facts_retracted(m: ev.FactsRetracted, meta: EventMeta, *,
                        resolver: EntityResolver) -> list:
     """Restore: a retraction forgets here what it forgot where it was decided

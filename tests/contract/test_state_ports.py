@@ -205,6 +205,39 @@ class TestSqliteEntityStore(PersistentEntityStoreSuite):
         finally:
             s.close()
 
+    def test_mentions_of_before_facts_were_recorded_are_refined_once(self, tmp_path):
+        """refine_mentions gives a migrated mention (no fact) the memories the log names:
+        deleting them then forgets the entity; a mention nothing refines stays."""
+        path = str(tmp_path / "entities.db")
+        s = SqliteEntityStore(path)
+        assert not s.unrefined_mentions()  # a new file has nothing to refine
+        s.persist("b", entities=[StoredEntity("e1", "mel", "Mel", "PERSON", "person"),
+                                 StoredEntity("e2", "tom", "Tom", "PERSON", "person")])
+        s.close()
+        old = sqlite3.connect(path)
+        old.executescript("DROP TABLE mentions_v2; CREATE TABLE mentions (bank_id TEXT NOT "
+                          "NULL, id TEXT NOT NULL, scope TEXT NOT NULL, PRIMARY KEY "
+                          "(bank_id, id, scope)); INSERT INTO mentions VALUES ('b','e1','d:x');"
+                          "INSERT INTO mentions VALUES ('b','e2','d:x'); PRAGMA user_version=0;")
+        old.close()
+        s = SqliteEntityStore(path)
+        try:
+            assert s.unrefined_mentions()
+            # e1 by f1 and f2; e2 by no fact the log still has; a row of no migrated mention
+            assert s.refine_mentions({"b": [("e1", "d:x", "f1"), ("e1", "d:x", "f2"),
+                                            ("e9", "d:x", "f1")]}) == 1
+            assert not s.unrefined_mentions()
+            assert s.drop_facts("b", ["f1"]) == []
+            assert s.drop_facts("b", ["f2"]) == ["e1"]
+            assert [e.id for e in s.load("b")[0]] == ["e2"]  # kept as it was
+        finally:
+            s.close()
+        s = SqliteEntityStore(path)
+        try:
+            assert not s.unrefined_mentions()  # once
+        finally:
+            s.close()
+
 
 class TestMemoryEntityStore(EntityStoreSuite):
     def make_entities(self, path):

@@ -3,7 +3,11 @@ entity-resolution decisions per bank, so a restarted process resolves the same w
 
 Schema v2 (one row per entity, aliases naming entity ids); a file of the earlier
 one-entity-per-key schema (v1: ``entities``/``aliases`` keyed by entity key) is migrated
-on open with its ids unchanged.
+on open with its ids unchanged. Mentions recorded before they named their memory (the
+``mentions`` table: entity and scope only) are migrated with an empty fact id, which a
+memory's deletion never drops; :meth:`SqliteEntityStore.unrefined_mentions` tells that
+they are there, :meth:`SqliteEntityStore.refine_mentions` gives them their memories
+(taken from the log by the composition root), once (``PRAGMA user_version`` 1 after).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact)
   SELECT bank_id, id, scope, '' FROM mentions;
 DROP TABLE mentions;
 """
+# PRAGMA user_version once the mentions migrated without their memories were given them
+# from the log (:meth:`SqliteEntityStore.refine_mentions`; 0 before).
+_REFINED = 1
 # v1 (one entity per key, aliases by key) → v2; ids are kept as they were.
 _MIGRATE_V1 = """
 INSERT OR IGNORE INTO entities_v2(bank_id, id, key, name, label, kind, seq)
@@ -82,8 +89,12 @@ class SqliteEntityStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         sqlite_erase.secure(self._db)  # a forgotten bank's names leave no bytes behind
+        fresh = self._db.execute(
+            "SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0] == 0
         self._db.executescript(_SCHEMA)
         self._migrate()
+        if fresh:  # no mention of before to refine
+            self._db.execute(f"PRAGMA user_version={_REFINED}")
         row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM entities_v2").fetchone()
         self._seq = int(row[0])
 
@@ -102,6 +113,38 @@ class SqliteEntityStore:
             if kind:
                 self._db.execute("UPDATE entities_v2 SET kind=? WHERE bank_id=? AND id=?",
                                  (kind, bank_id, id_))
+
+    def unrefined_mentions(self) -> bool:
+        """True when mentions migrated from before they named their memories (fact id
+        "") wait for :meth:`refine_mentions`."""
+        with self._lock:
+            (version,) = self._db.execute("PRAGMA user_version").fetchone()
+            if version >= _REFINED:
+                return False
+            return self._db.execute(
+                "SELECT 1 FROM mentions_v2 WHERE fact='' LIMIT 1").fetchone() is not None
+
+    def refine_mentions(self, by_bank: dict[str, Sequence[tuple[str, str, str]]]) -> int:
+        """Give the mentions migrated without a memory their memories, in one
+        transaction: for each bank, each (entity id, scope, fact id) whose entity and
+        scope have such a mention is recorded, and the mention without a memory it
+        refines is dropped (a mention the rows do not cover stays as it was). Marks the
+        file refined (:meth:`unrefined_mentions` False from then on). Returns the
+        mentions without a memory that were dropped."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            for bank_id, rows in by_bank.items():
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact) "
+                    "SELECT bank_id, id, scope, ? FROM mentions_v2 "
+                    "WHERE bank_id=? AND id=? AND scope=? AND fact=''",
+                    [(f, bank_id, i, sc) for i, sc, f in rows if f])
+            dropped = self._db.execute(
+                "DELETE FROM mentions_v2 WHERE fact='' AND EXISTS (SELECT 1 FROM mentions_v2 m "
+                "WHERE m.bank_id=mentions_v2.bank_id AND m.id=mentions_v2.id "
+                "AND m.scope=mentions_v2.scope AND m.fact<>'')").rowcount
+            self._db.execute(f"PRAGMA user_version={_REFINED}")
+        return dropped
 
     def load(self, bank_id: str) -> tuple[list[StoredEntity], list[tuple[str, str]]]:
         """The bank's entities by ``seq`` and its (alias, entity id) pairs by rowid."""
