@@ -39,7 +39,7 @@ def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, catalog: Catalog | 
 def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog | None = None):
     """The bank leaves ``catalog`` (its operations with it). Idempotent; produces nothing."""
     if catalog is not None:
-        catalog.delete_bank(m.bank_id)
+        catalog.delete_bank(m.bank_id, meta.time.timestamp())
     return []
 
 

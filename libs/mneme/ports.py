@@ -288,13 +288,18 @@ class Catalog(Protocol):
         absent (an update never creates). A change keeps ``created_at`` and
         ``incarnation``. Each creation of an id (the first one, and each one after a
         :meth:`delete_bank`) gets the next incarnation: "1", "2", …, counted across
-        deletions, so every projection and every replay of the same log agree."""
+        deletions, so every projection and every replay of the same log agree. A creation drops the
+        operations of an earlier incarnation (created before ``at``); those created since,
+        projected before the creation from the progress topic, stay."""
 
-    def delete_bank(self, bank_id: str) -> None:
+    def delete_bank(self, bank_id: str, at: float | None = None) -> None:
         """Remove the bank and its operations. Those operations never come back: later
         :meth:`put_operation` / :meth:`update_operation` calls for their ids are dropped,
         even under a re-created bank of the same id. Deleting an unknown bank is a no-op
-        (apart from counting the id's generation as used)."""
+        (apart from counting the id's generation as used). ``at`` (the deletion's time,
+        epoch seconds): operations created after it stay, as a later incarnation's
+        (progress and requests are read from two topics, so a rebuild may project a
+        re-created bank's progress before this deletion)."""
 
     def get_bank(self, bank_id: str) -> Bank | None:
         """The bank, or None when it does not exist."""

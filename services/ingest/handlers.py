@@ -93,8 +93,11 @@ def on_bank_deleted(m: ev.BankDeleted, meta: EventMeta, *, catalog: Catalog) -> 
     pending operation of its own when it has one. Idempotent; produces nothing. A repeat
     of a deletion already projected (its operation known: ingest appends a kept
     deletion again when it cannot tell that the first append landed) changes nothing:
-    dropping the bank's operations again would drop the deletion's own."""
-    if m.operation_id and catalog.get_operation(m.operation_id) is not None:
+    dropping the bank's operations again would drop the deletion's own. (Its operation
+    known while the bank is still there is its progress, projected first from the other
+    topic: the deletion is not projected yet.)"""
+    if (m.operation_id and catalog.get_operation(m.operation_id) is not None
+            and catalog.get_bank(m.bank_id) is None):
         return []
     bank_catalog.on_bank_deleted(m, meta, catalog=catalog)
     if m.operation_id:
@@ -131,8 +134,8 @@ class CatalogChanges:
         self.catalog.upsert_bank(*args, **kwargs)
         self._wrote()
 
-    def delete_bank(self, bank_id: str) -> None:
-        self.catalog.delete_bank(bank_id)
+    def delete_bank(self, bank_id: str, at: float | None = None) -> None:
+        self.catalog.delete_bank(bank_id, at)
         self._wrote()
 
     def upsert_directive(self, *args, **kwargs) -> None:

@@ -144,25 +144,32 @@ class SqliteCatalog:
                                  (bank_id, n))
                 incarnation = str(n)
                 # the earlier incarnation's last operations (its DeleteBank's) go with it
-                self._db.execute("INSERT OR IGNORE INTO deleted_operations "
-                                 "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
-                self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
+                # (not those created since, projected before this from the progress topic)
+                self._drop_operations(bank_id, "created_at < ?", at)
             self._db.execute(
                 f"INSERT INTO banks ({_BANK_COLUMNS}) VALUES (?,?,?,?,?,?) ON CONFLICT(bank_id) "
                 "DO UPDATE SET display_name=excluded.display_name, config=excluded.config, "
                 "updated_at=excluded.updated_at",
                 (bank_id, display_name, config_json, at, at, incarnation))
 
-    def delete_bank(self, bank_id: str) -> None:
-        """Delete the bank and its operations (they belong to this incarnation only); their
-        rows are overwritten in the file and the WAL truncated (:mod:`~mneme.stores.sqlite_erase`)."""
+    def _drop_operations(self, bank_id: str, when: str, at: float | None) -> None:
+        """The bank's operations ``when`` (a condition on created_at, with ``at``; all of
+        them when ``at`` is None) deleted for good (their ids kept in deleted_operations)."""
+        where, args = ("bank_id=?", (bank_id,)) if at is None else (
+            f"bank_id=? AND {when}", (bank_id, at))
+        self._db.execute("INSERT OR IGNORE INTO deleted_operations "
+                         f"SELECT operation_id FROM operations WHERE {where}", args)
+        self._db.execute(f"DELETE FROM operations WHERE {where}", args)
+
+    def delete_bank(self, bank_id: str, at: float | None = None) -> None:
+        """Delete the bank and its operations (they belong to this incarnation only: with
+        ``at``, those created up to it); their rows are overwritten in the file and the
+        WAL truncated (:mod:`~mneme.stores.sqlite_erase`)."""
         with self._lock:
             self._db.execute("DELETE FROM banks WHERE bank_id=?", (bank_id,))
             # A bank made before generations were counted was its first incarnation.
             self._db.execute("INSERT OR IGNORE INTO bank_generations VALUES (?, 1)", (bank_id,))
-            self._db.execute("INSERT OR IGNORE INTO deleted_operations "
-                             "SELECT operation_id FROM operations WHERE bank_id=?", (bank_id,))
-            self._db.execute("DELETE FROM operations WHERE bank_id=?", (bank_id,))
+            self._drop_operations(bank_id, "created_at <= ?", at)
             self._db.execute("DELETE FROM directives WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM mental_models WHERE bank_id=?", (bank_id,))
             self._db.execute("DELETE FROM mental_model_revisions WHERE bank_id=?", (bank_id,))

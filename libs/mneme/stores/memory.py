@@ -61,14 +61,18 @@ class MemoryCatalog:
             n = self._generations.get(bank_id, 0) + 1
             self._generations[bank_id] = n
             # the earlier incarnation's last operations (its DeleteBank's) go with it
-            gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
-            self._deleted_ops.update(gone)
-            for i in gone:
-                del self._ops[i]
+            # (not those created since, projected before this from the progress topic)
+            self._drop_operations(bank_id, lambda op: op.created_at < at)
             self._banks[bank_id] = dict(display_name=display_name, config=new, created_at=at,
                                         updated_at=at, incarnation=str(n))
 
-    def delete_bank(self, bank_id: str) -> None:
+    def _drop_operations(self, bank_id: str, when) -> None:
+        gone = [i for i, op in self._ops.items() if op.bank_id == bank_id and when(op)]
+        self._deleted_ops.update(gone)
+        for i in gone:
+            del self._ops[i]
+
+    def delete_bank(self, bank_id: str, at: float | None = None) -> None:
         with self._lock:
             self._banks.pop(bank_id, None)
             for k in [k for k in self._directives if k[0] == bank_id]:
@@ -77,10 +81,7 @@ class MemoryCatalog:
                 del self._models[k]
                 self._revisions.pop(k, None)
             self._generations.setdefault(bank_id, 1)  # as SQLite: a deleted id was used once
-            gone = [i for i, op in self._ops.items() if op.bank_id == bank_id]
-            self._deleted_ops.update(gone)
-            for i in gone:
-                del self._ops[i]
+            self._drop_operations(bank_id, lambda op: at is None or op.created_at <= at)
 
     def get_bank(self, bank_id: str) -> Bank | None:
         with self._lock:
