@@ -238,6 +238,25 @@ class TestSqliteEntityStore(PersistentEntityStoreSuite):
         finally:
             s.close()
 
+    def test_entities_of_before_mentions_were_recorded_get_them(self, tmp_path):
+        """A file from before mentions were recorded (entities only): refined, a deleted
+        document forgets the entities only it named."""
+        path = str(tmp_path / "entities.db")
+        s = SqliteEntityStore(path)
+        s.persist("b", entities=[StoredEntity("e1", "mel", "Mel", "PERSON", "person")])
+        s.close()
+        old = sqlite3.connect(path)
+        old.executescript("DROP TABLE mentions_v2; PRAGMA user_version=0;")
+        old.close()
+        s = SqliteEntityStore(path)
+        try:
+            assert s.unrefined_mentions()
+            assert s.drop_scope("b", "d:x") == []  # nothing tells what named e1
+            assert s.refine_mentions({"b": [("e1", "d:x", "f1")]}) == 0
+            assert s.drop_scope("b", "d:x") == ["e1"] and s.load("b") == ([], [])
+        finally:
+            s.close()
+
 
 class TestMemoryEntityStore(EntityStoreSuite):
     def make_entities(self, path):

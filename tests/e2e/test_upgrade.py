@@ -30,6 +30,18 @@ def _to_mentions_without_facts(path: Path) -> None:
     db.close()
 
 
+def _to_no_mentions(path: Path) -> None:
+    """entities.db as mneme wrote it before it recorded mentions at all (entities and
+    aliases only)."""
+    db = sqlite3.connect(path)
+    db.executescript("""
+        PRAGMA secure_delete = ON;
+        DROP TABLE mentions_v2; DROP TABLE decisions; DROP TABLE decided;
+        PRAGMA user_version = 0;
+        VACUUM;""")
+    db.close()
+
+
 def _entity_files(data: Path, needle: bytes) -> list[str]:
     return [p.name for p in data.glob("entities.db*") if needle in p.read_bytes()]
 
@@ -65,5 +77,31 @@ def test_memory_retained_before_mentions_per_memory_is_erased_by_delete_memory(t
         server.start()  # and a second start changes nothing
         with server.client(timeout=120) as m:
             assert "Melanie" in [e.display_name for e in m.list_entities("b")]
+    finally:
+        server.stop()
+
+
+def test_document_retained_before_mentions_is_erased_by_delete_document(tmp_path):
+    """Before mentions were recorded entities.db had no record of what named an entity:
+    a DeleteDocument after the upgrade left the names only that document gave in
+    entities.db. The first start records them from the log."""
+    data = tmp_path / "data"
+    server = Server(data).start()
+    try:
+        with server.client(timeout=120) as m:
+            m.upsert_bank("b")
+            for doc, text in (("secret", "Quentin Zebrowski told Caroline the vault phrase."),
+                              ("keep", "Caroline painted a sunrise over Lake Tahoe.")):
+                op = m.retain("b", [{"content": text, "document_id": doc}]).operation
+                assert op.state == operations_pb2.SUCCEEDED, op
+        server.stop()
+        assert _entity_files(data, b"Zebrowski")  # the check can fail
+        _to_no_mentions(data / "entities.db")
+        server.start()
+        with server.client(timeout=120) as m:
+            assert m.delete_document("b", "secret").state == operations_pb2.SUCCEEDED
+        server.stop()
+        assert _entity_files(data, b"Zebrowski") == []
+        assert _entity_files(data, b"Tahoe")  # the other document's entities are kept
     finally:
         server.stop()

@@ -115,30 +115,31 @@ class SqliteEntityStore:
                                  (kind, bank_id, id_))
 
     def unrefined_mentions(self) -> bool:
-        """True when mentions migrated from before they named their memories (fact id
-        "") wait for :meth:`refine_mentions`."""
+        """True when mentions from before they named their memories (fact id "", or no
+        mention at all: files from before mentions were recorded) wait for
+        :meth:`refine_mentions`."""
         with self._lock:
             (version,) = self._db.execute("PRAGMA user_version").fetchone()
             if version >= _REFINED:
                 return False
             return self._db.execute(
-                "SELECT 1 FROM mentions_v2 WHERE fact='' LIMIT 1").fetchone() is not None
+                "SELECT 1 FROM mentions_v2 WHERE fact='' UNION ALL SELECT 1 FROM entities_v2 e "
+                "WHERE NOT EXISTS (SELECT 1 FROM mentions_v2 m WHERE m.bank_id=e.bank_id "
+                "AND m.id=e.id) LIMIT 1").fetchone() is not None
 
     def refine_mentions(self, by_bank: dict[str, Sequence[tuple[str, str, str]]]) -> int:
-        """Give the mentions migrated without a memory their memories, in one
-        transaction: for each bank, each (entity id, scope, fact id) whose entity and
-        scope have such a mention is recorded, and the mention without a memory it
-        refines is dropped (a mention the rows do not cover stays as it was). Marks the
-        file refined (:meth:`unrefined_mentions` False from then on). Returns the
-        mentions without a memory that were dropped."""
+        """Record the mentions ``by_bank`` (bank id → [(entity id, scope, fact id)], the
+        facts on the log) of the entities this file knows, in one transaction, and drop
+        each mention without a memory they refine (same entity and scope; one they do not
+        cover stays as it was). Marks the file refined (:meth:`unrefined_mentions` False
+        from then on). Returns the mentions without a memory that were dropped."""
         with self._lock, self._db:
             self._db.execute("BEGIN")
             for bank_id, rows in by_bank.items():
                 self._db.executemany(
                     "INSERT OR IGNORE INTO mentions_v2(bank_id, id, scope, fact) "
-                    "SELECT bank_id, id, scope, ? FROM mentions_v2 "
-                    "WHERE bank_id=? AND id=? AND scope=? AND fact=''",
-                    [(f, bank_id, i, sc) for i, sc, f in rows if f])
+                    "SELECT bank_id, id, ?, ? FROM entities_v2 WHERE bank_id=? AND id=?",
+                    [(sc, f, bank_id, i) for i, sc, f in rows if f])
             dropped = self._db.execute(
                 "DELETE FROM mentions_v2 WHERE fact='' AND EXISTS (SELECT 1 FROM mentions_v2 m "
                 "WHERE m.bank_id=mentions_v2.bank_id AND m.id=mentions_v2.id "
