@@ -432,9 +432,11 @@ class Root:
                     if m is not None:
                         seen.add(m)
                 offset = records[-1].offset + 1
-        dropped = store.refine_mentions(seen.rows())
-        log.info("entities.db: %d mention(s) from before they named their memories "
-                 "refined from the log", dropped)
+        rows = seen.rows()
+        dropped = store.refine_mentions(rows)
+        log.info("entities.db: mentions per memory recorded from the log (%d mention(s) "
+                 "in %d bank(s); %d mention(s) without a memory refined)",
+                 sum(map(len, rows.values())), len(rows), dropped)
 
     @cached_property
     def llm(self):
