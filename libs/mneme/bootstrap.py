@@ -402,11 +402,12 @@ class Root:
         return EntityResolver(store)
 
     def _refine_mentions(self, store) -> None:
-        """An entities.db written before mentions named their memories: which memory
-        names which entity is read from the facts on ``mneme.memory.v1`` (opened with
-        the bank keys; erased facts are gone, as their memories are), so that deleting a
-        memory retained before the upgrade forgets the names only it gave. Once; a read
-        that stops short of the log's end leaves it for the next start."""
+        """An entities.db written before mentions named their memories (or before it
+        recorded mentions at all): which memory names which entity is read from the facts
+        on ``mneme.memory.v1`` (opened with the bank keys; erased facts are gone, as their
+        memories are), so that deleting content retained before the upgrade forgets the
+        names only it gave. Once; a read that stops short of the log's end leaves it for
+        the next start."""
         from mneme.bus import MEMORY
         from mneme.bus.codec import decode
         from mneme.bus.sealing import check_opened, erased_record

@@ -288,9 +288,9 @@ class Catalog(Protocol):
         absent (an update never creates). A change keeps ``created_at`` and
         ``incarnation``. Each creation of an id (the first one, and each one after a
         :meth:`delete_bank`) gets the next incarnation: "1", "2", …, counted across
-        deletions, so every projection and every replay of the same log agree. A creation drops the
-        operations of an earlier incarnation (created before ``at``); those created since,
-        projected before the creation from the progress topic, stay."""
+        deletions, so every projection and every replay of the same log agree. A creation
+        drops the operations of an earlier incarnation (created before ``at``); those
+        created since, projected before the creation from the progress topic, stay."""
 
     def delete_bank(self, bank_id: str, at: float | None = None) -> None:
         """Remove the bank and its operations. Those operations never come back: later

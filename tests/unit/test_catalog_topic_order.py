@@ -51,7 +51,7 @@ def _events():
 
 
 def _apply(catalog, at, m) -> None:
-    meta = EventMeta(f"{m.DESCRIPTOR.name}-{m.operation_id if hasattr(m, 'operation_id') else ''}", at)
+    meta = EventMeta(f"{m.DESCRIPTOR.name}-{getattr(m, 'operation_id', '')}", at)
     if isinstance(m, ev.BankUpserted):
         bank_catalog.on_bank_upserted(m, meta, catalog=catalog)
     elif isinstance(m, ev.BankDeleted):

@@ -5,9 +5,10 @@ Schema v2 (one row per entity, aliases naming entity ids); a file of the earlier
 one-entity-per-key schema (v1: ``entities``/``aliases`` keyed by entity key) is migrated
 on open with its ids unchanged. Mentions recorded before they named their memory (the
 ``mentions`` table: entity and scope only) are migrated with an empty fact id, which a
-memory's deletion never drops; :meth:`SqliteEntityStore.unrefined_mentions` tells that
-they are there, :meth:`SqliteEntityStore.refine_mentions` gives them their memories
-(taken from the log by the composition root), once (``PRAGMA user_version`` 1 after).
+memory's deletion never drops, and files from before mentions were recorded have none;
+:meth:`SqliteEntityStore.unrefined_mentions` tells that, and
+:meth:`SqliteEntityStore.refine_mentions` records them per memory (from the facts on the
+log, read by the composition root), once (``PRAGMA user_version`` 1 after).
 """
 
 from __future__ import annotations
