@@ -276,7 +276,8 @@ class FactMentions:
     def add(self, m) -> None:
         """One event of the log (others are ignored): FactsExtracted records its facts'
         entities (a replaced document's earlier facts dropped); FactsRetracted drops
-        the retracted memories, document or bank."""
+        the retracted memories, document or bank; EntitiesMerged and EntitySplit move
+        the mentions as :meth:`EntityResolver.merge` and ``split`` do."""
         if isinstance(m, ev.FactsExtracted):
             facts = self._facts.setdefault(m.bank_id, {})
             for d in m.replaced_document_ids:
@@ -292,6 +293,17 @@ class FactMentions:
                 self._drop_scope(m.bank_id, document_scope(m.document_id))
             for f in m.memory_ids:
                 self._facts.get(m.bank_id, {}).pop(f, None)
+        elif isinstance(m, (ev.EntitiesMerged, ev.EntitySplit)):
+            # as the resolver moves mentions: a merge's survivor takes the merged
+            # entities' ones, a split's new entity gets (a copy of) its origin's
+            merge = isinstance(m, ev.EntitiesMerged)
+            facts = self._facts.get(m.bank_id, {})
+            for f, (scope, ids) in facts.items():
+                if merge and set(ids) & set(m.merged_ids):
+                    ids = [m.survivor_id if i in m.merged_ids else i for i in ids]
+                elif not merge and m.entity_id in ids:
+                    ids = [*ids, m.new_entity_id]
+                facts[f] = (scope, list(dict.fromkeys(ids)))
 
     def _drop_scope(self, bank_id: str, scope: str) -> None:
         facts = self._facts.get(bank_id, {})
