@@ -239,6 +239,9 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     except (DataDirLocked, LogDamaged) as e:
         console.print(f"{e}", style="red")
         raise typer.Exit(1)
+    from mneme.runtime import signals
+    # before the consumers start and the port opens: a SIGTERM from then on drains
+    stop = signals.stop_on_signals()
     tele = setup_telemetry("mneme", settings)
     node.start()
     port = node.serve()
@@ -250,8 +253,6 @@ def up(data_dir: Path = typer.Option(None, "--data-dir", "-d", help="default: $M
     console.print(f"mneme is up on {host}:{port} (data in {settings.data_dir.resolve()}); "
                   f"{security.get(settings.auth_mode, settings.auth_mode)}{metrics}. "
                   "Ctrl-C stops it.")
-    from mneme.runtime import signals
-    stop = signals.stop_on_signals()
     signals.wait(stop)
     console.print("stopping: draining consumers …")
     node.close()
