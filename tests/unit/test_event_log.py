@@ -796,6 +796,32 @@ def test_recover_keeps_what_a_cut_wal_still_holds(path, checkpointed):
         log.close()
 
 
+@pytest.mark.parametrize("damage", ["cut", "garbled_frame"])
+def test_recover_keeps_the_damaged_log_and_its_wal_as_they_were(path, damage):
+    """The damaged copy `mneme log recover` keeps beside the new log is the log as it
+    was, WAL included: the frames past a cut or garbled one are committed writes only
+    it still holds. (Closing the connection that read the copy checkpointed the frames
+    SQLite accepts into the copy's main file and deleted the copy's WAL, and the log's
+    own WAL was removed: those frames were gone for good.)"""
+    import os
+
+    from mneme.bus.sqlite_log import recover
+    frames = _killed_writer(path, 30)
+    wal, frame = path + "-wal", 24 + 4096
+    if damage == "cut":
+        os.truncate(wal, 32 + 5 * frame)
+    else:
+        with open(wal, "r+b") as f:
+            f.seek(32 + (frames // 2) * frame + 100)
+            f.write(b"garbage!")
+    before = {s: open(path + s, "rb").read() for s in ("", "-wal", "-shm")}
+    report = recover(path)
+    assert report.problem and "was cut or damaged" in report.problem
+    for suffix, data in before.items():
+        with open(report.damaged + suffix, "rb") as f:
+            assert f.read() == data, f"the damaged copy's {suffix or 'main file'} changed"
+
+
 def test_a_log_that_lost_records_its_consumers_handled_refuses_to_open(path):
     """Without the -shm wal-index the cut cannot be measured, but its effect can: a cut
     WAL whose older frames SQLite read over newer pages of the main file left 1 of 30

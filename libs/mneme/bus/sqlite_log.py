@@ -1037,6 +1037,9 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
             shutil.copy2(path + suffix, damaged + suffix)
     report = RecoveryReport(path=path, damaged=damaged, problem=problem)
     src = sqlite3.connect(damaged, isolation_level=None)
+    # closing it must not checkpoint the copy's WAL into it and delete it: the frames
+    # SQLite does not accept are committed writes only that WAL still holds
+    _keep_wal_on_close(src)
     try:
         # writable_schema lets SQLite open a file shorter than its header says
         for pragma in ("writable_schema = ON", "query_only = ON"):
@@ -1056,10 +1059,11 @@ def recover(path: str | os.PathLike[str], chunk: int = 1000) -> RecoveryReport:
         raise
     finally:
         src.close()
-        if main_only:
-            for suffix in ("-wal", "-shm"):
-                if os.path.exists(path + suffix):
-                    shutil.copy2(path + suffix, damaged + suffix)
+        # the log's own WAL and wal-index as they were (reading the copy rewrote its
+        # wal-index; main_only: they were not beside it)
+        for suffix in ("-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                shutil.copy2(path + suffix, damaged + suffix)
     # The old WAL must not meet the new file (SQLite would apply its frames to it); the
     # copy at ``damaged`` keeps them.
     for suffix in ("-wal", "-shm"):
