@@ -107,8 +107,12 @@ class _Build:
         those of records before it (its state already holds them: a stopped
         consolidation that had not read its own decisions back, or one held for the
         switch). Without them a build up to that position lacks decisions the live
-        state has, and the check would call an intact projection damaged. The builder's
-        offsets stay at ``until`` (it reads them again later: idempotent)."""
+        state has, and the check would call an intact projection damaged. That holds
+        while the live group is held at ``until`` (the switch); while it runs (the
+        check's attempts), or on another replica of the service, some of these outputs
+        may come from records after ``until``: harmless, since the check only flags a
+        bank the build holds less of than live and the build reads them again in order.
+        The builder's offsets stay at ``until`` (it reads them again later: idempotent)."""
         from mneme.bus.codec import decode, event_type
         from mneme.bus.sealing import erased_record
         produces = self.live.service.produces
