@@ -61,6 +61,15 @@ def _gone(data: Path, within: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def _retain_cello(server: Server, bank: str = "k") -> None:
+    """Bank ``bank`` with one fact that names entities (what :func:`_holds_the_graph`
+    looks for), retained and projected."""
+    with server.client(timeout=60) as m:
+        m.upsert_bank(bank)
+        assert m.retain(bank, [{"content": "Erin plays the cello in Porto."}]
+                        ).operation.state == 3
+
+
 def _holds_the_graph(server: Server, bank: str = "k") -> None:
     with server.client(timeout=60) as m:
         assert m.bank_stats(bank).entities > 0
@@ -70,9 +79,7 @@ def _holds_the_graph(server: Server, bank: str = "k") -> None:
 def test_sigkill_of_mneme_up_stops_its_falkordb_child(tmp_path):
     data = tmp_path / "data"
     server = Server(data).start()
-    with server.client(timeout=60) as m:
-        m.upsert_bank("k")
-        assert m.retain("k", [{"content": "Erin plays the cello in Porto."}]).operation.state == 3
+    _retain_cello(server)
     pid = _redis_pid(data)
     assert _alive(pid)
     server.kill()
@@ -127,10 +134,7 @@ def test_sigkill_while_the_graph_server_starts_leaves_no_server(tmp_path):
     _gone(data)
     server.start()
     try:
-        with server.client(timeout=60) as m:
-            m.upsert_bank("k")
-            assert m.retain("k", [{"content": "Erin plays the cello in Porto."}]
-                            ).operation.state == 3
+        _retain_cello(server)
     finally:
         server.stop()
     _gone(data)
@@ -152,10 +156,7 @@ def test_sigkill_of_mneme_and_its_supervisor_leaves_no_server(tmp_path):
     data = tmp_path / "data"
     server = Server(data).start()
     try:
-        with server.client(timeout=60) as m:
-            m.upsert_bank("k")
-            assert m.retain("k", [{"content": "Erin plays the cello in Porto."}]
-                            ).operation.state == 3
+        _retain_cello(server)
         (redis,) = _servers(data)
         supervisor = psutil.Process(redis).parent()
         assert supervisor.ppid() == server.proc.pid
@@ -191,10 +192,7 @@ def test_a_start_stops_a_graph_server_an_earlier_run_left(tmp_path, registered):
     data = tmp_path / "data"
     server = Server(data).start()
     try:
-        with server.client(timeout=60) as m:
-            m.upsert_bank("k")
-            assert m.retain("k", [{"content": "Erin plays the cello in Porto."}]
-                            ).operation.state == 3
+        _retain_cello(server)
     finally:
         server.stop()
     _gone(data)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.server import Server, free_port, inherited, up_refuses
-from tests.e2e.test_falkor_child import _servers
+from tests.e2e.test_falkor_child import _retain_cello, _servers
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +20,7 @@ def test_a_second_process_on_a_served_data_dir_is_refused(tmp_path):
     data = tmp_path / "data"
     server = Server(data).start()
     try:
-        with server.client(timeout=60) as m:
-            m.upsert_bank("k")
-            assert m.retain("k", [{"content": "Erin plays the cello in Porto."}]
-                            ).operation.state == 3
+        _retain_cello(server)
         graph = _servers(data)
         assert len(graph) == 1
         out = up_refuses(data)
