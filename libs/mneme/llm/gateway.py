@@ -15,6 +15,7 @@ a process without a configured model never imports it. Thread-safe.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ import tenacity
 from mneme import retry, telemetry
 from mneme.deadline import current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded
-from mneme.llm.jsonout import JsonOutputError, parse_json, validate
+from mneme.llm.jsonout import JsonOutputError, clean_text, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.llm.settings import Endpoint, LlmSettings
 # The port's results, errors and helpers live in mneme.llm.types (no adapter code); they
@@ -60,8 +61,16 @@ def load_litellm():
 # ---- error classification ------------------------------------------------------------------
 
 
+class MalformedResponse(Exception):
+    """A provider's 200 answer without the parts every answer has (no ``choices``, a
+    choice without a message, a rerank result without a usable index): a fault of that
+    answer, retried like a 5xx (the next one is usually whole)."""
+
+
 def _classify(exc: Exception) -> tuple[str, bool]:
     """(reason, retryable) of an exception litellm raised."""
+    if isinstance(exc, MalformedResponse):
+        return "malformed", True
     name = type(exc).__name__
     code = getattr(exc, "status_code", None)
     if name in ("Timeout", "APITimeoutError") or code == 408:
@@ -95,6 +104,42 @@ def _retry_after(exc: Exception) -> float | None:
         return float(headers.get("retry-after"))
     except (TypeError, ValueError):
         return None
+
+
+def _read_completion(resp) -> tuple[str, str, list[ToolCall]]:
+    """(text, finish_reason, tool calls) of a chat completion, their text
+    :func:`~mneme.llm.jsonout.clean_text`'d. Raises MalformedResponse when it has no
+    choice or its choice no message."""
+    choice = next(iter(getattr(resp, "choices", None) or []), None)
+    msg = getattr(choice, "message", None)
+    if msg is None:
+        raise MalformedResponse("the model's answer has no choices or no message")
+    calls = []
+    for i, tc in enumerate(getattr(msg, "tool_calls", None) or []):
+        fn = getattr(tc, "function", None)
+        calls.append(ToolCall(getattr(tc, "id", None) or f"call_{i}",
+                              str(getattr(fn, "name", None) or ""),
+                              clean_text(str(getattr(fn, "arguments", None) or "{}"))))
+    content = msg.content if isinstance(msg.content, str) else ""
+    return clean_text(content), choice.finish_reason or "stop", calls
+
+
+def _read_rerank(resp, n: int) -> list[tuple[int, float]]:
+    """``[(document index, relevance score)]`` of a rerank answer over ``n`` documents.
+    A result whose index is no integer in ``[0, n)`` or whose score is no finite number
+    is left out (its document keeps its place, as one the server did not score), and so
+    is a second result for one index."""
+    out: dict[int, float] = {}
+    for r in getattr(resp, "results", None) or []:
+        get = r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None))
+        i, score = get("index"), get("relevance_score")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n or i in out:
+            continue
+        if isinstance(score, bool) or not isinstance(score, (int, float)) \
+                or not math.isfinite(score):
+            continue
+        out[i] = float(score)
+    return list(out.items())
 
 
 # ---- the gateway ---------------------------------------------------------------------------
@@ -259,14 +304,13 @@ class LlmGateway:
         kw = self._kwargs(ep, messages, tools, tool_choice, response_schema, schema_name, strict,
                           max_tokens, temperature)
         litellm = load_litellm()
-        resp, usage = self._call(operation, ep, lambda t: litellm.completion(timeout=t, **kw),
-                                 timeout)
+
+        def attempt(t: float):
+            resp = litellm.completion(timeout=t, **kw)
+            return resp, _read_completion(resp)  # a malformed answer fails the attempt
+        (resp, (text, finish, calls)), usage = self._call(operation, ep, attempt, timeout)
         self._account(operation, ep, usage, resp)
-        choice = resp.choices[0]
-        msg = choice.message
-        calls = [ToolCall(tc.id or f"call_{i}", tc.function.name, tc.function.arguments or "{}")
-                 for i, tc in enumerate(getattr(msg, "tool_calls", None) or [])]
-        return Completion(msg.content or "", choice.finish_reason or "stop", calls, usage)
+        return Completion(text, finish, calls, usage)
 
     def stream(self, operation: str, messages: list[dict], *, tools: list[dict] | None = None,
                tool_choice: str | None = None, max_tokens: int | None = None,
@@ -297,8 +341,9 @@ class LlmGateway:
                 for choice in chunk.choices or []:
                     delta = choice.delta
                     if getattr(delta, "content", None):
-                        text.append(delta.content)
-                        yield delta.content
+                        piece = clean_text(delta.content)
+                        text.append(piece)
+                        yield piece
                     for tc in getattr(delta, "tool_calls", None) or []:
                         c = calls.setdefault(tc.index or 0, {"id": "", "name": "", "arguments": ""})
                         c["id"] = tc.id or c["id"]
@@ -315,9 +360,10 @@ class LlmGateway:
                                  reason, usage) from exc
         if last_usage is not None:
             self._account(operation, ep, usage, last_usage)
-        tool_calls = [ToolCall(c["id"] or f"call_{i}", c["name"], c["arguments"] or "{}")
+        tool_calls = [ToolCall(c["id"] or f"call_{i}", c["name"] or "",
+                               clean_text(c["arguments"] or "{}"))
                       for i, c in sorted(calls.items())]
-        yield Completion("".join(text), finish, tool_calls, usage)
+        yield Completion(clean_text("".join(text)), finish, tool_calls, usage)
 
     def complete_json(self, operation: str, messages: list[dict], schema: dict, *,
                       check_schema: dict | None = None, schema_name: str = "output",
@@ -387,10 +433,7 @@ class LlmGateway:
             kw["api_key"] = ep.api_key
         resp, usage = self._call("rerank", ep, lambda t: litellm.rerank(timeout=t, **kw),
                                  self.settings.rerank_timeout_s)
-        results = []
-        for r in getattr(resp, "results", None) or []:
-            get = r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None))
-            results.append((int(get("index")), float(get("relevance_score") or 0.0)))
+        results = _read_rerank(resp, len(documents))
         meta = getattr(resp, "meta", None) or {}
         tokens = ((meta.get("tokens") or {}).get("input_tokens") if isinstance(meta, dict) else 0) or 0
         usage.input_tokens += int(tokens)

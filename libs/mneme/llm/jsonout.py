@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _FENCE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.S)
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 
@@ -24,6 +25,30 @@ class JsonOutputError(ValueError):
         super().__init__(detail)
         self.reason = reason
         self.hint = hint if hint is not None else detail
+
+
+def clean_text(text: str) -> str:
+    """``text`` with each lone UTF-16 surrogate (U+D800–U+DFFF) replaced by U+FFFD and
+    each surrogate pair joined into its character; the same object when it has none.
+
+    A model that cuts an emoji's escape in half (``"\\ud83d"``) yields a Python string
+    no UTF-8 encoder, protobuf field or store accepts: cleaned where model text enters
+    mneme, it cannot fail a whole request further on."""
+    if not _LONE_SURROGATE.search(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def clean_value(value: object) -> object:
+    """:func:`clean_text` applied to every string in a decoded JSON ``value`` (object
+    keys too); other values unchanged."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, dict):
+        return {clean_text(k): clean_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean_value(v) for v in value]
+    return value
 
 
 def _close_brackets(s: str) -> str:
@@ -50,7 +75,8 @@ def _close_brackets(s: str) -> str:
 def parse_json(text: str) -> object:
     """The JSON value in a model reply. Tries the text as is, then the inside of a code
     fence, then from the first ``{``/``[`` to the last ``}``/``]``, each also with trailing
-    commas removed and open brackets closed. Raises JsonOutputError("malformed")."""
+    commas removed and open brackets closed; its strings are :func:`clean_value`'d.
+    Raises JsonOutputError("malformed")."""
     if text is None or not text.strip():
         raise JsonOutputError("malformed", "empty reply")
     candidates = [text.strip()]
@@ -67,7 +93,7 @@ def parse_json(text: str) -> object:
         for variant in (c, _TRAILING_COMMA.sub(r"\1", c)):
             for v in (variant, _close_brackets(variant)):
                 try:
-                    return json.loads(v)
+                    return clean_value(json.loads(v))
                 except ValueError as e:
                     last_err = str(e)
     raise JsonOutputError("malformed", f"not valid JSON ({last_err})")

@@ -1,0 +1,158 @@
+"""A model endpoint that misbehaves as real providers do, over real HTTP against the stub:
+lone UTF-16 surrogates in its text (a cut emoji escape), a 200 reply of the wrong shape,
+a rerank answer with unusable entries, a reply that never ends, and fact lists that are
+junk (causal indexes into dropped or missing facts, a megabyte of text, thousands of
+facts for one sentence, names that are not names). Each must end as an ``LlmError`` the
+callers handle, or be cleaned, never as a crash that fails a whole request."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import datetime, timezone
+
+import pytest
+
+from mneme.domain import Fact, RetainItem, Scored
+from mneme.llm import LlmError, LlmUnavailable
+from mneme.llm.rerank import rerank
+from services.extraction.llm import LlmExtractor
+from tests.llm.conftest import make_gateway
+from tests.llm.stub import Reply, chat, drip
+
+TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def raw(body: str) -> Reply:
+    """A 200 answer whose body is ``body`` as is."""
+    return Reply("raw", code=200, text=body)
+
+
+def completion(content_json: str) -> Reply:
+    """A chat completion whose message content is the JSON string literal
+    ``content_json`` written as is (so escapes such as a lone ``\\ud83d`` reach the client)."""
+    return raw('{"id": "c", "object": "chat.completion", "created": 1, "model": "m", '
+               '"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": '
+               f'"assistant", "content": {content_json}}}}}], "usage": {{"prompt_tokens": 1, '
+               '"completion_tokens": 1, "total_tokens": 2}}')
+
+
+def encodable(value) -> bool:
+    json.dumps(value, ensure_ascii=False).encode("utf-8")  # raises on a lone surrogate
+    return True
+
+
+def test_lone_surrogates_in_model_text_become_replacement_characters(stub, gateway):
+    # content text with a lone high surrogate, and JSON inside the content whose string
+    # escapes decode to one (a model that cut an emoji's escape in half)
+    stub.on("chat", completion(r'"tea \ud83d time, \ud83d\ude00 ok"'))
+    c = gateway.complete("retain", MSGS)
+    assert c.text == "tea \ufffd time, \U0001F600 ok" and encodable(c.text)
+    stub.on("chat", completion(r'"{\"facts\": [{\"text\": \"Ann likes \\ud83d tea\", '
+                               r'\"entities\": [{\"name\": \"Ann\\udc00\"}]}]}"'))
+    value = gateway.complete_json("retain", MSGS, {"type": "object"}).value
+    assert value == {"facts": [{"text": "Ann likes \ufffd tea",
+                                "entities": [{"name": "Ann\ufffd"}]}]}
+    stub.on("chat", chat("streamed \udc00 text"))
+    *deltas, done = list(gateway.stream("reflect", MSGS))
+    assert done.text == "streamed \ufffd text" and all(encodable(d) for d in deltas)
+
+
+def test_an_extracted_fact_with_a_lone_surrogate_is_stored_cleaned(stub, gateway):
+    stub.on("chat", completion(r'"{\"facts\": [{\"text\": \"Ann likes \\ud83d tea\", '
+                               r'\"entities\": [{\"name\": \"Ann\\ud83d\", \"type\": \"person\"}]}]}"'))
+    facts = LlmExtractor(gateway).extract_many(
+        "b", [RetainItem("Ann: I like tea \U0001F375", TS)], "op")
+    assert [f.text for f in facts] == ["Ann likes \ufffd tea"]
+    assert encodable([e.name for e in facts[0].entities])
+
+
+@pytest.mark.parametrize("body", [
+    '{"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": []}',
+    '{"id": "c", "object": "chat.completion", "created": 1, "model": "m"}',
+])
+def test_a_reply_of_the_wrong_shape_is_an_llm_error_not_a_crash(stub, body):
+    gw = make_gateway(stub, llm_max_retries=1)
+    stub.on("chat", raw(body), raw(body))
+    with pytest.raises(LlmError) as e:
+        gw.complete("retain", MSGS)
+    assert e.value.usage.failed_calls == 2
+    if "choices" in body:  # litellm itself refuses an answer without the key
+        assert e.value.reason == "malformed"
+    assert gw.sleeps and len(stub.chat_requests()) == 2  # retried once, by the policy
+
+
+def test_a_reply_that_never_ends_is_bounded_by_the_call_timeout(stub):
+    """A server that sends a byte every 0.2 s forever resets the HTTP client's read
+    timeout each time: only a bound on the whole attempt ends the call."""
+    gw = make_gateway(stub, llm_timeout_s=1.0, llm_max_retries=1)
+    stop = threading.Event()
+    stub.on("chat", drip(0.2, stop), drip(0.2, stop))
+    try:
+        with pytest.raises(LlmUnavailable) as e:
+            gw.complete("retain", MSGS)
+        assert e.value.reason == "timeout" and e.value.usage.failed_calls == 2
+    finally:
+        stop.set()
+
+
+def fused(n=4):
+    return [Scored(fact=Fact(id=f"f{i}", bank_id="b", text=f"fact number {i}"), final=1.0 - i / 10)
+            for i in range(n)]
+
+
+def test_unusable_rerank_entries_leave_those_candidates_in_fusion_order(stub):
+    gw = make_gateway(stub, rerank_model="hosted_vllm/bge", rerank_base_url=stub.root_url,
+                      rerank_head=4)
+    # litellm refuses a result without an integer index itself (the call fails: fusion
+    # order); these it lets through
+    stub.on("rerank", Reply("rerank", {"id": "r", "results": [
+        {"index": 3, "relevance_score": 0.9}, {"index": 7, "relevance_score": 0.8},
+        {"index": -1, "relevance_score": 0.7}, {"index": 1, "relevance_score": float("nan")},
+        {"index": 3, "relevance_score": 0.1}]}))
+    out = rerank("q", fused(), gw)
+    assert [s.fact.id for s in out] == ["f3", "f0", "f1", "f2"]
+    assert out[0].scores["rerank"] == 0.9 and "rerank" not in out[2].scores  # f1: NaN
+
+
+def fact(text, **kw):
+    d = {"text": text, "fact_type": "world", "occurred_start": None, "occurred_end": None,
+         "entities": [], "caused_by": []}
+    d.update(kw)
+    return d
+
+
+def test_causal_links_follow_the_models_own_positions(stub, gateway):
+    """``caused_by`` indexes the model's list: a fact it gave without text is dropped,
+    and the links of the others still point at the facts the model meant; indexes out of
+    the list (negative, past its end, of another chunk) link nothing."""
+    stub.on("chat", chat({"facts": [
+        fact(""), fact("Eve fell ill on 7 May 2023."),
+        fact("Eve stayed home on 8 May 2023.", caused_by=[1, -1, 7, 0]),
+        fact("Eve missed the concert.", caused_by=[2]),
+        fact("Eve was sad.", caused_by=3, entities=5)]}))
+    facts = LlmExtractor(gateway).extract_many(
+        "b", [RetainItem("Eve: I fell ill yesterday so I stayed home and missed the concert.",
+                         TS)], "op")
+    by_text = {f.text.split(" on ")[0].rstrip("."): f for f in facts}
+    ill, home, concert = (by_text[k] for k in ("Eve fell ill", "Eve stayed home",
+                                                "Eve missed the concert"))
+    assert [l.target_id for l in home.links if l.kind == "causal"] == [ill.id]
+    assert [l.target_id for l in concert.links if l.kind == "causal"] == [home.id]
+
+
+def test_junk_facts_are_bounded(stub, gateway):
+    """A fact longer than its text could ever say, a reply with thousands of facts for
+    one sentence, and entity names that are no names are dropped, not stored."""
+    text = "Dan: I adopted a cat named Tom and a dog named Rex."
+    stub.on("chat", chat({"facts": [
+        fact("Dan adopted a cat named Tom.",
+             entities=[{"name": "Tom", "type": "thing"}, {"name": "T" * 5000, "type": "person"},
+                       {"name": "\u200b\u200b", "type": "person"}]),
+        fact("Dan " + "x" * 1_000_000)] + [fact(f"Dan has pet number {i}.") for i in range(5000)]}))
+    facts = LlmExtractor(gateway).extract_many("b", [RetainItem(text, TS)], "op")
+    assert facts[0].text == "Dan adopted a cat named Tom."
+    assert [e.name for e in facts[0].entities] == ["Tom"]
+    assert max(len(f.text) for f in facts) < 1000
+    assert len(facts) <= 64
