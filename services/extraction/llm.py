@@ -48,8 +48,10 @@ makes recall worse than no model; ``llm_only`` uses :class:`LlmExtractor` alone.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import unicodedata
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -134,6 +136,7 @@ _LABELS = {"person": "PERSON", "people": "PERSON", "place": "GPE", "location": "
            "concept": "CONCEPT", "other": "CONCEPT"}
 _ISO = re.compile(r"^\s*(\d{4})(?:-(\d{1,2})(?:-(\d{1,2})(?:[T ](\d{1,2}):(\d{2})(?::(\d{2})(?:\.\d+)?)?"
                   r"\s*(Z|[+-]\d{2}:?\d{2})?)?)?)?\s*$")
+log = logging.getLogger(__name__)
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+")
 _MAX_SPLITS = 2  # a still-truncated chunk is halved at most twice (→ quarters)
 _MIN_SPLIT_CHARS = 200
@@ -311,6 +314,62 @@ def _halves(text: str) -> list[str] | None:
     return parts if all(parts) else None
 
 
+# ---- what a reply may hold --------------------------------------------------------------------
+
+#: The longest entity name kept (characters): longer is no name but a model's runaway text.
+MAX_ENTITY_NAME_CHARS = 256
+
+
+def max_facts(chunk: str) -> int:
+    """The most facts one reply may give for ``chunk``: 16, plus one per 20 characters (a
+    list "A, B, C" can give a fact per entry; a 6,000-character chunk 316). The facts
+    beyond are dropped: a model that lists thousands of facts for a sentence is looping."""
+    return 16 + len(chunk) // 20
+
+
+def max_fact_chars(chunk: str) -> int:
+    """The longest fact text kept for ``chunk``: twice its length plus 500 characters
+    (names for pronouns and absolute dates make a fact longer than what it restates, never
+    by this much). A longer fact is dropped: it cannot be a statement of this text."""
+    return 2 * len(chunk) + 500
+
+
+def _bounded(facts: list, chunk: str) -> list[dict | None]:
+    """The model's ``facts`` for ``chunk`` in their positions (``caused_by`` indexes them),
+    cut to :func:`max_facts`; a fact that is no object or whose text is longer than
+    :func:`max_fact_chars` is None. Each drop is counted
+    (``mneme.llm.output_errors{reason="oversized"}``) and logged, never quoted."""
+    limit, longest = max_facts(chunk), max_fact_chars(chunk)
+    out: list[dict | None] = []
+    for f in facts[:limit]:
+        ok = isinstance(f, dict) and not (isinstance(f.get("text"), str)
+                                          and len(f["text"]) > longest)
+        out.append(f if ok else None)
+    dropped = len(facts) - sum(f is not None for f in out)
+    if dropped:
+        METRICS.add("mneme.llm.output_errors", dropped, operation="retain", reason="oversized")
+        log.info("retain: dropped %d of the model's %d facts (more than %d facts, a fact "
+                 "over %d characters, or not an object)", dropped, len(facts), limit, longest)
+    return out
+
+
+def _list(value: object) -> list:
+    """``value`` when it is a list, else [] (a model may give a number or a string where
+    the schema asks for a list)."""
+    return value if isinstance(value, list) else []
+
+
+def _name(value: object) -> str:
+    """An entity name as kept: control and format characters (NUL, bell, zero-width
+    spaces, direction marks) removed, whitespace collapsed; "" when nothing is left, when
+    it is no string, or when it is longer than :data:`MAX_ENTITY_NAME_CHARS`."""
+    if not isinstance(value, str):
+        return ""
+    name = " ".join("".join(ch for ch in value if unicodedata.category(ch) not in ("Cc", "Cf")
+                            or ch.isspace()).split())
+    return name if len(name) <= MAX_ENTITY_NAME_CHARS else ""
+
+
 # ---- the extractor ---------------------------------------------------------------------------
 
 
@@ -477,16 +536,20 @@ class LlmExtractor:
         for c, chunk in enumerate(chunks):
             part = (c + 1, len(chunks)) if len(chunks) > 1 else None
             for raw in self._ask(item, idx, chunk, part, mission, usage, _MAX_SPLITS):
-                base = len(drafts)
-                for fact in raw:
-                    d = self._draft(fact, item, c)
-                    if d is None:
-                        continue
-                    d.caused_by = [base + j for j in d.caused_by]
-                    drafts.append(d)
-        # caused_by indices were relative to one reply; keep only ones that exist
+                # caused_by indexes the model's own list: map its positions to the drafts
+                # kept (a fact dropped as unusable shifts every later one)
+                at: dict[int, int] = {}
+                mine: list[_Draft] = []
+                for pos, fact in enumerate(raw):
+                    d = self._draft(fact, item, c) if fact is not None else None
+                    if d is not None:
+                        at[pos] = len(drafts) + len(mine)
+                        mine.append(d)
+                for d in mine:
+                    d.caused_by = [at[j] for j in dict.fromkeys(d.caused_by) if j in at]
+                drafts += mine
         for n, d in enumerate(drafts):
-            d.caused_by = [j for j in dict.fromkeys(d.caused_by) if 0 <= j < len(drafts) and j != n]
+            d.caused_by = [j for j in d.caused_by if j != n]
         return drafts, usage
 
     def _ask(self, item: RetainItem, idx: int, chunk: str, part, mission: str, usage: Usage,
@@ -508,7 +571,7 @@ class LlmExtractor:
             raise ItemExtractionFailed(idx, e.reason, str(e), usage) from e
         usage.add(res.usage)
         facts = res.value.get("facts") if isinstance(res.value, dict) else None
-        return [[f for f in facts or [] if isinstance(f, dict)]]
+        return [_bounded(facts if isinstance(facts, list) else [], chunk)]
 
     def _messages(self, item: RetainItem, chunk: str, part, mission: str) -> list[dict]:
         ts = wall_clock(item.timestamp, item.time_zone)  # the writer's own clock and date
@@ -550,11 +613,12 @@ class LlmExtractor:
         speaker = ((item.metadata or {}).get("speaker") or "").strip()
         if speaker and speaker.split()[0].lower() in text.lower():
             mentions.append((speaker, "PERSON"))
-        for e in fact.get("entities") or []:
-            if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"].strip():
+        for e in _list(fact.get("entities")):
+            name = _name(e.get("name")) if isinstance(e, dict) else ""
+            if name:
                 label = _LABELS.get(str(e.get("type") or "").strip().lower(), "CONCEPT")
-                mentions.append((e["name"].strip(), label))
-        causes = [j for j in (fact.get("caused_by") or []) if isinstance(j, int) and not isinstance(j, bool)]
+                mentions.append((name, label))
+        causes = [j for j in _list(fact.get("caused_by")) if isinstance(j, int) and not isinstance(j, bool)]
         return _Draft(text, ftype if ftype in (WORLD, EXPERIENCE) else WORLD, start, end,
                       mentions, causes, chunk_no)
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 @dataclass
 class Reply:
-    kind: str  # chat | status | delay | rerank | raw | computed
+    kind: str  # chat | status | delay | drip | rerank | raw | computed
     body: dict = field(default_factory=dict)
     code: int = 200
     headers: dict = field(default_factory=dict)
@@ -83,6 +83,13 @@ def gate(event: threading.Event, then: Reply | None = None, most_s: float = 60.0
     test never hangs), then answer with ``then`` (default: an empty chat reply): keeps a
     model call in flight for exactly as long as a test needs."""
     return Reply("delay", seconds=most_s, then=then or chat("{}"), until=event)
+
+
+def drip(every_s: float, until: threading.Event, piece: bytes = b" ") -> Reply:
+    """A reply that never ends: a 200 with a long ``Content-Length``, then ``piece`` every
+    ``every_s`` seconds until the test sets ``until`` (each byte resets a client's read
+    timeout, so only a bound on the whole call ends it)."""
+    return Reply("drip", seconds=every_s, until=until, text=piece.decode())
 
 
 def rerank_reply(scores: list[float]) -> Reply:
@@ -214,7 +221,16 @@ class StubLLM:
                         return
                     self._send(500, {"error": {"message": "unscripted", "type": "stub"}})
                     return
-                if reply.kind == "status":
+                if reply.kind == "drip":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(1 << 30))
+                    self.end_headers()
+                    while not reply.until.wait(reply.seconds):
+                        self.wfile.write(reply.text.encode())
+                        self.wfile.flush()
+                    self.close_connection = True
+                elif reply.kind == "status":
                     self._send(reply.code, reply.body, reply.headers)
                 elif reply.kind == "raw":
                     self._send_text(reply.code, reply.text)
