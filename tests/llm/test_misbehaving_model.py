@@ -18,7 +18,7 @@ from mneme.llm import LlmError, LlmUnavailable
 from mneme.llm.rerank import rerank
 from services.extraction.llm import LlmExtractor
 from tests.llm.conftest import make_gateway
-from tests.llm.stub import Reply, chat, drip
+from tests.llm.stub import Reply, chat, computed, drip
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 MSGS = [{"role": "user", "content": "hi"}]
@@ -156,3 +156,35 @@ def test_junk_facts_are_bounded(stub, gateway):
     assert [e.name for e in facts[0].entities] == ["Tom"]
     assert max(len(f.text) for f in facts) < 1000
     assert len(facts) <= 64
+
+
+def test_a_caller_that_goes_away_mid_call_stops_the_call(stub):
+    """The caller cancels while the model holds its answer (and while a stream drips):
+    the call ends with Cancelled then, not when the model answers (it would, 3 s after
+    the request arrived, well within the call's timeout)."""
+    from mneme import deadline
+    from mneme.errors import Cancelled
+    gw = make_gateway(stub, llm_timeout_s=60.0)
+    for script in (Reply("delay", seconds=60, until=threading.Event(), then=chat("late")),
+                   drip(0.2, threading.Event(), b": keep-alive\n\n")):
+        held, gone, timers = script.until, threading.Event(), []
+
+        def in_flight(request, script=script, held=held, gone=gone, timers=timers):
+            # the caller goes away once the model has the request; the model would answer later
+            timers += [threading.Timer(0.3, gone.set), threading.Timer(3.0, held.set)]
+            for t in timers:
+                t.start()
+            return script
+        stub.on("chat", computed(in_flight))
+        try:
+            with deadline.bind(deadline.Deadline(None, lambda gone=gone: not gone.is_set())):
+                with pytest.raises(Cancelled):
+                    if script.kind == "drip":
+                        list(gw.stream("reflect", MSGS))
+                    else:
+                        gw.complete("reflect", MSGS)
+            assert gone.is_set() and len(stub.chat_requests()) in (1, 2)
+        finally:
+            for t in timers:
+                t.cancel()
+            held.set()

@@ -14,17 +14,19 @@ a process without a configured model never imports it. Thread-safe.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import math
 import os
 import threading
 import time
-from typing import Iterator
+from typing import Awaitable, Callable, Iterator
 
 import tenacity
 
 from mneme import retry, telemetry
-from mneme.deadline import current as current_deadline
+from mneme.deadline import Deadline, current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded
 from mneme.llm.jsonout import JsonOutputError, clean_text, parse_json, validate
 from mneme.llm.metrics import METRICS
@@ -58,6 +60,60 @@ def load_litellm():
         return _litellm
 
 
+# ---- bounded attempts ----------------------------------------------------------------------
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+#: How often a waiting model call looks whether its caller has gone (seconds).
+_CALLER_POLL_S = 0.25
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop of model calls (a daemon thread, started on first use).
+    Calls run on litellm's async client because only a task can be stopped mid-answer:
+    the sync client's timeout bounds each socket read, so a server that sends a byte now
+    and then (a stuck proxy, a model that never stops) kept a call, and its caller's
+    thread, forever."""
+    global _loop
+    with _litellm_lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="mneme-llm-calls",
+                             daemon=True).start()
+            _loop = loop
+        return _loop
+
+
+def run_bounded(make: Callable[[], Awaitable], seconds: float, call: Deadline,
+                what: str = "model call"):
+    """The result of the coroutine ``make()``, run on :func:`_event_loop`, cancelled (its
+    HTTP connection closed) after ``seconds`` in all or as soon as ``call``'s caller has
+    gone or its deadline passed. Raises TimeoutError (``seconds`` ran out), Cancelled /
+    DeadlineExceeded (from ``call``), or what the coroutine raised."""
+    fut = asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), seconds), _event_loop())
+    try:
+        while True:
+            done, _ = concurrent.futures.wait([fut], timeout=_CALLER_POLL_S)
+            if done:
+                return fut.result()
+            call.check(what)
+    except BaseException:
+        fut.cancel()
+        raise
+
+
+_END = object()
+
+
+async def _next_chunk(stream):
+    """The stream's next chunk, or :data:`_END` (StopAsyncIteration does not cross a
+    future)."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
 # ---- error classification ------------------------------------------------------------------
 
 
@@ -71,6 +127,8 @@ def _classify(exc: Exception) -> tuple[str, bool]:
     """(reason, retryable) of an exception litellm raised."""
     if isinstance(exc, MalformedResponse):
         return "malformed", True
+    if isinstance(exc, TimeoutError):  # run_bounded's limit on the whole attempt
+        return "timeout", True
     name = type(exc).__name__
     code = getattr(exc, "status_code", None)
     if name in ("Timeout", "APITimeoutError") or code == 408:
@@ -305,8 +363,11 @@ class LlmGateway:
                           max_tokens, temperature)
         litellm = load_litellm()
 
+        call = current_deadline()
+
         def attempt(t: float):
-            resp = litellm.completion(timeout=t, **kw)
+            resp = run_bounded(lambda: litellm.acompletion(timeout=t, **kw), t, call,
+                               f"{operation} model call")
             return resp, _read_completion(resp)  # a malformed answer fails the attempt
         (resp, (text, finish, calls)), usage = self._call(operation, ep, attempt, timeout)
         self._account(operation, ep, usage, resp)
@@ -328,14 +389,28 @@ class LlmGateway:
             yield from self._stream(operation, ep, litellm, kw, timeout)
 
     def _stream(self, operation, ep, litellm, kw, timeout):
-        stream, usage = self._call(operation, ep, lambda t: litellm.completion(timeout=t, **kw),
-                                   timeout, hold=False)
+        call = current_deadline()
+        what = f"{operation} model stream"
+        # the whole stream, not each chunk, is bounded by the call's timeout
+        end = time.monotonic() + (timeout or self.settings.llm_timeout_s)
+        stream, usage = self._call(
+            operation, ep, lambda t: run_bounded(lambda: litellm.acompletion(timeout=t, **kw),
+                                                 t, call, what), timeout, hold=False)
         text: list[str] = []
         calls: dict[int, dict] = {}
         finish = "stop"
         last_usage = None
+
+        def chunks():
+            while True:
+                left = max(0.001, end - time.monotonic())
+                left = left if call.remaining() is None else max(0.001, min(left, call.remaining()))
+                chunk = run_bounded(lambda: _next_chunk(stream), left, call, what)
+                if chunk is _END:
+                    return
+                yield chunk
         try:
-            for chunk in stream:
+            for chunk in chunks():
                 if getattr(chunk, "usage", None) is not None:
                     last_usage = chunk
                 for choice in chunk.choices or []:
@@ -353,6 +428,8 @@ class LlmGateway:
                             c["arguments"] += tc.function.arguments or ""
                     if choice.finish_reason:
                         finish = choice.finish_reason
+        except (DeadlineExceeded, Cancelled):
+            raise
         except Exception as exc:
             reason, _ = _classify(exc)
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model, outcome="error")
@@ -431,8 +508,11 @@ class LlmGateway:
             kw["api_base"] = ep.base_url
         if ep.api_key:
             kw["api_key"] = ep.api_key
-        resp, usage = self._call("rerank", ep, lambda t: litellm.rerank(timeout=t, **kw),
-                                 self.settings.rerank_timeout_s)
+        call = current_deadline()
+        resp, usage = self._call(
+            "rerank", ep, lambda t: run_bounded(lambda: litellm.arerank(timeout=t, **kw), t, call,
+                                                "rerank model call"),
+            self.settings.rerank_timeout_s)
         results = _read_rerank(resp, len(documents))
         meta = getattr(resp, "meta", None) or {}
         tokens = ((meta.get("tokens") or {}).get("input_tokens") if isinstance(meta, dict) else 0) or 0
