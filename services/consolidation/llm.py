@@ -8,8 +8,11 @@ bank's ``observations_mission`` replaces the default rule of what is worth keepi
 
 The answer is checked, not trusted: memory ids must be among the facts shown or the
 observation's evidence, quotes must be verbatim substrings of their memory (else the
-memory's first sentence is used), a text stating a number no source states is refused
-(the evidence is still appended), and ``proof_count`` is always counted by us.
+memory's first sentence is used), a text stating a number no source states or longer
+than :func:`max_text_chars` is refused (the evidence is still appended), a delete is
+applied only when it cites one of the new facts (a delete nothing grounds is a model's
+junk or an order injected into a retained text), and ``proof_count`` is always counted
+by us.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ by evidence from memories. Given NEW FACTS and EXISTING OBSERVATIONS of one scop
 - update: a fact supports, refines or changes an existing observation. PREFER UPDATE OVER \
 CREATE whenever a fact is about the same thing.
 - create: a fact states something worth keeping that no observation covers.
-- delete: only when an observation is plainly wrong and no longer supported (be conservative).
+- delete: only when a new fact shows an observation plainly wrong and no longer supported \
+(be conservative); cite that fact as the evidence.
 - facts you do not mention are left alone.
 Rules:
 - Preserve history: when a fact changes a state, write the new text as "was ..., now ..." \
@@ -67,6 +71,19 @@ _CHECK = {"type": "object", "required": ["actions"],
               "type": "object", "required": ["action"]}}}}
 
 
+def _str(value: object) -> str:
+    """``value`` stripped when it is a string, else "" (a model may give a number or null
+    where the schema asks for a string)."""
+    return value.strip() if isinstance(value, str) else ""
+
+
+def max_text_chars(sources: Sequence[str]) -> int:
+    """The longest observation text kept for ``sources`` (its evidence and the text it
+    revises): twice their length plus 500 characters. An observation restates its
+    sources; a longer text is a model's runaway output, refused like a computed count."""
+    return 2 * sum(len(t) for t in sources) + 500
+
+
 def messages(facts: Sequence[ev.Fact], current: Sequence[ev.Observation], mission: str) -> list[dict]:
     """The chat messages of one decision."""
     user = {"new_facts": [{"memory_id": f.id, "text": f.text} for f in facts],
@@ -97,19 +114,21 @@ def decide(gateway: Llm, facts: Sequence[ev.Fact], scope: list[str], current: di
     by_fact = {f.id: f for f in facts}
     out: dict[str, ev.Observation] = {}
     for n, a in enumerate(res.value.get("actions", [])):
-        kind, oid = a.get("action"), a.get("observation_id") or ""
-        text = (a.get("text") or "").strip()
+        kind, oid, text = a.get("action"), _str(a.get("observation_id")), _str(a.get("text"))
         base = out.get(oid) or current.get(oid)
         ev_pairs = []
-        for e in a.get("evidence") or []:
-            mid = e.get("memory_id", "")
+        for e in a.get("evidence") if isinstance(a.get("evidence"), list) else []:
+            mid = _str(e.get("memory_id")) if isinstance(e, dict) else ""
             if mid not in texts:
                 continue  # the model cited a memory it was never shown
-            q = e.get("quote") or ""
+            q = _str(e.get("quote"))
             ev_pairs.append((mid, q if q and q in texts[mid] else engine.quote_of(texts[mid])))
         sources = [texts[m] for m, _ in ev_pairs] + ([base.text] if base is not None else [])
-        if text and engine.invented_numbers(text, sources):
-            text = ""  # a computed count: keep the evidence, refuse the text
+        if text and (engine.invented_numbers(text, sources)
+                     or len(text) > max_text_chars(sources)):
+            text = ""  # a computed count or a runaway text: keep the evidence, refuse the text
+        if kind == "delete" and not any(m in by_fact for m, _ in ev_pairs):
+            continue  # no new fact shows it wrong: a model's junk or an injected order
         if kind == "delete" and base is not None:
             new = engine.next_state(base, at)
             new.deleted = True
