@@ -252,3 +252,15 @@ def test_an_entity_merge_carries_opinions_over_to_the_survivor():
     # a merge about no opinion's entities changes nothing
     assert c.handle(ev.EntitiesMerged(bank_id="b", survivor_id="e-y", merged_ids=["e-z"]),
                     meta(5)) == []
+
+
+def test_wrong_typed_fields_in_a_formation_reply_form_what_is_usable():
+    """A number where a list belongs (citations, entities) was a TypeError out of form():
+    the reflect consumer failed on the event. Such an opinion rests on nothing now; the
+    reply's well-formed ones are still formed."""
+    llm = FakeLlm(("reflect",)).on("reflect", reply({"opinions": [
+        {"text": "Caroline wants to help people.", "citations": 1, "entities": 5},
+        {"text": "Caroline is set on counseling.", "citations": [1], "entities": 7}]}))
+    (change,) = _former(llm).form(reflection(("f1", T0, [CAROLINE])), meta(1))
+    assert [o.text for o in change.opinions] == ["Caroline is set on counseling."]
+    assert [e.id for e in change.opinions[0].entities] == ["e-caroline"]
