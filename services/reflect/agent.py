@@ -41,6 +41,7 @@ falls back to the extractive answer (``extractive=True``) unless text was alread
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -51,6 +52,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 from mneme.deadline import current as current_deadline
 from mneme.domain import BankConfig, Directive, Memory, RecallOutcome, RecallQuery, utc
 from mneme.errors import InvalidArgument
+from mneme.limits import limits
 from mneme.llm.types import Completion, LlmError, Usage, tool_spec
 from mneme.llm.jsonout import JsonOutputError, parse_json, validate
 from mneme.llm.metrics import METRICS
@@ -63,6 +65,10 @@ __all__ = ["ReflectAgent", "Memory", "MemorySearch", "no_memories", "AgentReflec
            "ToolEvent", "TextDelta", "Done", "TOOLS", "system_prompt"]
 
 log = logging.getLogger(__name__)
+
+#: Tool calls run per model turn; a model asking for more (a loop, or an injected order to
+#: search everything) gets the first ones, each a recall at the request's budget.
+MAX_TOOL_CALLS_PER_TURN = 8
 
 
 class MemorySearch(Protocol):
@@ -449,6 +455,8 @@ class ReflectAgent:
                     c = self.gateway.complete("reflect", messages, tools=tools, temperature=0.2)
                 usage.add(c.usage)
                 if c.tool_calls and not last:
+                    # the calls beyond the bound are neither run nor kept in the turn
+                    c = dataclasses.replace(c, tool_calls=c.tool_calls[:MAX_TOOL_CALLS_PER_TURN])
                     messages.append(c.message())
                     for tc in c.tool_calls:
                         text, n = self._tool(tc.name, tc.args(), bank_id, budget, now, ctx, tags,
@@ -593,7 +601,8 @@ class ReflectAgent:
               mental_models: bool = True) -> tuple[str, int]:
         """Run one tool; (text for the model, number of memories returned). ``tags``
         scope recall (:func:`services.reflect.handlers.scope_filters`)."""
-        query = str(args.get("query") or "").strip()
+        # the model's query, cut as a caller's would be refused beyond it
+        query = str(args.get("query") or "").strip()[:limits().query_chars]
         if not query:
             return "Error: the query argument is required.", 0
         current_deadline().check(f"reflect: {name}")

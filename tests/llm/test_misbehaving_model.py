@@ -188,3 +188,29 @@ def test_a_caller_that_goes_away_mid_call_stops_the_call(stub):
             for t in timers:
                 t.cancel()
             held.set()
+
+
+def test_a_runaway_tool_turn_is_bounded(stub, gateway):
+    """A reflect model that asks for a thousand tool calls in one turn, or recalls with a
+    megabyte of query text, got them all: each a recall (78 s for the megabyte through
+    mneme up). A turn runs at most MAX_TOOL_CALLS_PER_TURN calls (the assistant message
+    keeps only those, each answered) and a query is cut to the API's query limit."""
+    from mneme.domain import RecallOutcome
+    from mneme.limits import limits
+    from services.reflect.agent import MAX_TOOL_CALLS_PER_TURN, ReflectAgent
+
+    queries = []
+
+    def recall(q):
+        queries.append(q.query)
+        return RecallOutcome([Scored(fact=Fact(id="f1", bank_id="b", text="Ann likes tea."))], 5)
+    calls = [{"name": "recall", "arguments": {"query": f"tea {i}"}} for i in range(1000)]
+    stub.on("chat", chat(None, tool_calls=calls),
+            chat(None, tool_calls=[{"name": "recall", "arguments": {"query": "tea " * 250_000}}]),
+            chat("Ann likes tea [m1]."))
+    r = ReflectAgent(gateway, recall)("b", "What does Ann like?", "", "mid", TS)
+    assert r.text == "Ann likes tea [1]." and len(queries) == MAX_TOOL_CALLS_PER_TURN + 1
+    assert len(queries[-1]) <= limits().query_chars
+    second = stub.chat_requests()[1].messages
+    assert len(second[-MAX_TOOL_CALLS_PER_TURN - 1]["tool_calls"]) == MAX_TOOL_CALLS_PER_TURN
+    assert [m["role"] for m in second[-MAX_TOOL_CALLS_PER_TURN:]] == ["tool"] * MAX_TOOL_CALLS_PER_TURN
