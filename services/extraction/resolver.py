@@ -283,7 +283,15 @@ class EntityResolver:
                         seen.add(ref.id)
                         refs.append(ref)
                 out.append(refs)
-            self._persist(bank_id, pending)
+            try:
+                self._persist(bank_id, pending)
+            except BaseException:
+                # the store refused this call's decisions: memory must not keep them (a
+                # later mention would resolve to an entity that is nowhere stored, and
+                # fail alike); the bank reloads from what the store committed
+                if self._store is not None:
+                    self._banks.pop(bank_id, None)
+                raise
             return out
 
     def lookup(self, bank_id: str, names: Iterable[str]) -> list[EntityRef]:

@@ -282,3 +282,19 @@ def test_a_deleted_documents_only_entities_leave_every_index():
     assert keys(a.id) == set() and a.id not in b.entities
     assert keys(kept.id) and kept.id in b.entities  # d:y still mentions it
     assert r.resolve("b", [("Melanie Smith", "PERSON")])[0].id == a.id
+
+
+def test_a_failed_persist_leaves_no_entity_in_memory(tmp_path):
+    """The store refused a call's decisions (here a name no UTF-8 encoder takes, as a
+    model's cut emoji escape once gave): the entity must not live on in memory, or every
+    later mention of the name resolves to it and fails the same way (a bank whose retains
+    were all dead-lettered). Memory reloads from the store, which has what it committed."""
+    r = EntityResolver(SqliteEntityStore(str(tmp_path / "entities.db")))
+    tea = r.resolve("b", [("Tea House", "ORG")])[0]
+    try:
+        r.resolve("b", [("Ann\udc00", "PERSON")])
+    except UnicodeEncodeError:
+        pass
+    ann = r.resolve("b", [("Ann", "PERSON")])[0]
+    assert ann.name == "Ann"
+    assert r.resolve("b", [("Tea House", "ORG")])[0] == tea
