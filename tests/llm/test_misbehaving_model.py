@@ -214,3 +214,38 @@ def test_a_runaway_tool_turn_is_bounded(stub, gateway):
     second = stub.chat_requests()[1].messages
     assert len(second[-MAX_TOOL_CALLS_PER_TURN - 1]["tool_calls"]) == MAX_TOOL_CALLS_PER_TURN
     assert [m["role"] for m in second[-MAX_TOOL_CALLS_PER_TURN:]] == ["tool"] * MAX_TOOL_CALLS_PER_TURN
+
+
+def test_a_misbehaving_model_through_mneme_up_leaves_the_bank_whole(stub, server):
+    """End to end: a reply with a cut emoji escape in a fact and an entity, then a reply
+    with thousands of facts and a megabyte of text, then an ordinary one. Every retain
+    succeeds (the bank is not poisoned), each item keeps its offline fact, the junk is
+    bounded, and ``mneme replay`` rebuilds exactly what was served."""
+    def memories(m):
+        return sorted((x.id, x.text, tuple(sorted(e.name for e in x.entities)))
+                      for x in m.list_memories("mis"))
+    stub.on("chat", completion(r'"{\"facts\": [{\"text\": \"Ann likes \\ud83d tea.\", '
+                               r'\"entities\": [{\"name\": \"Ann\\udc00\", \"type\": \"person\"}]}]}"'),
+            match="cut-emoji")
+    stub.on("chat", chat({"facts": [fact("Dan " + "x" * 1_000_000)]
+                          + [fact(f"Dan has pet number {i}.") for i in range(5000)]}),
+            match="runaway")
+    stub.on("chat", chat({"facts": [fact("Ann has a dog named Rex.",
+                                         entities=[{"name": "Ann", "type": "person"}])]}),
+            match="dog named Rex")
+    with server.client() as m:
+        m.upsert_bank("mis", auto_consolidate=False)
+        for text in ("Ann: cut-emoji I like tea \U0001F375", "Dan: runaway I have pets.",
+                     "Ann: I have a dog named Rex."):
+            r = m.retain("mis", [{"content": text, "timestamp": TS,
+                                  "metadata": {"speaker": text.split(":")[0]}}])
+            assert r.operation.state == 3, r.operation.error
+        live = memories(m)
+        texts = [t for _, t, _ in live]
+        assert "Ann likes \ufffd tea." in texts and "Ann has a dog named Rex." in texts
+        assert all(any(t.startswith(s) for t in texts) for s in ("Ann: cut-emoji", "Dan: runaway",
+                                                                  "Ann: I have a dog"))
+        assert len(texts) < 40 and max(map(len, texts)) < 1000
+    server.replay()
+    with server.client() as m:
+        assert memories(m) == live
