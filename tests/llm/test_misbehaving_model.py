@@ -249,3 +249,18 @@ def test_a_misbehaving_model_through_mneme_up_leaves_the_bank_whole(stub, server
     server.replay()
     with server.client() as m:
         assert memories(m) == live
+
+
+def test_a_provider_that_echoes_the_key_never_gets_it_into_errors(stub, caplog):
+    """Some proxies answer a bad key by quoting it. The failure's text goes into logs, an
+    item's failure on the event log (in the clear) and the operation's error: the key is
+    masked there."""
+    from mneme.llm import LlmRequestError
+    gw = make_gateway(stub, llm_api_key="sk-live-0123456789abcdef")
+    stub.on("chat", Reply("status", {"error": {
+        "message": "Incorrect API key provided: sk-live-0123456789abcdef", "code": 401}},
+        code=401))
+    with pytest.raises(LlmRequestError) as e:
+        gw.complete("retain", MSGS)
+    assert e.value.reason == "auth" and "Incorrect API key" in str(e.value)
+    assert "0123456789abcdef" not in str(e.value) and "0123456789abcdef" not in caplog.text

@@ -114,6 +114,25 @@ async def _next_chunk(stream):
         return _END
 
 
+# ---- error text ----------------------------------------------------------------------------
+
+#: Shortest secret masked (shorter values would mask ordinary words).
+_MIN_SECRET = 8
+
+
+def redact(text: str, settings: LlmSettings) -> str:
+    """``text`` with every model API key mneme knows masked (the ``MNEME_*_API_KEY``
+    settings and the provider variables litellm reads, ``*_API_KEY``), as ``…`` plus its
+    last 4 characters. A provider or proxy that quotes a rejected key would otherwise
+    put it in logs, an item's failure on the event log and the operation's error."""
+    keys = {v.get_secret_value() for k, v in settings if k.endswith("api_key") and v}
+    keys |= {v for k, v in os.environ.items() if k.endswith("API_KEY") and v}
+    for key in sorted((k for k in keys if len(k) >= _MIN_SECRET), key=len, reverse=True):
+        if key in text:
+            text = text.replace(key, "…" + key[-4:])
+    return text
+
+
 # ---- error classification ------------------------------------------------------------------
 
 
@@ -301,7 +320,8 @@ class LlmGateway:
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
                         outcome="error")
             msg = f"{operation} call to {ep.model} failed ({reason}) after " \
-                  f"{attempts} attempt(s): {type(exc).__name__}: {str(exc)[:300]}"
+                  f"{attempts} attempt(s): {type(exc).__name__}: " \
+                  f"{redact(str(exc), self.settings)[:300]}"
             log.warning(msg)
             cls = LlmUnavailable if retryable else LlmRequestError
             raise cls(msg, reason, usage) from exc
@@ -433,8 +453,9 @@ class LlmGateway:
         except Exception as exc:
             reason, _ = _classify(exc)
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model, outcome="error")
-            raise LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): {exc}",
-                                 reason, usage) from exc
+            raise LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): "
+                                 f"{redact(str(exc), self.settings)[:300]}", reason,
+                                 usage) from exc
         if last_usage is not None:
             self._account(operation, ep, usage, last_usage)
         tool_calls = [ToolCall(c["id"] or f"call_{i}", c["name"] or "",
