@@ -239,13 +239,22 @@ class Reflector:
 
     def stream(self, bank_id, query, context, budget, now, response_schema=None,
                tags: Sequence[str] = ()):
-        """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only."""
+        """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only.
+        Raises Unavailable when the model fails after part of the answer was streamed (it
+        cannot be taken back, so there is no extractive fallback then): the client may
+        ask again."""
+        from mneme.errors import Unavailable
+        from mneme.llm.types import LlmError
         from services.reflect.agent import Done
         if self.agent is None:
             yield Done(self.reflect(bank_id, query, context, budget, now, response_schema, tags))
             return
-        for event in self.agent.stream(bank_id, query, context, budget, now, response_schema,
-                                       directives=self._in_scope(bank_id, tags), tags=tags):
-            if isinstance(event, Done):
-                self.record(record_reflection(bank_id, query, event.reflection, tags))
-            yield event
+        try:
+            for event in self.agent.stream(bank_id, query, context, budget, now,
+                                           response_schema,
+                                           directives=self._in_scope(bank_id, tags), tags=tags):
+                if isinstance(event, Done):
+                    self.record(record_reflection(bank_id, query, event.reflection, tags))
+                yield event
+        except LlmError as e:
+            raise Unavailable(f"the reflect model failed mid-answer ({e.reason}): {e}") from e

@@ -61,6 +61,13 @@ def chat(content: str | dict | list | None = "", *, tool_calls: list[dict] | Non
                   "total_tokens": prompt_tokens + completion_tokens}})
 
 
+def cut(reply: Reply, after_chars: int) -> Reply:
+    """``reply`` streamed only up to ``after_chars`` characters of its content, then the
+    connection is closed: no finish chunk, no ``[DONE]`` (a provider that died mid-answer)."""
+    reply.seconds = -float(after_chars)  # negative: a cut point, not a delay
+    return reply
+
+
 def computed(fn: Callable[["Request"], Reply]) -> Reply:
     """A reply made from the request when it arrives (``fn(request)`` → another reply):
     for answers that must name ids the test cannot know beforehand."""
@@ -267,6 +274,11 @@ class StubLLM:
                 msg = reply.body["message"]
                 emit({"role": "assistant", "content": ""})
                 content = msg.get("content") or ""
+                if reply.seconds < 0:  # cut(): the answer stops here, the connection closes
+                    for i in range(0, int(-reply.seconds), 5):
+                        emit({"content": content[i:min(i + 5, int(-reply.seconds))]})
+                    self.close_connection = True
+                    return
                 for i in range(0, len(content), 5):
                     emit({"content": content[i:i + 5]})
                 for k, tc in enumerate(msg.get("tool_calls") or []):

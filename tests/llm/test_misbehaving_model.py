@@ -264,3 +264,25 @@ def test_a_provider_that_echoes_the_key_never_gets_it_into_errors(stub, caplog):
         gw.complete("retain", MSGS)
     assert e.value.reason == "auth" and "Incorrect API key" in str(e.value)
     assert "0123456789abcdef" not in str(e.value) and "0123456789abcdef" not in caplog.text
+
+
+def test_a_streamed_reflect_that_stops_halfway_ends_unavailable(stub, server):
+    """The model's stream dies after part of the answer was sent: the partial text cannot
+    be taken back (no extractive fallback), and the call must end with a status a client
+    can act on -- UNAVAILABLE naming the broken stream -- not UNKNOWN."""
+    import grpc
+    from tests.llm.stub import cut
+    with server.client() as m:
+        m.upsert_bank("half", auto_consolidate=False, extraction_mode="offline")
+        m.retain("half", [{"content": "Caroline: I moved to Berlin in 2021.", "timestamp": TS}])
+        stub.on("chat", chat(None, tool_calls=[{"name": "recall",
+                                                 "arguments": {"query": "Caroline Berlin"}}]),
+                cut(chat("Caroline moved to Berlin in 2021 [m1] and then she"), 20),
+                match="Where did Caroline")
+        got = []
+        with pytest.raises(grpc.RpcError) as e:
+            for event in m.stream_reflect("half", "Where did Caroline move?"):
+                got.append(event.WhichOneof("event"))
+        assert "text_delta" in got and "done" not in got
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert "stream" in e.value.details()
