@@ -286,3 +286,30 @@ def test_a_streamed_reflect_that_stops_halfway_ends_unavailable(stub, server):
         assert "text_delta" in got and "done" not in got
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
         assert "stream" in e.value.details()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+def test_a_forked_process_makes_model_calls_on_its_own_loop(stub, gateway):
+    """Model calls run on an event loop thread; a child forked after the parent made one
+    has the loop object but no thread to run it, and its first call would wait forever."""
+    import os
+    import signal
+    import time
+    stub.on("chat", chat("parent"), chat("child"))
+    assert gateway.complete("retain", MSGS).text == "parent"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, never return into pytest
+        try:
+            os.write(write, gateway.complete("retain", MSGS).text.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    end = time.monotonic() + 60  # a hang, not a timing assertion
+    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < end:
+        time.sleep(0.05)
+    if time.monotonic() >= end:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert os.read(read, 100) == b"child"
+    os.close(read)

@@ -63,6 +63,7 @@ def load_litellm():
 # ---- bounded attempts ----------------------------------------------------------------------
 
 _loop: asyncio.AbstractEventLoop | None = None
+_loop_pid = 0
 
 #: How often a waiting model call looks whether its caller has gone (seconds).
 _CALLER_POLL_S = 0.25
@@ -74,13 +75,14 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     the sync client's timeout bounds each socket read, so a server that sends a byte now
     and then (a stuck proxy, a model that never stops) kept a call, and its caller's
     thread, forever."""
-    global _loop
+    global _loop, _loop_pid
     with _litellm_lock:
-        if _loop is None or _loop.is_closed():
+        # a forked child has the parent's loop object but not its thread: start its own
+        if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="mneme-llm-calls",
                              daemon=True).start()
-            _loop = loop
+            _loop, _loop_pid = loop, os.getpid()
         return _loop
 
 
