@@ -147,6 +147,8 @@ class StubLLM:
     def __init__(self) -> None:
         self.rules: list[Rule] = []
         self.requests: list[Request] = []
+        #: set once a client closed its connection while a reply was being written
+        self.client_gone = threading.Event()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -208,7 +210,7 @@ class StubLLM:
                 try:
                     self._answer(route, body, reply)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout test)
+                    stub.client_gone.set()  # the client gave up (timeout test)
 
             def _answer(self, route, body, reply: Reply | None):
                 while reply is not None and reply.kind == "delay":

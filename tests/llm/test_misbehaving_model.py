@@ -313,3 +313,20 @@ def test_a_forked_process_makes_model_calls_on_its_own_loop(stub, gateway):
         os.waitpid(pid, 0)
     assert os.read(read, 100) == b"child"
     os.close(read)
+
+
+def test_a_stream_its_reader_abandons_releases_the_connection(stub, gateway):
+    """A reflect client that goes away stops reading the model's stream; the stream's
+    HTTP connection must be closed then, not held open while the model goes on."""
+    piece = ('data: {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", '
+             '"choices": [{"index": 0, "delta": {"content": "more "}, "finish_reason": null}]}'
+             '\n\n').encode()
+    stop = threading.Event()
+    stub.on("chat", drip(0.1, stop, piece))
+    try:
+        deltas = gateway.stream("reflect", MSGS)
+        assert next(deltas) == "more "
+        deltas.close()  # the reader has gone
+        assert stub.client_gone.wait(30)  # a hang, not a timing assertion
+    finally:
+        stop.set()

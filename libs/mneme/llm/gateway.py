@@ -424,13 +424,19 @@ class LlmGateway:
         last_usage = None
 
         def chunks():
-            while True:
-                left = max(0.001, end - time.monotonic())
-                left = left if call.remaining() is None else max(0.001, min(left, call.remaining()))
-                chunk = run_bounded(lambda: _next_chunk(stream), left, call, what)
-                if chunk is _END:
-                    return
-                yield chunk
+            try:
+                while True:
+                    left = max(0.001, end - time.monotonic())
+                    if call.remaining() is not None:
+                        left = max(0.001, min(left, call.remaining()))
+                    chunk = run_bounded(lambda: _next_chunk(stream), left, call, what)
+                    if chunk is _END:
+                        return
+                    yield chunk
+            finally:  # ended, broken or abandoned by its reader: release the connection
+                close = getattr(stream, "aclose", None)
+                if close is not None:
+                    asyncio.run_coroutine_threadsafe(close(), _event_loop())
         try:
             for chunk in chunks():
                 if getattr(chunk, "usage", None) is not None:
