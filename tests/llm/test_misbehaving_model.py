@@ -93,6 +93,7 @@ def test_a_reply_that_never_ends_is_bounded_by_the_call_timeout(stub):
         with pytest.raises(LlmUnavailable) as e:
             gw.complete("retain", MSGS)
         assert e.value.reason == "timeout" and e.value.usage.failed_calls == 2
+        assert "no complete answer within 1.0 s" in str(e.value)
     finally:
         stop.set()
 

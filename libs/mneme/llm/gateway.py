@@ -97,7 +97,10 @@ def run_bounded(make: Callable[[], Awaitable], seconds: float, call: Deadline,
         while True:
             done, _ = concurrent.futures.wait([fut], timeout=_CALLER_POLL_S)
             if done:
-                return fut.result()
+                try:
+                    return fut.result()
+                except TimeoutError as e:  # wait_for's: it says nothing by itself
+                    raise TimeoutError(f"no complete answer within {seconds:.1f} s") from e
             call.check(what)
     except BaseException:
         fut.cancel()
