@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Callable, Iterable, Sequence
 
 from mneme.domain import Directive, EventMeta, Filters, RecallOutcome, RecallQuery
-from mneme.errors import InvalidArgument
+from mneme.errors import InvalidArgument, Unavailable
 from mneme.timeparse import time_zone_name
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -130,6 +130,13 @@ def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
     return opinions.form(m, meta)
 
 
+def model_failed(e: Exception) -> Unavailable:
+    """The error a caller gets when the reflect model failed where no extractive answer
+    can stand in (a ``response_schema`` to fill, or part of the answer already streamed):
+    Unavailable (gRPC UNAVAILABLE: ask again) naming the model's failure reason."""
+    return Unavailable(f"the reflect model failed ({getattr(e, 'reason', 'error')}): {e}")
+
+
 def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[str] = (),
                       evidence: Sequence[str] = ()):
     """The ``ReflectionRecorded`` event of ``r`` (topic ``mneme.reflect.v1``: for audit,
@@ -199,9 +206,13 @@ class Reflector:
             raise InvalidArgument("response_schema", "needs a reflect model "
                                   "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
         if self.agent is not None:
-            r = self.agent(bank_id, query, context, budget, now, response_schema,
-                           directives=self._in_scope(bank_id, tags), tags=tags,
-                           mental_models=mental_models)
+            from mneme.llm.types import LlmError
+            try:
+                r = self.agent(bank_id, query, context, budget, now, response_schema,
+                               directives=self._in_scope(bank_id, tags), tags=tags,
+                               mental_models=mental_models)
+            except LlmError as e:  # no fallback was possible (a schema, a streamed part)
+                raise model_failed(e) from e
         else:
             if not query or not query.strip():
                 raise InvalidArgument("query", "must not be empty")
@@ -243,7 +254,6 @@ class Reflector:
         Raises Unavailable when the model fails after part of the answer was streamed (it
         cannot be taken back, so there is no extractive fallback then): the client may
         ask again."""
-        from mneme.errors import Unavailable
         from mneme.llm.types import LlmError
         from services.reflect.agent import Done
         if self.agent is None:
@@ -257,4 +267,4 @@ class Reflector:
                     self.record(record_reflection(bank_id, query, event.reflection, tags))
                 yield event
         except LlmError as e:
-            raise Unavailable(f"the reflect model failed mid-answer ({e.reason}): {e}") from e
+            raise model_failed(e) from e

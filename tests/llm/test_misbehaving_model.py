@@ -331,3 +331,27 @@ def test_a_stream_its_reader_abandons_releases_the_connection(stub, gateway):
         assert stub.client_gone.wait(30)  # a hang, not a timing assertion
     finally:
         stop.set()
+
+
+def test_a_structured_reflect_the_model_cannot_shape_ends_unavailable(stub, server):
+    """Reflect with a response_schema whose model never answers in that shape (nor when
+    re-asked): there is no extractive fallback for a schema, and the call must end with
+    a status a client can act on -- UNAVAILABLE naming the reason -- not UNKNOWN. The
+    same for its streaming form."""
+    import grpc
+    schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+    with server.client() as m:
+        m.upsert_bank("shape", auto_consolidate=False, extraction_mode="offline")
+        m.retain("shape", [{"content": "Caroline: I moved to Berlin in 2021.", "timestamp": TS}])
+        for stream in (False, True):
+            stub.on("chat", chat(None, tool_calls=[{"name": "recall",
+                                                     "arguments": {"query": "Caroline"}}]),
+                    *[chat("Berlin, I think.")] * 4, match="Where did Caroline")
+            with pytest.raises(grpc.RpcError) as e:
+                if stream:
+                    list(m.stream_reflect("shape", "Where did Caroline move?",
+                                          response_schema=schema))
+                else:
+                    m.reflect("shape", "Where did Caroline move?", response_schema=schema)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+            assert "malformed" in e.value.details()
