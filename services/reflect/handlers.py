@@ -199,7 +199,9 @@ class Reflector:
 
     def reflect(self, bank_id, query, context, budget, now, response_schema=None,
                 tags: Sequence[str] = (), mental_models: bool = True) -> Reflection:
-        """One answer. InvalidArgument for a ``response_schema`` without a reflect model.
+        """One answer. InvalidArgument for a ``response_schema`` without a reflect model;
+        Unavailable when the model failed and no extractive answer can stand in (a
+        ``response_schema`` it never filled).
         ``mental_models`` False leaves the bank's mental models out (a refresh of one
         must not answer from it)."""
         if self.agent is None and response_schema is not None:
