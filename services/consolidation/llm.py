@@ -132,11 +132,13 @@ def decide(gateway: Llm, facts: Sequence[ev.Fact], scope: list[str], current: di
         if kind == "delete" and base is not None:
             new = engine.next_state(base, at)
             new.deleted = True
-            new.history.add(text=base.text, at=new.updated_at, reason=a.get("reason") or "deleted")
+            new.history.add(text=base.text, at=new.updated_at,
+                            reason=_str(a.get("reason")) or "deleted")
         elif kind == "update" and base is not None:
             new = engine.next_state(base, at)
             if text and text != base.text:
-                engine.revise(new, text, at, a.get("reason") or f"was: {base.text} — now: {text}")
+                engine.revise(new, text, at,
+                              _str(a.get("reason")) or f"was: {base.text} — now: {text}")
                 new.embedding[:] = embed([text])[0]
             for mid, q in ev_pairs:
                 engine.add_evidence(new, mid, q)

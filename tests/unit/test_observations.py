@@ -687,6 +687,6 @@ def test_a_model_cannot_delete_without_a_new_fact_or_store_runaway_text(embedder
     f3 = h.facts("Ann: I stopped drinking tea, I only drink water now.")
     gw.replies.append([{"action": "delete", "observation_id": tea.id, "text": "",
                         "evidence": [{"memory_id": f3.facts[0].id, "quote": "I stopped drinking tea"}],
-                        "reason": "stopped"}])
+                        "reason": ["a list, not a string"]}])
     h.send(f3)
     assert "Ann loves green tea." not in {o.text for o in h.live()}
