@@ -312,7 +312,8 @@ class SqliteCatalog:
                                  (m.bank_id, m.id, json.dumps(dataclasses.asdict(new))))
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # (SQLite may have rolled it back itself)
+                    self._db.execute("ROLLBACK")
                 raise
 
     def _insert_revision(self, bank_id: str, model_id: str, r: MentalModelRevision) -> None:
@@ -361,7 +362,8 @@ class SqliteCatalog:
                                      (bank_id, model_id, json.dumps(dataclasses.asdict(new))))
                     self._db.execute("COMMIT")
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    if self._db.in_transaction:  # (SQLite may have rolled it back itself)
+                        self._db.execute("ROLLBACK")
                     raise
                 changed += 1
             if changed:

@@ -111,7 +111,8 @@ class SqliteDocumentStore:
                     replaced |= row is not None and row[2] is not None
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # (SQLite may have rolled it back itself)
+                    self._db.execute("ROLLBACK")
                 raise
             if replaced:
                 sqlite_erase.truncate_wal(self._db)
@@ -128,7 +129,8 @@ class SqliteDocumentStore:
                                  (bank_id, document_id))
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # (SQLite may have rolled it back itself)
+                    self._db.execute("ROLLBACK")
                 raise
             gone = self._db.total_changes != before
             if gone:

@@ -133,7 +133,10 @@ class SqliteKeyStore:
             yield
             self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            # SQLite rolls the whole transaction back itself on some errors (a full
+            # disk, an I/O error): a ROLLBACK then fails and would hide the error
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
 
     def _keep(self, pending: PendingDeletion | None) -> None:

@@ -113,13 +113,17 @@ class SqliteObservationStore:
             self._depth = 1
             try:
                 yield
+                self._depth = 0
+                self._db.execute("COMMIT")
             except BaseException:
                 self._depth, self._erase = 0, False
-                self._db.execute("ROLLBACK")
+                # SQLite rolls the whole transaction back itself on some errors (a full
+                # disk, an I/O error), and a failed COMMIT may leave it open: roll back
+                # what is left, and drop the states kept either way
                 self._changes.reset()  # what callers kept may hold rolled-back states
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._depth = 0
-            self._db.execute("COMMIT")
             if self._erase:
                 self._erase = False
                 sqlite_erase.truncate_wal(self._db)
