@@ -56,3 +56,43 @@ class RecordTooLarge(MnemeError):
 class ConfigurationError(MnemeError, ValueError):
     """The settings or the deployment cannot work (a value, a file, the topics); the
     message names what to fix. Processes stop with it at start (one line, exit 1)."""
+
+
+#: Messages by which libraries that hide the errno report a shortage: SQLite's
+#: SQLITE_FULL text, and Rust's ``std::io::Error`` as Tantivy and Qdrant Edge relay it.
+_SHORTAGE_TEXT = (("database or disk is full", "disk space"),
+                  ("no space left on device", "disk space"),
+                  ("os error 28", "disk space"),
+                  ("disk quota exceeded", "disk space"),
+                  ("os error 122", "disk space"),
+                  ("too many open files", "open files"),
+                  ("os error 24", "open files"),
+                  ("os error 23", "open files"),
+                  ("not enough space available", "disk space"))
+
+
+def resource_shortage(exc: BaseException) -> str | None:
+    """What the machine ran short of when ``exc`` (or an exception it was raised from)
+    is such a failure: "disk space" (ENOSPC, EDQUOT, SQLITE_FULL) or "open files"
+    (EMFILE, ENFILE); None for any other error. Such a failure is the server's, not
+    the request's or the event's: the same work succeeds once room is made, so it is
+    RESOURCE_EXHAUSTED to a caller and retried (never dead-lettered) by a consumer."""
+    import errno
+    import sqlite3
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "disk space"
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return "open files"
+        code = getattr(e, "sqlite_errorcode", None)
+        if isinstance(e, sqlite3.Error) and code == sqlite3.SQLITE_FULL:
+            return "disk space"
+        text = str(e).lower()
+        for needle, what in _SHORTAGE_TEXT:
+            if needle in text:
+                return what
+        e = e.__cause__ or e.__context__
+    return None

@@ -209,7 +209,9 @@ class ValidationInterceptor(grpc.ServerInterceptor):
     checked against :mod:`mneme.limits`: violations → INVALID_ARGUMENT with a
     ``BadRequest`` naming each field. Requests in :data:`mneme.limits.PER_ITEM` pass
     the limits unchecked: their method runs the same check once and fails bad items
-    alone. Other services (health, reflection) pass unchecked."""
+    alone. A call that fails because the server ran out of disk space or open files
+    (:func:`mneme.errors.resource_shortage`) is RESOURCE_EXHAUSTED saying which, not
+    UNKNOWN. Other services (health, reflection) pass unchecked."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -228,7 +230,40 @@ class ValidationInterceptor(grpc.ServerInterceptor):
                 if found:
                     abort_for(context, InvalidArgument(*found[0], *found[1:]))
 
-        return check_first(handler, refuse_invalid)
+        return wrap_handler(check_first(handler, refuse_invalid), _short_of_resources)
+
+
+def _short_of_resources(behaviour, streaming):
+    """``behaviour`` with a failure for want of disk space or open files answered
+    RESOURCE_EXHAUSTED naming the shortage (the client may retry once room is made);
+    any other error passes unchanged."""
+    from mneme.errors import resource_shortage
+
+    def refuse(context, e: Exception) -> None:
+        what = resource_shortage(e)
+        if what is None:
+            return
+        log.warning("a call failed for want of %s: %s", what, e)
+        _abort(context, code_pb2.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               f"the server is out of {what}; retry once its operator has made room "
+               "(the server's log names the store)")
+
+    if streaming:
+        def guarded_stream(request, context):
+            try:
+                yield from behaviour(request, context)
+            except Exception as e:
+                refuse(context, e)
+                raise
+        return guarded_stream
+
+    def guarded(request, context):
+        try:
+            return behaviour(request, context)
+        except Exception as e:
+            refuse(context, e)
+            raise
+    return guarded
 
 
 # ---- client TLS (SDK, CLI, reflect → search) -------------------------------------

@@ -114,3 +114,41 @@ def test_mental_model_and_entity_correction_writes_are_not_appended_once_the_cal
     for write in writes:  # no deadline: appended
         write()
     assert len(Log.appended) == 2
+
+
+@pytest.mark.parametrize("error, what", [
+    (__import__("sqlite3").OperationalError("database or disk is full"), "disk space"),
+    (OSError(28, "No space left on device"), "disk space"),
+    (OSError(24, "Too many open files"), "open files"),
+    (ValueError("An IO error occurred: 'Too many open files (os error 24)'"), "open files"),
+    (Exception("Service runtime error: failed to open file `x.tmp`: No space left on "
+               "device (os error 28)"), "disk space")])
+def test_a_call_failing_for_want_of_disk_space_or_open_files_is_resource_exhausted(error, what):
+    """On a full disk or at the open-file limit a call failed UNKNOWN with the store's
+    own message ("Exception calling application: database or disk is full"): it is
+    RESOURCE_EXHAUSTED saying what the server ran out of, for unary and streaming calls."""
+
+    def fail(req, ctx):
+        raise error
+    call = _intercepted("/mneme.v1.BankService/UpsertBank", fail)
+    ctx = _Context(5.0)
+    with pytest.raises(_Aborted):
+        call(directives_pb2.CreateDirectiveRequest(parent="banks/b"), ctx)
+    assert ctx.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert what in ctx.status.details
+    stream = _intercepted("/mneme.v1.ReflectService/StreamReflect",
+                          lambda req, ctx: (_ for _ in ()).throw(error), streaming=True)
+    ctx = _Context(5.0)
+    with pytest.raises(_Aborted):
+        list(stream(reflect_pb2.ReflectRequest(parent="banks/b", query="q"), ctx))
+    assert ctx.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_any_other_failure_passes_unchanged():
+    def fail(req, ctx):
+        raise RuntimeError("a bug")
+    call = _intercepted("/mneme.v1.BankService/UpsertBank", fail)
+    ctx = _Context(5.0)
+    with pytest.raises(RuntimeError, match="a bug"):
+        call(directives_pb2.CreateDirectiveRequest(parent="banks/b"), ctx)
+    assert ctx.status is None
