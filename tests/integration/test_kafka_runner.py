@@ -50,6 +50,7 @@ class Toy:
         self.slow: dict[str, float] = {}             # bank → seconds per record
         self.stuck: set[str] = set()                 # memory ids that wait for a stop
         self.huge: set[str] = set()                  # memory ids whose output is > 1 MiB
+        self.no_room: set[str] = set()               # memory ids that fail: disk full
 
 
 def on_delete(m: ev.MemoryDeleteRequested, meta, *, toy: Toy, name: str):
@@ -57,6 +58,8 @@ def on_delete(m: ev.MemoryDeleteRequested, meta, *, toy: Toy, name: str):
         toy.attempts[m.memory_id] += 1
     if m.memory_id in toy.fail:
         raise RuntimeError(f"boom {m.memory_id}")
+    if m.memory_id in toy.no_room:
+        raise OSError(28, "No space left on device")
     while m.memory_id in toy.stuck:  # a long handler: stops when the runner does
         deadline.current().check("toy")
         time.sleep(0.01)
@@ -172,6 +175,29 @@ def test_a_failing_record_is_retried_then_dead_lettered_and_fails_its_operation(
     assert failed.operation_id == "op-1" and f"{group} could not process" in failed.error
     # the counter agrees with this runner's own DLQ (other tests' poison included)
     assert r.groups[group].stats["dead_lettered"] == len(mine(kafka_log, dlq, None))
+
+
+def test_a_record_failing_for_want_of_disk_space_is_handled_again_not_dead_lettered(kafka_log):
+    """A store on a full disk failed a record's every try and the record was
+    dead-lettered (its operation FAILED, its effects never made) although it succeeds
+    once there is room: it is handled again after a backoff until it does."""
+    group, toy, dlq = f"toy-{_uid()}", Toy(), f"test.dlq.{_uid()}"
+    bank = f"bank-{_uid()}"
+    kafka_log.ensure_topic(INTAKE, 4)
+    toy.no_room = {f"{bank}:1"}
+    kafka_log.append([delete(bank, i, op="op-1") for i in range(3)])
+    r = runner(kafka_log, group, toy, dlq=dlq).start()
+    try:
+        deadline_at = time.monotonic() + 60
+        while toy.attempts[f"{bank}:1"] <= 3 and time.monotonic() < deadline_at:
+            time.sleep(0.05)  # more tries than max_attempts: not dead-lettered
+        assert toy.attempts[f"{bank}:1"] > 3
+        toy.no_room.clear()  # room again
+        assert r.wait_idle(timeout=60), r.lag(group)
+    finally:
+        assert r.stop(30)
+    assert [s[2] for s in toy.seen if s[1] == bank] == [f"{bank}:0", f"{bank}:1", f"{bank}:2"]
+    assert mine(kafka_log, dlq, {bank}) == [] and mine(kafka_log, PROGRESS, {bank}) == []
 
 
 def test_an_output_larger_than_kafka_takes_fails_its_operation_at_once(kafka_log):

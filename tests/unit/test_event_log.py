@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import sqlite3
 import textwrap
 import threading
 import time
@@ -1136,3 +1137,36 @@ def test_an_interrupted_recovery_leaves_the_damaged_log_in_place(path, monkeypat
         assert len(all_records(log, INTAKE)) == 50
     finally:
         log.close()
+
+
+@pytest.mark.parametrize("shortage", [
+    OSError(28, "No space left on device"),
+    sqlite3.OperationalError("database or disk is full"),
+    ValueError("An IO error occurred: 'Too many open files (os error 24)'")])
+def test_a_record_failing_for_want_of_disk_or_files_is_handled_again_not_dead_lettered(
+        elog, shortage):
+    """A projection's store on a full disk (or at the open-file limit) failed every try
+    of a FactsExtracted, and the record was dead-lettered after its three quick retries:
+    its retain FAILED and its facts stayed out of the store for good, although the same
+    write succeeds once there is room. Such a record is not committed: the pass stops
+    (ShortOfResources), and a later pass handles it."""
+    room = threading.Event()
+
+    def handler(env, record):
+        if not room.is_set():
+            raise shortage
+        return []
+
+    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1,
+                                          facts=[ev.Fact(id="f1", text="x")]),
+                        bank_id="b1", source="t")])
+    with pytest.raises(Exception) as stopped:  # (the old code dead-lettered: no raise)
+        c.run_once()
+    assert type(stopped.value).__name__ == "ShortOfResources", stopped.value
+    assert all_records(elog, DLQ) == [] and all_records(elog, PROGRESS) == []
+    assert sum(c.lag().values()) == 1  # not committed
+    room.set()
+    c._positions.clear()  # (as the run loop does after a failed pass)
+    assert c.run_once() == 1
+    assert all_records(elog, DLQ) == [] and sum(c.lag().values()) == 0

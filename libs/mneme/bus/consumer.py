@@ -14,6 +14,9 @@ Failure policy (per record):
   retried with exponential backoff (``max_attempts`` in all); if it still fails it is
   dead-lettered (:mod:`mneme.bus.dead_letter`: the DLQ copy, and the failed progress of
   its operation) in the same transaction that commits its offset.
+  A record that still fails for want of disk space or open files is not dead-lettered:
+  the pass stops (:class:`ShortOfResources`) and the record is handled again after the
+  backoff below, until there is room.
 
 When the log itself fails (a read or commit raises, e.g. the embedded log is damaged),
 the runner backs off exponentially up to ``error_backoff_max`` seconds and logs the
@@ -49,7 +52,7 @@ from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, StaleCommitError, dead_letter, default_partitions
 from mneme.bus.codec import Envelope, decode
 from mneme.bus.sealing import check_opened, erased_record
-from mneme.errors import Cancelled
+from mneme.errors import Cancelled, resource_shortage
 from mneme.ports import EventLog, OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,14 @@ LAG_REFRESH_S = 1.0
 class FlushFailed(RuntimeError):
     """The handler's writes could not be made durable, so their offsets were not
     committed (the records are handled again)."""
+
+
+class ShortOfResources(RuntimeError):
+    """A record's handler still failed for want of disk space or open files after its
+    retries (:func:`mneme.errors.resource_shortage`): the pass stops there, nothing of
+    the record is committed, and the record is handled again after a backoff. Such a
+    failure is the process's, not the record's: dead-lettering it would fail its
+    operation and leave its effects out of the projections for good."""
 
 
 class LogMember:
@@ -462,6 +473,11 @@ class Consumer:
         except Exception as last:
             if stopping(last):
                 return None
+            short = resource_shortage(last)
+            if short is not None:
+                raise ShortOfResources(
+                    f"consumer {self.group}: {rec.topic}[{rec.partition}]@{rec.offset} "
+                    f"failed for want of {short}; handled again later: {last!r}") from last
             return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,
@@ -506,4 +522,4 @@ def _end_offsets(log_: EventLog, tps: list[tuple[str, int]]) -> dict[tuple[str, 
     return {tp: log_.end_offset(*tp) for tp in tps}
 
 
-__all__ = ["Consumer", "FlushFailed", "Handler", "LogMember"]
+__all__ = ["Consumer", "FlushFailed", "Handler", "LogMember", "ShortOfResources"]
