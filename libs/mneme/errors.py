@@ -58,6 +58,9 @@ class ConfigurationError(MnemeError, ValueError):
     message names what to fix. Processes stop with it at start (one line, exit 1)."""
 
 
+#: SQLite's result code for a full disk (``sqlite3.SQLITE_FULL``).
+_SQLITE_FULL = 13
+
 #: Messages by which libraries that hide the errno report a shortage: SQLite's
 #: SQLITE_FULL text, and Rust's ``std::io::Error`` as Tantivy and Qdrant Edge relay it.
 _SHORTAGE_TEXT = (("database or disk is full", "disk space"),
@@ -78,17 +81,17 @@ def resource_shortage(exc: BaseException) -> str | None:
     the request's or the event's: the same work succeeds once room is made, so it is
     RESOURCE_EXHAUSTED to a caller and retried (never dead-lettered) by a consumer."""
     import errno
-    import sqlite3
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
+        if isinstance(e, MnemeError):  # a request error, answered as such already
+            return None
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return "disk space"
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
             return "open files"
-        code = getattr(e, "sqlite_errorcode", None)
-        if isinstance(e, sqlite3.Error) and code == sqlite3.SQLITE_FULL:
+        if getattr(e, "sqlite_errorcode", None) == _SQLITE_FULL:  # (no sqlite3 here: pure)
             return "disk space"
         text = str(e).lower()
         for needle, what in _SHORTAGE_TEXT:

@@ -152,3 +152,18 @@ def test_any_other_failure_passes_unchanged():
     with pytest.raises(RuntimeError, match="a bug"):
         call(directives_pb2.CreateDirectiveRequest(parent="banks/b"), ctx)
     assert ctx.status is None
+
+
+def test_a_request_error_quoting_such_words_is_not_taken_for_a_shortage():
+    """Only the server's own failures count: a request error whose text happens to say
+    "disk is full" (or an abort raised while handling one) stays what it is."""
+    from mneme.errors import InvalidArgument, resource_shortage
+    err = InvalidArgument("query", "'database or disk is full' is not a bank")
+    assert resource_shortage(err) is None
+    try:
+        try:
+            raise err
+        except InvalidArgument:
+            raise Exception()  # as grpc's context.abort raises inside the handler
+    except Exception as abort:
+        assert resource_shortage(abort) is None
