@@ -38,10 +38,11 @@ is what keeps two processes sharing a file from deciding differently.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from mneme.domain import EntityRef, derive_id, entity_key
 from mneme.ports import EntityStore, StoredEntity
@@ -160,6 +161,19 @@ class EntityResolver:
         self._banks[bank_id] = b
         return b
 
+    @contextlib.contextmanager
+    def _changing(self, bank_id: str) -> Iterator[None]:
+        """A block that changes the bank in memory, then in the store (lock held). When
+        it raises (the store's write failed: a full disk), the bank's memory state is
+        dropped, to be loaded again from the store on next use: kept, it would hold
+        decisions the store does not, which a retry would then find and never persist."""
+        try:
+            yield
+        except BaseException:
+            if self._store is not None:
+                self._banks.pop(bank_id, None)
+            raise
+
     def _find(self, b: _Bank, key: str, kind: str) -> tuple[_Entity | None, bool]:
         """The entity a mention of ``key`` and ``kind`` resolves to by key or alias, and
         whether the mention claims it (a kindless entity meeting its first named mention)."""
@@ -270,7 +284,7 @@ class EntityResolver:
                      mention_lists: Sequence[Sequence[tuple[str, str]]]) -> list[list[EntityRef]]:
         """:meth:`resolve` for several mention lists in order (one per fact), with one
         store transaction for all of them."""
-        with self._lock:
+        with self._lock, self._changing(bank_id):
             b = self._bank(bank_id)
             pending: list[tuple] = []
             out: list[list[EntityRef]] = []
@@ -283,15 +297,7 @@ class EntityResolver:
                         seen.add(ref.id)
                         refs.append(ref)
                 out.append(refs)
-            try:
-                self._persist(bank_id, pending)
-            except BaseException:
-                # the store refused this call's decisions: memory must not keep them (a
-                # later mention would resolve to an entity that is nowhere stored, and
-                # fail alike); the bank reloads from what the store committed
-                if self._store is not None:
-                    self._banks.pop(bank_id, None)
-                raise
+            self._persist(bank_id, pending)  # refused: _changing drops the bank's memory
             return out
 
     def lookup(self, bank_id: str, names: Iterable[str]) -> list[EntityRef]:
@@ -358,7 +364,7 @@ class EntityResolver:
         """Take decisions made elsewhere (a :meth:`drain` of another replica's resolver,
         restored from the changelog) as if made here: entities in their creation order
         (a known id is kept), claims, aliases. Idempotent; persisted to the store."""
-        with self._lock:
+        with self._lock, self._changing(bank_id):
             b = self._bank(bank_id)
             for e in entities:
                 if e.id not in b.entities:
@@ -419,7 +425,7 @@ class EntityResolver:
         Idempotent (merged ids no longer known are skipped); nothing happens when the
         survivor is unknown here. Persisted in one store transaction. True when something
         changed."""
-        with self._lock:
+        with self._lock, self._changing(bank_id):
             b = self._bank(bank_id)
             s = b.entities.get(survivor_id)
             if s is None:
@@ -456,7 +462,7 @@ class EntityResolver:
         (redelivery, or a restore replaying the changelog from before it) it only takes
         the moved keys from ``entity_id`` again. Nothing happens when ``entity_id`` is
         unknown here. True when something changed."""
-        with self._lock:
+        with self._lock, self._changing(bank_id):
             b = self._bank(bank_id)
             e = b.entities.get(entity_id)
             if e is None:

@@ -298,3 +298,32 @@ def test_a_failed_persist_leaves_no_entity_in_memory(tmp_path):
     ann = r.resolve("b", [("Ann", "PERSON")])[0]
     assert ann.name == "Ann"
     assert r.resolve("b", [("Tea House", "ORG")])[0] == tea
+
+
+def test_a_failed_persist_leaves_nothing_only_in_memory(tmp_path):
+    """A write of the entity store that failed (a full disk) left the new entities in the
+    resolver's memory: the retry of the same fact resolved them from memory, had
+    nothing to persist, and entities.db never got them (after a restart the bank had
+    lost them, and their mentions). The failed call's decisions are forgotten; the
+    retry persists them."""
+    store = SqliteEntityStore(str(tmp_path / "entities.db"))
+    real = store.persist
+    failing = [False]
+
+    def persist(*a, **kw):
+        if failing[0]:
+            raise OSError(28, "No space left on device")
+        return real(*a, **kw)
+
+    store.persist = persist
+    r = EntityResolver(store)
+    r.resolve("b", [("Caroline", "PERSON")])  # the bank is loaded (known entities: one)
+    failing[0] = True
+    try:
+        r.resolve("b", [("Melanie", "PERSON")])
+    except OSError:
+        pass
+    failing[0] = False
+    mel = r.resolve("b", [("Melanie", "PERSON")])[0]  # the retry
+    entities, _ = SqliteEntityStore(str(tmp_path / "entities.db")).load("b")
+    assert mel.id in [e.id for e in entities]
