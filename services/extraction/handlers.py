@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from mneme import bank_catalog
 from mneme.bus import PART_BYTES, codec, pack
 from mneme.domain import EventMeta
-from mneme.errors import Cancelled
+from mneme.errors import Cancelled, resource_shortage
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import document_scope, retain_scope
 from mneme.ports import Catalog, Embedder, EventLog, StoredEntity
@@ -481,13 +481,21 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
                             mneme__items=len(items), mneme__extractor=type(extractor).__name__):
             facts = extractor.extract_many(m.bank_id, items, source_id, **more)
     except ExtractionIncomplete as e:  # per-item outcomes are known: no second pass
+        for f in e.failures.values():
+            if resource_shortage(f) is not None:  # the process's failure, not the item's
+                raise f
         facts, resolved = e.facts, e.resolved
         failures = [_cancelled(i) if f.reason == CANCELLED else
                     ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
                     for i, f in sorted(e.failures.items())]
     except Cancelled:  # the process is stopping: the event is handled again on restart
         raise
-    except Exception:  # one bad item must not sink the batch: retry item by item
+    except Exception as e:  # one bad item must not sink the batch: retry item by item
+        # A full disk or the open-file limit is no item's fault: recorded as the items'
+        # failures, their facts would be lost for good; raised, the event is handled
+        # again once there is room (mneme.bus.consumer.ShortOfResources)
+        if resource_shortage(e) is not None:
+            raise
         log.exception("batch extraction failed; retrying per item")
         facts = []
         for i, item in enumerate(items):
@@ -499,5 +507,7 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
             except Cancelled:
                 raise
             except Exception as e:
+                if resource_shortage(e) is not None:
+                    raise
                 failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
     return facts, failures, resolved

@@ -362,6 +362,20 @@ def test_cancellation_is_never_swallowed(where):
         _extract(retain(item("Some item text.")), extractor)
 
 
+@pytest.mark.parametrize("where", ["batch", "item"])
+def test_a_full_disk_is_no_item_s_failure(where):
+    """The entity store on a full disk failed the batch, then each item: every item was
+    recorded as failed ("OperationalError: database or disk is full") and its facts
+    were lost for good, though the same retain succeeds once there is room. The error
+    goes up, so the consumer handles the event again later."""
+    import sqlite3
+    full = sqlite3.OperationalError("database or disk is full")
+    extractor = (FakeExtractor(batch_error=full) if where == "batch" else
+                 FakeExtractor(batch_error=RuntimeError("x"), item_errors={0: full}))
+    with pytest.raises(sqlite3.OperationalError):
+        _extract(retain(item("Some item text."), item("Other item text.")), extractor)
+
+
 def test_the_extractors_report_gives_no_fact_items_and_usage():
     extractor = FakeExtractor(no_facts=[1], reporting=True, usage=Usage(
         model="m", calls=2, failed_calls=1, input_tokens=10, output_tokens=5, cost_usd=0.25))
