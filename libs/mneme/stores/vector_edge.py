@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import errno
 import json
 import logging
 import os
@@ -93,6 +94,14 @@ DATATYPE = VectorStorageDatatype.Float16
 #: the page cache's: the kernel can drop them under pressure, and the first searches
 #: after a reboot read them from disk.
 VECTOR_MEMORY = Memory.Cold
+
+
+#: Free bytes the shard's file system must have for a write (:meth:`EdgeVectorStore._
+#: check_room`): Qdrant Edge writes points through memory-mapped files, and a write into a
+#: page the full disk cannot back kills the whole process with SIGBUS (no error to catch;
+#: seen on a full tmpfs, and ext4 does the same for a mapped sparse file). Below it a write
+#: raises ENOSPC instead, which the consumers retry until there is room.
+MIN_FREE_BYTES = 64 << 20
 
 
 #: New points since the last optimize after which :meth:`EdgeVectorStore.flush` runs it
@@ -564,6 +573,17 @@ class EdgeVectorStore:
         return [(str(r.payload.get("bank_id", "")), _type_key(r.payload))
                 for r in records if r.payload]
 
+    def _check_room(self) -> None:
+        """OSError(ENOSPC) when the shard's file system has less than
+        :data:`MIN_FREE_BYTES` free (see there): refused before the shard writes."""
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, f"no space left on device for the vector store: "
+                          f"{free >> 20} MiB free in {self.path}, it writes with at least "
+                          f"{MIN_FREE_BYTES >> 20} MiB free (Qdrant Edge's memory-mapped "
+                          f"writes on a full disk kill the process)")
+
     def _update_counted(self, op, added: Iterable[tuple[str, str]],
                         removed: Iterable[tuple[str, str]]) -> None:
         """Apply ``op`` to the shard, then its effect to the counts: one unit more for
@@ -577,6 +597,7 @@ class EdgeVectorStore:
                 by_bank.setdefault(bank, Counter())[fact_type] += sign
         for bank in by_bank:
             self._counts.of(bank)
+        self._check_room()
         try:
             self.shard.update(op)
         except BaseException:
