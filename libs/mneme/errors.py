@@ -58,8 +58,21 @@ class ConfigurationError(MnemeError, ValueError):
     message names what to fix. Processes stop with it at start (one line, exit 1)."""
 
 
-#: SQLite's result code for a full disk (``sqlite3.SQLITE_FULL``).
-_SQLITE_FULL = 13
+#: SQLite's result codes for a full disk and for a file it could not open
+#: (``sqlite3.SQLITE_FULL``, ``sqlite3.SQLITE_CANTOPEN``).
+_SQLITE_FULL, _SQLITE_CANTOPEN = 13, 14
+
+
+def _out_of_files() -> bool:
+    """Whether this process cannot open a file now for want of descriptors (EMFILE,
+    ENFILE): SQLite answers "unable to open database file" at the limit, errno unsaid."""
+    import errno
+    import os
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return e.errno in (errno.EMFILE, errno.ENFILE)
+    return False
 
 #: Messages by which libraries that hide the errno report a shortage: SQLite's
 #: SQLITE_FULL text, and Rust's ``std::io::Error`` as Tantivy and Qdrant Edge relay it.
@@ -91,8 +104,11 @@ def resource_shortage(exc: BaseException) -> str | None:
             return "disk space"
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
             return "open files"
-        if getattr(e, "sqlite_errorcode", None) == _SQLITE_FULL:  # (no sqlite3 here: pure)
+        code = getattr(e, "sqlite_errorcode", None)  # (no sqlite3 here: a pure module)
+        if code == _SQLITE_FULL:
             return "disk space"
+        if code == _SQLITE_CANTOPEN and _out_of_files():  # (SQLite hides the errno)
+            return "open files"
         text = str(e).lower()
         for needle, what in _SHORTAGE_TEXT:
             if needle in text:

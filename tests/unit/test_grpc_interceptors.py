@@ -5,6 +5,7 @@ one before reflect's and search's API writes are appended (:mod:`mneme.bootstrap
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import grpc
@@ -167,3 +168,29 @@ def test_a_request_error_quoting_such_words_is_not_taken_for_a_shortage():
             raise Exception()  # as grpc's context.abort raises inside the handler
     except Exception as abort:
         assert resource_shortage(abort) is None
+
+
+def test_sqlite_unable_to_open_at_the_open_file_limit_is_a_shortage():
+    """At the open-file limit SQLite answers "unable to open database file" (errno
+    unsaid), which a Retain answered UNKNOWN: it is a shortage of open files when the
+    process cannot open a file then, and an ordinary error otherwise."""
+    import resource
+    import sqlite3
+    from mneme.errors import resource_shortage
+    cantopen = sqlite3.OperationalError("unable to open database file")
+    cantopen.sqlite_errorcode = sqlite3.SQLITE_CANTOPEN
+    assert resource_shortage(cantopen) is None  # files to spare: a missing directory, say
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        try:
+            while True:
+                held.append(open(os.devnull))
+        except OSError:
+            pass
+        assert resource_shortage(cantopen) == "open files"
+    finally:
+        for f in held:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
