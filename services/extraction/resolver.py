@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -54,6 +55,12 @@ _MIN_PREFIX = 3
 # Causes whose decisions a resolver without a store keeps (:meth:`EntityResolver.begin`),
 # as many as a store keeps (mneme.stores.entities_sqlite.DECISIONS_KEPT).
 _RECORDS_KEPT = 10_000
+
+#: Banks whose entities a resolver with a store keeps in memory, the least recently used
+#: dropped beyond it (loaded again from the store on next use). Without a bound a process
+#: held every entity and alias of every bank it had resolved in since it started: with
+#: many tenants, all of entities.db. A bank with decisions not drained yet stays.
+RESOLVER_BANKS = 256
 
 #: spaCy label → kind; a label not listed here (CONCEPT, "", anything else) has no kind.
 _KINDS = {"PERSON": "person", "ORG": "org", "GPE": "place", "LOC": "place", "FAC": "place",
@@ -135,7 +142,8 @@ class EntityResolver:
 
     def __init__(self, store: EntityStore | None = None):
         self._lock = threading.RLock()
-        self._banks: dict[str, _Bank] = {}
+        # bank → its entities, least recently used first (see RESOLVER_BANKS)
+        self._banks: OrderedDict[str, _Bank] = OrderedDict()
         self._store = store
         # bank → decisions since the last drain taken for no cause (:meth:`begin`)
         self._journal: dict[str, tuple[list, list, list]] = {}
@@ -149,7 +157,9 @@ class EntityResolver:
     def _bank(self, bank_id: str) -> _Bank:
         b = self._banks.get(bank_id)
         if b is not None:
+            self._banks.move_to_end(bank_id)
             return b
+        self._evict()
         b = _Bank()
         if self._store is not None:
             entities, aliases = self._store.load(bank_id)
@@ -160,6 +170,20 @@ class EntityResolver:
                     b.add_alias(alias, id_)
         self._banks[bank_id] = b
         return b
+
+    def _evict(self) -> None:
+        """Drop the least recently used banks beyond :data:`RESOLVER_BANKS` (lock held);
+        only with a store (without one, memory is all there is), and never a bank with
+        decisions a :meth:`drain` has not taken yet (its journal or cause)."""
+        if self._store is None:
+            return
+        over = len(self._banks) - RESOLVER_BANKS + 1
+        for bank_id in list(self._banks):
+            if over <= 0:
+                break
+            if bank_id not in self._journal and bank_id not in self._cause:
+                del self._banks[bank_id]
+                over -= 1
 
     @contextlib.contextmanager
     def _changing(self, bank_id: str) -> Iterator[None]:

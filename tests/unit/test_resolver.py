@@ -327,3 +327,28 @@ def test_a_failed_persist_leaves_nothing_only_in_memory(tmp_path):
     mel = r.resolve("b", [("Melanie", "PERSON")])[0]  # the retry
     entities, _ = SqliteEntityStore(str(tmp_path / "entities.db")).load("b")
     assert mel.id in [e.id for e in entities]
+
+
+def test_the_banks_kept_in_memory_are_bounded_and_an_evicted_bank_resolves_the_same(tmp_path):
+    """A resolver kept every bank it had resolved in since the process started, all of
+    its entities and aliases: a server of many tenants held all of entities.db in memory.
+    With a store it keeps the least recently used up to RESOLVER_BANKS; a bank dropped is
+    loaded again and resolves as before (aliases included)."""
+    from services.extraction import resolver as module
+    bound = getattr(module, "RESOLVER_BANKS", 256)
+    r = EntityResolver(SqliteEntityStore(str(tmp_path / "entities.db")))
+
+    def extract(bank: str, cause: str, mentions):  # as extraction does for an event
+        r.begin(bank, cause)
+        refs = r.resolve(bank, mentions)
+        r.drain(bank)
+        return refs
+
+    mel = extract("t0", "e0", [("Melanie", "PERSON")])[0]
+    assert extract("t0", "e1", [("Mel", "PERSON")])[0] == mel  # an alias
+    for i in range(1, bound + 50):
+        extract(f"t{i}", f"e{i}", [("Caroline", "PERSON")])
+    assert len(r._banks) <= bound
+    assert "t0" not in r._banks
+    assert r.resolve("t0", [("Mel", "PERSON")])[0] == mel
+    assert r.lookup("t0", ["mel"]) == [mel]
