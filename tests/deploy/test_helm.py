@@ -90,7 +90,7 @@ def test_default_values_render_the_five_services_against_external_stores(default
     assert "replicas" not in default[("Deployment", "mneme-reflect")]["spec"]  # the HPA's
     cm = default[("ConfigMap", "mneme")]["data"]
     assert cm["MNEME_BUS_URL"] == "kafka://kafka:9092"
-    assert cm["MNEME_VECTOR_URL"] == "http://qdrant:6333"
+    assert "MNEME_VECTOR_URL" not in cm          # in the Secret: it may carry an API key
     assert cm["MNEME_GRPC_ADDRESS"] == "0.0.0.0:50051"
     assert cm["MNEME_METRICS_PORT"] == "9464"
     assert cm["MNEME_DATA_DIR"] == "/var/lib/mneme"
@@ -98,6 +98,7 @@ def test_default_values_render_the_five_services_against_external_stores(default
     secret = default[("Secret", "mneme")]["stringData"]
     assert secret["MNEME_GRAPH_URL"] == "bolt://neo4j:7687"
     assert secret["MNEME_TEXT_URL"] == "http://opensearch:9200"
+    assert secret["MNEME_VECTOR_URL"] == "http://qdrant:6333"
     assert {n for k, n in default if k == "Service"} == {
         "mneme-ingest", "mneme-search", "mneme-reflect", "mneme-search-headless",
         "mneme-consolidation-headless"}
@@ -823,3 +824,47 @@ def test_opensearch_per_bank_puts_an_index_per_bank_in_the_text_url():
     off = _objects(hc.check_chart(values=[hc.FULL_VALUES]))
     assert off[("Secret", "mneme")]["stringData"]["MNEME_TEXT_URL"] == (
         "http://mneme-opensearch:9200")
+
+
+def test_credentials_never_reach_the_configmap():
+    """A Qdrant API key travels in MNEME_VECTOR_URL (``https://<key>@host`` or
+    ``?api_key=``), as Qdrant Cloud needs: the URL is in the chart's Secret, like the text
+    and graph URLs, never in the ConfigMap (readable by anyone who may read ConfigMaps)."""
+    url = "https://qd-secret-key@qdrant.example.com:6333"
+    objs = _objects(hc.check_chart(sets=[f"externalQdrant.url={url}"]))
+    assert "qd-secret-key" not in json.dumps(objs[("ConfigMap", "mneme")])
+    assert objs[("Secret", "mneme")]["stringData"]["MNEME_VECTOR_URL"] == url
+    bundled = _objects(hc.check_chart(values=[hc.FULL_VALUES]))
+    assert bundled[("Secret", "mneme")]["stringData"]["MNEME_VECTOR_URL"] == "http://mneme-qdrant:6333"
+    # with a Secret of one's own the URL stays in the ConfigMap (that Secret may lack it;
+    # a MNEME_VECTOR_URL in it wins: secretRef comes after configMapRef) -- so one with a
+    # key is refused there
+    own = _objects(hc.check_chart(sets=["existingSecret=mine"]))
+    assert own[("ConfigMap", "mneme")]["data"]["MNEME_VECTOR_URL"] == "http://qdrant:6333"
+    refs = _pod(own, "search")["containers"][0]["envFrom"]
+    assert refs.index({"configMapRef": {"name": "mneme"}}) < refs.index({"secretRef": {"name": "mine"}})
+    for bad in (url, "http://qdrant:6333?api_key=k"):
+        with pytest.raises(hc.CheckFailed, match="externalQdrant.url.*existingSecret"):
+            hc.template(sets=["existingSecret=mine", f"externalQdrant.url={bad}"])
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["extraEnv.MNEME_LLM_API_KEY=sk-1"], "extraEnv.MNEME_LLM_API_KEY"),
+    (["extraEnv.MNEME_RERANK_API_KEY=sk-1"], "extraEnv.MNEME_RERANK_API_KEY"),
+    (["config.MNEME_KAFKA_SASL_PASSWORD=pw"], "config.MNEME_KAFKA_SASL_PASSWORD"),
+    (["extraEnv.MNEME_MASTER_KEY=AAAA"], "extraEnv.MNEME_MASTER_KEY"),
+    (["extraEnv.MNEME_GRAPH_URL=bolt://neo4j:pw@neo4j:7687"], "extraEnv.MNEME_GRAPH_URL"),
+    (["extraEnv.MNEME_VECTOR_URL=http://q:6333?api_key=k"], "extraEnv.MNEME_VECTOR_URL"),
+], ids=lambda v: v if isinstance(v, str) else v[0].split("=")[0])
+def test_a_credential_in_the_configmaps_values_fails_the_render(sets, match):
+    """extraEnv and config are rendered into the ConfigMap: a key, a password or a URL
+    with credentials there is refused with a message pointing at secretEnv."""
+    with pytest.raises(hc.CheckFailed, match=f"{match}.*secretEnv"):
+        hc.template(sets=sets)
+    key = sets[0].split("=", 1)[0].split(".", 1)[1]
+    fine = _objects(hc.check_chart(sets=[f"secretEnv.{key}={sets[0].split('=', 1)[1]}"]))
+    assert key in fine[("Secret", "mneme")]["stringData"]
+    # file paths of keys are not keys
+    ok = _objects(hc.template(sets=["extraEnv.MNEME_CLIENT_TLS_KEY=/etc/k.pem",
+                                    "extraEnv.MNEME_API_KEYS_FILE=/etc/keys.json"]))
+    assert ok[("ConfigMap", "mneme")]["data"]["MNEME_CLIENT_TLS_KEY"] == "/etc/k.pem"

@@ -131,6 +131,21 @@ app.kubernetes.io/part-of: mneme
 {{- end -}}
 {{- end -}}
 
+{{/* Fails the render when config or extraEnv (the ConfigMap's values) hold a credential:
+   a variable named like one (*_API_KEY, *_PASSWORD, *_SECRET, *_TOKEN, *_HEADERS,
+   MNEME_MASTER_KEY) or a URL with credentials (user[:password]@ -- a Qdrant API key goes
+   there -- or api_key=/password=/token= in its query). They belong in secretEnv (the
+   Secret). File paths such as MNEME_TLS_KEY are not credentials. */}}
+{{- define "mneme.checkNoCredentials" -}}
+{{- range $where := list "config" "extraEnv" -}}
+{{- range $k, $v := index $.Values $where -}}
+{{- if or (regexMatch "(^|_)(API_KEY|PASSWORD|SECRET|TOKEN|HEADERS)$|^MNEME_MASTER_KEY$" (upper $k)) (regexMatch "://[^/?#]*@|[?&](api_key|apikey|password|token)=" (toString $v)) -}}
+{{- fail (printf "%s.%s looks like a credential and %s is rendered into a ConfigMap: put it in secretEnv (the chart's Secret) or in existingSecret" $where $k $where) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Kafka transport security (externalKafka.tls, externalKafka.sasl): the
    MNEME_KAFKA_SECURITY_PROTOCOL they make, "" when both are off (the server default,
    PLAINTEXT). The bundled broker is plaintext only, so either with kafka.enabled fails. */}}
