@@ -155,3 +155,21 @@ def test_every_mneme_variable_is_a_setting(rendered):
 def test_source_file_parses_as_yaml():
     data = yaml.safe_load(COMPOSE.read_text())
     assert "version" not in data  # obsolete in the compose spec
+
+
+def test_the_stop_grace_period_covers_the_drain():
+    """`docker compose stop` SIGKILLs a container stop_grace_period after SIGTERM: it must
+    cover the gRPC drain (MNEME_SHUTDOWN_GRACE_S, default 10 s) and the consumers' stop
+    after the records in hand (KafkaRunner.stop's timeout), else offsets go uncommitted."""
+    import inspect
+
+    from mneme.runtime.kafka import KafkaRunner
+    consumers = inspect.signature(KafkaRunner.stop).parameters["timeout"].default
+    compose = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
+    env = {**compose["x-mneme-env"]}
+    grace = float(env.get("MNEME_SHUTDOWN_GRACE_S", Settings.model_fields["shutdown_grace_s"].default))
+    for s in SERVICES:
+        period = compose["services"][s]["stop_grace_period"]
+        m = re.fullmatch(r"(\d+)s", period)
+        assert m, period
+        assert int(m.group(1)) >= grace + consumers + 5, s

@@ -868,3 +868,31 @@ def test_a_credential_in_the_configmaps_values_fails_the_render(sets, match):
     ok = _objects(hc.template(sets=["extraEnv.MNEME_CLIENT_TLS_KEY=/etc/k.pem",
                                     "extraEnv.MNEME_API_KEYS_FILE=/etc/keys.json"]))
     assert ok[("ConfigMap", "mneme")]["data"]["MNEME_CLIENT_TLS_KEY"] == "/etc/k.pem"
+
+
+def _drain_s(shutdown_grace_s: float) -> float:
+    """How long `mneme serve` may take from SIGTERM to exit (ServiceProcess.stop): the
+    gRPC grace, then the consumers' stop (KafkaRunner.stop's default timeout)."""
+    import inspect
+
+    from mneme.runtime.kafka import KafkaRunner
+    consumers = inspect.signature(KafkaRunner.stop).parameters["timeout"].default
+    return shutdown_grace_s + consumers
+
+
+@pytest.mark.parametrize("grace", ["10", "60", "7.5"])
+def test_the_pods_grace_period_covers_the_drain_after_the_prestop_pause(grace):
+    """Kubernetes SIGKILLs a pod terminationGracePeriodSeconds after it starts stopping
+    it, preStop included: that must cover the preStop pause (endpoints drop the pod while
+    it still serves) plus the drain of MNEME_SHUTDOWN_GRACE_S and the consumers' stop, so
+    a longer MNEME_SHUTDOWN_GRACE_S lengthens it."""
+    objs = _objects(hc.check_chart(sets=[f"config.MNEME_SHUTDOWN_GRACE_S={grace}"]))
+    for s in SERVICES:
+        pod = _pod(objs, s)
+        c = pod["containers"][0]
+        pause = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pause > 0
+        assert pod["terminationGracePeriodSeconds"] >= pause + _drain_s(float(grace)) + 5, s
+    off = _objects(hc.template(sets=["preStopSleepSeconds=0"]))
+    assert "lifecycle" not in _pod(off, "search")["containers"][0]
+    assert _pod(off, "search")["terminationGracePeriodSeconds"] >= _drain_s(10.0) + 5
