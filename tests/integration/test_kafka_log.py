@@ -123,6 +123,11 @@ def test_service_is_not_serving_until_the_broker_answers(tmp_path, tansu):
     up.bind()
     try:
         up.start()
-        assert status(address) == health_pb2.HealthCheckResponse.SERVING
+        # SERVING once its readiness checks pass (its catalog caught up once): the
+        # monitor's next round at the latest
+        deadline = time.monotonic() + 60
+        while status(address) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "not SERVING with the broker up"
+            time.sleep(0.1)
     finally:
         up.stop()

@@ -244,12 +244,17 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
 
 {{/* How a probe reaches grpc.health.v1: Kubernetes' native gRPC probe (plaintext only),
    or with TLS the image's health check script (the pod's MNEME_TLS_* / MNEME_CLIENT_TLS_*
-   settings, see deploy/healthcheck.py). */}}
+   settings, see deploy/healthcheck.py). (dict "root" $ "service" NAME): the health
+   service asked: "" (readiness: dependencies up, the replica's own copies caught up) or
+   "liveness" (the process answers; startup and liveness probes, so a long catch-up or a
+   broker outage takes a pod out of the Services without restarting it). */}}
 {{- define "mneme.probeAction" -}}
-{{- if .Values.tls.secretName -}}
-exec: {command: [python, /usr/local/lib/mneme/healthcheck.py]}
+{{- if .root.Values.tls.secretName -}}
+exec: {command: {{ toJson (concat (list "python" "/usr/local/lib/mneme/healthcheck.py") (compact (list .service))) }}}
+{{- else if .service -}}
+grpc: {port: {{ .root.Values.grpcPort }}, service: {{ .service }}}
 {{- else -}}
-grpc: {port: {{ .Values.grpcPort }}}
+grpc: {port: {{ .root.Values.grpcPort }}}
 {{- end -}}
 {{- end -}}
 

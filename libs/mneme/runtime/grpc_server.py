@@ -17,6 +17,11 @@ from mneme.config import Settings
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: Health service name that is SERVING while the process answers gRPC at all, whatever its
+#: dependencies or catch-up: what a liveness probe asks (restarting a replica that waits
+#: for a broker, or is still rebuilding its copies, would not help). The overall status
+#: ("") is readiness.
+LIVENESS = "liveness"
 log = logging.getLogger(__name__)
 
 

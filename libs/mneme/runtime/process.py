@@ -65,11 +65,13 @@ class _SharedStores:
 class ServiceProcess:
     """One service in its own process (distributed topology).
 
-    Lifecycle: :meth:`start` binds gRPC at once with health NOT_SERVING and the
-    service's API answering UNAVAILABLE, connects to the broker and opens the stores
-    (retrying until they answer or :meth:`stop` is called), starts the consumer groups
-    and turns health SERVING. A monitor thread re-checks the broker (and, for reflect,
-    search) every ``health_interval_s`` and flips health accordingly. :meth:`stop`
+    Lifecycle: :meth:`start` binds gRPC at once with health NOT_SERVING (the
+    ``liveness`` name SERVING: the process answers) and the service's API answering
+    UNAVAILABLE, connects to the broker and opens the stores (retrying until they answer
+    or :meth:`stop` is called), starts the consumer groups and turns health SERVING once
+    the readiness checks pass (the broker, a replica's own copies caught up once, for
+    reflect search). A monitor thread re-checks them every ``health_interval_s`` and flips
+    health accordingly. :meth:`stop`
     (SIGTERM) turns health NOT_SERVING, stops accepting gRPC calls and lets in-flight
     ones finish for ``shutdown_grace_s``, then stops each consumer after the record in
     hand (committing what it handled, leaving the group) and closes the adapters.
@@ -122,6 +124,7 @@ class ServiceProcess:
             self._names = grpc_api.register(server, grpc_api.ReflectServicer(
                 p["reflect"], lambda bank_id: True, stream=p["reflect_stream"]), p["mental_models"])
         self._health = grpc_server.add_health(server, self._names, grpc_server.NOT_SERVING)
+        self._health.set(grpc_server.LIVENESS, grpc_server.SERVING)  # up, whatever else
         self.port = grpc_server.bind(server, self.settings.grpc_address, self.settings)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.settings.grpc_address}: the port is "
@@ -182,10 +185,16 @@ class ServiceProcess:
             p["mental_models"].set(api["mental_models"])
         self.parts.runner = self.runner = _runner(root, self.parts)
         self.runner.start()
-        self._set_health(grpc_server.SERVING)
+        # SERVING only when the checks pass now: a fresh replica rebuilding its own copies
+        # must not look ready, even until the monitor's first round (the rolling update
+        # would take it for ready and stop an old replica).
+        serving = self._healthy()
+        self._set_health(grpc_server.SERVING if serving else grpc_server.NOT_SERVING)
         self.ready.set()
-        threading.Thread(target=self._monitor, name="health", daemon=True).start()
-        log.info("%s is ready on port %d (groups: %s)", self.name, self.port,
+        threading.Thread(target=self._monitor, args=(serving,), name="health",
+                         daemon=True).start()
+        log.info("%s is %s on port %d (groups: %s)", self.name,
+                 "ready" if serving else "started (not ready until caught up)", self.port,
                  ", ".join(self.parts.routers) or "none")
 
     def _healthy(self) -> bool:
@@ -201,8 +210,9 @@ class ServiceProcess:
                 log.warning("%s: health check failed: %r", self.name, exc)
             return False
 
-    def _monitor(self) -> None:
-        serving = True
+    def _monitor(self, serving: bool) -> None:
+        """Every ``health_interval_s``: flip health when :meth:`_healthy` changes;
+        ``serving``: the status :meth:`start` set."""
         while not self._stop.wait(self.settings.health_interval_s):
             ok = self._healthy()
             if ok != serving and not self._stop.is_set():
