@@ -957,3 +957,47 @@ def test_the_probes_ask_what_the_server_answers_while_a_replica_catches_up(tmp_p
     finally:
         proc.stop()
 
+
+def _data_keys(rendered: str, kind: str) -> list[str]:
+    """The keys of the data/stringData of every ``kind`` in the rendered text, as written
+    (a YAML loader keeps only the last of a duplicated key)."""
+    keys, inside = [], False
+    for line in rendered.splitlines():
+        if line.startswith("kind: "):
+            inside = line == f"kind: {kind}"
+        elif inside and line.rstrip() in ("data:", "stringData:"):
+            keys.append("---")
+        elif inside and line.startswith("  ") and not line.startswith("   ") and keys:
+            keys.append(line.strip().split(":", 1)[0])
+        elif not line.startswith(" "):
+            pass
+    return keys
+
+
+def test_config_and_extra_env_give_each_variable_one_value():
+    """extraEnv is merged over config (one key, one value: extraEnv's); a variable the
+    chart sets from its own values cannot be set again there (the ConfigMap would hold the
+    key twice, and which value a pod got would be up to the YAML parser)."""
+    rendered = hc.check_chart(sets=["extraEnv.MNEME_LOG_LEVEL=DEBUG", "config.MNEME_LLM_MODEL=a",
+                                    "extraEnv.MNEME_LLM_MODEL=b"])
+    keys = [k for k in _data_keys(rendered, "ConfigMap") if k != "---"]
+    assert len(keys) == len(set(keys)), keys
+    cm = _objects(rendered)[("ConfigMap", "mneme")]["data"]
+    assert (cm["MNEME_LOG_LEVEL"], cm["MNEME_LLM_MODEL"]) == ("DEBUG", "b")
+    for sets, match in ((["extraEnv.MNEME_BUS_URL=kafka://other:9092"], "MNEME_BUS_URL in extraEnv"),
+                        (["config.MNEME_GRPC_ADDRESS=0.0.0.0:1"], "MNEME_GRPC_ADDRESS in config"),
+                        (["extraEnv.MNEME_METRICS_PORT=1"], "MNEME_METRICS_PORT in extraEnv"),
+                        (["secretEnv.MNEME_GRAPH_URL=bolt://x"], "MNEME_GRAPH_URL in secretEnv")):
+        with pytest.raises(hc.CheckFailed, match=match):
+            hc.template(sets=sets)
+
+
+def test_metrics_disabled_turns_the_endpoint_off():
+    """metrics.enabled=false: no port on the pods, and the servers do not listen either
+    (MNEME_METRICS_PORT=0; unset, the server's default 9464 would still serve)."""
+    from mneme.config import Settings
+
+    objs = _objects(hc.check_chart(sets=["metrics.enabled=false"]))
+    cm = objs[("ConfigMap", "mneme")]["data"]
+    assert Settings(metrics_port=cm.get("MNEME_METRICS_PORT", Settings().metrics_port)).metrics_port == 0
+    assert {p["name"] for p in _pod(objs, "search")["containers"][0]["ports"]} == {"grpc"}
