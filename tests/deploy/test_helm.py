@@ -529,7 +529,8 @@ def test_the_replay_jobs_command_switches_a_running_servers_generation(tmp_path)
     from mneme.auth import KeyStore
     from tests.e2e.server import Server
 
-    objs = _objects(hc.template(sets=[*REPLAY, "auth.mode=api_key", "replay.apiKeySecret.name=k"]))
+    objs = _objects(hc.template(sets=[*REPLAY, "auth.mode=api_key", "replay.apiKeySecret.name=k",
+                                      "auth.reflectApiKeySecret.name=rk"]))
     c, _ = _job_pod(objs, "mneme-replay-1")["containers"]
     assert "MNEME_API_KEY" in _env(c)
     data = tmp_path / "d"
@@ -1001,3 +1002,24 @@ def test_metrics_disabled_turns_the_endpoint_off():
     cm = objs[("ConfigMap", "mneme")]["data"]
     assert Settings(metrics_port=cm.get("MNEME_METRICS_PORT", Settings().metrics_port)).metrics_port == 0
     assert {p["name"] for p in _pod(objs, "search")["containers"][0]["ports"]} == {"grpc"}
+
+
+def test_reflect_gets_its_key_for_search_when_search_checks_keys():
+    """With auth.mode api_key search asks every caller for a key, reflect too (it recalls
+    through search with MNEME_API_KEY, mneme.client.api_channel). Without one reflect
+    reports ready (its check only dials search) and every Reflect fails: the render
+    refuses that; auth.reflectApiKeySecret gives reflect alone the key (a '*' read key)."""
+    pod = _pod
+    with pytest.raises(hc.CheckFailed, match="auth.reflectApiKeySecret"):
+        hc.template(sets=["auth.mode=api_key", "auth.existingSecret=keys"])
+    objs = _objects(hc.check_chart(values=[hc.FULL_VALUES]))
+    assert objs[("ConfigMap", "mneme")]["data"]["MNEME_AUTH_MODE"] == "api_key"
+    reflect = _env(pod(objs, "reflect")["containers"][0])
+    assert reflect["MNEME_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "mneme-reflect-key", "key": "api-key"}}
+    for s in ("ingest", "extraction", "search", "consolidation"):
+        assert "MNEME_API_KEY" not in _env(pod(objs, s)["containers"][0]), s
+    # a key for every pod (secretEnv), or a Secret of one's own (may hold it): accepted
+    hc.template(sets=["auth.mode=api_key", "secretEnv.MNEME_API_KEY=k"])
+    hc.template(sets=["auth.mode=api_key", "existingSecret=mine"])
+    hc.template(sets=["auth.mode=api_key", "services.reflect.enabled=false"])
