@@ -255,6 +255,16 @@ def test_a_misspelled_key_in_a_values_file_fails_lint(tmp_path):
     (["storeGeneration=1.5"], "storeGeneration"),
     (["replay.dropGeneration=-1"], "dropGeneration"),
     (["externalNeo4j.database=my_db"], "database"),
+    # the settings in config (and extraEnv) that the server would refuse at start
+    (["config.MNEME_PARTITIONS=-3"], "MNEME_PARTITIONS"),
+    (["config.MNEME_PARTITIONS=0"], "MNEME_PARTITIONS"),
+    (["config.MNEME_PARTITIONS=twelve"], "MNEME_PARTITIONS"),
+    (["extraEnv.MNEME_PARTITIONS=1.5"], "MNEME_PARTITIONS"),
+    (["config.MNEME_KAFKA_REPLICATION_FACTOR=0"], "MNEME_KAFKA_REPLICATION_FACTOR"),
+    (["config.MNEME_SHUTDOWN_GRACE_S=abc"], "MNEME_SHUTDOWN_GRACE_S"),
+    (["config.MNEME_SHUTDOWN_GRACE_S=-1"], "MNEME_SHUTDOWN_GRACE_S"),
+    (["config.MNEME_HEALTH_INTERVAL_S=0"], "MNEME_HEALTH_INTERVAL_S"),
+    (["config.MNEME_LOG_LEVEL=debug"], "MNEME_LOG_LEVEL"),
 ], ids=lambda v: v if isinstance(v, str) else v[0])
 def test_a_wrong_type_or_value_fails_lint(sets, match):
     with pytest.raises(hc.CheckFailed, match=match):
@@ -1023,3 +1033,19 @@ def test_reflect_gets_its_key_for_search_when_search_checks_keys():
     hc.template(sets=["auth.mode=api_key", "secretEnv.MNEME_API_KEY=k"])
     hc.template(sets=["auth.mode=api_key", "existingSecret=mine"])
     hc.template(sets=["auth.mode=api_key", "services.reflect.enabled=false"])
+
+
+@pytest.mark.parametrize("sets", [
+    ["config.MNEME_PARTITIONS=24"], ["config.MNEME_KAFKA_REPLICATION_FACTOR=3"],
+    ["config.MNEME_SHUTDOWN_GRACE_S=7.5"], ["config.MNEME_HEALTH_INTERVAL_S=0.5"],
+    ["config.MNEME_HEALTH_INTERVAL_S=1.0"], ["extraEnv.MNEME_LOG_LEVEL=DEBUG"],
+], ids=lambda v: v[0])
+def test_settings_the_server_takes_pass_lint(sets):
+    """The schema's checks of config's settings refuse only what the server refuses: what
+    it accepts (Settings) passes lint."""
+    from mneme.config import Settings
+
+    hc.lint(sets=sets)
+    name, value = sets[0].split(".", 1)[1].split("=", 1)
+    if name != "MNEME_LOG_LEVEL":
+        Settings(**{name[len("MNEME_"):].lower(): value.strip('"')})
