@@ -1049,3 +1049,27 @@ def test_settings_the_server_takes_pass_lint(sets):
     name, value = sets[0].split(".", 1)[1].split("=", 1)
     if name != "MNEME_LOG_LEVEL":
         Settings(**{name[len("MNEME_"):].lower(): value.strip('"')})
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["metrics.port=50051"], "metrics.port"),
+    (["grpcPort=9464"], "metrics.port"),
+    (["services.search.pdb.minAvailable=2"], "services.search.pdb"),           # 2 replicas
+    (["services.ingest.pdb.maxUnavailable=0"], "services.ingest.pdb"),
+    (["services.ingest.pdb.maxUnavailable=0%"], "services.ingest.pdb"),
+    (["services.ingest.pdb.minAvailable=100%"], "services.ingest.pdb"),
+    (["services.reflect.pdb.minAvailable=2"], "services.reflect.pdb"),         # HPA min 2
+], ids=lambda v: v if isinstance(v, str) else v[0])
+def test_values_that_cannot_work_on_a_cluster_fail_the_render(sets, match):
+    """The metrics port on the gRPC port (the second bind fails, the pod never starts), or a
+    PodDisruptionBudget no eviction can satisfy (every node drain blocks on it)."""
+    with pytest.raises(hc.CheckFailed, match=match):
+        hc.template(sets=sets)
+
+
+def test_a_pdb_that_allows_an_eviction_renders():
+    objs = _objects(hc.check_chart(sets=["services.search.replicas=3", "services.search.pdb.minAvailable=2",
+                                         "services.ingest.pdb.maxUnavailable=50%",
+                                         "services.extraction.pdb.minAvailable=50%",
+                                         "metrics.enabled=false", "metrics.port=50051"]))
+    assert objs[("PodDisruptionBudget", "mneme-search")]["spec"]["minAvailable"] == 2
