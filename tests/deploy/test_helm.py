@@ -1073,3 +1073,15 @@ def test_a_pdb_that_allows_an_eviction_renders():
                                          "services.extraction.pdb.minAvailable=50%",
                                          "metrics.enabled=false", "metrics.port=50051"]))
     assert objs[("PodDisruptionBudget", "mneme-search")]["spec"]["minAvailable"] == 2
+
+
+@pytest.mark.parametrize("sets", [
+    ["existingSecret=mine", "secretEnv.MNEME_LLM_API_KEY=sk-1"],
+    ["existingSecret=mine", "externalNeo4j.password=pw"],
+], ids=["secretEnv", "neo4j-password"])
+def test_values_that_existing_secret_would_drop_fail_the_render(sets):
+    """With existingSecret the chart renders no Secret of its own, so secretEnv and the
+    Neo4j password had nowhere to go: they were dropped without a word (the LLM key
+    missing, the graph URL without credentials). The render now says so."""
+    with pytest.raises(hc.CheckFailed, match=sets[1].split("=")[0].split(".")[0] + ".*existingSecret"):
+        hc.template(sets=sets)
