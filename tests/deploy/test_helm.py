@@ -1085,3 +1085,28 @@ def test_values_that_existing_secret_would_drop_fail_the_render(sets):
     missing, the graph URL without credentials). The render now says so."""
     with pytest.raises(hc.CheckFailed, match=sets[1].split("=")[0].split(".")[0] + ".*existingSecret"):
         hc.template(sets=sets)
+
+
+@pytest.mark.parametrize("scheme", ["bolt", "bolt+s", "neo4j", "neo4j+s", "neo4j+ssc"])
+def test_the_neo4j_url_takes_every_scheme_mneme_speaks(scheme):
+    """A Neo4j cluster needs neo4j:// (routing: bolt:// talks to one server, whose writes
+    fail on a follower), Aura neo4j+s:// (TLS); mneme's adapter takes all six schemes,
+    and externalNeo4j.scheme picks one (the chart wrote bolt:// always)."""
+    from mneme.stores.graph_neo4j import parse_neo4j_url
+
+    objs = _objects(hc.check_chart(sets=[f"externalNeo4j.scheme={scheme}", "externalNeo4j.host=db.example.com",
+                                         "externalNeo4j.password=p@ss", "externalNeo4j.database=mneme"]))
+    url = objs[("Secret", "mneme")]["stringData"]["MNEME_GRAPH_URL"]
+    uri, auth, database = parse_neo4j_url(url)
+    assert uri == f"{scheme}://db.example.com:7687"
+    assert auth == ("neo4j", "p@ss") and database == "mneme"
+    no_password = _objects(hc.template(sets=[f"externalNeo4j.scheme={scheme}"]))
+    assert parse_neo4j_url(no_password[("Secret", "mneme")]["stringData"]["MNEME_GRAPH_URL"])[0] \
+        == f"{scheme}://neo4j:7687"
+
+
+def test_a_neo4j_host_with_a_scheme_fails_the_render():
+    with pytest.raises(hc.CheckFailed, match="externalNeo4j.host"):
+        hc.template(sets=["externalNeo4j.host=neo4j+s://db.example.com"])
+    with pytest.raises(hc.CheckFailed, match="scheme"):
+        hc.lint(sets=["externalNeo4j.scheme=http"])

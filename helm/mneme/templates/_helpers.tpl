@@ -109,10 +109,17 @@ app.kubernetes.io/part-of: mneme
 {{- with .Values.externalNeo4j.database }}{{ $db = printf "/%s" . }}{{ end -}}
 {{- if .Values.neo4j.enabled -}}
 {{- printf "bolt://neo4j:%s@%s-neo4j:7687" (.Values.neo4j.password | urlquery) (include "mneme.fullname" .) -}}
-{{- else if .Values.externalNeo4j.password -}}
-{{- printf "bolt://%s:%s@%s%s" (.Values.externalNeo4j.user | urlquery) (.Values.externalNeo4j.password | urlquery) .Values.externalNeo4j.host $db -}}
 {{- else -}}
-{{- printf "bolt://%s%s" .Values.externalNeo4j.host $db -}}
+{{- $n := .Values.externalNeo4j -}}
+{{- if contains "://" $n.host -}}
+{{- fail (printf "externalNeo4j.host %q holds a scheme: give host[:port] there and the scheme in externalNeo4j.scheme" $n.host) -}}
+{{- end -}}
+{{- $scheme := $n.scheme | default "bolt" -}}
+{{- if $n.password -}}
+{{- printf "%s://%s:%s@%s%s" $scheme ($n.user | urlquery) ($n.password | urlquery) $n.host $db -}}
+{{- else -}}
+{{- printf "%s://%s%s" $scheme $n.host $db -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
