@@ -1110,3 +1110,27 @@ def test_a_neo4j_host_with_a_scheme_fails_the_render():
         hc.template(sets=["externalNeo4j.host=neo4j+s://db.example.com"])
     with pytest.raises(hc.CheckFailed, match="scheme"):
         hc.lint(sets=["externalNeo4j.scheme=http"])
+
+
+def test_a_single_secret_key_reaches_every_pod_by_reference():
+    """An LLM key kept in a Secret of its own (external-secrets, sealed-secrets) reaches
+    every mneme container as a secretKeyRef (secretKeyRefs), without putting it in the
+    values (secretEnv: the release record holds it) or moving every variable to
+    existingSecret; it also answers reflect's need for a key under api_key."""
+    objs = _objects(hc.check_chart(values=[hc.FULL_VALUES], sets=[
+        "secretKeyRefs.MNEME_LLM_API_KEY.name=llm", "secretKeyRefs.MNEME_LLM_API_KEY.key=api-key",
+        "secretEnv=null"]))
+    assert "MNEME_LLM_API_KEY" not in json.dumps(objs[("Secret", "mneme")])
+    pods = _every_mneme_pod(objs)
+    assert set(pods) >= {"Job/mneme-topics", "Job/mneme-replay-ci", "Deployment/reflect"}
+    for where, pod in pods.items():
+        for c in pod["containers"]:
+            assert _env(c)["MNEME_LLM_API_KEY"]["valueFrom"] == {
+                "secretKeyRef": {"name": "llm", "key": "api-key"}}, where
+    hc.template(sets=["auth.mode=api_key", "secretKeyRefs.MNEME_API_KEY.name=k",
+                      "secretKeyRefs.MNEME_API_KEY.key=v"])
+    for taken in ("MNEME_KAFKA_SASL_PASSWORD", "MNEME_REPLICA_ID", "MNEME_SEARCH_ADDRESS", "OTEL_SERVICE_NAME"):
+        with pytest.raises(hc.CheckFailed, match=f"secretKeyRefs.{taken}"):
+            hc.template(sets=[f"secretKeyRefs.{taken}.name=s", f"secretKeyRefs.{taken}.key=k"])
+    with pytest.raises(hc.CheckFailed, match="secretKeyRefs.MNEME_LLM_API_KEY"):
+        hc.lint(sets=["secretKeyRefs.MNEME_LLM_API_KEY.name=s"])      # no key

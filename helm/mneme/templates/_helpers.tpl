@@ -190,6 +190,20 @@ app.kubernetes.io/part-of: mneme
 {{- end }}
 {{- end -}}
 
+{{/* env entries from secretKeyRefs (NAME -> {name, key} of a Secret the user manages), in
+   every mneme container; a name the chart sets itself there is refused. */}}
+{{- define "mneme.secretRefEnv" -}}
+{{- $taken := list "MNEME_KAFKA_SASL_PASSWORD" "MNEME_REPLICA_ID" "MNEME_SEARCH_ADDRESS" "OTEL_SERVICE_NAME" "MNEME_VECTOR_URL" "MNEME_TEXT_URL" "MNEME_GRAPH_URL" }}
+{{- range $k, $ref := .Values.secretKeyRefs }}
+{{- if has $k $taken }}
+{{- fail (printf "secretKeyRefs.%s: the chart sets %s itself (from its values)" $k $k) }}
+{{- end }}
+- name: {{ $k }}
+  valueFrom:
+    secretKeyRef: {name: {{ $ref.name | quote }}, key: {{ $ref.key | quote }}}
+{{- end }}
+{{- end -}}
+
 {{/* The pod-level parts every mneme container shares: env sources and mounts. */}}
 {{- define "mneme.envFrom" -}}
 - configMapRef:
