@@ -11,7 +11,7 @@ from mneme.domain import (EXPERIENCE, OPINION, WORLD, Bank, BankConfig, Fact, Fi
                           TimeWindow, from_epoch, utc)
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import dt_to_ts, ts_to_dt
-from mneme.names import bank_name, memory_name
+from mneme.names import bank_name, memory_name, unit_name  # noqa: F401 - memory_name re-exported
 from mneme.domain import Operation
 from mneme.v1 import operations_pb2, recall_pb2, resources_pb2
 
@@ -152,8 +152,11 @@ def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
 
 
 def memory_to_api(f: Fact) -> resources_pb2.Memory:
+    """The unit as the API's Memory; its name is in the collection of its type
+    (:func:`mneme.names.unit_name`: an observation is ``banks/{bank}/observations/{id}``,
+    as ObservationService names it)."""
     return resources_pb2.Memory(
-        name=memory_name(f.bank_id, f.id), id=f.id, text=f.text,
+        name=unit_name(f.bank_id, f.id, f.fact_type), id=f.id, text=f.text,
         fact_type=_TYPE_TO_PB.get(f.fact_type, resources_pb2.FACT_TYPE_UNSPECIFIED),
         context=f.context, occurred_start=dt_to_ts(f.occurred_start),
         occurred_end=dt_to_ts(f.occurred_end), mentioned_at=dt_to_ts(f.mentioned_at),

@@ -57,7 +57,7 @@ import grpc
 from mneme import telemetry
 from mneme.errors import InvalidArgument
 from mneme.grpc_util import wrap_handler
-from mneme.names import BANK_ID_RE, bank_id_of, memory_of
+from mneme.names import BANK_ID_RE, bank_id_of, unit_of
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ SCOPES = (READ, WRITE, HISTORY)
 ALL_BANKS = "*"
 
 #: RPC → (access, how to find its bank: a request field holding ``banks/{id}`` (or a
-#: memory name), ALL_BANKS when the call spans banks, None when the servicer checks).
+#: memory unit's name, :func:`mneme.names.unit_of`), ALL_BANKS when the call spans banks, None when the servicer checks).
 RULES: dict[str, tuple[str, str | None]] = {
     "/mneme.v1.BankService/UpsertBank": (WRITE, "bank.name"),
     "/mneme.v1.BankService/GetBank": (READ, "name"),
@@ -331,8 +331,8 @@ def bank_of(request, how: str) -> str | None:
     if how == ALL_BANKS:
         return ALL_BANKS
     try:
-        if how.startswith("memory:"):
-            return memory_of(_field(request, how[7:]))[0]
+        if how.startswith("memory:"):  # any name of a memory unit the servicer takes
+            return unit_of(_field(request, how[7:]))[0]
         if how.startswith("child:"):  # banks/{id}/<collection>/{child id}
             parts = _field(request, how[6:]).split("/")
             return bank_id_of("/".join(parts[:2])) if len(parts) == 4 and parts[3] else None

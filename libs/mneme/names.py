@@ -1,5 +1,6 @@
 """Resource names (Google API design guide): ``banks/{bank_id}``,
-``banks/{bank_id}/memories/{memory_id}``, ``banks/{bank_id}/entities/{entity_id}``,
+``banks/{bank_id}/memories/{memory_id}``, ``banks/{bank_id}/observations/{id}``,
+``banks/{bank_id}/opinions/{id}``, ``banks/{bank_id}/entities/{entity_id}``,
 ``banks/{bank_id}/directives/{directive_id}``,
 ``banks/{bank_id}/documents/{document_id}``, ``operations/{operation_id}``."""
 
@@ -43,6 +44,35 @@ def _bank_child(name: str, collection: str, what: str, field: str) -> tuple[str,
 def memory_of(name: str, field: str = "name") -> tuple[str, str]:
     """``banks/{bank_id}/memories/{memory_id}`` → (bank_id, memory_id)."""
     return _bank_child(name, "memories", "memory", field)
+
+
+#: The collection of each kind of memory unit that has one of its own (AIP-122: one name
+#: per resource); facts (world, experience) are ``memories``.
+UNIT_COLLECTIONS = {"observation": "observations", "opinion": "opinions"}
+
+
+def unit_of(name: str, field: str = "name") -> tuple[str, str, str | None]:
+    """The name of a memory unit as the API returns it → (bank_id, unit_id, fact_type
+    its collection holds: "observation", "opinion", or None for ``memories``, which
+    answers for a unit of any type, as names issued before observations and opinions had
+    their own collections did). InvalidArgument naming ``field`` for any other name."""
+    parts = (name or "").split("/")
+    kinds = {c: t for t, c in UNIT_COLLECTIONS.items()}
+    if len(parts) == 4 and parts[0] == "banks" and parts[2] in kinds:
+        bank_id, unit_id = _bank_child(name, parts[2], kinds[parts[2]], field)
+        return bank_id, unit_id, kinds[parts[2]]
+    try:
+        return (*memory_of(name, field), None)
+    except InvalidArgument:
+        raise InvalidArgument(field, "must be 'banks/{bank_id}/memories/{memory_id}' (or "
+                              "'.../observations/{observation_id}', "
+                              "'.../opinions/{opinion_id}')") from None
+
+
+def unit_name(bank_id: str, unit_id: str, fact_type: str) -> str:
+    """The name of a memory unit: in its own collection when its type has one
+    (:data:`UNIT_COLLECTIONS`), else ``banks/{bank_id}/memories/{unit_id}``."""
+    return f"banks/{bank_id}/{UNIT_COLLECTIONS.get(fact_type, 'memories')}/{unit_id}"
 
 
 def check_uuid(value: str, field: str, what: str = "id") -> str:

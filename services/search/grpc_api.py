@@ -17,7 +17,7 @@ from mneme.errors import InvalidArgument, NotFound
 from mneme.errors import Unavailable
 from mneme.grpc_util import call_deadline, dt_to_ts, remaining, translate_errors, ts_to_dt
 from mneme.names import (bank_id_of, check_uuid, document_name, entity_name, entity_of,
-                         memory_name, memory_of, observation_of, opinion_of)
+                         memory_name, memory_of, observation_of, opinion_of, unit_of)
 from mneme.ports import DocumentStore, GraphStore, VectorStore
 from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
                       memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
@@ -92,9 +92,10 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
 
     @translate_errors
     def GetMemory(self, request, context):
-        bank_id, memory_id = memory_of(request.name)
+        bank_id, memory_id, fact_type = unit_of(request.name)
         self._bank(f"banks/{bank_id}", "name")
-        return apiconv.memory_to_api(reads.get_memory(self.vectors, bank_id, memory_id))
+        return apiconv.memory_to_api(reads.get_memory(self.vectors, bank_id, memory_id,
+                                                      fact_type))
 
     @translate_errors
     def ListMemories(self, request, context):

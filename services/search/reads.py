@@ -24,11 +24,13 @@ DOCUMENT_REVISIONS = 100
 FACT_TYPES = (WORLD, EXPERIENCE)
 
 
-def get_memory(vectors: VectorStore, bank_id: str, memory_id: str) -> Fact:
-    """The memory, or NotFound."""
+def get_memory(vectors: VectorStore, bank_id: str, memory_id: str,
+               fact_type: str | None = None) -> Fact:
+    """The memory unit, or NotFound; with ``fact_type`` (the collection its name was
+    in: "observation", "opinion") NotFound also for a unit of another type."""
     got = vectors.get(bank_id, [memory_id])
-    if not got:
-        raise NotFound(f"memory {memory_id!r} not found in bank {bank_id!r}")
+    if not got or (fact_type is not None and got[0].fact_type != fact_type):
+        raise NotFound(f"{fact_type or 'memory'} {memory_id!r} not found in bank {bank_id!r}")
     return got[0]
 
 

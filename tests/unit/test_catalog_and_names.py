@@ -4,7 +4,7 @@ import pytest
 
 from mneme.domain import BankConfig
 from mneme.errors import InvalidArgument
-from mneme.names import bank_id_of, memory_of, operation_of
+from mneme.names import bank_id_of, memory_of, operation_of, unit_name, unit_of
 from mneme.domain import Operation
 from mneme.stores.catalog_sqlite import SqliteCatalog
 
@@ -89,6 +89,22 @@ def test_names_parse():
             operation_of(f"operations/{bad}")
         with pytest.raises(InvalidArgument):
             memory_of(f"banks/b1/memories/{bad}")
+
+
+def test_each_kind_of_unit_is_named_in_its_own_collection_and_the_name_parses_back():
+    mid = "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"
+    for fact_type, collection, kind in (("world", "memories", None),
+                                        ("experience", "memories", None),
+                                        ("observation", "observations", "observation"),
+                                        ("opinion", "opinions", "opinion")):
+        name = unit_name("b1", mid, fact_type)
+        assert name == f"banks/b1/{collection}/{mid}"
+        assert unit_of(name) == ("b1", mid, kind)
+    for bad in (f"banks/b1/entities/{mid}", f"banks/b1/observations/{mid}/x",
+                "banks/b1/opinions/not-a-uuid", f"observations/{mid}", ""):
+        with pytest.raises(InvalidArgument) as e:
+            unit_of(bad, "name")
+        assert e.value.violations[0][0] == "name"
 
 
 def test_a_bank_from_before_generations_is_reborn_as_the_second(tmp_path):
