@@ -56,7 +56,7 @@ import grpc
 
 from mneme import telemetry
 from mneme.errors import InvalidArgument
-from mneme.grpc_util import wrap_handler
+from mneme.grpc_util import abort_with, wrap_handler
 from mneme.names import BANK_ID_RE, bank_id_of, unit_of
 
 log = logging.getLogger(__name__)
@@ -387,7 +387,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     return inner(request, context)
                 except PermissionDenied as e:
                     code = "PERMISSION_DENIED"
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+                    abort_with(context, grpc.StatusCode.PERMISSION_DENIED, str(e),
+                               "PERMISSION_DENIED")
                 except BaseException:
                     code = _code(context, "UNKNOWN")
                     raise
@@ -401,7 +402,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     yield from inner(request, context)
                 except PermissionDenied as e:
                     code = "PERMISSION_DENIED"
-                    context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+                    abort_with(context, grpc.StatusCode.PERMISSION_DENIED, str(e),
+                               "PERMISSION_DENIED")
                 except BaseException:
                     code = _code(context, "UNKNOWN")
                     raise
@@ -445,7 +447,10 @@ class AuthInterceptor(grpc.ServerInterceptor):
         telemetry.count_auth(outcome)
         self.record(method, bank or "", principal.name if principal else "unknown", access,
                     outcome, code.name, context)
-        context.abort(code, message)
+        # ErrorInfo (AIP-193): reason UNAUTHENTICATED or PERMISSION_DENIED, and the bank
+        # the call was checked against
+        abort_with(context, code, message, outcome.upper(),
+                   {"bank": bank} if bank else None)
 
     def record(self, method, bank, principal, access, outcome, status, context) -> None:
         if self.audit is None:

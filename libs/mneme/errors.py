@@ -1,14 +1,21 @@
 """Errors handlers raise; transports map them to their status codes
 (gRPC: INVALID_ARGUMENT with BadRequest field violations, NOT_FOUND, ALREADY_EXISTS,
-FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED)."""
+FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED; each with an ErrorInfo of the
+class's ``reason``)."""
 
 
 class MnemeError(Exception):
-    """Base of mneme's request errors."""
+    """Base of mneme's request errors. ``reason``: the UPPER_SNAKE_CASE cause a transport
+    reports beside the status (gRPC: ``google.rpc.ErrorInfo.reason``, AIP-193), constant
+    per class."""
+
+    reason = "ERROR"
 
 
 class InvalidArgument(MnemeError, ValueError):
     """A request field is invalid. ``violations`` is a list of (field path, description)."""
+
+    reason = "FIELD_INVALID"
 
     def __init__(self, field: str, description: str, *more: tuple[str, str]):
         self.violations = [(field, description), *more]
@@ -18,33 +25,47 @@ class InvalidArgument(MnemeError, ValueError):
 class NotFound(MnemeError):
     """The named resource (bank, memory, operation) does not exist."""
 
+    reason = "RESOURCE_NOT_FOUND"
+
 
 class AlreadyExists(MnemeError):
     """The resource to create exists already (a create with a client-chosen id, AIP-133:
     the retry of a call whose answer was lost finds its own first try)."""
 
+    reason = "RESOURCE_ALREADY_EXISTS"
+
 
 class DeadlineExceeded(MnemeError):
     """The work was accepted but did not finish before the deadline; it goes on."""
 
+    reason = "DEADLINE_EXCEEDED"
+
 
 class Cancelled(MnemeError):
     """The caller cancelled the request; its work was stopped."""
+
+    reason = "CANCELLED_BY_CALLER"
 
 
 class FailedPrecondition(MnemeError):
     """The resource is not in a state that allows the call (e.g. a replay already runs,
     or the generation to delete is live); the message says what would allow it."""
 
+    reason = "RESOURCE_STATE_PRECONDITION"
+
 
 class Unavailable(MnemeError):
     """The service cannot answer now (starting, or a dependency such as the broker or
     another service is unreachable); the client may retry."""
 
+    reason = "SERVICE_UNAVAILABLE"
+
 
 class ResourceExhausted(MnemeError):
     """A bound of the server's is reached for now (e.g. as many sync calls wait as it
     lets wait); the client may retry later, or call asynchronously."""
+
+    reason = "SERVER_LIMIT_REACHED"
 
 
 class RecordTooLarge(MnemeError):
@@ -52,11 +73,14 @@ class RecordTooLarge(MnemeError):
     ``max.request.size``, 1 MiB, or the topic's ``max.message.bytes``). The same record
     always is: retrying cannot help."""
 
+    reason = "RECORD_TOO_LARGE"
+
 
 class ConfigurationError(MnemeError, ValueError):
     """The settings or the deployment cannot work (a value, a file, the topics); the
     message names what to fix. Processes stop with it at start (one line, exit 1)."""
 
+    reason = "CONFIGURATION_ERROR"
 
 #: SQLite's result codes for a full disk and for a file it could not open
 #: (``sqlite3.SQLITE_FULL``, ``sqlite3.SQLITE_CANTOPEN``).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import timestamp_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mneme.domain import clamp_time
@@ -26,11 +26,21 @@ from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrec
 log = logging.getLogger(__name__)
 
 
-def _abort(context: grpc.ServicerContext, code: int, grpc_code: grpc.StatusCode,
-           message: str, details=None):
-    status = status_pb2.Status(code=code, message=message)
+#: ``google.rpc.ErrorInfo.domain`` of every error mneme answers (AIP-193).
+ERROR_DOMAIN = "mneme"
+
+
+def abort_with(context: grpc.ServicerContext, grpc_code: grpc.StatusCode, message: str,
+               reason: str, metadata: dict[str, str] | None = None, details=None):
+    """Abort the call with ``grpc_code`` and a ``google.rpc.Status`` whose details hold
+    ``details`` (e.g. a BadRequest; first, where clients of older servers look) and a
+    ``google.rpc.ErrorInfo`` (AIP-193: every error has one) of ``reason`` (UPPER_SNAKE_CASE),
+    :data:`ERROR_DOMAIN` and ``metadata``. Never returns."""
+    status = status_pb2.Status(code=grpc_code.value[0], message=message)
     if details is not None:
         status.details.add().Pack(details)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(
+        reason=reason, domain=ERROR_DOMAIN, metadata=metadata or {}))
     context.abort_with_status(rpc_status.to_status(status))
 
 
@@ -58,6 +68,16 @@ def translate_errors(method):
     return wrapper
 
 
+#: The status of each mneme error other than InvalidArgument (RecordTooLarge: a request
+#: over the size limit).
+_STATUS = {NotFound: grpc.StatusCode.NOT_FOUND, AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+           DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+           FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+           Cancelled: grpc.StatusCode.CANCELLED, Unavailable: grpc.StatusCode.UNAVAILABLE,
+           RecordTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
 def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
     """Abort the call with the status of mneme error ``e`` (see :func:`translate_errors`);
     re-raises anything that is not a mneme request error."""
@@ -65,24 +85,13 @@ def abort_for(context: grpc.ServicerContext, e: Exception) -> None:
         br = error_details_pb2.BadRequest()
         for f, d in e.violations:
             br.field_violations.add(field=f, description=d)
-        _abort(context, code_pb2.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, str(e), br)
-    elif isinstance(e, NotFound):
-        _abort(context, code_pb2.NOT_FOUND, grpc.StatusCode.NOT_FOUND, str(e))
-    elif isinstance(e, AlreadyExists):
-        _abort(context, code_pb2.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS, str(e))
-    elif isinstance(e, DeadlineExceeded):
-        _abort(context, code_pb2.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-    elif isinstance(e, FailedPrecondition):
-        _abort(context, code_pb2.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    elif isinstance(e, Cancelled):
-        _abort(context, code_pb2.CANCELLED, grpc.StatusCode.CANCELLED, str(e))
-    elif isinstance(e, Unavailable):
-        _abort(context, code_pb2.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, str(e))
-    elif isinstance(e, (RecordTooLarge, ResourceExhausted)):
-        _abort(context, code_pb2.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-               str(e))
+        abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), e.reason,
+                   {"field": e.violations[0][0]}, br)
     else:
-        raise e
+        code = next((c for cls, c in _STATUS.items() if isinstance(e, cls)), None)
+        if code is None:
+            raise e
+        abort_with(context, code, str(e), e.reason)
 
 
 def ts_to_dt(ts: timestamp_pb2.Timestamp | None, field: str = "timestamp") -> datetime | None:

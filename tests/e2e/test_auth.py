@@ -87,6 +87,28 @@ def test_refused_calls_get_their_status_and_write_nothing(node):
         assert admin.get_bank("alice").display_name == ""
 
 
+def test_a_refusal_carries_an_error_info_naming_its_reason_and_bank(node):
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+    srv, keys, _ = node
+
+    def info(fn) -> tuple[grpc.StatusCode, error_details_pb2.ErrorInfo]:
+        with pytest.raises(grpc.RpcError) as e:
+            fn()
+        got = error_details_pb2.ErrorInfo()
+        assert any(d.Unpack(got) for d in rpc_status.from_call(e.value).details)
+        return e.value.code(), got
+
+    with MnemeClient(srv.address, timeout=60, api_key="") as anon:
+        code, got = info(lambda: anon.recall("alice", "Lisbon"))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert (got.domain, got.reason) == ("mneme", "UNAUTHENTICATED")
+    with MnemeClient(srv.address, timeout=60, api_key=keys["bob_w"][1]) as bob:
+        code, got = info(lambda: bob.recall("alice", "Lisbon"))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert (got.reason, dict(got.metadata)) == ("PERMISSION_DENIED", {"bank": "alice"})
+
+
 def test_allowed_writes_and_the_audit_trail(node):
     srv, keys, _ = node
     with MnemeClient(srv.address, timeout=120, api_key=keys["alice_w"][1]) as alice:
