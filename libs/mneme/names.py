@@ -114,10 +114,14 @@ def mental_model_of(name: str, field: str = "name") -> tuple[str, str]:
 
 
 def operation_of(name: str, field: str = "name") -> str:
-    """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID)."""
+    """``operations/{operation_id}`` (or a bare id) → operation_id (a UUID). Raises
+    InvalidArgument naming ``field``; a name of another collection or with more segments
+    is refused as such, not as a malformed id."""
     op = name.split("/", 1)[1] if name.startswith("operations/") else name
     if not op:
         raise InvalidArgument(field, "required, e.g. 'operations/{id}'")
+    if "/" in op:
+        raise InvalidArgument(field, "must be 'operations/{operation_id}'")
     return check_uuid(op, field, "operation id")
 
 

@@ -91,6 +91,15 @@ def test_names_parse():
             memory_of(f"banks/b1/memories/{bad}")
 
 
+def test_an_operation_name_in_another_collection_is_refused_as_such():
+    mid = "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"
+    for bad in (f"banks/b1/operations/{mid}", f"ops/{mid}", f"operations/{mid}/x"):
+        with pytest.raises(InvalidArgument) as e:
+            operation_of(bad)
+        assert e.value.violations == [("name", "must be 'operations/{operation_id}'")], bad
+    assert operation_of(mid) == mid  # a bare id, as before
+
+
 def test_each_kind_of_unit_is_named_in_its_own_collection_and_the_name_parses_back():
     mid = "0b7a6b8e-4f5c-5d7e-9a1b-2c3d4e5f6a7b"
     for fact_type, collection, kind in (("world", "memories", None),
