@@ -72,9 +72,11 @@ MAX_TOOL_CALLS_PER_TURN = 8
 
 
 class MemorySearch(Protocol):
-    def __call__(self, bank_id: str, query: str, now: datetime, limit: int) -> list[Memory]:
-        """Up to ``limit`` memories of ``bank_id`` for ``query``, best first. The
-        mental-model port is also given ``tags=`` (the request's scope)."""
+    def __call__(self, bank_id: str, query: str, now: datetime, limit: int,
+                 tags: Sequence[str] = ()) -> list[Memory]:
+        """Up to ``limit`` memories of ``bank_id`` for ``query``, best first. Both ports
+        are also given ``tags=`` (the request's scope: a tag-scoped reflect reads nothing
+        of another scope)."""
 
 
 def no_memories(bank_id: str, query: str, now: datetime, limit: int, **_) -> list[Memory]:
@@ -600,7 +602,8 @@ class ReflectAgent:
               ctx: _Context, tags: Sequence[str] = (),
               mental_models: bool = True) -> tuple[str, int]:
         """Run one tool; (text for the model, number of memories returned). ``tags``
-        scope recall (:func:`services.reflect.handlers.scope_filters`)."""
+        scope recall (:func:`services.reflect.handlers.scope_filters`) and the mental-model
+        and observation searches."""
         # the model's query, cut as a caller's would be refused beyond it
         query = str(args.get("query") or "").strip()[:limits().query_chars]
         if not query:
@@ -611,7 +614,7 @@ class ReflectAgent:
                         if mental_models else [])
             empty = "No mental model matches. Search the observations next."
         elif name == "search_observations":
-            memories = self.observations(bank_id, query, now, 10)
+            memories = self.observations(bank_id, query, now, 10, tags=tags)
             empty = "No observation matches. Search the raw facts with recall next."
         elif name == "recall":
             outcome = self.recall(RecallQuery(

@@ -133,12 +133,15 @@ def with_default_types(recall: Callable) -> Callable:
 def observation_search(recall: Callable) -> Callable:
     """reflect's ``search_observations`` port over search's recall: up to ``limit``
     observations for a query, best first, as ``mneme.domain.Memory`` (kind
-    "observation", ``when`` the end of its evidence's occurred span); a stale one says so in its text, so the model weighs newer facts."""
+    "observation", ``when`` the end of its evidence's occurred span); a stale one says so in its text, so the model weighs newer facts.
+    ``tags`` (the reflect's scope) keep it to the observations whose scope shares one of
+    them and the global ones, as the reflect's recall of facts is kept (tags_match "any")."""
     from mneme.domain import RecallQuery
 
-    def search(bank_id, query, now, limit):
+    def search(bank_id, query, now, limit, tags=()):
+        scope = dict(tags=tuple(tags), tags_match="any") if tags else {}
         out = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
-                                 filters=Filters(types=(OBSERVATION,)), max_tokens=2048,
+                                 filters=Filters(types=(OBSERVATION,), **scope), max_tokens=2048,
                                  time_zone=time_zone_name(now)))
         return [Memory(s.fact.id, s.fact.text + (" (stale: newer facts are not consolidated yet)"
                                                  if s.fact.metadata.get("stale") == "true" else ""),

@@ -194,3 +194,22 @@ def test_model_unreachable_and_no_memories_says_the_model_failed(stub):
     r = agent(gw, FakeRecall(facts=()))("bank", "Where does Caroline live?", "", "mid", NOW)
     assert r.extractive is True and r.based_on == []
     assert "reflect model failed" in r.text and "no language model configured" not in r.text
+
+
+def test_a_tag_scoped_reflect_searches_only_the_observations_of_its_scope(stub, gateway):
+    """search_observations keeps to the reflect's tags as recall does (observations of a
+    scope sharing a tag, and global ones): a reflect for one user's tags must not read
+    the observations consolidated from another user's facts."""
+    from services.search.observations import observation_search
+    stub.on("chat",
+            chat(None, tool_calls=[call("search_observations", "Caroline home city")]),
+            chat(None, tool_calls=[call("recall", "Caroline moved")]),
+            chat("Caroline lives in Berlin [m1]."))
+    searched = FakeRecall(facts=())
+    recall = FakeRecall()
+    agent(gateway, recall, observations=observation_search(searched))(
+        "bank", "Where does Caroline live?", "", "mid", NOW, tags=["user_a"])
+    [q] = searched.queries
+    assert q.filters.types == ("observation",)
+    assert (q.filters.tags, q.filters.tags_match) == (("user_a",), "any")
+    assert recall.queries[0].filters.tags == ("user_a",)  # as the facts it recalls
