@@ -104,11 +104,12 @@ class Root:
     def wait_slots(self):
         """The process's one bound on calls waiting for the consumers
         (:class:`mneme.slots.WaitSlots`): ``MNEME_SYNC_CALLS``, else the gRPC workers less
-        four. Shared by every service the process runs (embedded: all five, one pool of
-        workers)."""
+        four, at most ``MNEME_SYNC_CALLS_PER_TENANT`` of them for one tenant. Shared by
+        every service the process runs (embedded: all five, one pool of workers)."""
         from mneme.slots import WaitSlots
         st = self.settings
-        return WaitSlots(st.sync_calls or max(1, st.grpc_workers - 4))
+        return WaitSlots(st.sync_calls or max(1, st.grpc_workers - 4),
+                         st.sync_calls_per_tenant or None)
 
     @cached_property
     def raw_log(self):

@@ -39,6 +39,11 @@ class Settings(BaseSettings):
         "gRPC worker thread; more are refused "
         "(RESOURCE_EXHAUSTED) before they write anything, so other calls keep threads "
         "(0: MNEME_GRPC_WORKERS - 4, at least 1)")
+    sync_calls_per_tenant: int = Field(
+        default=0, ge=0, description="Of MNEME_SYNC_CALLS, how many one tenant may hold at "
+        "once (the caller's key or certificate when it is limited to some banks, else the "
+        "bank), so one agent's burst leaves the rest to the others (0: half of "
+        "MNEME_SYNC_CALLS, rounded up; set it to MNEME_SYNC_CALLS for one tenant)")
     retain_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of a sync retain")
     partitions: int | None = Field(
         default=None, ge=1, description="Partitions per topic (new topics; default 4 embedded, "

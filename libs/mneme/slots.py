@@ -8,40 +8,73 @@ reflection with a model waits on the model as long. Every such wait in a process
 the workers less four), whichever service it belongs to, so a burst of them is refused
 with RESOURCE_EXHAUSTED before it writes anything, and reads and health checks keep threads
 to run on.
+
+One tenant may hold at most ``MNEME_SYNC_CALLS_PER_TENANT`` of them (by default half,
+rounded up), so a burst from one agent leaves the rest to every other tenant. The tenant is the caller's API key or certificate
+when it is limited to some banks (that is what a per-tenant key looks like), else the
+bank the call is for: a ``*`` key of a platform team, or an open server, serves many
+agents, one bank each.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
+from mneme import auth
 from mneme.errors import ResourceExhausted
 
 
-class WaitSlots:
-    """At most ``size`` holders at once (``size`` 0: no bound). Thread-safe."""
+def tenant(bank_id: str) -> str:
+    """Whose share a call on ``bank_id`` ("" when the call names none) counts against:
+    ``key:<id>`` / ``cert:<CN>`` for a principal limited to some banks, else
+    ``bank:<bank_id>``."""
+    principal = auth.current()
+    if principal.banks is not None:
+        return principal.name
+    return f"bank:{bank_id}"
 
-    def __init__(self, size: int = 0) -> None:
+
+class WaitSlots:
+    """At most ``size`` holders at once (``size`` 0: no bound), at most ``share`` of them
+    for one tenant (:func:`tenant`; default: half of ``size``, rounded up). Thread-safe."""
+
+    def __init__(self, size: int = 0, share: int | None = None) -> None:
         self.size = size
+        self.share = min(share, size) if share else max(1, -(-size // 2))
         self._lock = threading.Lock()
         self.waiting = 0  # holders now
+        self._held: collections.Counter[str] = collections.Counter()  # tenant → holders
 
     @contextlib.contextmanager
-    def hold(self):
-        """A slot for the duration of the block; ResourceExhausted (nothing held) when
-        all ``size`` are taken."""
+    def hold(self, bank_id: str = ""):
+        """A slot for the duration of the block, counted against the share of
+        :func:`tenant` (``bank_id``); ResourceExhausted (nothing held) when all ``size``
+        are taken or the tenant holds its ``share``."""
         if not self.size:
             yield
             return
+        who = tenant(bank_id)
         with self._lock:
             if self.waiting >= self.size:
                 raise ResourceExhausted(
                     f"{self.size} calls are waiting for their operations already "
                     "(MNEME_SYNC_CALLS): retry later, or send the call async and poll "
                     "GetOperation")
+            if self._held[who] >= self.share:
+                raise ResourceExhausted(
+                    f"{self.share} calls of this caller are waiting for their operations "
+                    "already (MNEME_SYNC_CALLS_PER_TENANT, so other callers keep the rest "
+                    f"of MNEME_SYNC_CALLS={self.size}): retry later, or send the call async "
+                    "and poll GetOperation")
             self.waiting += 1
+            self._held[who] += 1
         try:
             yield
         finally:
             with self._lock:
                 self.waiting -= 1
+                self._held[who] -= 1
+                if not self._held[who]:
+                    del self._held[who]

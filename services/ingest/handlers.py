@@ -251,8 +251,9 @@ def _sync_bounded(method):
 
     @functools.wraps(method)
     def bounded(self, *args, **kwargs):
-        wait = signature.bind(self, *args, **kwargs).arguments.get("wait", True)
-        with self._sync_slot(wait):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        bank_id = bound.get("bank_id") or getattr(bound.get("d"), "bank_id", "")
+        with self._sync_slot(bound.get("wait", True), bank_id):
             return method(self, *args, **kwargs)
     return bounded
 
@@ -342,14 +343,14 @@ class Ingest:
         current_deadline().check(what)
 
     @contextlib.contextmanager
-    def _sync_slot(self, wait: bool):
-        """Held by a sync write (``wait``) from its start to the end of its wait: one of
-        :attr:`slots`. ResourceExhausted, before anything is written, when they are all
-        taken."""
+    def _sync_slot(self, wait: bool, bank_id: str = ""):
+        """Held by a sync write (``wait``) on ``bank_id`` from its start to the end of its
+        wait: one of :attr:`slots`. ResourceExhausted, before anything is written, when
+        they are all taken or its tenant holds its share (:class:`WaitSlots`)."""
         if not wait:
             yield
             return
-        with self.slots.hold():
+        with self.slots.hold(bank_id):
             yield
 
     @contextlib.contextmanager

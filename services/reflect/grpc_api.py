@@ -41,14 +41,14 @@ def response_to_api(r: Reflection) -> reflect_pb2.ReflectResponse:
 
 class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
     """``reflect(bank_id, query, context, budget, now, response_schema, tags) -> Reflection``;
-    ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events. ``slot()`` is
+    ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events. ``slot(bank_id)`` is
     held by each reflection (a context manager: :meth:`mneme.slots.WaitSlots.hold`, which
     raises ResourceExhausted when the process's waiting calls are all taken), so that
     reflections waiting on a slow model cannot take every gRPC worker."""
 
     def __init__(self, reflect: Callable[..., Reflection], bank_exists: Callable[[str], bool],
                  stream: Callable[..., Iterator] | None = None,
-                 slot: Callable[[], ContextManager] = contextlib.nullcontext):
+                 slot: Callable[[str], ContextManager] = contextlib.nullcontext):
         self.reflect, self.bank_exists, self.stream = reflect, bank_exists, stream
         self.slot = slot
 
@@ -82,7 +82,7 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
     def Reflect(self, request, context):
         with deadline.bind(call_deadline(context)):
             args = self._args(request)
-            with self.slot():
+            with self.slot(args[0]):
                 return response_to_api(self.reflect(*args))
 
     def StreamReflect(self, request, context):
@@ -90,7 +90,7 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
         try:
             with deadline.bind(call_deadline(context)), contextlib.ExitStack() as held:
                 args = self._args(request)
-                held.enter_context(self.slot())
+                held.enter_context(self.slot(args[0]))
                 events = (self.stream or (lambda *a: iter([Done(self.reflect(*a))])))(*args)
                 for e in events:
                     if not context.is_active():
@@ -143,9 +143,9 @@ def _model_from_api(m: mental_models_pb2.MentalModel, bank_id: str, model_id: st
 
 class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
     """MentalModelService over :class:`services.reflect.mental_models.MentalModels`; a
-    refresh (a reflection, then its write) holds ``slot()`` as Reflect does."""
+    refresh (a reflection, then its write) holds ``slot(bank_id)`` as Reflect does."""
 
-    def __init__(self, models, slot: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(self, models, slot: Callable[[str], ContextManager] = contextlib.nullcontext):
         self.models, self.slot = models, slot
 
     def _api(self, m: MentalModel) -> mental_models_pb2.MentalModel:
@@ -227,7 +227,7 @@ class MentalModelServicer(mental_models_pb2_grpc.MentalModelServiceServicer):
             raise InvalidArgument("budget", "must be LOW, MID or HIGH")
         if request.mode not in _MODE:
             raise InvalidArgument("mode", "must be FULL or DELTA")
-        with deadline.bind(call_deadline(context)), self.slot():
+        with deadline.bind(call_deadline(context)), self.slot(bank_id):
             m, _ = self.models.refresh(bank_id, model_id, datetime.now(timezone.utc),
                                        apiconv.BUDGET[request.budget], dry_run=request.dry_run,
                                        mode=_MODE[request.mode])

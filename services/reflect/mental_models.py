@@ -108,7 +108,7 @@ class MentalModels:
     (``opened``: user content unsealed, else left sealed). ``revise`` is
     :meth:`services.reflect.handlers.Reflector.revise` (the reflect model's update of a
     content; None without one). ``embedder`` ranks models by meaning (None: by words only).
-    ``slot()`` is held by each write from before its append to the end of its wait for
+    ``slot(bank_id)`` is held by each write from before its append to the end of its wait for
     the catalog (a context manager: :meth:`mneme.slots.WaitSlots.hold`, the process's one
     bound on waiting calls, which raises ResourceExhausted, nothing written, when they are
     all taken), so that writes waiting behind a slow projection cannot take every gRPC
@@ -123,7 +123,7 @@ class MentalModels:
     memory_read: Callable[..., list[tuple[int, object]]]
     revise: Callable[..., Reflection | None] | None = None
     embedder: Embedder | None = None
-    slot: Callable[[], ContextManager] = contextlib.nullcontext
+    slot: Callable[[str], ContextManager] = contextlib.nullcontext
     _vectors: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _vectors_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: A lock per (bank id, model id) created with a client-chosen id: check and append
@@ -210,7 +210,7 @@ class MentalModels:
             check_uuid(model_id, "mental_model_id", "mental model id")
         m = replace(m, id=model_id or str(uuid.uuid4()))
         # one create of an id at a time here, until it is projected (two replicas may race)
-        with self.slot(), self._creating.hold((m.bank_id, m.id)):
+        with self.slot(m.bank_id), self._creating.hold((m.bank_id, m.id)):
             if model_id and self.catalog.get_mental_model(m.bank_id, m.id) is not None:
                 raise AlreadyExists(f"mental model {m.id!r} exists in bank {m.bank_id!r}")
             msg = _event(m, ())
@@ -231,7 +231,7 @@ class MentalModels:
             # the policy and its count as they will be, whichever of the two the mask names
             # (a model stored so before this check can still be renamed)
             _check_refresh(replace(current, **{p: getattr(m, p) for p in paths}))
-        with self.slot():
+        with self.slot(m.bank_id):
             self.projected(self.append(_event(m, paths), m.bank_id), m.bank_id)
         return self.get(m.bank_id, m.id)
 
@@ -244,7 +244,7 @@ class MentalModels:
     def delete(self, bank_id: str, model_id: str) -> None:
         """Delete the model and its history; NotFound when unknown."""
         self.get(bank_id, model_id)
-        with self.slot():
+        with self.slot(bank_id):
             rec = self.append(ev.MentalModelChanged(bank_id=bank_id, id=model_id,
                                                     deleted=True), bank_id)
             self.projected(rec, bank_id)

@@ -74,13 +74,13 @@ class EntityCorrections:
 
     append: Callable[[object, str], Record]
     projected: Callable[[Record, str, float], None]
-    #: ``slot()``: a context manager held from the append to the end of the wait, one
+    #: ``slot(bank_id)``: a context manager held from the append to the end of the wait, one
     #: of the process's waiting calls (:meth:`mneme.slots.WaitSlots.hold`: raises
     #: ResourceExhausted, before anything is appended, when all are taken).
-    slot: Callable[[], ContextManager] = contextlib.nullcontext
+    slot: Callable[[str], ContextManager] = contextlib.nullcontext
 
     def _append_and_wait(self, msg, bank_id: str, timeout: float) -> None:
-        with self.slot():
+        with self.slot(bank_id):
             self.projected(self.append(msg, bank_id), bank_id, timeout)
 
     def merge(self, graph: GraphStore, bank_id: str, entity_ids: Sequence[str],

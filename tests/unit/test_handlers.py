@@ -18,13 +18,14 @@ import pytest
 
 from mneme import bank_catalog, bootstrap
 from mneme.bus import PART_BYTES, codec
-from mneme.domain import BankConfig, EventMeta, RetainItem, derive_id
+from mneme.domain import BankConfig, Directive, EventMeta, RetainItem, derive_id
 from mneme.errors import Cancelled, DeadlineExceeded, NotFound
 from mneme.events.v1 import events_pb2 as ev
 from mneme.llm.fake import FakeLlm
 from mneme.llm.gateway import Usage
 from mneme.ports import Record
 from mneme.router import Group, Router, Service
+from mneme.slots import WaitSlots
 from mneme.stores.entities_sqlite import SqliteEntityStore
 from mneme.stores.memory import (MemoryCatalog, MemoryDocumentStore, MemoryEntityStore,
                                  MemoryObservationStore)
@@ -1433,7 +1434,8 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     catalog = ingest.CatalogChanges(MemoryCatalog())
     catalog.upsert_bank("b", "", BankConfig(), 0.0)
     log = Unprojected()
-    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", sync_calls=2, poll_s=0.01)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01,
+                        slots=WaitSlots(2, share=2))  # the bound here, not a bank's share
     waiting = [threading.Thread(target=lambda: pytest.raises(
         DeadlineExceeded, cmd.retain, "b", [RetainItem(content="w", timestamp=T0)],
         timeout=1.5), daemon=True) for _ in range(2)]
@@ -1457,6 +1459,44 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     with pytest.raises(DeadlineExceeded):  # a slot again: it appends, then waits
         cmd.retain("b", [RetainItem(content="y", timestamp=T0)], timeout=0.2)
     assert len(log.appended) == 4
+
+
+def test_a_banks_sync_writes_take_its_share_of_the_slots_and_leave_the_rest():
+    """Sync writes of one bank hold at most its share of the slots (half of them by
+    default): the next write to that bank is RESOURCE_EXHAUSTED naming
+    MNEME_SYNC_CALLS_PER_TENANT before it appends, while a write to another bank
+    (directives too, whose bank is on the directive) still gets a slot."""
+    import threading
+
+    from mneme.errors import ResourceExhausted
+    class Unprojected(_Log):
+        def committed(self, group, topic, partition):
+            return 0
+
+    catalog = ingest.CatalogChanges(MemoryCatalog())
+    for b in ("b", "c"):
+        catalog.upsert_bank(b, "", BankConfig(), 0.0)
+    log = Unprojected()
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", sync_calls=4, poll_s=0.01)
+    waiting = [threading.Thread(target=lambda: pytest.raises(
+        DeadlineExceeded, cmd.retain, "b", [RetainItem(content="w", timestamp=T0)],
+        timeout=1.5), daemon=True) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    while len(log.appended) < 2:
+        time.sleep(0.01)
+    for call in (lambda: cmd.retain("b", [RetainItem(content="x", timestamp=T0)]),
+                 lambda: cmd.delete_document("b", "d"),
+                 lambda: cmd.create_directive(Directive(bank_id="b", id="", text="r"))):
+        with pytest.raises(ResourceExhausted, match="MNEME_SYNC_CALLS_PER_TENANT"):
+            call()
+    assert len(log.appended) == 2
+    with pytest.raises(DeadlineExceeded):  # bank c has its own share: it appends, waits
+        cmd.retain("c", [RetainItem(content="y", timestamp=T0)], timeout=0.2)
+    assert len(log.appended) == 3
+    for t in waiting:
+        t.join(10)
+    assert cmd.slots.waiting == 0
 
 
 @pytest.mark.parametrize("store", [None, MemoryEntityStore, lambda: SqliteEntityStore(":memory:")])
