@@ -13,7 +13,7 @@ from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import dt_to_ts, remaining, translate_errors
 from mneme.domain import DIRECTIVE_FIELDS, Directive, from_epoch
 from mneme.names import (bank_id_of, directive_name, directive_of, memory_of, operation_of,
-                         opinion_of)
+                         opinion_of, unit_of)
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
 from mneme.v1 import directives_pb2, directives_pb2_grpc
 from mneme.v1 import memory_pb2_grpc
@@ -157,7 +157,13 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     @translate_errors
     def DeleteMemory(self, request, context):
-        bank_id, memory_id = memory_of(request.name)
+        # the names Recall gives out (an observation or opinion in its own collection)
+        bank_id, memory_id, kind = unit_of(request.name)
+        if kind == "opinion":
+            raise InvalidArgument("name", "an opinion is deleted with DeleteOpinion")
+        if kind == "observation":
+            raise InvalidArgument("name", "an observation is derived from facts: delete "
+                                  "those, or ClearObservations")
         op = self.ingest.delete_memory(bank_id, memory_id,
                                        timeout=remaining(context, self.ingest.retain_timeout_s))
         return apiconv.operation_to_api(op)

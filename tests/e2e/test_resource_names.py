@@ -81,3 +81,21 @@ def test_get_memory_keeps_each_kind_to_its_own_collection(m, bank):
             name=f"banks/{bank}/entities/{obs.id}"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert [f for f, _ in field_violations(e.value)] == ["name"]
+
+
+def test_delete_memory_takes_the_names_recall_returns(m, bank):
+    """DeleteMemory is given what Recall handed out: an observation's or opinion's name is
+    refused naming ``name`` with what deletes it instead (before: "must be
+    'banks/{bank_id}/memories/{memory_id}'", though Recall had just returned that name),
+    and nothing is deleted."""
+    obs = m.observations.ListObservations(
+        observations_pb2.ListObservationsRequest(parent=f"banks/{bank}")).observations[0]
+    for name, hint in ((obs.name, "ClearObservations"),
+                       (f"banks/{bank}/opinions/{obs.id}", "DeleteOpinion")):
+        with pytest.raises(grpc.RpcError) as e:
+            m.memory.DeleteMemory(memory_pb2.DeleteMemoryRequest(name=name))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert [f for f, _ in field_violations(e.value)] == ["name"]
+        assert hint in e.value.details()
+    assert m.observations.GetObservation(
+        observations_pb2.GetObservationRequest(name=obs.name)).id == obs.id
