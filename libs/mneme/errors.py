@@ -82,6 +82,7 @@ class ConfigurationError(MnemeError, ValueError):
 
     reason = "CONFIGURATION_ERROR"
 
+
 #: SQLite's result codes for a full disk and for a file it could not open
 #: (``sqlite3.SQLITE_FULL``, ``sqlite3.SQLITE_CANTOPEN``).
 _SQLITE_FULL, _SQLITE_CANTOPEN = 13, 14

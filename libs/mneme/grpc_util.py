@@ -253,9 +253,10 @@ def _short_of_resources(behaviour, streaming):
         if what is None:
             return
         log.warning("a call failed for want of %s: %s", what, e)
-        _abort(context, code_pb2.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-               f"the server is out of {what}; retry once its operator has made room "
-               "(the server's log names the store)")
+        abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"the server is out of {what}; retry once its operator has made room "
+                   "(the server's log names the store)", "SERVER_OUT_OF_RESOURCES",
+                   {"resource": what.replace(" ", "_")})
 
     if streaming:
         def guarded_stream(request, context):

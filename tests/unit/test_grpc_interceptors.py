@@ -137,6 +137,13 @@ def test_a_call_failing_for_want_of_disk_space_or_open_files_is_resource_exhaust
         call(directives_pb2.CreateDirectiveRequest(parent="banks/b"), ctx)
     assert ctx.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert what in ctx.status.details
+    from google.rpc import error_details_pb2, status_pb2
+    details = status_pb2.Status.FromString(
+        dict(ctx.status.trailing_metadata)["grpc-status-details-bin"]).details
+    info = error_details_pb2.ErrorInfo()
+    assert details[-1].Unpack(info)  # AIP-193, as every error mneme answers
+    assert (info.reason, info.metadata["resource"]) == (
+        "SERVER_OUT_OF_RESOURCES", what.replace(" ", "_"))
     stream = _intercepted("/mneme.v1.ReflectService/StreamReflect",
                           lambda req, ctx: (_ for _ in ()).throw(error), streaming=True)
     ctx = _Context(5.0)
