@@ -61,7 +61,8 @@ _consumers: "weakref.WeakSet" = weakref.WeakSet()
 #: The LLM counters bridged from :data:`mneme.llm.metrics.METRICS` (their in-process
 #: ``mneme.retain.documents`` is left out: extraction counts every item itself).
 _BRIDGED = ("mneme.llm.requests", "mneme.llm.retries", "mneme.llm.tokens", "mneme.llm.cost",
-            "mneme.llm.output_errors", "mneme.reflect.invalid_citations",
+            "mneme.llm.output_errors", "mneme.llm.breaker.opened",
+            "mneme.llm.breaker.rejected", "mneme.reflect.invalid_citations",
             "mneme.rerank.requests")
 
 

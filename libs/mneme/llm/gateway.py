@@ -4,7 +4,10 @@ It adds what litellm leaves to the caller: the model of each operation (see
 :mod:`mneme.llm.settings`), structured output by JSON schema with re-asking on
 malformed/truncated replies, a per-attempt timeout, retries with exponential backoff and
 jitter on 429/408/5xx, timeouts and connection errors (honouring ``Retry-After`` up to
-the backoff cap; a tenacity policy from :mod:`mneme.retry`), a process-wide concurrency limit, and token/cost accounting returned
+the backoff cap; a tenacity policy from :mod:`mneme.retry`), a circuit breaker per endpoint
+(:mod:`mneme.llm.breaker`: a model that keeps timing out or refusing connections fails
+calls at once as LlmUnavailable instead of costing every call its timeouts and retries), a
+process-wide concurrency limit, and token/cost accounting returned
 with every result (:class:`Usage`) so callers can put it on the events they produce.
 
 litellm is imported on first use (it takes seconds and reads the network for its price
@@ -28,6 +31,7 @@ import tenacity
 from mneme import retry, telemetry
 from mneme.deadline import Deadline, current as current_deadline
 from mneme.errors import Cancelled, DeadlineExceeded
+from mneme.llm.breaker import OPEN, CircuitBreaker, CircuitOpen
 from mneme.llm.jsonout import JsonOutputError, clean_text, parse_json, validate
 from mneme.llm.metrics import METRICS
 from mneme.llm.settings import Endpoint, LlmSettings
@@ -231,12 +235,17 @@ class LlmGateway:
     """Model calls per operation (retain, reflect, consolidation, rerank) with the
     settings' timeouts, retries, concurrency limit and accounting (see the module docs).
 
-    ``sleep`` is injectable so tests need not wait out real backoffs."""
+    ``sleep`` and ``clock`` (monotonic seconds, the breakers' cool-downs) are injectable
+    so tests need not wait out real backoffs."""
 
-    def __init__(self, settings: LlmSettings | None = None, sleep=time.sleep):
+    def __init__(self, settings: LlmSettings | None = None, sleep=time.sleep,
+                 clock=time.monotonic):
         self.settings = settings or LlmSettings()
         self._sem = threading.BoundedSemaphore(self.settings.llm_max_concurrency)
         self._sleep = sleep
+        self._clock = clock
+        self._breakers: dict[tuple[str, str], CircuitBreaker] = {}
+        self._breakers_lock = threading.Lock()
 
     # ---- configuration ---------------------------------------------------------------
 
@@ -254,11 +263,56 @@ class LlmGateway:
                                    f"(MNEME_{operation.upper()}_LLM_MODEL or MNEME_LLM_MODEL)")
         return ep
 
+    # ---- the circuit breakers --------------------------------------------------------
+
+    def breaker(self, ep: Endpoint) -> CircuitBreaker:
+        """The circuit breaker of ``ep``'s endpoint (model and base URL: operations sharing
+        a model server share its breaker), made on first use from the settings'
+        ``llm_breaker_failures`` and ``llm_breaker_cooldown_s``."""
+        key = (ep.model, ep.base_url or "")
+        with self._breakers_lock:
+            b = self._breakers.get(key)
+            if b is None:
+                name = ep.model if not ep.base_url else f"{ep.model} at {ep.base_url}"
+                b = self._breakers[key] = CircuitBreaker(
+                    name, self.settings.llm_breaker_failures,
+                    self.settings.llm_breaker_cooldown_s, self._clock,
+                    on_open=lambda _n, m=ep.model: METRICS.add("mneme.llm.breaker.opened",
+                                                               model=m))
+            return b
+
+    def _guarded(self, breaker: CircuitBreaker, fn, t: float, cut: bool, call: Deadline):
+        """``fn(t)`` admitted by ``breaker`` (raises CircuitOpen, no call made; behind a
+        half-open trial it waits up to ``t`` while ``call``'s caller waits), its outcome
+        told to it: a timeout, connection error or 5xx counts, unless the timeout was the
+        caller's own (``cut``: ``t`` is what was left of the caller's deadline); answers
+        close it; rejections, malformed answers and the caller's cancel count for nothing."""
+        trial = breaker.acquire(t, lambda: call.check("model call behind a trial call"))
+        told = False
+        try:
+            result = fn(t)
+        except Exception as exc:
+            if not isinstance(exc, (DeadlineExceeded, Cancelled)):
+                reason, transient = _classify(exc)
+                if transient and (reason == "unavailable" or (reason == "timeout" and not cut)):
+                    breaker.failure(trial, reason)
+                    told = True
+            raise
+        else:
+            breaker.success(trial)
+            told = True
+            return result
+        finally:
+            if not told:
+                breaker.release(trial)
+
     # ---- the retry policy ------------------------------------------------------------
 
-    def _retrying(self, operation: str, ep: Endpoint, call) -> tenacity.Retrying:
+    def _retrying(self, operation: str, ep: Endpoint, call,
+                  breaker: CircuitBreaker | None = None) -> tenacity.Retrying:
         """The retry policy of one model call: transient errors (:func:`_classify`) are
-        retried up to ``llm_max_retries`` times; retry *n* waits ``min(llm_backoff_max_s,
+        retried up to ``llm_max_retries`` times while ``breaker`` admits calls (an opened
+        breaker ends the retries at once); retry *n* waits ``min(llm_backoff_max_s,
         llm_backoff_s * 2**(n-1))`` s ±20 % jitter, raised to ``Retry-After`` (capped at
         ``llm_backoff_max_s``) and cut to the caller's deadline ``call``; the last error
         is re-raised as is."""
@@ -274,7 +328,8 @@ class LlmGateway:
                                    _retry_after, st.llm_backoff_max_s)
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(
-                lambda exc: not isinstance(exc, (DeadlineExceeded, Cancelled)) and _classify(exc)[1]),
+                lambda exc: not isinstance(exc, (DeadlineExceeded, Cancelled, CircuitOpen))
+                and _classify(exc)[1] and (breaker is None or breaker.admits())),
             stop=tenacity.stop_after_attempt(st.llm_max_retries + 1),
             wait=retry.within_deadline(wait, call), sleep=self._sleep,
             before_sleep=before_sleep, reraise=True)
@@ -284,11 +339,15 @@ class LlmGateway:
         """Run ``fn(timeout)`` (one HTTP attempt) under the semaphore (``hold=False``: the
         caller holds it), retrying transient failures by :meth:`_retrying`. Each attempt
         first checks the caller's deadline (raising DeadlineExceeded / Cancelled: no
-        attempt) and gets at most the time left as its timeout. Returns (result, usage of
-        the attempts without tokens). Raises LlmUnavailable / LlmRequestError."""
+        attempt) and gets at most the time left as its timeout, then passes the endpoint's
+        circuit breaker (:meth:`breaker`; checked once the semaphore is held, so calls that
+        queued behind a dying model's fail at once too). Returns (result, usage of the
+        attempts without tokens). Raises LlmUnavailable (reason ``unavailable`` and no call
+        made when the breaker is open) / LlmRequestError."""
         timeout = timeout or self.settings.llm_timeout_s
         usage = Usage(model=ep.model)
         call = current_deadline()  # the gRPC caller's, when a request is being served
+        breaker = self.breaker(ep)
         attempts = 0
 
         def attempt():
@@ -296,6 +355,7 @@ class LlmGateway:
             call.check(f"{operation} model call")  # the caller stopped waiting: no attempt
             left = call.remaining()
             attempt_timeout = timeout if left is None else max(0.001, min(timeout, left))
+            cut = attempt_timeout < timeout  # a timeout now is the caller's deadline
             attempts += 1
             t0 = time.monotonic()
             try:
@@ -305,9 +365,12 @@ class LlmGateway:
                                     mneme__llm__attempt=attempts):
                     if hold:
                         with self._sem:
-                            result = fn(attempt_timeout)
+                            result = self._guarded(breaker, fn, attempt_timeout, cut, call)
                     else:
-                        result = fn(attempt_timeout)
+                        result = self._guarded(breaker, fn, attempt_timeout, cut, call)
+            except CircuitOpen:
+                attempts -= 1  # no call was made
+                raise
             except Exception:
                 usage.failed_calls += 1
                 usage.latency_s += time.monotonic() - t0
@@ -317,9 +380,17 @@ class LlmGateway:
             return result
 
         try:
-            return self._retrying(operation, ep, call)(attempt), usage
+            return self._retrying(operation, ep, call, breaker)(attempt), usage
         except (DeadlineExceeded, Cancelled):
             raise
+        except CircuitOpen as exc:
+            METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
+                        outcome="error")
+            METRICS.add("mneme.llm.breaker.rejected", operation=operation, model=ep.model)
+            done = f"failed after {attempts} attempt(s)" if attempts else "not made"
+            msg = f"{operation} call to {ep.model} {done}: {exc}"
+            log.info(msg)
+            raise LlmUnavailable(msg, "unavailable", usage) from exc
         except Exception as exc:  # litellm maps every provider error to its own classes
             reason, retryable = _classify(exc)
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
@@ -560,7 +631,9 @@ class LlmGateway:
     def check(self, operations: tuple[str, ...] | None = None) -> list["Connectivity"]:
         """Probe each configured operation's model with one tiny call (no retries):
         a one-word chat completion, or a two-document rerank. ``operations`` default: every
-        configured one. Never raises; see :class:`Connectivity`."""
+        configured one. The probe goes past the endpoint's circuit breaker; while that is
+        open the result is not ok and its error says so (calls fail at once), followed by
+        what the probe found. Never raises; see :class:`Connectivity`."""
         ops = operations or tuple(o for o in ("retain", "reflect", "consolidation", "rerank")
                                   if self.configured(o))
         out = []
@@ -569,7 +642,8 @@ class LlmGateway:
             if ep is None:
                 out.append(Connectivity(op, "", False, 0.0, "no model configured"))
                 continue
-            probe = LlmGateway(self.settings.model_copy(update={"llm_max_retries": 0}), self._sleep)
+            probe = LlmGateway(self.settings.model_copy(
+                update={"llm_max_retries": 0, "llm_breaker_failures": 0}), self._sleep)
             t0 = time.monotonic()
             try:
                 if op == "rerank":
@@ -577,9 +651,15 @@ class LlmGateway:
                 else:
                     probe.complete(op, [{"role": "user", "content": "Reply with the single word OK."}],
                                    max_tokens=5, timeout=min(30.0, self.settings.llm_timeout_s))
-                out.append(Connectivity(op, ep.model, True, time.monotonic() - t0, ""))
+                ok, error = True, ""
             except LlmError as e:
-                out.append(Connectivity(op, ep.model, False, time.monotonic() - t0, str(e)))
+                ok, error = False, str(e)
+            latency = time.monotonic() - t0
+            breaker = self.breaker(ep)
+            if breaker.state() == OPEN:
+                found = error or f"answered in {latency:.2f} s"
+                ok, error = False, f"{breaker.describe()} (a probe just now: {found})"
+            out.append(Connectivity(op, ep.model, ok, latency, error))
         return out
 
 

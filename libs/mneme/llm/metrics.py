@@ -9,6 +9,9 @@ Names (attributes):
 - ``mneme.llm.tokens`` {operation, model, direction: input|output} — token counts;
 - ``mneme.llm.cost`` {operation, model} — USD (0 for models without a price, e.g. local ones);
 - ``mneme.llm.output_errors`` {operation, reason: malformed|schema|truncated} — re-asked replies;
+- ``mneme.llm.breaker.opened`` {model} — times an endpoint's circuit breaker opened
+  (:mod:`mneme.llm.breaker`; a failed half-open trial opens it again);
+- ``mneme.llm.breaker.rejected`` {operation, model} — calls failed at once by an open breaker;
 - ``mneme.retain.documents`` {outcome: extracted|no_facts|failed} — LLM extraction per item;
 - ``mneme.reflect.invalid_citations`` {} — cited ids dropped because they were never shown;
 - ``mneme.rerank.requests`` {outcome: ok|error}.

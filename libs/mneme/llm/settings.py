@@ -68,6 +68,13 @@ class LlmSettings(BaseSettings):
                                  "timeouts and connection errors (exponential backoff)")
     llm_backoff_s: float = Field(default=1.0, ge=0, description="First backoff; doubles per retry (with jitter)")
     llm_backoff_max_s: float = Field(default=30.0, ge=0, description="Longest backoff (also caps Retry-After)")
+    llm_breaker_failures: int = Field(default=5, ge=0, description="Consecutive timeouts, "
+                                      "connection errors or 5xx of one endpoint that open its "
+                                      "circuit breaker (calls then fail at once as unavailable); "
+                                      "0: no breaker")
+    llm_breaker_cooldown_s: float = Field(default=30.0, ge=0, description="How long an open "
+                                          "breaker fails calls before one trial call is let "
+                                          "through (its success closes it); 0: no breaker")
     llm_max_concurrency: int = Field(default=4, ge=1, description="Concurrent LLM calls per process")
     llm_max_output_tokens: int = Field(default=4096, ge=64, description="Output token cap of one call")
     llm_json_mode: str = Field(default="schema", pattern="^(schema|object|none)$",
