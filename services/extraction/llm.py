@@ -359,14 +359,22 @@ def _list(value: object) -> list:
     return value if isinstance(value, list) else []
 
 
+#: Format characters that are part of a name's spelling (Persian, Hindi, emoji
+#: sequences), kept: the zero-width non-joiner and joiner.
+_JOINERS = frozenset("\u200c\u200d")
+
+
 def _name(value: object) -> str:
     """An entity name as kept: control and format characters (NUL, bell, zero-width
-    spaces, direction marks) removed, whitespace collapsed; "" when nothing is left, when
-    it is no string, or when it is longer than :data:`MAX_ENTITY_NAME_CHARS`."""
+    spaces, direction marks; not the joiners of :data:`_JOINERS`) removed, whitespace
+    collapsed; "" when nothing is left, when it is no string, or when it is longer than
+    :data:`MAX_ENTITY_NAME_CHARS`."""
     if not isinstance(value, str):
         return ""
     name = " ".join("".join(ch for ch in value if unicodedata.category(ch) not in ("Cc", "Cf")
-                            or ch.isspace()).split())
+                            or ch.isspace() or ch in _JOINERS).split())
+    if not name.strip("".join(_JOINERS)):  # joiners alone spell nothing
+        return ""
     return name if len(name) <= MAX_ENTITY_NAME_CHARS else ""
 
 

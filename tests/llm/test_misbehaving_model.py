@@ -150,7 +150,8 @@ def test_junk_facts_are_bounded(stub, gateway):
     stub.on("chat", chat({"facts": [
         fact("Dan adopted a cat named Tom.",
              entities=[{"name": "Tom", "type": "thing"}, {"name": "T" * 5000, "type": "person"},
-                       {"name": "\u200b\u200b", "type": "person"}]),
+                       {"name": "\u200b\u200b", "type": "person"},
+                       {"name": "\u200c\u200d", "type": "person"}]),
         fact("Dan " + "x" * 1_000_000)] + [fact(f"Dan has pet number {i}.") for i in range(5000)]}))
     facts = LlmExtractor(gateway).extract_many("b", [RetainItem(text, TS)], "op")
     assert facts[0].text == "Dan adopted a cat named Tom."
@@ -355,3 +356,19 @@ def test_a_structured_reflect_the_model_cannot_shape_ends_unavailable(stub, serv
                     m.reflect("shape", "Where did Caroline move?", response_schema=schema)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             assert "malformed" in e.value.details()
+
+
+def test_joiners_that_spell_a_name_are_kept(stub, gateway):
+    """Zero-width (non-)joiners are part of a name's spelling in Persian, Hindi and emoji
+    sequences: the name is kept as written, so it keys as the same name in the fact, a
+    query or the offline extractor does (only other format characters are junk)."""
+    from mneme.domain import entity_key
+    persian, hindi = "\u0645\u0647\u062f\u06cc\u200c\u0632\u0627\u062f\u0647", \
+        "\u0915\u094d\u200d\u0937"
+    stub.on("chat", chat({"facts": [fact(f"{persian} met {hindi}.", entities=[
+        {"name": persian, "type": "person"}, {"name": hindi + "\u200b", "type": "person"}])]}))
+    facts = LlmExtractor(gateway).extract_many("b", [RetainItem(f"{persian} met {hindi}.", TS)],
+                                               "op")
+    names = [e.name for e in facts[0].entities]
+    assert names == [persian, hindi]
+    assert [entity_key(n) for n in names] == [entity_key(persian), entity_key(hindi)]
