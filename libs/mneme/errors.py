@@ -83,6 +83,13 @@ class ConfigurationError(MnemeError, ValueError):
     reason = "CONFIGURATION_ERROR"
 
 
+class RemoteError(Exception):
+    """Base of errors that report another server's failure in its words (a model
+    provider's answer, see ``mneme.llm.types.LlmError``). :func:`resource_shortage` never
+    reads a shortage into such words, nor into an error that quotes them: they may say
+    "no space left on device" of the provider's own disk, or echo the user's prompt."""
+
+
 #: SQLite's result codes for a full disk and for a file it could not open
 #: (``sqlite3.SQLITE_FULL``, ``sqlite3.SQLITE_CANTOPEN``).
 _SQLITE_FULL, _SQLITE_CANTOPEN = 13, 14
@@ -117,14 +124,25 @@ def resource_shortage(exc: BaseException) -> str | None:
     is such a failure: "disk space" (ENOSPC, EDQUOT, SQLITE_FULL) or "open files"
     (EMFILE, ENFILE); None for any other error. Such a failure is the server's, not
     the request's or the event's: the same work succeeds once room is made, so it is
-    RESOURCE_EXHAUSTED to a caller and retried (never dead-lettered) by a consumer."""
+    RESOURCE_EXHAUSTED to a caller and retried (never dead-lettered) by a consumer.
+
+    Messages are read only below the last report of another server in the chain
+    (:class:`RemoteError`, or an HTTP error: one with an int ``status_code``): that
+    report and the errors wrapping it quote the other server, whose shortage this process
+    cannot end, or a prompt it echoed (retried for that, a record would be for ever)."""
     import errno
     seen: set[int] = set()
+    chain: list[BaseException] = []
     e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, MnemeError):  # a request error, answered as such already
-            return None
+    # up to a request error: what it was raised from was answered as that error already
+    while e is not None and id(e) not in seen and not isinstance(e, MnemeError):
         seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    remote = [i for i, e in enumerate(chain) if isinstance(e, RemoteError)
+              or isinstance(getattr(e, "status_code", None), int)]
+    words_from = remote[-1] + 1 if remote else 0
+    for i, e in enumerate(chain):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return "disk space"
         if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
@@ -134,9 +152,10 @@ def resource_shortage(exc: BaseException) -> str | None:
             return "disk space"
         if code == _SQLITE_CANTOPEN and _out_of_files():  # (SQLite hides the errno)
             return "open files"
+        if i < words_from:
+            continue
         text = str(e).lower()
         for needle, what in _SHORTAGE_TEXT:
             if needle in text:
                 return what
-        e = e.__cause__ or e.__context__
     return None

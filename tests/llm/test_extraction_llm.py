@@ -389,3 +389,29 @@ def test_an_items_failure_never_quotes_the_models_reply(stub):
     error, = [f.error for f in out.failures]
     assert "415-555" not in error and "facts/0/text" in error and "type" in error, error
     assert secret in stub.chat_requests()[1].messages[-1]["content"]
+
+
+@pytest.mark.parametrize("code", [400, 500])
+def test_a_providers_words_about_its_own_disk_are_an_items_failure_not_a_shortage(stub, code):
+    """A provider's error text is the provider's: one that echoes the prompt (the user's
+    own "No space left on device"), or whose own disk is full, fails the item as any other
+    model error. Taken for this process's shortage it was raised instead, and the consumer
+    handled the event again for as long as the provider said so (a 400 echoing the prompt:
+    for ever), the partition stuck behind it."""
+    from mneme.errors import resource_shortage
+    text = "Ops: the backup died with 'No space left on device' (os error 28)"
+    gw = make_gateway(stub, llm_max_retries=0)
+    stub.on("chat", status(code, f"cannot serve {text!r}"), status(code, f"cannot serve {text!r}"))
+    m = ev.RetainRequested(bank_id="bank", operation_id="op-8", items=[
+        codec.retain_item_to_pb(RetainItem(text, TS, document_id="doc"))])
+    out = handlers.extract(m, "op-8", extractor(gw), FakeEmbedder())
+    assert [f.item_index for f in out.failures] == [0]
+    # this process's own shortage behind a model call is still one
+    from mneme.llm import LlmUnavailable
+    try:
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError as local:
+            raise LlmUnavailable("retain call failed (unavailable): Connection error") from local
+    except LlmUnavailable as e:
+        assert resource_shortage(e) == "open files"

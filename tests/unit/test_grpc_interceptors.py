@@ -201,3 +201,16 @@ def test_sqlite_unable_to_open_at_the_open_file_limit_is_a_shortage():
         for f in held:
             f.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_shortage_met_while_handling_a_request_error_is_still_one():
+    """A write that fails for want of disk space inside ``except NotFound`` (create what
+    was not found) is the shortage: the request error it was raised from does not hide it."""
+    from mneme.errors import NotFound, resource_shortage
+    try:
+        try:
+            raise NotFound("bank 'b' not found")
+        except NotFound:
+            raise OSError(28, "No space left on device")
+    except OSError as e:
+        assert resource_shortage(e) == "disk space"

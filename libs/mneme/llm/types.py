@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from mneme.errors import RemoteError
 from mneme.llm.jsonout import JsonOutputError, parse_json
 
 
@@ -102,9 +103,10 @@ class JsonResult:
     attempts: int
 
 
-class LlmError(Exception):
+class LlmError(RemoteError):
     """A model call failed. ``reason`` is a short machine-readable code (see the
-    subclasses); ``usage`` what the failed attempts cost."""
+    subclasses); ``usage`` what the failed attempts cost. Its message quotes the provider
+    (:class:`mneme.errors.RemoteError`)."""
 
     reason = "error"
 
