@@ -246,13 +246,18 @@ APPENDED_REQUESTS = 10_000
 
 def _sync_bounded(method):
     """A write that may wait for its operation (its ``wait`` argument, True by default)
-    holds one of :attr:`Ingest.sync_calls` while it runs (:meth:`Ingest._sync_slot`)."""
+    holds one of :attr:`Ingest.sync_calls` while it runs (:meth:`Ingest._sync_slot`),
+    counted against the share of its bank: its ``bank_id``, its directive's (``d``), or
+    the bank of the operation it names (``operation_id``: RetryOperation)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
     def bounded(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         bank_id = bound.get("bank_id") or getattr(bound.get("d"), "bank_id", "")
+        if not bank_id and bound.get("operation_id"):  # (unknown: the method says so)
+            op = self.catalog.get_operation(bound["operation_id"])
+            bank_id = op.bank_id if op is not None else ""
         with self._sync_slot(bound.get("wait", True), bank_id):
             return method(self, *args, **kwargs)
     return bounded

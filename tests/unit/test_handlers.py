@@ -1702,3 +1702,25 @@ def test_a_kept_deletion_is_appended_once_before_the_next_write_and_not_while_ru
     cmd.delete_document("b", "d2", wait=False)
     assert names(log)[2:] == ["RetainRequested", "DocumentDeleteRequested"]
     assert keys.pending_deletions() == []
+
+
+def test_a_retry_of_an_operation_counts_against_its_banks_share():
+    """RetryOperation names no bank, only the operation: its slot counted against the
+    share of no bank (one share for every RetryOperation of every bank), so a bank whose
+    share was full still got one, and retries of different banks refused each other. It
+    counts against the share of the operation's bank."""
+    from mneme.domain import Operation
+    from mneme.errors import FailedPrecondition, ResourceExhausted
+    catalog = ingest.CatalogChanges(MemoryCatalog())
+    for b in ("b", "c"):
+        catalog.upsert_bank(b, "", BankConfig(), 0.0)
+    op_id = str(__import__("uuid").UUID(int=7))
+    catalog.put_operation(Operation(op_id, "c", "retain"))  # running: not retryable yet
+    slots = WaitSlots(4, share=1)
+    cmd = ingest.Ingest(_Log(), catalog, source="mneme/ingest", poll_s=0.01, slots=slots)
+    with slots.hold("b"):  # another bank's share is full: this one's slot is free
+        with pytest.raises(FailedPrecondition):
+            cmd.retry_operation(op_id)
+    with slots.hold("c"):  # its bank's share is full
+        with pytest.raises(ResourceExhausted, match="MNEME_SYNC_CALLS_PER_TENANT"):
+            cmd.retry_operation(op_id)
