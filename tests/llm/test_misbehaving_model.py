@@ -372,3 +372,15 @@ def test_joiners_that_spell_a_name_are_kept(stub, gateway):
     names = [e.name for e in facts[0].entities]
     assert names == [persian, hindi]
     assert [entity_key(n) for n in names] == [entity_key(persian), entity_key(hindi)]
+
+
+def test_an_emoji_split_between_two_stream_chunks_is_streamed_whole(stub, gateway):
+    """A server that cuts its text by UTF-16 code units can send an emoji's two halves
+    (escaped surrogates) in two chunks: each half alone is a lone surrogate, cleaned to
+    U+FFFD, so the answer lost the emoji. The high half waits for the next chunk."""
+    stub.on("chat", chat("abcd\ud83d\ude00 ok"), chat("abcd\ud83d"))  # pieces of 5 units
+    *deltas, done = list(gateway.stream("reflect", MSGS))
+    assert "".join(deltas) == done.text == "abcd\U0001F600 ok"
+    assert all(encodable(d) for d in deltas)
+    *deltas, done = list(gateway.stream("reflect", MSGS))  # the stream ends on a half
+    assert "".join(deltas) == done.text == "abcd\ufffd"

@@ -511,6 +511,9 @@ class LlmGateway:
                 close = getattr(stream, "aclose", None)
                 if close is not None:
                     asyncio.run_coroutine_threadsafe(close(), _event_loop())
+        # the high half of a surrogate pair a chunk ends on, held for the next chunk (a
+        # server that cuts its text by UTF-16 units splits an emoji's escape in two)
+        held = ""
         try:
             for chunk in chunks():
                 if getattr(chunk, "usage", None) is not None:
@@ -518,9 +521,12 @@ class LlmGateway:
                 for choice in chunk.choices or []:
                     delta = choice.delta
                     if getattr(delta, "content", None):
-                        piece = clean_text(delta.content)
-                        text.append(piece)
-                        yield piece
+                        raw = held + delta.content
+                        held = raw[-1] if "\ud800" <= raw[-1] <= "\udbff" else ""
+                        piece = clean_text(raw[:len(raw) - len(held)])
+                        if piece:
+                            text.append(piece)
+                            yield piece
                     for tc in getattr(delta, "tool_calls", None) or []:
                         c = calls.setdefault(tc.index or 0, {"id": "", "name": "", "arguments": ""})
                         c["id"] = tc.id or c["id"]
@@ -538,6 +544,9 @@ class LlmGateway:
             raise LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): "
                                  f"{redact(str(exc), self.settings)[:300]}", reason,
                                  usage) from exc
+        if held:  # the stream ended on half a pair
+            text.append(clean_text(held))
+            yield text[-1]
         if last_usage is not None:
             self._account(operation, ep, usage, last_usage)
         tool_calls = [ToolCall(c["id"] or f"call_{i}", c["name"] or "",
