@@ -60,6 +60,7 @@ from itertools import groupby
 from typing import Callable, Sequence
 
 from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
+from mneme.errors import resource_shortage
 from mneme.llm.types import LlmError, Usage
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
@@ -469,7 +470,10 @@ class LlmExtractor:
                             "no_facts" if not r.facts else "extracted")
             with self._lock:
                 for k in todo:
-                    if results[k].failure is None or results[k].failure.reason != CANCELLED:
+                    # not kept: a cancelled item, nor one that failed for want of open
+                    # files (a model call's connection): tried again, it must call again
+                    f = results[k].failure
+                    if f is None or (f.reason != CANCELLED and resource_shortage(f) is None):
                         self._cache[keys[k]] = results[k]
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)

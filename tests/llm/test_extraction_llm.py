@@ -415,3 +415,34 @@ def test_a_providers_words_about_its_own_disk_are_an_items_failure_not_a_shortag
             raise LlmUnavailable("retain call failed (unavailable): Connection error") from local
     except LlmUnavailable as e:
         assert resource_shortage(e) == "open files"
+
+
+def test_an_item_failed_for_want_of_open_files_is_extracted_once_there_are_some(stub):
+    """A model call that cannot open its connection at the open-file limit fails the item
+    with that shortage, which goes up so that the consumer handles the event again later.
+    The extractor kept the failure in its cache of results, so every later try answered
+    it again without calling the model, after files were freed too: the event was retried
+    for ever. Such a failure is not kept."""
+    from mneme.llm import LlmUnavailable
+    gw = make_gateway(stub)
+    real = gw.complete_json
+    calls = []
+
+    def complete_json(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                raise OSError(24, "Too many open files")
+            except OSError as local:
+                raise LlmUnavailable("retain call failed (unavailable): Connection error",
+                                     "unavailable") from local
+        return real(*a, **kw)
+    gw.complete_json = complete_json
+    stub.on("chat", chat({"facts": [fact("Ann likes tea.")]}))
+    x = extractor(gw)
+    m = ev.RetainRequested(bank_id="bank", operation_id="op-9", items=[
+        codec.retain_item_to_pb(RetainItem("Ann: I like tea.", TS, document_id="doc"))])
+    with pytest.raises(ItemExtractionFailed):
+        handlers.extract(m, "op-9", x, FakeEmbedder())
+    out = handlers.extract(m, "op-9", x, FakeEmbedder())  # files freed: handled again
+    assert not out.failures and [f.text for f in out.facts] == ["Ann likes tea."]
