@@ -1638,7 +1638,9 @@ def _bank_stats(bank_id: str, address: str) -> None:
     print(f"  observations  {known(s.observations)}")
     print(f"  entities      {known(s.entities)}")
     print(f"  operations    {s.operations} ({s.pending_operations} pending)")
-    print(f"  pending records (consumer lag on the bank's partition): {s.pending_records}")
+    pending = (s.pending_records if s.pending_records >= 0
+               else "n/a (not shown to a key limited to some banks)")
+    print(f"  pending records (consumer lag on the bank's partition): {pending}")
     for lag in s.lag:
         print(f"    {lag.group:<15} {lag.topic}[{lag.partition}]  {lag.lag}")
 

@@ -179,3 +179,18 @@ def test_prometheus_endpoint(node):
         assert name in text, name
     assert 'outcome="permission_denied"' in text
     assert 'messaging_consumer_group_name="search"' in text
+
+
+def test_a_tenants_key_sees_no_other_banks_write_volume_in_its_stats(node):
+    """GetBankStats' consumer lag is per partition, which other banks share: a key limited
+    to some banks gets its own bank's counts but no lag (pending_records -1), so it cannot
+    watch another tenant's writes; a ``*`` key still gets the lag. Before, alice's key saw
+    bob's retains as lag on alice's partition."""
+    srv, keys, _ = node
+    with MnemeClient(srv.address, timeout=60, api_key=keys["admin"][1]) as admin:
+        full = admin.bank_stats("alice")
+        assert full.pending_records >= 0 and full.lag
+    with MnemeClient(srv.address, timeout=60, api_key=keys["alice_r"][1]) as alice:
+        mine = alice.bank_stats("alice")
+    assert mine.name == "banks/alice" and mine.operations == full.operations
+    assert (list(mine.lag), mine.pending_records) == ([], -1)
