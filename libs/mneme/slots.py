@@ -48,6 +48,21 @@ class WaitSlots:
         self._held: collections.Counter[str] = collections.Counter()  # tenant → holders
 
     @contextlib.contextmanager
+    def try_hold(self, bank_id: str = ""):
+        """As :meth:`hold`, but yields False instead of raising when no slot is free (the
+        caller then skips what it would have waited for), True while it holds one."""
+        try:
+            held = self.hold(bank_id)
+            held.__enter__()
+        except ResourceExhausted:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            held.__exit__(None, None, None)
+
+    @contextlib.contextmanager
     def hold(self, bank_id: str = ""):
         """A slot for the duration of the block, counted against the share of
         :func:`tenant` (``bank_id``); ResourceExhausted (nothing held) when all ``size``

@@ -846,9 +846,13 @@ class Ingest:
         # operation just named is found by GetOperation and CancelOperation at once. A
         # catalog that does not catch up soon (a stalled consumer) does not fail a write
         # already durable: the pending operation is returned as the request made it.
+        # The wait holds a slot when one is free; when none is, it is skipped rather than
+        # refused (the write is durable) and leaves the thread to other calls.
         if rec is not None:
-            with contextlib.suppress(DeadlineExceeded):
-                self._wait_projected(rec, min(timeout, ASYNC_PROJECTED_S))
+            with self.slots.try_hold(bank_id) as held, \
+                    contextlib.suppress(DeadlineExceeded):
+                if held:
+                    self._wait_projected(rec, min(timeout, ASYNC_PROJECTED_S))
         now = (rec.timestamp if rec else 0) or time.time()
         return self.catalog.get_operation(op_id) or Operation(
             op_id, bank_id, kind, "pending", items_total=total, created_at=now, updated_at=now)

@@ -1461,6 +1461,35 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     assert len(log.appended) == 4
 
 
+def test_an_async_write_waits_for_the_catalog_only_on_a_free_slot():
+    """An async retain waits (up to ASYNC_PROJECTED_S) for the catalog to hold its
+    operation, read-your-writes; with a stalled catalog that wait held a gRPC thread for
+    5 s, bounded by nothing. It holds a slot now: with none free it does not wait at all
+    (nor is it refused: the write is durable) and returns the pending operation."""
+    from mneme.slots import WaitSlots
+    class Unprojected(_Log):  # the catalog's consumer is stalled
+        polls = 0
+
+        def committed(self, group, topic, partition):
+            Unprojected.polls += 1
+            return 0
+
+    catalog = ingest.CatalogChanges(MemoryCatalog())
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+    log = Unprojected()
+    slots = WaitSlots(1)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01, slots=slots)
+    with slots.hold("other"):  # every slot taken
+        op = cmd.retain("b", [RetainItem(content="async", timestamp=T0)], wait=False)
+    assert op.state == "pending" and len(log.appended) == 1
+    assert Unprojected.polls == 0  # no wait on the catalog
+    assert slots.waiting == 0
+    from mneme import deadline
+    with deadline.bind(deadline.Deadline(time.monotonic() + 0.3)):  # a free slot: it
+        cmd.retain("b", [RetainItem(content="async 2", timestamp=T0)], wait=False)  # waits
+    assert Unprojected.polls > 0 and slots.waiting == 0
+
+
 def test_a_banks_sync_writes_take_its_share_of_the_slots_and_leave_the_rest():
     """Sync writes of one bank hold at most its share of the slots (half of them by
     default): the next write to that bank is RESOURCE_EXHAUSTED naming

@@ -65,3 +65,14 @@ def test_no_bound_holds_nothing():
     slots = WaitSlots(0)
     with slots.hold("a"), slots.hold("a"), slots.hold("a"):
         assert slots.waiting == 0
+
+
+def test_try_hold_yields_false_instead_of_refusing():
+    slots = WaitSlots(2)  # share 1
+    with slots.try_hold("a") as first:
+        assert first and slots.waiting == 1
+        with slots.try_hold("a") as second:  # a's share is taken
+            assert not second and slots.waiting == 1
+        with slots.try_hold("b") as other:
+            assert other and slots.waiting == 2
+    assert slots.waiting == 0
