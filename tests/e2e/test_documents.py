@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from mneme.cli import app
 from mneme.v1 import documents_pb2
-from tests.e2e.server import Server
 
 BANK, PRIVATE = "docs", "private-docs"
 AT = datetime(2024, 3, 1, tzinfo=timezone.utc)
@@ -50,13 +49,6 @@ def snapshot(m, bank: str) -> dict:
 def projection_holds(server, text: str) -> list[str]:
     """The files of the document projection holding ``text``."""
     return [p.name for p in server.data_dir.glob("documents.db*") if text.encode() in p.read_bytes()]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("docs") / "data").start()
-    yield s
-    s.stop()
 
 
 def test_upserts_history_text_units_deletion_and_replay(server):

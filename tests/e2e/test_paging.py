@@ -14,22 +14,8 @@ from mneme.client import field_violations
 from mneme.limits import Limits
 from mneme.v1 import (documents_pb2, memory_pb2, mental_models_pb2, operations_pb2, recall_pb2,
                       resources_pb2)
-from tests.e2e.server import Server
 
 T0 = datetime(2024, 5, 20, 12, tzinfo=timezone.utc)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("paging") / "data").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def m(server):
-    with server.client(timeout=120) as c:
-        yield c
 
 
 def pages(call, request) -> list:

@@ -12,23 +12,9 @@ import pytest
 
 from mneme.client import field_violations
 from mneme.v1 import memory_pb2, observations_pb2, operations_pb2, recall_pb2, resources_pb2
-from tests.e2e.server import Server
 
 T0 = datetime(2024, 5, 20, 12, tzinfo=timezone.utc)
 OBSERVATION = resources_pb2.OBSERVATION
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("names") / "data").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def m(server):
-    with server.client(timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

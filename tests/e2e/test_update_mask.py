@@ -11,20 +11,6 @@ from google.protobuf import field_mask_pb2
 
 from mneme.client import field_violations
 from mneme.v1 import banks_pb2, directives_pb2, mental_models_pb2, resources_pb2
-from tests.e2e.server import Server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("update") / "data").start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def m(server):
-    with server.client(timeout=120) as c:
-        yield c
 
 
 def refused(call, field: str) -> None:
