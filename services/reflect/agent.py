@@ -486,7 +486,9 @@ class ReflectAgent:
                 break
         except LlmError as e:
             usage.add(e.usage)
-            if not self.fallback_offline or streamed:
+            # an extractive answer cannot fill a response_schema: the caller would get text
+            # where it asked for that JSON
+            if not self.fallback_offline or streamed or response_schema is not None:
                 raise
             log.warning("reflect: model failed (%s); answering extractively", e)
             r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags,

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Callable, Iterable, Sequence
 
 from mneme.domain import Directive, EventMeta, Filters, RecallOutcome, RecallQuery
-from mneme.errors import InvalidArgument, Unavailable
+from mneme.errors import FailedPrecondition, InvalidArgument, Unavailable
 from mneme.timeparse import time_zone_name
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -130,11 +130,22 @@ def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
     return opinions.form(m, meta)
 
 
-def model_failed(e: Exception) -> Unavailable:
+#: Model failure reasons (:func:`mneme.llm.gateway._classify`) that asking again cannot
+#: cure: the model's settings (its key, its context window) or the request must change.
+PERMANENT_REASONS = frozenset({"auth", "context_window", "rejected", "not_configured"})
+
+
+def model_failed(e: Exception) -> Unavailable | FailedPrecondition:
     """The error a caller gets when the reflect model failed where no extractive answer
-    can stand in (a ``response_schema`` to fill, or part of the answer already streamed):
-    Unavailable (gRPC UNAVAILABLE: ask again) naming the model's failure reason."""
-    return Unavailable(f"the reflect model failed ({getattr(e, 'reason', 'error')}): {e}")
+    can stand in (a ``response_schema`` to fill, or part of the answer already streamed),
+    naming the model's failure reason: FailedPrecondition (gRPC FAILED_PRECONDITION) for
+    a refusal asking again cannot cure (:data:`PERMANENT_REASONS`: a wrong key, a prompt
+    over the context window), else Unavailable (UNAVAILABLE: ask again)."""
+    reason = getattr(e, "reason", "error")
+    if reason in PERMANENT_REASONS:
+        return FailedPrecondition(f"the reflect model refused the request ({reason}): {e}; "
+                                  "asking again fails the same way until its settings change")
+    return Unavailable(f"the reflect model failed ({reason}): {e}")
 
 
 def record_reflection(bank_id: str, query: str, r: Reflection, tags: Sequence[str] = (),

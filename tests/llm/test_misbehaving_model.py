@@ -18,7 +18,7 @@ from mneme.llm import LlmError, LlmUnavailable
 from mneme.llm.rerank import rerank
 from services.extraction.llm import LlmExtractor
 from tests.llm.conftest import make_gateway
-from tests.llm.stub import Reply, chat, computed, drip
+from tests.llm.stub import Reply, chat, computed, drip, status
 
 TS = datetime(2023, 5, 8, 13, 56, tzinfo=timezone.utc)
 MSGS = [{"role": "user", "content": "hi"}]
@@ -356,6 +356,29 @@ def test_a_structured_reflect_the_model_cannot_shape_ends_unavailable(stub, serv
                     m.reflect("shape", "Where did Caroline move?", response_schema=schema)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             assert "malformed" in e.value.details()
+
+
+def test_a_structured_reflect_the_model_refuses_for_good_ends_failed_precondition(stub,
+                                                                                  server):
+    """The same when the model refuses the request for good (401: a wrong key): asking
+    again cannot help, so the status is FAILED_PRECONDITION naming the reason, not
+    UNAVAILABLE (which tells a client to retry). The same for the streaming form."""
+    import grpc
+    schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+    with server.client() as m:
+        m.upsert_bank("refused", auto_consolidate=False, extraction_mode="offline")
+        m.retain("refused", [{"content": "Caroline: I moved to Berlin in 2021.",
+                              "timestamp": TS}])
+        for stream in (False, True):
+            stub.on("chat", status(401, "invalid api key"), match="Where did Caroline")
+            with pytest.raises(grpc.RpcError) as e:
+                if stream:
+                    list(m.stream_reflect("refused", "Where did Caroline move?",
+                                          response_schema=schema))
+                else:
+                    m.reflect("refused", "Where did Caroline move?", response_schema=schema)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+            assert "auth" in e.value.details()
 
 
 def test_joiners_that_spell_a_name_are_kept(stub, gateway):
