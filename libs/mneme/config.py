@@ -42,8 +42,8 @@ class Settings(BaseSettings):
     sync_calls_per_tenant: int = Field(
         default=0, ge=0, description="Of MNEME_SYNC_CALLS, how many one tenant may hold at "
         "once (the caller's key or certificate when it is limited to some banks, else the "
-        "bank), so one agent's burst leaves the rest to the others (0: half of "
-        "MNEME_SYNC_CALLS, rounded up; set it to MNEME_SYNC_CALLS for one tenant)")
+        "bank), so one agent's burst leaves the rest to the others; for a server of many "
+        "tenants, e.g. half of MNEME_SYNC_CALLS (0: no share, a tenant may take them all)")
     retain_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of a sync retain")
     partitions: int | None = Field(
         default=None, ge=1, description="Partitions per topic (new topics; default 4 embedded, "

@@ -9,8 +9,9 @@ the workers less four), whichever service it belongs to, so a burst of them is r
 with RESOURCE_EXHAUSTED before it writes anything, and reads and health checks keep threads
 to run on.
 
-One tenant may hold at most ``MNEME_SYNC_CALLS_PER_TENANT`` of them (by default half,
-rounded up), so a burst from one agent leaves the rest to every other tenant. The tenant is the caller's API key or certificate
+A server for many tenants can let one tenant hold at most ``MNEME_SYNC_CALLS_PER_TENANT``
+of them, so a burst from one agent leaves the rest to every other tenant (by default a
+tenant may take them all: a server with one application keeps every slot for it). The tenant is the caller's API key or certificate
 when it is limited to some banks (that is what a per-tenant key looks like), else the
 bank the call is for: a ``*`` key of a platform team, or an open server, serves many
 agents, one bank each.
@@ -38,21 +39,23 @@ def tenant(bank_id: str) -> str:
 
 class WaitSlots:
     """At most ``size`` holders at once (``size`` 0: no bound), at most ``share`` of them
-    for one tenant (:func:`tenant`; default: half of ``size``, rounded up). Thread-safe."""
+    for one tenant (:func:`tenant`; 0 or None: ``size``, no share). Thread-safe."""
 
     def __init__(self, size: int = 0, share: int | None = None) -> None:
         self.size = size
-        self.share = min(share, size) if share else max(1, -(-size // 2))
+        self.share = min(share, size) if share else size
         self._lock = threading.Lock()
         self.waiting = 0  # holders now
         self._held: collections.Counter[str] = collections.Counter()  # tenant → holders
 
     @contextlib.contextmanager
-    def try_hold(self, bank_id: str = ""):
-        """As :meth:`hold`, but yields False instead of raising when no slot is free (the
-        caller then skips what it would have waited for), True while it holds one."""
+    def try_hold(self, who: str):
+        """As :meth:`hold` for the tenant ``who`` (a name of the caller's choosing, e.g.
+        one for every best-effort wait, so those never take a bank's share), but yields
+        False instead of raising when no slot is free (the caller then skips what it
+        would have waited for), True while it holds one."""
         try:
-            held = self.hold(bank_id)
+            held = self.hold(as_tenant=who)
             held.__enter__()
         except ResourceExhausted:
             yield False
@@ -63,14 +66,14 @@ class WaitSlots:
             held.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def hold(self, bank_id: str = ""):
+    def hold(self, bank_id: str = "", *, as_tenant: str | None = None):
         """A slot for the duration of the block, counted against the share of
-        :func:`tenant` (``bank_id``); ResourceExhausted (nothing held) when all ``size``
-        are taken or the tenant holds its ``share``."""
+        :func:`tenant` (``bank_id``), or of ``as_tenant`` when given; ResourceExhausted
+        (nothing held) when all ``size`` are taken or the tenant holds its ``share``."""
         if not self.size:
             yield
             return
-        who = tenant(bank_id)
+        who = as_tenant if as_tenant is not None else tenant(bank_id)
         with self._lock:
             if self.waiting >= self.size:
                 raise ResourceExhausted(

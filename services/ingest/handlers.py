@@ -39,6 +39,8 @@ MASK_PATHS = ("display_name", *(f"config.{f}" for f in CONFIG_FIELDS))
 #: Seconds an async request waits, at most, for its operation to be in the catalog
 #: (read-your-writes: it is there within milliseconds while the catalog's consumer runs).
 ASYNC_PROJECTED_S = 5.0
+#: The tenant (:meth:`mneme.slots.WaitSlots.try_hold`) of those waits: one for all of them.
+ASYNC_WAITS = "async-waits"
 
 
 # ---- projection: the catalog of operations (banks: mneme.bank_catalog) ---------------------
@@ -846,10 +848,11 @@ class Ingest:
         # operation just named is found by GetOperation and CancelOperation at once. A
         # catalog that does not catch up soon (a stalled consumer) does not fail a write
         # already durable: the pending operation is returned as the request made it.
-        # The wait holds a slot when one is free; when none is, it is skipped rather than
-        # refused (the write is durable) and leaves the thread to other calls.
+        # The wait holds a slot when one is free (all such waits count as one tenant, so
+        # they never take a bank's share from its sync calls); when none is, it is skipped
+        # rather than refused (the write is durable) and leaves the thread to other calls.
         if rec is not None:
-            with self.slots.try_hold(bank_id) as held, \
+            with self.slots.try_hold(ASYNC_WAITS) as held, \
                     contextlib.suppress(DeadlineExceeded):
                 if held:
                     self._wait_projected(rec, min(timeout, ASYNC_PROJECTED_S))

@@ -264,8 +264,7 @@ def test_corrections_waiting_behind_a_large_retain_leave_threads_for_other_calls
     while the 2 still wait; when their callers cancel, their slots are free at once.
     Before, the merges took every worker: the health check and every other call queued
     until a merge gave up after 60 s, cancelled or not."""
-    s = Server(tmp_path / "data", env={  # one bank may take both slots
-        "MNEME_GRPC_WORKERS": "6", "MNEME_SYNC_CALLS_PER_TENANT": "2"}).start()
+    s = Server(tmp_path / "data", env={"MNEME_GRPC_WORKERS": "6"}).start()
     try:
         with s.client(timeout=120) as m:
             m.upsert_bank("busy")

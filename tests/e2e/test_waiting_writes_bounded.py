@@ -23,12 +23,10 @@ BANK = "busy"
 
 @pytest.fixture
 def node(tmp_path):
-    """An embedded node with 6 gRPC workers (so 2 waiting calls, both for one bank if it
-    takes them), its catalog writable."""
+    """An embedded node with 6 gRPC workers (so 2 waiting calls), its catalog writable."""
     from mneme.client import MnemeClient
     from mneme.runtime.embedded import bootstrap
-    n = bootstrap(Settings(data_dir=tmp_path / "data", grpc_workers=6,
-                           sync_calls_per_tenant=2))  # one bank may take both
+    n = bootstrap(Settings(data_dir=tmp_path / "data", grpc_workers=6))
     n.start()
     port = n.serve("127.0.0.1:0")
     n.client = MnemeClient(f"127.0.0.1:{port}", timeout=120)

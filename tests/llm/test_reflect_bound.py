@@ -27,8 +27,7 @@ def test_reflections_held_by_a_slow_model_leave_threads_for_other_calls(stub, tm
     s = Server(tmp_path / "data", env={
         "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
         "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "120",
-        "MNEME_LLM_MAX_RETRIES": "0", "MNEME_GRPC_WORKERS": "6",
-        "MNEME_SYNC_CALLS_PER_TENANT": "2"}).start()  # one bank may take both
+        "MNEME_LLM_MAX_RETRIES": "0", "MNEME_GRPC_WORKERS": "6"}).start()
     try:
         with s.client(timeout=120) as m:
             m.upsert_bank("slow", auto_consolidate=False, extraction_mode="offline")
@@ -58,8 +57,8 @@ def test_reflections_held_by_a_slow_model_leave_threads_for_other_calls(stub, tm
 
 
 def test_one_banks_reflections_leave_slots_for_another_bank(stub, tmp_path):
-    """With 8 gRPC workers (so 4 waiting calls, at most 2 per tenant) and 6 reflections in
-    one bank whose model does not answer yet: 2 reach the model and 4 are
+    """With 8 gRPC workers (so 4 waiting calls), MNEME_SYNC_CALLS_PER_TENANT 2 and 6
+    reflections in one bank whose model does not answer yet: 2 reach the model and 4 are
     RESOURCE_EXHAUSTED naming MNEME_SYNC_CALLS_PER_TENANT, and a reflection in another
     bank still reaches the model. Before, the first bank's burst took every slot and the
     other bank's call was refused."""
@@ -68,7 +67,8 @@ def test_one_banks_reflections_leave_slots_for_another_bank(stub, tmp_path):
     s = Server(tmp_path / "data", env={
         "MNEME_LLM_MODEL": MODEL, "MNEME_LLM_BASE_URL": stub.base_url,
         "MNEME_LLM_API_KEY": "sk-test", "MNEME_LLM_TIMEOUT_S": "120",
-        "MNEME_LLM_MAX_RETRIES": "0", "MNEME_GRPC_WORKERS": "8"}).start()
+        "MNEME_LLM_MAX_RETRIES": "0", "MNEME_GRPC_WORKERS": "8",
+        "MNEME_SYNC_CALLS_PER_TENANT": "2"}).start()
     try:
         with s.client(timeout=120) as m:
             for bank in ("hog", "quiet"):

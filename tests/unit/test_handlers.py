@@ -1435,7 +1435,7 @@ def test_sync_writes_beyond_the_bound_are_refused_before_they_write_anything():
     catalog.upsert_bank("b", "", BankConfig(), 0.0)
     log = Unprojected()
     cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01,
-                        slots=WaitSlots(2, share=2))  # the bound here, not a bank's share
+                        slots=WaitSlots(2))
     waiting = [threading.Thread(target=lambda: pytest.raises(
         DeadlineExceeded, cmd.retain, "b", [RetainItem(content="w", timestamp=T0)],
         timeout=1.5), daemon=True) for _ in range(2)]
@@ -1491,8 +1491,8 @@ def test_an_async_write_waits_for_the_catalog_only_on_a_free_slot():
 
 
 def test_a_banks_sync_writes_take_its_share_of_the_slots_and_leave_the_rest():
-    """Sync writes of one bank hold at most its share of the slots (half of them by
-    default): the next write to that bank is RESOURCE_EXHAUSTED naming
+    """Sync writes of one bank hold at most its share of the slots
+    (MNEME_SYNC_CALLS_PER_TENANT): the next write to that bank is RESOURCE_EXHAUSTED naming
     MNEME_SYNC_CALLS_PER_TENANT before it appends, while a write to another bank
     (directives too, whose bank is on the directive) still gets a slot."""
     import threading
@@ -1506,7 +1506,8 @@ def test_a_banks_sync_writes_take_its_share_of_the_slots_and_leave_the_rest():
     for b in ("b", "c"):
         catalog.upsert_bank(b, "", BankConfig(), 0.0)
     log = Unprojected()
-    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", sync_calls=4, poll_s=0.01)
+    cmd = ingest.Ingest(log, catalog, source="mneme/ingest", poll_s=0.01,
+                        slots=WaitSlots(4, share=2))
     waiting = [threading.Thread(target=lambda: pytest.raises(
         DeadlineExceeded, cmd.retain, "b", [RetainItem(content="w", timestamp=T0)],
         timeout=1.5), daemon=True) for _ in range(2)]
