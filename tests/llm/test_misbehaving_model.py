@@ -334,51 +334,38 @@ def test_a_stream_its_reader_abandons_releases_the_connection(stub, gateway):
         stop.set()
 
 
-def test_a_structured_reflect_the_model_cannot_shape_ends_unavailable(stub, server):
-    """Reflect with a response_schema whose model never answers in that shape (nor when
-    re-asked): there is no extractive fallback for a schema, and the call must end with
-    a status a client can act on -- UNAVAILABLE naming the reason -- not UNKNOWN. The
-    same for its streaming form."""
+def _cannot_shape():
+    return [chat(None, tool_calls=[{"name": "recall", "arguments": {"query": "Caroline"}}]),
+            *[chat("Berlin, I think.")] * 4]
+
+
+@pytest.mark.parametrize("bank, replies, code, reason", [
+    ("shape", _cannot_shape, "UNAVAILABLE", "malformed"),
+    ("refused", lambda: [status(401, "invalid api key")], "FAILED_PRECONDITION", "auth")])
+def test_a_structured_reflect_the_model_fails_ends_with_a_status_to_act_on(
+        stub, server, bank, replies, code, reason):
+    """Reflect with a response_schema whose model fails: there is no extractive fallback
+    for a schema (before, a model failing in the agent loop -- a 401 -- got an extractive
+    answer, prose where JSON of the schema was asked for, answered OK), and the call must
+    end with a status a client can act on, naming the reason, not UNKNOWN: UNAVAILABLE
+    when the model never answers in that shape (nor when re-asked), FAILED_PRECONDITION
+    when it refuses the request for good (a wrong key: asking again cannot help). The
+    same for the streaming form."""
     import grpc
     schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
     with server.client() as m:
-        m.upsert_bank("shape", auto_consolidate=False, extraction_mode="offline")
-        m.retain("shape", [{"content": "Caroline: I moved to Berlin in 2021.", "timestamp": TS}])
+        m.upsert_bank(bank, auto_consolidate=False, extraction_mode="offline")
+        m.retain(bank, [{"content": "Caroline: I moved to Berlin in 2021.", "timestamp": TS}])
         for stream in (False, True):
-            stub.on("chat", chat(None, tool_calls=[{"name": "recall",
-                                                     "arguments": {"query": "Caroline"}}]),
-                    *[chat("Berlin, I think.")] * 4, match="Where did Caroline")
+            stub.on("chat", *replies(), match="Where did Caroline")
             with pytest.raises(grpc.RpcError) as e:
                 if stream:
-                    list(m.stream_reflect("shape", "Where did Caroline move?",
+                    list(m.stream_reflect(bank, "Where did Caroline move?",
                                           response_schema=schema))
                 else:
-                    m.reflect("shape", "Where did Caroline move?", response_schema=schema)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
-            assert "malformed" in e.value.details()
-
-
-def test_a_structured_reflect_the_model_refuses_for_good_ends_failed_precondition(stub,
-                                                                                  server):
-    """The same when the model refuses the request for good (401: a wrong key): asking
-    again cannot help, so the status is FAILED_PRECONDITION naming the reason, not
-    UNAVAILABLE (which tells a client to retry). The same for the streaming form."""
-    import grpc
-    schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
-    with server.client() as m:
-        m.upsert_bank("refused", auto_consolidate=False, extraction_mode="offline")
-        m.retain("refused", [{"content": "Caroline: I moved to Berlin in 2021.",
-                              "timestamp": TS}])
-        for stream in (False, True):
-            stub.on("chat", status(401, "invalid api key"), match="Where did Caroline")
-            with pytest.raises(grpc.RpcError) as e:
-                if stream:
-                    list(m.stream_reflect("refused", "Where did Caroline move?",
-                                          response_schema=schema))
-                else:
-                    m.reflect("refused", "Where did Caroline move?", response_schema=schema)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
-            assert "auth" in e.value.details()
+                    m.reflect(bank, "Where did Caroline move?", response_schema=schema)
+            assert e.value.code() == getattr(grpc.StatusCode, code), e.value
+            assert reason in e.value.details()
 
 
 def test_joiners_that_spell_a_name_are_kept(stub, gateway):
