@@ -49,31 +49,40 @@ class WaitSlots:
         self._held: collections.Counter[str] = collections.Counter()  # tenant → holders
 
     @contextlib.contextmanager
+    def hold(self, bank_id: str = ""):
+        """A slot for the duration of the block, counted against the share of
+        :func:`tenant` (``bank_id``); ResourceExhausted (nothing held) when all ``size``
+        are taken or the tenant holds its ``share``."""
+        if not self.size:
+            yield
+            return
+        who = tenant(bank_id)
+        self._take(who)
+        try:
+            yield
+        finally:
+            self._give(who)
+
+    @contextlib.contextmanager
     def try_hold(self, who: str):
         """As :meth:`hold` for the tenant ``who`` (a name of the caller's choosing, e.g.
         one for every best-effort wait, so those never take a bank's share), but yields
         False instead of raising when no slot is free (the caller then skips what it
         would have waited for), True while it holds one."""
+        if not self.size:
+            yield True
+            return
         try:
-            held = self.hold(as_tenant=who)
-            held.__enter__()
+            self._take(who)
         except ResourceExhausted:
             yield False
             return
         try:
             yield True
         finally:
-            held.__exit__(None, None, None)
+            self._give(who)
 
-    @contextlib.contextmanager
-    def hold(self, bank_id: str = "", *, as_tenant: str | None = None):
-        """A slot for the duration of the block, counted against the share of
-        :func:`tenant` (``bank_id``), or of ``as_tenant`` when given; ResourceExhausted
-        (nothing held) when all ``size`` are taken or the tenant holds its ``share``."""
-        if not self.size:
-            yield
-            return
-        who = as_tenant if as_tenant is not None else tenant(bank_id)
+    def _take(self, who: str) -> None:
         with self._lock:
             if self.waiting >= self.size:
                 raise ResourceExhausted(
@@ -88,11 +97,10 @@ class WaitSlots:
                     "and poll GetOperation")
             self.waiting += 1
             self._held[who] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.waiting -= 1
-                self._held[who] -= 1
-                if not self._held[who]:
-                    del self._held[who]
+
+    def _give(self, who: str) -> None:
+        with self._lock:
+            self.waiting -= 1
+            self._held[who] -= 1
+            if not self._held[who]:
+                del self._held[who]
