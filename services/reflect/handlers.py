@@ -130,19 +130,15 @@ def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
     return opinions.form(m, meta)
 
 
-#: Model failure reasons (:func:`mneme.llm.gateway._classify`) that asking again cannot
-#: cure: the model's settings (its key, its context window) or the request must change.
-PERMANENT_REASONS = frozenset({"auth", "context_window", "rejected", "not_configured"})
-
-
 def model_failed(e: Exception) -> Unavailable | FailedPrecondition:
     """The error a caller gets when the reflect model failed where no extractive answer
     can stand in (a ``response_schema`` to fill, or part of the answer already streamed),
     naming the model's failure reason: FailedPrecondition (gRPC FAILED_PRECONDITION) for
-    a refusal asking again cannot cure (:data:`PERMANENT_REASONS`: a wrong key, a prompt
-    over the context window), else Unavailable (UNAVAILABLE: ask again)."""
+    a refusal asking again cannot cure (``LlmRequestError``: a wrong key, a prompt over
+    the context window; ``LlmNotConfigured``), else Unavailable (UNAVAILABLE: ask again)."""
+    from mneme.llm.types import LlmNotConfigured, LlmRequestError
     reason = getattr(e, "reason", "error")
-    if reason in PERMANENT_REASONS:
+    if isinstance(e, (LlmRequestError, LlmNotConfigured)):
         return FailedPrecondition(f"the reflect model refused the request ({reason}): {e}; "
                                   "asking again fails the same way until its settings change")
     return Unavailable(f"the reflect model failed ({reason}): {e}")
