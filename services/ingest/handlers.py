@@ -257,7 +257,8 @@ def _sync_bounded(method):
     def bounded(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         bank_id = bound.get("bank_id") or getattr(bound.get("d"), "bank_id", "")
-        if not bank_id and bound.get("operation_id"):  # (unknown: the method says so)
+        # (a catalog read only when a tenant's share is set; unknown: the method says so)
+        if not bank_id and bound.get("operation_id") and self.slots.share < self.slots.size:
             op = self.catalog.get_operation(bound["operation_id"])
             bank_id = op.bank_id if op is not None else ""
         with self._sync_slot(bound.get("wait", True), bank_id):
