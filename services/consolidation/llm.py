@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Sequence
 
 from mneme.events.v1 import events_pb2 as ev
+from mneme.llm.types import as_list
 from mneme.ports import Llm
 from services.consolidation import engine
 
@@ -117,7 +118,7 @@ def decide(gateway: Llm, facts: Sequence[ev.Fact], scope: list[str], current: di
         kind, oid, text = a.get("action"), _str(a.get("observation_id")), _str(a.get("text"))
         base = out.get(oid) or current.get(oid)
         ev_pairs = []
-        for e in a.get("evidence") if isinstance(a.get("evidence"), list) else []:
+        for e in as_list(a.get("evidence")):
             mid = _str(e.get("memory_id")) if isinstance(e, dict) else ""
             if mid not in texts:
                 continue  # the model cited a memory it was never shown

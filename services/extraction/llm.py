@@ -61,7 +61,7 @@ from typing import Callable, Sequence
 
 from mneme.domain import EXPERIENCE, WORLD, BankConfig, Fact, Link, RetainItem, derive_id, utc
 from mneme.errors import resource_shortage
-from mneme.llm.types import LlmError, Usage
+from mneme.llm.types import LlmError, Usage, as_list
 from mneme.llm.metrics import METRICS
 from mneme.ports import Llm
 from mneme.timeparse import day_window, parse_when, wall_clock
@@ -354,12 +354,6 @@ def _bounded(facts: list, chunk: str) -> list[dict | None]:
     return out
 
 
-def _list(value: object) -> list:
-    """``value`` when it is a list, else [] (a model may give a number or a string where
-    the schema asks for a list)."""
-    return value if isinstance(value, list) else []
-
-
 #: Format characters that are part of a name's spelling (Persian, Hindi, emoji
 #: sequences), kept: the zero-width non-joiner and joiner.
 _JOINERS = frozenset("\u200c\u200d")
@@ -583,7 +577,7 @@ class LlmExtractor:
             raise ItemExtractionFailed(idx, e.reason, str(e), usage) from e
         usage.add(res.usage)
         facts = res.value.get("facts") if isinstance(res.value, dict) else None
-        return [_bounded(facts if isinstance(facts, list) else [], chunk)]
+        return [_bounded(as_list(facts), chunk)]
 
     def _messages(self, item: RetainItem, chunk: str, part, mission: str) -> list[dict]:
         ts = wall_clock(item.timestamp, item.time_zone)  # the writer's own clock and date
@@ -625,12 +619,12 @@ class LlmExtractor:
         speaker = ((item.metadata or {}).get("speaker") or "").strip()
         if speaker and speaker.split()[0].lower() in text.lower():
             mentions.append((speaker, "PERSON"))
-        for e in _list(fact.get("entities")):
+        for e in as_list(fact.get("entities")):
             name = _name(e.get("name")) if isinstance(e, dict) else ""
             if name:
                 label = _LABELS.get(str(e.get("type") or "").strip().lower(), "CONCEPT")
                 mentions.append((name, label))
-        causes = [j for j in _list(fact.get("caused_by")) if isinstance(j, int) and not isinstance(j, bool)]
+        causes = [j for j in as_list(fact.get("caused_by")) if isinstance(j, int) and not isinstance(j, bool)]
         return _Draft(text, ftype if ftype in (WORLD, EXPERIENCE) else WORLD, start, end,
                       mentions, causes, chunk_no)
 

@@ -22,6 +22,7 @@ from typing import Callable
 from mneme.domain import BankConfig, EventMeta, derive_id, initial_confidence
 from mneme.errors import Cancelled
 from mneme.events.v1 import events_pb2 as ev
+from mneme.llm.types import as_list
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,6 @@ def messages(m: ev.ReflectionRecorded) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def _list(value: object) -> list:
-    """``value`` when it is a list, else [] (a model may give a number where the schema
-    asks for a list)."""
-    return value if isinstance(value, list) else []
-
-
 class OpinionFormer:
     """Forms the opinions of reflections. ``llm`` (None: offline, forms none) answers
     operation "reflect"; ``embedder`` embeds their texts (``model_name`` is recorded);
@@ -105,14 +100,14 @@ class OpinionFormer:
         for o in (res.value.get("opinions") or [])[:MAX_OPINIONS]:
             text = " ".join(str(o.get("text") or "").split())[:MAX_TEXT]
             ids = []
-            for n in _list(o.get("citations")):
+            for n in as_list(o.get("citations")):
                 if isinstance(n, int) and 1 <= n <= len(m.based_on):
                     mid = m.based_on[n - 1]
                     if mid in cited and mid not in ids:
                         ids.append(mid)
             if not text or not ids:  # an opinion rests on what the answer cited
                 continue
-            drafts.append((text, ids, self._entities(_list(o.get("entities")),
+            drafts.append((text, ids, self._entities(as_list(o.get("entities")),
                                                      [cited[i] for i in ids])))
         if not drafts:
             return []

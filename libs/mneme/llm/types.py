@@ -162,6 +162,12 @@ def tool_spec(name: str, description: str, properties: dict, required: list[str]
                        "additionalProperties": False}}}
 
 
+def as_list(value: object) -> list:
+    """``value`` when it is a list, else [] (a model may give a number or a string where
+    the schema asks for a list)."""
+    return value if isinstance(value, list) else []
+
+
 def dumps(obj) -> str:
     """Compact JSON for prompts (keeps non-ASCII readable)."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -169,5 +175,5 @@ def dumps(obj) -> str:
 
 __all__ = [
     "Completion", "Connectivity", "JsonResult", "LlmError", "LlmNotConfigured", "LlmOutputError",
-    "LlmRequestError", "LlmUnavailable", "ToolCall", "Usage", "dumps", "tool_spec",
+    "LlmRequestError", "LlmUnavailable", "ToolCall", "Usage", "as_list", "dumps", "tool_spec",
 ]
