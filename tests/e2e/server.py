@@ -16,7 +16,7 @@ from tests.ports import free_port  # noqa: F401 - re-exported for the e2e tests
 
 #: Prefixes of the test harness's own MNEME_* knobs (MNEME_FUZZ_SEED, MNEME_TORTURE_SEED,
 #: ...): not mneme settings, so a mneme process started with them refuses to start.
-HARNESS_KNOBS = ("MNEME_FUZZ_", "MNEME_TORTURE_")
+HARNESS_KNOBS = ("MNEME_FUZZ_", "MNEME_TORTURE_", "MNEME_REPLAYPROP_")
 
 
 def inherited() -> dict[str, str]:
@@ -91,16 +91,17 @@ class Server:
                 self.proc.wait()
         self.proc = None
 
-    def replay(self) -> None:
+    def replay(self, start: bool = True) -> None:
         """Stop the server, run ``mneme replay`` on its data dir (asserting success), and
-        start it again."""
+        start it again (unless ``start`` is False)."""
         self.stop()
         mneme = Path(sys.executable).with_name("mneme")
         out = subprocess.run([str(mneme), "replay", "--data-dir", str(self.data_dir)],
                              capture_output=True, text=True,
                              env={**inherited(), "HF_HUB_OFFLINE": "1", **self.env})
         assert out.returncode == 0, out.stderr
-        self.start()
+        if start:
+            self.start()
 
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs."""
