@@ -47,10 +47,11 @@ _LOST = "it is missing, although the log says it was projected"
 
 
 class ProjectionUnreadable(MnemeError):
-    """A projection file of the data dir (the catalog, search's document projection or a
-    store of the live generation) is damaged, or missing although the log says it was
-    projected: serving would answer from an empty or broken copy. The message names the
-    file and the remedy, ``mneme replay -d`` (every projection is rebuilt from the log)."""
+    """A projection file of the data dir (the catalog, search's document projection,
+    extraction's entity resolver or a store of the live generation) is damaged, or
+    missing although the log says it was projected: serving would answer from an empty
+    or broken copy. The message names the file and the remedy, ``mneme replay -d``
+    (every projection is rebuilt from the log)."""
 
     def __init__(self, path: str, what: str, problem: str, data_dir: Path) -> None:
         path = str(Path(path).resolve())  # a "sqlite:////d/x" URL's path reads "//d/x"
@@ -394,10 +395,16 @@ class Root:
     def resolver(self):
         """extraction's entity resolver over ``<data_dir>/entities.db``; mentions of an
         entities.db from before they named their memories are refined from the log
-        first (:meth:`_refine_mentions`)."""
+        first (:meth:`_refine_mentions`). Embedded, a missing (although extraction has
+        consumed the log) or damaged file raises :class:`ProjectionUnreadable`."""
         from mneme.stores.entities_sqlite import SqliteEntityStore
         from services.extraction.resolver import EntityResolver
-        store = SqliteEntityStore(str(self.data_dir / "entities.db"))
+        path = str(self.data_dir / "entities.db")
+        if self.distributed:  # restored on assignment from the changelog (restored.json)
+            store = SqliteEntityStore(path)
+        else:  # one process, no restore: lost or damaged, `mneme replay -d` rebuilds it
+            store = self._local_projection(path, "extraction's entity resolver",
+                                           ("extraction",), SqliteEntityStore)
         if store.unrefined_mentions():
             self._refine_mentions(store)
         return EntityResolver(store)

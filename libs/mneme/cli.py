@@ -757,7 +757,8 @@ def replay_cmd(data_dir: Path = typer.Option(None, "--data-dir", "-d"),
         # the two phases' records: what `generations list` counts, then the catalogs'
         results.print(f"replayed {stats['records']} records; generation {g} is live "
                       f"({stats['generation_records']} into its stores, "
-                      f"{stats['catalog_records']} rebuilding the catalogs)")
+                      f"{stats['catalog_records']} rebuilding the catalogs, "
+                      f"{stats.get('resolver_records', 0)} the entity resolver)")
 
 
 @app.command("reembed")

@@ -1,8 +1,8 @@
 """Projection files lost, damaged or left behind, through the real ``mneme`` CLI (found
-by a crash-consistency review): a catalog, document projection or live store that is
-missing although the log says it was projected, or a catalog SQLite cannot read, makes
-``mneme up`` refuse with a message naming the file and ``mneme replay -d``, which rebuilds
-it; a replay stopped by a crash leaves a FAILED generation whose files the next start
+by a crash-consistency review): a catalog, document projection, entity resolver or live
+store that is missing although the log says it was projected, or a catalog SQLite cannot
+read, makes ``mneme up`` refuse with a message naming the file and ``mneme replay -d``,
+which rebuilds it; a replay stopped by a crash leaves a FAILED generation whose files the next start
 deletes (they held content later deletions never reach)."""
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def _remove(path: Path) -> None:
 
 @pytest.mark.parametrize("lost,named", [("catalog.db", "the catalog"),
                                         ("documents.db", "search's document projection"),
+                                        ("entities.db", "extraction's entity resolver"),
                                         ("text", "search's store")])
 def test_a_lost_projection_refuses_to_start_and_replay_rebuilds_it(data, lost, named):
     _remove(data / lost)

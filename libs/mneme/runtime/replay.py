@@ -43,7 +43,8 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
       observation projection is part of it: recorded decisions only, up to its group's
       offsets) and search's stores are brought to the end of the log; then the catalog
       (embedded: ingest's; distributed: search's bank catalog) and search's document
-      projection are rebuilt in place from offset 0. Those groups are read outside their consumer
+      projection are rebuilt in place from offset 0, and embedded, extraction's entity
+      resolver (:func:`rebuild_resolver`). Those groups are read outside their consumer
       group; Kafka refuses (StaleCommitError, before anything changes) while one has
       live members.
     * Store servers the search replicas share (distributed): the replicas keep serving.
@@ -84,9 +85,11 @@ def replay(settings: Settings | None = None, progress=None, force: bool = False,
             return {"records": gen.records_done, "generation": gen.generation,
                     "state": gen.state}
         done = _rebuild(root, parts, routers, tps, progress)
-        return {"records": gen.records_done + done, "generation": gen.generation,
+        # distributed, extraction's replicas restore theirs on assignment
+        resolved = 0 if root.distributed else rebuild_resolver(root)
+        return {"records": gen.records_done + done + resolved, "generation": gen.generation,
                 "state": gen.state, "generation_records": gen.records_done,
-                "catalog_records": done}
+                "catalog_records": done, "resolver_records": resolved}
     finally:
         root.close()
 
@@ -114,6 +117,71 @@ def _rebuild(root: Root, parts, routers: dict, tps: dict, progress) -> int:
     if progress:
         progress(total, total)
     return done
+
+
+def rebuild_resolver(root: Root) -> int:
+    """Rebuild extraction's entity resolver (``<data_dir>/entities.db``, embedded) from
+    ``mneme.memory.v1``, as a distributed replica restores it on assignment: extraction's
+    restore routes (:attr:`mneme.router.Group.restore`) applied to every record, from
+    offset 0 to the end -- the resolutions (``EntitiesResolved``), which content names
+    which entity (``FactsExtracted``), the users' corrections (``EntitiesMerged``,
+    ``EntitySplit``) and what deletions forgot (``FactsRetracted``). Without it a data
+    dir rebuilt from the log resolved later mentions against no state at all: a merged
+    name became a new entity again. Built into a file of its own that then replaces the
+    old one (a replay stopped halfway leaves the old file). Returns the records applied.
+    The server must be stopped (the caller holds the data dir)."""
+    import sqlite3
+
+    from mneme.bootstrap import services
+    from mneme.bus import MEMORY
+    from mneme.bus.codec import decode
+    from mneme.router import Router
+    from mneme.stores.entities_sqlite import SqliteEntityStore
+    from services.extraction.resolver import EntityResolver
+
+    live = root.data_dir / "entities.db"
+    new = root.data_dir / "entities.db.rebuild"
+    for f in (new, new.with_name(new.name + "-wal"), new.with_name(new.name + "-shm")):
+        f.unlink(missing_ok=True)
+    resolver = EntityResolver(SqliteEntityStore(str(new)))
+    applied = 0
+    try:
+        # the intake routes restore a replica's own bank catalog: embedded, ingest's
+        # catalog is the one, rebuilt already
+        router = Router(services()["extraction"], "extraction",
+                        {"resolver": resolver, "catalog": root.catalog,
+                         "keyring": root.keyring}, restore=True)
+        for p in range(root.log.partitions(MEMORY)):
+            off, end = 0, root.log.end_offset(MEMORY, p)
+            while off < end:
+                batch = root.log.read(MEMORY, p, off, limit=500)
+                if not batch:
+                    break
+                for rec in batch:
+                    if rec.headers.get("ce_type") not in router.types:
+                        continue  # not part of this state: no decode
+                    try:
+                        env = decode(rec)
+                    except Exception:  # noqa: BLE001 - a poison record: dead-lettered live
+                        continue
+                    router(env, rec)
+                    applied += 1
+                off = batch[-1].offset + 1
+    finally:
+        resolver.close()
+    if live.exists():  # its WAL into it first: nothing of it is lost if we stop here
+        try:
+            db = sqlite3.connect(str(live))
+            try:
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                db.close()
+        except sqlite3.DatabaseError:  # damaged: replaced whole below
+            pass
+    for suffix in ("-wal", "-shm"):
+        live.with_name(live.name + suffix).unlink(missing_ok=True)
+    new.replace(live)
+    return applied
 
 
 class ReplayFailed(RuntimeError):
