@@ -160,7 +160,10 @@ class MentalModel:
     ``based_on_evidence`` the facts behind the observations among them;
     ``memory_offset`` is where its bank's partition of ``mneme.memory.v1`` ended at the
     latest refresh (or creation): changes after it make the model stale. Times are epoch
-    seconds (``refreshed_at`` 0: never refreshed)."""
+    seconds (``refreshed_at`` 0: never refreshed); ``changed_at`` is the time of its
+    latest change that was no refresh (its creation, a user's update; 0 in states from
+    before it was kept: ``created_at``), what ``updated_at`` falls back to when a
+    deletion erases the refreshes after it."""
 
     id: str
     bank_id: str
@@ -179,6 +182,7 @@ class MentalModel:
     based_on_evidence: tuple[str, ...] = ()
     updated_at: float = 0.0
     refreshed_at: float = 0.0
+    changed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -217,14 +221,18 @@ def merge_mental_model(old: MentalModel | None, m: MentalModel, mask: tuple[str,
     :meth:`mneme.ports.Catalog.upsert_mental_model`) to ``old``, and the revision it adds
     (None: the content did not change). (None, None) for an update of an unknown model.
     Shared by every catalog adapter."""
+    # a refresh's time is not kept apart: a deletion may erase it (see
+    # erase_mental_model_sources)
+    changed = m.updated_at if refresh is None else (
+        (old.changed_at or old.created_at) if old else m.updated_at)
     if mask:
         if old is None:
             return None, None
-        new = replace(old, updated_at=m.updated_at, **{
+        new = replace(old, updated_at=m.updated_at, changed_at=changed, **{
             f: getattr(m, f) for f in MENTAL_MODEL_FIELDS if f in mask})
     else:
         new = replace(m, created_at=old.created_at if old else m.updated_at,
-                                  revision=old.revision if old else 0)
+                      revision=old.revision if old else 0, changed_at=changed)
     if refresh is not None:
         new = replace(new, based_on=tuple(refresh.based_on),
                       based_on_documents=tuple(refresh.documents),
@@ -273,8 +281,12 @@ def erase_mental_model_sources(old: MentalModel, revisions: Sequence[MentalModel
     if not current and not any(hit(r) for r in revisions):
         return None
     kept = [replace(r, revision=n) for n, r in enumerate((r for r in revisions if not hit(r)), 1)]
+    erased = max((r.at for r in revisions if hit(r)), default=0.0)
     new = replace(old, revision=len(kept),
                   refreshed_at=max((r.at for r in kept if r.source != "user"), default=0.0))
+    if old.updated_at <= erased:  # its latest change was an erased refresh: the one before
+        new = replace(new, updated_at=max([old.changed_at or old.created_at,
+                                           *(r.at for r in kept)]))
     if current:
         # the state the kept content was made in (no content left: stale, refreshed in full)
         last = kept[-1] if kept else MentalModelRevision(0, "")

@@ -5,6 +5,7 @@ the changes read from a (fake) memory partition."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from mneme.domain import BankConfig, MentalModel, MentalModelRevision
@@ -223,3 +224,42 @@ def test_a_delta_revision_records_the_facts_behind_the_content_it_keeps():
     (msg,) = recorded
     assert list(msg.based_on) == ["o1", "f3"]
     assert list(msg.evidence_memory_ids) == ["f1", "f2"]
+
+
+def test_erasing_refreshes_leaves_the_model_a_replay_would_rebuild():
+    """A deletion erases the refreshes that cite the deleted memories; a replay cannot
+    open those refreshes' events (sealed under the deleted facts' keys) and applies only
+    the others. The model left behind is the replay's, its ``updated_at`` included (it
+    kept the erased refresh's time, so GetMentalModel's update_time differed after a
+    replay)."""
+    def model(at, **kw):
+        return MentalModel("mm", "b", kw.pop("name", "career"), "What is her job?",
+                           updated_at=at, **kw)
+
+    def refresh(at, cited):
+        return (model(at, name="work", content=f"She counsels [{cited}].", memory_offset=int(at)),
+                (), MentalModelRevision(0, "", (cited,), "refresh", mode="full"))
+    events = {"create": (model(100.0, memory_offset=5), (), None),
+              "rename": (model(150.0, name="work"), ("display_name",), None),
+              "refresh m1": refresh(200.0, "m1"), "refresh m2": refresh(250.0, "m2")}
+
+    def apply(names):
+        cat = MemoryCatalog()
+        cat.upsert_bank("b", "b", BankConfig(), 1.0)
+        for n in names:
+            m, mask, rev = events[n]
+            cat.upsert_mental_model(m, mask=mask, refresh=rev)
+        return cat
+
+    def state(cat):
+        return cat.get_mental_model("b", "mm"), cat.mental_model_revisions("b", "mm")
+
+    live = apply(events)
+    live.erase_mental_model_sources("b", ["m2"])
+    assert state(live) == state(apply(["create", "rename", "refresh m1"]))
+    live.erase_mental_model_sources("b", ["m1"])
+    # no content left: offset 0, stale whatever the log holds (a replay's model, at its
+    # creation's offset, is stale too: the retraction is after it), refreshed in full
+    (got, revisions), (want, none) = state(live), state(apply(["create", "rename"]))
+    assert got.updated_at == 150.0 and got.memory_offset == 0 and revisions == none == []
+    assert replace(got, memory_offset=want.memory_offset) == want
