@@ -201,7 +201,9 @@ class Consolidator:
                 gone = [i for i in ids if i not in new_ids]
                 if decide:
                     self._retract(m.bank_id, gone, change, at, cause)
-                    out.append(opinions.retract(self.store, m.bank_id, gone, at))
+                    # applied now: the revision below must not see (and write back) the
+                    # opinions that rested on the replaced facts
+                    out += self._opinions([opinions.retract(self.store, m.bank_id, gone, at)])
                 self.store.delete_facts(m.bank_id, gone)
             tags = {t for f in m.facts for t in f.tags}
             spec = m.observation_scopes if m.HasField("observation_scopes") else None
@@ -247,7 +249,8 @@ class Consolidator:
         return [change, *self._opinions(out)]
 
     def _opinions(self, changes) -> list[ev.OpinionsChanged]:
-        """The opinion changes decided (None: none), applied to the store at once."""
+        """The opinion changes decided (None: none), applied to the store at once (a
+        change applied already is applied again: idempotent)."""
         done = [c for c in changes if c is not None]
         for c in done:
             self.store.apply_opinions(c)

@@ -228,6 +228,30 @@ def test_delete_request_and_retracted_evidence_delete_the_opinion():
     assert store.opinions("b") == {}
 
 
+def test_a_replaced_document_deletes_the_opinion_it_supported_and_no_revision_revives_it():
+    """A retain that replaces a document retracts its old facts and brings new ones in
+    one event: the opinion resting on an old fact is deleted, and the new facts' revision
+    must not write it back (it did: the revision read the opinion before the deletion was
+    applied and published a live state after the tombstone, still citing the deleted
+    fact, so the live server kept an opinion a replay, which cannot open its states,
+    does not have)."""
+    llm = FakeLlm(("consolidation",)).on("consolidation", reply(_update("f2", "support")),
+                                         match="Opinion updates")
+    store = MemoryObservationStore()
+    c = _consolidator(store, llm)
+    old = fact("f1", "Caroline studies psychology.", CAROLINE)
+    old.document_id = "d"
+    c.handle(_extracted(old), meta(1))
+    c.handle(_formed(), meta(2))
+    new = fact("f2", "Caroline enrolled in a counseling course.", CAROLINE)
+    new.document_id = "d"
+    replacing = _extracted(new)
+    replacing.replaced_document_ids.append("d")
+    out = [m for m in c.handle(replacing, meta(3)) if isinstance(m, ev.OpinionsChanged)]
+    assert store.opinions("b") == {}
+    assert [[(o.id, o.deleted) for o in m.opinions] for m in out] == [[("p1", True)]]
+
+
 def test_an_entity_merge_carries_opinions_over_to_the_survivor():
     llm = FakeLlm(("consolidation",)).on("consolidation", reply(_update("f2", "support")),
                                          match="Opinion updates")
