@@ -2,18 +2,19 @@
 every kind of write against a real ``mneme up`` (offline extraction: retains sync and
 async with tags, metadata, times and documents, document replacement and deletion, memory
 deletion, entity merges, renames and splits, directives, mental models, consolidation,
-ClearObservations, bank config updates, DeleteOpinion), then the log alone (with the bank
-keys it is sealed under) copied into a fresh data dir, ``mneme replay -d`` there, and
-everything the API reads compared between the live server and the rebuilt one: banks,
-stats, profiles, memories, documents, tags, entities (aliases, neighbours), observations,
-opinions, directives, mental models with revisions, operations and recall results with
-their scores. Then the same later calls on both must answer alike (the state no read
-shows: extraction's entity resolver, what consolidation decides from). Opinions need a
-model: offline there are none to compare.
+ClearObservations, bank config updates, DeleteOpinion; halfway a replay while serving,
+``CreateGeneration``), then the log alone (with the bank keys it is sealed under) copied
+into a fresh data dir, ``mneme replay -d`` there, and everything the API reads compared
+between the live server and the rebuilt one: banks, stats, profiles, memories,
+documents, tags, entities (aliases, neighbours), observations, opinions, directives,
+mental models with revisions, operations and recall results with their scores. Then
+the same later calls on both must answer alike (the state no read shows: extraction's
+entity resolver, what consolidation decides from). Opinions need a model: offline there
+are none to compare (tests/llm/test_replay_property_llm.py has them).
 
 ``MNEME_REPLAYPROP_SEED`` reruns another seed (the seed is in every failure message),
-``MNEME_REPLAYPROP_STEPS`` sets how many random calls a run makes (default 24: 20-40 s
-here; 70 takes about a minute)."""
+``MNEME_REPLAYPROP_STEPS`` sets how many random calls a run makes (default 24: 30-55 s
+here; 70 takes one to two minutes)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from mneme.v1 import operations_pb2
+from mneme.v1 import generations_pb2, operations_pb2
 from tests.e2e.server import Server
 from tests.waits import drained
 
@@ -288,7 +289,12 @@ def test_a_replay_into_a_fresh_data_dir_answers_every_read_as_the_live_server(tm
         with live.client(timeout=120) as m:
             m.upsert_bank(BANKS[0], store_documents=True)
             m.upsert_bank(BANKS[1], auto_consolidate=False)
-            work.run(m, STEPS)
+            work.run(m, STEPS // 2)
+            # a replay while serving (a new generation, switched to) halfway: the writes
+            # after it go on in the generation it built
+            g = m.replay(poll_s=0.2)
+            assert g.state == generations_pb2.Generation.LIVE and not g.check.problems, (SEED, g)
+            work.run(m, STEPS - STEPS // 2)
             for b in BANKS:
                 _ended(m, b)
             before = {b: snapshot(m, b) for b in BANKS}
