@@ -120,7 +120,8 @@ class Root:
         st = self.settings
         event_log = self._opened(open_event_log(st.url("bus"), **st.kafka_options()))
         topics.ensure(event_log, st.topic_partitions(), keys=self.distributed)
-        topics.require_history(event_log)  # TopicConfigError: history would expire
+        # TopicConfigError: history would expire, or the partition count changed
+        topics.require_history(event_log, st.partitions)
         return event_log
 
     @cached_property

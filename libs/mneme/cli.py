@@ -1669,7 +1669,7 @@ def topics_create():
         ensure(event_log, st.topic_partitions(), keys=kafka)
         for t in MANAGED_TOPICS if kafka else ALL_TOPICS:
             print(f"{t}\t{event_log.partitions(t)} partitions")
-        _report_topics(event_log)
+        _report_topics(event_log, st.partitions)
     finally:
         event_log.close()
 
@@ -1678,20 +1678,22 @@ def topics_create():
 def topics_check():
     """Check the topics of MNEME_BUS_URL: exit 1 when a history topic (intake, memory)
     would lose records (finite retention, or compaction), so that replay from offset 0
-    could not rebuild the projections; other configs that differ are warnings."""
+    could not rebuild the projections, or when a bank-keyed topic's partition count is not
+    MNEME_PARTITIONS or changed after records were written; other configs that differ
+    are warnings."""
     from mneme.bus.logs import open_event_log
     from mneme.config import Settings
     st = Settings()
     event_log = open_event_log(st.url("bus"), **st.kafka_options())
     try:
-        _report_topics(event_log)
+        _report_topics(event_log, st.partitions)
     finally:
         event_log.close()
 
 
-def _report_topics(event_log) -> None:
+def _report_topics(event_log, partitions: int | None) -> None:
     from mneme.bus.topics import check
-    report = check(event_log)
+    report = check(event_log, partitions)
     for w in report.warnings:
         console.print(f"warning {w}", style="yellow")
     for e in report.errors:

@@ -209,3 +209,90 @@ def test_a_record_limit_above_kafkas_default_is_given_to_the_topics_and_checked(
             "the setting"], errors
     finally:
         log.close()
+
+
+def _banks_that_move(old: int, new: int, count: int) -> list[str]:
+    """``count`` bank ids that ``new`` partitions route to another partition than
+    ``old`` partitions do."""
+    from mneme.bus import partition_for
+    names = (f"moved-{k}" for k in range(1000))
+    return [b for b in names if partition_for(b, old) != partition_for(b, new)][:count]
+
+
+def _produce_as_routed_by(broker, partitions: int, banks: list[str]) -> None:
+    """Records of ``banks`` on intake and memory, each on the partition ``partitions``
+    route it to: what a process started before partitions were added wrote."""
+    import asyncio
+
+    from aiokafka import AIOKafkaProducer
+
+    from mneme.bus import partition_for
+
+    async def produce() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap)
+        await producer.start()
+        try:
+            for t in (INTAKE, MEMORY):
+                for b in banks:
+                    await producer.send_and_wait(t, b"x", key=b.encode(),
+                                                 partition=partition_for(b, partitions))
+        finally:
+            await producer.stop()
+    asyncio.run(produce())
+
+
+def test_partitions_added_after_records_were_written_are_refused(broker, tmp_path):
+    """`kafka-topics --alter --partitions` (4 → 6) with MNEME_PARTITIONS raised to match:
+    Kafka's partitioner takes a key's hash modulo the count, so a bank's new records would
+    go to another partition than its old ones. Every process refuses to start, naming the
+    topic and both counts (tansu has no CreatePartitions: the topics are made as an
+    altered one is, 6 partitions holding records routed by 4)."""
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:
+        ensure(log, 6)
+        _produce_as_routed_by(broker, 4, _banks_that_move(4, 6, 8))
+        env = {**_env(broker, tmp_path), "MNEME_PARTITIONS": "6"}
+        out = subprocess.run([mneme_bin(), "topics", "check"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        said = out.stdout + out.stderr
+        assert out.returncode == 1 and "records were written with another count" in said, said
+        out = subprocess.run([mneme_bin(), "serve", "extraction"],
+                             env={**env, "MNEME_GRPC_ADDRESS": "127.0.0.1:0"},
+                             capture_output=True, text=True, timeout=120)
+        said = out.stdout + out.stderr
+        assert out.returncode == 1 and f"{MEMORY} has 6 partitions" in said, said
+        assert "Traceback" not in said and "history must never expire" not in said, said
+        errors = [e for e in check(log, 6).errors if "written with another count" in e]
+        assert [e.split(" ", 1)[0] for e in errors] == [INTAKE, MEMORY], errors
+        assert f"{INTAKE} has 6 partitions" in errors[0] and "fit 4" in errors[0], errors
+        assert "Partitions changed" in errors[0]
+    finally:
+        log.close()
+
+
+def test_a_partition_count_other_than_mneme_partitions_is_refused(broker, tmp_path):
+    """MNEME_PARTITIONS changed between deploys (or topics made by hand with another
+    count): `mneme topics create` keeps the existing topics, so the setting and the
+    topics disagree; both commands and a service say so instead of going on."""
+    env = {**_env(broker, tmp_path), "MNEME_PARTITIONS": "4"}
+    out = subprocess.run([mneme_bin(), "topics", "create"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    env["MNEME_PARTITIONS"] = "6"
+    for cmd in (["topics", "create"], ["topics", "check"], ["serve", "ingest"]):
+        out = subprocess.run([mneme_bin(), *cmd],
+                             env={**env, "MNEME_GRPC_ADDRESS": "127.0.0.1:0"},
+                             capture_output=True, text=True, timeout=120)
+        said = out.stdout + out.stderr
+        assert out.returncode == 1, (cmd, said)
+        assert (f"{INTAKE} and {MEMORY} and {PROGRESS} and mneme.reflect.v1 have 4 "
+                "partitions but MNEME_PARTITIONS=6") in said, (cmd, said)
+        assert "set MNEME_PARTITIONS=4" in said, (cmd, said)
+    log = open_event_log(broker.url, **KAFKA_TEST_OPTIONS)
+    try:  # records routed by the topics' own count pass the check
+        from mneme.ports import OutRecord
+        log.append([OutRecord(t, f"bank-{k}", b"x", {}) for t in (INTAKE, MEMORY)
+                    for k in range(12)])
+        assert check(log, 4).errors == []
+    finally:
+        log.close()

@@ -497,6 +497,47 @@ class KafkaEventLog:
                 out[(tp.topic, tp.partition)] = c.highwater(tp)
         return out
 
+    def edge_keys(self, topics: Sequence[str], timeout: float = 10.0
+                  ) -> dict[tuple[str, int], list[str]]:
+        """The keys of the first and the last record of every partition of ``topics``:
+        (topic, partition) → [first key, last key] (an empty partition is left out, and
+        so is one whose records do not arrive within ``timeout`` seconds). Two fetch
+        rounds over all the partitions at once, whatever the log's length: what
+        :func:`mneme.bus.topics.check` compares with each key's partition."""
+        return self._loop.run(self._edge_keys(list(topics), timeout))
+
+    async def _edge_keys(self, topics: list[str], timeout: float
+                         ) -> dict[tuple[str, int], list[str]]:
+        tps = [TopicPartition(t, p) for t in topics for p in range(await self._partitions(t))]
+        ends = await self._end_offsets(tps)
+        live = [tp for tp in tps if ends[(tp.topic, tp.partition)] > 0]
+        out: dict[tuple[str, int], list[str]] = {}
+        if not live:
+            return out
+        async with self._lock:
+            c = self._reader
+            c.assign(live)
+            self._reader_next = {}
+            try:
+                starts = await c.beginning_offsets(live)
+            except KafkaError:
+                starts = {}
+            for last in (False, True):
+                for tp in live:
+                    start = starts.get(tp, 0)
+                    c.seek(tp, max(start, ends[(tp.topic, tp.partition)] - 1) if last
+                           else start)
+                got: dict[TopicPartition, bytes | None] = {}
+                deadline = time.monotonic() + timeout
+                while len(got) < len(live) and time.monotonic() < deadline:
+                    for tp, msgs in (await c.getmany(timeout_ms=50)).items():
+                        if msgs and tp not in got:  # the first one at the seek offset
+                            got[tp] = msgs[0].key
+                for tp, key in got.items():
+                    out.setdefault((tp.topic, tp.partition), []).append(
+                        (key or b"").decode("utf-8", "replace"))
+        return out
+
     # ---- consumer groups ---------------------------------------------------------
 
     async def _group_client(self, group: str) -> AIOKafkaConsumer:

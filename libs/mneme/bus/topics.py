@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mneme.bus import (ALL_TOPICS, AUDIT, DLQ, HISTORY_TOPICS, INTAKE, KEYS, MANAGED_TOPICS,
-                       MEMORY, default_partitions)
+                       MEMORY, default_partitions, partition_for)
 from mneme.errors import ConfigurationError
 
 
@@ -27,11 +27,14 @@ class TopicConfigError(ConfigurationError):
 
 @dataclass
 class Report:
-    """What :func:`check` found: ``errors`` (history topics that would lose records) and
-    ``warnings`` (other configs that differ from mneme's), one line each."""
+    """What :func:`check` found: ``errors`` (history topics that would lose records,
+    partition counts a bank's records cannot be routed by) and ``warnings`` (other configs
+    that differ from mneme's), one line each; ``expiring``: some error is a history topic
+    whose records would expire or be compacted away."""
 
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    expiring: bool = False
 
 
 def ensure(log, partitions: int | None = None, keys: bool = True) -> None:
@@ -44,10 +47,13 @@ def ensure(log, partitions: int | None = None, keys: bool = True) -> None:
                          else partitions or default_partitions(t))
 
 
-def check(log) -> Report:
+def check(log, partitions: int | None = None) -> Report:
     """Compare the topics' configs on ``log`` with mneme's (a log without
     ``topic_configs``, the embedded one, passes); a missing topic is an error naming
-    ``mneme topics create``."""
+    ``mneme topics create``. On Kafka, a bank-keyed topic (:data:`BANK_KEYED`) is also an
+    error when its partition count is not ``partitions`` (``MNEME_PARTITIONS`` when set;
+    None: not compared, the topics' own count is used) or when the first or last record of one of its partitions is not on the
+    partition its key is routed to now (partitions were added after it was written)."""
     report = Report()
     counts = {t: log.partitions(t) for t in CO_PARTITIONED}
     if len(set(counts.values()) - {0}) > 1:
@@ -60,6 +66,7 @@ def check(log) -> Report:
     if describe is None:
         return report
     have = describe(list(MANAGED_TOPICS))
+    report.errors += _partition_errors(log, partitions)
     for t in MANAGED_TOPICS:
         if not log.partitions(t):  # its configs would read as "not set"
             report.errors.append(f"{t} does not exist: create the topics with "
@@ -80,13 +87,16 @@ def check(log) -> Report:
             for name in ("retention.ms", "retention.bytes"):
                 value = got.get(name)
                 if value is None and name == "retention.ms":
+                    report.expiring = True
                     report.errors.append(f"{t}: retention.ms is not set, so the broker's "
                                          "default applies (7 days on Apache Kafka): history "
                                          "would expire; set retention.ms=-1")
                 elif value is not None and value != "-1":
+                    report.expiring = True
                     report.errors.append(f"{t}: {name}={value} would expire history; "
                                          f"set {name}=-1")
             if "compact" in got.get("cleanup.policy", ""):
+                report.expiring = True
                 report.errors.append(f"{t}: cleanup.policy={got['cleanup.policy']} would "
                                      "drop a bank's older events; set cleanup.policy=delete")
             continue
@@ -95,6 +105,57 @@ def check(log) -> Report:
                 report.warnings.append(f"{t}: {name}={got[name]} (mneme creates it with "
                                        f"{value})")
     return report
+
+
+#: Topics keyed by bank and created with ``MNEME_PARTITIONS`` partitions: a bank's records
+#: are on partition ``partition_for(bank, count)``, so the count must never change.
+BANK_KEYED: tuple[str, ...] = tuple(t for t in ALL_TOPICS if t not in (DLQ, AUDIT))
+
+_SEE = "see the README's Runbook, \"Partitions changed\""
+
+
+def _partition_errors(log, partitions: int | None) -> list[str]:
+    """Bank-keyed topics whose partition count is not ``partitions``, or whose records
+    sit on partitions their keys are no longer routed to (Kafka's partitioner takes the
+    key's hash modulo the count, so another count moves most banks)."""
+    errors = []
+    other: dict[int, list[str]] = {}  # count → the topics that have it
+    for t in BANK_KEYED:
+        n = log.partitions(t)
+        if partitions and n and n != partitions:
+            other.setdefault(n, []).append(t)
+    for n, names in other.items():
+        errors.append(
+            f"{' and '.join(names)} {'has' if len(names) == 1 else 'have'} {n} partitions "
+            f"but MNEME_PARTITIONS={partitions}: a bank's records are routed by the "
+            f"partition count, which must stay what the topics were created with; set "
+            f"MNEME_PARTITIONS={n} on every process (an existing topic keeps its "
+            f"partitions), or {_SEE}")
+    edge_keys = getattr(log, "edge_keys", None)
+    if edge_keys is None:
+        return errors
+    keyed = [t for t in BANK_KEYED if log.partitions(t)]
+    samples: dict[str, list[tuple[int, str]]] = {t: [] for t in keyed}
+    for (t, p), keys in sorted(edge_keys(keyed).items()):
+        samples[t].extend((p, k) for k in keys)
+    for t, placed in samples.items():
+        n = log.partitions(t)
+        wrong = [(p, k) for p, k in placed if partition_for(k, n) != p]
+        if not wrong:
+            continue
+        p, k = wrong[0]
+        fits = [m for m in range(max(q for q, _ in placed) + 1, n)  # Kafka only adds
+                if all(partition_for(key, m) == q for q, key in placed)]
+        then = (f"; its records fit {' or '.join(map(str, fits[:3]))} partitions"
+                if fits else "")
+        errors.append(
+            f"{t} has {n} partitions but its records were written with another count "
+            f"(bank {k!r} is on partition {p}, and {n} partitions route it to "
+            f"{partition_for(k, n)}{then}): partitions were added after records were "
+            f"written, so a bank's new records would go to another partition than its old "
+            f"ones (out of order, and restored by the wrong replica); Kafka cannot remove "
+            f"partitions: {_SEE}")
+    return errors
 
 
 def _key_topic_errors(got: dict[str, str], partitions: int) -> list[str]:
@@ -119,16 +180,17 @@ def _key_topic_errors(got: dict[str, str], partitions: int) -> list[str]:
 CO_PARTITIONED = (INTAKE, MEMORY)
 
 
-def require_history(log) -> None:
-    """Raise TopicConfigError when :func:`check` finds errors (the service refuses to
-    start: fix the topics with ``kafka-configs --alter`` or recreate them with ``mneme
-    topics create``)."""
-    errors = check(log).errors
-    if errors:
-        raise TopicConfigError("the event log's topics are not as mneme needs them "
-                               "(history must never expire, so that replay and restore "
-                               "can rebuild the projections): "
-                               + "; ".join(errors) + " (see `mneme topics check`)")
+def require_history(log, partitions: int | None = None) -> None:
+    """Raise TopicConfigError when :func:`check` (with ``partitions``, MNEME_PARTITIONS)
+    finds errors (the service refuses to start: fix the topics with ``kafka-configs
+    --alter`` or recreate them with ``mneme topics create``)."""
+    report = check(log, partitions)
+    if report.errors:
+        why = (" (history must never expire, so that replay and restore can rebuild the "
+               "projections)" if report.expiring else "")
+        raise TopicConfigError("the event log's topics are not as mneme needs them"
+                               + why + ": " + "; ".join(report.errors)
+                               + " (see `mneme topics check`)")
 
 
-__all__ = ["Report", "TopicConfigError", "check", "ensure", "require_history"]
+__all__ = ["BANK_KEYED", "Report", "TopicConfigError", "check", "ensure", "require_history"]
