@@ -49,10 +49,12 @@ def master_key():
 
 
 class Tansu:
-    """A tansu broker subprocess; ``url`` is ``kafka://127.0.0.1:PORT``."""
+    """A tansu broker subprocess; ``url`` is ``kafka://127.0.0.1:PORT`` (``port``: a free
+    one, or a given one, e.g. a stopped broker's to start it again: empty, since tansu's
+    memory storage keeps nothing)."""
 
-    def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
+    def __init__(self, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.url = f"kafka://{self.bootstrap}"
         listener = f"tcp://{self.bootstrap}"

@@ -131,3 +131,33 @@ def test_service_is_not_serving_until_the_broker_answers(tmp_path, tansu):
             time.sleep(0.1)
     finally:
         up.stop()
+
+
+def test_topics_lost_by_the_brokers_turn_the_log_unhealthy_and_writes_unavailable(tmp_path):
+    """The brokers come back without mneme's topics (tansu's memory storage after a
+    restart; on Kafka a topic deleted or recreated with fewer partitions under the running
+    process): the ping that gRPC health asks is False, and a write fails as Unavailable
+    naming the topic -- it answered gRPC UNKNOWN with aiokafka's bare "Unrecognized
+    partition" assertion, while health said SERVING."""
+    from mneme.bus import INTAKE
+    from mneme.bus.logs import open_event_log
+    from mneme.bus.topics import ensure
+    from mneme.errors import Unavailable
+    from mneme.ports import OutRecord
+    from tests.integration.conftest import Tansu, _require_tansu
+    _require_tansu()
+    broker = Tansu(tmp_path / "tansu.log")
+    log = open_event_log(broker.url, **{**KAFKA_TEST_OPTIONS, "request_timeout_ms": 3000})
+    try:
+        ensure(log, 12)
+        log.append([OutRecord(INTAKE, f"bank-{k}", b"x", {}) for k in range(12)])
+        assert log.ping()
+        broker.stop()
+        assert not log.ping()  # away
+        broker = Tansu(tmp_path / "tansu.log", port=broker.port)  # back, empty
+        assert not log.ping()
+        with pytest.raises(Unavailable, match=INTAKE):
+            log.append([OutRecord(INTAKE, f"bank-{k}", b"x", {}) for k in range(12)])
+    finally:
+        log.close()
+        broker.stop()

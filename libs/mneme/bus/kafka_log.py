@@ -221,6 +221,7 @@ class KafkaEventLog:
         self.options = options or KafkaOptions()
         self._loop = _LoopThread(f"kafka-{self.options.client_id}")
         self._pcache: dict[str, int] = {}
+        self._lost: dict[str, tuple[int, int]] = {}  # what the last ping found missing
         self._groups: dict[str, AIOKafkaConsumer] = {}   # offset queries/simple commits
         self._closed = False
         try:
@@ -285,14 +286,26 @@ class KafkaEventLog:
         self._reader_next: dict[TopicPartition, int] = {}
 
     def ping(self, timeout: float = 5.0) -> bool:
-        """True when a broker answers a metadata request within ``timeout`` seconds."""
+        """True when a broker answers a metadata request within ``timeout`` seconds and
+        every topic this log has used still has at least the partitions it had then
+        (False, with an error logged, for a topic deleted or recreated smaller under the
+        running process: its writes would fail or land on another log)."""
         if self._closed:
             return False
         try:
-            self._loop.run(self._meta.fetch_all_metadata(), timeout)
-            return True
+            md = self._loop.run(self._meta.fetch_all_metadata(), timeout)
         except Exception:
             return False
+        lost = {t: (n, len(md.partitions_for_topic(t) or ()))
+                for t, n in list(self._pcache.items())}
+        lost = {t: c for t, c in lost.items() if c[1] < c[0]}
+        if lost and lost != self._lost:
+            log.error("the brokers at %s lost topics this process uses: %s; its writes "
+                      "are refused until they are restored (then restart it)",
+                      self.bootstrap_servers, ", ".join(
+                          f"{t} has {now} partitions, had {n}" for t, (n, now) in lost.items()))
+        self._lost = lost
+        return not lost
 
     # ---- topics ------------------------------------------------------------------
 
@@ -398,6 +411,14 @@ class KafkaEventLog:
             n = await self._partitions(r.topic) or await self._ensure_topic(
                 r.topic, default_partitions(r.topic))
             p = partition_for(r.key, n)
+            if r.topic in self._lost or p not in (
+                    await self._producer.partitions_for(r.topic) or ()):
+                # the topic was deleted or recreated with fewer partitions meanwhile (as
+                # the last ping found, or the producer's metadata says: aiokafka would
+                # fail the send with a bare assertion, or some brokers create it anew)
+                raise KafkaError(f"{r.topic} has no partition {p} on the brokers any more "
+                                 f"(it had {n} partitions): the topic was deleted or "
+                                 f"recreated under the running process")
             with refused_as_too_large(r):  # a client's request, not the brokers failing
                 futures.append(await self._producer.send(
                     r.topic, bytes(r.value), key=r.key.encode("utf-8"), partition=p,
