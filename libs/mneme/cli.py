@@ -279,6 +279,8 @@ def serve(service: str = typer.Argument(..., help="ingest | extraction | search 
     check_environment()
     logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
+    from mneme.logrepeat import limit_repeats
+    limit_repeats()  # a broker away: aiokafka logs every reconnect of every client
     overrides = {}
     if data_dir:
         overrides["data_dir"] = data_dir

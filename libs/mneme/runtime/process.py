@@ -286,6 +286,8 @@ def main_service(name: str) -> None:
         raise SystemExit(1)
     logging.basicConfig(level=os.environ.get("MNEME_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    from mneme.logrepeat import limit_repeats
+    limit_repeats()  # a broker away: aiokafka logs every reconnect of every client
     run_service(name, settings)
 
 
