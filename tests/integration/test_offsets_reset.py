@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 import pytest
 
 from mneme.bootstrap import services
+from mneme.bus import DLQ
 from mneme.bus.logs import open_event_log
 from mneme.client import MnemeClient
 from mneme.router import group_ids
@@ -113,12 +114,17 @@ def test_groups_reset_to_earliest_handle_everything_again_without_duplicates(
                                             "document_id": "onboarding"}],
                                     request_id=f"doc-{n}").operation.state == 3
                 m.consolidate(bank)
+            m.upsert_bank("reset-gone")  # deleted before the reset: its keys destroyed
+            assert m.retain("reset-gone", [{"content": "Eve hid the key.", "timestamp": AT}]
+                            ).operation.state == 3
+            m.delete_bank("reset-gone")
         with MnemeClient(cluster.address["ingest"], timeout=60) as s:
             for bank in BANKS:
                 drained(s, bank)
         _wait_lag_zero(log)
         before, ops_before = _snapshot(cluster.address["search"]), \
             _operations(cluster.address["ingest"])
+        dead = sum(log.end_offset(DLQ, p) for p in range(log.partitions(DLQ)))
         assert all(b["memories"] and b["entities"] for b in before.values()), before
 
         cluster.stop()
@@ -136,6 +142,10 @@ def test_groups_reset_to_earliest_handle_everything_again_without_duplicates(
             for part in before[bank]:
                 assert after[bank][part] == before[bank][part], (bank, part)
         assert _operations(cluster.address["ingest"]) == ops_before
+        with MnemeClient(cluster.address["ingest"], timeout=60) as m:
+            assert sorted(b.name for b in m.list_banks()) == [f"banks/{b}" for b in BANKS]
+        # the deleted bank's records, unreadable now, are not dead letters
+        assert sum(log.end_offset(DLQ, p) for p in range(log.partitions(DLQ))) == dead
     finally:
         log.close()
         cluster.stop()
