@@ -146,9 +146,9 @@ def test_topics_lost_by_the_brokers_turn_the_log_unhealthy_and_writes_unavailabl
     from mneme.ports import OutRecord
     from tests.integration.conftest import Tansu, _require_tansu
     _require_tansu()
-    broker = Tansu(tmp_path / "tansu.log")
-    log = open_event_log(broker.url, **{**KAFKA_TEST_OPTIONS, "request_timeout_ms": 3000})
+    broker, log = Tansu(tmp_path / "tansu.log"), None
     try:
+        log = open_event_log(broker.url, **{**KAFKA_TEST_OPTIONS, "request_timeout_ms": 3000})
         ensure(log, 12)
         log.append([OutRecord(INTAKE, f"bank-{k}", b"x", {}) for k in range(12)])
         assert log.ping()
@@ -159,5 +159,6 @@ def test_topics_lost_by_the_brokers_turn_the_log_unhealthy_and_writes_unavailabl
         with pytest.raises(Unavailable, match=INTAKE):
             log.append([OutRecord(INTAKE, f"bank-{k}", b"x", {}) for k in range(12)])
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         broker.stop()
