@@ -159,3 +159,61 @@ def resource_shortage(exc: BaseException) -> str | None:
             if needle in text:
                 return what
     return None
+
+
+#: Store clients' errors that mean "the store server did not answer" (refused, reset,
+#: timed out, restarting), as (top-level module, class name) so this module imports no
+#: client library: redis-py (FalkorDB), the Neo4j driver, opensearch-py, and httpx
+#: (Qdrant's client; qdrant's ResponseHandlingException carries it as ``source``).
+_UNREACHABLE = frozenset({
+    ("redis", "ConnectionError"), ("redis", "TimeoutError"),
+    ("neo4j", "ServiceUnavailable"), ("neo4j", "SessionExpired"),
+    ("opensearchpy", "ConnectionError"),
+    ("httpx", "TransportError"),
+})
+
+#: Clients of model providers: their connection errors are the provider's, which the
+#: model gateway reports in its own words (a model error fails the item, not the store).
+_MODEL_CLIENTS = ("litellm", "openai", "mneme.llm")
+
+
+def store_unavailable(exc: BaseException) -> str | None:
+    """The failure when ``exc`` (or an exception it was raised from) says a store server
+    did not answer — refused, reset or timed out a connection (the builtin
+    ``ConnectionError`` and ``TimeoutError`` raised by a socket, or a store client's own:
+    see :data:`_UNREACHABLE`) — as ``"ConnectionError: <message>"``; None for any other
+    error. Like :func:`resource_shortage`, such a failure is the server's, not the
+    event's: the same work succeeds once the store answers again, so a consumer handles
+    the record again later instead of dead-lettering it, and a caller gets UNAVAILABLE.
+    A model provider's connection error is not a store's: the chain is read only down
+    to the first error of a model client or another server's report."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and not isinstance(e, MnemeError):
+        seen.add(id(e))
+        chain.append(e)
+        source = getattr(e, "source", None)  # qdrant_client's ResponseHandlingException
+        e = e.__cause__ or e.__context__ or (source if isinstance(source, BaseException)
+                                             else None)
+    for e in chain:
+        if isinstance(e, RemoteError) or type(e).__module__.startswith(_MODEL_CLIENTS):
+            return None  # it and what it was raised from are the model's
+        unreachable = isinstance(e, (ConnectionError, TimeoutError)) or any(
+            (k.__module__.split(".")[0], k.__name__) in _UNREACHABLE
+            for k in type(e).__mro__)
+        if unreachable:
+            return f"{type(e).__name__}: {e}"
+    return None
+
+
+def held_back(exc: BaseException) -> str | None:
+    """Why ``exc`` is the server's failure rather than its event's, so a consumer handles
+    the record again later instead of dead-lettering it: "disk space" or "open files"
+    (:func:`resource_shortage`), or "a store that answers (ConnectionError: …)"
+    (:func:`store_unavailable`); None for any other error."""
+    short = resource_shortage(exc)
+    if short is not None:
+        return short
+    down = store_unavailable(exc)
+    return None if down is None else f"a store that answers ({down})"

@@ -219,8 +219,8 @@ class ValidationInterceptor(grpc.ServerInterceptor):
     ``BadRequest`` naming each field. Requests in :data:`mneme.limits.PER_ITEM` pass
     the limits unchecked: their method runs the same check once and fails bad items
     alone. A call that fails because the server ran out of disk space or open files
-    (:func:`mneme.errors.resource_shortage`) is RESOURCE_EXHAUSTED saying which, not
-    UNKNOWN. Other services (health, reflection) pass unchecked."""
+    (:func:`mneme.errors.resource_shortage`) is RESOURCE_EXHAUSTED saying which, and one
+    whose store server does not answer is UNAVAILABLE, not UNKNOWN. Other services (health, reflection) pass unchecked."""
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -244,13 +244,20 @@ class ValidationInterceptor(grpc.ServerInterceptor):
 
 def _short_of_resources(behaviour, streaming):
     """``behaviour`` with a failure for want of disk space or open files answered
-    RESOURCE_EXHAUSTED naming the shortage (the client may retry once room is made);
-    any other error passes unchanged."""
-    from mneme.errors import resource_shortage
+    RESOURCE_EXHAUSTED naming the shortage (the client may retry once room is made), and
+    one of a store server that does not answer (:func:`mneme.errors.store_unavailable`)
+    UNAVAILABLE with the store client's error; any other error passes unchanged."""
+    from mneme.errors import resource_shortage, store_unavailable
 
     def refuse(context, e: Exception) -> None:
         what = resource_shortage(e)
         if what is None:
+            down = store_unavailable(e)
+            if down is not None:  # retryable; a bug's UNKNOWN would not be retried
+                log.warning("a call failed: a store does not answer: %s", down)
+                abort_with(context, grpc.StatusCode.UNAVAILABLE,
+                           f"a store of the server does not answer ({down}); retry later",
+                           "STORE_UNAVAILABLE")
             return
         log.warning("a call failed for want of %s: %s", what, e)
         abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -1177,3 +1177,62 @@ def test_a_record_failing_for_want_of_disk_or_files_is_handled_again_not_dead_le
     c._positions.clear()  # (as the run loop does after a failed pass)
     assert c.run_once() == 1
     assert all_records(elog, DLQ) == [] and sum(c.lag().values()) == 0
+
+
+def _store_errors():
+    import httpx
+    import redis.exceptions
+    from qdrant_client.http.exceptions import ResponseHandlingException
+    return [redis.exceptions.ConnectionError("Error 111 connecting to graph.sock. Connection refused."),
+            redis.exceptions.TimeoutError("Timeout reading from socket"),
+            ResponseHandlingException(httpx.ConnectError("All connection attempts failed")),
+            ConnectionRefusedError(111, "Connection refused")]
+
+
+@pytest.mark.parametrize("unreachable", _store_errors(), ids=lambda e: type(e).__name__)
+def test_a_record_failing_while_its_store_is_unreachable_is_handled_again_not_dead_lettered(
+        elog, unreachable):
+    """The embedded graph server stopped (SIGSTOP) or died for ~30 s: search's three quick
+    retries of a FactsExtracted failed with the store client's ConnectionError /
+    TimeoutError, the record was dead-lettered and its retain FAILED for good, although
+    the same write succeeds once the store answers (and a re-drive from the DLQ could
+    not make the operation succeed). Such a record is not committed: the pass stops, and a
+    later pass handles it."""
+    back = threading.Event()
+
+    def handler(env, record):
+        if not back.is_set():
+            raise unreachable
+        return []
+
+    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1,
+                                          facts=[ev.Fact(id="f1", text="x")]),
+                        bank_id="b1", source="t")])
+    with pytest.raises(Exception) as stopped:  # (the old code dead-lettered: no raise)
+        c.run_once()
+    assert type(stopped.value).__name__ == "ShortOfResources", stopped.value
+    assert all_records(elog, DLQ) == [] and all_records(elog, PROGRESS) == []
+    assert sum(c.lag().values()) == 1  # not committed
+    back.set()
+    c._positions.clear()  # (as the run loop does after a failed pass)
+    assert c.run_once() == 1
+    assert all_records(elog, DLQ) == [] and sum(c.lag().values()) == 0
+
+
+def test_a_model_endpoint_that_is_unreachable_is_not_taken_for_a_store():
+    """A model provider's connection error (litellm's, raised from httpx's) is the model's:
+    it still fails the item or dead-letters as before, never loops as a store outage."""
+    import httpx
+    import litellm
+    from mneme.errors import store_unavailable
+    try:
+        try:
+            raise httpx.ConnectError("All connection attempts failed")
+        except httpx.ConnectError as e:
+            raise litellm.APIConnectionError(message="Connection error.", llm_provider="openai",
+                                             model="m") from e
+    except litellm.APIConnectionError as e:
+        model_error = e
+    assert store_unavailable(model_error) is None
+    assert store_unavailable(ValueError("Connection refused")) is None  # words alone: no

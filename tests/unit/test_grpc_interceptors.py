@@ -214,3 +214,25 @@ def test_a_shortage_met_while_handling_a_request_error_is_still_one():
             raise OSError(28, "No space left on device")
     except OSError as e:
         assert resource_shortage(e) == "disk space"
+
+
+def test_a_call_failing_while_a_store_server_is_unreachable_is_unavailable():
+    """With the embedded graph server stopped, Recall and GetBankStats answered UNKNOWN
+    ("Exception calling application: Timeout reading from socket"), which clients do not
+    retry and which tells the operator nothing: it is UNAVAILABLE (retryable), saying a
+    store of the server does not answer, with the client's error."""
+    import redis.exceptions
+
+    def fail(req, ctx):
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+    call = _intercepted("/mneme.v1.BankService/UpsertBank", fail)
+    ctx = _Context(5.0)
+    with pytest.raises(_Aborted):
+        call(directives_pb2.CreateDirectiveRequest(parent="banks/b"), ctx)
+    assert ctx.status.code == grpc.StatusCode.UNAVAILABLE
+    assert "store" in ctx.status.details and "Timeout reading from socket" in ctx.status.details
+    from google.rpc import error_details_pb2, status_pb2
+    details = status_pb2.Status.FromString(
+        dict(ctx.status.trailing_metadata)["grpc-status-details-bin"]).details
+    info = error_details_pb2.ErrorInfo()
+    assert details[-1].Unpack(info) and info.reason == "STORE_UNAVAILABLE"

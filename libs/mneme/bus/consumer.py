@@ -14,9 +14,10 @@ Failure policy (per record):
   retried with exponential backoff (``max_attempts`` in all); if it still fails it is
   dead-lettered (:mod:`mneme.bus.dead_letter`: the DLQ copy, and the failed progress of
   its operation) in the same transaction that commits its offset.
-  A record that still fails for want of disk space or open files is not dead-lettered:
-  the pass stops (:class:`ShortOfResources`) and the record is handled again after the
-  backoff below, until there is room.
+  A record that still fails for want of disk space or open files, or because a store
+  server does not answer (:func:`mneme.errors.held_back`), is not dead-lettered: the
+  pass stops (:class:`ShortOfResources`) and the record is handled again after the
+  backoff below, until there is room or the store is back.
 
 When the log itself fails (a read or commit raises, e.g. the embedded log is damaged),
 the runner backs off exponentially up to ``error_backoff_max`` seconds and logs the
@@ -52,7 +53,7 @@ from mneme import deadline, retry, telemetry
 from mneme.bus import DLQ, StaleCommitError, dead_letter, default_partitions
 from mneme.bus.codec import Envelope, decode
 from mneme.bus.sealing import check_opened, erased_record
-from mneme.errors import Cancelled, resource_shortage
+from mneme.errors import Cancelled, held_back
 from mneme.ports import EventLog, OutRecord, Record
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ class FlushFailed(RuntimeError):
 
 
 class ShortOfResources(RuntimeError):
-    """A record's handler still failed for want of disk space or open files after its
-    retries (:func:`mneme.errors.resource_shortage`): the pass stops there, nothing of
+    """A record's handler still failed for want of disk space or open files, or of a
+    store server that does not answer, after its retries (:func:`mneme.errors.held_back`):
+    the pass stops there, nothing of
     the record is committed, and the record is handled again after a backoff. Such a
     failure is the process's, not the record's: dead-lettering it would fail its
     operation and leave its effects out of the projections for good."""
@@ -473,11 +475,12 @@ class Consumer:
         except Exception as last:
             if stopping(last):
                 return None
-            short = resource_shortage(last)
+            short = held_back(last)
             if short is not None:
                 raise ShortOfResources(
                     f"consumer {self.group}: {rec.topic}[{rec.partition}]@{rec.offset} "
-                    f"failed for want of {short}; handled again later: {last!r}") from last
+                    f"(bank {rec.key}) failed for want of {short}; handled again later: "
+                    f"{type(last).__name__}: {last}") from last
             return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,

@@ -70,7 +70,7 @@ from mneme.bus.codec import CONTENT_TYPE, Envelope, decode, event_type
 from mneme.bus.kafka_log import KafkaOptions, record_of, refused_as_too_large
 from mneme.bus.sealing import erased_record
 from mneme.datadir import write_atomic
-from mneme.errors import Cancelled, RecordTooLarge, resource_shortage
+from mneme.errors import Cancelled, RecordTooLarge, held_back
 from mneme.ports import OutRecord, Record
 from mneme.router import Router, Service, meta_of
 
@@ -469,11 +469,12 @@ class DeliveryMiddleware(BaseMiddleware):
                     await msg.nack()
                     return None
                 except Exception as exc:
-                    short = resource_shortage(exc)
+                    short = held_back(exc)
                     if short is not None:  # the process's failure: handle it again later
-                        log.error("consumer %s: %s[%d]@%d failed for want of %s; handled "
-                                  "again after a backoff: %r", run.group, rec.topic,
-                                  rec.partition, rec.offset, short, exc)
+                        log.error("consumer %s: %s[%d]@%d (bank %s) failed for want of %s; "
+                                  "handled again after a backoff: %s: %s", run.group,
+                                  rec.topic, rec.partition, rec.offset, rec.key, short,
+                                  type(exc).__name__, exc)
                         await msg.nack()
                         await delivery.sleep(delivery.backoff_max)
                         return None
