@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -1236,3 +1237,28 @@ def test_a_model_endpoint_that_is_unreachable_is_not_taken_for_a_store():
         model_error = e
     assert store_unavailable(model_error) is None
     assert store_unavailable(ValueError("Connection refused")) is None  # words alone: no
+
+
+def test_the_log_lines_of_a_failing_record_name_its_bank_event_and_operation(elog, caplog):
+    """An operator paged for a dead letter read only "consumer search: dead-lettering
+    mneme.memory.v1[0]@4 after 3 attempts: network:ConnectionError" (redis' repr): no
+    bank, event or operation to follow the request by (GetOperation, the DLQ listing,
+    the trace), and not even the error's message. The retry warnings and the dead-letter
+    line now carry the bank, the event's type and id, its operation and the error."""
+    def handler(env, record):
+        raise RuntimeError("graph store refused the text")
+
+    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
+    [rec] = elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1",
+                                                  items_total=1, facts=[ev.Fact(id="f1")]),
+                                bank_id="b1", source="t")])
+    with caplog.at_level(logging.WARNING):
+        while c.run_once():
+            pass
+    [event_id] = [v for k, v in rec.headers.items() if k == "ce_id"]
+    lines = [r.getMessage() for r in caplog.records if "mneme.memory.v1" in r.getMessage()]
+    assert len(lines) == 2, lines  # the retry's warning and the dead letter's error
+    for line in lines:
+        for part in ("bank b1", "FactsExtracted", event_id, "operations/op1",
+                     "RuntimeError: graph store refused the text"):
+            assert part in line, (part, line)

@@ -459,9 +459,9 @@ class Consumer:
             return self._call(env, rec)
 
         def warn(state: tenacity.RetryCallState) -> None:
-            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", self.group,
-                        rec.topic, rec.partition, rec.offset, state.attempt_number,
-                        self.max_attempts, state.outcome.exception())
+            log.warning("consumer %s: %s failed (attempt %d/%d): %s", self.group,
+                        dead_letter.describe(rec, env), state.attempt_number,
+                        self.max_attempts, dead_letter.error_text(state.outcome.exception()))
 
         stopping = lambda e: isinstance(e, Cancelled) and self._stop.is_set()  # noqa: E731
         policy = tenacity.Retrying(
@@ -478,9 +478,9 @@ class Consumer:
             short = held_back(last)
             if short is not None:
                 raise ShortOfResources(
-                    f"consumer {self.group}: {rec.topic}[{rec.partition}]@{rec.offset} "
-                    f"(bank {rec.key}) failed for want of {short}; handled again later: "
-                    f"{type(last).__name__}: {last}") from last
+                    f"consumer {self.group}: {dead_letter.describe(rec, env)} failed for "
+                    f"want of {short}; handled again later: "
+                    f"{dead_letter.error_text(last)}") from last
             return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,

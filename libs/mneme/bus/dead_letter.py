@@ -62,6 +62,23 @@ def _observations_kind(m: Message) -> str | None:
     return "consolidate" if m.trigger in CONSOLIDATION_REQUEST_TRIGGERS else None
 
 
+def describe(rec: Record, env: Envelope | None = None) -> str:
+    """``rec`` for a log line an operator follows a request by: its place, bank, event
+    type and id and, when its event belongs to one, its operation —
+    ``mneme.memory.v1[0]@4 (bank b1, FactsExtracted 3f…, operations/op1)``."""
+    headers = dict(rec.headers)
+    kind = (headers.get("ce_type") or "?").rsplit(".", 1)[-1]
+    op = getattr(env.message, "operation_id", "") if env is not None and env.message else ""
+    return (f"{rec.topic}[{rec.partition}]@{rec.offset} (bank {rec.key or '-'}, {kind} "
+            f"{headers.get('ce_id') or '-'}" + (f", operations/{op})" if op else ")"))
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` as ``Type: message`` (a store client's repr may say only
+    ``network:ConnectionError``)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 #: Operation kind of each event type that belongs to an operation (message name → kind
 #: or a function of the message giving the kind, None for "not an operation's work").
 OPERATION_KINDS: dict[str, str | Callable[[Message], str | None]] = {
@@ -115,11 +132,11 @@ def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Env
     (:func:`operation_failed`); [] for a record read from ``dlq_topic`` itself."""
     telemetry.count_dead_letter(group, rec.topic)
     if rec.topic == dlq_topic:
-        log.error("consumer %s: dropping dead letter %s[%d]@%d after %d attempts: %r",
-                  group, rec.topic, rec.partition, rec.offset, attempts, exc)
+        log.error("consumer %s: dropping dead letter %s after %d attempts: %s",
+                  group, describe(rec, env), attempts, error_text(exc))
         return []
-    log.error("consumer %s: dead-lettering %s[%d]@%d after %d attempts: %r", group,
-              rec.topic, rec.partition, rec.offset, attempts, exc)
+    log.error("consumer %s: dead-lettering %s after %d attempts (mneme dlq list): %s", group,
+              describe(rec, env), attempts, error_text(exc))
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     headers = dict(rec.headers)
     headers.update({

@@ -464,17 +464,16 @@ class DeliveryMiddleware(BaseMiddleware):
                 run.stats["skipped"] += 1
             else:
                 try:
-                    await self._attempts(call_next, msg, rec)
+                    await self._attempts(call_next, msg, rec, env)
                 except _Abandoned:
                     await msg.nack()
                     return None
                 except Exception as exc:
                     short = held_back(exc)
                     if short is not None:  # the process's failure: handle it again later
-                        log.error("consumer %s: %s[%d]@%d (bank %s) failed for want of %s; "
-                                  "handled again after a backoff: %s: %s", run.group,
-                                  rec.topic, rec.partition, rec.offset, rec.key, short,
-                                  type(exc).__name__, exc)
+                        log.error("consumer %s: %s failed for want of %s; handled again "
+                                  "after a backoff: %s", run.group, dead_letter.describe(rec, env),
+                                  short, dead_letter.error_text(exc))
                         await msg.nack()
                         await delivery.sleep(delivery.backoff_max)
                         return None
@@ -509,7 +508,8 @@ class DeliveryMiddleware(BaseMiddleware):
         finally:
             run.end(rec.topic)
 
-    async def _attempts(self, call_next, msg, rec: Record) -> None:  # noqa: ANN001
+    async def _attempts(self, call_next, msg, rec: Record,  # noqa: ANN001
+                        env=None) -> None:
         run, delivery = self.run, self.run.delivery
 
         def abandoned(exc: BaseException) -> bool:
@@ -521,9 +521,9 @@ class DeliveryMiddleware(BaseMiddleware):
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             run.stats["retries"] += 1
-            log.warning("consumer %s: %s[%d]@%d failed (attempt %d/%d): %r", run.group,
-                        rec.topic, rec.partition, rec.offset, state.attempt_number,
-                        delivery.max_attempts, state.outcome.exception())
+            log.warning("consumer %s: %s failed (attempt %d/%d): %s", run.group,
+                        dead_letter.describe(rec, env), state.attempt_number,
+                        delivery.max_attempts, dead_letter.error_text(state.outcome.exception()))
 
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(delivery.max_attempts),
