@@ -74,13 +74,15 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 def _configuration_errors() -> tuple[type[BaseException], ...]:
     """The errors that mean "the configuration cannot work" rather than a bug: a MNEME_*
-    value of the wrong type (pydantic's ValidationError) and every
+    value of the wrong type (pydantic's ValidationError), a JSON setting that is not JSON
+    (pydantic-settings' SettingsError) and every
     :class:`mneme.errors.ConfigurationError` (Kafka TLS/SASL settings that cannot work,
     files that cannot be read, topics that would lose records). Imported lazily: most
     commands never see one."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
     from mneme.errors import ConfigurationError
-    return ValidationError, ConfigurationError
+    return ValidationError, SettingsError, ConfigurationError
 
 
 def configuration_message(e: BaseException) -> str:

@@ -319,16 +319,31 @@ def configuration_message(e: BaseException) -> str:
     """One line for configuration error ``e``: a ValidationError of a settings class names
     each variable under the class's prefix (``MNEME_PARTITIONS: Input should be a valid
     integer (got 'x')``, ``MNEME_LIMIT_ITEMS: …``, joined by "; "); the others are their
-    own message, which names the variable."""
-    from pydantic import ValidationError
+    own message, which names the variable; pydantic-settings' SettingsError (a JSON
+    setting that is not JSON) names the variable and the parser's complaint."""
+    import re
 
-    if not isinstance(e, ValidationError):
-        return " ".join(str(e).split())
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
     from mneme.limits import Limits
     from mneme.llm.settings import LlmSettings
 
-    prefixes = {cls.__name__: cls.model_config["env_prefix"]
-                for cls in (Settings, LlmSettings, Limits)}
+    classes = (Settings, LlmSettings, Limits)
+    if isinstance(e, SettingsError):
+        # a JSON setting whose value is not JSON: pydantic-settings names the field only
+        found = re.search(r'field "([^"]+)"', str(e))
+        field = found.group(1) if found else ""
+        prefix = next((c.model_config["env_prefix"] for c in classes
+                       if field in c.model_fields), "MNEME_")
+        name = f"{prefix}{field}".upper()
+        value = os.environ.get(name)
+        return (f"{name}: must be JSON ({e.__cause__})" + (f" (got {value!r})"
+                                                           if value is not None else "")
+                if field else " ".join(str(e).split()))
+    if not isinstance(e, ValidationError):
+        return " ".join(str(e).split())
+
+    prefixes = {cls.__name__: cls.model_config["env_prefix"] for cls in classes}
     prefix = prefixes.get(e.title, "MNEME_")
     return "; ".join(
         f"{prefix}{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"

@@ -26,6 +26,8 @@ BAD = {
                        "MNEME_KAFKA_SSL_CAFILE": "/nonexistent/ca.pem"},
                       "MNEME_KAFKA_SSL_CAFILE"),
     "wrong-type": ({"MNEME_PARTITIONS": "four"}, "MNEME_PARTITIONS"),
+    "not-json": ({"MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS": "{bad"},
+                 "MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS"),
     "unknown-bus-scheme": ({"MNEME_BUS_URL": "kafak://127.0.0.1:9"}, "MNEME_BUS_URL"),
     "kafka-without-host": ({"MNEME_BUS_URL": "kafka://"}, "MNEME_BUS_URL"),
 }
@@ -83,6 +85,10 @@ SERVER_BAD = {
     "metrics-port-range": ({"MNEME_METRICS_PORT": "99999"}, "MNEME_METRICS_PORT", "65535"),
     "embed-threads": ({"MNEME_EMBED_THREADS": "four"}, "MNEME_EMBED_THREADS", "integer"),
     "log-level": ({"MNEME_LOG_LEVEL": "LOUD"}, "MNEME_LOG_LEVEL", "DEBUG"),
+    # a JSON setting that is not JSON: pydantic-settings' SettingsError named the field
+    # ("kafka_topic_fetch_max_wait_ms"), not the variable, as "error: SettingsError: ..."
+    "not-json": ({"MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS": "{mneme.progress.v1: 10"},
+                 "MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS", "JSON"),
     "missing-tls-file": ({"MNEME_TLS_CERT": "/nonexistent/server.pem",
                           "MNEME_TLS_KEY": "/nonexistent/server.key"},
                          "MNEME_TLS_CERT", "/nonexistent/server.pem"),
