@@ -89,6 +89,10 @@ SERVER_BAD = {
     # ("kafka_topic_fetch_max_wait_ms"), not the variable, as "error: SettingsError: ..."
     "not-json": ({"MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS": "{mneme.progress.v1: 10"},
                  "MNEME_KAFKA_TOPIC_FETCH_MAX_WAIT_MS", "JSON"),
+    # a model server address that is no URL: the server started and failed every call
+    "llm-base-url": ({"MNEME_LLM_MODEL": "openai/m", "MNEME_RETAIN_LLM_BASE_URL": "localhost:8000"},
+                     "MNEME_RETAIN_LLM_BASE_URL", "http"),
+    "rerank-base-url": ({"MNEME_RERANK_BASE_URL": "vllm"}, "MNEME_RERANK_BASE_URL", "http"),
     "missing-tls-file": ({"MNEME_TLS_CERT": "/nonexistent/server.pem",
                           "MNEME_TLS_KEY": "/nonexistent/server.key"},
                          "MNEME_TLS_CERT", "/nonexistent/server.pem"),

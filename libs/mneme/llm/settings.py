@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import Field, SecretStr
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Operations that call a chat model.
@@ -89,6 +91,21 @@ class LlmSettings(BaseSettings):
     reflect_max_iterations: int = Field(default=6, ge=1, description="Model turns of the reflect loop")
     reflect_max_context_tokens: int = Field(default=6000, ge=256, description="Memory "
                                             "tokens reflect may put into the model's context")
+
+    @field_validator("llm_base_url", "retain_llm_base_url", "reflect_llm_base_url",
+                     "consolidation_llm_base_url", "rerank_base_url")
+    @classmethod
+    def _base_url(cls, url: str) -> str:
+        """Empty, ``default`` (the provider's own endpoint) or an http(s) URL with a host:
+        anything else ("localhost:8000", a bare host name) started the server and failed
+        every model call."""
+        if url in ("", "default"):
+            return url
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host "
+                             "(e.g. http://localhost:8000/v1), or default")
+        return url
 
     def endpoint(self, operation: str) -> Endpoint | None:
         """The endpoint of ``operation`` (retain, reflect, consolidation, rerank), or None
