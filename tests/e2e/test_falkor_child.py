@@ -216,3 +216,49 @@ def test_a_start_stops_a_graph_server_an_earlier_run_left(tmp_path, registered):
     finally:
         if _alive(stale):
             os.kill(stale, signal.SIGKILL)
+
+
+def _health(address: str) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def test_health_is_not_serving_while_the_graph_server_does_not_answer(tmp_path):
+    """The embedded graph server stopped (SIGSTOP) or died: gRPC health stayed SERVING,
+    so nothing (a probe, a load balancer, the operator) saw that every Recall failed. It
+    is NOT_SERVING while the graph server does not answer, SERVING again once it does,
+    and Recall meanwhile answers UNAVAILABLE."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+    SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def until(status: int) -> int:
+        deadline = time.monotonic() + 60  # the health round runs every second
+        while (got := _health(server.address)) != status and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return got
+
+    data = tmp_path / "data"
+    server = Server(data).start()
+    try:
+        with server.client(timeout=60) as m:
+            m.upsert_bank("b")
+            m.retain("b", [{"content": "Alice keeps bees in Porto."}])
+            assert _health(server.address) == SERVING
+            pid = _redis_pid(data)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert until(NOT_SERVING) == NOT_SERVING
+                with pytest.raises(grpc.RpcError) as err:
+                    m.recall("b", "bees")
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert until(SERVING) == SERVING
+            assert m.recall("b", "bees").results
+    finally:
+        server.stop()

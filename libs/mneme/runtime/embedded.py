@@ -71,13 +71,14 @@ class Embedded:
     def _watch_log(self, servicer: health.HealthServicer, names: list[str]) -> None:
         """Health NOT_SERVING for good once the event log reports damage (its
         ``check()``, a stat and a header read, at most every second): the data on disk
-        can no longer be trusted, and only a restart after recovery clears it."""
+        can no longer be trusted, and only a restart after recovery clears it. Also
+        NOT_SERVING while a store server of this process (the embedded graph server)
+        does not answer its ``ping()``, SERVING again once it does."""
         check = getattr(self.log, "check", None)
-        if check is None:
-            return
+        down: str | None = None
         while not self._closing.wait(min(self.settings.health_interval_s, 1.0)):
             try:
-                problem = check()
+                problem = check() if check is not None else None
             except Exception as exc:  # a probe that fails says the same
                 problem = repr(exc)
             if problem:
@@ -86,6 +87,28 @@ class Embedded:
                 for n in names + [""]:
                     servicer.set(n, grpc_server.NOT_SERVING)
                 return
+            # the live generation's store each round: a replay swaps it
+            graph = getattr(getattr(self.stores, "graph", None), "target", None)
+            ping = getattr(graph, "ping", None)
+            if ping is None:
+                continue
+            try:
+                ping()
+                now = None
+            except Exception as exc:  # noqa: BLE001 - any failure: it does not answer
+                now = f"{type(exc).__name__}: {exc}"
+            if (now is None) != (down is None) and not self._closing.is_set():
+                if now is None:
+                    log.warning("the embedded graph server answers again: health SERVING")
+                else:
+                    log.error("the embedded graph server does not answer (%s): health "
+                              "NOT_SERVING; its calls answer UNAVAILABLE and its consumers "
+                              "wait. If its process is gone (DATA_DIR/graph.db.settings "
+                              "names its pid file), restart mneme up", now)
+                for n in names + [""]:
+                    servicer.set(n, grpc_server.SERVING if now is None
+                                 else grpc_server.NOT_SERVING)
+            down = now
 
     def close(self) -> None:
         """Stop the server (5 s grace), then the consumer groups, then close the adapters."""

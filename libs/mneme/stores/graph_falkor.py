@@ -438,6 +438,19 @@ class FalkorGraphStore(_FalkorGraph):
             os.close(self._file_lock)
             raise
 
+    def ping(self, timeout: float = 2.0) -> None:
+        """Raise (redis' ConnectionError or TimeoutError) unless the embedded server
+        answers a PING within ``timeout`` seconds, on a connection of its own: neither the
+        store's lock nor its connection pool is taken, so a query stuck on a stopped
+        server does not hold the probe up."""
+        path = self._db.client.connection_pool.connection_kwargs.get("path")
+        probe = redis.Redis(unix_socket_path=path, socket_timeout=timeout,
+                            socket_connect_timeout=timeout)
+        try:
+            probe.ping()
+        finally:
+            probe.close()
+
     def flush(self) -> None:
         """Every query is durable on return (the append-only file is fsynced per
         command); after deletions, :meth:`purge` makes them physical."""
