@@ -578,8 +578,35 @@ def _read_your_writes(root: Root, parts: ServiceParts) -> Callable[[str | None],
                 n = root.log.partitions(t)
                 tps += ([(t, partition_for(bank_id, n))] if bank_id is not None
                         else [(t, p) for p in range(n)])
-        return parts.runner.catch_up(wanted, CATCH_UP_S) if wanted else True
+        if not wanted or parts.runner.catch_up(wanted, CATCH_UP_S):
+            return True
+        _stale_read(parts.name, bank_id, sorted(wanted))
+        return False
     return catch_up
+
+
+#: Seconds between two log lines of one service about reads served from stale copies
+#: (each such read is counted in ``mneme.reads.stale``).
+STALE_LOG_INTERVAL_S = 60.0
+_stale_logged: dict[str, float] = {}
+
+
+def _stale_read(service: str, bank_id: str | None, groups: list[str]) -> None:
+    """Tell the operator that a read of ``service`` serves copies still behind the log
+    after :data:`CATCH_UP_S`: counted every time, logged at most once per
+    :data:`STALE_LOG_INTERVAL_S`."""
+    import time
+    from mneme import telemetry
+    telemetry.count_stale_read(service)
+    now = time.monotonic()
+    if now - _stale_logged.get(service, -STALE_LOG_INTERVAL_S) < STALE_LOG_INTERVAL_S:
+        return
+    _stale_logged[service] = now
+    log.warning("%s: a read of bank %s waited %.0f s for this replica's copies (groups %s) "
+                "and serves what they hold: they are behind the log, so it may miss writes "
+                "other replicas acknowledged (mneme_consumer_lag of those groups; "
+                "mneme_reads_stale_total counts such reads)", service,
+                bank_id or "(every bank)", CATCH_UP_S, ", ".join(groups))
 
 
 def _projected(root: Root, parts: ServiceParts, group: str) -> Callable[[str], bool]:
@@ -600,6 +627,7 @@ def _projected(root: Root, parts: ServiceParts, group: str) -> Callable[[str], b
         end = time.monotonic() + CATCH_UP_S
         while any(root.log.committed(r.group_id, t, p) < e for t, p, e in wanted):
             if time.monotonic() > end:
+                _stale_read(parts.name, bank_id, [r.group_id])
                 return False
             time.sleep(0.005)
         return True

@@ -158,6 +158,10 @@ class _Instruments:
         self.dlq = m.create_counter("mneme.dlq.records", description="Records dead-lettered")
         self.auth = m.create_counter("mneme.auth.requests",
                                      description="gRPC calls by authentication outcome")
+        self.stale_reads = m.create_counter(
+            "mneme.reads.stale",
+            description="Reads served from this replica's copies while they were still "
+                        "behind the log after the read-your-writes wait")
         self.erased = m.create_counter(
             "mneme.erased.contents",
             description="Sealed contents read whose key was destroyed (skipped, not errors)")
@@ -203,6 +207,11 @@ def count_erased(topic: str, n: int) -> None:
     destroyed by a deletion (crypto-shredding), so they were skipped."""
     if n:
         _instruments().erased.add(n, {"messaging.destination.name": topic})
+
+
+def count_stale_read(service: str) -> None:
+    """A read of ``service`` (ingest, search) served from copies still behind the log."""
+    _instruments().stale_reads.add(1, {"mneme.service": service})
 
 
 def count_auth(outcome: str) -> None:
