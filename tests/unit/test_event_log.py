@@ -1262,3 +1262,34 @@ def test_the_log_lines_of_a_failing_record_name_its_bank_event_and_operation(elo
         for part in ("bank b1", "FactsExtracted", event_id, "operations/op1",
                      "RuntimeError: graph store refused the text"):
             assert part in line, (part, line)
+
+
+def test_a_record_held_back_is_logged_as_such_not_as_a_broken_log(elog, caplog):
+    """A record held back by a store that did not answer was logged as "consumer search:
+    pass failed; backing off" with a traceback, and its end as "the log answers again
+    after 3 failures": the operator was sent to the event log, which was fine. The lines
+    now say the record is held back (and why), and that it is handled again."""
+    import redis.exceptions
+    back, tried = threading.Event(), threading.Event()
+
+    def handler(env, record):
+        if not back.is_set():
+            tried.set()
+            raise redis.exceptions.ConnectionError("Error 111 connecting to graph.sock.")
+        return []
+
+    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=1, backoff=0.001,
+                 error_backoff_max=0.01)
+    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1,
+                                          facts=[ev.Fact(id="f1", text="x")]),
+                        bank_id="b1", source="t")])
+    with caplog.at_level(logging.WARNING), c:
+        assert tried.wait(10)
+        back.set()
+        assert c.wait_idle(10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mneme.bus.consumer"]
+    assert not any("the log answers" in line or "pass failed" in line for line in lines), lines
+    assert any("held back" in line and "bank b1" in line and "a store that answers" in line
+               for line in lines), lines
+    assert any("handled again" in line and "search" in line for line in lines), lines
+    assert all_records(elog, DLQ) == []

@@ -318,23 +318,31 @@ class Consumer:
 
     def _run(self) -> None:
         member = self.member
-        failures = 0
+        failures, held = 0, False
         while not self._stop.is_set():
             token = None
             self._refresh_lag()
             try:
                 token = member.token()
                 n = self.run_once()
-                if failures:
+                if failures and held:
+                    log.warning("consumer %s: records handled again after %d held-back "
+                                "passes", self.group, failures)
+                elif failures:
                     log.warning("consumer %s: the log answers again after %d failures",
                                 self.group, failures)
                 failures = 0
-            except Exception as exc:  # the log itself failed; keep the thread alive
+            except Exception as exc:  # the log itself failed, or a record is held back
                 failures += 1
+                held = isinstance(exc, ShortOfResources)
                 self.stats["errors"] += 1
                 self.last_error = exc
                 delay = retry.backoff(self.backoff, self.error_backoff_max).delay(failures + 1)
-                if failures == 1:
+                if held and (failures == 1 or failures % 10 == 0):
+                    # the server's shortage or a store away, not the log: no traceback
+                    log.error("%s (held back %d time(s), next try in %.1fs)", exc, failures,
+                              delay)
+                elif failures == 1:
                     log.exception("consumer %s: pass failed; backing off", self.group)
                 elif failures % 10 == 0:  # a damaged log: say so now and then, not always
                     log.error("consumer %s: pass failed (%d in a row, next try in %.1fs): %s",
@@ -478,8 +486,8 @@ class Consumer:
             short = held_back(last)
             if short is not None:
                 raise ShortOfResources(
-                    f"consumer {self.group}: {dead_letter.describe(rec, env)} failed for "
-                    f"want of {short}; handled again later: "
+                    f"consumer {self.group}: {dead_letter.describe(rec, env)} held back for "
+                    f"want of {short}, handled again later: "
                     f"{dead_letter.error_text(last)}") from last
             return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 

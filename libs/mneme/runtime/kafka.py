@@ -471,7 +471,7 @@ class DeliveryMiddleware(BaseMiddleware):
                 except Exception as exc:
                     short = held_back(exc)
                     if short is not None:  # the process's failure: handle it again later
-                        log.error("consumer %s: %s failed for want of %s; handled again "
+                        log.error("consumer %s: %s held back for want of %s, handled again "
                                   "after a backoff: %s", run.group, dead_letter.describe(rec, env),
                                   short, dead_letter.error_text(exc))
                         await msg.nack()
