@@ -1637,7 +1637,7 @@ def _bank_profile(bank_id: str, as_json: bool, address: str) -> None:
 def _bank_stats(bank_id: str, address: str) -> None:
     with _session(address) as m:
         s = m.bank_stats(bank_id)
-    known = lambda n: str(n) if n >= 0 else "n/a (not on this server)"  # noqa: E731
+    known = lambda n: str(n) if n >= 0 else "n/a (not on this server, or its store does not answer)"  # noqa: E731
     print(f"bank {bank_id}")
     print(f"  facts         {known(s.facts)}")
     print(f"  observations  {known(s.observations)}")

@@ -4,7 +4,8 @@ latest activity).
 
 * facts, observations, entities: counted in search's projections when this process has
   them (the embedded topology); -1 when it does not (the distributed ingest process holds
-  only the catalog: ask the embedded server, or read the stores directly).
+  only the catalog: ask the embedded server, or read the stores directly) or when the
+  store does not answer (the rest, the lag above all, is still answered).
   The stores keep these counts as they write (the vector store by fact type, the
   embedded graph store its entities), so the call costs about the same at any bank size;
   a store with no current count of the bank (after a crash; a graph other processes
@@ -17,7 +18,11 @@ latest activity).
 
 from __future__ import annotations
 
+import logging
+
 from mneme.bus import partition_for
+
+_log = logging.getLogger("mneme")
 
 
 def _count_observations(vectors, bank_id: str) -> int:
@@ -39,17 +44,34 @@ def consumer_lag(log, bank_id: str, groups) -> list[tuple[str, str, int, int]]:
     return out
 
 
+def _unless_away(count) -> int:
+    """``count()``, or -1 (unknown) when its store server does not answer
+    (:func:`mneme.errors.store_unavailable`): the statistics still answer with the rest,
+    the consumer lag above all, which shows the work that store holds back."""
+    from mneme.errors import store_unavailable
+    try:
+        return count()
+    except Exception as e:
+        if store_unavailable(e) is None:
+            raise
+        _log.warning("bank statistics: a store does not answer (%s); its count is unknown",
+                    store_unavailable(e))
+        return -1
+
+
 def bank_stats(bank_id: str, *, log, catalog, groups, stores=None) -> dict:
     """The bank's statistics as a dict (see the module docstring). ``groups`` (group →
     topics, :func:`mneme.router.groups_of` the services' routes) are the consumer groups
     whose lag counts: those that run in the topology."""
     stats = {"facts": -1, "observations": -1, "entities": -1}
     if stores is not None:
-        stats["observations"] = _count_observations(stores.vectors, bank_id)
         # the vector store holds observations and opinions too: count the facts' types
         from mneme.domain import FACT_TYPES, Filters
-        stats["facts"] = int(stores.vectors.count(bank_id, Filters(types=FACT_TYPES)))
-        stats["entities"] = stores.graph.count_entities(bank_id)
+        stats["observations"] = _unless_away(lambda: _count_observations(stores.vectors,
+                                                                          bank_id))
+        stats["facts"] = _unless_away(
+            lambda: int(stores.vectors.count(bank_id, Filters(types=FACT_TYPES))))
+        stats["entities"] = _unless_away(lambda: stores.graph.count_entities(bank_id))
     stats["operations"], stats["pending_operations"] = catalog.count_operations(bank_id)
     stats["lag"] = consumer_lag(log, bank_id, groups)
     return stats
