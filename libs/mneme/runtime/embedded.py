@@ -103,8 +103,9 @@ class Embedded:
                 else:
                     log.error("the embedded graph server does not answer (%s): health "
                               "NOT_SERVING; its calls answer UNAVAILABLE and its consumers "
-                              "wait. If its process is gone (DATA_DIR/graph.db.settings "
-                              "names its pid file), restart mneme up", now)
+                              "wait. If its process is gone (%s.settings names its pid "
+                              "file), restart mneme up", now,
+                              getattr(graph, "path", "DATA_DIR/graph.db"))
                 for n in names + [""]:
                     servicer.set(n, grpc_server.SERVING if now is None
                                  else grpc_server.NOT_SERVING)
