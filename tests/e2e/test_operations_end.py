@@ -35,6 +35,71 @@ def _replay(data: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+class _RefusingRedis:
+    """A Redis-protocol server on unix socket ``path`` that answers every command with an
+    error (``-ERR``): a store that is there but fails each write, as a bug would."""
+
+    def __init__(self, path: str) -> None:
+        import socket
+        import threading
+        if os.path.exists(path):
+            os.unlink(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(16)
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _commands(buf: bytes) -> tuple[int, bytes]:
+        """(complete RESP commands at the start of ``buf``, the rest)."""
+        n = 0
+        while buf.startswith(b"*"):
+            end = buf.find(b"\r\n")
+            if end < 0:
+                break
+            pos, ok = end + 2, True
+            for _ in range(int(buf[1:end])):
+                head = buf.find(b"\r\n", pos)
+                if head < 0:
+                    ok = False
+                    break
+                pos = head + 2 + int(buf[pos + 1:head]) + 2
+                if pos > len(buf):
+                    ok = False
+                    break
+            if not ok:
+                break
+            n, buf = n + 1, buf[pos:]
+        return n, buf
+
+    def _serve(self, conn) -> None:
+        buf = b""
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                n, buf = self._commands(buf + data)
+                conn.sendall(b"-ERR refused by the test\r\n" * n)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
+
+
 def test_a_dead_lettered_projection_fails_the_sync_retain_at_once(tmp_path):
     data = tmp_path / "data"
     server = Server(data).start()
@@ -43,9 +108,12 @@ def test_a_dead_lettered_projection_fails_the_sync_retain_at_once(tmp_path):
             m.upsert_bank("ops")
             assert m.retain("ops", [{"content": "Alice lives in Lisbon."}]).operation.state \
                 == SUCCEEDED
-            # a real store failure: the graph store's server goes away
+            # a real store failure that retrying cannot mend: the graph store's server is
+            # replaced by one that refuses every command (a server that merely went away is
+            # waited for, not dead-lettered: test_event_log's held-back tests)
             settings = json.loads((data / "graph.db.settings").read_text())
             os.kill(int(open(settings["pidfile"]).read()), signal.SIGKILL)
+            refusing = _RefusingRedis(settings["unixsocket"])
             t = time.monotonic()
             r = m.retain("ops", [{"content": "Bob keeps bees in Porto."}], timeout=60)
             took = time.monotonic() - t
@@ -60,6 +128,8 @@ def test_a_dead_lettered_projection_fails_the_sync_retain_at_once(tmp_path):
             op_id = op.name.split("/", 1)[1]
     finally:
         server.stop()
+        if "refusing" in locals():
+            refusing.close()
 
     _replay(data)  # the failure is on the log (mneme.progress.v1): replay keeps it
     server.start()
