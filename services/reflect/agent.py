@@ -493,8 +493,11 @@ class ReflectAgent:
             log.warning("reflect: model failed (%s); answering extractively", e)
             r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags,
                                 why=MODEL_FAILED)
-            yield Done(AgentReflection(r.text, r.based_on, True, usage=usage, tools_called=called,
-                                       iterations=it, memories_supplied=len(ctx.by_ref)))
+            # keeps the quoted facts' documents: a mental model refreshed from this answer
+            # records them, and deleting one of them must erase its content
+            yield Done(AgentReflection(r.text, r.based_on, True, documents=r.documents,
+                                       usage=usage, tools_called=called, iterations=it,
+                                       memories_supplied=len(ctx.by_ref)))
             return
 
         structured = None

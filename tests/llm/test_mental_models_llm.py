@@ -119,3 +119,24 @@ def test_delta_refresh_falls_back_to_the_extractive_merge_when_the_model_fails(s
         assert [(h.source, h.mode) for h in m.mental_model_revisions("mf", made.id)] == [
             ("user", mental_models_pb2.REFRESH_MODE_UNSPECIFIED),
             ("refresh_offline", mental_models_pb2.DELTA)]
+
+
+def test_deleting_the_document_erases_a_content_the_model_failed_to_write(stub, server):
+    """A full refresh whose model fails falls back to the extractive answer: that content
+    quotes the document's facts, so deleting the document erases it (API and files) as it
+    does a model-written one."""
+    secret = "ZEBRA-SECRET-4711"
+    with server.client() as m:
+        m.upsert_bank("mfd", auto_consolidate=False, extraction_mode="offline")
+        m.retain("mfd", [{"content": f"Caroline: my locker code is {secret}.",
+                          "document_id": "chat", "timestamp": TS}])
+        made = m.create_mental_model("mfd", "Locker", "What is Caroline's locker code?")
+        # no scripted reply: the stub answers 500, the agent falls back offline
+        refreshed = m.refresh_mental_model("mfd", made.id)
+        assert secret in refreshed.content and "reflect model failed" in refreshed.content
+        assert m.delete_document("mfd", "chat").state == 3
+        after = m.get_mental_model("mfd", made.id)
+        assert secret not in after.content and after.is_stale
+        assert all(secret not in r.content for r in m.mental_model_revisions("mfd", made.id))
+    files = [p for p in server.data_dir.glob("catalog.db*") if p.is_file()]
+    assert files and not [p.name for p in files if secret.encode() in p.read_bytes()]

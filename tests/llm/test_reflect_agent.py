@@ -188,6 +188,18 @@ def test_model_unreachable_falls_back_to_the_extractive_answer(stub):
     assert "reflect model failed" in r.text and "no language model configured" not in r.text
 
 
+def test_the_extractive_fallback_keeps_the_documents_of_the_facts_it_quotes(stub):
+    # a mental model refreshed from this answer records each cited fact's document, so
+    # that deleting the document erases the content: the fallback must not lose them
+    gw = make_gateway(stub, llm_max_retries=0)
+    stub.on("chat", status(503))
+    doc = Fact(id="f-doc", bank_id="bank", text="Caroline moved to Berlin in 2021.",
+               document_id="chat-1")
+    r = agent(gw, FakeRecall(facts=(doc,)))("bank", "Where does Caroline live?", "", "mid", NOW)
+    assert r.extractive is True and r.based_on == ["f-doc"]
+    assert r.documents == {"f-doc": "chat-1"}
+
+
 def test_model_unreachable_and_no_memories_says_the_model_failed(stub):
     gw = make_gateway(stub, llm_max_retries=0)
     stub.on("chat", status(503))
