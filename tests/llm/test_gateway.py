@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -118,6 +119,29 @@ def test_client_errors_are_not_retried(stub, gateway):
     with pytest.raises(LlmRequestError):
         gateway.complete("retain", MSGS)
     assert len(stub.chat_requests()) == 1 and gateway.sleeps == []
+
+
+def test_a_provider_error_quoting_the_request_is_not_repeated(stub, gateway, caplog):
+    # providers often echo the input they reject: those words would carry a memory's text
+    # into logs, item failures on the event log and operation errors, out of any deletion
+    secret = "ZEBRA-SECRET-4711"
+    msgs = [{"role": "user", "content": f"Alice: my vault code is \"{secret}\", keep it."}]
+    stub.on("chat", status(400, f"invalid content: Alice: my vault code is \"{secret}\""),
+            status(400, "model 'stub' does not exist"),
+            status(503, f"overloaded while reading: my vault code is \"{secret}\""),
+            status(503, f"overloaded while reading: my vault code is \"{secret}\""),
+            status(503, f"overloaded while reading: my vault code is \"{secret}\""))
+    for expected in (LlmRequestError, LlmRequestError, LlmUnavailable):
+        with pytest.raises(expected) as e:
+            gateway.complete("retain", msgs)
+        # what a log.exception of it would print, and what was logged
+        words = "".join(traceback.format_exception(e.value))
+        words += "\n".join(r.getMessage() for r in caplog.records)
+        if expected is LlmRequestError and "does not exist" in words:
+            continue  # a message that quotes nothing of the request is kept
+        assert secret not in words and "vault code" not in words
+        assert "quotes the request" in str(e.value) and "HTTP" in str(e.value)
+    assert "does not exist" in "\n".join(r.getMessage() for r in caplog.records)
 
 
 def test_concurrency_limit(stub):

@@ -394,3 +394,23 @@ def test_an_emoji_split_between_two_stream_chunks_is_streamed_whole(stub, gatewa
     assert all(encodable(d) for d in deltas)
     *deltas, done = list(gateway.stream("reflect", MSGS))  # the stream ends on a half
     assert "".join(deltas) == done.text == "abcd\ufffd"
+
+
+def test_a_provider_that_echoes_the_text_leaves_nothing_of_a_deleted_document(stub, server):
+    """A provider whose rejection quotes the text it was sent ("invalid content: ...") as
+    many do: the retain fails, and once its document is deleted no operation, file of the
+    data dir or line of the server's log holds the text (its failure text was in the
+    clear on the log and in the operation's error, beyond any key)."""
+    secret = "ZEBRA-SECRET-4711"
+    echo = computed(lambda req: status(400, "invalid content: " + req.messages[-1]["content"]))
+    stub.on("chat", *[echo for _ in range(10)])
+    with server.client() as m:
+        m.upsert_bank("echo", auto_consolidate=False, extraction_mode="llm_only")
+        r = m.retain("echo", [{"content": f"Alice: my vault code is {secret}.",
+                               "document_id": "d", "timestamp": TS}])
+        assert r.operation.state == 4 and "quotes the request" in r.operation.error
+        assert m.delete_document("echo", "d").state == 3
+        assert not [o.name for o in m.list_operations("echo") if secret in str(o)]
+    files = [p for p in server.data_dir.rglob("*") if p.is_file()]
+    assert not [p.name for p in files if secret.encode() in p.read_bytes()]
+    assert secret not in server.log.read_text()

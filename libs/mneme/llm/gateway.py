@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import math
 import os
 import threading
 import time
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import tenacity
 
@@ -140,6 +141,44 @@ def redact(text: str, settings: LlmSettings) -> str:
         if key in text:
             text = text.replace(key, "…" + key[-4:])
     return text
+
+
+#: A run of this many characters of a request found in a provider's error message makes
+#: the message count as quoting the request (:func:`quotes`).
+QUOTE_RUN = 12
+
+
+def quotes(text: str, sent: Iterable[str]) -> bool:
+    """Whether ``text`` (a provider's error message) quotes one of the texts ``sent`` in
+    the request (as sent, or JSON-escaped as on the wire): a run of at least
+    ``QUOTE_RUN + 3`` characters of it (runs of :data:`QUOTE_RUN` characters are looked
+    for at every 4th position). Providers often echo the input they reject ("invalid
+    content: ..."); such words would carry a memory's text into logs, an item's failure on
+    the event log and the operation's error, where no deletion reaches them."""
+    hay = [t for t in sent if t]
+    hay += [json.dumps(t, ensure_ascii=False)[1:-1] for t in hay]
+    if not hay or len(text) < QUOTE_RUN:
+        return False
+    joined = "\x00".join(hay)
+    return any(text[i:i + QUOTE_RUN] in joined
+               for i in range(0, len(text) - QUOTE_RUN + 1, 4))
+
+
+def _texts(messages: Iterable[dict]) -> list[str]:
+    """The text contents of chat ``messages`` (a content given as parts: its text parts;
+    a tool call's arguments)."""
+    out: list[str] = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out += [p.get("text") or "" for p in c if isinstance(p, dict)]
+        for tc in m.get("tool_calls") or ():
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if isinstance(fn, dict):
+                out.append(str(fn.get("arguments") or ""))
+    return out
 
 
 # ---- error classification ------------------------------------------------------------------
@@ -334,8 +373,19 @@ class LlmGateway:
             wait=retry.within_deadline(wait, call), sleep=self._sleep,
             before_sleep=before_sleep, reraise=True)
 
+    def _words(self, exc: Exception, sent: Iterable[str]) -> tuple[str, bool]:
+        """What an error message may say of the provider's error ``exc`` (API keys masked,
+        at most 300 characters), and whether its words were left out because they quote
+        the request's texts ``sent`` (:func:`quotes`; then only the HTTP status is said)."""
+        words = redact(str(exc), self.settings)
+        if not quotes(words, sent):
+            return words[:300], False
+        code = getattr(exc, "status_code", None)
+        return ((f"HTTP {code}, " if isinstance(code, int) else "")
+                + "the provider's message quotes the request: not repeated"), True
+
     def _call(self, operation: str, ep: Endpoint, fn, timeout: float | None = None,
-              hold: bool = True):
+              hold: bool = True, sent: Iterable[str] = ()):
         """Run ``fn(timeout)`` (one HTTP attempt) under the semaphore (``hold=False``: the
         caller holds it), retrying transient failures by :meth:`_retrying`. Each attempt
         first checks the caller's deadline (raising DeadlineExceeded / Cancelled: no
@@ -343,7 +393,8 @@ class LlmGateway:
         circuit breaker (:meth:`breaker`; checked once the semaphore is held, so calls that
         queued behind a dying model's fail at once too). Returns (result, usage of the
         attempts without tokens). Raises LlmUnavailable (reason ``unavailable`` and no call
-        made when the breaker is open) / LlmRequestError."""
+        made when the breaker is open) / LlmRequestError, whose message quotes the
+        provider's unless that quotes the request's texts ``sent`` (:func:`quotes`)."""
         timeout = timeout or self.settings.llm_timeout_s
         usage = Usage(model=ep.model)
         call = current_deadline()  # the gRPC caller's, when a request is being served
@@ -395,11 +446,13 @@ class LlmGateway:
             reason, retryable = _classify(exc)
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model,
                         outcome="error")
+            words, quoted = self._words(exc, sent)
             msg = f"{operation} call to {ep.model} failed ({reason}) after " \
-                  f"{attempts} attempt(s): {type(exc).__name__}: " \
-                  f"{redact(str(exc), self.settings)[:300]}"
+                  f"{attempts} attempt(s): {type(exc).__name__}: {words}"
             log.warning(msg)
             cls = LlmUnavailable if retryable else LlmRequestError
+            if quoted:  # nor through the chained error a traceback would print
+                raise cls(msg, reason, usage) from None
             raise cls(msg, reason, usage) from exc
 
     def _account(self, operation: str, ep: Endpoint, usage: Usage, response) -> None:
@@ -465,7 +518,8 @@ class LlmGateway:
             resp = run_bounded(lambda: litellm.acompletion(timeout=t, **kw), t, call,
                                f"{operation} model call")
             return resp, _read_completion(resp)  # a malformed answer fails the attempt
-        (resp, (text, finish, calls)), usage = self._call(operation, ep, attempt, timeout)
+        (resp, (text, finish, calls)), usage = self._call(operation, ep, attempt, timeout,
+                                                          sent=_texts(messages))
         self._account(operation, ep, usage, resp)
         return Completion(text, finish, calls, usage)
 
@@ -491,7 +545,8 @@ class LlmGateway:
         end = time.monotonic() + (timeout or self.settings.llm_timeout_s)
         stream, usage = self._call(
             operation, ep, lambda t: run_bounded(lambda: litellm.acompletion(timeout=t, **kw),
-                                                 t, call, what), timeout, hold=False)
+                                                 t, call, what), timeout, hold=False,
+            sent=_texts(kw["messages"]))
         text: list[str] = []
         calls: dict[int, dict] = {}
         finish = "stop"
@@ -541,9 +596,12 @@ class LlmGateway:
         except Exception as exc:
             reason, _ = _classify(exc)
             METRICS.add("mneme.llm.requests", operation=operation, model=ep.model, outcome="error")
-            raise LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): "
-                                 f"{redact(str(exc), self.settings)[:300]}", reason,
-                                 usage) from exc
+            words, quoted = self._words(exc, _texts(kw["messages"]))
+            err = LlmUnavailable(f"{operation} stream from {ep.model} broke ({reason}): {words}",
+                                 reason, usage)
+            if quoted:  # nor through the chained error a traceback would print
+                raise err from None
+            raise err from exc
         if held:  # the stream ended on half a pair
             text.append(clean_text(held))
             yield text[-1]
@@ -624,7 +682,7 @@ class LlmGateway:
         resp, usage = self._call(
             "rerank", ep, lambda t: run_bounded(lambda: litellm.arerank(timeout=t, **kw), t, call,
                                                 "rerank model call"),
-            self.settings.rerank_timeout_s)
+            self.settings.rerank_timeout_s, sent=[query, *documents])
         results = _read_rerank(resp, len(documents))
         meta = getattr(resp, "meta", None) or {}
         tokens = ((meta.get("tokens") or {}).get("input_tokens") if isinstance(meta, dict) else 0) or 0
