@@ -4,6 +4,9 @@ FAILED_PRECONDITION, DEADLINE_EXCEEDED, CANCELLED; each with an ErrorInfo of the
 class's ``reason``)."""
 
 
+from typing import Iterable
+
+
 class MnemeError(Exception):
     """Base of mneme's request errors. ``reason``: the UPPER_SNAKE_CASE cause a transport
     reports beside the status (gRPC: ``google.rpc.ErrorInfo.reason``, AIP-193), constant
@@ -217,3 +220,26 @@ def held_back(exc: BaseException) -> str | None:
         return short
     down = store_unavailable(exc)
     return None if down is None else f"a store that answers ({down})"
+
+
+#: A run of this many characters of a user's text found in an error message makes the
+#: message count as quoting it (:func:`quotes`).
+QUOTE_RUN = 12
+
+
+def quotes(text: str, sent: Iterable[str]) -> bool:
+    """Whether ``text`` (an error message) quotes one of the texts ``sent`` (user content:
+    a model request's, an event's), as they are or JSON-escaped as on the wire: a run of
+    at least ``QUOTE_RUN + 3`` characters of one (runs of :data:`QUOTE_RUN` characters are
+    looked for at every 4th position). Providers often echo the input they reject
+    ("invalid content: ..."), and Python's errors quote the values they choke on: such
+    words would carry a memory's text into logs, an item's failure or a dead letter in the
+    clear on the event log and the operation's error, where no deletion reaches them."""
+    import json
+    hay = [t for t in sent if t]
+    hay += [json.dumps(t, ensure_ascii=False)[1:-1] for t in hay]
+    if not hay or len(text) < QUOTE_RUN:
+        return False
+    joined = "\x00".join(hay)
+    return any(text[i:i + QUOTE_RUN] in joined
+               for i in range(0, len(text) - QUOTE_RUN + 1, 4))

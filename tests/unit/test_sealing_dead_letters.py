@@ -21,3 +21,39 @@ def test_a_corrupt_records_dead_letter_is_produced_as_it_was_read():
     assert sealer.seal(dead) is dead
     sealed = sealer.seal(OutRecord(DLQ, "b", good.value, good.headers))  # a valid one: sealed
     assert b"hi" not in sealed.value and sealed.value != good.value
+
+
+def test_a_dead_letter_never_repeats_an_error_that_quotes_the_events_content():
+    """The DLQ copy's value is sealed, but its error headers and the failed operation's
+    error are in the clear for good: an exception quoting the content it choked on (as
+    Python's do) would keep that text past the deletion of its document."""
+    from mneme.bus import PROGRESS, dead_letter
+    from mneme.ports import Record
+    secret = "my vault code is ZEBRA-SECRET-4711"
+    out = codec.encode(ev.RetainRequested(bank_id="b", operation_id="op", items=[
+        ev.RetainItem(content=f"Alice: {secret}.", metadata={"k": "v"})]),
+        bank_id="b", source="test")
+    rec = Record("mneme.intake.v1", 0, 7, out.key, out.value, out.headers)
+    env = codec.decode(rec)
+
+    def failed(message: str) -> dict:
+        try:
+            try:
+                raise KeyError("inner")
+            except KeyError as inner:
+                raise ValueError(message) from inner
+        except ValueError as e:
+            dlq, progress = dead_letter.records(rec, e, 3, "extraction", env)
+        assert dlq.topic == DLQ and progress.topic == PROGRESS
+        error = codec.decode(Record(PROGRESS, 0, 0, progress.key, progress.value,
+                                    progress.headers)).message.error
+        return {"dlq_error": dlq.headers["dlq_error"], "traceback": dlq.headers["dlq_traceback"],
+                "operation error": error}
+
+    told = failed(f"could not parse {secret!r}")
+    assert not [k for k, v in told.items() if "ZEBRA-SECRET-4711" in v or "vault" in v], told
+    assert all("ValueError" in v for v in told.values())
+    # an error that quotes nothing of the content is told whole
+    told = failed("no room for item 0 (limit 3)")
+    assert all("no room for item 0 (limit 3)" in v for v in told.values())
+    assert "KeyError: 'inner'" in told["traceback"]

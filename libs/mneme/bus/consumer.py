@@ -469,7 +469,7 @@ class Consumer:
         def warn(state: tenacity.RetryCallState) -> None:
             log.warning("consumer %s: %s failed (attempt %d/%d): %s", self.group,
                         dead_letter.describe(rec, env), state.attempt_number,
-                        self.max_attempts, dead_letter.error_text(state.outcome.exception()))
+                        self.max_attempts, dead_letter.error_text(state.outcome.exception(), env))
 
         stopping = lambda e: isinstance(e, Cancelled) and self._stop.is_set()  # noqa: E731
         policy = tenacity.Retrying(
@@ -488,7 +488,7 @@ class Consumer:
                 raise ShortOfResources(
                     f"consumer {self.group}: {dead_letter.describe(rec, env)} held back for "
                     f"want of {short}, handled again later: "
-                    f"{dead_letter.error_text(last)}") from last
+                    f"{dead_letter.error_text(last, env)}") from last
             return self._dead_letter(rec, last, attempts=self.max_attempts, env=env)
 
     def _dead_letter(self, rec: Record, exc: BaseException, attempts: int,

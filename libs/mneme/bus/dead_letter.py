@@ -6,8 +6,9 @@ A record whose handler still fails after the retries (or whose payload cannot be
 decoded) is copied to ``mneme.dlq.v1`` with its key, value and headers (``ce_*``,
 ``content-type``, ``traceparent``) plus ``dlq_topic``, ``dlq_partition``, ``dlq_offset``,
 ``dlq_group``, ``dlq_attempts`` (0 for undecodable records), ``dlq_error`` ("ExcType:
-message"), ``dlq_traceback`` and ``dlq_time``; it is committed with the input offset, so
-one poison event never stops a partition. A record that fails while being read *from* the
+message"; the message left out when it quotes the event's content, which these headers
+and the failed operation would keep in the clear), ``dlq_traceback`` and ``dlq_time``; it
+is committed with the input offset, so one poison event never stops a partition. A record that fails while being read *from* the
 DLQ is logged and dropped instead, so a DLQ reader cannot loop.
 
 A dead-lettered event that belongs to an operation (its message has ``bank_id`` and
@@ -36,6 +37,7 @@ from mneme import telemetry
 from mneme.bus import DLQ
 from mneme.bus.codec import Envelope, encode, format_time
 from mneme.domain import CONSOLIDATION_REQUEST_TRIGGERS, derive_id
+from mneme.errors import quotes
 from mneme.events.v1 import events_pb2 as ev
 from mneme.ports import OutRecord, Record
 
@@ -73,10 +75,11 @@ def describe(rec: Record, env: Envelope | None = None) -> str:
             f"{headers.get('ce_id') or '-'}" + (f", operations/{op})" if op else ")"))
 
 
-def error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException, env: Envelope | None = None) -> str:
     """``exc`` as ``Type: message`` (a store client's repr may say only
-    ``network:ConnectionError``)."""
-    return f"{type(exc).__name__}: {exc}"
+    ``network:ConnectionError``), without the message when it quotes the content of
+    ``env``'s event (see :func:`_told`)."""
+    return _told(exc, env)[0]
 
 
 #: Operation kind of each event type that belongs to an operation (message name → kind
@@ -122,6 +125,46 @@ def operation_failed(env: Envelope, error: str, group: str) -> OutRecord | None:
                   traceparent=env.traceparent)
 
 
+def content(m: Message) -> list[str]:
+    """The user content of an opened event ``m``: the string values of its sealed fields
+    (:data:`mneme.bus.sealing.SEALED_FIELDS`), a metadata map's keys and values, in every
+    submessage."""
+    from mneme.bus.sealing import SEALED_FIELDS  # (sealing is the heavier module)
+    out: list[str] = []
+    sealed = SEALED_FIELDS.get(m.DESCRIPTOR.full_name, frozenset())
+    for fd, value in m.ListFields():
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            if fd.name in sealed:
+                out += [f"{k}" for k in value] + [v for v in value.values() if isinstance(v, str)]
+            continue
+        values = value if fd.is_repeated else [value]
+        for v in values:
+            if isinstance(v, Message):
+                out += content(v)
+            elif isinstance(v, str) and fd.name in sealed:
+                out.append(v)
+    return out
+
+
+def _told(exc: BaseException, env: Envelope | None) -> tuple[str, str]:
+    """(error, traceback) of ``exc`` as a dead letter may say them in the clear: without
+    the exception's message when it quotes the event's content (:func:`content`), which
+    its keys no longer guard there (a ValueError quoting the text it could not parse)."""
+    error = f"{type(exc).__name__}: {exc}"
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if env is None or env.message is None:
+        return error, tb
+    said, seen, e = [], set(), exc  # the messages of the chain a traceback prints
+    while e is not None and id(e) not in seen and len(said) < 10:
+        seen.add(id(e))
+        said.append(str(e)[:_ERROR_CHARS])
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    if not quotes("\n".join(said), content(env.message)):
+        return error, tb
+    error = f"{type(exc).__name__}: (its message quotes the event's content: not repeated)"
+    return error, "".join(traceback.format_tb(exc.__traceback__)) + error
+
+
 def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Envelope | None,
             *, dlq_topic: str = DLQ,
             fails_operation: Callable[[Message], bool] = lambda m: True) -> list[OutRecord]:
@@ -133,11 +176,11 @@ def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Env
     telemetry.count_dead_letter(group, rec.topic)
     if rec.topic == dlq_topic:
         log.error("consumer %s: dropping dead letter %s after %d attempts: %s",
-                  group, describe(rec, env), attempts, error_text(exc))
+                  group, describe(rec, env), attempts, error_text(exc, env))
         return []
+    error, tb = _told(exc, env)
     log.error("consumer %s: dead-lettering %s after %d attempts (mneme dlq list): %s", group,
-              describe(rec, env), attempts, error_text(exc))
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+              describe(rec, env), attempts, error)
     headers = dict(rec.headers)
     headers.update({
         "dlq_topic": rec.topic,
@@ -145,7 +188,7 @@ def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Env
         "dlq_offset": str(rec.offset),
         "dlq_group": group,
         "dlq_attempts": str(attempts),
-        "dlq_error": f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS],
+        "dlq_error": error[:_ERROR_CHARS],
         "dlq_traceback": tb[-_TRACEBACK_CHARS:],
         "dlq_time": format_time(datetime.now(timezone.utc)),
     })
@@ -153,7 +196,7 @@ def records(rec: Record, exc: BaseException, attempts: int, group: str, env: Env
     failed = None
     if env is not None and env.message is not None and fails_operation(env.message):
         try:
-            failed = operation_failed(env, f"{type(exc).__name__}: {exc}", group)
+            failed = operation_failed(env, error, group)
         except Exception:  # never let the failure report stop the dead letter
             log.exception("consumer %s: cannot build the failed progress", group)
     return out + ([failed] if failed is not None else [])
@@ -179,4 +222,5 @@ def without_value(outs: list[OutRecord], dlq_topic: str = DLQ) -> list[OutRecord
     return out
 
 
-__all__ = ["OPERATION_KINDS", "VALUE_OMITTED", "operation_failed", "records", "without_value"]
+__all__ = ["OPERATION_KINDS", "VALUE_OMITTED", "content", "operation_failed", "records",
+           "without_value"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import math
 import os
@@ -31,7 +30,7 @@ import tenacity
 
 from mneme import retry, telemetry
 from mneme.deadline import Deadline, current as current_deadline
-from mneme.errors import Cancelled, DeadlineExceeded
+from mneme.errors import Cancelled, DeadlineExceeded, quotes
 from mneme.llm.breaker import OPEN, CircuitBreaker, CircuitOpen
 from mneme.llm.jsonout import JsonOutputError, clean_text, parse_json, validate
 from mneme.llm.metrics import METRICS
@@ -141,27 +140,6 @@ def redact(text: str, settings: LlmSettings) -> str:
         if key in text:
             text = text.replace(key, "…" + key[-4:])
     return text
-
-
-#: A run of this many characters of a request found in a provider's error message makes
-#: the message count as quoting the request (:func:`quotes`).
-QUOTE_RUN = 12
-
-
-def quotes(text: str, sent: Iterable[str]) -> bool:
-    """Whether ``text`` (a provider's error message) quotes one of the texts ``sent`` in
-    the request (as sent, or JSON-escaped as on the wire): a run of at least
-    ``QUOTE_RUN + 3`` characters of it (runs of :data:`QUOTE_RUN` characters are looked
-    for at every 4th position). Providers often echo the input they reject ("invalid
-    content: ..."); such words would carry a memory's text into logs, an item's failure on
-    the event log and the operation's error, where no deletion reaches them."""
-    hay = [t for t in sent if t]
-    hay += [json.dumps(t, ensure_ascii=False)[1:-1] for t in hay]
-    if not hay or len(text) < QUOTE_RUN:
-        return False
-    joined = "\x00".join(hay)
-    return any(text[i:i + QUOTE_RUN] in joined
-               for i in range(0, len(text) - QUOTE_RUN + 1, 4))
 
 
 def _texts(messages: Iterable[dict]) -> list[str]:
@@ -394,7 +372,7 @@ class LlmGateway:
         queued behind a dying model's fail at once too). Returns (result, usage of the
         attempts without tokens). Raises LlmUnavailable (reason ``unavailable`` and no call
         made when the breaker is open) / LlmRequestError, whose message quotes the
-        provider's unless that quotes the request's texts ``sent`` (:func:`quotes`)."""
+        provider's unless that quotes the request's texts ``sent`` (:func:`mneme.errors.quotes`)."""
         timeout = timeout or self.settings.llm_timeout_s
         usage = Usage(model=ep.model)
         call = current_deadline()  # the gRPC caller's, when a request is being served

@@ -473,7 +473,7 @@ class DeliveryMiddleware(BaseMiddleware):
                     if short is not None:  # the process's failure: handle it again later
                         log.error("consumer %s: %s held back for want of %s, handled again "
                                   "after a backoff: %s", run.group, dead_letter.describe(rec, env),
-                                  short, dead_letter.error_text(exc))
+                                  short, dead_letter.error_text(exc, env))
                         await msg.nack()
                         await delivery.sleep(delivery.backoff_max)
                         return None
@@ -523,7 +523,7 @@ class DeliveryMiddleware(BaseMiddleware):
             run.stats["retries"] += 1
             log.warning("consumer %s: %s failed (attempt %d/%d): %s", run.group,
                         dead_letter.describe(rec, env), state.attempt_number,
-                        delivery.max_attempts, dead_letter.error_text(state.outcome.exception()))
+                        delivery.max_attempts, dead_letter.error_text(state.outcome.exception(), env))
 
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(delivery.max_attempts),
