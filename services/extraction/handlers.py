@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from mneme import bank_catalog
 from mneme.bus import PART_BYTES, codec, pack
 from mneme.domain import EventMeta
-from mneme.errors import Cancelled, resource_shortage
+from mneme.errors import Cancelled, quotes, resource_shortage
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import document_scope, retain_scope
 from mneme.ports import Catalog, Embedder, EventLog, StoredEntity
@@ -468,6 +468,18 @@ def _cancelled(i: int) -> ev.ItemFailure:
                                 "was extracted")
 
 
+def _failure(i: int, e: BaseException, item, reason: str = "") -> ev.ItemFailure:
+    """Item ``i``'s failure ``e`` as it goes on the log, in the clear: the error's message
+    left out when it quotes the item's text, context or metadata (an extractor's error on
+    the text it choked on, a provider's echo), which the deletion of its document could
+    not reach there."""
+    said = [item.content, item.context, *item.metadata.keys(), *item.metadata.values()]
+    error = f"{type(e).__name__}: {e}"
+    if quotes(error, said):
+        error = f"{type(e).__name__}: (its message quotes the item: not repeated)"
+    return ev.ItemFailure(item_index=i, error=error, reason=reason)
+
+
 def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
                    extractor, stop: Callable[[], bool] | None = None
                    ) -> tuple[list, list[ev.ItemFailure], dict[int, list[str]]]:
@@ -486,8 +498,7 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
                 raise f
         facts, resolved = e.facts, e.resolved
         failures = [_cancelled(i) if f.reason == CANCELLED else
-                    ev.ItemFailure(item_index=i, error=f"{type(f).__name__}: {f}", reason=f.reason)
-                    for i, f in sorted(e.failures.items())]
+                    _failure(i, f, items[i], f.reason) for i, f in sorted(e.failures.items())]
     except Cancelled:  # the process is stopping: the event is handled again on restart
         raise
     except Exception as e:  # one bad item must not sink the batch: retry item by item
@@ -496,7 +507,8 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
         # again once there is room (mneme.bus.consumer.ShortOfResources)
         if resource_shortage(e) is not None:
             raise
-        log.exception("batch extraction failed; retrying per item")
+        # (no traceback: the error may quote the items' text, which a log keeps)
+        log.warning("batch extraction failed (%s); retrying per item", type(e).__name__)
         facts = []
         for i, item in enumerate(items):
             if stop is not None and stop():
@@ -509,5 +521,5 @@ def _extract_items(m: ev.RetainRequested, items: list, source_id: str,
             except Exception as e:
                 if resource_shortage(e) is not None:
                     raise
-                failures.append(ev.ItemFailure(item_index=i, error=f"{type(e).__name__}: {e}"))
+                failures.append(_failure(i, e, item))
     return facts, failures, resolved

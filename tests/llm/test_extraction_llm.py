@@ -391,6 +391,32 @@ def test_an_items_failure_never_quotes_the_models_reply(stub):
     assert secret in stub.chat_requests()[1].messages[-1]["content"]
 
 
+def test_an_items_failure_never_quotes_the_item(caplog):
+    """An extractor error that quotes the text it choked on (Python's errors quote the
+    values they reject) fails the item without its message: the failure is in the clear
+    on the log, where the deletion of the item's document cannot reach it. One that quotes
+    nothing of the item is told whole."""
+    secret = "my vault code is ZEBRA-SECRET-4711"
+
+    class Choking:
+        def extract_many(self, bank_id, items, source_id, **kw):
+            raise ValueError(f"cannot parse {items[0].content!r}")
+
+        def extract(self, bank_id, item, index, source_id):
+            if "ZEBRA" in item.content:
+                raise ValueError(f"cannot parse {item.content!r}")
+            raise RuntimeError("no room for item 1 (limit 3)")
+
+    m = ev.RetainRequested(bank_id="bank", operation_id="op-5", items=[
+        codec.retain_item_to_pb(RetainItem(f"Alice: {secret}.", TS, document_id="doc")),
+        codec.retain_item_to_pb(RetainItem("Bob rides a bike.", TS, document_id="doc"))])
+    out = handlers.extract(m, "op-5", Choking(), FakeEmbedder())
+    fails = {f.item_index: f.error for f in out.failures}
+    assert fails[0].startswith("ValueError") and "ZEBRA" not in fails[0], fails
+    assert fails[1] == "RuntimeError: no room for item 1 (limit 3)"
+    assert "ZEBRA" not in caplog.text
+
+
 @pytest.mark.parametrize("code", [400, 500])
 def test_a_providers_words_about_its_own_disk_are_an_items_failure_not_a_shortage(stub, code):
     """A provider's error text is the provider's: one that echoes the prompt (the user's
