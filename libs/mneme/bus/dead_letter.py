@@ -8,8 +8,9 @@ decoded) is copied to ``mneme.dlq.v1`` with its key, value and headers (``ce_*``
 ``dlq_group``, ``dlq_attempts`` (0 for undecodable records), ``dlq_error`` ("ExcType:
 message"; the message left out when it quotes the event's content, which these headers
 and the failed operation would keep in the clear), ``dlq_traceback`` and ``dlq_time``; it
-is committed with the input offset, so one poison event never stops a partition. A record that fails while being read *from* the
-DLQ is logged and dropped instead, so a DLQ reader cannot loop.
+is committed with the input offset, so one poison event never stops a partition. A record
+that fails while being read *from* the DLQ is logged and dropped instead, so a DLQ reader
+cannot loop.
 
 A dead-lettered event that belongs to an operation (its message has ``bank_id`` and
 ``operation_id``, a type in :data:`OPERATION_KINDS`) also fails that operation: an
@@ -157,7 +158,7 @@ def _told(exc: BaseException, env: Envelope | None) -> tuple[str, str]:
     said, seen, e = [], set(), exc  # the messages of the chain a traceback prints
     while e is not None and id(e) not in seen and len(said) < 10:
         seen.add(id(e))
-        said.append(str(e)[:_ERROR_CHARS])
+        said.append(str(e)[:_TRACEBACK_CHARS])
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     if not quotes("\n".join(said), content(env.message)):
         return error, tb
