@@ -787,16 +787,18 @@ def build_reflect(root: Root, recall: Callable | None = None,
     def directives(bank_id: str):
         catch_up(bank_id)
         return root.catalog.list_directives(bank_id, MAX_DIRECTIVES_READ)
+    from mneme.embedding import default_token_counter  # recall's (loads when first used)
     agent = None
     if root.llm.configured("reflect"):
-        from mneme.embedding import default_token_counter
         from services.search.observations import observation_search
         # observations through the same recall: in process, or search's RecallService
         agent = ReflectAgent(root.llm, recall, bank_config=bank_config,
                              tokens=default_token_counter(),
                              observations=observation_search(recall))
+    # a request's max_tokens is capped by the model's output cap, offline as well
     reflector = Reflector(agent, recall, lambda msg: event_log.append(
-        [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives)
+        [codec.encode(msg, bank_id=msg.bank_id, source=source)]), directives=directives,
+        tokens=default_token_counter(), answer_cap=root.llm.settings.llm_max_output_tokens)
     models = _mental_models(root, reflector, catch_up, source)
     reflector.mental_models = models
     from services.reflect.opinions import OpinionFormer

@@ -575,16 +575,23 @@ def print_recall(r, limit: int | None = None) -> None:
 def reflect(bank: str, query: str, context: str = "", budget: str = "mid",
             at: Optional[datetime] = typer.Option(None, "--at", help="when the question is "
                                                   "asked, for relative questions (ISO 8601)"),
-            tag: List[str] = typer.Option([], "--tag", help="scope: the directives with "
-                                          "one of these tags apply too"),
+            tag: List[str] = typer.Option([], "--tag", help="scope: what reflect reads, "
+                                          "as recall's --tag (the directives with one of "
+                                          "these tags apply too)"),
+            tags_match: str = typer.Option("any", help="any, all, any_strict, all_strict "
+                                           "or exact, as recall's"),
+            max_tokens: int = typer.Option(0, min=0, max=INT32_MAX, help="most tokens of "
+                                           "the answer (0: the server's default)"),
             time_zone: Optional[str] = typer.Option(None, "--time-zone", help=_ZONE_HELP),
             as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """Answer QUERY by reasoning over BANK (extractive without a language model)."""
-    from mneme.client import BUDGETS
+    from mneme.client import BUDGETS, TAGS_MATCH
     _choice("--budget", budget, BUDGETS)
+    _choice("--tags-match", tags_match, TAGS_MATCH)
     with _session(address) as m:
         r = m.reflect(bank, query, context=context, budget=budget,
-                      query_timestamp=_aware(at, time_zone), tags=tag, time_zone=time_zone)
+                      query_timestamp=_aware(at, time_zone), tags=tag, time_zone=time_zone,
+                      tags_match=tags_match, max_tokens=max_tokens)
     if as_json:
         return _print_json(r)
     print(r.text)

@@ -606,7 +606,8 @@ class MnemeClient:
             name=f"banks/{bank_id}/opinions/{opinion_id}"), timeout=self.timeout)
 
     def _reflect_request(self, bank_id, query, context, budget, response_schema,
-                         query_timestamp=None, tags: Iterable[str] = (), time_zone=None):
+                         query_timestamp=None, tags: Iterable[str] = (), time_zone=None,
+                         tags_match: str = "any", max_tokens: int = 0):
         req = reflect_pb2.ReflectRequest(parent=f"banks/{bank_id}", query=query,
                                          context=context,
                                          budget=_pick("budget", budget, BUDGETS),
@@ -614,6 +615,8 @@ class MnemeClient:
                                              _when("query_timestamp", query_timestamp),
                                              time_zone)),
                                          tags=_strings("tags", tags),
+                                         tags_match=_pick("tags_match", tags_match, TAGS_MATCH),
+                                         max_tokens=max_tokens,
                                          time_zone=_zone(query_timestamp, time_zone))
         if response_schema is not None:
             from google.protobuf import json_format
@@ -623,25 +626,29 @@ class MnemeClient:
     def reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                 response_schema: dict | None = None,
                 query_timestamp: datetime | None = None,
-                tags: Iterable[str] = (), time_zone: str | None = None) -> reflect_pb2.ReflectResponse:
+                tags: Iterable[str] = (), time_zone: str | None = None, tags_match: str = "any",
+                max_tokens: int = 0) -> reflect_pb2.ReflectResponse:
         """Answer ``query`` from the bank; ``response_schema`` (a JSON schema dict) asks
         for structured output as well (needs a reflect model on the server);
         ``query_timestamp`` is "now" for relative questions (default: the server's clock),
         read in ``time_zone`` (default: the zone of an aware ``query_timestamp``, else UTC);
-        ``tags`` the scope (the bank's directives with one of them apply too)."""
+        ``tags`` the scope (the bank's directives with one of them apply too), matched in
+        ``tags_match`` mode as :meth:`recall` matches it; ``max_tokens`` the bound of the
+        answer's length (0: the server's default)."""
         return self.reflect_stub.Reflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone),
-            timeout=self.timeout)
+            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone,
+            tags_match, max_tokens), timeout=self.timeout)
 
     def stream_reflect(self, bank_id: str, query: str, context: str = "", budget: str = "mid",
                        response_schema: dict | None = None,
                        query_timestamp: datetime | None = None, tags: Iterable[str] = (),
-                       time_zone: str | None = None):
+                       time_zone: str | None = None, tags_match: str = "any",
+                       max_tokens: int = 0):
         """Yield ReflectEvents: tool calls, text deltas, then ``done`` with the response
         (arguments as :meth:`reflect`)."""
         yield from self.reflect_stub.StreamReflect(self._reflect_request(
-            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone),
-            timeout=self.timeout)
+            bank_id, query, context, budget, response_schema, query_timestamp, tags, time_zone,
+            tags_match, max_tokens), timeout=self.timeout)
 
     # the history (external consumers of the log)
 

@@ -63,7 +63,7 @@ class Limits(BaseSettings):
     schema_bytes: int = Field(65_536, ge=1, description="Reflect response_schema, encoded")
     page_size: int = Field(1_000, ge=1, description="Largest page of a List call (a larger "
                                                     "page_size is served as this, AIP-158)")
-    max_tokens: int = Field(1_000_000, ge=1, description="Largest Recall max_tokens")
+    max_tokens: int = Field(1_000_000, ge=1, description="Largest max_tokens (Recall, Reflect, mental models)")
     request_bytes: int = Field(32 << 20, ge=1, description="A whole gRPC request, encoded "
                                                            "(larger: RESOURCE_EXHAUSTED)")
     key_ids: int = Field(1_000, ge=1, description="Key ids per BatchGetDataKeys request")

@@ -73,10 +73,10 @@ MAX_TOOL_CALLS_PER_TURN = 8
 
 class MemorySearch(Protocol):
     def __call__(self, bank_id: str, query: str, now: datetime, limit: int,
-                 tags: Sequence[str] = ()) -> list[Memory]:
+                 tags: Sequence[str] = (), tags_match: str = "any") -> list[Memory]:
         """Up to ``limit`` memories of ``bank_id`` for ``query``, best first. Both ports
-        are also given ``tags=`` (the request's scope: a tag-scoped reflect reads nothing
-        of another scope)."""
+        are also given ``tags=`` and ``tags_match=`` (the request's scope, matched as
+        Recall matches it: a tag-scoped reflect reads nothing of another scope)."""
 
 
 def no_memories(bank_id: str, query: str, now: datetime, limit: int, **_) -> list[Memory]:
@@ -383,16 +383,21 @@ class ReflectAgent:
     def __call__(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
                  response_schema: dict | None = None,
                  directives: Sequence[Directive] = (), tags: Sequence[str] = (),
-                 mental_models: bool = True) -> AgentReflection:
+                 mental_models: bool = True, tags_match: str = "any",
+                 max_tokens: int | None = None) -> AgentReflection:
         """Answer ``query`` (``context``: extra text from the caller; ``budget``:
         low/mid/high for recall; ``now``: the current time; ``directives``: the rules in
-        force, highest priority first; ``tags``: the scope of its recall;
-        ``mental_models`` False: the mental-model tool finds nothing). Raises
+        force, highest priority first; ``tags``: the scope of every read of the bank
+        (recall, the mental-model and observation searches), matched in ``tags_match``
+        mode as Recall matches it; ``mental_models`` False: the mental-model tool finds
+        nothing; ``max_tokens``: the model's max tokens on every turn, and the bound of an
+        extractive fallback (None: the gateway's ``llm_max_output_tokens``)). Raises
         InvalidArgument for an empty query,
         LlmError when the model fails and ``fallback_offline`` is off."""
         for ev in self._run(bank_id, query, context, budget, now, response_schema,
                             live=False, directives=directives, tags=tags,
-                            mental_models=mental_models):
+                            mental_models=mental_models, tags_match=tags_match,
+                            max_tokens=max_tokens):
             if isinstance(ev, Done):
                 return ev.reflection
         raise RuntimeError("reflect loop ended without an answer")  # unreachable
@@ -402,18 +407,22 @@ class ReflectAgent:
     def stream(self, bank_id: str, query: str, context: str, budget: str, now: datetime,
                response_schema: dict | None = None,
                directives: Sequence[Directive] = (),
-               tags: Sequence[str] = ()) -> Iterator[ToolEvent | TextDelta | Done]:
+               tags: Sequence[str] = (), tags_match: str = "any",
+               max_tokens: int | None = None) -> Iterator[ToolEvent | TextDelta | Done]:
         """The streaming variant: :class:`ToolEvent` per tool run, :class:`TextDelta` as
         the answer is generated, and last :class:`Done` (whose ``reflection.text`` is the
         concatenation of the deltas of the final turn)."""
         return self._run(bank_id, query, context, budget, now, response_schema, live=True,
-                         directives=directives, tags=tags)
+                         directives=directives, tags=tags, tags_match=tags_match,
+                         max_tokens=max_tokens)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _run(self, bank_id, query, context, budget, now, response_schema, live: bool,
              directives: Sequence[Directive] = (), tags: Sequence[str] = (),
-             mental_models: bool = True):
+             mental_models: bool = True, tags_match: str = "any",
+             max_tokens: int | None = None):
+        scope = (tags, tags_match)
         if not query or not query.strip():
             raise InvalidArgument("query", "must not be empty")
         cfg = self.bank_config(bank_id) or BankConfig()
@@ -441,7 +450,7 @@ class ReflectAgent:
                 if live and grounded:
                     c = None
                     for piece in self.gateway.stream("reflect", messages, tools=tools,
-                                                     temperature=0.2):
+                                                     temperature=0.2, max_tokens=max_tokens):
                         if isinstance(piece, Completion):
                             c = piece
                         elif response_schema is None:
@@ -454,15 +463,16 @@ class ReflectAgent:
                             streamed = True
                             yield TextDelta(piece)
                 else:
-                    c = self.gateway.complete("reflect", messages, tools=tools, temperature=0.2)
+                    c = self.gateway.complete("reflect", messages, tools=tools, temperature=0.2,
+                                              max_tokens=max_tokens)
                 usage.add(c.usage)
                 if c.tool_calls and not last:
                     # the calls beyond the bound are neither run nor kept in the turn
                     c = dataclasses.replace(c, tool_calls=c.tool_calls[:MAX_TOOL_CALLS_PER_TURN])
                     messages.append(c.message())
                     for tc in c.tool_calls:
-                        text, n = self._tool(tc.name, tc.args(), bank_id, budget, now, ctx, tags,
-                                             mental_models)
+                        text, n = self._tool(tc.name, tc.args(), bank_id, budget, now, ctx,
+                                             scope, mental_models)
                         called.append(tc.name)
                         messages.append({"role": "tool", "tool_call_id": tc.id, "content": text})
                         yield ToolEvent(tc.name, tc.args(), n)
@@ -471,7 +481,7 @@ class ReflectAgent:
                     # An answer before any memory was seen, or from stale mental models
                     # alone: search the raw facts first.
                     args = {"query": query.strip()}
-                    text, n = self._tool("recall", args, bank_id, budget, now, ctx, tags)
+                    text, n = self._tool("recall", args, bank_id, budget, now, ctx, scope)
                     called.append("recall")
                     call_id = f"forced_recall_{it}"
                     messages.append({"role": "assistant", "content": None, "tool_calls": [{
@@ -491,8 +501,10 @@ class ReflectAgent:
             if not self.fallback_offline or streamed or response_schema is not None:
                 raise
             log.warning("reflect: model failed (%s); answering extractively", e)
+            bound = {} if max_tokens is None else {"max_tokens": max_tokens}
             r = reflect_offline(bank_id, query, context, budget, now, self.recall, tags=tags,
-                                why=MODEL_FAILED)
+                                why=MODEL_FAILED, tags_match=tags_match, count=self.count,
+                                **bound)
             # keeps the quoted facts' documents: a mental model refreshed from this answer
             # records them, and deleting one of them must erase its content
             yield Done(AgentReflection(r.text, r.based_on, True, documents=r.documents,
@@ -502,7 +514,8 @@ class ReflectAgent:
 
         structured = None
         if response_schema is not None:
-            structured, based_on, dropped, extra = self._structured(answer, messages, response_schema, ctx)
+            structured, based_on, dropped, extra = self._structured(answer, messages, response_schema,
+                                                                    ctx, max_tokens)
             usage.add(extra)
             text = json.dumps(structured, ensure_ascii=False)
         else:
@@ -577,9 +590,12 @@ class ReflectAgent:
                                dropped_citations=cit.dropped, iterations=1,
                                memories_supplied=len(new))
 
-    def _structured(self, answer: Completion, messages, response_schema, ctx: _Context):
+    def _structured(self, answer: Completion, messages, response_schema, ctx: _Context,
+                    max_tokens: int | None = None):
         """(answer value, based_on ids, dropped refs, extra usage) from the final reply,
-        asking once more with the schema enforced when the reply does not match."""
+        asking once more with the schema enforced when the reply does not match (with
+        ``max_tokens``; :meth:`mneme.llm.LlmGateway.complete_json` doubles it, within its
+        cap, for a reply cut off: JSON cut short is no answer)."""
         wrapper = _wrapper_schema(response_schema)
         extra = Usage()
         try:
@@ -590,7 +606,7 @@ class ReflectAgent:
                                 {"role": "user", "content": "Give the final answer now as the JSON "
                                  "object described in the instructions, nothing else."}]
             res = self.gateway.complete_json("reflect", convo, wrapper, schema_name="reflect_answer",
-                                             strict=False, temperature=0.0)
+                                             strict=False, temperature=0.0, max_tokens=max_tokens)
             value, extra = res.value, res.usage
         based_on, dropped = [], []
         for t in value.get("memory_ids") or []:
@@ -604,26 +620,29 @@ class ReflectAgent:
     # ---- tools -------------------------------------------------------------------------------
 
     def _tool(self, name: str, args: dict, bank_id: str, budget: str, now: datetime,
-              ctx: _Context, tags: Sequence[str] = (),
+              ctx: _Context, scope: tuple[Sequence[str], str] = ((), "any"),
               mental_models: bool = True) -> tuple[str, int]:
-        """Run one tool; (text for the model, number of memories returned). ``tags``
-        scope recall (:func:`services.reflect.handlers.scope_filters`) and the mental-model
-        and observation searches."""
+        """Run one tool; (text for the model, number of memories returned). ``scope``
+        (the request's tags, its tags_match mode) scopes recall
+        (:func:`services.reflect.handlers.scope_filters`) and the mental-model and
+        observation searches."""
+        tags, tags_match = scope
         # the model's query, cut as a caller's would be refused beyond it
         query = str(args.get("query") or "").strip()[:limits().query_chars]
         if not query:
             return "Error: the query argument is required.", 0
         current_deadline().check(f"reflect: {name}")
         if name == "search_mental_models":
-            memories = (self.mental_models(bank_id, query, now, 5, tags=tags)
+            memories = (self.mental_models(bank_id, query, now, 5, tags=tags, tags_match=tags_match)
                         if mental_models else [])
             empty = "No mental model matches. Search the observations next."
         elif name == "search_observations":
-            memories = self.observations(bank_id, query, now, 10, tags=tags)
+            memories = self.observations(bank_id, query, now, 10, tags=tags, tags_match=tags_match)
             empty = "No observation matches. Search the raw facts with recall next."
         elif name == "recall":
             outcome = self.recall(RecallQuery(
-                bank_id=bank_id, query=query, query_timestamp=now, filters=scope_filters(tags),
+                bank_id=bank_id, query=query, query_timestamp=now,
+                filters=scope_filters(tags, tags_match),
                 budget=budget, max_tokens=max(1, min(ctx.remaining(), 2048)),
                 time_zone=time_zone_name(now)))
             memories = [Memory(s.fact.id, s.fact.text, "fact",

@@ -40,7 +40,8 @@ def response_to_api(r: Reflection) -> reflect_pb2.ReflectResponse:
 
 
 class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
-    """``reflect(bank_id, query, context, budget, now, response_schema, tags) -> Reflection``;
+    """``reflect(bank_id, query, context, budget, now, response_schema, tags, *,
+    tags_match, max_tokens) -> Reflection``;
     ``stream(...)`` yields the agent's ToolEvent / TextDelta / Done events. ``slot(bank_id)`` is
     held by each reflection (a context manager: :meth:`mneme.slots.WaitSlots.hold`, which
     raises ResourceExhausted when the process's waiting calls are all taken), so that
@@ -52,7 +53,9 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
         self.reflect, self.bank_exists, self.stream = reflect, bank_exists, stream
         self.slot = slot
 
-    def _args(self, request) -> tuple:
+    def _args(self, request) -> tuple[tuple, dict]:
+        """(positional arguments, keyword arguments) of ``reflect``/``stream`` for
+        ``request``. Raises NotFound (no such bank) and InvalidArgument naming the field."""
         bank_id = bank_id_of(request.parent)
         if not self.bank_exists(bank_id):
             raise NotFound(f"bank {bank_id!r} not found")
@@ -71,27 +74,34 @@ class ReflectServicer(reflect_pb2_grpc.ReflectServiceServicer):
         now = (ts_to_dt(request.query_timestamp, "query_timestamp")
                if request.HasField("query_timestamp") else None)
         tags = apiconv.check_tags(request.tags)
+        if request.tags_match not in apiconv.TAGS_MATCH:
+            raise InvalidArgument("tags_match", "unknown value")
+        if request.max_tokens < 0:  # (the limits interceptor refuses it first)
+            raise InvalidArgument("max_tokens", "must not be negative")
         try:  # reflect's "now" carries the caller's zone: its prompt and recalls read it
             now = wall_clock(now or datetime.now(timezone.utc), request.time_zone)
         except ValueError as e:
             raise InvalidArgument("time_zone", str(e)) from None
-        return (bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
-                now, schema, tags)
+        return ((bank_id, request.query, request.context, apiconv.BUDGET[request.budget],
+                 now, schema, tags),
+                {"tags_match": apiconv.TAGS_MATCH[request.tags_match],
+                 "max_tokens": request.max_tokens})
 
     @translate_errors
     def Reflect(self, request, context):
         with deadline.bind(call_deadline(context)):
-            args = self._args(request)
+            args, kw = self._args(request)
             with self.slot(args[0]):
-                return response_to_api(self.reflect(*args))
+                return response_to_api(self.reflect(*args, **kw))
 
     def StreamReflect(self, request, context):
         from services.reflect.agent import Done, TextDelta, ToolEvent
         try:
             with deadline.bind(call_deadline(context)), contextlib.ExitStack() as held:
-                args = self._args(request)
+                args, kw = self._args(request)
                 held.enter_context(self.slot(args[0]))
-                events = (self.stream or (lambda *a: iter([Done(self.reflect(*a))])))(*args)
+                events = (self.stream or (lambda *a, **k: iter([Done(self.reflect(*a, **k))])))(
+                    *args, **kw)
                 for e in events:
                     if not context.is_active():
                         return

@@ -5,7 +5,7 @@ callers never mistake it for reasoning."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Callable, Iterable, Sequence
 
@@ -41,10 +41,64 @@ class Reflection:
     sources: dict[str, tuple] = field(default_factory=dict)
 
 
-def scope_filters(tags: Sequence[str]) -> Filters:
-    """Recall's filters for a reflect scoped to ``tags``: units sharing one of them and
-    untagged ones (``tags_match`` "any"); no filter when ``tags`` is empty."""
-    return Filters(tags=tuple(tags), tags_match="any") if tags else Filters()
+def scope_filters(tags: Sequence[str], tags_match: str = "any") -> Filters:
+    """Recall's filters for a reflect scoped to ``tags`` in ``tags_match`` mode (a mode of
+    :func:`mneme.domain.tags_match`; "any": units sharing one of them, and untagged ones).
+    No filter when ``tags`` is empty, except in "exact" mode (the untagged units only), as
+    Recall reads an empty ``tags``."""
+    if tags or tags_match == "exact":
+        return Filters(tags=tuple(tags), tags_match=tags_match)
+    return Filters()
+
+
+#: The largest answer a reflect model writes in one call by default, and the cap of a
+#: request's ``max_tokens`` (``MNEME_LLM_MAX_OUTPUT_TOKENS``'s default): the model's output
+#: cap bounds it anyway.
+DEFAULT_ANSWER_TOKENS = 4096
+
+
+def approx_tokens(text: str) -> int:
+    """About one token per 4 characters: the count where no tokenizer is given."""
+    return len(text) // 4 + 1 if text else 0
+
+
+def answer_tokens(max_tokens: int, cap: int = DEFAULT_ANSWER_TOKENS) -> int:
+    """The bound of a reflect answer for a request's ``max_tokens``: ``cap`` for 0, else
+    the smaller of the two. Raises InvalidArgument naming ``max_tokens`` when negative."""
+    if max_tokens < 0:
+        raise InvalidArgument("max_tokens", "must not be negative")
+    return min(max_tokens or cap, cap)
+
+
+def fits(text: str, max_tokens: int, count: Callable[[str], int]) -> bool:
+    """Whether ``text`` is at most ``max_tokens`` tokens by ``count``. A text of no more
+    characters than that fits without counting (a token covers at least one character)."""
+    return len(text) <= max_tokens or count(text) <= max_tokens
+
+
+def cut_to_tokens(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
+    """The longest prefix of ``text`` of at most ``max_tokens`` tokens by ``count``, ended
+    at a word when one fits (else at a character); ``text`` itself when it fits. The
+    prefixes are searched by halving (about log2(length) counts)."""
+    if fits(text, max_tokens, count):
+        return text
+    ends = [m.start() for m in re.finditer(r"\s+", text)]  # the ends of whole words
+
+    def longest(cuts: list[int]) -> int:
+        lo, hi, best = 0, len(cuts) - 1, -1
+        while lo <= hi:  # the prefix's token count grows with its length
+            mid = (lo + hi) // 2
+            if fits(text[:cuts[mid]].rstrip(), max_tokens, count):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
+    i = longest(ends)
+    if i >= 0:
+        return text[:ends[i]].rstrip()
+    chars = list(range(1, len(text)))
+    i = longest(chars)
+    return text[:chars[i]] if i >= 0 else ""
 
 
 #: Why an answer is extractive: no reflect model, or the model failed (after its retries).
@@ -55,30 +109,43 @@ NO_MEMORIES = f"I have no memories that answer this (extractive answer, {NO_MODE
 
 def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: datetime,
                     recall: Callable[[RecallQuery], RecallOutcome], max_quotes: int = 5,
-                    tags: Sequence[str] = (), why: str = NO_MODEL) -> Reflection:
-    """Extractive reflect: recall (``budget``, within ``tags``), rerank the head by how
-    many of the question's content words each memory covers, and quote the best
-    ``max_quotes``; ``why`` says in the answer why it is extractive (:data:`NO_MODEL`, or
-    :data:`MODEL_FAILED` for a model's fallback). Raises InvalidArgument for an empty
-    query."""
+                    tags: Sequence[str] = (), why: str = NO_MODEL, *, tags_match: str = "any",
+                    max_tokens: int = DEFAULT_ANSWER_TOKENS,
+                    count: Callable[[str], int] = approx_tokens) -> Reflection:
+    """Extractive reflect: recall (``budget``, within ``tags`` in ``tags_match`` mode:
+    :func:`scope_filters`), rerank the head by how many of the question's content words
+    each memory covers, and quote the best ``max_quotes``; ``why`` says in the answer why
+    it is extractive (:data:`NO_MODEL`, or :data:`MODEL_FAILED` for a model's fallback).
+    The answer is at most ``max_tokens`` tokens by ``count``: the quotes that fit whole
+    (the rest left out, and uncited); when not even one does, the text is cut within the
+    first (still cited). Raises InvalidArgument for an empty query."""
     if not query or not query.strip():
         raise InvalidArgument("query", "must not be empty")
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
-                                 filters=scope_filters(tags), budget=budget, max_tokens=2048,
-                                 time_zone=time_zone_name(now)))
+                                 filters=scope_filters(tags, tags_match), budget=budget,
+                                 max_tokens=2048, time_zone=time_zone_name(now)))
     if not outcome.results:
-        return Reflection(NO_MEMORIES if why == NO_MODEL else
-                          f"I have no memories that answer this (extractive answer, {why}).",
-                          [], True)
+        return Reflection(cut_to_tokens(
+            NO_MEMORIES if why == NO_MODEL else
+            f"I have no memories that answer this (extractive answer, {why}).",
+            max_tokens, count), [], True)
     terms = content_terms(query + " " + context)
     ranked = sorted(enumerate(outcome.results),
                     key=lambda p: (-_coverage(p[1].fact.text, terms), p[0]))[:max_quotes]
     ranked.sort(key=lambda p: p[0])  # keep recall order among the chosen ones
-    lines = [quote_line(s.fact.text, s.fact.occurred_start or s.fact.mentioned_at)
-             for _, s in ranked]
-    text = (f"Extractive answer ({why}); the most relevant memories:\n" + "\n".join(lines))
-    return Reflection(text, [s.fact.id for _, s in ranked], True,
-                      documents={s.fact.id: s.fact.document_id for _, s in ranked})
+    head = f"Extractive answer ({why}); the most relevant memories:"
+    text, chosen = head, []
+    for _, s in ranked:
+        longer = text + "\n" + quote_line(s.fact.text, s.fact.occurred_start or s.fact.mentioned_at)
+        if not fits(longer, max_tokens, count):
+            if not chosen:  # not one whole quote fits: as much of the first as does
+                text = cut_to_tokens(longer, max_tokens, count)
+                chosen = [s] if len(text) > len(head) + 1 else []
+            break
+        text = longer
+        chosen.append(s)
+    return Reflection(text, [s.fact.id for s in chosen], True,
+                      documents={s.fact.id: s.fact.document_id for s in chosen})
 
 
 #: How :meth:`services.reflect.mental_models.MentalModels.search` marks a stale model in
@@ -192,25 +259,35 @@ class Reflector:
     ``recall``). ``directives(bank_id)`` lists the bank's directives (the catalog's; None:
     none are known here); those in scope of a call's ``tags`` go into the agent's prompt.
     ``mental_models`` (a :class:`services.reflect.mental_models.MentalModels`) answers
-    first offline when a fresh model covers the question. A call's ``tags`` also scope
-    its recall. Every answer is passed to ``record(message)`` as a ReflectionRecorded."""
+    first offline when a fresh model covers the question. A call's ``tags`` (matched in
+    its ``tags_match`` mode) also scope every read of the bank: recall, and the
+    mental-model and observation searches. A call's ``max_tokens`` bounds its answer
+    (:func:`answer_tokens`: 0 and larger values are ``answer_cap``); an extractive answer
+    is cut to it by ``tokens`` (a :class:`mneme.ports.TokenCounter`, recall's; None: about
+    4 characters a token). Every answer is passed to ``record(message)`` as a
+    ReflectionRecorded."""
 
     def __init__(self, agent, recall: Callable, record: Callable,
                  directives: Callable[[str], Iterable[Directive]] | None = None,
-                 mental_models=None) -> None:
+                 mental_models=None, tokens=None,
+                 answer_cap: int = DEFAULT_ANSWER_TOKENS) -> None:
         self.agent, self.recall, self.record = agent, recall, record
         self.directives, self.mental_models = directives, mental_models
+        self.count = tokens.count if tokens is not None else approx_tokens
+        self.answer_cap = answer_cap
 
     def _in_scope(self, bank_id: str, tags: Sequence[str]) -> list[Directive]:
         return directives_in_scope(self.directives(bank_id), tags) if self.directives else []
 
     def reflect(self, bank_id, query, context, budget, now, response_schema=None,
-                tags: Sequence[str] = (), mental_models: bool = True) -> Reflection:
-        """One answer. InvalidArgument for a ``response_schema`` without a reflect model;
-        Unavailable when the model failed and no extractive answer can stand in (a
-        ``response_schema`` it never filled).
+                tags: Sequence[str] = (), mental_models: bool = True, *,
+                tags_match: str = "any", max_tokens: int = 0) -> Reflection:
+        """One answer. InvalidArgument for a ``response_schema`` without a reflect model,
+        or a negative ``max_tokens``; Unavailable when the model failed and no extractive
+        answer can stand in (a ``response_schema`` it never filled).
         ``mental_models`` False leaves the bank's mental models out (a refresh of one
         must not answer from it)."""
+        limit = answer_tokens(max_tokens, self.answer_cap)
         if self.agent is None and response_schema is not None:
             raise InvalidArgument("response_schema", "needs a reflect model "
                                   "(MNEME_REFLECT_LLM_MODEL or MNEME_LLM_MODEL)")
@@ -219,7 +296,8 @@ class Reflector:
             try:
                 r = self.agent(bank_id, query, context, budget, now, response_schema,
                                directives=self._in_scope(bank_id, tags), tags=tags,
-                               mental_models=mental_models)
+                               mental_models=mental_models, tags_match=tags_match,
+                               max_tokens=limit)
             except LlmError as e:  # no fallback was possible (a schema, a streamed part)
                 raise model_failed(e) from e
         else:
@@ -227,10 +305,14 @@ class Reflector:
                 raise InvalidArgument("query", "must not be empty")
             def from_recall() -> Reflection:
                 return reflect_offline(bank_id, query, context, budget, now, self.recall,
-                                       tags=tags)
-            r = ((self.mental_models.answer_offline(bank_id, query, tags, from_recall)
+                                       tags=tags, tags_match=tags_match, max_tokens=limit,
+                                       count=self.count)
+            r = ((self.mental_models.answer_offline(bank_id, query, tags, from_recall,
+                                                    tags_match=tags_match)
                   if self.mental_models is not None and mental_models else None)
                  or from_recall())
+            if not fits(r.text, limit, self.count):  # a mental model's content
+                r = replace(r, text=cut_to_tokens(r.text, limit, self.count))
         self.record(record_reflection(bank_id, query, r, tags))
         return r
 
@@ -258,20 +340,23 @@ class Reflector:
         return r
 
     def stream(self, bank_id, query, context, budget, now, response_schema=None,
-               tags: Sequence[str] = ()):
-        """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only.
-        Raises Unavailable when the model fails after part of the answer was streamed (it
-        cannot be taken back, so there is no extractive fallback then): the client may
-        ask again."""
+               tags: Sequence[str] = (), *, tags_match: str = "any", max_tokens: int = 0):
+        """The agent's events as they happen, ending with ``Done``; offline, ``Done`` only
+        (arguments as :meth:`reflect`). Raises Unavailable when the model fails after
+        part of the answer was streamed (it cannot be taken back, so there is no
+        extractive fallback then): the client may ask again."""
         from mneme.llm.types import LlmError
         from services.reflect.agent import Done
         if self.agent is None:
-            yield Done(self.reflect(bank_id, query, context, budget, now, response_schema, tags))
+            yield Done(self.reflect(bank_id, query, context, budget, now, response_schema, tags,
+                                    tags_match=tags_match, max_tokens=max_tokens))
             return
+        limit = answer_tokens(max_tokens, self.answer_cap)
         try:
             for event in self.agent.stream(bank_id, query, context, budget, now,
                                            response_schema,
-                                           directives=self._in_scope(bank_id, tags), tags=tags):
+                                           directives=self._in_scope(bank_id, tags), tags=tags,
+                                           tags_match=tags_match, max_tokens=limit):
                 if isinstance(event, Done):
                     self.record(record_reflection(bank_id, query, event.reflection, tags))
                 yield event

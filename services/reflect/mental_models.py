@@ -483,10 +483,10 @@ class MentalModels:
                 self._vectors.popitem(last=False)
         return full, head
 
-    def _ranked(self, bank_id: str, query: str, tags: Sequence[str] = ()
-                ) -> list[tuple[float, MentalModel, float]]:
-        """The bank's models with content (within ``tags``: sharing one, or untagged)
-        that match ``query`` by words or meaning, best first: (RRF score, model, cosine of
+    def _ranked(self, bank_id: str, query: str, tags: Sequence[str] = (),
+                tags_match: str = "any") -> list[tuple[float, MentalModel, float]]:
+        """The bank's models with content (within ``tags`` in ``tags_match`` mode,
+        :func:`mneme.domain.tags_match`; "any": sharing one, or untagged) that match ``query`` by words or meaning, best first: (RRF score, model, cosine of
         the question with its name and query; 0 without an embedder). At most
         :data:`SEARCH_MAX_MODELS` models are considered."""
         self.caught_up(bank_id)
@@ -496,7 +496,7 @@ class MentalModels:
         while len(models) < SEARCH_MAX_MODELS:
             page = self.catalog.list_mental_models(bank_id, 500, after)
             models += [m for m in page if m.content.strip()
-                       and (not tags or not m.tags or set(m.tags) & set(tags))]
+                       and match_tags(m.tags, tags, tags_match)]
             if len(page) < 500:
                 break
             after = page[-1].id
@@ -534,12 +534,13 @@ class MentalModels:
         return out
 
     def search(self, bank_id: str, query: str, now: datetime, limit: int,
-               tags: Sequence[str] = ()) -> list[Memory]:
-        """The agent's ``search_mental_models``: models (within ``tags``) that match
+               tags: Sequence[str] = (), tags_match: str = "any") -> list[Memory]:
+        """The agent's ``search_mental_models``: models (within ``tags`` in ``tags_match``
+        mode) that match
         ``query`` by words or meaning (:meth:`_ranked`), best first, each marked stale or
         fresh (a stale one comes with ``kind`` "mental_model" and the mark in its text;
         :func:`services.reflect.handlers.is_stale_memory` tells)."""
-        hits = [m for _, m, _ in self._ranked(bank_id, query, tags)[:limit]]
+        hits = [m for _, m, _ in self._ranked(bank_id, query, tags, tags_match)[:limit]]
         stale = self.stale_ids(hits)
         out = []
         for m in hits:
@@ -550,17 +551,17 @@ class MentalModels:
         return out
 
     def answer_offline(self, bank_id: str, query: str, tags: Sequence[str] = (),
-                       recall_answer: Callable[[], Reflection] | None = None
-                       ) -> Reflection | None:
+                       recall_answer: Callable[[], Reflection] | None = None,
+                       tags_match: str = "any") -> Reflection | None:
         """The extractive reflect's first step. A model covers the question when its name
         and query hold :data:`OFFLINE_COVERAGE` of the question's content words, or mean
         the same (cosine of at least :data:`OFFLINE_SIMILARITY`). The best fresh one (in
-        scope of ``tags``) answers, citing itself; when all that cover it are stale, none is
+        scope of ``tags``, matched in ``tags_match`` mode) answers, citing itself; when all that cover it are stale, none is
         trusted alone: the answer is ``recall_answer()`` (the extractive answer from
         recall) with the best of them quoted as context after it, both cited. None when no
         model covers the question (or only stale ones and no ``recall_answer``)."""
         q = content_terms(query)
-        covering = [m for _, m, sim in self._ranked(bank_id, query, tags)
+        covering = [m for _, m, sim in self._ranked(bank_id, query, tags, tags_match)
                     if sim >= OFFLINE_SIMILARITY or (q and len(
                         q & content_terms(f"{m.display_name} {m.source_query}")) / len(q)
                         >= OFFLINE_COVERAGE)]

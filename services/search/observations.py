@@ -134,12 +134,15 @@ def observation_search(recall: Callable) -> Callable:
     """reflect's ``search_observations`` port over search's recall: up to ``limit``
     observations for a query, best first, as ``mneme.domain.Memory`` (kind
     "observation", ``when`` the end of its evidence's occurred span); a stale one says so in its text, so the model weighs newer facts.
-    ``tags`` (the reflect's scope) keep it to the observations whose scope shares one of
-    them and the global ones, as the reflect's recall of facts is kept (tags_match "any")."""
+    ``tags`` (the reflect's scope) keep it to the observations whose scope matches them
+    in ``tags_match`` mode, as the reflect's recall of facts is kept (Recall's filter:
+    "any", the default, is the scopes sharing one of them and the global ones; with no
+    tags, no filter, except "exact": the global ones)."""
     from mneme.domain import RecallQuery
 
-    def search(bank_id, query, now, limit, tags=()):
-        scope = dict(tags=tuple(tags), tags_match="any") if tags else {}
+    def search(bank_id, query, now, limit, tags=(), tags_match="any"):
+        scope = (dict(tags=tuple(tags), tags_match=tags_match)
+                 if tags or tags_match == "exact" else {})
         out = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
                                  filters=Filters(types=(OBSERVATION,), **scope), max_tokens=2048,
                                  time_zone=time_zone_name(now)))

@@ -91,7 +91,7 @@ def test_an_answer_before_any_memory_falls_back_to_recall(stub, gateway):
 
 
 def test_mental_models_answer_without_recall(stub, gateway):
-    mm = lambda bank_id, query, now, limit, tags=(): [
+    mm = lambda bank_id, query, now, limit, tags=(), tags_match="any": [
         Memory("mm-1", "Caroline lives in Berlin.", "mental_model")]
     stub.on("chat", chat(None, tool_calls=[call("search_mental_models", "home")]),
             chat("In Berlin [m1]."))
@@ -106,7 +106,7 @@ def test_a_stale_mental_model_alone_does_not_ground_an_answer(stub, gateway):
     from services.reflect.handlers import STALE_MARK
     seen = []
 
-    def mm(bank_id, query, now, limit, tags=()):
+    def mm(bank_id, query, now, limit, tags=(), tags_match="any"):
         seen.append(tags)
         return [Memory("mm-1", f"Home ({STALE_MARK}; answers \"Where?\"): Caroline lives in "
                        "Paris.", "mental_model")]
@@ -225,3 +225,26 @@ def test_a_tag_scoped_reflect_searches_only_the_observations_of_its_scope(stub, 
     assert q.filters.types == ("observation",)
     assert (q.filters.tags, q.filters.tags_match) == (("user_a",), "any")
     assert recall.queries[0].filters.tags == ("user_a",)  # as the facts it recalls
+
+
+def test_every_read_of_a_reflect_matches_its_tags_in_its_mode(stub, gateway):
+    """The request's tags_match reaches every tool: recall's filters, the observation
+    search's (through recall) and the mental-model port; EXACT with no tags is the
+    untagged scope, not the whole bank."""
+    from services.search.observations import observation_search
+    for tags, mode in ((["user_a", "work"], "all"), ([], "exact")):
+        stub.on("chat",
+                chat(None, tool_calls=[call("search_mental_models", "home")]),
+                chat(None, tool_calls=[call("search_observations", "home city")]),
+                chat(None, tool_calls=[call("recall", "Caroline moved")]),
+                chat("Caroline lives in Berlin [m1]."))
+        models, searched, recall = [], FakeRecall(facts=()), FakeRecall()
+
+        def mm(bank_id, query, now, limit, tags=(), tags_match="any"):
+            models.append((tuple(tags), tags_match))
+            return []
+        agent(gateway, recall, observations=observation_search(searched), mental_models=mm)(
+            "bank", "Where does Caroline live?", "", "mid", NOW, tags=tags, tags_match=mode)
+        assert models == [(tuple(tags), mode)]
+        assert [(q.filters.tags, q.filters.tags_match) for q in searched.queries + recall.queries] \
+            == [(tuple(tags), mode)] * 2
