@@ -1546,13 +1546,16 @@ def operations(ctx: typer.Context,
                bank: Optional[str] = typer.Option(None, "--bank", "-b",
                                                   help="one bank; default every bank"),
                limit: int = typer.Option(50, min=0, help="at most this many"),
+               filter_: str = typer.Option("", "--filter", help='only these, e.g. '
+                                           '\'state = "FAILED" AND kind = "retain"\' '
+                                           '(fields state and kind, joined by AND)'),
                as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List operations (retains, deletions, …) with their status and progress; the
     commands below get, cancel and retry one."""
     if ctx.invoked_subcommand is not None:
         return
     with _session(address) as m:
-        ops = _listed(m.list_operations(bank or ""), limit)
+        ops = _listed(m.list_operations(bank or "", filter=filter_), limit)
     if as_json:
         return _print_json(ops)
     t = _table("operation", "bank", "kind", "state", "items", "facts", "updated", "error",

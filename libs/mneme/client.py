@@ -309,10 +309,13 @@ class MnemeClient:
         return self.banks.GetBankStats(banks_pb2.GetBankStatsRequest(name=f"banks/{bank_id}"),
                                        timeout=self.timeout)
 
-    def list_operations(self, bank_id: str = "", page_size: int = 100):
-        """Yield operations (newest first per the catalog), of one bank or of every bank."""
+    def list_operations(self, bank_id: str = "", page_size: int = 100, filter: str = ""):
+        """Yield operations (newest first per the catalog), of one bank or of every bank;
+        ``filter`` keeps those it selects (``'state = "FAILED" AND kind = "retain"'``:
+        ListOperationsRequest.filter)."""
         yield from self._pages(self.operations.ListOperations, operations_pb2.ListOperationsRequest(
-            parent=f"banks/{bank_id}" if bank_id else "", page_size=page_size), "operations")
+            parent=f"banks/{bank_id}" if bank_id else "", page_size=page_size, filter=filter),
+            "operations")
 
     # store generations (replay while serving)
     def replay(self, force: bool = False, wait: bool = True, poll_s: float = 0.5,

@@ -594,6 +594,11 @@ class RecallOutcome:
 
 #: Operation states after which nothing changes (an operation always reaches one).
 TERMINAL = ("succeeded", "failed")
+#: Every state of an operation, in the order it goes through them.
+OPERATION_STATES = ("pending", "running", *TERMINAL)
+#: Every kind of operation (``Operation.kind``): what request made it.
+OPERATION_KINDS = ("retain", "delete_document", "delete_memory", "delete_bank", "consolidate",
+                   "delete_opinion", "merge_entities", "split_entity")
 
 
 @dataclass

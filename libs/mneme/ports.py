@@ -372,11 +372,15 @@ class Catalog(Protocol):
         """(operations, of which not yet terminal) of the bank, counted by the catalog."""
 
     def list_operations(self, bank_id: str, limit: int,
-                        after: tuple[float, str] | None = None) -> list[Operation]:
+                        after: tuple[float, str] | None = None, *, state: str = "",
+                        kind: str = "") -> list[Operation]:
         """Newest first (``created_at`` descending, then ``operation_id`` ascending), at
         most ``limit``, only those after ``after`` in that order (the ``(created_at,
         operation_id)`` of the previous page's last one: operations added or deleted
-        meanwhile shift nothing); ``bank_id`` "" lists every bank's."""
+        meanwhile shift nothing); ``bank_id`` "" lists every bank's. ``state`` (one of
+        :data:`mneme.domain.OPERATION_STATES`) and ``kind`` ("" : any) keep only those
+        operations, selected by the store's query (a page is ``limit`` of them whenever
+        that many are left)."""
 
     def reset(self) -> None:
         """Forget everything, bank generations and deleted operations included (replay

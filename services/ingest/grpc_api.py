@@ -11,7 +11,9 @@ from google.protobuf import empty_pb2
 from mneme import apiconv, auth, limits, paging
 from mneme.errors import InvalidArgument, NotFound
 from mneme.grpc_util import dt_to_ts, remaining, translate_errors
-from mneme.domain import DIRECTIVE_FIELDS, Directive, from_epoch
+from mneme.aipfilter import parse_equalities
+from mneme.domain import (DIRECTIVE_FIELDS, OPERATION_KINDS, OPERATION_STATES, Directive,
+                          from_epoch)
 from mneme.names import (bank_id_of, directive_name, directive_of, memory_of, operation_of,
                          opinion_of, unit_of)
 from mneme.v1 import banks_pb2, banks_pb2_grpc, keys_pb2, keys_pb2_grpc, memory_pb2
@@ -248,13 +250,15 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
     def ListOperations(self, request, context):
         bank_id = bank_id_of(request.parent) if request.parent else ""
         size = paging.page_size(request.page_size)
-        # The token is bound to its parent: another bank's token is refused. It holds the
-        # last operation's (created_at, id): new operations (listed first) shift nothing.
-        kind = ("operations", bank_id)
+        only = operations_filter(request.filter)
+        # The token is bound to its parent and filter: another bank's or filter's token is
+        # refused (an unfiltered one as before filters were). It holds the last
+        # operation's (created_at, id): new operations (listed first) shift nothing.
+        kind = ("operations", bank_id, sorted(only.items())) if only else ("operations", bank_id)
         after = paging.decode_token(request.page_token, kind, (float, str))
         self.ingest.catch_up(bank_id or None)
         ops = self.ingest.catalog.list_operations(bank_id, size + 1,
-                                                  tuple(after) if after else None)
+                                                  tuple(after) if after else None, **only)
         if bank_id and not ops and after is None and self.ingest.catalog.get_bank(bank_id) is None:
             # a bank that never was (a deleted bank's operations stay listable)
             raise NotFound(f"bank {bank_id!r} not found")
@@ -264,6 +268,22 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
             next_page_token=paging.encode_token(
                 kind, [float(page[-1].created_at), page[-1].operation_id])
             if len(ops) > size else "")
+
+
+#: ListOperationsRequest.filter's fields: the Operation's ``state`` and ``kind`` (and
+#: Hindsight's names for them, ``status`` and ``type``), each with its values.
+_STATES = {s: s for s in OPERATION_STATES}
+_KINDS = {k: k for k in OPERATION_KINDS}
+OPERATION_FILTER_FIELDS = {"state": ("state", _STATES), "status": ("state", _STATES),
+                           "kind": ("kind", _KINDS), "type": ("kind", _KINDS)}
+
+
+def operations_filter(text: str) -> dict[str, str]:
+    """ListOperationsRequest.filter as the catalog's ``list_operations`` keywords
+    (``state``, ``kind``: stored values): ``state = "FAILED" AND kind = "retain"`` →
+    {"state": "failed", "kind": "retain"}; "" → {}. Raises InvalidArgument naming
+    ``filter`` for anything else (:func:`mneme.aipfilter.parse_equalities`)."""
+    return parse_equalities(text, OPERATION_FILTER_FIELDS, "filter")
 
 
 def key_ids_of(request) -> list[str]:

@@ -308,6 +308,23 @@ class CatalogSuite:
         assert [o.operation_id for o in cat.list_operations("", 2, after=(T0 + 2, "o-b"))] == [
             "x", "o-old"]
 
+    def test_list_operations_by_state_and_kind_fills_each_page(self, cat):
+        # the two failed ones are the oldest: a page of the newest holds none of them
+        cat.put_operation(op("f1", "a", state="failed", at=T0))
+        cat.put_operation(op("f2", "a", state="failed", at=T0 + 1))
+        cat.put_operation(op("g1", "b", state="failed", at=T0 + 2))
+        for i in range(5):
+            cat.put_operation(op(f"s{i}", "a", state="succeeded", at=T0 + 10 + i))
+        cat.put_operation(op("d1", "a", state="succeeded", at=T0 + 20, kind="delete_document"))
+        ids = lambda ops: [o.operation_id for o in ops]  # noqa: E731
+        assert ids(cat.list_operations("a", 2, state="failed")) == ["f2", "f1"]
+        assert ids(cat.list_operations("a", 1, after=(T0 + 1, "f2"), state="failed")) == ["f1"]
+        assert ids(cat.list_operations("", 10, state="failed")) == ["g1", "f2", "f1"]
+        assert ids(cat.list_operations("a", 10, kind="delete_document")) == ["d1"]
+        assert ids(cat.list_operations("a", 2, state="succeeded", kind="retain")) == ["s4", "s3"]
+        assert cat.list_operations("a", 10, state="running") == []
+        assert cat.list_operations("a", 10, state="failed", kind="delete_document") == []
+
     def test_list_operations_pages_stay_put_when_operations_come_and_go(self, cat):
         for i in range(4):
             cat.put_operation(op(f"o{i}", "a", at=T0 + i))

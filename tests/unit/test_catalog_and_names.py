@@ -132,3 +132,11 @@ def test_a_bank_from_before_generations_is_reborn_as_the_second(tmp_path):
     c.delete_bank("b")
     c.upsert_bank("b", "", BankConfig(), 2)
     assert c.get_bank("b").incarnation == "2"
+
+
+def test_every_operation_kind_is_one_the_filter_knows():
+    """ListOperations' filter refuses a kind it does not know: every kind an operation
+    is given must be in mneme.domain.OPERATION_KINDS."""
+    from mneme.domain import OPERATION_KINDS
+    from services.ingest import handlers
+    assert set(handlers._KIND.values()) | {"delete_opinion"} <= set(OPERATION_KINDS)

@@ -197,9 +197,11 @@ class MemoryCatalog:
             return len(ops), sum(1 for o in ops if not o.done)
 
     def list_operations(self, bank_id: str, limit: int,
-                        after: tuple[float, str] | None = None) -> list[Operation]:
+                        after: tuple[float, str] | None = None, *, state: str = "",
+                        kind: str = "") -> list[Operation]:
         with self._lock:
             ops = [o for o in self._ops.values() if (not bank_id or o.bank_id == bank_id)
+                   and (not state or o.state == state) and (not kind or o.kind == kind)
                    and (after is None or o.created_at < after[0]
                         or (o.created_at == after[0] and o.operation_id > after[1]))]
             ops.sort(key=lambda o: o.operation_id)
