@@ -372,8 +372,28 @@ def reflect_case(draw):
     if ts is not None:
         req.query_timestamp.CopyFrom(ts[0])
         whys.append(f"query_timestamp: {ts[1]}" if ts[1] else "")
+    if draw(st.booleans()):
+        req.tags.extend(draw(st.lists(st.sampled_from(["alice", "work", "t"]), max_size=3)))
+        req.tags_match = draw(enum(5))
+        if not 0 <= req.tags_match <= 5:
+            whys.append("tags_match: unknown")
+    if draw(st.integers(0, 2)) == 0:
+        req.max_tokens = draw(st.sampled_from([1, 7, 4096, 1_000_000, 1_000_001, -1, -2**31,
+                                               2**31 - 1]))
+        if not 0 <= req.max_tokens <= 1_000_000:
+            whys.append("max_tokens: out of range")
     rpc = draw(st.sampled_from(["Reflect"] * 4 + ["StreamReflect"]))
     return Case(rpc, req, draw(deadline()), bank, must_refuse="; ".join(w for w in whys if w))
+
+
+#: ListOperations filters: (filter, why it is refused or "").
+OPERATION_FILTERS = [('state = "FAILED"', ""), ("status=running AND type=retain", ""),
+                     ('kind = "delete_document"', ""), ("", ""),
+                     ('state = "FAILED" OR state = "RUNNING"', "OR"),
+                     ('state = "DONE"', "unknown state"), ("bank_id = x", "unknown field"),
+                     ("state != FAILED", "operator"), ("state = FAILED AND", "dangling AND"),
+                     ('state = "\x00"', "NUL"), ("(state = FAILED)", "parentheses"),
+                     ("state = FAILED AND state = RUNNING", "state twice")]
 
 
 @st.composite
@@ -391,6 +411,10 @@ def list_case(draw):
         name, bank, why_name = draw(bank_name(allow_empty=rpc == "ListOperations"))
         if rpc == "ListOperations":
             req = operations_pb2.ListOperationsRequest(parent=name, page_size=size, page_token=token)
+            if draw(st.booleans()):
+                req.filter, bad = draw(st.sampled_from(OPERATION_FILTERS))
+                if bad:
+                    why_token = "; ".join(w for w in (why_token, "filter: " + bad) if w)
         elif rpc == "ListMemories":
             req = memory_pb2.ListMemoriesRequest(parent=name, page_size=size, page_token=token)
             if draw(st.booleans()):
