@@ -112,3 +112,24 @@ def test_max_tokens_bounds_the_extractive_answer(m, banks):
     # a mental model's answer is cut too
     r = m.reflect("models", "What is Alice's cat called?", max_tokens=4)
     assert 0 < count(r.text) <= 4
+
+
+def test_cli_tags_match_and_max_tokens(server, banks):
+    import json
+
+    from typer.testing import CliRunner
+
+    from mneme.cli import app
+    ids, _ = banks
+    run = CliRunner()
+    out = run.invoke(app, ["reflect", "facts", "What is the cat called?", "--tag", "alice",
+                           "--tag", "work", "--tags-match", "all_strict", "--max-tokens", "500",
+                           "--json", "-a", server.address])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["based_on"] == [ids[LAPTOP]]
+    out = run.invoke(app, ["reflect", "facts", "cat", "--tags-match", "most", "-a",
+                           server.address])
+    assert out.exit_code == 2 and "all_strict" in out.output
+    out = run.invoke(app, ["reflect", "facts", "cat", "--max-tokens", "-1", "-a",
+                           server.address])
+    assert out.exit_code == 2
