@@ -71,9 +71,9 @@ def answer_tokens(max_tokens: int, cap: int = DEFAULT_ANSWER_TOKENS) -> int:
 
 
 def fits(text: str, max_tokens: int, count: Callable[[str], int]) -> bool:
-    """Whether ``text`` is at most ``max_tokens`` tokens by ``count``. A text of no more
-    characters than that fits without counting (a token covers at least one character)."""
-    return len(text) <= max_tokens or count(text) <= max_tokens
+    """Whether ``text`` is at most ``max_tokens`` tokens by ``count``. Always counted: a
+    character can be several tokens (a Hangul syllable is split into its letters)."""
+    return count(text) <= max_tokens
 
 
 def cut_to_tokens(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
