@@ -116,9 +116,9 @@ def reflect_offline(bank_id: str, query: str, context: str, budget: str, now: da
     :func:`scope_filters`), rerank the head by how many of the question's content words
     each memory covers, and quote the best ``max_quotes``; ``why`` says in the answer why
     it is extractive (:data:`NO_MODEL`, or :data:`MODEL_FAILED` for a model's fallback).
-    The answer is at most ``max_tokens`` tokens by ``count``: the quotes that fit whole
-    (the rest left out, and uncited); when not even one does, the text is cut within the
-    first (still cited). Raises InvalidArgument for an empty query."""
+    The answer is at most ``max_tokens`` tokens by ``count``: its quotes, in order, while
+    they fit whole (the rest left out, and uncited); when not even one does, the text is
+    cut within the first (still cited). Raises InvalidArgument for an empty query."""
     if not query or not query.strip():
         raise InvalidArgument("query", "must not be empty")
     outcome = recall(RecallQuery(bank_id=bank_id, query=query, query_timestamp=now,
