@@ -1382,14 +1382,17 @@ app.add_typer(entities_app, name="entities")
 @entities_app.command("list")
 def entities_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """List BANK's entities in id order with their kind and mention count."""
+    """List BANK's entities in id order with their kind, mention count and the earliest and
+    latest time of the memories mentioning them (when told; else when it happened)."""
     with _client(address) as m:
         found = _listed(m.list_entities(bank), limit)
     if as_json:
         return _print_json(found)
-    t = _table("entity", "name", "kind", "mentions", "aliases", ids=("entity",))
+    t = _table("entity", "name", "kind", "mentions", "first seen", "last seen", "aliases",
+               ids=("entity",))
     for e in found:
-        t.add_row(e.id, e.display_name, e.kind, str(e.mention_count), ", ".join(e.aliases))
+        t.add_row(e.id, e.display_name, e.kind, str(e.mention_count), _seen(e, "first_seen"),
+                  _seen(e, "last_seen"), ", ".join(e.aliases))
     _out().print(t)
 
 
@@ -1404,12 +1407,20 @@ def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, 
     out = _out()
     out.print(f"{e.display_name} ({e.kind}) {e.id}: {e.mention_count} mentions; "
               f"aliases: {', '.join(e.aliases)}")
+    out.print(f"first seen {_seen(e, 'first_seen')}, last seen {_seen(e, 'last_seen')}")
     t = _table("neighbour", "name", "kind", "shared memories", ids=("neighbour",))
     for n in e.neighbours:
         t.add_row(n.entity.rsplit("/", 1)[-1], n.display_name, n.kind, str(n.shared_memories))
     out.print(t)
     for name in e.memories:
         out.print(name)
+
+
+def _seen(e, field: str) -> str:
+    """An Entity's first_seen/last_seen as ISO 8601 UTC, '-' when unset."""
+    if not e.HasField(field):
+        return "-"
+    return getattr(e, field).ToDatetime(tzinfo=timezone.utc).isoformat()
 
 
 def _print_entity(out: Console, e) -> None:

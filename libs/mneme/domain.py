@@ -384,7 +384,11 @@ class EntityInfo:
     spaCy label or CONCEPT), ``aliases`` (every :func:`entity_key` it has had, sorted),
     ``mentions`` (live units mentioning it). :meth:`mneme.ports.GraphStore.entity` also
     fills ``units`` (ids of units mentioning it, most recent first, capped) and
-    ``neighbours`` ((entity id, name, label, units mentioning both), most shared first)."""
+    ``neighbours`` ((entity id, name, label, units mentioning both), most shared first).
+    ``first_seen``/``last_seen``: the earliest and latest time (UTC) of the live units
+    mentioning it, each unit's time being when it was told (``mentioned_at``), or when it
+    happened (``occurred_start``) for a unit without one; None when no such unit has
+    either."""
 
     id: str
     name: str
@@ -393,6 +397,8 @@ class EntityInfo:
     mentions: int = 0
     units: tuple[str, ...] = ()
     neighbours: tuple[tuple[str, str, str, int], ...] = ()
+    first_seen: datetime | None = None
+    last_seen: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

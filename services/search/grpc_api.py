@@ -169,6 +169,7 @@ def entity_to_api(bank_id: str, e) -> entities_pb2.Entity:
     return entities_pb2.Entity(
         name=entity_name(bank_id, e.id), id=e.id, display_name=e.name, kind=e.label,
         aliases=list(e.aliases), mention_count=e.mentions,
+        first_seen=dt_to_ts(e.first_seen), last_seen=dt_to_ts(e.last_seen),
         memories=[memory_name(bank_id, u) for u in e.units],
         neighbours=[entities_pb2.EntityNeighbour(entity=entity_name(bank_id, i), display_name=n,
                                                  kind=k, shared_memories=c)

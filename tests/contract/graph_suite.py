@@ -157,6 +157,29 @@ class GraphStoreSuite:
         assert store.entity("a", "nobody") is None
         assert store.entity("b", ALICE.id) is None
 
+    def test_entity_first_and_last_seen_over_live_mentions(self, store):
+        t0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+        day = timedelta(days=1)
+        store.upsert([
+            # told on day 3 about day 0: the time told counts
+            dataclasses.replace(unit("u1", entities=[ALICE]), mentioned_at=t0 + 3 * day,
+                                occurred_start=t0),
+            dataclasses.replace(unit("u2", entities=[ALICE, BOB]), mentioned_at=t0 + day),
+            # told at no known time: when it happened counts
+            dataclasses.replace(unit("u3", entities=[ALICE]), occurred_start=t0 + 7 * day),
+            unit("u4", entities=[LYON]),  # neither
+        ])
+        seen = lambda e: (e.first_seen, e.last_seen)  # noqa: E731
+        assert seen(store.entity("a", ALICE.id)) == (t0 + day, t0 + 7 * day)
+        assert seen(store.entity("a", BOB.id)) == (t0 + day, t0 + day)
+        assert seen(store.entity("a", LYON.id)) == (None, None)
+        assert {e.id: seen(e) for e in store.entities("a", 10)} == {
+            ALICE.id: (t0 + day, t0 + 7 * day), BOB.id: (t0 + day, t0 + day),
+            LYON.id: (None, None)}
+        store.delete("a", ["u3", "u2"])
+        assert seen(store.entity("a", ALICE.id)) == (t0 + 3 * day, t0 + 3 * day)
+        assert seen(store.entities("a", 1)[0]) == (t0 + 3 * day, t0 + 3 * day)
+
     def test_merge_entities_moves_mentions_and_unites_aliases(self, store):
         liz = EntityRef("e-liz", "Liz", "PERSON")
         store.upsert(chain() + [unit("u6", entities=[liz, LYON]), unit("u7", entities=[liz, ALICE]),

@@ -11,7 +11,8 @@ replaced by ``CALL (e) {``; the Neo4j adapter rewrites it (:func:`scope_clause`)
 
 Model::
 
-    (:Unit {id, bank_id, document_id, fact_type, occurred_start, occurred_end, stub})
+    (:Unit {id, bank_id, document_id, fact_type, occurred_start, occurred_end, mentioned_at,
+           stub})
     (:Entity {id, bank_id, name, key, label, aliases, split_from})
     (:Unit)-[:MENTIONS]->(:Entity)
     (:Unit)-[:LINK {kind, weight}]->(:Unit)
@@ -67,13 +68,14 @@ NEO4J_INDEXES = (
 
 # ---- writes (all scoped by $bank_id) -----------------------------------------------------
 
-#: $units: [{id, document_id, fact_type, occurred_start, occurred_end}]
+#: $units: [{id, document_id, fact_type, occurred_start, occurred_end, mentioned_at}]
+#: (times as epoch seconds or null)
 UPSERT_UNITS = """
 UNWIND $units AS u
 MERGE (n:Unit {bank_id: $bank_id, id: u.id})
 SET n.document_id = u.document_id, n.fact_type = u.fact_type,
     n.occurred_start = u.occurred_start, n.occurred_end = u.occurred_end,
-    n.stub = false
+    n.mentioned_at = u.mentioned_at, n.stub = false
 """
 
 #: Before the units $ids lose their edges (a delete, or an upsert that rewrites them):
@@ -185,7 +187,7 @@ MARK_STUBS = """
 UNWIND $ids AS uid
 MATCH (n:Unit {bank_id: $bank_id, id: uid})
 SET n.stub = true, n.document_id = null, n.fact_type = null,
-    n.occurred_start = null, n.occurred_end = null
+    n.occurred_start = null, n.occurred_end = null, n.mentioned_at = null
 """
 
 #: How many of the entities $ids exist (before a write that may create them).
@@ -308,37 +310,44 @@ WHERE e.key IN $keys OR any(a IN coalesce(e.aliases, []) WHERE a IN $keys)
 RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key
 """
 
-#: A page of the bank's entities in id order after $after, with their live mentions.
-LIST_ENTITIES = """
-MATCH (e:Entity {bank_id: $bank_id})
+#: When a unit was seen, as :data:`LIST_ENTITIES` and :data:`GET_ENTITY` aggregate it: when
+#: it was told (mentioned_at), or when it happened (occurred_start) for a unit told at no
+#: known time. Epoch seconds; null for a unit with neither.
+_SEEN = "coalesce(u.mentioned_at, u.occurred_start)"
+
+#: A page of the bank's entities in id order after $after, with their live mentions and
+#: the earliest and latest time (:data:`_SEEN`) of those.
+LIST_ENTITIES = f"""
+MATCH (e:Entity {{bank_id: $bank_id}})
 WHERE e.id > $after
 WITH e ORDER BY e.id LIMIT $limit
 OPTIONAL MATCH (e)<-[:MENTIONS]-(u:Unit)
 WHERE u.stub = false
 RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
-       count(u) AS mentions
+       count(u) AS mentions, min({_SEEN}) AS first_seen, max({_SEEN}) AS last_seen
 ORDER BY id
 """
 
-#: One entity with its live mentions and the $limit most recent units mentioning it (a
-#: subquery each, as in :data:`ENTITY_UNITS`: a hub's mentions are counted, not held).
-GET_ENTITY = """
-MATCH (e:Entity {bank_id: $bank_id, id: $entity_id})
-CALL {
+#: One entity with its live mentions (and their earliest and latest time, :data:`_SEEN`)
+#: and the $limit most recent units mentioning it (a subquery each, as in
+#: :data:`ENTITY_UNITS`: a hub's mentions are counted, not held).
+GET_ENTITY = f"""
+MATCH (e:Entity {{bank_id: $bank_id, id: $entity_id}})
+CALL {{
   WITH e
   MATCH (e)<-[:MENTIONS]-(u:Unit)
   WHERE u.stub = false
-  RETURN count(u) AS mentions
-}
-CALL {
+  RETURN count(u) AS mentions, min({_SEEN}) AS first_seen, max({_SEEN}) AS last_seen
+}}
+CALL {{
   WITH e
   MATCH (e)<-[:MENTIONS]-(u:Unit)
   WHERE u.stub = false
   WITH u ORDER BY coalesce(u.occurred_start, 0) DESC, u.id LIMIT $limit
   RETURN collect(u.id) AS units
-}
+}}
 RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
-       mentions, units
+       mentions, units, first_seen, last_seen
 """
 
 #: The entities sharing a live unit with $entity_id: how many units mention both.

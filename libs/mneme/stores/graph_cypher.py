@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
-from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, to_epoch
+from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, from_epoch, to_epoch
 from mneme.stores import cypher
 from mneme.stores.filters import check_document_id
 
@@ -766,7 +766,8 @@ class CypherGraphStore:
         with self._lock:
             rows = self._read(lambda run: run(cypher.LIST_ENTITIES, {
                 "bank_id": bank_id, "after": after or "", "limit": int(limit)}))
-        return [EntityInfo(r[0], r[1] or "", r[2] or "", tuple(sorted(r[3] or ())), int(r[4]))
+        return [EntityInfo(r[0], r[1] or "", r[2] or "", tuple(sorted(r[3] or ())), int(r[4]),
+                           first_seen=from_epoch(r[5]), last_seen=from_epoch(r[6]))
                 for r in rows]
 
     def entity(self, bank_id: str, entity_id: str, units: int = 100,
@@ -788,7 +789,8 @@ class CypherGraphStore:
             return None
         return EntityInfo(row[0], row[1] or "", row[2] or "", tuple(sorted(row[3] or ())),
                           int(row[4]), tuple(u for u in (row[5] or ()) if u)[:units],
-                          tuple((n[0], n[1] or "", n[2] or "", int(n[3])) for n in near))
+                          tuple((n[0], n[1] or "", n[2] or "", int(n[3])) for n in near),
+                          first_seen=from_epoch(row[6]), last_seen=from_epoch(row[7]))
 
     def find_entities(self, bank_id: str, keys: Sequence[str]) -> list[EntityRef]:
         """The bank's entities whose key (``mneme.domain.entity_key`` of a name they had)
@@ -973,7 +975,8 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact], tally: bool = False
     run(cypher.UPSERT_UNITS, {"bank_id": bank_id, "units": [{
         "id": f.id, "document_id": f.document_id, "fact_type": f.fact_type,
         "occurred_start": to_epoch(f.occurred_start),
-        "occurred_end": to_epoch(f.occurred_end)} for f in facts]})
+        "occurred_end": to_epoch(f.occurred_end),
+        "mentioned_at": to_epoch(f.mentioned_at)} for f in facts]})
     created = 0
     if mentions:
         if tally:
