@@ -717,7 +717,7 @@ def build_search(root: Root, bank_exists: Callable[[str], bool] | None = None) -
     recall_fn = with_default_types(functools.partial(
         recall, vectors=stores.vectors, text=stores.text, graph=stores.graph,
         embedder=root.embedder, analyzer=analyzer, tokens=tokens, executor=pool,
-        reranker=reranker))
+        reranker=reranker, documents=root.documents))
     parts = ServiceParts("search", _routers(root, "search", stores=stores,
                                             documents=root.documents, **root.own_catalog()))
     documents_current = _projected(root, parts, "search-documents")

@@ -541,8 +541,17 @@ def recall(bank: str, query: str,
            at: Optional[datetime] = typer.Option(None, "--at", help="'now' for relative "
                                                  "expressions in the query (ISO 8601)"),
            time_zone: Optional[str] = typer.Option(None, "--time-zone", help=_ZONE_HELP),
+           include_entities: Optional[int] = typer.Option(
+               None, "--include-entities", min=0, max=INT32_MAX,
+               help="also the entities the results mention, with observations, within "
+               "this many tokens (0: the server's default, 500)"),
+           include_documents: Optional[int] = typer.Option(
+               None, "--include-documents", min=0, max=INT32_MAX,
+               help="also the stored text of the documents the results come from, within "
+               "this many tokens (0: the server's default, 8192)"),
            as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
-    """Recall the memories of BANK that matter for QUERY, with each arm's rank."""
+    """Recall the memories of BANK that matter for QUERY, with each arm's rank (and, when
+    asked, the entities they mention and the documents they come from)."""
     from mneme.client import BUDGETS, TAGS_MATCH, TYPES
     _choice("--budget", budget, BUDGETS)
     _choice("--tags-match", tags_match, TAGS_MATCH)
@@ -551,12 +560,21 @@ def recall(bank: str, query: str,
     with _session(address) as m:
         r = m.recall(bank, query, max_tokens=max_tokens, budget=budget, tags=tag,
                      tags_match=tags_match, types=type_,
-                     query_timestamp=_aware(at, time_zone), time_zone=time_zone)
+                     query_timestamp=_aware(at, time_zone), time_zone=time_zone,
+                     include_entities=include_entities, include_documents=include_documents)
     if as_json:
         from google.protobuf.json_format import MessageToDict
         print(json.dumps(MessageToDict(r, preserving_proto_field_name=True), indent=1))
         return
     print_recall(r)
+    out = _out()
+    for e in r.entities:
+        out.print(f"entity {e.display_name} ({e.kind}) {e.entity.rsplit('/', 1)[-1]}")
+        for o in e.observations:
+            out.print(f"  observation: {o.text}")
+    for d in r.documents:
+        cut = " (truncated)" if d.truncated else ""
+        out.print(f"document {d.document_id}{cut}, {d.tokens} tokens:\n{d.text}")
 
 
 def print_recall(r, limit: int | None = None) -> None:

@@ -545,12 +545,23 @@ class MnemeClient:
     def recall(self, bank_id: str, query: str, *, max_tokens: int = 0, budget: str = "mid",
                types: Iterable[str] = (), tags: Iterable[str] = (), tags_match: str = "any",
                query_timestamp: datetime | None = None, document_id: str = "",
-               time_zone: str | None = None) -> recall_pb2.RecallResponse:
+               time_zone: str | None = None, include_entities: int | None = None,
+               include_documents: int | None = None) -> recall_pb2.RecallResponse:
         """Recall from the bank. ``query_timestamp`` is "now" for relative expressions in
         the query (default: the server's clock), read in ``time_zone`` (default: the zone
         of an aware ``query_timestamp``, else UTC; a naive ``query_timestamp`` is read on
-        the clock of ``time_zone``)."""
-        return self.recall_stub.Recall(recall_pb2.RecallRequest(
+        the clock of ``time_zone``). ``include_entities`` / ``include_documents``: also
+        return the entities the results mention (with observations) / the stored text of
+        the documents they come from, within that many tokens (0: the server's default;
+        None: not asked for)."""
+        include = None
+        if include_entities is not None or include_documents is not None:
+            include = recall_pb2.RecallInclude(
+                entities=None if include_entities is None
+                else recall_pb2.EntityInclude(max_tokens=include_entities),
+                documents=None if include_documents is None
+                else recall_pb2.DocumentInclude(max_tokens=include_documents))
+        return self.recall_stub.Recall(recall_pb2.RecallRequest(include=include,
             parent=f"banks/{bank_id}", query=query, max_tokens=max_tokens,
             budget=_pick("budget", budget, BUDGETS),
             types=[_pick(f"types[{n}]", t, TYPES) for n, t in enumerate(_strings("types", types))],

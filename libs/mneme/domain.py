@@ -562,7 +562,9 @@ class RecallQuery:
     ``query_timestamp`` is "now" for relative expressions in the query, read in the
     calendar of ``time_zone`` (IANA name or offset, "" = UTC); ``deadline``
     (a :class:`mneme.deadline.Deadline`, None: none) stops the work when the caller
-    stops waiting."""
+    stops waiting. ``include_entities`` / ``include_documents``: token budgets of the
+    entities the results mention and of the documents they come from (None: not asked
+    for, the default; see :mod:`services.search.include`)."""
 
     bank_id: str
     query: str
@@ -572,6 +574,8 @@ class RecallQuery:
     max_tokens: int = 4096
     deadline: object = field(default=None, compare=False)
     time_zone: str = ""
+    include_entities: int | None = None
+    include_documents: int | None = None
 
 
 @dataclass
@@ -590,12 +594,37 @@ class Scored:
 
 
 @dataclass
+class IncludedEntity:
+    """An entity recalled facts mention (``ref``: id, name, label as they mention it) with
+    the observations about it, best first, and the ``tokens`` of its name and theirs."""
+
+    ref: EntityRef
+    observations: list[Fact] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class IncludedDocument:
+    """A document recalled facts (``memory_ids``) come from: its stored ``text`` (a
+    prefix when ``truncated``) and that text's ``tokens``."""
+
+    document_id: str
+    text: str
+    truncated: bool = False
+    tokens: int = 0
+    memory_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RecallOutcome:
-    """Recall results in order, their token total and the query's parsed time window."""
+    """Recall results in order, their token total and the query's parsed time window;
+    ``entities`` and ``documents`` only when the query asked for them."""
 
     results: list[Scored]
     total_tokens: int
     time_window: TimeWindow | None = None
+    entities: list[IncludedEntity] = field(default_factory=list)
+    documents: list[IncludedDocument] = field(default_factory=list)
 
 
 #: Operation states after which nothing changes (an operation always reaches one).

@@ -22,7 +22,7 @@ from mneme.ports import DocumentStore, GraphStore, VectorStore
 from mneme.v1 import (documents_pb2, documents_pb2_grpc, entities_pb2, entities_pb2_grpc,
                       memory_pb2, observations_pb2, observations_pb2_grpc, opinions_pb2,
                       opinions_pb2_grpc, recall_pb2, recall_pb2_grpc)
-from services.search import observations, opinions, reads
+from services.search import include, observations, opinions, reads
 from services.search.corrections import EntityCorrections
 
 _ARMS = ("semantic", "keyword", "graph", "temporal", "rerank")
@@ -48,7 +48,39 @@ def outcome_to_api(o: RecallOutcome) -> recall_pb2.RecallResponse:
     if o.time_window:
         resp.query_time_range.CopyFrom(memory_pb2.TimeRange(
             start=dt_to_ts(o.time_window.start), end=dt_to_ts(o.time_window.end)))
+    bank_id = o.results[0].fact.bank_id if o.results else ""
+    for e in o.entities:
+        r = resp.entities.add(entity=entity_name(bank_id, e.ref.id), display_name=e.ref.name,
+                              kind=e.ref.label, tokens=e.tokens)
+        for f in e.observations:
+            _MEMORIES.fill(r.observations.add(), f)
+    for d in o.documents:
+        resp.documents.add(document=document_name(bank_id, d.document_id),
+                           document_id=d.document_id, text=d.text, truncated=d.truncated,
+                           tokens=d.tokens, memories=[memory_name(bank_id, i) for i in d.memory_ids])
     return resp
+
+
+def include_budgets(request) -> dict:
+    """RecallRequest.include → RecallQuery's ``include_entities`` / ``include_documents``
+    (None when not set, 0 read as the default). InvalidArgument naming the field for a
+    negative or too large budget."""
+    out = {}
+    fields = (("entities", "include_entities", include.ENTITY_TOKENS, include.MAX_ENTITY_TOKENS),
+              ("documents", "include_documents", include.DOCUMENT_TOKENS,
+               include.MAX_DOCUMENT_TOKENS))
+    if not request.HasField("include"):
+        return out
+    for name, key, default, maximum in fields:
+        if request.include.HasField(name):
+            value = getattr(request.include, name).max_tokens
+            try:
+                include.check_budget(value, f"include.{name}.max_tokens", maximum)
+            except ValueError as e:
+                raise InvalidArgument(f"include.{name}.max_tokens",
+                                      str(e).split(": ", 1)[1]) from None
+            out[key] = value or default
+    return out
 
 
 class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
@@ -86,7 +118,8 @@ class RecallServicer(recall_pb2_grpc.RecallServiceServicer):
         q = RecallQuery(bank_id=bank_id, query=request.query, query_timestamp=now,
                         filters=apiconv.filters_from_recall(request),
                         budget=apiconv.BUDGET[request.budget], max_tokens=request.max_tokens or 4096,
-                        deadline=call_deadline(context), time_zone=request.time_zone.strip())
+                        deadline=call_deadline(context), time_zone=request.time_zone.strip(),
+                        **include_budgets(request))
         assert q.budget in BUDGETS
         return outcome_to_api(self.recall(q))
 

@@ -43,13 +43,16 @@ from mneme.domain import (
 )
 from mneme.deadline import current as current_deadline
 from mneme.errors import DeadlineExceeded
-from mneme.ports import Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore
+from mneme.ports import (
+    DocumentStore, Embedder, GraphStore, QueryAnalyzer, TextStore, TokenCounter, VectorStore,
+)
 from mneme.retrieval import (
     BUDGETS, RRF_K, answer_labels, fact_span, fill_budget, passage_of, passage_ranks,
     asks_for_list, proof_boost, question_factor, recency_boost, reply_share, rerank_head,
     temporal_proximity_boost, tie_key, window_overlap, rrf,
 )
 from mneme.timeparse import time_zone, wall_clock
+from services.search import include
 
 ARMS = ("semantic", "keyword", "graph", "temporal")
 
@@ -99,12 +102,19 @@ def validate(q: RecallQuery) -> None:
     mode = q.filters.tags_match or "any"
     if mode not in TAGS_MATCH_MODES:
         raise ValueError(f"filters.tags_match: must be one of {', '.join(TAGS_MATCH_MODES)}")
+    if q.include_entities is not None:
+        include.check_budget(q.include_entities, "include.entities.max_tokens",
+                             include.MAX_ENTITY_TOKENS)
+    if q.include_documents is not None:
+        include.check_budget(q.include_documents, "include.documents.max_tokens",
+                             include.MAX_DOCUMENT_TOKENS)
 
 
 def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: GraphStore,
            embedder: Embedder, analyzer: QueryAnalyzer, tokens: TokenCounter,
            executor: Executor | None = None,
-           reranker: Callable[[str, list[Scored]], list[Scored]] | None = None) -> RecallOutcome:
+           reranker: Callable[[str, list[Scored]], list[Scored]] | None = None,
+           documents: DocumentStore | None = None) -> RecallOutcome:
     """Recall the bank's facts that matter for ``q.query``, best first, within
     ``q.max_tokens`` (0 → :data:`DEFAULT_MAX_TOKENS`) tokens of fact text.
 
@@ -117,6 +127,10 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
     block on each other, but do not pass the pool that is running this call if it can be
     saturated by callers. Raises ValueError("<field>: ...") for invalid requests; store
     errors propagate.
+
+    ``q.include_entities`` / ``q.include_documents`` (token budgets, None: off) add the
+    outcome's ``entities`` and ``documents`` (:mod:`services.search.include`; the
+    documents from ``documents``, the document projection).
     """
     validate(q)
     from mneme.stores.filters import fact_matches  # lazy: adapters are optional at import
@@ -219,7 +233,18 @@ def recall(q: RecallQuery, *, vectors: VectorStore, text: TextStore, graph: Grap
         results = reranker(q.query, results)
     deadline.check("recall: token budget")
     kept, total = fill_budget(results, q.max_tokens or DEFAULT_MAX_TOKENS, tokens)
-    return RecallOutcome(results=kept, total_tokens=total, time_window=window)
+    out = RecallOutcome(results=kept, total_tokens=total, time_window=window)
+    if q.include_entities is not None:
+        deadline.check("recall: include entities")
+        out.entities = include.entities(kept, q.include_entities, bank_id=q.bank_id,
+                                        filters=filters, vectors=vectors, query_vector=vec,
+                                        tokens=tokens)
+    if q.include_documents is not None:
+        deadline.check("recall: include documents")
+        out.documents = include.documents(kept, q.include_documents, bank_id=q.bank_id,
+                                          filters=filters, store=documents, vectors=vectors,
+                                          tokens=tokens)
+    return out
 
 
 # ---- arms ---------------------------------------------------------------------------------

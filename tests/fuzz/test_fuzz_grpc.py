@@ -346,6 +346,15 @@ def recall_case(draw):
         req.time_range.SetInParent()
     if draw(st.integers(0, 3)) == 0:
         req.document_id = draw(document_id())
+    if draw(st.integers(0, 2)) == 0:  # include: entities / documents, within their budgets
+        for part, top in (("entities", 8192), ("documents", 65536)):
+            if draw(st.booleans()):
+                v = draw(rarely(st.sampled_from([top + 1, -1, 2**31 - 1, -2**31]),
+                                st.sampled_from([0, 1, 50, top])))
+                getattr(req.include, part).SetInParent()
+                getattr(req.include, part).max_tokens = v
+                if not 0 <= v <= top:
+                    whys.append(f"include.{part}.max_tokens: {v}")
     return Case("Recall", req, draw(deadline()), bank,
                 must_refuse="; ".join(w for w in whys if w))
 
