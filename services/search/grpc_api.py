@@ -74,11 +74,7 @@ def include_budgets(request) -> dict:
     for name, key, default, maximum in fields:
         if request.include.HasField(name):
             value = getattr(request.include, name).max_tokens
-            try:
-                include.check_budget(value, f"include.{name}.max_tokens", maximum)
-            except ValueError as e:
-                raise InvalidArgument(f"include.{name}.max_tokens",
-                                      str(e).split(": ", 1)[1]) from None
+            include.check_budget(value, f"include.{name}.max_tokens", maximum)
             out[key] = value or default
     return out
 

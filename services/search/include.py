@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from mneme.domain import Filters, IncludedDocument, IncludedEntity, Scored, tags_match
+from mneme.errors import InvalidArgument
 from mneme.ports import DocumentStore, TokenCounter, VectorStore
 
 OBSERVATION = "observation"
@@ -37,11 +38,12 @@ CHARS_PER_TOKEN = 16
 
 
 def check_budget(value: int, field: str, maximum: int) -> None:
-    """ValueError("<field>: ...") for a negative budget or one over ``maximum``."""
+    """InvalidArgument (a ValueError, "<field>: ...") for a negative budget or one over
+    ``maximum``."""
     if value < 0:
-        raise ValueError(f"{field}: must be >= 0")
+        raise InvalidArgument(field, "must be >= 0")
     if value > maximum:
-        raise ValueError(f"{field}: must be at most {maximum}")
+        raise InvalidArgument(field, f"must be at most {maximum}")
 
 
 def entities(results: Sequence[Scored], budget: int, *, bank_id: str, filters: Filters,
