@@ -88,6 +88,16 @@ def test_tag_scoped_recall_returns_no_observation_or_document_of_another_scope(m
     assert docs == {f"d-{tag}"}, docs
 
 
+def test_tag_scoped_recall_in_any_mode_adds_only_untagged_ones(m, inc):
+    # ANY lets untagged units through (shared by every scope): the untagged document may
+    # come, the other scope's and the mixed one never
+    r = m.recall(inc, "What did Liz do?", tags=["alice"], include_entities=2000,
+                 include_documents=4000)
+    assert {d.document_id for d in r.documents} == {"d-alice", "d-open"}
+    seen = [o for e in r.entities for o in e.observations]
+    assert seen and all("bob" not in o.tags for o in seen), [(o.text, o.tags) for o in seen]
+
+
 def test_include_documents_returns_the_stored_text_of_the_results_documents(m, inc):
     r = m.recall(inc, "What did Liz do?", include_documents=0)
     by_id = {d.document_id: d for d in r.documents}
