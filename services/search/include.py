@@ -55,8 +55,8 @@ def entities(results: Sequence[Scored], budget: int, *, bank_id: str, filters: F
     Names first: each entity whose display name (as the result mentions it) fits in what
     is left is kept. Then observations: of the :data:`OBSERVATION_CANDIDATES` observations
     nearest ``query_vector`` that pass ``filters``' tags (None: no vector, none read),
-    each that mentions a kept entity goes, nearest first, under the first such entity,
-    while its text fits. An observation result itself contributes its entities too."""
+    each that mentions a kept entity goes, nearest first, under the first of them in the
+    returned order, while its text fits. An observation result itself contributes its entities too."""
     order: dict[str, IncludedEntity] = {}
     for s in results:
         for ref in s.fact.entities:
@@ -76,15 +76,17 @@ def entities(results: Sequence[Scored], budget: int, *, bank_id: str, filters: F
     hits = vectors.search(bank_id, query_vector, OBSERVATION_CANDIDATES, scope)
     found = {f.id: f for f in vectors.get(bank_id, [h.id for h in hits])} if hits else {}
     by_id = {e.ref.id: e for e in kept}
+    rank = {e.ref.id: i for i, e in enumerate(kept)}
     for h in hits:
         o = found.get(h.id)
         # The payload is the final word on scope (a store may not push every filter down).
         if o is None or o.bank_id != bank_id or o.fact_type != OBSERVATION or not tags_match(
                 o.tags, scope.tags, scope.tags_match):
             continue
-        owner = next((by_id[r.id] for r in o.entities if r.id in by_id), None)
-        if owner is None:
+        mine = [r.id for r in o.entities if r.id in by_id]
+        if not mine:
             continue
+        owner = by_id[min(mine, key=rank.__getitem__)]  # the first in the response
         n = tokens.count(o.text)
         if n <= left:
             owner.observations.append(o)
