@@ -489,6 +489,16 @@ def tags_match(unit_tags: Iterable[str], tags: Iterable[str], mode: str = "any")
     return t <= u  # all_strict
 
 
+def tags_filter_set(tags: Iterable[str], mode: str = "any") -> bool:
+    """Whether the tag filter ``tags`` in ``mode`` excludes anything: a non-empty ``tags``,
+    or ``exact`` mode (which with no tags selects the untagged units). Otherwise
+    :func:`tags_match` passes every unit, and a read may skip the filter. ValueError for
+    an unknown ``mode``."""
+    if mode not in TAGS_MATCH_MODES:
+        raise ValueError(f"unknown tags_match mode {mode!r}; expected one of {TAGS_MATCH_MODES}")
+    return mode == "exact" or any(True for _ in tags)
+
+
 @dataclass(frozen=True)
 class Filters:
     """Recall/list filters. ``tags_match`` in any, all, any_strict, all_strict, exact."""

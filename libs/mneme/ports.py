@@ -190,13 +190,20 @@ class GraphStore(Protocol):
     def count_entities(self, bank_id: str) -> int:
         """Number of the bank's entities (0 for an unknown bank)."""
 
-    def entities(self, bank_id: str, limit: int, after: str = "") -> list[EntityInfo]:
-        """A page of the bank's entities in id order after ``after`` (mention counts, no
-        units or neighbours)."""
+    def entities(self, bank_id: str, limit: int, after: str = "", tags: Sequence[str] = (),
+                 tags_match: str = "any") -> list[EntityInfo]:
+        """The next ``limit`` of the bank's entities in id order after ``after`` (mention
+        counts, no units or neighbours). With a tag filter (``tags`` in ``tags_match``
+        mode, :func:`mneme.domain.tags_match`) counts and first/last seen are over the
+        units passing it; one no such unit mentions is in the page with 0 mentions. Units
+        whose tags the store does not hold (projected before it kept them) pass no
+        filter. ValueError for an unknown mode."""
 
     def entity(self, bank_id: str, entity_id: str, units: int = 100,
-               neighbours: int = 20) -> EntityInfo | None:
-        """One entity with the units mentioning it and its co-mentioned neighbours."""
+               neighbours: int = 20, tags: Sequence[str] = (),
+               tags_match: str = "any") -> EntityInfo | None:
+        """One entity with the units mentioning it and its co-mentioned neighbours (with a
+        tag filter, as :meth:`entities`: the units passing it only)."""
 
     def merge_entities(self, bank_id: str, survivor_id: str, merged_ids: Sequence[str],
                        display_name: str = "") -> None:

@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from mneme.domain import EntityRef, Fact, Link, entity_key
+from mneme.domain import (TAGS_MATCH_MODES, EntityRef, Fact, Link, entity_key, tags_filter_set,
+                          tags_match)
 from mneme.stores import cypher
 
 ALICE = EntityRef("e-alice", "Alice", "PERSON")
@@ -179,6 +180,113 @@ class GraphStoreSuite:
         store.delete("a", ["u3", "u2"])
         assert seen(store.entity("a", ALICE.id)) == (t0 + 3 * day, t0 + 3 * day)
         assert seen(store.entities("a", 1)[0]) == (t0 + 3 * day, t0 + 3 * day)
+
+    # -- tag-scoped entity reads --
+
+    #: (unit id, tags, entities, day): alice's, bob's, one shared by both, an untagged one
+    TAGGED = (("t1", ("user:alice",), (ALICE, LYON), 1),
+              ("t2", ("user:alice", "work"), (ALICE, BOB), 2),
+              ("t3", ("user:bob",), (BOB, LYON), 3),
+              ("t4", ("user:bob",), (PIANO,), 4),
+              ("t5", (), (LYON, BOB), 5),
+              ("t6", ("user:alice", "user:bob"), (ALICE, PIANO), 6))
+    FILTERS = [((), mode) for mode in TAGS_MATCH_MODES] + [
+        (t, mode) for t in (("user:alice",), ("user:bob", "user:alice"), ("work", "user:alice"),
+                            ("nobody",), ("user:alice", "user:alice"))
+        for mode in TAGS_MATCH_MODES]
+
+    def _tagged(self, store):
+        t0 = datetime(2024, 1, 1, tzinfo=timezone.utc)
+        store.upsert([dataclasses.replace(unit(uid, entities=ents), tags=tags,
+                                          mentioned_at=t0 + timedelta(days=d),
+                                          occurred_start=t0 + timedelta(days=d))
+                      for uid, tags, ents, d in self.TAGGED])
+        return t0
+
+    def _expected(self, t0, tags, mode, ents=(ALICE, BOB, LYON, PIANO)):
+        """Per entity id: (mentions, first seen, last seen, units most recent first), by
+        the reference semantics (mneme.domain.tags_match), for those a match mentions."""
+        out = {}
+        for e in ents:
+            days = sorted((d for uid, ut, es, d in self.TAGGED
+                           if e in es and tags_match(ut, tags, mode)), reverse=True)
+            if days:
+                out[e.id] = (len(days), t0 + timedelta(days=days[-1]),
+                             t0 + timedelta(days=days[0]), tuple(f"t{d}" for d in days))
+        return out
+
+    def test_entity_reads_scoped_by_tags_match_the_reference_semantics(self, store):
+        t0 = self._tagged(store)
+        store.upsert([dataclasses.replace(unit("x1", bank_id="b", entities=[ALICE]),
+                                          tags=("user:alice",))])
+        for tags, mode in self.FILTERS:
+            want = self._expected(t0, tags, mode)
+            listed = {e.id: (e.mentions, e.first_seen, e.last_seen)
+                      for e in store.entities("a", 10, tags=tags, tags_match=mode)
+                      if e.mentions}
+            assert listed == {i: w[:3] for i, w in want.items()}, (tags, mode)
+            for e in (ALICE, BOB, LYON, PIANO):
+                got = store.entity("a", e.id, tags=tags, tags_match=mode)
+                if e.id not in want:
+                    assert got.mentions == 0 and got.units == () and got.neighbours == (), (
+                        tags, mode, e)
+                    continue
+                assert (got.mentions, got.first_seen, got.last_seen, got.units) == want[e.id], (
+                    tags, mode, e)
+                # neighbours: the entities sharing a matching unit, counted over those
+                shared = {}
+                for uid, ut, es, _ in self.TAGGED:
+                    if e in es and tags_match(ut, tags, mode):
+                        for o in es:
+                            if o != e:
+                                shared[o.id] = shared.get(o.id, 0) + 1
+                assert {n[0]: n[3] for n in got.neighbours} == shared, (tags, mode, e)
+        # the page is the next entities in id order, those without a matching unit at 0
+        page = store.entities("a", 2, tags=("user:bob",), tags_match="any_strict")
+        assert [(e.id, e.mentions) for e in page] == [(ALICE.id, 1), (BOB.id, 1)]
+        assert [e.id for e in store.entities("b", 10, tags=("user:alice",),
+                                             tags_match="any_strict")] == [ALICE.id]
+        with pytest.raises(ValueError):
+            store.entities("a", 10, tags=("x",), tags_match="some")
+        with pytest.raises(ValueError):
+            store.entity("a", ALICE.id, tags=("x",), tags_match="some")
+
+    def test_unit_tags_follow_reupserts_deletes_merges_and_splits(self, store):
+        t0 = self._tagged(store)
+        alice_only = dict(tags=("user:alice",), tags_match="any_strict")
+        count = lambda eid: store.entity("a", eid, **alice_only).mentions  # noqa: E731
+        assert (count(ALICE.id), count(BOB.id), count(LYON.id)) == (3, 1, 1)
+        store.merge_entities("a", ALICE.id, [LYON.id])  # t3 (bob's) moves too
+        assert store.entity("a", ALICE.id, **alice_only).units == ("t6", "t2", "t1")
+        assert store.entity("a", ALICE.id).mentions == 5
+        store.split_entity("a", ALICE.id, "e-lyon2", [], "Lyon", ["t1", "t3", "t5"])
+        assert store.entity("a", "e-lyon2", **alice_only).units == ("t1",)
+        assert store.entity("a", "e-lyon2").mentions == 3
+        store.delete("a", ["t1"])
+        assert store.entity("a", "e-lyon2", **alice_only).mentions == 0
+        # a re-upsert with other tags (a replaced document) rewrites them
+        store.upsert([dataclasses.replace(unit("t3", entities=[BOB]), tags=("user:alice",),
+                                          mentioned_at=t0)])
+        assert store.entity("a", BOB.id, **alice_only).units == ("t2", "t3")
+        assert store.entity("a", BOB.id, tags=("user:bob",),
+                            tags_match="any_strict").mentions == 0
+
+    def test_units_without_tags_in_the_graph_match_no_tag_filter(self, store):
+        """Units projected before the graph kept tags (no ``tags`` property) until a
+        replay: their tags are unknown, so no scoped read counts them, not even in the
+        modes where a unit with no tags passes (any, all, exact with no tags); unscoped
+        reads count them as before."""
+        self._tagged(store)
+        store._write(lambda run: run(
+            "MATCH (n:Unit {bank_id: $bank_id}) WHERE n.id IN $ids SET n.tags = null",
+            {"bank_id": "a", "ids": ["t2", "t5"]}))
+        for tags, mode in self.FILTERS:
+            if not tags_filter_set(tags, mode):
+                continue
+            units = store.entity("a", BOB.id, tags=tags, tags_match=mode).units
+            assert "t2" not in units and "t5" not in units, (tags, mode)
+        assert store.entity("a", BOB.id, tags=("user:alice",), tags_match="any").mentions == 0
+        assert store.entity("a", BOB.id).mentions == 3
 
     def test_merge_entities_moves_mentions_and_unites_aliases(self, store):
         liz = EntityRef("e-liz", "Liz", "PERSON")

@@ -588,6 +588,25 @@ class TestFalkorGraphStore(GraphStoreSuite):
     def test_opened_by_url_is_falkor(self, store):
         assert isinstance(store, FalkorGraphStore)
 
+    def test_entity_reads_start_from_the_entity_index_in_every_tag_mode(self, store):
+        """The entity reads stay indexed queries under a tag filter: each plan starts
+        with an index scan and scans no label (every bank's units). CO_MENTIONED with a
+        condition on the units' tags in its one pattern started from a label scan of
+        every unit."""
+        from mneme.domain import TAGS_MATCH_MODES
+        from mneme.stores import cypher
+        store.upsert([dataclasses.replace(unit(f"u{i}", entities=[EntityRef(
+            f"e{i % 7}", f"N{i % 7}", "PERSON"), EntityRef("e-hub", "Hub", "GPE")]),
+            tags=(f"user:{i % 3}",)) for i in range(60)])
+        params = {"bank_id": "a", "entity_id": "e-hub", "after": "", "limit": 10,
+                  "tags": ["user:1"]}
+        for mode in (None, *TAGS_MATCH_MODES):
+            for template in (cypher.LIST_ENTITIES_SCOPED, cypher.GET_ENTITY_SCOPED,
+                             cypher.CO_MENTIONED_SCOPED):
+                plan = str(store._graph.explain(cypher.tag_scoped(template, mode), params))
+                assert "Node By Index Scan | (e:Entity)" in plan, (mode, plan)
+                assert "Label Scan" not in plan and "All Node Scan" not in plan, (mode, plan)
+
     def test_hub_fanout_is_capped(self, tmp_path):
         s = FalkorGraphStore(str(tmp_path / "g.db"), fanout=5)
         try:

@@ -12,7 +12,7 @@ replaced by ``CALL (e) {``; the Neo4j adapter rewrites it (:func:`scope_clause`)
 Model::
 
     (:Unit {id, bank_id, document_id, fact_type, occurred_start, occurred_end, mentioned_at,
-           stub})
+           tags, stub})
     (:Entity {id, bank_id, name, key, label, aliases, split_from})
     (:Unit)-[:MENTIONS]->(:Entity)
     (:Unit)-[:LINK {kind, weight}]->(:Unit)
@@ -21,6 +21,9 @@ Model::
 A ``stub`` Unit is a link target whose fact has not arrived (or was deleted while other
 units still link to it); it is never counted or returned. ``Entity.key`` is
 ``mneme.domain.entity_key`` of the latest name, ``aliases`` every key it has had.
+``Unit.tags`` is the fact's tags, sorted, each once ([] for an untagged fact; null on a
+stub, and on units projected by a release before the tag-scoped entity reads until a
+replay: :func:`unit_tags_condition` never passes those).
 ``Bank.version`` is a fresh token written by every unit of work that changes the bank's
 units or edges, last (see :data:`TOUCH_BANK`): a reader that holds a copy of the bank's
 adjacency knows it is current while the token has not changed.
@@ -68,14 +71,14 @@ NEO4J_INDEXES = (
 
 # ---- writes (all scoped by $bank_id) -----------------------------------------------------
 
-#: $units: [{id, document_id, fact_type, occurred_start, occurred_end, mentioned_at}]
-#: (times as epoch seconds or null)
+#: $units: [{id, document_id, fact_type, occurred_start, occurred_end, mentioned_at, tags}]
+#: (times as epoch seconds or null; tags sorted, each once)
 UPSERT_UNITS = """
 UNWIND $units AS u
 MERGE (n:Unit {bank_id: $bank_id, id: u.id})
 SET n.document_id = u.document_id, n.fact_type = u.fact_type,
     n.occurred_start = u.occurred_start, n.occurred_end = u.occurred_end,
-    n.mentioned_at = u.mentioned_at, n.stub = false
+    n.mentioned_at = u.mentioned_at, n.tags = u.tags, n.stub = false
 """
 
 #: Before the units $ids lose their edges (a delete, or an upsert that rewrites them):
@@ -187,7 +190,7 @@ MARK_STUBS = """
 UNWIND $ids AS uid
 MATCH (n:Unit {bank_id: $bank_id, id: uid})
 SET n.stub = true, n.document_id = null, n.fact_type = null,
-    n.occurred_start = null, n.occurred_end = null, n.mentioned_at = null
+    n.occurred_start = null, n.occurred_end = null, n.mentioned_at = null, n.tags = null
 """
 
 #: How many of the entities $ids exist (before a write that may create them).
@@ -315,49 +318,95 @@ RETURN e.id AS id, e.name AS name, e.label AS label, e.key AS key
 #: known time. Epoch seconds; null for a unit with neither.
 _SEEN = "coalesce(u.mentioned_at, u.occurred_start)"
 
+#: Where a read of entities restricts the units ``u`` it counts to those passing a tag
+#: filter (:func:`tag_scoped`); nothing in the unscoped queries.
+_UNIT_TAGS = "<<unit tags>>"
+
+#: Per ``tags_match`` mode (:data:`mneme.domain.TAGS_MATCH_MODES`), the condition that unit
+#: ``u``'s tags pass the filter $tags (sorted, each once), pushed down as the vector stores
+#: push theirs: the semantics are :func:`mneme.domain.tags_match`'s, which the graph
+#: contract suite checks this against for every mode. Only for a filter that filters
+#: (:func:`mneme.domain.tags_filter_set`): an empty $tags is no filter but in ``exact``.
+_TAGS_MATCH = {
+    "any": "(size(u.tags) = 0 OR any(t IN u.tags WHERE t IN $tags))",
+    "all": "(size(u.tags) = 0 OR all(t IN $tags WHERE t IN u.tags))",
+    "any_strict": "any(t IN u.tags WHERE t IN $tags)",
+    "all_strict": "all(t IN $tags WHERE t IN u.tags)",
+    # both sides hold each tag once: equal sizes and T within U is U = T
+    "exact": "(size(u.tags) = size($tags) AND all(t IN $tags WHERE t IN u.tags))",
+}
+
+
+def unit_tags_condition(mode: str) -> str:
+    """The Cypher condition that unit ``u`` passes the tag filter $tags in ``mode``. A unit
+    without the ``tags`` property (projected before units kept their tags, until a replay)
+    never passes: its tags are unknown, and a scoped read must not show another scope's
+    data. ValueError for an unknown mode."""
+    if mode not in _TAGS_MATCH:
+        raise ValueError(f"unknown tags_match mode {mode!r}; expected one of {tuple(_TAGS_MATCH)}")
+    return f"u.tags IS NOT NULL AND {_TAGS_MATCH[mode]}"
+
+
+def tag_scoped(query: str, mode: str | None) -> str:
+    """``query`` (one of the ``*_SCOPED`` templates) counting only the units that pass the
+    tag filter $tags in ``mode`` (None: every unit, the unscoped query)."""
+    return query.replace(_UNIT_TAGS, "" if mode is None else f" AND {unit_tags_condition(mode)}")
+
+
 #: A page of the bank's entities in id order after $after, with their live mentions and
-#: the earliest and latest time (:data:`_SEEN`) of those.
-LIST_ENTITIES = f"""
+#: the earliest and latest time (:data:`_SEEN`) of those (with a tag filter, of the
+#: matching ones: an entity none of whose mentions match has 0, still listed, so the
+#: caller knows how far the page went).
+LIST_ENTITIES_SCOPED = f"""
 MATCH (e:Entity {{bank_id: $bank_id}})
 WHERE e.id > $after
 WITH e ORDER BY e.id LIMIT $limit
 OPTIONAL MATCH (e)<-[:MENTIONS]-(u:Unit)
-WHERE u.stub = false
+WHERE u.stub = false{_UNIT_TAGS}
 RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
        count(u) AS mentions, min({_SEEN}) AS first_seen, max({_SEEN}) AS last_seen
 ORDER BY id
 """
+LIST_ENTITIES = tag_scoped(LIST_ENTITIES_SCOPED, None)
 
 #: One entity with its live mentions (and their earliest and latest time, :data:`_SEEN`)
 #: and the $limit most recent units mentioning it (a subquery each, as in
-#: :data:`ENTITY_UNITS`: a hub's mentions are counted, not held).
-GET_ENTITY = f"""
+#: :data:`ENTITY_UNITS`: a hub's mentions are counted, not held); with a tag filter, of
+#: the matching units only.
+GET_ENTITY_SCOPED = f"""
 MATCH (e:Entity {{bank_id: $bank_id, id: $entity_id}})
 CALL {{
   WITH e
   MATCH (e)<-[:MENTIONS]-(u:Unit)
-  WHERE u.stub = false
+  WHERE u.stub = false{_UNIT_TAGS}
   RETURN count(u) AS mentions, min({_SEEN}) AS first_seen, max({_SEEN}) AS last_seen
 }}
 CALL {{
   WITH e
   MATCH (e)<-[:MENTIONS]-(u:Unit)
-  WHERE u.stub = false
+  WHERE u.stub = false{_UNIT_TAGS}
   WITH u ORDER BY coalesce(u.occurred_start, 0) DESC, u.id LIMIT $limit
   RETURN collect(u.id) AS units
 }}
 RETURN e.id AS id, e.name AS name, e.label AS label, e.aliases AS aliases,
        mentions, units, first_seen, last_seen
 """
+GET_ENTITY = tag_scoped(GET_ENTITY_SCOPED, None)
 
-#: The entities sharing a live unit with $entity_id: how many units mention both.
-CO_MENTIONED = """
-MATCH (e:Entity {bank_id: $bank_id, id: $entity_id})<-[:MENTIONS]-(u:Unit)-[:MENTIONS]->(o:Entity)
-WHERE u.stub = false AND o.id <> e.id
+#: The entities sharing a live unit with $entity_id: how many units mention both (with a
+#: tag filter, how many matching units). The ``WITH e`` keeps FalkorDB's planner starting
+#: from the entity (by its index): with a condition on ``u``'s tags in the one pattern it
+#: started from a scan of every bank's units instead.
+CO_MENTIONED_SCOPED = f"""
+MATCH (e:Entity {{bank_id: $bank_id, id: $entity_id}})
+WITH e
+MATCH (e)<-[:MENTIONS]-(u:Unit)-[:MENTIONS]->(o:Entity)
+WHERE u.stub = false AND o.id <> e.id{_UNIT_TAGS}
 RETURN o.id AS id, o.name AS name, o.label AS label, count(DISTINCT u) AS shared
 ORDER BY shared DESC, id
 LIMIT $limit
 """
+CO_MENTIONED = tag_scoped(CO_MENTIONED_SCOPED, None)
 
 #: The bank's version token (no row for a bank no write of this version has touched).
 BANK_VERSION = """

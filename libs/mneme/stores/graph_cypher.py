@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
-from mneme.domain import EntityInfo, EntityRef, Fact, Hit, entity_key, from_epoch, to_epoch
+from mneme.domain import (EntityInfo, EntityRef, Fact, Hit, entity_key, from_epoch,
+                          tags_filter_set, to_epoch)
 from mneme.stores import cypher
 from mneme.stores.filters import check_document_id
 
@@ -757,31 +758,46 @@ class CypherGraphStore:
         return int(self._read(lambda run: _column(run, cypher.COUNT_ENTITIES,
                                                   bank_id=bank_id))[0])
 
-    def entities(self, bank_id: str, limit: int, after: str = "") -> list[EntityInfo]:
+    def entities(self, bank_id: str, limit: int, after: str = "", tags: Sequence[str] = (),
+                 tags_match: str = "any") -> list[EntityInfo]:
         """At most ``limit`` of the bank's entities with ids after ``after``, in id order,
-        each with its alias keys and live mention count (no units, no neighbours).
-        ValueError for ``limit`` < 1."""
+        each with its alias keys and live mention count (no units, no neighbours). With a
+        tag filter (``tags`` in ``tags_match`` mode, :func:`mneme.domain.tags_match`),
+        the count and first/last seen are over the matching live units only, and an
+        entity no matching unit mentions is still in the page with 0 mentions (the page
+        is the same ``limit`` entities; the caller drops those). A unit projected without
+        tags (before units kept them, until a replay) matches no filter. ValueError for
+        ``limit`` < 1 or an unknown ``tags_match``."""
         if limit < 1:
             raise ValueError("limit must be positive")
+        query, scope = _scoped(cypher.LIST_ENTITIES_SCOPED, tags, tags_match)
         with self._lock:
-            rows = self._read(lambda run: run(cypher.LIST_ENTITIES, {
-                "bank_id": bank_id, "after": after or "", "limit": int(limit)}))
+            rows = self._read(lambda run: run(query, {
+                "bank_id": bank_id, "after": after or "", "limit": int(limit), **scope}))
         return [EntityInfo(r[0], r[1] or "", r[2] or "", tuple(sorted(r[3] or ())), int(r[4]),
                            first_seen=from_epoch(r[5]), last_seen=from_epoch(r[6]))
                 for r in rows]
 
     def entity(self, bank_id: str, entity_id: str, units: int = 100,
-               neighbours: int = 20) -> EntityInfo | None:
+               neighbours: int = 20, tags: Sequence[str] = (),
+               tags_match: str = "any") -> EntityInfo | None:
         """The bank's entity ``entity_id`` with at most ``units`` ids of live units
         mentioning it (most recent first) and its ``neighbours`` most co-mentioned
-        entities, or None when the bank has no such entity."""
+        entities, or None when the bank has no such entity. With a tag filter (as
+        :meth:`entities`) the mentions, first/last seen, units and neighbours' shared
+        counts are over the matching live units only (0 mentions: none matches).
+        ValueError for an unknown ``tags_match``."""
+        get, scope = _scoped(cypher.GET_ENTITY_SCOPED, tags, tags_match)
+        near, _ = _scoped(cypher.CO_MENTIONED_SCOPED, tags, tags_match)
+
         def work(run: Run):
-            found = run(cypher.GET_ENTITY, {"bank_id": bank_id, "entity_id": entity_id,
-                                            "limit": int(max(units, 0))})
+            found = run(get, {"bank_id": bank_id, "entity_id": entity_id,
+                              "limit": int(max(units, 0)), **scope})
             if not found:
                 return None, []
-            return found[0], run(cypher.CO_MENTIONED, {
-                "bank_id": bank_id, "entity_id": entity_id, "limit": int(max(neighbours, 0))})
+            return found[0], run(near, {
+                "bank_id": bank_id, "entity_id": entity_id, "limit": int(max(neighbours, 0)),
+                **scope})
 
         with self._lock:
             row, near = self._read(work)
@@ -941,6 +957,15 @@ def _spread_from(view: "Adjacency | _CypherView", seeds: dict[str, float],
                              max_weight=view.max_weight)
 
 
+def _scoped(template: str, tags: Sequence[str], tags_match: str) -> tuple[str, dict[str, Any]]:
+    """``template`` (a ``*_SCOPED`` query) for the tag filter ``tags`` / ``tags_match``,
+    with its parameters: unscoped when the filter passes everything
+    (:func:`mneme.domain.tags_filter_set`). ValueError for an unknown mode."""
+    if not tags_filter_set(tags, tags_match):
+        return cypher.tag_scoped(template, None), {}
+    return cypher.tag_scoped(template, tags_match), {"tags": sorted(set(tags))}
+
+
 # ---- units of work (plain functions of a Run, so a managed transaction may retry them) ----
 
 
@@ -976,7 +1001,8 @@ def _upsert_units(run: Run, bank_id: str, facts: list[Fact], tally: bool = False
         "id": f.id, "document_id": f.document_id, "fact_type": f.fact_type,
         "occurred_start": to_epoch(f.occurred_start),
         "occurred_end": to_epoch(f.occurred_end),
-        "mentioned_at": to_epoch(f.mentioned_at)} for f in facts]})
+        "mentioned_at": to_epoch(f.mentioned_at),
+        "tags": sorted(set(f.tags))} for f in facts]})
     created = 0
     if mentions:
         if tally:
