@@ -140,13 +140,22 @@ def check_tags(tags, field: str = "tags") -> tuple[str, ...]:
     return tuple(tags)
 
 
-def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
-    """The filters of a RecallRequest; InvalidArgument naming the field."""
+def tag_filter(r) -> tuple[tuple[str, ...], str]:
+    """The tag filter of a request with RecallRequest's ``tags`` and ``tags_match`` fields
+    (Recall, ListEntities, GetEntity) as (tags, mode of
+    :data:`mneme.domain.TAGS_MATCH_MODES`); InvalidArgument naming ``tags[i]`` or
+    ``tags_match``."""
     tags = check_tags(r.tags)
     if r.tags_match not in TAGS_MATCH:
         raise InvalidArgument("tags_match", "unknown value")
+    return tags, TAGS_MATCH[r.tags_match]
+
+
+def filters_from_recall(r: recall_pb2.RecallRequest) -> Filters:
+    """The filters of a RecallRequest; InvalidArgument naming the field."""
+    tags, mode = tag_filter(r)
     return Filters(types=types_from_api(r.types), tags=tags,
-                   tags_match=TAGS_MATCH[r.tags_match],
+                   tags_match=mode,
                    time_range=time_range_from_api(r.time_range) if r.HasField("time_range") else None,
                    document_id=r.document_id)
 

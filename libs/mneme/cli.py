@@ -1399,11 +1399,18 @@ app.add_typer(entities_app, name="entities")
 
 @entities_app.command("list")
 def entities_list(bank: str, limit: int = typer.Option(0, min=0, help="at most this many (0: all)"),
+                  tag: List[str] = typer.Option([], "--tag", help="only entities memories with "
+                                                "these tags mention, counted over those"),
+                  tags_match: str = typer.Option("any", help="any, all, any_strict, all_strict "
+                                                 "or exact (as recall's)"),
                   as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
     """List BANK's entities in id order with their kind, mention count and the earliest and
-    latest time of the memories mentioning them (when told; else when it happened)."""
+    latest time of the memories mentioning them (when told; else when it happened). With
+    --tag: only the memories matching the tags count (--tags-match as in recall)."""
+    from mneme.client import TAGS_MATCH
+    _choice("--tags-match", tags_match, TAGS_MATCH)
     with _client(address) as m:
-        found = _listed(m.list_entities(bank), limit)
+        found = _listed(m.list_entities(bank, tags=tag, tags_match=tags_match), limit)
     if as_json:
         return _print_json(found)
     t = _table("entity", "name", "kind", "mentions", "first seen", "last seen", "aliases",
@@ -1415,11 +1422,19 @@ def entities_list(bank: str, limit: int = typer.Option(0, min=0, help="at most t
 
 
 @entities_app.command("get")
-def entities_get(bank: str, entity_id: str, as_json: bool = typer.Option(False, "--json"),
-                 address: str = AddressOpt):
-    """Show one entity: aliases, the memories mentioning it, its neighbours."""
+def entities_get(bank: str, entity_id: str,
+                 tag: List[str] = typer.Option([], "--tag", help="only the memories with these "
+                                               "tags count"),
+                 tags_match: str = typer.Option("any", help="any, all, any_strict, all_strict "
+                                                "or exact (as recall's)"),
+                 as_json: bool = typer.Option(False, "--json"), address: str = AddressOpt):
+    """Show one entity: aliases, the memories mentioning it, its neighbours. With --tag:
+    over the memories matching the tags only (--tags-match as in recall); not found when
+    none of them mentions it."""
+    from mneme.client import TAGS_MATCH
+    _choice("--tags-match", tags_match, TAGS_MATCH)
     with _session(address) as m:
-        e = m.get_entity(bank, entity_id)
+        e = m.get_entity(bank, entity_id, tags=tag, tags_match=tags_match)
     if as_json:
         return _print_json(e)
     out = _out()

@@ -489,15 +489,23 @@ class MnemeClient:
             mode=_pick("mode", mode, REFRESH_MODES)), timeout=self.timeout)
 
     # entities, documents, tags
-    def list_entities(self, bank_id: str, page_size: int = 500):
-        """Yield every entity of the bank in id order (all pages), with mention counts."""
+    def list_entities(self, bank_id: str, page_size: int = 500, tags: Iterable[str] = (),
+                      tags_match: str = "any"):
+        """Yield every entity of the bank in id order (all pages), with mention counts.
+        With ``tags``: only those a memory matching them in ``tags_match`` mode (as
+        :meth:`recall`'s) mentions, counted and dated over the matching memories."""
         yield from self._pages(self.entities.ListEntities, entities_pb2.ListEntitiesRequest(
-            parent=f"banks/{bank_id}", page_size=page_size), "entities")
+            parent=f"banks/{bank_id}", page_size=page_size, tags=_strings("tags", tags),
+            tags_match=_pick("tags_match", tags_match, TAGS_MATCH)), "entities")
 
-    def get_entity(self, bank_id: str, entity_id: str) -> entities_pb2.Entity:
-        """One entity with the memories mentioning it and its co-mentioned neighbours."""
+    def get_entity(self, bank_id: str, entity_id: str, tags: Iterable[str] = (),
+                   tags_match: str = "any") -> entities_pb2.Entity:
+        """One entity with the memories mentioning it and its co-mentioned neighbours
+        (with ``tags``, as :meth:`list_entities`: over the matching memories only;
+        NOT_FOUND when none mentions it)."""
         return self.entities.GetEntity(entities_pb2.GetEntityRequest(
-            name=f"banks/{bank_id}/entities/{entity_id}"), timeout=self.timeout)
+            name=f"banks/{bank_id}/entities/{entity_id}", tags=_strings("tags", tags),
+            tags_match=_pick("tags_match", tags_match, TAGS_MATCH)), timeout=self.timeout)
 
     def merge_entities(self, bank_id: str, entity_ids: list[str],
                        display_name: str = "") -> entities_pb2.Entity:

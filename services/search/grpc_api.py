@@ -215,16 +215,19 @@ class EntityServicer(entities_pb2_grpc.EntityServiceServicer):
     @translate_errors
     def ListEntities(self, request, context):
         bank_id = self.rs._bank(request.parent)
+        tags, mode = apiconv.tag_filter(request)
         found, token = reads.list_entities(self.rs.graph, bank_id, request.page_size,
-                                           request.page_token)
+                                           request.page_token, tags, mode)
         return entities_pb2.ListEntitiesResponse(
             entities=[entity_to_api(bank_id, e) for e in found], next_page_token=token)
 
     @translate_errors
     def GetEntity(self, request, context):
         bank_id, entity_id = entity_of(request.name)
+        tags, mode = apiconv.tag_filter(request)
         self.rs._bank(f"banks/{bank_id}", "name")
-        return entity_to_api(bank_id, reads.get_entity(self.rs.graph, bank_id, entity_id))
+        return entity_to_api(bank_id, reads.get_entity(self.rs.graph, bank_id, entity_id,
+                                                       tags, mode))
 
     def _corrections(self) -> EntityCorrections:
         if self.rs.corrections is None:

@@ -4,15 +4,19 @@ store), entities (from the graph)."""
 
 from __future__ import annotations
 
-from mneme import paging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mneme import paging
+
 from mneme.domain import (EXPERIENCE, WORLD, DocumentRevision, EntityInfo, Fact, Filters,
-                          StoredDocument)
+                          StoredDocument, tags_filter_set)
 from mneme.errors import InvalidArgument, NotFound
 from mneme.ports import DocumentStore, GraphStore, VectorStore
 
 MAX_PAGE = 1000
+#: Most entities a tag-scoped ListEntities examines per call (:func:`list_entities`).
+ENTITY_SCAN = 1000
 #: Most distinct documents (or tags) of one bank the lists page through: they are counted
 #: by the store at each call, then paged in value order.
 MAX_VALUES = 100_000
@@ -128,22 +132,45 @@ def list_tags(vectors: VectorStore, bank_id: str, page_size: int, page_token: st
                            page_size, page_token, ("tags", bank_id))
 
 
-def list_entities(graph: GraphStore, bank_id: str, page_size: int, page_token: str
+def list_entities(graph: GraphStore, bank_id: str, page_size: int, page_token: str,
+                  tags: Sequence[str] = (), tags_match: str = "any"
                   ) -> tuple[list[EntityInfo], str]:
     """One page of the bank's entities in id order (with mention counts) and the next
-    page token ('' at the end); sizes and errors as :func:`list_documents`."""
+    page token ('' at the end); sizes and errors as :func:`list_documents`.
+
+    With a tag filter (``tags`` in ``tags_match`` mode, as recall's, checked by the
+    caller): only the entities a matching live memory mentions, counted and dated over
+    those memories. Each call examines at most :data:`ENTITY_SCAN` entities (or the page
+    size + 1, if larger) in id order, so a scope mentioning few of a large bank's
+    entities costs bounded work per call: the page then holds those found (maybe none)
+    and the token resumes after the last entity examined (AIP-158 lets a page be short
+    before the end). The token is bound to the filter (tags as a set, and the mode): a
+    token from another filter is InvalidArgument naming ``page_token``."""
     size = paging.page_size(page_size, maximum=MAX_PAGE)
-    kind = ("entities", bank_id)
+    if not tags_filter_set(tags, tags_match):
+        kind: tuple = ("entities", bank_id)
+        after = paging.decode_token(page_token, kind)
+        got = graph.entities(bank_id, size + 1, after or "")
+        page = got[:size]
+        return page, paging.encode_token(kind, page[-1].id) if len(got) > size else ""
+    kind = ("entities", bank_id, sorted(set(tags)), tags_match)
     after = paging.decode_token(page_token, kind)
-    got = graph.entities(bank_id, size + 1, after or "")
-    page = got[:size]
-    return page, paging.encode_token(kind, page[-1].id) if len(got) > size else ""
+    scan = max(size + 1, ENTITY_SCAN)
+    got = graph.entities(bank_id, scan, after or "", tags, tags_match)
+    found = [e for e in got if e.mentions > 0]
+    if len(found) > size:
+        return found[:size], paging.encode_token(kind, found[size - 1].id)
+    return found, paging.encode_token(kind, got[-1].id) if len(got) == scan else ""
 
 
-def get_entity(graph: GraphStore, bank_id: str, entity_id: str) -> EntityInfo:
+def get_entity(graph: GraphStore, bank_id: str, entity_id: str, tags: Sequence[str] = (),
+               tags_match: str = "any") -> EntityInfo:
     """The entity with its (at most 100) most recent units and 20 most co-mentioned
-    neighbours; NotFound when the bank has no such entity."""
-    got = graph.entity(bank_id, entity_id, units=100, neighbours=20)
-    if got is None:
+    neighbours; NotFound when the bank has no such entity. With a tag filter (as
+    :func:`list_entities`) over the matching live memories only, and NotFound (the same
+    answer as for an unknown id) when none of them mentions it."""
+    got = graph.entity(bank_id, entity_id, units=100, neighbours=20, tags=tags,
+                       tags_match=tags_match)
+    if got is None or tags_filter_set(tags, tags_match) and got.mentions == 0:
         raise NotFound(f"entity {entity_id!r} not found in bank {bank_id!r}")
     return got

@@ -73,12 +73,18 @@ def test_refused_calls_get_their_status_and_write_nothing(node):
         assert _code(lambda: bob.delete_bank("alice")) == grpc.StatusCode.PERMISSION_DENIED
         assert _code(lambda: bob.recall("alice", "Lisbon")) == grpc.StatusCode.PERMISSION_DENIED
         assert _code(lambda: bob.list_banks()) == grpc.StatusCode.PERMISSION_DENIED
+        # a tag scope is a filter, not a grant: keys stay per bank
+        assert _code(lambda: list(bob.list_entities("alice", tags=["user:bob"]))) == \
+            grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: bob.get_entity("alice", derive_id("e"), tags=["user:bob"])) == \
+            grpc.StatusCode.PERMISSION_DENIED
     with MnemeClient(srv.address, timeout=60, api_key=keys["alice_r"][1]) as reader:
         assert _code(lambda: reader.retain("alice", ITEM)) == grpc.StatusCode.PERMISSION_DENIED
         assert _code(lambda: reader.upsert_bank("alice", display_name="x")) == \
             grpc.StatusCode.PERMISSION_DENIED
         assert _code(lambda: reader.delete_bank("alice")) == grpc.StatusCode.PERMISSION_DENIED
         assert reader.recall("alice", "Lisbon").results == []  # reads are allowed
+        assert list(reader.list_entities("alice", tags=["user:alice"])) == []
         assert reader.get_bank("alice").display_name == ""
     with MnemeClient(srv.address, timeout=60, api_key=keys["admin"][1]) as admin:
         assert {b.name for b in admin.list_banks()} == {"banks/alice", "banks/bob"}

@@ -116,3 +116,51 @@ def test_tokens_are_bound_to_the_filters_they_were_issued_for():
             reads.list_memories(vectors, BANK, 1, mems, other)
         assert e.value.violations[0][0] == "page_token"
     assert reads.list_memories(vectors, BANK, 1, mems, world)[0]
+
+
+class _Spy:
+    """A graph store recording the ``limit`` of each ``entities`` call."""
+
+    def __init__(self, graph):
+        self.graph, self.limits = graph, []
+
+    def entities(self, bank_id, limit, after="", tags=(), tags_match="any"):
+        self.limits.append(limit)
+        return self.graph.entities(bank_id, limit, after, tags, tags_match)
+
+
+def test_a_tag_scoped_entity_list_examines_a_bounded_window_per_call(tmp_path, monkeypatch):
+    """Alice's three entities among twenty of bob's: every call examines at most
+    max(size + 1, ENTITY_SCAN) entities (short or empty pages carry a token on), the
+    pages together list alice's entities once each, counted over her memories, and a
+    token of the scoped list is refused by the unscoped one and by another scope."""
+    from mneme.stores.graph_falkor import FalkorGraphStore
+    monkeypatch.setattr(reads, "ENTITY_SCAN", 4)
+    graph = FalkorGraphStore(str(tmp_path / "g.db"))
+    try:
+        mine = {2, 11, 17}
+        graph.upsert([Fact(id=f"u{i}", bank_id=BANK, text="t",
+                           entities=[EntityRef(f"e{i:02d}", f"N{i}", "PERSON")],
+                           tags=("user:alice",) if i in mine else ("user:bob",))
+                      for i in range(20)] +
+                     [Fact(id="u99", bank_id=BANK, text="t", tags=("user:alice",),
+                           entities=[EntityRef("e11", "N11", "PERSON")])])
+        for size in (1, 2, 5):
+            spy = _Spy(graph)
+            tokens = []
+
+            def call(token):
+                page, nxt = reads.list_entities(spy, BANK, size, token, ("user:alice",),
+                                                "any_strict")
+                tokens.append(nxt)
+                return page, nxt
+
+            got = page_through(call)
+            assert [(e.id, e.mentions) for e in got] == [("e02", 1), ("e11", 2), ("e17", 1)]
+            assert spy.limits and max(spy.limits) == max(size + 1, 4), size
+            for other in [(), (("user:alice",), "any"), (("user:bob",), "any_strict")]:
+                with pytest.raises(InvalidArgument) as e:
+                    reads.list_entities(spy, BANK, size, tokens[0], *other)
+                assert e.value.violations[0][0] == "page_token"
+    finally:
+        graph.close()
