@@ -438,6 +438,11 @@ def list_case(draw):
                 req.has_scope = draw(st.booleans())
         elif rpc == "ListEntities":
             req = entities_pb2.ListEntitiesRequest(parent=name, page_size=size, page_token=token)
+            if draw(st.booleans()):
+                req.tags.extend(draw(tags()))
+            req.tags_match = draw(enum(5))
+            if not 0 <= req.tags_match <= 5:
+                why_token = "; ".join(w for w in (why_token, "tags_match: unknown") if w)
         elif rpc == "ListDocuments":
             req = documents_pb2.ListDocumentsRequest(parent=name, page_size=size, page_token=token)
         elif rpc == "ListTags":
@@ -485,6 +490,11 @@ def get_case(draw):
     elif rpc == "GetEntity":
         name, ref, bank, why = draw(child_name("entities", "entity"))
         req = entities_pb2.GetEntityRequest(name=name)
+        if draw(st.booleans()):
+            req.tags.extend(draw(tags()))
+        req.tags_match = draw(enum(5))
+        if not 0 <= req.tags_match <= 5:
+            why = "; ".join(w for w in (why, "tags_match: unknown") if w)
     elif rpc == "GetMentalModel":
         name, ref, bank, why = draw(child_name("mental-models", "mental_model"))
         req = mental_models_pb2.GetMentalModelRequest(name=name)
