@@ -288,6 +288,23 @@ class GraphStoreSuite:
         assert store.entity("a", BOB.id, tags=("user:alice",), tags_match="any").mentions == 0
         assert store.entity("a", BOB.id).mentions == 3
 
+    def test_opening_a_graph_with_units_without_tags_warns_to_replay(self, tmp_path, caplog):
+        s = self.make_store(tmp_path)
+        try:
+            self._tagged(s)
+            s._write(lambda run: run("MATCH (n:Unit {bank_id: $bank_id, id: 't3'}) "
+                                     "SET n.tags = null", {"bank_id": "a"}))
+        finally:
+            s.close()
+        with caplog.at_level("WARNING", logger="mneme.stores.graph_cypher"):
+            s = self.make_store(tmp_path)
+        try:
+            assert "mneme replay" in caplog.text and "'a'" in caplog.text
+            s.upsert([dataclasses.replace(unit("t3", entities=[BOB]), tags=("user:bob",))])
+            assert s._check_unit_tags() is None  # the replay's upsert wrote them
+        finally:
+            s.close()
+
     def test_merge_entities_moves_mentions_and_unites_aliases(self, store):
         liz = EntityRef("e-liz", "Liz", "PERSON")
         store.upsert(chain() + [unit("u6", entities=[liz, LYON]), unit("u7", entities=[liz, ALICE]),

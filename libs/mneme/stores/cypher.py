@@ -300,6 +300,15 @@ MATCH (e:Entity {bank_id: $bank_id})
 RETURN count(e) AS entities
 """
 
+#: One bank with a live unit projected before units kept their tags (no ``tags``), if any
+#: (a scan of the units until the first: once, when a store opens).
+UNITS_WITHOUT_TAGS = """
+MATCH (n:Unit)
+WHERE n.stub = false AND n.tags IS NULL
+RETURN n.bank_id AS bank_id
+LIMIT 1
+"""
+
 COUNT_UNITS = """
 MATCH (n:Unit {bank_id: $bank_id})
 WHERE n.stub = false

@@ -19,6 +19,7 @@ the same on every backend. Its neighbours come from one of two places with the s
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import threading
 import uuid
@@ -32,6 +33,8 @@ from mneme.domain import (EntityInfo, EntityRef, Fact, Hit, entity_key, from_epo
                           tags_filter_set, to_epoch)
 from mneme.stores import cypher
 from mneme.stores.filters import check_document_id
+
+log = logging.getLogger(__name__)
 
 #: Most units taken from one entity (or one unit's links) per hop.
 FANOUT = 50
@@ -577,6 +580,19 @@ class CypherGraphStore:
 
     def close(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _check_unit_tags(self) -> str | None:
+        """When a store opens: a bank holding units projected before units kept their
+        tags (which pass no tag filter of the entity reads until ``mneme replay``), with a
+        warning saying so; None when every unit has them."""
+        rows = self._read(lambda run: run(cypher.UNITS_WITHOUT_TAGS, {}))
+        if not rows:
+            return None
+        log.warning("graph: memories projected before the graph kept their tags (bank %r and "
+                    "maybe others) match no tag filter of ListEntities/GetEntity (scoped "
+                    "reads show too little) until `mneme replay` rebuilds the graph",
+                    rows[0][0])
+        return rows[0][0]
 
     # -- writes --
 

@@ -74,6 +74,7 @@ class _FalkorGraph(CypherGraphStore):
         self._db = db
         self._graph: Any = db.select_graph(graph)
         self._ensure_schema()
+        self._check_unit_tags()
 
     def _run(self, query: str, params: dict[str, Any]) -> list[list[Any]]:
         if self._graph is None:

@@ -88,6 +88,7 @@ class Neo4jGraphStore(CypherGraphStore):
         self.database = database
         try:
             self._ensure_schema()
+            self._check_unit_tags()
         except BaseException:
             self.close()
             raise
