@@ -105,3 +105,44 @@ def test_document_retained_before_mentions_is_erased_by_delete_document(tmp_path
         assert _entity_files(data, b"Tahoe")  # the other document's entities are kept
     finally:
         server.stop()
+
+
+def test_graph_written_before_units_kept_tags_scopes_safely_until_a_replay(tmp_path):
+    """The graph's memory nodes had no tags before the tag-scoped entity reads: on such a
+    data dir a scoped ListEntities must show none of the other user's entities (it shows
+    nothing scoped; unscoped reads are as before), the store warns to replay, and
+    `mneme replay` makes the scoped reads right."""
+    from mneme.stores.graph_falkor import FalkorGraphStore
+    from mneme.v1 import generations_pb2
+
+    data = tmp_path / "data"
+    server = Server(data).start()
+    try:
+        with server.client(timeout=120) as m:
+            m.upsert_bank("b")
+            for text, tag in (("Liz bought a red kayak.", "user:alice"),
+                              ("Maya adopted a puppy.", "user:bob")):
+                op = m.retain("b", [{"content": text, "tags": [tag]}]).operation
+                assert op.state == operations_pb2.SUCCEEDED, op
+            before = sorted((e.display_name, e.mention_count) for e in m.list_entities("b"))
+        server.stop()
+        g = FalkorGraphStore(str(data / "graph.db"))
+        try:  # the nodes as the release before wrote them
+            g._write(lambda run: run("MATCH (n:Unit) SET n.tags = null", {}))
+        finally:
+            g.close()
+        start = server.log.stat().st_size
+        server.start()
+        with server.client(timeout=120) as m:
+            assert "until `mneme replay` rebuilds the graph" in server.log.read_text()[start:]
+            assert sorted((e.display_name, e.mention_count)
+                          for e in m.list_entities("b")) == before
+            for mode in ("any", "any_strict", "exact"):
+                assert list(m.list_entities("b", tags=["user:alice"], tags_match=mode)) == []
+            assert list(m.list_entities("b", tags_match="exact")) == []
+            g = m.replay(poll_s=0.2)
+            assert g.state == generations_pb2.Generation.LIVE, g
+            alice = [e.display_name for e in m.list_entities("b", tags=["user:alice"])]
+            assert "Liz" in alice and "Maya" not in alice
+    finally:
+        server.stop()
