@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mneme.domain import EntityRef, Fact, Link
+from mneme.domain import TAGS_MATCH_MODES, EntityRef, Fact, Link
 from mneme.stores import cypher, open_graph_store, open_text_store, open_vector_store
 from mneme.stores.graph_falkor import parse_falkor_url
 from mneme.stores.graph_neo4j import Neo4jGraphStore, parse_neo4j_url
@@ -119,8 +119,14 @@ def test_opensearch_document_and_query_clipping():
 
 # ---- the common Cypher dialect ---------------------------------------------------------------
 
+# the queries (a leading "_" marks a fragment of them), the tag-scoped templates as sent
+# (unscoped and in every tags_match mode)
 QUERIES = {name: q for name, q in vars(cypher).items()
-           if name.isupper() and isinstance(q, str)}
+           if name.isupper() and not name.startswith("_") and not name.endswith("_SCOPED")
+           and isinstance(q, str)}
+QUERIES.update({f"{name}[{mode}]": cypher.tag_scoped(getattr(cypher, name), mode)
+                for name in ("LIST_ENTITIES_SCOPED", "GET_ENTITY_SCOPED", "CO_MENTIONED_SCOPED")
+                for mode in (None, *TAGS_MATCH_MODES)})
 
 
 @pytest.mark.parametrize("name", sorted(QUERIES))
@@ -133,7 +139,9 @@ def test_queries_keep_to_the_common_dialect(name):
     # subqueries import with WITH (FalkorDB's only form), which the Neo4j adapter rewrites
     subqueries = len(re.findall(r"CALL\s*\{", q, re.IGNORECASE))
     assert q.count("CALL (") == 0 and cypher.scope_clause(q).count("CALL (") == subqueries
-    assert "$" in q or name == "DELETE_ALL"  # parameters, never inlined values
+    # parameters, never inlined values
+    assert "$" in q or name in ("DELETE_ALL", "UNITS_WITHOUT_TAGS")
+    assert "<<" not in q  # no placeholder left
 
 
 def test_scope_clause_rewrites_only_importing_withs():
@@ -157,8 +165,10 @@ def test_ddl_per_backend():
 def test_neo4j_runs_schema_ddl_in_auto_commit_on_the_urls_database():
     driver = BoltDriverDouble()
     store = Neo4jGraphStore.from_url("bolt://u:p@h:7687/memorydb", driver=driver)
+    # the schema, then the check for units without tags (a read: it warns to replay)
     assert [(c.mode, c.query, c.database) for c in driver.calls] == [
-        ("auto", ddl, "memorydb") for ddl in cypher.NEO4J_INDEXES]
+        ("auto", ddl, "memorydb") for ddl in cypher.NEO4J_INDEXES] + [
+        ("read", cypher.UNITS_WITHOUT_TAGS, "memorydb")]
     store.close()
     assert driver.closed
 
@@ -182,7 +192,10 @@ def test_neo4j_upsert_is_one_write_transaction_with_plain_parameters():
     assert by_query[cypher.UPSERT_UNITS]["bank_id"] == "a"
     assert units[0] == {"id": f.id, "document_id": "doc-7", "fact_type": "experience",
                         "occurred_start": f.occurred_start.timestamp(),
-                        "occurred_end": f.occurred_end.timestamp()}
+                        "occurred_end": f.occurred_end.timestamp(),
+                        "mentioned_at": f.mentioned_at.timestamp(),
+                        "tags": sorted(set(f.tags))}
+    assert units[0]["tags"] and units[1]["tags"] == []
     assert units[1]["occurred_start"] is None  # epoch numbers or null, never datetimes
     assert by_query[cypher.MERGE_ENTITIES]["entities"][0] == {
         "entity_id": "ent-alice", "name": "Alice", "key": "alice", "label": "PERSON",
