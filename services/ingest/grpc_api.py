@@ -271,9 +271,11 @@ class OperationServicer(operations_pb2_grpc.OperationServiceServicer):
 
 
 #: ListOperationsRequest.filter's fields: the Operation's ``state`` and ``kind`` (and
-#: Hindsight's names for them, ``status`` and ``type``), each with its values.
-_STATES = {s: s for s in OPERATION_STATES}
-_KINDS = {k: k for k in OPERATION_KINDS}
+#: Hindsight's names for them, ``status`` and ``type``), each with its values, and
+#: Hindsight 1.1's names for the same values (its operation ``status`` "processing" and
+#: "completed", its ``type`` "consolidation"), so a client moving from it keeps its filters.
+_STATES = {s: s for s in OPERATION_STATES} | {"processing": "running", "completed": "succeeded"}
+_KINDS = {k: k for k in OPERATION_KINDS} | {"consolidation": "consolidate"}
 OPERATION_FILTER_FIELDS = {"state": ("state", _STATES), "status": ("state", _STATES),
                            "kind": ("kind", _KINDS), "type": ("kind", _KINDS)}
 
