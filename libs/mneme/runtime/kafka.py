@@ -523,7 +523,8 @@ class DeliveryMiddleware(BaseMiddleware):
             run.stats["retries"] += 1
             log.warning("consumer %s: %s failed (attempt %d/%d): %s", run.group,
                         dead_letter.describe(rec, env), state.attempt_number,
-                        delivery.max_attempts, dead_letter.error_text(state.outcome.exception(), env))
+                        delivery.max_attempts,
+                        dead_letter.error_text(state.outcome.exception(), env))
 
         retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(delivery.max_attempts),
