@@ -16,6 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mneme.runtime.grpc_server import LIVENESS
+
 from tests.e2e.server import Server, inherited, up_refuses
 
 pytestmark = pytest.mark.slow
@@ -100,15 +102,19 @@ def test_damage_while_running_turns_health_not_serving_and_writes_fail_fast(tmp_
             m.upsert_bank("ops")
             assert m.retain("ops", [{"content": FACTS[0]}]).operation.state == 3
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-        check = lambda: health.Check(health_pb2.HealthCheckRequest(service=""),  # noqa: E731
-                                     timeout=5).status
+        check = lambda name="": health.Check(  # noqa: E731
+            health_pb2.HealthCheckRequest(service=name), timeout=5).status
         assert check() == health_pb2.HealthCheckResponse.SERVING
+        # the liveness probe `mneme serve` answers (the chart's), answered by `mneme up` too
+        assert check(LIVENESS) == health_pb2.HealthCheckResponse.SERVING
         with open(tmp_path / "data" / "log.db", "ab") as f:
             f.write(os.urandom(3000))
         deadline = time.monotonic() + 10
         while check() != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health still SERVING on a damaged log"
             time.sleep(0.2)
+        # not ready, but alive: a restart would not repair the log
+        assert check(LIVENESS) == health_pb2.HealthCheckResponse.SERVING
         with server.client(timeout=30) as m:
             t = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:

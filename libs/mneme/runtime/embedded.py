@@ -58,6 +58,10 @@ class Embedded:
         server = grpc_server.server(self.settings, guard)
         names = [n for p in self.parts if p.register for n in p.register(server)]
         health_servicer = grpc_server.add_health(server, names, grpc_server.SERVING)
+        # as `mneme serve` answers it: one liveness probe for either command, SERVING while
+        # the process answers, even once the log's damage has made readiness NOT_SERVING
+        # (a restart does not repair the data on disk)
+        health_servicer.set(grpc_server.LIVENESS, grpc_server.SERVING)
         port = grpc_server.bind(server, address or self.settings.grpc_address, self.settings)
         if port == 0:
             raise RuntimeError(f"cannot listen on {address or self.settings.grpc_address}: the "
