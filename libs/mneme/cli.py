@@ -1546,8 +1546,10 @@ def documents_get(bank: str, document_id: str, as_json: bool = typer.Option(Fals
         print(d.original_text)  # as stored: never rewrapped to the terminal's width
     for r in d.history:  # one line each: full operation names, never cut
         tags = f", tags {', '.join(r.tags)}" if r.tags else ""
+        # no hash: a later retain replaced it (or it was deleted), its text erased
+        size = f"{r.content_chars} chars" if r.content_hash else "text erased"
         out.print(f"  revision {r.revision}  {iso(r.retain_time)}  {r.operation}  "
-                  f"{r.item_count} item(s), {r.content_chars} chars{tags}", soft_wrap=True)
+                  f"{r.item_count} item(s), {size}{tags}", soft_wrap=True)
     from mneme.v1 import resources_pb2
     t = _table("memory", "type", "text", ids=("memory",))
     for mem in d.memories:

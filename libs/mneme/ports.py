@@ -527,9 +527,12 @@ class DocumentStore(Protocol):
         """Record, in one write, each (document id, revision, text): a retain of the
         document at ``rev.at``, made its latest: its text becomes ``text`` (None: not
         stored; the previous text is dropped). The revision number is the next one of
-        the document (``rev.revision`` is ignored). Idempotent: a retain whose
-        ``operation_id`` the document already has changes nothing. Returns how many
-        were recorded."""
+        the document (``rev.revision`` is ignored). The earlier revisions lose their
+        text's fingerprint (``content_hash``, ``chars``, ``context``, ``text_stored``
+        cleared): the retain replaced that text, and erased it from the log (its keys
+        destroyed), so a replay reads them as erased and records them so. Idempotent: a
+        retain whose ``operation_id`` the document already has changes nothing. Returns
+        how many were recorded."""
 
     def delete_document(self, bank_id: str, document_id: str) -> bool:
         """Forget the document, its text and its history; True when it was held."""

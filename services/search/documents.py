@@ -5,13 +5,17 @@ its original text -- and its erasure with the document or bank.
 
 Replay rebuilds it from the log alone (no model). The log's copy of an item whose
 document was deleted since is unreadable (its key destroyed: the item arrives as an
-``erased`` placeholder), so such an item adds nothing, and the deletion that follows it
-on the log removes what the live projection held: a replay never brings deleted text
-back. Idempotent: a redelivered retain is known by its operation id."""
+``erased`` placeholder), so such an item adds a revision without text or fingerprint,
+and the deletion that follows it on the log removes what the live projection held: a
+replay never brings deleted text back. A retain of a document that replaces it erased
+the earlier versions from the log likewise (ingest destroys their keys), so a new
+revision clears the earlier ones' fingerprints live as well: live and replayed
+histories agree. Idempotent: a redelivered retain is known by its operation id."""
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from mneme.bus import codec
 from mneme.domain import DOCUMENT_JOIN, DocumentRevision, EventMeta
@@ -32,25 +36,36 @@ def on_bank_upserted(m: ev.BankUpserted, meta: EventMeta, *, documents: Document
 
 
 def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, documents: DocumentStore):
-    """One revision per document the retain carries: its items (those ingest accepted and
-    whose content can still be read) in item order, their contents joined by
-    :data:`~mneme.domain.DOCUMENT_JOIN`; the text and the first item's context kept when
-    the bank stores documents. Produces nothing."""
-    skipped = {r.item_index for r in m.rejected_items}  # refused by ingest, or erased
+    """One revision per document the retain carries: its items (those ingest accepted)
+    in item order, their contents joined by :data:`~mneme.domain.DOCUMENT_JOIN`; the
+    text and the first item's context kept when the bank stores documents. A document
+    whose content is erased (its keys destroyed) gets a revision with its item count and
+    tags only, and no text. Produces nothing."""
+    refused = {r.item_index for r in m.rejected_items if r.reason != "erased"}
+    erased = {r.item_index for r in m.rejected_items if r.reason == "erased"}
     by_doc: dict[str, list[ev.RetainItem]] = {}
+    gone: set[str] = set()  # documents with an item whose content is erased
     for i, item in enumerate(m.items):
-        if i not in skipped and item.document_id:
+        if i not in refused and item.document_id:
             by_doc.setdefault(item.document_id, []).append(item)
+            if i in erased:
+                gone.add(item.document_id)
     store_text = documents.storage(m.bank_id) if by_doc else False
     entries = []
     for document_id, items in by_doc.items():
+        tags = tuple(sorted({t for i in items for t in i.tags}))  # (in the clear)
+        rev = DocumentRevision(revision=0, operation_id=m.operation_id,
+                               at=meta.time.timestamp(), items=len(items), content_hash="",
+                               chars=0, tags=tags, context="", text_stored=False)
+        if document_id in gone:
+            # its keys were destroyed (a later retain replaced it, or it was deleted):
+            # the revision as the live projection holds it since (no text, no fingerprint)
+            entries.append((document_id, rev, None))
+            continue
         text = DOCUMENT_JOIN.join(i.content for i in items)
-        tags = tuple(sorted({t for i in items for t in i.tags}))
-        rev = DocumentRevision(
-            revision=0, operation_id=m.operation_id, at=meta.time.timestamp(),
-            items=len(items), content_hash=hashlib.sha256(text.encode()).hexdigest(),
-            chars=len(text), tags=tags, context=items[0].context if store_text else "",
-            text_stored=store_text)
+        rev = replace(rev, content_hash=hashlib.sha256(text.encode()).hexdigest(),
+                      chars=len(text), context=items[0].context if store_text else "",
+                      text_stored=store_text)
         entries.append((document_id, rev, text if store_text else None))
     if entries:
         documents.add_revisions(m.bank_id, entries)

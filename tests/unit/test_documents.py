@@ -60,12 +60,18 @@ def test_each_retain_adds_a_revision_and_replaces_the_text():
     assert s.dump("b") == before
 
 
-def test_refused_and_erased_items_are_not_part_of_the_document():
+def test_refused_items_add_nothing_and_erased_ones_a_revision_without_text():
+    """An erased item keeps its document id and tags in the clear (its content is gone):
+    its document gets the revision the live projection holds once a later retain replaced
+    it (item count and tags; no text, hash or size), so a replay agrees with it."""
     s = MemoryDocumentStore()
-    # an erased item keeps its document id in the clear (its content is gone)
     h.on_retain_requested(retain("o1", ev.RetainItem(), item("", doc="gone"), item("Kept."),
                                  rejected=[(0, "rejected"), (1, "erased")]), meta(), documents=s)
-    assert s.get("b", "gone") is None and s.get("b", "d").text == "Kept."
+    gone = s.get("b", "gone")
+    assert gone.text is None and gone.revisions == 1
+    assert (gone.latest.items, gone.latest.content_hash, gone.latest.chars,
+            gone.latest.text_stored) == (1, "", 0, False)
+    assert s.get("b", "d").text == "Kept."
 
 
 def test_the_bank_setting_applies_in_log_order():
@@ -78,7 +84,9 @@ def test_the_bank_setting_applies_in_log_order():
     d = s.get("b", "d")
     assert d.text is None and not d.latest.text_stored and d.latest.context == ""
     assert d.latest.chars == len("Not stored.")  # its size and hash are kept
-    assert [r.text_stored for r in s.revisions("b", "d", 10)] == [True, False]
+    # the replaced revision keeps no fingerprint of its text, stored or not
+    assert [(r.text_stored, r.chars) for r in s.revisions("b", "d", 10)] == [
+        (False, 0), (False, len("Not stored."))]
     h.on_bank_upserted(upsert(True), meta(), documents=s)  # a full upsert sets it
     assert s.storage("b")
 

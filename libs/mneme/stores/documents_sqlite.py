@@ -98,6 +98,11 @@ class SqliteDocumentStore:
                         "SELECT created_at, revisions, text FROM documents WHERE bank_id=? AND "
                         "document_id=?", (bank_id, document_id)).fetchone()
                     n = (row[1] if row else 0) + 1
+                    if row is not None:  # the replaced text's fingerprint goes with it
+                        self._db.execute(
+                            "UPDATE revisions SET content_hash='', chars=0, context='', "
+                            "text_stored=0 WHERE bank_id=? AND document_id=?",
+                            (bank_id, document_id))
                     self._db.execute(
                         "INSERT OR REPLACE INTO documents VALUES (?,?,?,?,?,?)",
                         (bank_id, document_id, row[0] if row else rev.at, rev.at, n, text))
@@ -108,7 +113,7 @@ class SqliteDocumentStore:
                          rev.content_hash, rev.chars, json.dumps(list(rev.tags)), rev.context,
                          int(rev.text_stored)))
                     added += 1
-                    replaced |= row is not None and row[2] is not None
+                    replaced |= row is not None
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:  # (SQLite may have rolled it back itself)

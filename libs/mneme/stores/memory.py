@@ -639,6 +639,8 @@ class MemoryDocumentStore:
                     continue
                 if doc is None:
                     doc = self._docs[(bank_id, document_id)] = dict(created=rev.at, history=[])
+                doc["history"] = [replace(r, content_hash="", chars=0, context="",
+                                          text_stored=False) for r in doc["history"]]
                 doc["history"].append(replace(rev, revision=len(doc["history"]) + 1,
                                               tags=tuple(rev.tags)))
                 doc.update(updated=rev.at, text=text)
