@@ -84,3 +84,86 @@ def test_a_deletion_whose_append_failed_is_appended_by_the_next_ingest(fresh_tan
             s.close()
         for c in conns:
             c.close()
+
+
+class RefusingRetains:
+    """The event log, refusing every append of a RetainRequested while ``refusing``."""
+
+    def __init__(self, log) -> None:
+        self.log, self.refusing = log, False
+
+    def append(self, records):
+        if self.refusing and any(codec.decode(r).type.endswith(".RetainRequested")
+                                 for r in records):
+            raise Unavailable("injected: the event log did not take the record")
+        return self.log.append(records)
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)
+
+
+def _retained(log, bank_id: str) -> list[tuple[str, list[str]]]:
+    """(operation id, the items' contents as opened: "" for an erased one) of every
+    RetainRequested of the bank, in log order."""
+    p = partition_for(bank_id, log.partitions(INTAKE))
+    out, offset = [], 0
+    while batch := log.read(INTAKE, p, offset, 500):
+        for r in batch:
+            env = codec.decode(r)
+            if r.key == bank_id and env.type.endswith("RetainRequested"):
+                out.append((env.message.operation_id, [i.content for i in env.message.items]))
+        offset = batch[-1].offset + 1
+    return out
+
+
+def test_a_replacing_retain_whose_append_failed_is_appended_by_the_next_ingest(fresh_tansu):
+    """A retain replacing a document destroys the earlier version's keys on the key topic
+    before its append; cut there, the key topic keeps the retain (sealed), and the next
+    ingest appends it, readable under its live key, while the earlier version stays
+    unreadable for every process."""
+    from datetime import datetime, timezone
+
+    from mneme.bus.logs import open_event_log
+    from mneme.bus.sealing import SealedLog, Sealer
+    from mneme.domain import RetainItem
+    from mneme.keys import document_scope, retain_generation
+    from mneme.stores.keys_kafka import KafkaKeyStore
+    tansu = fresh_tansu
+    topic, bank = f"keys-{uuid.uuid4().hex[:8]}", f"bank-{uuid.uuid4().hex[:8]}"
+    kms = LocalKms(secrets.token_bytes(32))
+    conns = [open_event_log(tansu.url, **KAFKA_TEST_OPTIONS) for _ in range(3)]
+    log, keys_a, keys_b = conns
+    stores = [KafkaKeyStore(keys_a, topic, poll_s=0)]
+    now = datetime.now(timezone.utc)
+    try:
+        catalog = MemoryCatalog()
+        catalog.upsert_bank(bank, "", BankConfig(), 0.0)
+        ring_a = Keyring(stores[0], kms)
+        refusing = RefusingRetains(SealedLog(log, Sealer(ring_a)))
+        first = Ingest(refusing, catalog, source="mneme/ingest", keys=ring_a,
+                       retain_timeout_s=0.5)
+        v1 = first.retain(bank, [RetainItem("Ada's locker code is 4417.", now,
+                                            document_id="d1")], wait=False)
+        g1 = retain_generation(document_scope("d1"), v1.operation_id)
+        assert first.keys.key(bank, g1) is not None
+        refusing.refusing = True
+        with pytest.raises(Unavailable):
+            first.retain(bank, [RetainItem("Ada moved to locker 12.", now, document_id="d1")],
+                         wait=False, request_id="r2")
+        assert first.keys.key(bank, g1) is None  # destroyed before the append
+        (kept,) = first.keys.pending_deletions(bank)
+        assert b"locker 12" not in kept.request  # kept sealed
+        # the next ingest (a restart: it reads the key topic at open)
+        stores.append(KafkaKeyStore(keys_b, topic, poll_s=0))
+        ring_b = Keyring(stores[1], kms)
+        sealed = SealedLog(log, Sealer(ring_b))
+        second = Ingest(sealed, catalog, source="mneme/ingest", keys=ring_b)
+        assert second.complete_deletions() == 1
+        assert _retained(sealed, bank) == [(v1.operation_id, [""]),
+                                           (kept.operation_id, ["Ada moved to locker 12."])]
+        assert second.complete_deletions() == 0
+    finally:
+        for s in stores:
+            s.close()
+        for c in conns:
+            c.close()
