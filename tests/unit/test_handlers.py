@@ -1754,3 +1754,40 @@ def test_a_retry_of_an_operation_counts_against_its_banks_share():
     with slots.hold("c"):  # its bank's share is full
         with pytest.raises(ResourceExhausted, match="MNEME_SYNC_CALLS_PER_TENANT"):
             cmd.retry_operation(op_id)
+
+
+def test_a_replacing_retain_destroys_the_earlier_version_and_a_second_copy_nothing_of_its_own():
+    """Each retain seals a document under a generation key of its own operation: the
+    first retain of a document destroys nothing; one that replaces it destroys the
+    earlier generation and its facts' keys before its append (nothing kept pending
+    once appended); a second copy of the same retain (another ingest, or one restarted,
+    before any catalog shows the first) destroys only keys made before its own key --
+    never its first copy's facts' keys, which its facts reuse."""
+    from mneme.keys import Keyring, LocalKms, retain_generation
+    from mneme.stores.keys_sqlite import SqliteKeyStore
+
+    keyring = Keyring(SqliteKeyStore(":memory:"), LocalKms(b"\x01" * 32))
+    log, catalog = _Log(), MemoryCatalog()
+    catalog.upsert_bank("b", "", BankConfig(), 0.0)
+
+    def process():  # an ingest that has appended nothing yet; the catalog shows nothing
+        return ingest.Ingest(log, catalog, source="mneme/ingest", keys=keyring)
+
+    def retain(text: str, request_id: str = ""):
+        return process().retain("b", [RetainItem(content=text, timestamp=T0,
+                                                 document_id="d")],
+                                wait=False, request_id=request_id).operation_id
+
+    v1 = retain("Ada keeps the key under the pot.")
+    g1 = retain_generation("d:d", v1)
+    assert keyring.key("b", g1) is not None and keyring.pending_deletions() == []
+    keyring.ensure("b", "f:fact-of-v1", "d:d")  # what extraction makes for v1's fact
+    v2 = retain("Ada moved the key to the shelf.", request_id="r")
+    g2 = retain_generation("d:d", v2)
+    assert keyring.key("b", g1) is None and keyring.key("b", "f:fact-of-v1") is None
+    assert keyring.key("b", g2) is not None and keyring.pending_deletions() == []
+    keyring.ensure("b", "f:fact-of-v2", "d:d")  # v2's first copy extracted
+    assert retain("Ada moved the key to the shelf.", request_id="r") == v2  # second copy
+    assert keyring.key("b", g2) is not None and keyring.key("b", "f:fact-of-v2") is not None
+    sealed = [list(codec.decode(r).message.items[0].seal.keys) for r in log.appended]
+    assert sealed == [[g1], [g2], [g2]]
