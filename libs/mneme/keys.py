@@ -409,13 +409,21 @@ class Keyring:
             out: dict[str, bytes | None] = {}
             new: list[tuple[str, str, bytes]] = []
             bank = None
-            for key_id, scope in dict.fromkeys(wanted):
-                key = self.key(bank_id, key_id)
+            wanted = list(dict.fromkeys(wanted))
+            # the ids not cached in one read (a shared store catches up once, not twice
+            # per id)
+            rows = self.store.get_many(bank_id, [k for k, _ in wanted
+                                                 if (bank_id, k) not in self._keys])
+            for key_id, scope in wanted:
+                key = self._keys.get((bank_id, key_id))
+                if key is not None:
+                    self._keys.move_to_end((bank_id, key_id))
+                elif key_id in rows:
+                    key = self._unwrap(bank_id, key_id, rows[key_id])
                 if key is not None:
                     out[key_id] = key
                     continue
-                row = self.store.get(bank_id, key_id)
-                if row is not None:  # a tombstone (a live row would have opened above)
+                if key_id in rows:  # a tombstone (a live row would have opened above)
                     out[key_id] = None
                     continue
                 bank = bank or self._bank_key(bank_id, create=True)
