@@ -122,6 +122,23 @@ _SHORTAGE_TEXT = (("database or disk is full", "disk space"),
                   ("not enough space available", "disk space"))
 
 
+def _chain(exc: BaseException, sources: bool = False) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from (``__cause__``, else ``__context__``;
+    with ``sources``, else a ``source`` exception, as qdrant_client's
+    ResponseHandlingException holds httpx's), outermost first, each once, up to the first
+    :class:`MnemeError`: what that was raised from was answered as that error already."""
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and not isinstance(e, MnemeError):
+        seen.add(id(e))
+        chain.append(e)
+        source = getattr(e, "source", None) if sources else None
+        e = e.__cause__ or e.__context__ or (source if isinstance(source, BaseException)
+                                             else None)
+    return chain
+
+
 def resource_shortage(exc: BaseException) -> str | None:
     """What the machine ran short of when ``exc`` (or an exception it was raised from)
     is such a failure: "disk space" (ENOSPC, EDQUOT, SQLITE_FULL) or "open files"
@@ -134,14 +151,7 @@ def resource_shortage(exc: BaseException) -> str | None:
     report and the errors wrapping it quote the other server, whose shortage this process
     cannot end, or a prompt it echoed (retried for that, a record would be for ever)."""
     import errno
-    seen: set[int] = set()
-    chain: list[BaseException] = []
-    e: BaseException | None = exc
-    # up to a request error: what it was raised from was answered as that error already
-    while e is not None and id(e) not in seen and not isinstance(e, MnemeError):
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = _chain(exc)
     remote = [i for i, e in enumerate(chain) if isinstance(e, RemoteError)
               or isinstance(getattr(e, "status_code", None), int)]
     words_from = remote[-1] + 1 if remote else 0
@@ -190,16 +200,7 @@ def store_unavailable(exc: BaseException) -> str | None:
     the record again later instead of dead-lettering it, and a caller gets UNAVAILABLE.
     A model provider's connection error is not a store's: the chain is read only down
     to the first error of a model client or another server's report."""
-    seen: set[int] = set()
-    chain: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen and not isinstance(e, MnemeError):
-        seen.add(id(e))
-        chain.append(e)
-        source = getattr(e, "source", None)  # qdrant_client's ResponseHandlingException
-        e = e.__cause__ or e.__context__ or (source if isinstance(source, BaseException)
-                                             else None)
-    for e in chain:
+    for e in _chain(exc, sources=True):
         if isinstance(e, RemoteError) or type(e).__module__.startswith(_MODEL_CLIENTS):
             return None  # it and what it was raised from are the model's
         unreachable = isinstance(e, (ConnectionError, TimeoutError)) or any(

@@ -1158,11 +1158,18 @@ def test_a_record_failing_for_want_of_disk_or_files_is_handled_again_not_dead_le
     its retain FAILED and its facts stayed out of the store for good, although the same
     write succeeds once there is room. Such a record is not committed: the pass stops
     (ShortOfResources), and a later pass handles it."""
-    room = threading.Event()
+    _held_back_until_it_passes(elog, shortage)
+
+
+def _held_back_until_it_passes(elog, error: BaseException) -> None:
+    """A FactsExtracted whose handler raises ``error`` until told otherwise: the pass
+    stops uncommitted (ShortOfResources), nothing is dead-lettered, and a later pass,
+    once the handler succeeds, handles the record."""
+    fixed = threading.Event()
 
     def handler(env, record):
-        if not room.is_set():
-            raise shortage
+        if not fixed.is_set():
+            raise error
         return []
 
     c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
@@ -1174,7 +1181,7 @@ def test_a_record_failing_for_want_of_disk_or_files_is_handled_again_not_dead_le
     assert type(stopped.value).__name__ == "ShortOfResources", stopped.value
     assert all_records(elog, DLQ) == [] and all_records(elog, PROGRESS) == []
     assert sum(c.lag().values()) == 1  # not committed
-    room.set()
+    fixed.set()
     c._positions.clear()  # (as the run loop does after a failed pass)
     assert c.run_once() == 1
     assert all_records(elog, DLQ) == [] and sum(c.lag().values()) == 0
@@ -1199,26 +1206,7 @@ def test_a_record_failing_while_its_store_is_unreachable_is_handled_again_not_de
     the same write succeeds once the store answers (and a re-drive from the DLQ could
     not make the operation succeed). Such a record is not committed: the pass stops, and a
     later pass handles it."""
-    back = threading.Event()
-
-    def handler(env, record):
-        if not back.is_set():
-            raise unreachable
-        return []
-
-    c = Consumer(elog, "search", [MEMORY], handler, max_attempts=2, backoff=0.001)
-    elog.append([encode(ev.FactsExtracted(bank_id="b1", operation_id="op1", items_total=1,
-                                          facts=[ev.Fact(id="f1", text="x")]),
-                        bank_id="b1", source="t")])
-    with pytest.raises(Exception) as stopped:  # (the old code dead-lettered: no raise)
-        c.run_once()
-    assert type(stopped.value).__name__ == "ShortOfResources", stopped.value
-    assert all_records(elog, DLQ) == [] and all_records(elog, PROGRESS) == []
-    assert sum(c.lag().values()) == 1  # not committed
-    back.set()
-    c._positions.clear()  # (as the run loop does after a failed pass)
-    assert c.run_once() == 1
-    assert all_records(elog, DLQ) == [] and sum(c.lag().values()) == 0
+    _held_back_until_it_passes(elog, unreachable)
 
 
 def test_a_model_endpoint_that_is_unreachable_is_not_taken_for_a_store():
