@@ -226,19 +226,28 @@ def held_back(exc: BaseException) -> str | None:
 #: A run of this many characters of a user's text found in an error message makes the
 #: message count as quoting it (:func:`quotes`).
 QUOTE_RUN = 12
+#: A user's text of at least this many characters found whole in an error message makes
+#: the message count as quoting it, however short the text (a name, a metadata value).
+QUOTE_WHOLE = 4
 
 
 def quotes(text: str, sent: Iterable[str]) -> bool:
     """Whether ``text`` (an error message) quotes one of the texts ``sent`` (user content:
-    a model request's, an event's), as they are or JSON-escaped as on the wire: a run of
+    a model request's, an event's), as they are or JSON-escaped as on the wire: one of at
+    least :data:`QUOTE_WHOLE` characters whole (``KeyError: 'Ann Smith'``), or a run of
     at least ``QUOTE_RUN + 3`` characters of one (runs of :data:`QUOTE_RUN` characters are
     looked for at every 4th position). Providers often echo the input they reject
     ("invalid content: ..."), and Python's errors quote the values they choke on: such
     words would carry a memory's text into logs, an item's failure or a dead letter in the
     clear on the event log and the operation's error, where no deletion reaches them."""
     import json
-    hay = [t for t in sent if t]
-    hay += [json.dumps(t, ensure_ascii=False)[1:-1] for t in hay]
+    texts = [t for t in sent if t]
+    # as they are, JSON-escaped, and with json's default \uXXXX escapes too
+    hay = list(dict.fromkeys([*texts, *(json.dumps(t, ensure_ascii=False)[1:-1] for t in texts),
+                              *(json.dumps(t)[1:-1] for t in texts)]))
+    # a text shorter than the runs below is found only whole
+    if any(len(t) >= QUOTE_WHOLE and t in text for t in hay):
+        return True
     if not hay or len(text) < QUOTE_RUN:
         return False
     joined = "\x00".join(hay)

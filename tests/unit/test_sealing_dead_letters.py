@@ -57,3 +57,28 @@ def test_a_dead_letter_never_repeats_an_error_that_quotes_the_events_content():
     told = failed("no room for item 0 (limit 3)")
     assert all("no room for item 0 (limit 3)" in v for v in told.values())
     assert "KeyError: 'inner'" in told["traceback"]
+
+
+def test_an_error_quoting_a_short_text_of_the_event_whole_is_told_without_it():
+    """A KeyError on an entity's name or a metadata value quotes it whole, and such texts
+    are often shorter than the runs quotes() looked for (15 characters): "KeyError: 'Ann
+    Smith'" went into the dead letter's headers and the failed operation in the clear."""
+    from mneme.bus import dead_letter
+    from mneme.errors import quotes
+    from mneme.ports import Record
+    assert quotes("KeyError: 'Ann Smith'", ["Ann Smith"])
+    assert quotes('ValueError: bad value "caf\\u00e9 noir"', ["café noir"])  # JSON-escaped
+    assert not quotes("ValueError: no room for item 0 (limit 3)", ["k", "v", "no"])  # too short to tell
+    out = codec.encode(ev.RetainRequested(bank_id="b", operation_id="op", items=[
+        ev.RetainItem(content="Ann Smith", metadata={"team": "Blue Lynx"})]),
+        bank_id="b", source="test")
+    rec = Record("mneme.intake.v1", 0, 7, out.key, out.value, out.headers)
+    env = codec.decode(rec)
+    for said in ("Ann Smith", "Blue Lynx"):
+        try:
+            raise KeyError(said)
+        except KeyError as e:
+            dlq, progress = dead_letter.records(rec, e, 3, "extraction", env)
+        assert said not in dlq.headers["dlq_error"] and said not in dlq.headers["dlq_traceback"]
+        assert dlq.headers["dlq_error"].startswith("KeyError")
+        assert said.encode() not in progress.value
