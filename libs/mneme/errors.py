@@ -185,6 +185,25 @@ _UNREACHABLE = frozenset({
     ("httpx", "TransportError"),
 })
 
+
+
+def _rpc_unavailable(e: BaseException) -> str | None:
+    """``"<type>: UNAVAILABLE: <details>"`` when ``e`` is a gRPC client's error
+    (``grpc.RpcError``: Qdrant's client with ``prefer_grpc``, a call to another mneme
+    server) whose status is UNAVAILABLE (the server is away or restarting); None
+    otherwise: any other status is the request's answer, not an outage."""
+    if not any((k.__module__.split(".")[0], k.__name__) == ("grpc", "RpcError")
+               for k in type(e).__mro__):
+        return None
+    try:
+        code, details = e.code(), e.details()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an RpcError that is no call: no status to read
+        return None
+    if getattr(code, "name", None) != "UNAVAILABLE":
+        return None
+    return f"{type(e).__name__}: UNAVAILABLE: {details}"
+
+
 #: Clients of model providers: their connection errors are the provider's, which the
 #: model gateway reports in its own words (a model error fails the item, not the store).
 _MODEL_CLIENTS = ("litellm", "openai", "mneme.llm")
@@ -194,7 +213,7 @@ def store_unavailable(exc: BaseException) -> str | None:
     """The failure when ``exc`` (or an exception it was raised from) says a store server
     did not answer — refused, reset or timed out a connection (the builtin
     ``ConnectionError`` and ``TimeoutError`` raised by a socket, or a store client's own:
-    see :data:`_UNREACHABLE`) — as ``"ConnectionError: <message>"``; None for any other
+    see :data:`_UNREACHABLE`; or a gRPC client's status UNAVAILABLE) — as ``"ConnectionError: <message>"``; None for any other
     error. Like :func:`resource_shortage`, such a failure is the server's, not the
     event's: the same work succeeds once the store answers again, so a consumer handles
     the record again later instead of dead-lettering it, and a caller gets UNAVAILABLE.
@@ -208,6 +227,9 @@ def store_unavailable(exc: BaseException) -> str | None:
             for k in type(e).__mro__)
         if unreachable:
             return f"{type(e).__name__}: {e}"
+        rpc = _rpc_unavailable(e)
+        if rpc is not None:
+            return rpc
     return None
 
 

@@ -1209,6 +1209,44 @@ def test_a_record_failing_while_its_store_is_unreachable_is_handled_again_not_de
     _held_back_until_it_passes(elog, unreachable)
 
 
+def _grpc_error(code: str) -> BaseException:
+    """The error a gRPC client raises for a call answered ``code`` (grpc's own
+    _InactiveRpcError, from a call to a server of this test)."""
+    from concurrent import futures
+
+    import grpc
+
+    def answer(request, context):
+        context.abort(getattr(grpc.StatusCode, code), f"answered {code}")
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.T", {"M": grpc.unary_unary_rpc_method_handler(answer)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                channel.unary_unary("/t.T/M")(b"", timeout=10)
+            except grpc.RpcError as e:
+                return e
+    finally:
+        server.stop(None)
+    raise AssertionError("the call did not fail")
+
+
+def test_a_store_reached_over_grpc_that_does_not_answer_holds_the_record_back(elog):
+    """Qdrant's client with prefer_grpc=1 (MNEME_VECTOR_URL ...?prefer_grpc=1) raises
+    grpc's RpcError, code UNAVAILABLE, when the server is away: it was dead-lettered (its
+    retain FAILED for good) where the same outage over HTTP holds the record back. Only
+    UNAVAILABLE is the server's: another code (INVALID_ARGUMENT) is the request's."""
+    from mneme.errors import store_unavailable
+    away, refused = _grpc_error("UNAVAILABLE"), _grpc_error("INVALID_ARGUMENT")
+    assert store_unavailable(refused) is None
+    assert "UNAVAILABLE" in (store_unavailable(away) or "")
+    _held_back_until_it_passes(elog, away)
+
+
 def test_a_model_endpoint_that_is_unreachable_is_not_taken_for_a_store():
     """A model provider's connection error (litellm's, raised from httpx's) is the model's:
     it still fails the item or dead-letters as before, never loops as a store outage."""
