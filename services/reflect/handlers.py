@@ -197,14 +197,26 @@ def on_reflection_recorded(m, meta: EventMeta, *, opinions) -> list:
     return opinions.form(m, meta)
 
 
-def model_failed(e: Exception) -> Unavailable | FailedPrecondition:
+def model_failed(e: Exception, max_tokens: int = 0
+                 ) -> Unavailable | FailedPrecondition | InvalidArgument:
     """The error a caller gets when the reflect model failed where no extractive answer
     can stand in (a ``response_schema`` to fill, or part of the answer already streamed),
     naming the model's failure reason: FailedPrecondition (gRPC FAILED_PRECONDITION) for
     a refusal asking again cannot cure (``LlmRequestError``: a wrong key, a prompt over
-    the context window; ``LlmNotConfigured``), else Unavailable (UNAVAILABLE: ask again)."""
-    from mneme.llm.types import LlmNotConfigured, LlmRequestError
+    the context window; ``LlmNotConfigured``), else Unavailable (UNAVAILABLE: ask again).
+    An answer cut off at its token cap (``LlmOutputError``, reason "truncated") is cut off
+    again when asked again: InvalidArgument naming ``max_tokens`` when the caller set it
+    (``max_tokens`` > 0), else FailedPrecondition (the server's cap)."""
+    from mneme.llm.types import LlmNotConfigured, LlmOutputError, LlmRequestError
     reason = getattr(e, "reason", "error")
+    if isinstance(e, LlmOutputError) and reason == "truncated":
+        if max_tokens > 0:
+            return InvalidArgument("max_tokens", f"{max_tokens} tokens do not hold the "
+                                   f"model's answer ({e}): ask with a larger max_tokens, or "
+                                   "0 for the server's cap")
+        return FailedPrecondition(f"the reflect model's answer did not fit in the server's "
+                                  f"token cap ({e}); asking again fails the same way "
+                                  "(MNEME_LLM_MAX_OUTPUT_TOKENS)")
     if isinstance(e, (LlmRequestError, LlmNotConfigured)):
         return FailedPrecondition(f"the reflect model refused the request ({reason}): {e}; "
                                   "asking again fails the same way until its settings change")
@@ -276,6 +288,10 @@ class Reflector:
         self.count = tokens.count if tokens is not None else approx_tokens
         self.answer_cap = answer_cap
 
+    def _callers(self, max_tokens: int) -> int:
+        """``max_tokens`` when it, not the server's cap, bounded the answer; else 0."""
+        return max_tokens if 0 < max_tokens < self.answer_cap else 0
+
     def _in_scope(self, bank_id: str, tags: Sequence[str]) -> list[Directive]:
         return directives_in_scope(self.directives(bank_id), tags) if self.directives else []
 
@@ -299,7 +315,7 @@ class Reflector:
                                mental_models=mental_models, tags_match=tags_match,
                                max_tokens=limit)
             except LlmError as e:  # no fallback was possible (a schema, a streamed part)
-                raise model_failed(e) from e
+                raise model_failed(e, self._callers(max_tokens)) from e
         else:
             if not query or not query.strip():
                 raise InvalidArgument("query", "must not be empty")
@@ -361,4 +377,4 @@ class Reflector:
                     self.record(record_reflection(bank_id, query, event.reflection, tags))
                 yield event
         except LlmError as e:
-            raise model_failed(e) from e
+            raise model_failed(e, self._callers(max_tokens)) from e
