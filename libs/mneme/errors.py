@@ -263,12 +263,15 @@ def quotes(text: str, sent: Iterable[str]) -> bool:
     words would carry a memory's text into logs, an item's failure or a dead letter in the
     clear on the event log and the operation's error, where no deletion reaches them."""
     import json
+    import re
     texts = [t for t in sent if t]
     # as they are, JSON-escaped, and with json's default \uXXXX escapes too
     hay = list(dict.fromkeys([*texts, *(json.dumps(t, ensure_ascii=False)[1:-1] for t in texts),
                               *(json.dumps(t)[1:-1] for t in texts)]))
-    # a text shorter than the runs below is found only whole
-    if any(len(t) >= QUOTE_WHOLE and t in text for t in hay):
+    # a text shorter than the runs below is found only whole, not inside a longer word
+    # ("ping" is no quote of the request in "mapping")
+    if any(len(t) >= QUOTE_WHOLE and t in text
+           and re.search(rf"(?<!\w){re.escape(t)}(?!\w)", text) for t in hay):
         return True
     if not hay or len(text) < QUOTE_RUN:
         return False
