@@ -139,7 +139,12 @@ def _in_scope(doc, filters: Filters, vectors: VectorStore) -> bool:
     one, yes. The store keeps the union of the items' tags: it decides when it is empty
     (every item untagged) or there was one item; otherwise each item is judged by its
     facts' tags (a fact carries its item's), and every item must have a fact to judge,
-    else the document is left out rather than shown unjudged."""
+    else the document is left out rather than shown unjudged. The facts must also fit
+    the latest revision -- as many items, the same union of tags -- or the document is
+    left out: a retain that replaces it stores its new text at once, while the replaced
+    version's facts stay until the new ones are extracted, and those would judge text
+    they do not come from (facts carry no revision: two versions with the same item
+    count and union of tags are not told apart)."""
     if not _tag_filtered(filters):
         return True
     mode = filters.tags_match or "any"
@@ -151,13 +156,15 @@ def _in_scope(doc, filters: Filters, vectors: VectorStore) -> bool:
     if len(facts) >= DOCUMENT_FACTS:
         return False
     items: dict[int, tuple[str, ...]] = {}
+    union: set[str] = set()
     for f in facts:
         if f.fact_type == OBSERVATION:
             continue
         if not tags_match(f.tags, filters.tags, mode):
             return False
         items[f.item_index] = f.tags
-    return len(items) >= rev.items
+        union.update(f.tags)
+    return len(items) == rev.items and union == set(rev.tags)
 
 
 def _prefix_within(text: str, budget: int, tokens: TokenCounter) -> str:

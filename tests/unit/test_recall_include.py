@@ -100,3 +100,32 @@ def test_a_document_with_an_item_outside_the_tag_filter_is_left_out():
     one = Vectors(facts[:1])
     assert include.documents(results, 50, filters=Filters(tags=("ann",)), bank_id="k",
                              store=Docs({"d1": mixed}), vectors=one, tokens=Words()) == []
+
+
+def test_a_replaced_documents_new_text_is_not_judged_by_the_old_versions_facts():
+    """A retain replacing a document stores the new text at once (the document
+    projection reads the intake topic), while the vector store keeps the replaced
+    version's facts until the new ones are extracted. A recall scoped to "ann" returned
+    the new text, whose second item is "bob"'s only, judged by the old version's facts
+    (both "ann"). Facts that cannot be the latest revision's (their items or tags differ
+    from it) leave the document out."""
+    new = doc("d1", "Ann's note\n\nBob's salary note", items=2, tags=("ann", "bob"))
+    old = [Fact(id="f1", bank_id="k", text="a", document_id="d1", tags=("ann",), item_index=0),
+           Fact(id="f2", bank_id="k", text="a2", document_id="d1", tags=("ann",), item_index=1),
+           Fact(id="f3", bank_id="k", text="a3", document_id="d1", tags=("ann",), item_index=2)]
+    results = [scored("f1", [], "d1", ("ann",))]
+    for facts in (old[:2], old):  # the old version had as many items, or more
+        for mode in ("any", "any_strict"):
+            assert include.documents(results, 50, bank_id="k",
+                                     filters=Filters(tags=("ann",), tags_match=mode),
+                                     store=Docs({"d1": new}), vectors=Vectors(facts),
+                                     tokens=Words()) == [], (len(facts), mode)
+    # the new version's own facts, once extracted, judge it (still out: bob's item)
+    mine = [Fact(id="n1", bank_id="k", text="a", document_id="d1", tags=("ann",), item_index=0),
+            Fact(id="n2", bank_id="k", text="b", document_id="d1", tags=("ann", "bob"),
+                 item_index=1)]
+    both = doc("d1", "Ann's note\n\nBob's and Ann's note", items=2, tags=("ann", "bob"))
+    got = include.documents(results, 50, bank_id="k",
+                            filters=Filters(tags=("ann",), tags_match="any_strict"),
+                            store=Docs({"d1": both}), vectors=Vectors(mine), tokens=Words())
+    assert [d.document_id for d in got] == ["d1"]
