@@ -249,8 +249,9 @@ def held_back(exc: BaseException) -> str | None:
 #: message count as quoting it (:func:`quotes`).
 QUOTE_RUN = 12
 #: A user's text of at least this many characters found whole in an error message makes
-#: the message count as quoting it, however short the text (a name, a metadata value).
-QUOTE_WHOLE = 4
+#: the message count as quoting it, however short the text (a name, a metadata value);
+#: shorter ones would be taken for the common words of errors ("type", "name", "date").
+QUOTE_WHOLE = 5
 
 
 def quotes(text: str, sent: Iterable[str]) -> bool:

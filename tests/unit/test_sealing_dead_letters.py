@@ -69,7 +69,8 @@ def test_an_error_quoting_a_short_text_of_the_event_whole_is_told_without_it():
     assert quotes("KeyError: 'Ann Smith'", ["Ann Smith"])
     assert quotes('ValueError: bad value "caf\\u00e9 noir"', ["café noir"])  # JSON-escaped
     assert not quotes("ValueError: no room for item 0 (limit 3)", ["k", "v", "no"])  # too short to tell
-    assert not quotes("ValueError: mapping expected", ["ping"])  # not a quote: inside a word
+    assert not quotes("ValueError: overlapping ranges", ["lapping"])  # inside a word: no quote
+    assert not quotes("ValueError: bad type for field 'name'", ["type", "name"])  # common words
     out = codec.encode(ev.RetainRequested(bank_id="b", operation_id="op", items=[
         ev.RetainItem(content="Ann Smith", metadata={"team": "Blue Lynx"})]),
         bank_id="b", source="test")
