@@ -123,7 +123,8 @@ _SHORTAGE_TEXT = (("database or disk is full", "disk space"),
 
 
 def _chain(exc: BaseException, sources: bool = False) -> list[BaseException]:
-    """``exc`` and the exceptions it was raised from (``__cause__``, else ``__context__``;
+    """``exc`` and the exceptions it was raised from (``__cause__``, else ``__context__``
+    unless suppressed by ``raise ... from None``, as a traceback prints them;
     with ``sources``, else a ``source`` exception, as qdrant_client's
     ResponseHandlingException holds httpx's), outermost first, each once, up to the first
     :class:`MnemeError`: what that was raised from was answered as that error already."""
@@ -134,8 +135,9 @@ def _chain(exc: BaseException, sources: bool = False) -> list[BaseException]:
         seen.add(id(e))
         chain.append(e)
         source = getattr(e, "source", None) if sources else None
-        e = e.__cause__ or e.__context__ or (source if isinstance(source, BaseException)
-                                             else None)
+        # a context raised ``from None`` is not what ``e`` comes from (nor printed)
+        context = None if e.__suppress_context__ else e.__context__
+        e = e.__cause__ or context or (source if isinstance(source, BaseException) else None)
     return chain
 
 

@@ -1247,6 +1247,29 @@ def test_a_store_reached_over_grpc_that_does_not_answer_holds_the_record_back(el
     _held_back_until_it_passes(elog, away)
 
 
+def test_an_error_raised_from_none_while_a_store_was_away_is_the_records_own():
+    """A permanent error raised ``from None`` in an except block that handled a store's
+    ConnectionError (its code says: not caused by it; a traceback does not print it) was
+    read as the store being away, so its record was held back for ever and its partition
+    stopped. Only the chain a traceback prints is read."""
+    from mneme.errors import held_back, store_unavailable
+
+    def raised(suppress: bool) -> BaseException:
+        try:
+            try:
+                raise ConnectionRefusedError(111, "Connection refused")
+            except ConnectionError:
+                if suppress:
+                    raise ValueError("the fact has no text") from None
+                raise ValueError("the fact has no text")
+        except ValueError as e:
+            return e
+
+    assert store_unavailable(raised(suppress=True)) is None
+    assert held_back(raised(suppress=True)) is None
+    assert store_unavailable(raised(suppress=False)) is not None  # raised while handling it
+
+
 def test_a_model_endpoint_that_is_unreachable_is_not_taken_for_a_store():
     """A model provider's connection error (litellm's, raised from httpx's) is the model's:
     it still fails the item or dead-letters as before, never loops as a store outage."""
