@@ -59,27 +59,33 @@ def test_a_model_that_always_times_out_opens_the_breaker_and_later_calls_fail_at
     with pytest.raises(LlmUnavailable) as first:
         gw.complete("retain", MSGS)
     assert first.value.reason == "timeout"
-    assert len(stub.chat_requests()) == 3  # the attempts of the first call opened it
+    # the attempts of the first call opened it (counted by the gateway: an attempt cut at
+    # its 0.3 s on a busy machine may end before its request reaches the stub)
+    assert first.value.usage.failed_calls == 3
+    sent = len(stub.chat_requests())
+    assert 1 <= sent <= 3
     for _ in range(20):
         with pytest.raises(LlmUnavailable) as e:
             gw.complete("retain", MSGS)
         assert e.value.reason == "unavailable" and "circuit open" in str(e.value)
         assert e.value.usage.failed_calls == 0 and e.value.usage.calls == 0
-    assert len(stub.chat_requests()) == 3  # no request while open
+    assert len(stub.chat_requests()) == sent  # no request while open
     assert METRICS.get("mneme.llm.breaker.opened") == 1
     assert METRICS.get("mneme.llm.breaker.rejected", operation="retain") == 20
     # another operation on the same endpoint shares its breaker
     with pytest.raises(LlmUnavailable, match="circuit open"):
         gw.complete("reflect", MSGS)
-    assert len(stub.chat_requests()) == 3
+    assert len(stub.chat_requests()) == sent
 
 
 def test_retries_stop_as_soon_as_the_breaker_opens(stub, held):
     never_answers(stub, held)
     gw = gateway(stub, llm_max_retries=4, llm_breaker_failures=2)
-    with pytest.raises(LlmUnavailable):
+    with pytest.raises(LlmUnavailable) as e:
         gw.complete("retain", MSGS)
-    assert len(stub.chat_requests()) == 2  # not the 5 attempts of the retry policy
+    # not the 5 attempts of the retry policy (an attempt cut at its timeout on a busy
+    # machine may end before its request reaches the stub, hence the gateway's count)
+    assert e.value.usage.failed_calls == 2 and len(stub.chat_requests()) <= 2
 
 
 def test_after_the_cool_down_one_trial_goes_through_and_an_answer_closes_it(stub, held):

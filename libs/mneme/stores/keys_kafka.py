@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from mneme.bus import KEYS
-from mneme.errors import ConfigurationError
+from mneme.errors import ConfigurationError, RecordTooLarge
 from mneme.ports import EventLog, OutRecord, PendingDeletion, StoredKey
 
 log = logging.getLogger(__name__)
@@ -448,7 +448,18 @@ class KafkaKeyStore:
                 values.append((f"{bank_id}/{k}", marker))
                 values += [(c, marker) for c in (row.candidates if row else ())
                            if c != f"{bank_id}/{k}"]
-        self.catch_up(self._produce(values))
+        try:
+            self.catch_up(self._produce(values))
+        except RecordTooLarge as exc:  # the producer refuses the request's record, which
+            # comes first, before it sends the markers
+            if pending is None:
+                raise
+            raise RecordTooLarge(
+                f"the request of operation {pending.operation_id} of bank {bank_id!r}, kept "
+                f"on {self.topic} while the keys it replaces are destroyed, is "
+                f"{len(values[0][1]['request']):,} bytes there (base64), more than the event "
+                f"log takes for one record (Kafka's max.request.size / max.message.bytes, 1 "
+                f"MiB by default); split the request into smaller ones") from exc
         return list(key_ids)
 
     def destroy_bank(self, bank_id: str, pending: PendingDeletion | None = None) -> None:
