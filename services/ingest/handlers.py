@@ -23,7 +23,7 @@ from mneme.domain import (DIRECTIVE_FIELDS, EXTRACTION_MODES, Bank, BankConfig, 
                           EventMeta, Operation, RetainItem, derive_id)
 from mneme.deadline import current as current_deadline
 from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
-                          InvalidArgument, NotFound, RecordTooLarge, Unavailable)
+                          InvalidArgument, NotFound, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
 from mneme.keys import Keyring, document_scope, fact_key_id, retain_generation
 from mneme.locks import KeyedLocks
@@ -755,16 +755,7 @@ class Ingest:
                 self.keys.ensure_many(bank_id, [(g, document_scope(d)) for d, g in gens.items()])
             gone = [k for ids in older.values() for k in ids]
             if not gone:
-                try:
-                    return self._append(msg, bank_id)
-                except RecordTooLarge:
-                    # no copy of this record can be on the log (the same record never
-                    # fits), so the keys made for it are unused: destroyed, they do not
-                    # send the client's next, smaller retain of these documents the way of
-                    # a replacement (its request kept in the key store first)
-                    if bank.config.erasure != "none":
-                        self.keys.destroy(bank_id, list(gens.values()))
-                    raise
+                return self._append(msg, bank_id)
             out = codec.encode(msg, bank_id=bank_id, source=self.source)
             seal = getattr(self.log, "seal", None)
             return self._destroy_and_append(
