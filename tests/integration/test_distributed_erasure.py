@@ -181,28 +181,6 @@ def test_content_is_sealed_on_every_topic_and_deletions_shred_it(cluster, tansu,
     assert not [m for m in raw if m.topic == DLQ and m.key == BANK.encode()]
 
 
-def test_a_replacing_retain_shreds_the_replaced_version_on_every_topic(cluster, tansu, logs):
-    """Distributed: retaining a document again destroys the replaced version's keys on
-    the key topic before the new version is appended, so a process holding every key
-    opens the new version and nothing of the old, on any topic."""
-    bank, old, new = "erasure-r", "Quillfeather-88", "Dana now lives by the harbour."
-    with MnemeClient(cluster.address["ingest"], timeout=60) as m:
-        m.upsert_bank(bank)
-        m.retain(bank, [{"content": f"Dana's door code is {old}.", "document_id": "d"}])
-        assert m.retain(bank, [{"content": new, "document_id": "d"}]).operation.state == 3
-    with MnemeClient(cluster.address["search"]) as s:
-        texts = [x.text for x in s.list_memories(bank, document_id="d")]
-        assert texts and not any(old in t for t in texts)
-        assert any("harbour" in x.memory.text for x in s.recall(bank, "harbour").results)
-    raw = _raw_records(tansu.bootstrap, MANAGED_TOPICS)
-    sealer = _fresh_sealer(logs)
-    opened = [sealer.open(Record(m.topic, m.partition, m.offset, m.key.decode(), m.value,
-                                 {k: (v or b"").decode() for k, v in m.headers or ()}))
-              for m in raw if m.key == bank.encode()
-              and dict(m.headers or ()).get("ce_type", b"").decode() in SEALING_TYPES]
-    assert opened and old not in _texts(opened) and new in _texts(opened)
-
-
 def test_the_readmes_history_snippet_runs_against_the_topics(cluster, tansu):
     """README "Reading the history": its consumer, as written (only the addresses and its
     bank put in), prints the facts of its bank from offset 0 and skips other banks."""
