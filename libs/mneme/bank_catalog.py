@@ -114,25 +114,6 @@ def on_sources_deleted(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequested,
     return []
 
 
-def on_documents_replaced(m: ev.RetainRequested, meta: EventMeta, *,
-                          catalog: Catalog | None = None, keyring: Keyring | None = None):
-    """A retain replaces the documents it carries, and ingest destroyed the keys of their
-    earlier versions before appending it: the mental-model contents that cite an earlier
-    version (directly, or through an observation whose facts' keys are destroyed) are
-    erased as for a DeleteDocument (:func:`on_sources_deleted`), as a replay, which cannot
-    open them, has them. A document whose items arrive erased (the retain itself is
-    erased: deleted or replaced since, or a stale repeat) replaced nothing here: it
-    erases nothing, live or replayed. Idempotent; produces nothing."""
-    if catalog is None:
-        return []
-    erased = {r.item_index for r in m.rejected_items}
-    for d in dict.fromkeys(it.document_id for i, it in enumerate(m.items)
-                           if it.document_id and i not in erased):
-        on_sources_deleted(ev.DocumentDeleteRequested(bank_id=m.bank_id, document_id=d), meta,
-                           catalog=catalog, keyring=keyring)
-    return []
-
-
 def _names_a_fact(m: ev.MemoryDeleteRequested, catalog: Catalog,
                   keyring: Keyring | None) -> bool:
     """False when the deleted id is known not to be a fact: in a sealed bank, a fact has
@@ -154,5 +135,4 @@ ROUTES = {ev.BankUpserted: on_bank_upserted, ev.BankDeleted: on_bank_deleted,
           ev.DirectiveChanged: on_directive_changed,
           ev.MentalModelChanged: on_mental_model_changed,
           ev.DocumentDeleteRequested: on_sources_deleted,
-          ev.MemoryDeleteRequested: on_sources_deleted,
-          ev.RetainRequested: on_documents_replaced}
+          ev.MemoryDeleteRequested: on_sources_deleted}

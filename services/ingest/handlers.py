@@ -78,15 +78,6 @@ def on_deletion_requested(m: ev.DocumentDeleteRequested | ev.MemoryDeleteRequest
     return bank_catalog.on_sources_deleted(m, meta, catalog=catalog, keyring=keyring)
 
 
-def on_retain_requested(m: ev.RetainRequested, meta: EventMeta, *, catalog: Catalog,
-                        keyring=None) -> list:
-    """A retain: a pending operation, and the mental-model contents that cite an earlier
-    version of a document it replaces erased
-    (:func:`mneme.bank_catalog.on_documents_replaced`). Idempotent; produces nothing."""
-    on_operation_requested(m, meta, catalog=catalog)
-    return bank_catalog.on_documents_replaced(m, meta, catalog=catalog, keyring=keyring)
-
-
 def on_operation_cancel_requested(m: ev.OperationCancelRequested, meta: EventMeta, *,
                                   catalog: Catalog) -> list:
     """CancelOperation: the operation (when known and not yet ended) shows

@@ -11,7 +11,7 @@ SERVICE = Service(
     "ingest",
     groups=(Group("ingest", {
         INTAKE: {**bank_catalog.ROUTES, ev.BankDeleted: handlers.on_bank_deleted,
-                 ev.RetainRequested: handlers.on_retain_requested,
+                 ev.RetainRequested: handlers.on_operation_requested,
                  ev.DocumentDeleteRequested: handlers.on_deletion_requested,
                  ev.MemoryDeleteRequested: handlers.on_deletion_requested,
                  ev.ConsolidationRequested: handlers.on_operation_requested,
