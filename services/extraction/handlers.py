@@ -436,10 +436,11 @@ def extract(m: ev.RetainRequested, source_id: str, extractor, embedder: Embedder
                                                    reason=r.reason or "rejected")
                                     for i, r in rejected.items())],
                       key=lambda f: f.item_index)
-    # every document the retain carries is replaced, also one whose items were all
-    # cancelled: ingest destroyed the keys of its earlier version when it accepted the
-    # retain, so those facts are erased on the log, and a replay would not have them
-    docs = sorted({it.document_id for it in items if it.document_id})
+    # a document replaces its old facts only when the retain reached it: one whose items
+    # were all cancelled keeps what it had
+    skipped = {f.item_index for f in failures if f.reason == CANCELLED}
+    docs = sorted({it.document_id for i, it in zip(keep, items)
+                   if it.document_id and i not in skipped})
     failed = {f.item_index for f in failures}
     no_facts = set(no_fact_items) - failed
     telemetry.count_retain_documents(len(m.items) - len(failed) - len(no_facts), len(no_facts),

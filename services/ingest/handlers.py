@@ -25,7 +25,7 @@ from mneme.deadline import current as current_deadline
 from mneme.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,
                           InvalidArgument, NotFound, Unavailable)
 from mneme.events.v1 import events_pb2 as ev
-from mneme.keys import Keyring, document_scope, fact_key_id, retain_generation
+from mneme.keys import Keyring, document_scope, fact_key_id
 from mneme.locks import KeyedLocks
 from mneme.names import check_bank_id, check_uuid
 from mneme.slots import WaitSlots
@@ -387,13 +387,11 @@ class Ingest:
     def _append(self, msg, bank_id: str) -> Record:
         return self.log.append([codec.encode(msg, bank_id=bank_id, source=self.source)])[0]
 
-    def _destroy_and_append(self, msg, bank_id: str, destroy: Callable | None,
-                            out: OutRecord | None = None) -> Record:
+    def _destroy_and_append(self, msg, bank_id: str, destroy: Callable | None) -> Record:
         """A deletion: ``destroy(pending)`` destroys its keys (a Keyring call) with the
         request kept in the key store, then the request is appended and the kept copy
-        cleared. ``destroy`` None (no keys to destroy): only the append. ``out``: the
-        record of ``msg`` to keep and append (default: encoded here)."""
-        out = out or codec.encode(msg, bank_id=bank_id, source=self.source)
+        cleared. ``destroy`` None (no keys to destroy): only the append."""
+        out = codec.encode(msg, bank_id=bank_id, source=self.source)
         if self.keys is None or destroy is None:
             return self.log.append([out])[0]
         op_id = msg.operation_id
@@ -443,33 +441,13 @@ class Ingest:
                     continue  # completed meanwhile by another call
                 out = _unpack(p.request)
                 rec = self.log.append([out])[0]
-                kind = codec.decode(out).type
-                if kind == codec.event_type(ev.BankDeleted):
+                if codec.decode(out).type == codec.event_type(ev.BankDeleted):
                     self._deleting[p.bank_id] = rec
-                elif kind == codec.event_type(ev.RetainRequested):
-                    self._note_appended(rec)
-                log.info("bank %s: %s %s completed (its keys were destroyed, its request "
-                         "had not reached the event log)", p.bank_id,
-                         "retain" if kind.endswith("RetainRequested") else "deletion",
-                         p.operation_id)
+                log.info("bank %s: deletion %s completed (its keys were destroyed, its "
+                         "request had not reached the event log)", p.bank_id, p.operation_id)
                 self._cleared(p.bank_id, p.operation_id)
                 done += 1
         return done
-
-    def _note_appended(self, rec: Record) -> None:
-        """Remember a replacing retain :meth:`complete_deletions` appended, as
-        :meth:`_append_once` remembers its own, so a retry of it (same request_id)
-        arriving before the catalog shows it is answered from it, not appended again.
-        Read back opened, to compare the retry's items with; not remembered when that
-        fails (a retry then appends a repeat, handled as the same replacement)."""
-        try:
-            msg = codec.decode(self.log.read(rec.topic, rec.partition, rec.offset, 1)[0]).message
-        except Exception:  # noqa: BLE001 - see above
-            log.warning("the completed retain at %s/%s/%s could not be read back", rec.topic,
-                        rec.partition, rec.offset, exc_info=True)
-            return
-        with self._appended_lock:
-            self._appended[msg.operation_id] = (len(msg.items), _request_digest(msg))
 
     def _wait(self, done: Callable[[], bool], timeout: float, what: str,
               poll: float | None = None) -> None:
@@ -709,49 +687,10 @@ class Ingest:
         op_id = derive_id("retain", *scope, request_id) if request_id else str(uuid.uuid4())
         msg = _retain_requested(op_id, bank_id, items, bad, observation_scopes)
         if not request_id:
-            return op_id, self._append_retain(msg, bank), len(items)
+            return op_id, self._append(msg, bank_id), len(items)
         # the wait for the operation is outside _append_once's lock
-        return (op_id, *self._append_once(op_id, len(items),
-                                          lambda: self._append_retain(msg, bank),
+        return (op_id, *self._append_once(op_id, len(items), lambda: self._append(msg, bank_id),
                                           request=msg))
-
-    def _append_retain(self, msg: ev.RetainRequested, bank: Bank) -> Record:
-        """Append a retain. A retain replaces the documents it carries, so it also erases
-        their earlier versions from the log: each document's items are sealed under a
-        generation key of this operation (:func:`mneme.keys.retain_generation`), and the
-        keys the document had before it (earlier generations, their facts' own keys) are
-        destroyed *before* the append, with the request kept in the key store (sealed:
-        it keeps no plaintext) until it is on the log -- DeleteDocument's
-        :meth:`_destroy_and_append`, so a crash between the two leaves the new version
-        for :meth:`complete_deletions` to append, readable under its live key. A repeat
-        of the operation (same request_id) names the same key and destroys only the
-        keys made before it, never the ones its own first copy made. A document new to
-        the bank destroys nothing: one key-store read, and its key made as before."""
-        bank_id = msg.bank_id
-        docs = list(dict.fromkeys(i.document_id for i in msg.items if i.document_id))
-        if self.keys is None or not docs:
-            return self._append(msg, bank_id)
-        gens = {d: retain_generation(document_scope(d), msg.operation_id) for d in docs}
-        with contextlib.ExitStack() as held:
-            # one rotation of a document at a time here, and not beside its DeleteDocument
-            for d in sorted(docs):  # one order: two retains of the same documents never deadlock
-                held.enter_context(self._id_locks.hold(f"document:{bank_id}/{d}"))
-            older = self.keys.live_before(
-                bank_id, [(document_scope(d), g) for d, g in gens.items()])
-            if bank.config.erasure != "none":  # (a plaintext bank makes no keys)
-                for item in msg.items:
-                    if item.document_id and not item.seal.keys:
-                        item.seal.keys.append(gens[item.document_id])
-                # made before the destruction: the kept request must open after a crash
-                self.keys.ensure_many(bank_id, [(g, document_scope(d)) for d, g in gens.items()])
-            gone = [k for ids in older.values() for k in ids]
-            if not gone:
-                return self._append(msg, bank_id)
-            out = codec.encode(msg, bank_id=bank_id, source=self.source)
-            seal = getattr(self.log, "seal", None)
-            return self._destroy_and_append(
-                msg, bank_id, functools.partial(self.keys.destroy, bank_id, gone),
-                out=seal([out])[0] if seal is not None else out)
 
     def _append_once(self, op_id: str, total: int, append: Callable[[], Record],
                      request: ev.RetainRequested | None = None) -> tuple[Record | None, int]:
@@ -809,7 +748,7 @@ class Ingest:
         if not document_id:
             raise InvalidArgument("document_id", "required")
         op_id = str(uuid.uuid4())
-        with self._writing(bank_id), self._id_locks.hold(f"document:{bank_id}/{document_id}"):
+        with self._writing(bank_id):
             self.require_bank(bank_id, fresh=False)
             rec = self._destroy_and_append(
                 ev.DocumentDeleteRequested(bank_id=bank_id, operation_id=op_id,

@@ -492,12 +492,6 @@ class SealedLog:
         """Append the records sealed: the records as stored (sealed values)."""
         return self.inner.append([self.sealer.seal(r) for r in records])
 
-    def seal(self, records: Iterable[OutRecord]) -> list[OutRecord]:
-        """The records as :meth:`append` stores them (sealed), for a copy kept elsewhere
-        before the append (a replacing retain's request in the key store); appending
-        them later seals nothing again."""
-        return [self.sealer.seal(r) for r in records]
-
     def commit(self, group: str, offsets: dict[tuple[str, int], int],
                produce: Sequence[OutRecord] = ()) -> list[Record]:
         """``inner.commit`` with ``produce`` sealed."""
