@@ -446,13 +446,16 @@ class ObservationStore(Protocol):
 
     def decision(self, cause: str) -> "list | None":
         """The outputs :meth:`record_decision` kept for the event id ``cause`` (messages,
-        in order), or None: not decided here, or too long ago to be kept."""
+        in order); [] when it was decided here but its outputs are no longer kept (too
+        long ago, or the bank forgot facts since): it was handled and its outputs are on
+        the log, so it must not be decided again; None: not decided here."""
 
     def record_decision(self, bank_id: str, cause: str, outputs: Sequence) -> None:
         """Keep the outputs (``mneme.events.v1`` messages) that the event ``cause`` of
         ``bank_id`` decided, with its writes (inside its :meth:`transaction`), until its
-        outputs are surely on the log: the latest 10,000 events are kept; a bank's are
-        forgotten when it forgets facts (they may quote them)."""
+        outputs are surely on the log: the latest 10,000 events' outputs are kept; a
+        bank's are forgotten when it forgets facts (they may quote them); the causes
+        stay (:meth:`decision` answers [] for them) until the bank is deleted."""
 
     def apply(self, m: "ev.ObservationsChanged") -> None:
         """Apply one ObservationsChanged atomically: store each observation state whose

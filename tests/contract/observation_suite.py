@@ -300,14 +300,26 @@ class ObservationStoreSuite:
         assert store.decision("e2") == []
 
     def test_forgetting_facts_forgets_the_banks_decisions(self, store):
-        """Recorded decisions may quote facts: a bank that forgets facts, or is deleted,
-        keeps none of its decisions (another bank's stay)."""
+        """Recorded decisions may quote facts: a bank that forgets facts keeps none of
+        its decisions' outputs (another bank's stay), but that its events were decided
+        (their outputs are on the log: a group reset must not decide them again against
+        a later state); a deleted bank keeps nothing."""
         store.add_facts("a", [(fact("f1"), [[]])])
         store.record_decision("a", "e1", [changed(observations=[obs("o1", 1)])])
         store.record_decision("b", "e2", [changed(bank="b")])
         store.delete_facts("a", ["unknown"])
-        assert store.decision("e1") is not None
+        assert store.decision("e1")
         store.delete_facts("a", ["f1"])
-        assert store.decision("e1") is None and store.decision("e2") is not None
+        assert store.decision("e1") == [] and store.decision("e2")
         store.delete_bank("b")
         assert store.decision("e2") is None
+
+    def test_decisions_beyond_the_kept_ones_stay_decided(self, store, monkeypatch):
+        """Only the latest DECISIONS_KEPT events keep their outputs; an older one is still
+        known as decided (none again), however far a consumer group is reset."""
+        from mneme.stores import observations_sqlite
+        monkeypatch.setattr(observations_sqlite, "DECISIONS_KEPT", 2)
+        for n in range(4):
+            store.record_decision("a", f"e{n}", [changed(observations=[obs(f"o{n}", 1)])])
+        assert [store.decision(f"e{n}") == [] for n in range(4)] == [True, True, False, False]
+        assert store.decision("never") is None

@@ -140,23 +140,12 @@ def test_groups_reset_to_earliest_handle_everything_again_without_duplicates(
         after = _snapshot(cluster.address["search"])
         for bank in BANKS:
             for part in before[bank]:
-                if part != "observations":  # (below)
-                    assert after[bank][part] == before[bank][part], (bank, part)
+                assert after[bank][part] == before[bank][part], (bank, part)
         assert _operations(cluster.address["ingest"]) == ops_before
         with MnemeClient(cluster.address["ingest"], timeout=60) as m:
             assert sorted(b.name for b in m.list_banks()) == [f"banks/{b}" for b in BANKS]
         # the deleted bank's records, unreadable now, are not dead letters
         assert sum(log.end_offset(DLQ, p) for p in range(log.partitions(DLQ))) == dead
-        if any(after[b]["observations"] != before[b]["observations"] for b in BANKS):
-            # Known, not fixed: consolidation forgets a bank's kept decisions when the bank
-            # forgets facts (they may quote them), so an event of a bank that forgot facts
-            # since (here: the replaced document) is decided again against the later state
-            # and its decision goes to the log's tail. Keeping the events' ids as handled
-            # instead lost outputs when a consolidation replica was killed mid-batch
-            # (tests/integration/test_replicas.py); the fix is to forget only the outputs
-            # that cite the forgotten facts.
-            pytest.xfail("a consumer-group reset decides again the consolidation events "
-                         "of a bank that forgot facts since")
     finally:
         log.close()
         cluster.stop()

@@ -251,8 +251,9 @@ class MemoryObservationStore:
         self._obs: dict[str, dict[str, tuple]] = {}
         # bank → opinion id → (version, deleted, entity ids, bytes)
         self._opinions: dict[str, dict[str, tuple]] = {}
-        # cause → (bank, [(message class, bytes)]), oldest first
-        self._decisions: dict[str, tuple[str, list]] = {}
+        # "outputs": cause → (bank, [(message class, bytes)]), oldest first; "handled":
+        # cause → bank of every event decided (its outputs may be forgotten)
+        self._decisions: dict[str, dict] = {"outputs": {}, "handled": {}}
         self._changes = Revisions()  # of each bank's observations
         self._depth = 0
 
@@ -288,22 +289,31 @@ class MemoryObservationStore:
     def decision(self, cause: str) -> list | None:
         """See :meth:`mneme.ports.ObservationStore.decision`."""
         with self._lock:
-            got = self._decisions.get(cause)
-        return None if got is None else [cls.FromString(b) for cls, b in got[1]]
+            got = self._decisions["outputs"].get(cause)
+            if got is None:
+                return [] if cause in self._decisions["handled"] else None
+        return [cls.FromString(b) for cls, b in got[1]]
 
     def record_decision(self, bank_id: str, cause: str, outputs: Sequence) -> None:
         """See :meth:`mneme.ports.ObservationStore.record_decision`."""
         from mneme.stores.observations_sqlite import DECISIONS_KEPT
         with self._lock:
-            self._decisions.pop(cause, None)
-            self._decisions[cause] = (bank_id, [(type(m), m.SerializeToString(deterministic=True))
-                                                for m in outputs])
-            while len(self._decisions) > DECISIONS_KEPT:
-                del self._decisions[next(iter(self._decisions))]
+            kept = self._decisions["outputs"]
+            kept.pop(cause, None)
+            kept[cause] = (bank_id, [(type(m), m.SerializeToString(deterministic=True))
+                                     for m in outputs])
+            self._decisions["handled"][cause] = bank_id
+            while len(kept) > DECISIONS_KEPT:
+                del kept[next(iter(kept))]
 
-    def _forget_decisions(self, bank_id: str) -> None:
-        for k in [k for k, v in self._decisions.items() if v[0] == bank_id]:
-            del self._decisions[k]
+    def _forget_decisions(self, bank_id: str, causes: bool = False) -> None:
+        """Drop the bank's kept outputs (they may quote its facts); with ``causes``, also
+        that its events were handled (the bank is deleted)."""
+        for d in (self._decisions["outputs"], *((self._decisions["handled"],) if causes
+                                                  else ())):
+            for k in [k for k, v in d.items() if (v[0] if isinstance(v, tuple) else v)
+                      == bank_id]:
+                del d[k]
 
     def flush(self) -> None:
         """Nothing to make durable (memory)."""
@@ -316,7 +326,7 @@ class MemoryObservationStore:
             self._facts.clear()
             self._obs.clear()
             self._opinions.clear()
-            self._decisions.clear()
+            self._decisions = {"outputs": {}, "handled": {}}
             self._changes.reset()
 
     # ---- facts ----
@@ -359,7 +369,7 @@ class MemoryObservationStore:
             self._facts.pop(bank_id, None)
             self._obs.pop(bank_id, None)
             self._opinions.pop(bank_id, None)
-            self._forget_decisions(bank_id)
+            self._forget_decisions(bank_id, causes=True)
             self._changes.bump(bank_id)
 
     def _mark(self, bank_id: str, ids: Iterable[str], consolidated: bool) -> None:

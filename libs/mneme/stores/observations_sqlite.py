@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS opinion_entities (
   bank_id TEXT NOT NULL, entity_id TEXT NOT NULL, opinion_id TEXT NOT NULL,
   PRIMARY KEY (bank_id, entity_id, opinion_id));
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
--- the outputs of the latest events decided (see record_decision), by causing event id
+-- the outputs of the latest events decided (see record_decision), by causing event id;
+-- older events' causes with no outputs (types '[]'): handled, not to be decided again
 CREATE TABLE IF NOT EXISTS decisions (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, bank_id TEXT NOT NULL, cause TEXT NOT NULL UNIQUE,
   types TEXT NOT NULL, data BLOB NOT NULL);
@@ -129,8 +130,10 @@ class SqliteObservationStore:
                 sqlite_erase.truncate_wal(self._db)
 
     def decision(self, cause: str) -> list[Message] | None:
-        """The outputs recorded for the event ``cause`` (:meth:`record_decision`), or None
-        when it was not decided here (or long ago)."""
+        """The outputs recorded for the event ``cause`` (:meth:`record_decision`): [] once
+        they were forgotten (beyond the latest :data:`DECISIONS_KEPT`, or when the bank
+        forgot facts since: they were on the log before the next event was handled), None
+        when it was not decided here."""
         with self._lock:
             row = self._db.execute("SELECT types, data FROM decisions WHERE cause=?",
                                    (cause,)).fetchone()
@@ -145,16 +148,19 @@ class SqliteObservationStore:
 
     def record_decision(self, bank_id: str, cause: str, outputs: Sequence[Message]) -> None:
         """Keep the outputs (``mneme.events.v1`` messages) the event ``cause`` of
-        ``bank_id`` decided, in the transaction that holds its writes; the oldest beyond
-        :data:`DECISIONS_KEPT` are dropped, and a bank's are dropped when it forgets facts
-        (they may quote them)."""
+        ``bank_id`` decided, in the transaction that holds its writes; the outputs of the
+        oldest beyond :data:`DECISIONS_KEPT` are dropped, and a bank's when it forgets
+        facts (they may quote them), but not their causes (see :meth:`decision`)."""
         blobs = [m.SerializeToString(deterministic=True) for m in outputs]
         with self.transaction():
             cur = self._db.execute(
                 "INSERT OR REPLACE INTO decisions (bank_id, cause, types, data) VALUES (?,?,?,?)",
                 (bank_id, cause, json.dumps([type(m).DESCRIPTOR.name for m in outputs]),
                  b"".join(len(b).to_bytes(4, "big") + b for b in blobs)))
-            self._db.execute("DELETE FROM decisions WHERE seq <= ?",
+            # beyond the latest DECISIONS_KEPT only the cause stays (the event was
+            # handled: its outputs are on the log), so that a group reset to earlier
+            # offsets does not decide it again against a later state
+            self._db.execute("UPDATE decisions SET types='[]', data=x'' WHERE seq = ?",
                              (cur.lastrowid - DECISIONS_KEPT,))
 
     def revision(self, bank_id: str) -> tuple[int, int, int]:
@@ -243,8 +249,9 @@ class SqliteObservationStore:
             with self.transaction():
                 self._db.executemany("DELETE FROM facts WHERE bank_id=? AND id=?",
                                      [(bank_id, i) for i in ids])
-                if self._db.total_changes != before:
-                    self._db.execute("DELETE FROM decisions WHERE bank_id=?", (bank_id,))
+                if self._db.total_changes != before:  # the outputs may quote the facts
+                    self._db.execute("UPDATE decisions SET types='[]', data=x'' "
+                                     "WHERE bank_id=?", (bank_id,))
                     self._erase = True
 
     def delete_bank(self, bank_id: str) -> None:
