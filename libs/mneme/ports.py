@@ -447,8 +447,12 @@ class ObservationStore(Protocol):
     def decision(self, cause: str) -> "list | None":
         """The outputs :meth:`record_decision` kept for the event id ``cause`` (messages,
         in order); [] when it was decided here but its outputs are no longer kept (too
-        long ago, or the bank forgot facts since): it was handled and its outputs are on
-        the log, so it must not be decided again; None: not decided here."""
+        long ago, or the bank forgot facts since): it was handled, so it must not be
+        decided again; None: not decided here. Its outputs are then on the log except in
+        one case: a later event of the same consumer batch forgot facts and the batch's
+        outputs were never appended (a crash or failed append before the batch's commit),
+        which loses the earlier events' outputs (a known gap; forgetting only the outputs
+        that cite the forgotten facts would close it)."""
 
     def record_decision(self, bank_id: str, cause: str, outputs: Sequence) -> None:
         """Keep the outputs (``mneme.events.v1`` messages) that the event ``cause`` of

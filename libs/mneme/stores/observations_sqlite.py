@@ -132,8 +132,8 @@ class SqliteObservationStore:
     def decision(self, cause: str) -> list[Message] | None:
         """The outputs recorded for the event ``cause`` (:meth:`record_decision`): [] once
         they were forgotten (beyond the latest :data:`DECISIONS_KEPT`, or when the bank
-        forgot facts since: they were on the log before the next event was handled), None
-        when it was not decided here."""
+        forgot facts since), None when it was not decided here (see the port for the one
+        case in which forgotten outputs were not on the log)."""
         with self._lock:
             row = self._db.execute("SELECT types, data FROM decisions WHERE cause=?",
                                    (cause,)).fetchone()
