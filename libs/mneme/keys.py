@@ -11,9 +11,7 @@ Hierarchy (envelope encryption, as in NIST SP 800-57 and every cloud KMS)::
 Key ids (strings, in the clear on the log) and their *scope* -- what a deletion destroys:
 
 * ``d:<document_id>#<gen>``: retained items of a document; scope ``d:<document_id>``.
-  Every retain of the document seals its items under a generation of its own
-  (:func:`retain_generation`), and one that replaces the document destroys the keys of
-  the earlier generations and their facts first (ingest), as a deletion does.
+  A document deleted and then retained again gets a new generation.
 * ``r:<operation_id>#<gen>``: items retained without a document; scope ``r:<operation_id>``.
 * ``f:<fact_id>``: one fact's own key (deterministic, so a redelivered extraction reuses
   it); scope = its item key's scope, so deleting the document destroys it too, and
@@ -71,16 +69,6 @@ def document_scope(document_id: str) -> str:
 def retain_scope(operation_id: str) -> str:
     """The scope of the item keys of a retain's items that have no document."""
     return f"r:{operation_id}"
-
-
-def retain_generation(scope: str, operation_id: str) -> str:
-    """The generation key id (``<scope>#<gen>``) a retain (operation ``operation_id``)
-    seals its items of ``scope`` (a document's) with: derived from the operation, so a
-    repeat of the same retain (a retry with its request_id, a second append) names the
-    same key and can tell the keys it made itself from the replaced version's
-    (:meth:`Keyring.live_before`)."""
-    gen = hashlib.sha256(f"{scope}\0{operation_id}".encode()).hexdigest()[:16]
-    return f"{scope}#{gen}"
 
 
 def fact_key_id(fact_id: str) -> str:
@@ -370,13 +358,6 @@ class Keyring:
             self._add(bank_id, key_id, scope)
             return key_id
 
-    def live_before(self, bank_id: str, wanted: Sequence[tuple[str, str]]
-                    ) -> dict[str, list[str]]:
-        """For each (scope, key id): the live keys of the scope made before that key
-        (all of them when it is unknown, none when it is destroyed), in one store read:
-        key id → ids (:meth:`mneme.ports.KeyStore.live_before`)."""
-        return self.store.live_before(bank_id, list(wanted))
-
     def bank_content_key(self, bank_id: str) -> str:
         """The id of the key of the bank's content that has no finer owner
         (``bank#<gen>``, scope ``bank``), made at its first use after the bank was
@@ -502,4 +483,4 @@ class Keyring:
 
 __all__ = ["CACHE_KEYS", "KEY_BYTES", "Keyring", "LocalKms", "MASTER_KEY_ENV",
            "PendingDeletion", "REPLAY_CACHE_KEYS", "StoredKey", "combine", "document_scope", "fact_key_id",
-           "local_kms", "retain_generation", "retain_scope", "scope_of"]
+           "local_kms", "retain_scope", "scope_of"]

@@ -709,15 +709,6 @@ class KeyStore(Protocol):
         """The id of the newest live generation key of ``scope`` (``<scope>#<gen>``;
         not the other keys in the scope, such as a fact's own), or None."""
 
-    def live_before(self, bank_id: str, wanted: Sequence[tuple[str, str]]
-                    ) -> dict[str, list[str]]:
-        """For each (scope, key id) of ``wanted``: the live keys of ``scope`` made before
-        that key (generations and facts' own keys alike), in the order they were made;
-        every live key of the scope when the key is unknown, none when it is destroyed.
-        What a retain that replaces a document destroys (its generation key is made
-        first, and the keys made after it are its own content's). One read (a shared
-        store catches up once): key id → ids."""
-
     def destroy_scope(self, bank_id: str, scope: str,
                       pending: PendingDeletion | None = None) -> list[str]:
         """Tombstone every live key of ``scope``: the ids destroyed. With ``pending``,

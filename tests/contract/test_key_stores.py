@@ -227,35 +227,6 @@ def test_destroy_scope_and_destroy_bank(backend):
         r.close()
 
 
-def test_live_before_names_the_keys_a_replacing_retain_destroys(backend):
-    """What a retain replacing document x destroys: the scope's live keys made before
-    its own generation key (its first copy's facts' keys, made after it, stay); all of
-    them while its key is not made yet; none once its key is destroyed (a later
-    replacement or deletion came: its repeat must destroy nothing newer)."""
-    s = backend.open()
-    s.add_bank_key("b", W1)
-    for k in ("d:x#1", "f:1", "d:y#1"):
-        s.add("b", k, k.split("#")[0] if k.startswith("d:") else "d:x", W1)
-    s.destroy("b", ["f:1"])
-    s.add("b", "f:2", "d:x", W1)
-    assert s.live_before("b", [("d:x", "d:x#op")]) == {"d:x#op": ["d:x#1", "f:2"]}
-    s.add("b", "d:x#op", "d:x", W1)
-    s.add("b", "f:3", "d:x", W1)  # the new version's fact
-    assert s.live_before("b", [("d:x", "d:x#op"), ("d:y", "d:y#op")]) == {
-        "d:x#op": ["d:x#1", "f:2"], "d:y#op": ["d:y#1"]}
-    s.destroy("b", ["d:x#1", "f:2"])
-    assert s.live_before("b", [("d:x", "d:x#op")]) == {"d:x#op": []}
-    s.add("b", "d:x#later", "d:x", W1)
-    s.destroy("b", ["d:x#op", "f:3"])
-    assert s.live_before("b", [("d:x", "d:x#op")]) == {"d:x#op": []}
-    assert s.live_before("b", [("d:x", "d:x#new")]) == {"d:x#new": ["d:x#later"]}
-    s.close()
-    if backend.shared:
-        r = backend.open()
-        assert r.live_before("b", [("d:x", "d:x#new")]) == {"d:x#new": ["d:x#later"]}
-        r.close()
-
-
 def test_listeners_hear_of_destructions(backend):
     s = backend.open()
     heard: list = []

@@ -402,25 +402,6 @@ class KafkaKeyStore:
                     return key_id
         return None
 
-    def live_before(self, bank_id: str, wanted: Sequence[tuple[str, str]]
-                    ) -> dict[str, list[str]]:
-        """As the port says; made before = earlier in partition order (a scope's live
-        ids are kept in that order)."""
-        self.catch_up()
-        out: dict[str, list[str]] = {}
-        with self._view:
-            bank = self._banks.get(bank_id)
-            for scope, key_id in wanted:
-                live = list(bank.scopes.get(scope, {})) if bank is not None else []
-                row = bank.keys.get(key_id) if bank is not None else None
-                if row is None:
-                    out[key_id] = live
-                elif row.wrapped is None or key_id not in live:
-                    out[key_id] = []
-                else:
-                    out[key_id] = live[:live.index(key_id)]
-        return out
-
     def destroy_scope(self, bank_id: str, scope: str,
                       pending: PendingDeletion | None = None) -> list[str]:
         self.catch_up()

@@ -124,24 +124,6 @@ class SqliteKeyStore:
                                    (bank_id, scope, len(scope) + 1, scope + "#")).fetchone()
         return row[0] if row else None
 
-    def live_before(self, bank_id: str, wanted: Sequence[tuple[str, str]]
-                    ) -> dict[str, list[str]]:
-        # made before: a smaller rowid (rows are only ever added at the end: SQLite gives
-        # a new row the largest rowid + 1, and this file is never vacuumed)
-        out: dict[str, list[str]] = {}
-        with self._lock:
-            for scope, key_id in wanted:
-                row = self._db.execute("SELECT rowid, wrapped FROM data_keys WHERE bank_id=? "
-                                       "AND key_id=?", (bank_id, key_id)).fetchone()
-                if row is not None and row[1] is None:
-                    out[key_id] = []
-                    continue
-                out[key_id] = [r[0] for r in self._db.execute(
-                    "SELECT key_id FROM data_keys WHERE bank_id=? AND scope=? AND wrapped IS "
-                    "NOT NULL AND rowid < ? ORDER BY rowid",
-                    (bank_id, scope, row[0] if row is not None else 2 ** 63 - 1))]
-        return out
-
     @contextlib.contextmanager
     def _transaction(self):
         """One explicit transaction (lock held by the caller): committed when the block
