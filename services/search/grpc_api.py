@@ -63,19 +63,16 @@ def outcome_to_api(o: RecallOutcome) -> recall_pb2.RecallResponse:
 
 def include_budgets(request) -> dict:
     """RecallRequest.include → RecallQuery's ``include_entities`` / ``include_documents``
-    (None when not set, 0 read as the default). InvalidArgument naming the field for a
-    negative or too large budget."""
+    (None when not set, 0 read as the default); recall's ``validate`` refuses a negative
+    or too large budget, naming the field."""
     out = {}
-    fields = (("entities", "include_entities", include.ENTITY_TOKENS, include.MAX_ENTITY_TOKENS),
-              ("documents", "include_documents", include.DOCUMENT_TOKENS,
-               include.MAX_DOCUMENT_TOKENS))
+    fields = (("entities", "include_entities", include.ENTITY_TOKENS),
+              ("documents", "include_documents", include.DOCUMENT_TOKENS))
     if not request.HasField("include"):
         return out
-    for name, key, default, maximum in fields:
+    for name, key, default in fields:
         if request.include.HasField(name):
-            value = getattr(request.include, name).max_tokens
-            include.check_budget(value, f"include.{name}.max_tokens", maximum)
-            out[key] = value or default
+            out[key] = getattr(request.include, name).max_tokens or default
     return out
 
 
